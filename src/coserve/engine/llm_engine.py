@@ -1,0 +1,294 @@
+"""The engine loop: requests in, one batched forward pass per step, tokens out."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from coserve.engine.block_manager import BlockManager
+from coserve.engine.config import EngineConfig
+from coserve.engine.lora_manager import LoRAManager
+from coserve.engine.model_runner import BatchRow, ModelRunner
+from coserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from coserve.engine.sampling_params import SampledToken, SamplingParams
+from coserve.engine.scheduler import Scheduler, SchedulerOutput
+from coserve.engine.sequence import LoRARequest, Sequence
+from coserve.layers.sampler import Sampler
+from coserve.models.loader import ModelSource, load_model
+from coserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses; the message says what is wrong. The engine keeps running."""
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one step did and how long it took (for metrics and the latency model)."""
+
+    duration_s: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_preempted: int
+    mode: str = "eager"
+
+
+class LLMEngine:
+    """``add_request`` / ``abort_request`` / ``step``: the built-in host's core.
+
+    Not thread-safe: one thread drives it.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        source = ModelSource.resolve(config.model)
+        torch.manual_seed(config.seed)
+        self.model = load_model(
+            source.path if not source.is_preset else config.model,
+            load_format=config.load_format,
+            dtype=config.dtype,
+            device=config.torch_device,
+            num_lora_slots=config.num_lora_slots,
+            max_lora_rank=config.max_lora_rank,
+            seed=config.seed,
+        )
+        self.model_config = self.model.config
+        self.tokenizer: Tokenizer | None = None if config.skip_tokenizer_init else Tokenizer.from_dir(source.path)
+        self.max_model_len = min(
+            config.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+        )
+        self.lora_manager = LoRAManager(self.model, config.max_loras, config.num_training_slots)
+        self.runner = ModelRunner(config, self.model, self.lora_manager.scales)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            acquire_adapter=self._acquire_adapter,
+            release_adapter=self._release_adapter,
+        )
+        self.sampler = Sampler(seed=config.seed)
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None:
+            eos |= set(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = frozenset(eos)
+        self._requests: dict[str, Sequence] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.last_step: StepStats | None = None
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Seq[int],
+        params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. Raises :class:`InvalidRequestError` (or AdapterError) on bad input."""
+        params = params or SamplingParams()
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        text: str | None = None
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this engine has no tokenizer: pass token ids, not text")
+            text = prompt
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
+                raise InvalidRequestError("prompt token ids must be integers")
+            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"prompt token id {bad[0]} is outside the vocabulary [0, {self.model_config.vocab_size})"
+                )
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens; the model's context is {self.max_model_len} tokens "
+                "and at least one must be left for the output"
+            )
+        if self.block_manager.blocks_for_tokens(len(ids) + 1) > self.block_manager.num_blocks:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens, more than the whole KV cache holds "
+                f"({self.block_manager.num_blocks * self.config.block_size} tokens)"
+            )
+        if lora_request is not None:
+            self.lora_manager.register(lora_request.name, lora_request.path)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            sampling_params=params,
+            prompt=text,
+            lora=lora_request,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            generator=generator,
+        )
+        self._requests[request_id] = seq
+        if self.tokenizer is not None:
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks; returns its final output (None if unknown)."""
+        seq = self._requests.get(request_id)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq)
+        seq.finish_reason = "abort"
+        seq.finish_time = time.monotonic()
+        return self._finalize(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule and run one forward pass; returns the outputs of requests that got a token."""
+        start = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        rows = self.build_rows(sched)
+        logits = self.runner.execute(rows)
+        return self.finish_step(sched, logits, start)
+
+    def build_rows(self, sched: SchedulerOutput) -> list[BatchRow]:
+        rows = []
+        for chunk in sched.prefills:
+            seq = chunk.seq
+            ctx = chunk.context_len
+            rows.append(BatchRow(seq.token_slice(ctx, ctx + chunk.num_tokens), ctx, seq.block_table,
+                                 seq.lora_slot, samples=chunk.samples))
+        for chunk in sched.decodes:
+            seq = chunk.seq
+            ctx = chunk.context_len
+            rows.append(BatchRow([seq.token_at(ctx)], ctx, seq.block_table, seq.lora_slot,
+                                 samples=True, is_prefill=False))
+        return rows
+
+    def finish_step(self, sched: SchedulerOutput, logits: torch.Tensor, start: float) -> list[RequestOutput]:
+        chunks = sched.chunks
+        sampling = [c.seq for c in chunks if c.samples]
+        tokens = self.sampler(
+            logits,
+            [s.sampling_params for s in sampling],
+            [s.generator for s in sampling],
+            [s.num_output_tokens for s in sampling],
+            self.eos_token_ids,
+        )
+        for c in chunks:
+            c.seq.num_computed_tokens += c.num_tokens
+        now = time.monotonic()
+        outputs = []
+        for seq, tok in zip(sampling, tokens, strict=True):
+            self._append_token(seq, tok, now)
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+                seq.finish_time = now
+                outputs.append(self._finalize(seq))
+            else:
+                outputs.append(self._output(seq))
+        self.last_step = StepStats(
+            duration_s=time.perf_counter() - start,
+            num_prefill_tokens=sum(c.num_tokens for c in sched.prefills),
+            num_decode_tokens=len(sched.decodes),
+            num_preempted=len(sched.preempted),
+        )
+        return outputs
+
+    def _append_token(self, seq: Sequence, tok: SampledToken, now: float) -> None:
+        params = seq.sampling_params
+        seq.output_token_ids.append(tok.token_id)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if params.logprobs is not None and tok.logprob is not None:
+            seq.logprobs.append({tok.token_id: tok.logprob, **tok.top_logprobs})
+            seq.cumulative_logprob += tok.logprob
+        detok = self._detok.get(seq.request_id)
+        if detok is not None:
+            seq.output_text += detok.add(tok.token_id)
+        n_out = seq.num_output_tokens
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and tok.token_id in self.eos_token_ids:
+                seq.finish_reason = "stop"
+                return
+            if tok.token_id in params.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", tok.token_id
+                return
+            if params.stop and self._check_stop_strings(seq):
+                return
+        if n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+
+    def _check_stop_strings(self, seq: Sequence) -> bool:
+        params = seq.sampling_params
+        text = seq.output_text
+        for stop in params.stop:
+            idx = text.find(stop)
+            if idx >= 0:
+                end = idx + len(stop) if params.include_stop_str_in_output else idx
+                seq.output_text = text[:end]
+                seq.finish_reason, seq.stop_reason = "stop", stop
+                return True
+        return False
+
+    def _acquire_adapter(self, seq: Sequence) -> bool:
+        if seq.lora is None:
+            seq.lora_slot = -1
+            return True
+        slot = self.lora_manager.acquire(seq.lora.name)
+        if slot is None:
+            return False
+        seq.lora_slot = slot
+        return True
+
+    def _release_adapter(self, seq: Sequence) -> None:
+        if seq.lora_slot >= 0:
+            self.lora_manager.release(seq.lora_slot)
+            seq.lora_slot = -1
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        params = seq.sampling_params
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    index=0,
+                    text=seq.output_text,
+                    token_ids=list(seq.output_token_ids),
+                    cumulative_logprob=seq.cumulative_logprob if params.logprobs is not None else None,
+                    logprobs=list(seq.logprobs) if params.logprobs is not None else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            ],
+            finished=seq.finish_reason is not None,
+            metrics=RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finish_time, seq.num_preemptions),
+        )
+
+    def _finalize(self, seq: Sequence) -> RequestOutput:
+        self._requests.pop(seq.request_id, None)
+        self._detok.pop(seq.request_id, None)
+        return self._output(seq)

@@ -1,0 +1,125 @@
+"""Runs one step: builds the flat varlen batch, runs the model, returns the sampling rows' logits."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from coserve.engine.config import EngineConfig
+from coserve.layers.attention import AttentionMetadata, get_attention_backend
+from coserve.layers.lora import LoRABatch, StackedLoRA
+from coserve.models.llama import ForwardContext, LayerHook, LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BatchRow:
+    """One row of a step: ``token_ids`` at positions ``context_len ...`` of its sequence.
+
+    ``writes_kv=False`` marks a fine-tuning row (no KV written, no cached prefix).
+    ``samples`` asks for the logits of the row's last token.
+    """
+
+    token_ids: list[int]
+    context_len: int
+    block_table: list[int]
+    lora_slot: int = -1
+    writes_kv: bool = True
+    samples: bool = False
+    is_prefill: bool = True
+
+
+@dataclass(frozen=True)
+class BatchInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attn: AttentionMetadata
+    lora: LoRABatch
+    logits_indices: torch.Tensor  # [n] flat index of each sampling row's last token
+
+
+class ModelRunner:
+    """Owns the model and the KV cache tensor ``[num_blocks, num_layers, 2, block_size, KVH, D]``."""
+
+    def __init__(self, config: EngineConfig, model: LlamaForCausalLM, lora_scales: torch.Tensor) -> None:
+        self.config = config
+        self.model = model
+        self.device = model.lm_head_weight.device
+        self.dtype = model.lm_head_weight.dtype
+        self.lora_scales = lora_scales
+        self.backend = get_attention_backend(config.attention_backend)
+        self.num_blocks = self._num_kv_blocks()
+        cfg = model.config
+        self.kv_cache = torch.zeros(
+            self.num_blocks, cfg.num_layers, 2, config.block_size, cfg.num_kv_heads, cfg.head_dim,
+            dtype=self.dtype, device=self.device,
+        )
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_blocks, config.block_size,
+                    self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
+
+    @property
+    def block_bytes(self) -> int:
+        cfg = self.model.config
+        return 2 * cfg.num_layers * self.config.block_size * cfg.kv_size * self.dtype.itemsize
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            # NOTE: leave room for activations of the largest step; measured peak would be better.
+            budget = free - (1 - self.config.gpu_memory_utilization) * total
+        else:
+            budget = self.config.cpu_kv_cache_gb * 2**30
+        n = int(budget // self.block_bytes)
+        if n < 2:
+            raise ValueError(
+                f"not enough memory for the KV cache: {budget / 2**20:.0f} MiB left, one block needs "
+                f"{self.block_bytes / 2**20:.2f} MiB"
+            )
+        return n
+
+    def prepare(self, rows: list[BatchRow]) -> BatchInputs:
+        ids: list[int] = []
+        pos: list[int] = []
+        logits_idx: list[int] = []
+        for row in rows:
+            ids.extend(row.token_ids)
+            pos.extend(range(row.context_len, row.context_len + len(row.token_ids)))
+            if row.samples:
+                logits_idx.append(len(ids) - 1)
+        num_prefill = sum(1 for r in rows if r.is_prefill)
+        attn = AttentionMetadata.build(
+            q_lens=[len(r.token_ids) for r in rows],
+            context_lens=[r.context_len for r in rows],
+            block_tables=[r.block_table for r in rows],
+            writes_kv=[r.writes_kv for r in rows],
+            num_prefill_rows=num_prefill,
+            block_size=self.config.block_size,
+            device=self.device,
+        )
+        lora = LoRABatch.from_rows([len(r.token_ids) for r in rows], [r.lora_slot for r in rows], self.device)
+        return BatchInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
+            positions=torch.tensor(pos, dtype=torch.long, device=self.device),
+            attn=attn,
+            lora=lora,
+            logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=self.device),
+        )
+
+    @torch.inference_mode()
+    def execute(self, rows: list[BatchRow], layer_hook: LayerHook | None = None) -> torch.Tensor:
+        """Run one step; returns fp32 logits ``[n_sampling_rows, V]`` in row order."""
+        inputs = self.prepare(rows)
+        ctx = ForwardContext(
+            attn=inputs.attn,
+            kv_cache=self.kv_cache,
+            lora=StackedLoRA(inputs.lora, self.lora_scales) if inputs.lora.active else None,
+            backend=self.backend,
+            layer_hook=layer_hook,
+        )
+        hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+        return self.model.compute_logits(hidden[inputs.logits_indices])

@@ -1,0 +1,181 @@
+"""Paged attention over one flat varlen batch.
+
+A batch is a list of rows; row ``r`` owns the query tokens ``[cu_seqlens_q[r], cu_seqlens_q[r+1])``
+of the flat batch, and ``context_lens[r]`` earlier tokens of that row already sit in the paged
+KV cache (blocks ``block_tables[r]``). Rows are ordered: prefill rows first (inference prefill
+chunks, then fine-tuning rows), decode rows last. A token with ``slot_mapping == -1`` writes no
+KV (fine-tuning rows: they attend causally within themselves and leave no trace in the cache).
+
+The KV cache of the whole model is ONE tensor ``[num_blocks, num_layers, 2, block_size, KVH, D]``
+so that a block is contiguous across all layers; each layer works on the view ``kv[:, layer]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Layout of one step's flat batch (see module docstring). Device tensors plus host copies."""
+
+    cu_seqlens_q: torch.Tensor  # [R+1] int32
+    context_lens: torch.Tensor  # [R] int32
+    block_tables: torch.Tensor  # [R, max_blocks] int32, -1 padded
+    slot_mapping: torch.Tensor  # [T] int64, -1 = no KV write
+    num_prefill_rows: int
+    num_prefill_tokens: int
+    q_lens: list[int]
+    context_lens_list: list[int]
+    block_tables_list: list[list[int]]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def num_decode_rows(self) -> int:
+        return self.num_rows - self.num_prefill_rows
+
+    @classmethod
+    def build(
+        cls,
+        q_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        writes_kv: list[bool],
+        num_prefill_rows: int,
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """Build from per-row host lists. ``writes_kv[r]`` False marks a fine-tuning row."""
+        cu = [0]
+        for n in q_lens:
+            cu.append(cu[-1] + n)
+        slots: list[int] = []
+        for n, ctx, table, writes in zip(q_lens, context_lens, block_tables, writes_kv, strict=True):
+            if not writes:
+                slots.extend([-1] * n)
+                continue
+            for pos in range(ctx, ctx + n):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        width = max((len(t) for t in block_tables), default=0) or 1
+        padded = [t + [-1] * (width - len(t)) for t in block_tables]
+        return cls(
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(padded), width),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            num_prefill_rows=num_prefill_rows,
+            num_prefill_tokens=cu[num_prefill_rows],
+            q_lens=list(q_lens),
+            context_lens_list=list(context_lens),
+            block_tables_list=[list(t) for t in block_tables],
+        )
+
+
+class AttentionBackend(Protocol):
+    """Computes attention for one layer and writes that layer's new KV entries.
+
+    May change: ``kv_layer`` at the positions named by ``meta.slot_mapping`` (and nothing else).
+    Must hold: the output of a row depends only on that row's tokens and its cached prefix.
+    """
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, KVH, D]
+        v: torch.Tensor,  # [T, KVH, D]
+        kv_layer: torch.Tensor | None,  # [N, 2, block_size, KVH, D] or None (no cache at all)
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:  # [T, H, D]
+        ...
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``kv_layer[slot // bs, 0|1, slot % bs] = k|v`` for every token whose slot is not -1."""
+    block_size = kv_layer.shape[2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    kv_layer[blocks, 0, offsets] = k[keep].to(kv_layer.dtype)
+    kv_layer[blocks, 1, offsets] = v[keep].to(kv_layer.dtype)
+
+
+class TorchAttention:
+    """Reference backend in plain torch: one SDPA call per row, any device."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor | None,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        if kv_layer is not None and meta.slot_mapping.numel():
+            write_kv(k, v, kv_layer, meta.slot_mapping)
+        out = torch.empty_like(q)
+        start = 0
+        for r, n in enumerate(meta.q_lens):
+            ctx = meta.context_lens_list[r]
+            k_row, v_row = k[start : start + n], v[start : start + n]
+            if ctx:
+                assert kv_layer is not None, "a row with cached context needs the KV cache"
+                k_pre, v_pre = gather_prefix(kv_layer, meta.block_tables_list[r], ctx)
+                k_row = torch.cat([k_pre.to(k.dtype), k_row])
+                v_row = torch.cat([v_pre.to(v.dtype), v_row])
+            mask = causal_mask(n, ctx, sliding_window, q.device)
+            o = F.scaled_dot_product_attention(
+                q[start : start + n].transpose(0, 1),
+                k_row.transpose(0, 1),
+                v_row.transpose(0, 1),
+                attn_mask=mask,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[start : start + n] = o.transpose(0, 1)
+            start += n
+        return out
+
+
+def gather_prefix(kv_layer: torch.Tensor, table: list[int], ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``ctx`` cached K and V of a row: ([ctx, KVH, D], [ctx, KVH, D])."""
+    block_size = kv_layer.shape[2]
+    nblocks = -(-ctx // block_size)
+    idx = torch.tensor(table[:nblocks], dtype=torch.long, device=kv_layer.device)
+    blocks = kv_layer[idx]  # [nb, 2, bs, KVH, D]
+    kvh, d = blocks.shape[-2:]
+    k = blocks[:, 0].reshape(-1, kvh, d)[:ctx]
+    v = blocks[:, 1].reshape(-1, kvh, d)[:ctx]
+    return k, v
+
+
+def causal_mask(n: int, ctx: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
+    """Boolean [n, ctx + n]: query i (position ctx+i) sees key j iff j <= ctx+i (and within the window)."""
+    qpos = torch.arange(ctx, ctx + n, device=device)[:, None]
+    kpos = torch.arange(ctx + n, device=device)[None, :]
+    mask = kpos <= qpos
+    if sliding_window is not None:
+        mask &= kpos > qpos - sliding_window
+    return mask
+
+
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttention}
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    try:
+        return ATTENTION_BACKENDS[name]()
+    except KeyError:
+        raise ValueError(
+            f"unknown attention backend {name!r}; available: {', '.join(sorted(ATTENTION_BACKENDS))}"
+        ) from None

@@ -1,0 +1,148 @@
+"""Multi-LoRA batching: linear layers whose rows may each use a different adapter.
+
+Every LoRA-capable linear keeps, per output slice (``q_proj``, ``k_proj``, ... of a fused
+projection), a stack of adapter weights indexed by adapter slot:
+``A: [S, r_max, in]``, ``B: [S, out, r_max]``. An adapter of rank ``r < r_max`` occupies the
+first ``r`` rows of A / columns of B, the rest stay zero. Slots are allocated once; loading an
+adapter or a training update writes into them in place (kernels and the trainer hold their
+addresses).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class LoRABatch:
+    """Adapter routing of one flat batch: tokens ``[seg_starts[i], seg_starts[i+1])`` use slot
+    ``seg_slots[i]`` (-1: no adapter). Consecutive rows of the same slot share one segment."""
+
+    seg_starts: list[int]
+    seg_slots: list[int]
+    token_slots: torch.Tensor  # [T] int64, for kernels
+
+    @classmethod
+    def from_rows(
+        cls, row_lens: list[int], row_slots: list[int], device: torch.device | str = "cpu"
+    ) -> LoRABatch:
+        starts, slots = [0], []
+        for n, s in zip(row_lens, row_slots, strict=True):
+            if slots and slots[-1] == s:
+                starts[-1] += n
+            else:
+                slots.append(s)
+                starts.append(starts[-1] + n)
+        tokens = torch.repeat_interleave(
+            torch.tensor(slots, dtype=torch.int64), torch.tensor([b - a for a, b in zip(starts, starts[1:], strict=False)])
+        ) if slots else torch.empty(0, dtype=torch.int64)
+        return cls(seg_starts=starts, seg_slots=slots, token_slots=tokens.to(device))
+
+    @property
+    def active(self) -> bool:
+        return any(s >= 0 for s in self.seg_slots)
+
+
+def lora_segments_ref(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale: torch.Tensor,
+    batch: LoRABatch,
+) -> None:
+    """Segmented gather-matmul, in place:
+    ``y[s[i]:s[i+1]] += (x[s[i]:s[i+1]] @ a[idx[i]].T) @ b[idx[i]].T · scale[idx[i]]``.
+
+    y: [T, out] (may be a column slice of a larger output), x: [T, in],
+    a: [S, r, in], b: [S, out, r], scale: [S] fp32; idx = batch.seg_slots, -1 skipped.
+    """
+    for i, slot in enumerate(batch.seg_slots):
+        if slot < 0:
+            continue
+        s, e = batch.seg_starts[i], batch.seg_starts[i + 1]
+        delta = (x[s:e] @ a[slot].T) @ b[slot].T
+        y[s:e] += delta * scale[slot].to(delta.dtype)
+
+
+class LoRAContext(Protocol):
+    """Decides how a LoRA linear adds its adapters' contribution for the current batch.
+
+    May change: ``y`` (the slice of this linear's output for ``target``), in place.
+    """
+
+    def apply(
+        self,
+        layer: int,
+        target: str,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+    ) -> None: ...
+
+
+@dataclass
+class StackedLoRA:
+    """The engine's LoRA context: per-slot stacks routed by a :class:`LoRABatch`."""
+
+    batch: LoRABatch
+    scales: torch.Tensor  # [S] fp32
+
+    def apply(
+        self, layer: int, target: str, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+    ) -> None:
+        lora_segments_ref(y, x, a, b, self.scales, self.batch)
+
+
+class LoRALinear(nn.Module):
+    """A (possibly fused) linear layer ``y = x Wᵀ + bias`` plus multi-LoRA on each output slice.
+
+    ``out_slices`` names the fused outputs in order, e.g. ``{"q_proj": 4096, "k_proj": 1024, ...}``.
+    x: [T, in] -> y: [T, sum(out_slices)].
+    """
+
+    def __init__(
+        self,
+        layer: int,
+        in_features: int,
+        out_slices: dict[str, int],
+        bias: bool,
+        num_slots: int,
+        max_rank: int,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.layer = layer
+        self.in_features = in_features
+        self.out_slices = dict(out_slices)
+        out = sum(out_slices.values())
+        self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False) if bias else None
+        self.offsets: dict[str, int] = {}
+        off = 0
+        for name, size in out_slices.items():
+            self.offsets[name] = off
+            off += size
+            if num_slots:
+                self.register_buffer(f"lora_a_{name}", torch.zeros(num_slots, max_rank, in_features, dtype=dtype))
+                self.register_buffer(f"lora_b_{name}", torch.zeros(num_slots, size, max_rank, dtype=dtype))
+        self.has_lora = num_slots > 0
+
+    def lora_stacks(self, target: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``(A [S, r, in], B [S, out, r])`` stacks of one output slice."""
+        return getattr(self, f"lora_a_{target}"), getattr(self, f"lora_b_{target}")
+
+    def forward(self, x: torch.Tensor, lora: LoRAContext | None = None) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if lora is not None and self.has_lora:
+            for name, size in self.out_slices.items():
+                off = self.offsets[name]
+                a, b = self.lora_stacks(name)
+                lora.apply(self.layer, name, x, y[:, off : off + size], a, b)
+        return y

@@ -1,0 +1,168 @@
+"""The Llama decoder family (Llama 2/3/3.1, Mistral, Qwen2) over one flat varlen batch.
+
+The same modules serve the engine (paged KV cache, multi-LoRA rows) and the trainer (layer
+recompute with autograd on the LoRA parameters): everything batch-specific arrives in a
+:class:`ForwardContext`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from coserve.layers.activation import silu_and_mul
+from coserve.layers.attention import AttentionBackend, AttentionMetadata, TorchAttention
+from coserve.layers.lora import LoRAContext, LoRALinear
+from coserve.layers.norm import RMSNorm
+from coserve.layers.rotary import RotaryEmbedding
+from coserve.models.config import ModelConfig
+
+LayerHook = Callable[[int, torch.Tensor], None]
+
+
+@dataclass
+class ForwardContext:
+    """Everything a forward pass needs besides token ids and positions.
+
+    ``layer_hook(i, hidden)`` is called with the residual-stream input of decoder layer ``i`` and,
+    with ``i == num_layers``, with the final hidden state before the last norm. It may read
+    ``hidden``; it must not change it. It may raise to abandon the forward pass.
+    """
+
+    attn: AttentionMetadata
+    kv_cache: torch.Tensor | None = None  # [N, L, 2, block_size, KVH, D]
+    lora: LoRAContext | None = None
+    backend: AttentionBackend | None = None
+    layer_hook: LayerHook | None = None
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, num_slots: int, max_rank: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.scale = cfg.head_dim**-0.5
+        self.sliding_window = cfg.sliding_window
+        self.qkv_proj = LoRALinear(
+            layer, cfg.hidden_size,
+            {"q_proj": cfg.q_size, "k_proj": cfg.kv_size, "v_proj": cfg.kv_size},
+            cfg.attention_bias, num_slots, max_rank, dtype,
+        )
+        self.o_proj = LoRALinear(layer, cfg.q_size, {"o_proj": cfg.hidden_size}, False, num_slots, max_rank, dtype)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(x, ctx.lora)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        kv_layer = ctx.kv_cache[:, self.layer] if ctx.kv_cache is not None else None
+        backend = ctx.backend or _DEFAULT_BACKEND
+        o = backend.forward(q, k, v, kv_layer, ctx.attn, self.scale, self.sliding_window)
+        return self.o_proj(o.reshape(-1, self.q_size), ctx.lora)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, num_slots: int, max_rank: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = LoRALinear(
+            layer, cfg.hidden_size,
+            {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size},
+            False, num_slots, max_rank, dtype,
+        )
+        self.down_proj = LoRALinear(
+            layer, cfg.intermediate_size, {"down_proj": cfg.hidden_size}, False, num_slots, max_rank, dtype
+        )
+
+    def forward(self, x: torch.Tensor, lora: LoRAContext | None) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x, lora)), lora)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``h += attn(norm(h)); h += mlp(norm(h))``. hidden: [T, d] -> [T, d]."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, num_slots: int, max_rank: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, layer, num_slots, max_rank, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, layer, num_slots, max_rank, dtype)
+
+    def forward(
+        self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rotary, ctx)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden), ctx.lora)
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, decoder layers, final norm."""
+
+    def __init__(self, cfg: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, num_slots, max_rank, dtype) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral / Qwen2 causal LM.
+
+    ``forward(input_ids [T], positions [T], ctx) -> hidden [T, d]`` (after the final norm);
+    ``compute_logits(hidden [n, d]) -> [n, V]`` in fp32.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, num_lora_slots: int = 0, max_lora_rank: int = 16,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = cfg
+        self.num_lora_slots = num_lora_slots
+        self.max_lora_rank = max_lora_rank
+        self.model = DecoderModel(cfg, num_lora_slots, max_lora_rank, dtype)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
+        self.lm_head: nn.Linear | None = None
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+            self.lm_head.weight.requires_grad_(False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """``[V, d]``: the embedding matrix when tied."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        hidden = self.embed(input_ids)
+        hook = ctx.layer_hook
+        for i, layer in enumerate(self.model.layers):
+            if hook is not None:
+                hook(i, hidden)
+            hidden = layer(hidden, positions, self.rotary, ctx)
+        if hook is not None:
+            hook(len(self.model.layers), hidden)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return (hidden @ self.lm_head_weight.T).float()
+
+    def lora_linears(self) -> list[LoRALinear]:
+        return [m for m in self.modules() if isinstance(m, LoRALinear)]
+
+
+_DEFAULT_BACKEND = TorchAttention()
+
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}

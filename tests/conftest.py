@@ -1,0 +1,80 @@
+"""Builders for tiny Hugging Face checkpoints and PEFT adapters (no downloads: random weights)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+ARCHS = ("llama", "mistral", "qwen2")
+
+
+def make_hf_model(path: Path, arch: str = "llama", seed: int = 0, **overrides: Any) -> Path:
+    """Save a tiny random ``transformers`` causal LM of family ``arch`` under ``path``."""
+    import transformers
+
+    common: dict[str, Any] = dict(
+        vocab_size=160,
+        hidden_size=64,
+        intermediate_size=112,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.15,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+    if arch == "llama":
+        common["rope_scaling"] = {
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+        }
+        cfg = transformers.LlamaConfig(**{**common, **overrides})
+        cls = transformers.LlamaForCausalLM
+    elif arch == "mistral":
+        cfg = transformers.MistralConfig(**{**common, "sliding_window": 24, **overrides})
+        cls = transformers.MistralForCausalLM
+    elif arch == "qwen2":
+        cfg = transformers.Qwen2Config(**{**common, "tie_word_embeddings": True, **overrides})
+        cls = transformers.Qwen2ForCausalLM
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    if arch == "qwen2":  # random biases, so that a wrong bias path cannot pass
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def make_peft_adapter(
+    base_dir: Path, path: Path, targets: list[str], rank: int = 8, alpha: float = 16.0, seed: int = 1
+) -> Path:
+    """Save a random (non-zero B) PEFT LoRA adapter for the model in ``base_dir``."""
+    import peft
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir)
+    torch.manual_seed(seed)
+    cfg = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False)
+    model = peft.get_peft_model(base, cfg)
+    with torch.no_grad():  # make the adapter's effect large enough to change greedy tokens
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf")
+    return {arch: make_hf_model(root / arch, arch) for arch in ARCHS}
