@@ -1,0 +1,73 @@
+"""Co-serving configuration: frozen dataclasses, checked when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LR_SCHEDULERS = ("constant", "linear", "cosine")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """The training adapter's shape (PEFT semantics: ``scaling = alpha / rank``)."""
+
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    use_rslora: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        if self.rank <= 0:
+            raise ValueError(f"--lora-rank must be positive, got {self.rank}")
+        if self.alpha <= 0:
+            raise ValueError(f"--lora-alpha must be positive, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"--lora-dropout must be in [0, 1), got {self.dropout}")
+        bad = [t for t in self.target_modules if t not in LORA_TARGETS]
+        if bad or not self.target_modules:
+            raise ValueError(
+                f"--target-modules: {', '.join(bad) or 'none given'}; choose from {', '.join(LORA_TARGETS)}"
+            )
+        # Keep the canonical order so that flat parameter layouts are reproducible.
+        object.__setattr__(self, "target_modules", tuple(t for t in LORA_TARGETS if t in self.target_modules))
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW on fp32 master weights, with a Hugging Face-style learning-rate schedule.
+
+    ``lr_scheduler``: ``constant`` (linear warmup, then flat), ``linear`` (warmup, then linear decay
+    to 0 at ``total_steps``), ``cosine`` (warmup, then half-cosine to 0 at ``total_steps``).
+    ``max_grad_norm == 0`` disables clipping. ``accumulation_tasks`` backward tasks make one
+    optimizer step.
+    """
+
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    lr_scheduler: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int = 0
+    max_grad_norm: float = 1.0
+    accumulation_tasks: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "betas", tuple(self.betas))
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be positive, got {self.lr}")
+        if self.lr_scheduler not in LR_SCHEDULERS:
+            raise ValueError(f"--lr-scheduler must be one of {', '.join(LR_SCHEDULERS)}, got {self.lr_scheduler!r}")
+        if self.warmup_steps < 0 or self.total_steps < 0:
+            raise ValueError("--warmup-steps and total steps must be >= 0")
+        if self.weight_decay < 0:
+            raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if self.max_grad_norm < 0:
+            raise ValueError(f"--max-grad-norm must be >= 0 (0 = off), got {self.max_grad_norm}")
+        if self.accumulation_tasks <= 0:
+            raise ValueError(f"--grad-accum must be positive, got {self.accumulation_tasks}")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas must be in [0, 1), got {self.betas}")

@@ -1,0 +1,922 @@
+"""Fine-tuning data: dataset loading and the sample pool that FT admission draws from.
+
+Two halves:
+
+* :func:`load_dataset` turns a ``.json`` / ``.jsonl`` file of Alpaca, chat or pre-tokenized rows
+  into immutable :class:`FTSample` objects (token ids plus Hugging Face style labels). Malformed
+  rows are skipped and reported, never fatal; only a file with no usable row is an error.
+* :class:`SamplePool` hands those samples out over several epochs in a deterministic, resumable
+  order. The engine looks at a bounded lookahead window (:meth:`SamplePool.candidates`), claims the
+  samples it puts in a batch, and later retires them (optimizer step done) or releases them
+  (step interrupted, they come back).
+
+Label convention (same as ``transformers``): ``labels`` has the length of ``input_ids``, masked
+positions hold :data:`IGNORE_INDEX` and the shift happens in the loss, i.e. position ``t``'s logits
+are scored against ``labels[t + 1]``. ``labels[0]`` therefore never contributes a target.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+import os
+import sys
+import zlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, NamedTuple, Protocol
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+IGNORE_INDEX: Final = -100
+"""Label value of positions that do not contribute to the loss."""
+
+_MAX_REASONS_IN_MESSAGE: Final = 5
+_CHAT_ROLES: Final = frozenset({"system", "user", "assistant"})
+
+
+class TokenizerLike(Protocol):
+    """What the loader needs from a tokenizer (``coserve.models.tokenizer.Tokenizer`` fits).
+
+    Attributes are declared as read-only properties so that both plain attributes and
+    properties satisfy the protocol. ``apply_chat_template`` is only ever called with
+    ``tokenize=False`` and must then return the rendered text.
+    """
+
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def chat_template(self) -> str | None: ...
+
+    def encode(self, text: str, /, *, add_special_tokens: bool = True) -> list[int]: ...
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, str]],
+        /,
+        *,
+        add_generation_prompt: bool = False,
+        tokenize: bool = False,
+    ) -> str | list[int]: ...
+
+
+class DatasetError(ValueError):
+    """The dataset file as a whole is unusable (missing, unreadable, bad format, no usable row)."""
+
+
+class SkippedRow(NamedTuple):
+    """A row that was not turned into a sample.
+
+    ``line`` is the 1-based line number for ``.jsonl`` and the 1-based array index for ``.json``.
+    """
+
+    line: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class FTSample:
+    """One training sequence.
+
+    ``sample_id`` is the 0-based index among the dataset's usable samples (stable for a given
+    file and loader settings). ``labels`` follows the ``transformers`` convention described in the
+    module docstring and always has the length of ``input_ids``.
+    """
+
+    sample_id: int
+    input_ids: tuple[int, ...]
+    labels: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.labels) != len(self.input_ids):
+            raise ValueError(
+                f"sample {self.sample_id}: labels length {len(self.labels)} != "
+                f"input_ids length {len(self.input_ids)}"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        """Sequence length (tokens fed to the model)."""
+        return len(self.input_ids)
+
+    @property
+    def num_target_tokens(self) -> int:
+        """Tokens the loss is computed on: unmasked labels after the shift (``labels[1:]``)."""
+        return sum(1 for label in self.labels[1:] if label != IGNORE_INDEX)
+
+
+@dataclass(frozen=True)
+class DatasetStats:
+    """Summary of one :func:`load_dataset` call.
+
+    ``num_rows`` counts rows read (blank ``.jsonl`` lines excluded); every row ends up either as
+    a sample or in ``skipped``. ``num_truncated`` counts *kept* samples that were cut to
+    ``max_seq_len``; rows that had no target token left after the cut are skipped and counted in
+    ``num_dropped_after_truncation`` instead. ``num_chat_fallbacks`` counts kept chat samples whose
+    template did not render prefix-consistently, so only the last assistant message is trained on.
+    """
+
+    num_rows: int
+    num_samples: int
+    num_skipped: int
+    num_truncated: int
+    num_dropped_after_truncation: int
+    num_chat_fallbacks: int
+    num_alpaca: int
+    num_chat: int
+    num_pretokenized: int
+    num_tokens: int
+    num_target_tokens: int
+    max_sample_tokens: int
+
+
+@dataclass(frozen=True)
+class FTDataset:
+    """The result of :func:`load_dataset`: usable samples in file order plus what was dropped."""
+
+    path: Path
+    samples: tuple[FTSample, ...]
+    skipped: tuple[SkippedRow, ...]
+    stats: DatasetStats
+
+    @property
+    def num_truncated(self) -> int:
+        """Kept samples that were truncated to ``max_seq_len``."""
+        return self.stats.num_truncated
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+
+# --------------------------------------------------------------------------------------------
+# Dataset loading
+# --------------------------------------------------------------------------------------------
+
+
+class _RowError(Exception):
+    """A per-row problem; the row is skipped with ``reason``."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _Encoded(NamedTuple):
+    input_ids: list[int]
+    labels: list[int]
+    shape: str
+    chat_fallback: bool
+
+
+def _type_name(value: object) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int subclass, but `true` in a token list is a data error.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_token_prefix(prefix: list[int], full: list[int]) -> bool:
+    return len(prefix) <= len(full) and full[: len(prefix)] == prefix
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class _RowEncoder:
+    """Turns one parsed JSON row into token ids and labels (or raises :class:`_RowError`)."""
+
+    def __init__(self, tokenizer: TokenizerLike, *, train_on_prompt: bool) -> None:
+        self._tok = tokenizer
+        self._train_on_prompt = train_on_prompt
+        self._vocab_size = int(tokenizer.vocab_size)
+        self._has_template = bool(tokenizer.chat_template)
+
+    def encode_row(self, row: object) -> _Encoded:
+        if not isinstance(row, dict):
+            raise _RowError(f"row is not a JSON object (got {_type_name(row)})")
+        # Precedence matters for rows produced by `datasets.map`, which keep the text columns
+        # next to the token columns; the token columns are then authoritative.
+        if "input_ids" in row:
+            return self._pretokenized(row)
+        if "messages" in row:
+            return self._chat(row)
+        if "instruction" in row or "output" in row:
+            return self._alpaca(row)
+        raise _RowError(
+            "unrecognized row: expected 'instruction'/'output' (Alpaca), 'messages' (chat) or "
+            "'input_ids' (pre-tokenized)"
+        )
+
+    # -- shapes ------------------------------------------------------------------------------
+
+    def _alpaca(self, row: dict[str, Any]) -> _Encoded:
+        instruction = _required_str(row, "instruction")
+        output = _required_str(row, "output")
+        inp = row.get("input")
+        if inp is None:
+            inp = ""
+        elif not isinstance(inp, str):
+            raise _RowError(f"field 'input' must be a string (got {_type_name(inp)})")
+        if not instruction.strip():
+            raise _RowError("empty 'instruction'")
+        if not output.strip():
+            raise _RowError("empty 'output'")
+        has_input = bool(inp.strip())
+
+        if self._has_template:
+            content = instruction + ("\n\n" + inp if has_input else "")
+            text = self._render([{"role": "user", "content": content}], add_generation_prompt=True)
+            prompt_ids = self._tok.encode(text, add_special_tokens=False)
+        else:
+            if has_input:
+                text = f"### Instruction:\n{instruction}\n\n### Input:\n{inp}\n\n### Response:\n"
+            else:
+                text = f"### Instruction:\n{instruction}\n\n### Response:\n"
+            # No template renders the BOS text, so let the tokenizer add its special tokens.
+            prompt_ids = self._tok.encode(text, add_special_tokens=True)
+
+        response_ids = self._tok.encode(output, add_special_tokens=False)
+        eos = self._tok.eos_token_id
+        if eos is not None:
+            response_ids = [*response_ids, eos]
+        prompt_labels = (
+            list(prompt_ids) if self._train_on_prompt else [IGNORE_INDEX] * len(prompt_ids)
+        )
+        return _Encoded(
+            input_ids=[*prompt_ids, *response_ids],
+            labels=[*prompt_labels, *response_ids],
+            shape="alpaca",
+            chat_fallback=False,
+        )
+
+    def _chat(self, row: dict[str, Any]) -> _Encoded:
+        raw = row["messages"]
+        if not isinstance(raw, list):
+            raise _RowError(f"field 'messages' must be a list (got {_type_name(raw)})")
+        if not raw:
+            raise _RowError("empty 'messages'")
+        messages: list[dict[str, str]] = []
+        for i, m in enumerate(raw):
+            if not isinstance(m, dict):
+                raise _RowError(f"messages[{i}] is not an object (got {_type_name(m)})")
+            role = m.get("role")
+            if not isinstance(role, str) or role not in _CHAT_ROLES:
+                raise _RowError(
+                    f"messages[{i}] has invalid role {role!r} (expected system, user or assistant)"
+                )
+            content = m.get("content")
+            if not isinstance(content, str):
+                raise _RowError(
+                    f"messages[{i}].content must be a string (got {_type_name(content)})"
+                )
+            if role == "assistant" and not content.strip():
+                raise _RowError(f"messages[{i}] (assistant) has empty content")
+            messages.append({"role": role, "content": content})
+        assistant_idx = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if not assistant_idx:
+            raise _RowError("no assistant message")
+        # An opening assistant message has an empty prompt, which templates (and coserve's
+        # Tokenizer) cannot render; it stays in the input as context.
+        assistant_idx = [i for i in assistant_idx if i > 0]
+        if not assistant_idx:
+            raise _RowError("no assistant message after the first message")
+        if not self._has_template:
+            raise _RowError("chat row needs a chat template, but the tokenizer has none")
+        # Turns after the last assistant message carry no target; they would only cost compute.
+        last = assistant_idx[-1]
+        messages = messages[: last + 1]
+
+        full_text = self._render(messages, add_generation_prompt=False)
+        full = self._tok.encode(full_text, add_special_tokens=False)
+        if self._train_on_prompt:
+            return _Encoded(full, list(full), "chat", chat_fallback=False)
+
+        spans = self._assistant_spans(messages, assistant_idx, full)
+        fallback = spans is None
+        if spans is None:
+            before_text = self._render(messages[:last], add_generation_prompt=True)
+            if not full_text.startswith(before_text):
+                raise _RowError(
+                    "chat template renders the conversation inconsistently: the prompt before "
+                    "the last assistant message is not a prefix of the full conversation"
+                )
+            # The texts agree, so the token mismatch comes from tokens merged across the
+            # boundary; starting at the first differing token trains on that merged token too.
+            start = _common_prefix_len(
+                self._tok.encode(before_text, add_special_tokens=False), full
+            )
+            spans = [(start, len(full))]
+
+        labels = [IGNORE_INDEX] * len(full)
+        for start, end in spans:
+            labels[start:end] = full[start:end]
+        return _Encoded(full, labels, "chat", chat_fallback=fallback)
+
+    def _assistant_spans(
+        self, messages: list[dict[str, str]], assistant_idx: list[int], full: list[int]
+    ) -> list[tuple[int, int]] | None:
+        """Token spans ``[start, end)`` of ``full`` added by each assistant message.
+
+        None when some prefix rendering is not a token prefix of the next one / of ``full``.
+        """
+        spans: list[tuple[int, int]] = []
+        for i in assistant_idx:
+            before = self._encode_rendered(messages[:i], add_generation_prompt=True)
+            after = (
+                full
+                if i == assistant_idx[-1]
+                else self._encode_rendered(messages[: i + 1], add_generation_prompt=False)
+            )
+            if not (_is_token_prefix(before, after) and _is_token_prefix(after, full)):
+                return None
+            spans.append((len(before), len(after)))
+        return spans
+
+    def _pretokenized(self, row: dict[str, Any]) -> _Encoded:
+        ids = row["input_ids"]
+        if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+            raise _RowError("field 'input_ids' must be a list of integers")
+        if not ids:
+            raise _RowError("empty 'input_ids'")
+        for i, t in enumerate(ids):
+            if not 0 <= t < self._vocab_size:
+                raise _RowError(f"input_ids[{i}]={t} out of range [0, {self._vocab_size})")
+        labels = row.get("labels")
+        if labels is None:
+            return _Encoded(list(ids), list(ids), "pretokenized", chat_fallback=False)
+        if not isinstance(labels, list) or not all(_is_int(t) for t in labels):
+            raise _RowError("field 'labels' must be a list of integers")
+        if len(labels) != len(ids):
+            raise _RowError(f"labels length {len(labels)} != input_ids length {len(ids)}")
+        for i, t in enumerate(labels):
+            if t != IGNORE_INDEX and not 0 <= t < self._vocab_size:
+                raise _RowError(
+                    f"labels[{i}]={t} out of range [0, {self._vocab_size}) and not {IGNORE_INDEX}"
+                )
+        # Explicit labels are authoritative: train_on_prompt only steers masks the loader makes.
+        return _Encoded(list(ids), list(labels), "pretokenized", chat_fallback=False)
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _render(self, messages: list[dict[str, str]], *, add_generation_prompt: bool) -> str:
+        try:
+            text = self._tok.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        # Templates reject conversations they do not support (raise_exception): a row problem.
+        except Exception as e:
+            raise _RowError(f"chat template failed: {type(e).__name__}: {e}") from e
+        if not isinstance(text, str):
+            raise _RowError(
+                f"apply_chat_template(tokenize=False) returned {_type_name(text)}, expected str"
+            )
+        return text
+
+    def _encode_rendered(
+        self, messages: list[dict[str, str]], *, add_generation_prompt: bool
+    ) -> list[int]:
+        text = self._render(messages, add_generation_prompt=add_generation_prompt)
+        return self._tok.encode(text, add_special_tokens=False)
+
+
+def _required_str(row: dict[str, Any], key: str) -> str:
+    if key not in row:
+        raise _RowError(f"missing field '{key}'")
+    value = row[key]
+    if not isinstance(value, str):
+        raise _RowError(f"field '{key}' must be a string (got {_type_name(value)})")
+    return value
+
+
+def _iter_jsonl(path: Path) -> Iterator[tuple[int, object]]:
+    """Yields ``(line_number, parsed_row)``; unparsable lines yield a :class:`_RowError`."""
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                yield lineno, _RowError(f"line is not valid UTF-8: {e}")
+                continue
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as e:
+                yield lineno, _RowError(f"invalid JSON: {e}")
+
+
+def _read_json_array(path: Path) -> list[object]:
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"{path}: not valid UTF-8: {e}") from e
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DatasetError(f"{path}: not valid JSON: {e}") from e
+    if not isinstance(data, list):
+        raise DatasetError(f"{path}: expected a JSON array of objects, got {_type_name(data)}")
+    return data
+
+
+def _format_reasons(skipped: Sequence[SkippedRow]) -> str:
+    shown = "; ".join(f"line {s.line}: {s.reason}" for s in skipped[:_MAX_REASONS_IN_MESSAGE])
+    more = len(skipped) - _MAX_REASONS_IN_MESSAGE
+    return shown + (f"; ... and {more} more" if more > 0 else "")
+
+
+def load_dataset(
+    path: str | os.PathLike[str],
+    tokenizer: TokenizerLike,
+    *,
+    max_seq_len: int,
+    train_on_prompt: bool = False,
+) -> FTDataset:
+    """Loads a fine-tuning dataset from a ``.json`` array or ``.jsonl`` file.
+
+    The row shape is detected per row, in this order of precedence:
+
+    * pre-tokenized: ``input_ids`` (ints in ``[0, tokenizer.vocab_size)``), optional ``labels``
+      (same length, ``-100`` or in range). Without ``labels`` every token is a target. Given
+      labels are used as-is, also when ``train_on_prompt`` is set.
+    * chat: ``messages`` (``role`` in system/user/assistant, string ``content``, at least one
+      non-empty assistant message that is not the first message; an opening assistant message
+      is context only). Rendered with the tokenizer's chat template; the loss covers
+      the tokens each assistant message adds to the rendering (incremental rendering). If the
+      template's prefix renderings are not token prefixes of the full rendering, only the last
+      assistant message is trained on (counted in ``stats.num_chat_fallbacks``). Messages after
+      the last assistant message are dropped.
+    * Alpaca: ``instruction``, optional ``input``, ``output``. The prompt is the chat template
+      applied to one user message (``instruction`` + ``"\\n\\n" + input``) with a generation
+      prompt, or the classic ``### Instruction/Input/Response`` text when the tokenizer has no
+      template. Response = ``encode(output)`` + ``eos_token_id``.
+
+    Prompt tokens are masked (``-100``) unless ``train_on_prompt``. Samples longer than
+    ``max_seq_len`` keep their first ``max_seq_len`` tokens. Rows that are malformed or have no
+    target token (after the label shift and truncation) are skipped and listed in
+    ``FTDataset.skipped``; a warning summarises them.
+
+    Raises:
+        ValueError: ``max_seq_len < 2`` (one token cannot have a target).
+        DatasetError: the file is missing or unreadable, has an unsupported extension, is not a
+            JSON array (``.json``), or yields no usable sample.
+    """
+    if max_seq_len < 2:
+        raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
+    p = Path(path)
+    suffix = p.suffix.lower()
+    if suffix not in (".json", ".jsonl"):
+        raise DatasetError(f"{p}: unsupported dataset extension {p.suffix!r} (use .json or .jsonl)")
+
+    encoder = _RowEncoder(tokenizer, train_on_prompt=train_on_prompt)
+    samples: list[FTSample] = []
+    skipped: list[SkippedRow] = []
+    shape_counts = {"alpaca": 0, "chat": 0, "pretokenized": 0}
+    num_rows = num_truncated = num_dropped = num_fallbacks = 0
+
+    def add_row(line: int, row: object) -> None:
+        nonlocal num_rows, num_truncated, num_dropped, num_fallbacks
+        num_rows += 1
+        try:
+            if isinstance(row, _RowError):
+                raise row
+            enc = encoder.encode_row(row)
+            if not any(label != IGNORE_INDEX for label in enc.labels[1:]):
+                raise _RowError("no target tokens")
+            truncated = len(enc.input_ids) > max_seq_len
+            ids, labels = enc.input_ids[:max_seq_len], enc.labels[:max_seq_len]
+            if truncated and not any(label != IGNORE_INDEX for label in labels[1:]):
+                num_dropped += 1
+                raise _RowError(f"no target tokens left after truncation to {max_seq_len} tokens")
+        except _RowError as e:
+            skipped.append(SkippedRow(line, e.reason))
+            return
+        num_truncated += truncated
+        num_fallbacks += enc.chat_fallback
+        shape_counts[enc.shape] += 1
+        samples.append(FTSample(len(samples), tuple(ids), tuple(labels)))
+
+    try:
+        if suffix == ".jsonl":
+            for line, row in _iter_jsonl(p):
+                add_row(line, row)
+        else:
+            for index, row in enumerate(_read_json_array(p), start=1):
+                add_row(index, row)
+    except OSError as e:
+        raise DatasetError(f"{p}: cannot read dataset: {e}") from e
+
+    if not samples:
+        detail = f"; {_format_reasons(skipped)}" if skipped else ""
+        raise DatasetError(f"{p}: no usable rows ({num_rows} rows read){detail}")
+    if skipped:
+        logger.warning(
+            "%s: skipped %d of %d rows; %s", p, len(skipped), num_rows, _format_reasons(skipped)
+        )
+    if num_truncated:
+        logger.info("%s: truncated %d samples to %d tokens", p, num_truncated, max_seq_len)
+
+    stats = DatasetStats(
+        num_rows=num_rows,
+        num_samples=len(samples),
+        num_skipped=len(skipped),
+        num_truncated=num_truncated,
+        num_dropped_after_truncation=num_dropped,
+        num_chat_fallbacks=num_fallbacks,
+        num_alpaca=shape_counts["alpaca"],
+        num_chat=shape_counts["chat"],
+        num_pretokenized=shape_counts["pretokenized"],
+        num_tokens=sum(s.num_tokens for s in samples),
+        num_target_tokens=sum(s.num_target_tokens for s in samples),
+        max_sample_tokens=max(s.num_tokens for s in samples),
+    )
+    logger.info(
+        "%s: loaded %d samples (%d tokens, %d target tokens)",
+        p,
+        stats.num_samples,
+        stats.num_tokens,
+        stats.num_target_tokens,
+    )
+    return FTDataset(path=p, samples=tuple(samples), skipped=tuple(skipped), stats=stats)
+
+
+# --------------------------------------------------------------------------------------------
+# Sample pool
+# --------------------------------------------------------------------------------------------
+
+
+class PoolProgress(NamedTuple):
+    """Retired work of a :class:`SamplePool`; ``samples_total`` is ``epochs * len(samples)``."""
+
+    samples_retired: int
+    samples_total: int
+    tokens_retired: int
+    target_tokens_retired: int
+
+
+_STATE_VERSION: Final = 1
+_PERM_CACHE_EPOCHS: Final = 3
+
+
+def _epoch_seed(seed: int, epoch: int) -> int:
+    # A hash rather than arithmetic so that (seed, epoch) pairs never collide.
+    digest = hashlib.blake2b(f"coserve-pool/{seed}/{epoch}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+class SamplePool:
+    """The samples that fine-tuning admission draws from, over ``epochs`` epochs.
+
+    The pool walks a *stream* of ``epochs * len(samples)`` positions: epoch ``e`` visits the
+    samples in the order of ``torch.randperm`` drawn from a ``torch.Generator`` seeded from
+    ``(seed, e)`` (the identity order if ``shuffle`` is false). Every position is eventually
+    claimed and retired exactly once.
+
+    Life cycle of a sample occurrence: candidate -> :meth:`claim` -> in flight -> :meth:`retire`
+    (done) or :meth:`release` (back to candidate). Unclaimed occurrences are always ordered by
+    stream position, so a released sample is ahead of every sample that entered the stream after
+    it. :meth:`candidates` shows the first ``window`` unclaimed occurrences, skipping a sample
+    whose earlier occurrence is in flight or already shown (the window may reach into the next
+    epoch; a skipped occurrence is offered later). Hence the public API can name samples by
+    ``sample_id``: a sample is never in flight twice and never a candidate twice.
+
+    Cost per call is O(window + in-flight samples); the permutation of an epoch is drawn once when
+    the stream first reaches it (O(len(samples)), amortised O(1) per sample).
+    """
+
+    def __init__(
+        self,
+        samples: Sequence[FTSample],
+        *,
+        epochs: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        window: int = 64,
+    ) -> None:
+        if epochs < 1:
+            raise ValueError(f"epochs must be >= 1, got {epochs}")
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self._samples = tuple(samples)
+        self._index_of: dict[int, int] = {}
+        for i, s in enumerate(self._samples):
+            if s.sample_id in self._index_of:
+                raise ValueError(f"duplicate sample_id {s.sample_id}")
+            self._index_of[s.sample_id] = i
+        self._n = len(self._samples)
+        self._epochs = epochs
+        self._seed = seed
+        self._shuffle = shuffle
+        self._window = window
+        self._orders: OrderedDict[int, list[int]] = OrderedDict()
+        self._fingerprint: int | None = None
+        self._reset_progress()
+
+    def _reset_progress(self) -> None:
+        # Stream positions < _cursor are retired, in flight, or pending (unclaimed).
+        self._cursor = 0
+        # Pending occurrences by sample index (sorted positions; one sample can have several
+        # when the stream moved into later epochs past it), plus the sorted (first position,
+        # sample index) heads that give the candidate order.
+        self._copies: dict[int, list[int]] = {}
+        self._heads: list[tuple[int, int]] = []
+        self._in_flight: dict[int, int] = {}  # sample index -> stream position
+        self._retired = 0
+        self._tokens_retired = 0
+        self._targets_retired = 0
+
+    # -- public API --------------------------------------------------------------------------
+
+    @property
+    def num_samples(self) -> int:
+        return self._n
+
+    @property
+    def epochs(self) -> int:
+        return self._epochs
+
+    @property
+    def window(self) -> int:
+        return self._window
+
+    @property
+    def epoch(self) -> int:
+        """0-based epoch of the oldest occurrence not yet retired; ``epochs`` once :attr:`done`."""
+        if self._n == 0:
+            return self._epochs
+        oldest = self._cursor
+        if self._heads:
+            oldest = min(oldest, self._heads[0][0])
+        if self._in_flight:
+            oldest = min(oldest, min(self._in_flight.values()))
+        return oldest // self._n
+
+    @property
+    def done(self) -> bool:
+        """True once every occurrence of every epoch has been retired."""
+        return self._retired == self._total
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    @property
+    def in_flight_ids(self) -> tuple[int, ...]:
+        """sample_ids currently claimed and neither retired nor released, in claim order."""
+        return tuple(self._samples[i].sample_id for i in self._in_flight)
+
+    @property
+    def progress(self) -> PoolProgress:
+        return PoolProgress(
+            samples_retired=self._retired,
+            samples_total=self._total,
+            tokens_retired=self._tokens_retired,
+            target_tokens_retired=self._targets_retired,
+        )
+
+    def candidates(self) -> list[FTSample]:
+        """Up to ``window`` next unclaimed samples in stream order (distinct, none in flight).
+
+        Pure: calling it does not change the pool. Admission orders them itself.
+        """
+        return [self._samples[idx] for _, idx in self._scan()]
+
+    def claim(self, sample_ids: Sequence[int]) -> None:
+        """Marks candidates as in flight. All-or-nothing.
+
+        Raises:
+            ValueError: an id is repeated, unknown, or not among the current :meth:`candidates`.
+        """
+        indices = self._resolve(sample_ids)
+        visible = {idx: pos for pos, idx in self._scan()}
+        for sid, idx in zip(sample_ids, indices, strict=True):
+            if idx not in visible:
+                raise ValueError(f"sample_id {sid} is not a candidate")
+        claimed_fresh: set[int] = set()
+        for idx in indices:
+            pos = visible[idx]
+            if pos < self._cursor:
+                self._pending_pop_head(idx)
+            else:
+                claimed_fresh.add(pos)
+            self._in_flight[idx] = pos
+        if claimed_fresh:
+            # Positions the claim jumped over stay unclaimed; all lie inside the scanned range.
+            new_cursor = max(claimed_fresh) + 1
+            for pos in range(self._cursor, new_cursor):
+                if pos not in claimed_fresh:
+                    self._pending_add(pos, self._index_at(pos))
+            self._cursor = new_cursor
+
+    def release(self, sample_ids: Sequence[int]) -> None:
+        """Returns in-flight samples to the candidates at their stream position. All-or-nothing.
+
+        Raises:
+            ValueError: an id is repeated, unknown, or not in flight.
+        """
+        for idx in self._resolve_in_flight(sample_ids):
+            self._pending_add(self._in_flight.pop(idx), idx)
+
+    def retire(self, sample_ids: Sequence[int]) -> None:
+        """Marks in-flight samples as done (their optimizer step finished). All-or-nothing.
+
+        Raises:
+            ValueError: an id is repeated, unknown, or not in flight.
+        """
+        for idx in self._resolve_in_flight(sample_ids):
+            del self._in_flight[idx]
+            s = self._samples[idx]
+            self._retired += 1
+            self._tokens_retired += s.num_tokens
+            self._targets_retired += s.num_target_tokens
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serializable progress. In-flight samples are saved as not retired.
+
+        Loading it into a fresh pool over the same samples and seed gives the state this pool
+        would have after releasing everything in flight, hence the same future candidates.
+        """
+        unretired = [p for copies in self._copies.values() for p in copies]
+        unretired.extend(self._in_flight.values())
+        return {
+            "version": _STATE_VERSION,
+            "num_samples": self._n,
+            "seed": self._seed,
+            "shuffle": self._shuffle,
+            "epochs": self._epochs,
+            "order_fingerprint": self._order_fingerprint(),
+            "cursor": self._cursor,
+            "unretired": sorted(unretired),
+            "samples_retired": self._retired,
+            "tokens_retired": self._tokens_retired,
+            "target_tokens_retired": self._targets_retired,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores :meth:`state_dict` output; nothing is in flight afterwards.
+
+        ``window`` may differ from the saved pool's; ``epochs`` may differ as long as the saved
+        progress fits (e.g. to extend training).
+
+        Raises:
+            ValueError: malformed state, or a mismatch in sample count, seed, shuffle or the
+                permutation itself (e.g. a torch version that draws different permutations).
+        """
+        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
+            raise ValueError(f"unsupported SamplePool state (expected version {_STATE_VERSION})")
+        for key, expected in (
+            ("num_samples", self._n),
+            ("seed", self._seed),
+            ("shuffle", self._shuffle),
+        ):
+            if state.get(key) != expected:
+                raise ValueError(
+                    f"SamplePool state mismatch: {key}={state.get(key)!r}, pool has {expected!r}"
+                )
+        if state.get("order_fingerprint") != self._order_fingerprint():
+            raise ValueError("SamplePool state mismatch: sample order differs from the saved one")
+        try:
+            cursor = state["cursor"]
+            unretired = state["unretired"]
+            counters = [
+                state[k] for k in ("samples_retired", "tokens_retired", "target_tokens_retired")
+            ]
+        except KeyError as e:
+            raise ValueError(f"SamplePool state lacks {e}") from None
+        if not _is_int(cursor) or not 0 <= cursor <= self._total:
+            raise ValueError(f"SamplePool state: cursor {cursor!r} outside [0, {self._total}]")
+        if (
+            not isinstance(unretired, list)
+            or not all(_is_int(p) and 0 <= p < cursor for p in unretired)
+            or len(set(unretired)) != len(unretired)
+        ):
+            raise ValueError("SamplePool state: 'unretired' must be distinct positions < cursor")
+        if not all(_is_int(c) and c >= 0 for c in counters) or counters[0] != cursor - len(
+            unretired
+        ):
+            raise ValueError("SamplePool state: inconsistent retired counters")
+
+        self._reset_progress()
+        for pos in sorted(unretired):
+            self._pending_add(pos, self._index_at(pos))
+        self._cursor = cursor
+        self._retired, self._tokens_retired, self._targets_retired = counters
+
+    # -- internals ---------------------------------------------------------------------------
+
+    @property
+    def _total(self) -> int:
+        return self._epochs * self._n
+
+    def _order(self, epoch: int) -> list[int]:
+        order = self._orders.get(epoch)
+        if order is None:
+            if self._shuffle:
+                gen = torch.Generator().manual_seed(_epoch_seed(self._seed, epoch))
+                order = torch.randperm(self._n, generator=gen).tolist()
+            else:
+                order = list(range(self._n))
+            self._orders[epoch] = order
+            if len(self._orders) > _PERM_CACHE_EPOCHS:
+                self._orders.popitem(last=False)
+        else:
+            self._orders.move_to_end(epoch)
+        return order
+
+    def _index_at(self, pos: int) -> int:
+        epoch, offset = divmod(pos, self._n)
+        return self._order(epoch)[offset]
+
+    def _order_fingerprint(self) -> int:
+        if self._fingerprint is None:
+            buf = array("q", self._order(0) if self._n else [])
+            if sys.byteorder != "little":
+                buf.byteswap()
+            self._fingerprint = zlib.crc32(buf.tobytes())
+        return self._fingerprint
+
+    def _scan(self) -> list[tuple[int, int]]:
+        """The current candidates as ``(stream position, sample index)``, in stream order."""
+        limit = min(self._window, self._n - len(self._in_flight))
+        out: list[tuple[int, int]] = []
+        if limit <= 0:
+            return out
+        for pos, idx in self._heads:
+            if idx not in self._in_flight:
+                out.append((pos, idx))
+                if len(out) == limit:
+                    return out
+        # Every pending sample not in flight is in `out` now, so `seen` covers all duplicates.
+        # The loop ends within about two epochs' worth of skips: a full epoch visits every
+        # sample, after which out + in-flight covers all of them and `limit` is reached.
+        seen = {idx for _, idx in out}
+        pos = self._cursor
+        while pos < self._total and len(out) < limit:
+            idx = self._index_at(pos)
+            if idx not in self._in_flight and idx not in seen:
+                out.append((pos, idx))
+                seen.add(idx)
+            pos += 1
+        return out
+
+    def _pending_add(self, pos: int, idx: int) -> None:
+        copies = self._copies.get(idx)
+        if copies is None:
+            self._copies[idx] = [pos]
+            bisect.insort(self._heads, (pos, idx))
+            return
+        old_head = copies[0]
+        bisect.insort(copies, pos)
+        if pos < old_head:
+            self._remove_head(old_head, idx)
+            bisect.insort(self._heads, (pos, idx))
+
+    def _pending_pop_head(self, idx: int) -> None:
+        copies = self._copies[idx]
+        head = copies.pop(0)
+        self._remove_head(head, idx)
+        if copies:
+            bisect.insort(self._heads, (copies[0], idx))
+        else:
+            del self._copies[idx]
+
+    def _remove_head(self, pos: int, idx: int) -> None:
+        i = bisect.bisect_left(self._heads, (pos, idx))
+        assert self._heads[i] == (pos, idx), "pending heads out of sync"
+        del self._heads[i]
+
+    def _resolve(self, sample_ids: Sequence[int]) -> list[int]:
+        if len(set(sample_ids)) != len(sample_ids):
+            raise ValueError(f"repeated sample_id in {list(sample_ids)}")
+        indices = []
+        for sid in sample_ids:
+            idx = self._index_of.get(sid)
+            if idx is None:
+                raise ValueError(f"unknown sample_id {sid}")
+            indices.append(idx)
+        return indices
+
+    def _resolve_in_flight(self, sample_ids: Sequence[int]) -> list[int]:
+        indices = self._resolve(sample_ids)
+        for sid, idx in zip(sample_ids, indices, strict=True):
+            if idx not in self._in_flight:
+                raise ValueError(f"sample_id {sid} is not in flight")
+        return indices
