@@ -71,3 +71,34 @@ class OptimConfig:
             raise ValueError(f"--grad-accum must be positive, got {self.accumulation_tasks}")
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"betas must be in [0, 1), got {self.betas}")
+
+
+@dataclass(frozen=True)
+class CoServeConfig:
+    """How fine-tuning shares the engine.
+
+    ``backward_tokens``: a backward task is handed to the trainer once it holds at least this many
+    captured tokens. ``max_seq_len``: longest fine-tuning sample (longer ones are truncated).
+    """
+
+    backward_tokens: int = 256
+    max_seq_len: int = 512
+    epochs: int = 1
+    seed: int = 0
+    shuffle: bool = True
+    train_on_prompt: bool = False
+    candidate_window: int = 64
+
+    def __post_init__(self) -> None:
+        if self.backward_tokens <= 0:
+            raise ValueError(f"--backward-tokens must be positive, got {self.backward_tokens}")
+        if self.max_seq_len < 2:
+            raise ValueError(f"--max-seq-len must be >= 2, got {self.max_seq_len}")
+        if self.epochs <= 0:
+            raise ValueError(f"--epochs must be positive, got {self.epochs}")
+
+    @property
+    def store_capacity(self) -> int:
+        """Tokens of activations to hold: a task closes once it reaches ``backward_tokens``, so
+        it never exceeds ``backward_tokens - 1 + max_seq_len``."""
+        return self.backward_tokens + self.max_seq_len - 1

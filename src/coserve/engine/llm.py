@@ -71,7 +71,7 @@ class LLM:
 def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
-    items = list(prompts)
+    items: list[Any] = list(prompts)
     if items and all(isinstance(t, int) for t in items):
         return [items]  # a single list of token ids
     return items

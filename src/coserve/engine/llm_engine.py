@@ -290,5 +290,7 @@ class LLMEngine:
 
     def _finalize(self, seq: Sequence) -> RequestOutput:
         self._requests.pop(seq.request_id, None)
-        self._detok.pop(seq.request_id, None)
+        detok = self._detok.pop(seq.request_id, None)
+        if detok is not None and not isinstance(seq.stop_reason, str):
+            seq.output_text += detok.flush()  # a trailing incomplete UTF-8 character, if any
         return self._output(seq)

@@ -31,16 +31,16 @@ class LoRABatch:
     def from_rows(
         cls, row_lens: list[int], row_slots: list[int], device: torch.device | str = "cpu"
     ) -> LoRABatch:
-        starts, slots = [0], []
+        starts: list[int] = [0]
+        slots: list[int] = []
         for n, s in zip(row_lens, row_slots, strict=True):
             if slots and slots[-1] == s:
                 starts[-1] += n
             else:
                 slots.append(s)
                 starts.append(starts[-1] + n)
-        tokens = torch.repeat_interleave(
-            torch.tensor(slots, dtype=torch.int64), torch.tensor([b - a for a, b in zip(starts, starts[1:], strict=False)])
-        ) if slots else torch.empty(0, dtype=torch.int64)
+        lengths = torch.tensor([b - a for a, b in zip(starts, starts[1:], strict=False)], dtype=torch.int64)
+        tokens = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int64), lengths)
         return cls(seg_starts=starts, seg_slots=slots, token_slots=tokens.to(device))
 
     @property

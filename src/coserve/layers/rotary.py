@@ -41,6 +41,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(head_dim, rope)
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos_cache: torch.Tensor
+        self.sin_cache: torch.Tensor
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
 

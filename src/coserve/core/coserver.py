@@ -1,0 +1,253 @@
+"""The object a host calls at each hook: fine-tuning samples in, backward tasks out."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from coserve.core.activations import ActivationStore
+from coserve.core.config import CoServeConfig, OptimConfig
+from coserve.core.finetune import FTSample, SamplePool
+from coserve.core.host import FTRow, StepRecord, StepView
+from coserve.core.messages import BackwardTask, TaskResult, TaskSample
+
+logger = logging.getLogger(__name__)
+
+
+class TrainerClient(Protocol):
+    """The engine-side handle of the trainer worker process."""
+
+    def submit(self, task: BackwardTask) -> None: ...
+
+    def poll(self) -> list[TaskResult]:
+        """Results that arrived since the last call (never blocks)."""
+        ...
+
+    def alive(self) -> bool: ...
+
+    def restart(self) -> int:
+        """Start a fresh worker from the last committed state; returns the committed step count."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class OptimizerStepLog:
+    """One line of ``train_log.jsonl``: enough to audit and replay the run."""
+
+    step: int
+    sample_ids: tuple[int, ...]
+    tokens: int
+    target_tokens: int
+    loss: float | None
+    lr: float
+    grad_norm: float
+    skipped: bool
+    wall_time: float
+
+
+@dataclass
+class _OpenStep:
+    """An optimizer step being assembled: its tasks' samples and results so far."""
+
+    index: int
+    sample_ids: list[int] = field(default_factory=list)
+    tokens: int = 0
+    num_tasks: int = 0
+    loss_sum: float = 0.0
+    num_targets: int = 0
+
+
+class CoServer:
+    """Fine-tuning inside a host's steps (DESIGN §1, §5, §7, §8).
+
+    Samples are added to steps shortest first while the host's token budget and the activation
+    store allow and no backward task is running (so every sample of a task is forwarded with
+    the adapter it is differentiated against). Captured samples form backward tasks of at least
+    ``backward_tokens`` tokens; ``accumulation_tasks`` tasks make one optimizer step. When the
+    trainer dies, the samples of the unfinished optimizer step go back to the pool and a fresh
+    worker resumes from the last committed step.
+    """
+
+    def __init__(
+        self,
+        *,
+        pool: SamplePool,
+        samples: dict[int, FTSample],
+        store: ActivationStore,
+        trainer: TrainerClient,
+        config: CoServeConfig,
+        optim: OptimConfig,
+        on_step_logged: Callable[[OptimizerStepLog], None] | None = None,
+    ) -> None:
+        self.pool = pool
+        self.samples = samples
+        self.store = store
+        self.trainer = trainer
+        self.config = config
+        self.optim = optim
+        self.on_step_logged = on_step_logged
+        self._step_rows: list[TaskSample] = []  # rows of the step being run
+        self._step_ft_start = 0
+        self._task_rows: list[TaskSample] = []  # captured, not yet submitted
+        self._in_flight: BackwardTask | None = None
+        self._open = _OpenStep(0)
+        self._next_task_id = 0
+        self.steps_done = 0
+        self.tokens_trained = 0
+        self.num_restarts = 0
+        self.last_loss: float | None = None
+
+    # ------------------------------------------------------------------ hooks
+
+    @property
+    def backward_running(self) -> bool:
+        return self._in_flight is not None
+
+    @property
+    def done(self) -> bool:
+        return self.pool.done and self._in_flight is None
+
+    def plan(self, view: StepView) -> list[FTRow]:
+        """Choose the fine-tuning rows of the next step (hook 1)."""
+        self.poll()
+        self._step_rows = []
+        if self._in_flight is not None or self._task_full():
+            return []
+        budget = view.token_budget if view.has_inference else self.store.capacity
+        budget = min(budget, self.store.free)
+        picked: list[FTSample] = []
+        task_tokens = self._task_tokens()
+        for sample in sorted(self.pool.candidates(), key=lambda s: (s.num_tokens, s.sample_id)):
+            if task_tokens >= self.config.backward_tokens or sample.num_tokens > budget:
+                break
+            picked.append(sample)
+            budget -= sample.num_tokens
+            task_tokens += sample.num_tokens
+        if not picked:
+            return []
+        self.pool.claim([s.sample_id for s in picked])
+        offset = self.store.reserve(sum(s.num_tokens for s in picked))
+        self._step_ft_start = view.num_prefill_tokens
+        for s in picked:
+            self._step_rows.append(TaskSample(s.sample_id, offset, s.labels))
+            offset += s.num_tokens
+        return [FTRow(s.sample_id, s.input_ids) for s in picked]
+
+    def on_layer(self, layer: int, hidden: torch.Tensor) -> None:
+        """Copy the fine-tuning rows' residual stream into the store (hook 2)."""
+        if self._step_rows:
+            n = self._step_tokens()
+            start = self._step_ft_start
+            self.store.capture(layer, self._step_rows[0].offset, hidden[start : start + n])
+
+    def on_step_end(self, record: StepRecord) -> None:
+        """Retire the step's rows into the open task; submit it when full (hook 3)."""
+        rows, self._step_rows = self._step_rows, []
+        if not rows:
+            return
+        if record.interrupted:
+            self.pool.release([r.sample_id for r in rows])
+            self.store.unreserve_from(rows[0].offset)
+            return
+        self._task_rows.extend(rows)
+        if self._task_full() or self._pool_drained():
+            self._submit()
+
+    # ------------------------------------------------------------------ tasks
+
+    def _step_tokens(self) -> int:
+        return sum(len(r.labels) for r in self._step_rows)
+
+    def _task_tokens(self) -> int:
+        return sum(len(r.labels) for r in self._task_rows)
+
+    def _task_full(self) -> bool:
+        return self._task_tokens() >= self.config.backward_tokens
+
+    def _pool_drained(self) -> bool:
+        """Every sample left is in the open task or the open step: nothing more will come."""
+        return not self.pool.candidates()
+
+    def _submit(self) -> None:
+        if self._in_flight is not None or not self._task_rows:
+            return
+        self._open.num_tasks += 1
+        ends = self._open.num_tasks >= self.optim.accumulation_tasks or self._pool_drained()
+        task = BackwardTask(self._next_task_id, self._open.index, tuple(self._task_rows), ends)
+        self._next_task_id += 1
+        self._open.sample_ids.extend(r.sample_id for r in self._task_rows)
+        self._open.tokens += self._task_tokens()
+        self._task_rows = []
+        self._in_flight = task
+        self.trainer.submit(task)
+
+    def poll(self) -> None:
+        """Take in trainer results; recover from a dead trainer."""
+        for result in self.trainer.poll():
+            self._on_result(result)
+        if self._in_flight is not None and not self.trainer.alive():
+            self._recover()
+        elif self._in_flight is None and self._task_rows and (self._task_full() or self._pool_drained()):
+            self._submit()
+
+    def _on_result(self, result: TaskResult) -> None:
+        task = self._in_flight
+        if task is None or result.task_id != task.task_id:
+            logger.warning("ignoring a result for unknown task %d", result.task_id)
+            return
+        self._in_flight = None
+        self.store.reset()
+        self._open.loss_sum += result.loss_sum
+        self._open.num_targets += result.num_targets
+        info = result.step_info
+        if info is None:
+            return
+        opened = self._open
+        loss = opened.loss_sum / opened.num_targets if opened.num_targets else None
+        self.pool.retire(opened.sample_ids)
+        self.steps_done += 1
+        self.tokens_trained += opened.tokens
+        self.last_loss = loss
+        if info.skipped:
+            logger.warning("optimizer step %d skipped: non-finite loss or gradient", opened.index)
+        if self.on_step_logged is not None:
+            self.on_step_logged(OptimizerStepLog(
+                step=opened.index, sample_ids=tuple(opened.sample_ids), tokens=opened.tokens,
+                target_tokens=opened.num_targets, loss=loss, lr=info.lr, grad_norm=info.grad_norm,
+                skipped=info.skipped, wall_time=time.time(),
+            ))
+        self._open = _OpenStep(opened.index + 1)
+
+    def _recover(self) -> None:
+        """The worker died: the unfinished optimizer step is lost; its samples go back."""
+        self.num_restarts += 1
+        lost = list(self._open.sample_ids)
+        logger.error("trainer process died during task %s; restarting (%d samples go back to the pool)",
+                     self._in_flight.task_id if self._in_flight else None, len(lost))
+        self._in_flight = None
+        committed = self.trainer.restart()
+        if committed > self._open.index:
+            # NOTE: the worker committed the step but died before reporting it: keep it.
+            self.pool.retire(lost)
+            self.steps_done += 1
+            self.tokens_trained += self._open.tokens
+            self._open = _OpenStep(committed)
+        else:
+            self.pool.release(lost)
+            self._open = _OpenStep(self._open.index)
+        # Captured-but-unsubmitted rows were forwarded with the committed adapter: still valid,
+        # but their activations sit in the store with the lost task's; recapture them.
+        if self._task_rows:
+            self.pool.release([r.sample_id for r in self._task_rows])
+            self._task_rows = []
+        self.store.reset()
+
+    def close(self) -> None:
+        self.trainer.close()

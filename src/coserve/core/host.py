@@ -1,0 +1,86 @@
+"""The contract between coserve and the inference engine it runs inside (the host).
+
+A host calls a :class:`CoServer` at five points (DESIGN §5); everything else — request
+handling, batching, KV management, sampling, CUDA graphs — stays the host's own.
+
+1. ``plan(view) -> list[FTRow]`` right before the host dispatches a step. The host adds the
+   returned rows to the step as prefill-only rows on the training adapter slot that write no KV
+   cache, compute no logits and emit no token, placed after its own prefill rows and before its
+   decode rows, in the order returned. ``plan`` may claim samples and reserve activation space;
+   it must not touch the host's state.
+2. ``on_layer(layer, hidden)`` inside the forward pass, at the residual-stream input of every
+   decoder layer and once after the last one (``layer == num_layers``, before the final norm).
+   ``hidden`` is the whole batch ``[T, d]``; the fine-tuning rows are the ``ft_tokens`` tokens
+   starting at ``ft_start`` (both given by the host in :meth:`CoServer.begin_step`). It may read
+   ``hidden``; it must not change it. It may raise :class:`Interrupted` in an FT-only step.
+3. ``on_step_end(record)`` after the step's outputs are known: measured time, batch features,
+   mode. Retires the step's fine-tuning rows and hands full backward tasks to the trainer.
+4. ``on_blocks_needed(n) -> blocks`` when the host's block manager runs out of KV blocks.
+5. ``calibrate(run_batch)`` after the host's warm-up, before serving.
+
+What a host lends: the training adapter's weight tensors (a reserved slot of its multi-LoRA
+batching, updated in place only), the base weights, and (later) its KV pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class Interrupted(Exception):
+    """Raised from ``on_layer`` to abandon an FT-only step because inference work arrived."""
+
+
+@dataclass(frozen=True)
+class PrefillView:
+    """One inference prefill chunk of the proposed step."""
+
+    num_tokens: int
+    context_len: int
+    arrival_time: float
+
+
+@dataclass(frozen=True)
+class StepView:
+    """The inference batch a host is about to run, as coserve needs to see it.
+
+    ``token_budget`` is how many more tokens (of any row kind) the host accepts in this step.
+    ``num_waiting`` / ``oldest_waiting_arrival`` describe requests queued behind the step.
+    """
+
+    now: float
+    prefills: tuple[PrefillView, ...] = ()
+    num_decodes: int = 0
+    decode_kv_tokens: int = 0
+    mode: str = "eager"
+    token_budget: int = 0
+    num_waiting: int = 0
+    oldest_waiting_arrival: float | None = None
+
+    @property
+    def has_inference(self) -> bool:
+        return bool(self.prefills) or self.num_decodes > 0
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(p.num_tokens for p in self.prefills)
+
+
+@dataclass(frozen=True)
+class FTRow:
+    """A fine-tuning sample placed in a step."""
+
+    sample_id: int
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What a step was and how long it took (latency-model training data)."""
+
+    view: StepView
+    ft_tokens: int
+    duration_s: float
+    mode: str = "eager"
+    interrupted: bool = False
+    ft_rows: tuple[int, ...] = field(default_factory=tuple)

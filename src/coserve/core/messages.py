@@ -1,0 +1,53 @@
+"""Typed messages between the engine and the trainer worker (pickled through multiprocessing queues)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TaskSample:
+    """One captured sample of a backward task: its tokens sit at ``[offset, offset + len(labels))``
+    of every plane of the activation store."""
+
+    sample_id: int
+    offset: int
+    labels: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BackwardTask:
+    """A batch of captured samples to differentiate. ``step`` is the optimizer step it belongs
+    to; the step is applied after the task with ``ends_step``."""
+
+    task_id: int
+    step: int
+    samples: tuple[TaskSample, ...]
+    ends_step: bool
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """An optimizer step that the trainer applied (or skipped: non-finite loss/gradient)."""
+
+    step: int
+    lr: float
+    grad_norm: float
+    skipped: bool
+
+
+@dataclass(frozen=True)
+class TaskResult:
+    task_id: int
+    loss_sum: float
+    num_targets: int
+    duration_s: float
+    step_info: StepInfo | None = None
+
+
+@dataclass(frozen=True)
+class TrainerFailed:
+    """The worker caught an exception it cannot recover from; it exits after sending this."""
+
+    task_id: int | None
+    error: str
