@@ -24,8 +24,8 @@ class TrainerClient(Protocol):
 
     def submit(self, task: BackwardTask) -> None: ...
 
-    def poll(self) -> list[TaskResult]:
-        """Results that arrived since the last call (never blocks)."""
+    def poll(self, timeout: float = 0.0) -> list[TaskResult]:
+        """Results that arrived since the last call; waits up to ``timeout`` s for the first."""
         ...
 
     def alive(self) -> bool: ...
@@ -188,9 +188,9 @@ class CoServer:
         self._in_flight = task
         self.trainer.submit(task)
 
-    def poll(self) -> None:
-        """Take in trainer results; recover from a dead trainer."""
-        for result in self.trainer.poll():
+    def poll(self, timeout: float = 0.0) -> None:
+        """Take in trainer results (waiting up to ``timeout`` s); recover from a dead trainer."""
+        for result in self.trainer.poll(timeout if self._in_flight is not None else 0.0):
             self._on_result(result)
         if self._in_flight is not None and not self.trainer.alive():
             self._recover()

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from coserve.core.coserver import CoServer
+from coserve.core.host import FTRow, PrefillView, StepRecord, StepView
 from coserve.engine.block_manager import BlockManager
 from coserve.engine.config import EngineConfig
 from coserve.engine.lora_manager import LoRAManager
@@ -82,6 +84,13 @@ class LLMEngine:
         self._requests: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.last_step: StepStats | None = None
+        self.coserver: CoServer | None = None
+        self.training_slot = -1
+
+    def attach(self, coserver: CoServer, training_slot: int = 0) -> None:
+        """Co-serve: let ``coserver`` add fine-tuning rows (on a training adapter slot) to steps."""
+        self.coserver = coserver
+        self.training_slot = self.lora_manager.training_slot(training_slot)
 
     # ------------------------------------------------------------------ requests
 
@@ -166,19 +175,48 @@ class LLMEngine:
         """Schedule and run one forward pass; returns the outputs of requests that got a token."""
         start = time.perf_counter()
         sched = self.scheduler.schedule()
-        if sched.is_empty:
+        ft_rows: list[FTRow] = []
+        view = None
+        if self.coserver is not None:
+            view = self._view(sched)
+            ft_rows = self.coserver.plan(view)
+        if sched.is_empty and not ft_rows:
             return []
-        rows = self.build_rows(sched)
-        logits = self.runner.execute(rows)
-        return self.finish_step(sched, logits, start)
+        rows = self.build_rows(sched, ft_rows)
+        hook = self.coserver.on_layer if ft_rows and self.coserver is not None else None
+        logits = self.runner.execute(rows, hook)
+        outputs = self.finish_step(sched, logits, start)
+        if self.coserver is not None and view is not None:
+            assert self.last_step is not None
+            self.coserver.on_step_end(StepRecord(
+                view=view, ft_tokens=sum(len(r.token_ids) for r in ft_rows),
+                duration_s=self.last_step.duration_s, ft_rows=tuple(r.sample_id for r in ft_rows),
+            ))
+        return outputs
 
-    def build_rows(self, sched: SchedulerOutput) -> list[BatchRow]:
+    def _view(self, sched: SchedulerOutput) -> StepView:
+        waiting = self.scheduler.waiting
+        return StepView(
+            now=time.monotonic(),
+            prefills=tuple(PrefillView(c.num_tokens, c.context_len, c.seq.arrival_time) for c in sched.prefills),
+            num_decodes=len(sched.decodes),
+            decode_kv_tokens=sum(c.context_len + 1 for c in sched.decodes),
+            mode="eager",
+            token_budget=self.config.max_num_batched_tokens - sched.num_tokens,
+            num_waiting=len(waiting),
+            oldest_waiting_arrival=waiting[0].arrival_time if waiting else None,
+        )
+
+    def build_rows(self, sched: SchedulerOutput, ft_rows: list[FTRow] | None = None) -> list[BatchRow]:
+        """Rows in the order the attention layout needs: prefills, fine-tuning rows, decodes."""
         rows = []
         for chunk in sched.prefills:
             seq = chunk.seq
             ctx = chunk.context_len
             rows.append(BatchRow(seq.token_slice(ctx, ctx + chunk.num_tokens), ctx, seq.block_table,
                                  seq.lora_slot, samples=chunk.samples))
+        for ft in ft_rows or ():
+            rows.append(BatchRow(list(ft.token_ids), 0, [], self.training_slot, writes_kv=False))
         for chunk in sched.decodes:
             seq = chunk.seq
             ctx = chunk.context_len
@@ -195,7 +233,7 @@ class LLMEngine:
             [s.generator for s in sampling],
             [s.num_output_tokens for s in sampling],
             self.eos_token_ids,
-        )
+        ) if sampling else []
         for c in chunks:
             c.seq.num_computed_tokens += c.num_tokens
         now = time.monotonic()

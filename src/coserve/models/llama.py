@@ -158,8 +158,25 @@ class LlamaForCausalLM(nn.Module):
     def lora_linears(self) -> list[LoRALinear]:
         return [m for m in self.modules() if isinstance(m, LoRALinear)]
 
+    def lora_stacks(self, layer: int, target: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The adapter-slot stacks ``(A [S, r, in], B [S, out, r])`` of one LoRA target."""
+        block = self.model.layers[layer]
+        assert isinstance(block, DecoderLayer)
+        lin = _TARGET_MODULE[target](block)
+        return lin.lora_stacks(target)
+
 
 _DEFAULT_BACKEND = TorchAttention()
+
+_TARGET_MODULE: dict[str, Callable[[DecoderLayer], LoRALinear]] = {
+    "q_proj": lambda b: b.self_attn.qkv_proj,
+    "k_proj": lambda b: b.self_attn.qkv_proj,
+    "v_proj": lambda b: b.self_attn.qkv_proj,
+    "o_proj": lambda b: b.self_attn.o_proj,
+    "gate_proj": lambda b: b.mlp.gate_up_proj,
+    "up_proj": lambda b: b.mlp.gate_up_proj,
+    "down_proj": lambda b: b.mlp.down_proj,
+}
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

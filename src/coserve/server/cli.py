@@ -6,6 +6,10 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from coserve.server.finetune import FinetuneSpec
 
 Command = Callable[[argparse.Namespace], int]
 COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Command]] = {}
@@ -74,6 +78,79 @@ def generate(args: argparse.Namespace) -> int:
         c = out.outputs[0]
         print(f"--- {prompt!r} -> {len(c.token_ids)} tokens, finish={c.finish_reason}")
         print(c.text)
+    return 0
+
+
+def add_finetune_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", required=True, help="JSON/JSONL dataset: Alpaca, chat (messages) or pre-tokenized rows")
+    p.add_argument("--output", required=True, help="output directory (adapter/, train_log.jsonl, run_config.json)")
+    p.add_argument("--init-adapter", default=None, help="continue from this PEFT adapter directory")
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--lora-alpha", type=float, default=32.0)
+    p.add_argument("--lora-dropout", type=float, default=0.0)
+    p.add_argument("--target-modules", default="q_proj,k_proj,v_proj,o_proj",
+                   help="comma-separated: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lr-scheduler", default="constant", choices=["constant", "linear", "cosine"])
+    p.add_argument("--warmup-steps", type=int, default=0)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="0 turns clipping off")
+    p.add_argument("--grad-accum", type=int, default=1, help="backward tasks per optimizer step")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--backward-tokens", type=int, default=256)
+    p.add_argument("--max-seq-len", type=int, default=512)
+    p.add_argument("--train-on-prompt", action="store_true")
+    p.add_argument("--trainer-threads", type=int, default=0, help="torch threads of the trainer process (0: default)")
+
+
+def finetune_spec(args: argparse.Namespace) -> FinetuneSpec:
+    from pathlib import Path
+
+    from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig
+    from coserve.server.finetune import FinetuneSpec
+
+    return FinetuneSpec(
+        data=Path(args.data),
+        output=Path(args.output),
+        lora=LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
+                        target_modules=tuple(t.strip() for t in args.target_modules.split(",") if t.strip())),
+        optim=OptimConfig(lr=args.lr, lr_scheduler=args.lr_scheduler, warmup_steps=args.warmup_steps,
+                          weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+                          accumulation_tasks=args.grad_accum),
+        coserve=CoServeConfig(backward_tokens=args.backward_tokens, max_seq_len=args.max_seq_len,
+                              epochs=args.epochs, seed=args.seed, train_on_prompt=args.train_on_prompt),
+        init_adapter=Path(args.init_adapter) if args.init_adapter else None,
+        trainer_threads=args.trainer_threads,
+    )
+
+
+def _finetune_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    add_finetune_args(p)
+
+
+@command("finetune", _finetune_args)
+def finetune(args: argparse.Namespace) -> int:
+    """Fine-tune alone, through the engine's FT-only steps."""
+    from coserve.engine.config import EngineConfig
+    from coserve.engine.llm_engine import LLMEngine
+    from coserve.server.finetune import FinetuneSession, run_to_completion
+
+    spec = finetune_spec(args)
+    kwargs = engine_kwargs(args)
+    kwargs["max_lora_rank"] = max(int(kwargs["max_lora_rank"]), spec.lora.rank)  # type: ignore[call-overload]
+    engine = LLMEngine(EngineConfig(model=args.model, num_training_slots=1, **kwargs))  # type: ignore[arg-type]
+    session = FinetuneSession(engine, spec)
+    stats = session.dataset.stats
+    print(f"dataset {spec.data}: {stats.num_samples} samples, {stats.num_tokens} tokens "
+          f"({stats.num_skipped} malformed rows skipped, {stats.num_truncated} truncated)")
+    path = run_to_completion(engine, session)
+    hist = session.history
+    first = next((h.loss for h in hist if h.loss is not None), None)
+    last = next((h.loss for h in reversed(hist) if h.loss is not None), None)
+    print(f"trained {len(hist)} optimizer steps, {session.coserver.tokens_trained} tokens "
+          f"({session.tokens_per_second:.0f} tokens/s); loss {first} -> {last}")
+    print(f"adapter: {path}\nlog: {spec.output / 'train_log.jsonl'}")
     return 0
 
 

@@ -1,0 +1,172 @@
+"""A fine-tuning run attached to an engine: dataset, trainer process, logs, exported adapter."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from coserve.core.activations import ActivationStore
+from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig
+from coserve.core.coserver import CoServer, OptimizerStepLog
+from coserve.core.finetune import FTDataset, SamplePool, load_dataset
+from coserve.engine.llm_engine import LLMEngine
+from coserve.models.peft_adapter import (
+    LoraAdapter,
+    check_adapter_fits,
+    load_peft_adapter,
+    new_lora_adapter,
+)
+from coserve.trainer.process import TrainerProcess
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FinetuneSpec:
+    """What to train on and where the results go.
+
+    ``output/adapter`` receives the PEFT adapter, ``output/train_log.jsonl`` one line per
+    optimizer step, ``output/run_config.json`` every setting of the run.
+    """
+
+    data: Path
+    output: Path
+    lora: LoRAConfig = LoRAConfig()
+    optim: OptimConfig = OptimConfig()
+    coserve: CoServeConfig = CoServeConfig()
+    init_adapter: Path | None = None
+    trainer_threads: int = 0
+
+
+class FinetuneSession:
+    """Builds and owns everything a fine-tuning run needs beside the engine."""
+
+    def __init__(self, engine: LLMEngine, spec: FinetuneSpec) -> None:
+        if engine.tokenizer is None:
+            raise ValueError("fine-tuning needs the model's tokenizer (skip_tokenizer_init is set)")
+        if engine.config.num_training_slots < 1:
+            raise ValueError("the engine has no training adapter slot: start it with num_training_slots >= 1")
+        if spec.lora.rank > engine.config.max_lora_rank:
+            raise ValueError(f"--lora-rank {spec.lora.rank} exceeds the engine's max_lora_rank "
+                             f"{engine.config.max_lora_rank}")
+        self.engine = engine
+        self.spec = spec
+        cfg = spec.coserve
+        if cfg.max_seq_len > engine.max_model_len:
+            raise ValueError(f"--max-seq-len {cfg.max_seq_len} exceeds the model's context {engine.max_model_len}")
+        self.dataset: FTDataset = load_dataset(spec.data, engine.tokenizer, max_seq_len=cfg.max_seq_len,
+                                               train_on_prompt=cfg.train_on_prompt)
+        stats = self.dataset.stats
+        if stats.num_skipped:
+            logger.warning("%s: %d malformed rows skipped (first: line %d: %s)", spec.data, stats.num_skipped,
+                           self.dataset.skipped[0].line, self.dataset.skipped[0].reason)
+        optim = spec.optim
+        if optim.total_steps == 0:
+            optim = replace(optim, total_steps=self.estimate_steps())
+        self.optim = optim
+        self.pool = SamplePool(self.dataset.samples, epochs=cfg.epochs, seed=cfg.seed, shuffle=cfg.shuffle,
+                               window=cfg.candidate_window)
+        adapter = self._initial_adapter()
+        model = engine.model
+        self.store = ActivationStore(model.config.num_layers, cfg.store_capacity, model.config.hidden_size,
+                                     engine.runner.dtype, engine.runner.device)
+        self.trainer = TrainerProcess(
+            model, self.store.tensor, engine.lora_manager.scales, adapter,
+            slot=engine.lora_manager.training_slot(0), optim=optim, dropout=spec.lora.dropout, seed=cfg.seed,
+            num_threads=spec.trainer_threads,
+        )
+        self.coserver = CoServer(
+            pool=self.pool, samples={s.sample_id: s for s in self.dataset.samples}, store=self.store,
+            trainer=self.trainer, config=cfg, optim=optim, on_step_logged=self._log_step,
+        )
+        engine.attach(self.coserver, 0)
+        spec.output.mkdir(parents=True, exist_ok=True)
+        self._log_path = spec.output / "train_log.jsonl"
+        self._log_path.write_text("")
+        self._write_run_config()
+        self.started = time.monotonic()
+        self.history: list[OptimizerStepLog] = []
+
+    def estimate_steps(self) -> int:
+        """Optimizer steps the run will take (for the LR schedule): tasks close at the first sample
+        that brings them to ``backward_tokens``, so this is an estimate unless samples are uniform."""
+        stats = self.dataset.stats
+        cfg = self.spec.coserve
+        mean = stats.num_tokens / max(1, stats.num_samples)
+        per_task = max(1, math.ceil(cfg.backward_tokens / mean))
+        tasks = math.ceil(stats.num_samples / per_task) * cfg.epochs
+        return max(1, math.ceil(tasks / self.spec.optim.accumulation_tasks))
+
+    def _initial_adapter(self) -> LoraAdapter:
+        model_cfg = self.engine.model_config
+        shapes = model_cfg.linear_shapes()
+        if self.spec.init_adapter is not None:
+            adapter = load_peft_adapter(self.spec.init_adapter)
+            check_adapter_fits(adapter, num_layers=model_cfg.num_layers, shapes=shapes,
+                               max_rank=self.engine.config.max_lora_rank, path=self.spec.init_adapter)
+            return adapter
+        lora = self.spec.lora
+        return new_lora_adapter(num_layers=model_cfg.num_layers, shapes=shapes, rank=lora.rank, alpha=lora.alpha,
+                                target_modules=lora.target_modules, use_rslora=lora.use_rslora,
+                                seed=self.spec.coserve.seed, base_model_name_or_path=str(self.engine.config.model))
+
+    def _write_run_config(self) -> None:
+        cfg = {
+            "data": str(self.spec.data), "model": self.engine.config.model,
+            "lora": asdict(self.spec.lora), "optim": asdict(self.optim), "coserve": asdict(self.spec.coserve),
+            "init_adapter": str(self.spec.init_adapter) if self.spec.init_adapter else None,
+            "dataset": asdict(self.dataset.stats),
+            "skipped_rows": [{"line": r.line, "reason": r.reason} for r in self.dataset.skipped],
+        }
+        (self.spec.output / "run_config.json").write_text(json.dumps(cfg, indent=2, default=str))
+
+    def _log_step(self, entry: OptimizerStepLog) -> None:
+        self.history.append(entry)
+        with self._log_path.open("a") as f:
+            f.write(json.dumps(asdict(entry)) + "\n")
+
+    @property
+    def done(self) -> bool:
+        return self.coserver.done
+
+    def wait(self, timeout: float) -> None:
+        """Block up to ``timeout`` s for the trainer (when the engine has nothing else to do)."""
+        self.coserver.poll(timeout)
+
+    def export(self) -> Path:
+        path = self.spec.output / "adapter"
+        self.trainer.export(path, base_model_name_or_path=str(self.engine.config.model))
+        return path
+
+    def close(self) -> None:
+        self.coserver.close()
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.coserver.tokens_trained / max(1e-9, time.monotonic() - self.started)
+
+
+def run_to_completion(engine: LLMEngine, session: FinetuneSession, progress: bool = True) -> Path:
+    """Drive FT-only steps until every epoch is trained; returns the exported adapter path."""
+    from tqdm import tqdm
+
+    total = session.pool.progress.samples_total
+    bar = tqdm(total=total, unit="sample", disable=not progress, desc="finetune")
+    try:
+        while not session.done:
+            if not engine.step() and not engine.has_unfinished_requests():
+                session.wait(0.05)
+            done = session.pool.progress.samples_retired
+            if done != bar.n:
+                bar.update(done - bar.n)
+                loss = session.coserver.last_loss
+                bar.set_postfix(loss=f"{loss:.4f}" if loss is not None else "-",
+                                tok_s=f"{session.tokens_per_second:.0f}", step=session.coserver.steps_done)
+        bar.close()
+        return session.export()
+    finally:
+        session.close()

@@ -1,0 +1,157 @@
+"""The engine-side handle of the trainer worker: start, feed, watch, restart, export."""
+
+from __future__ import annotations
+
+import logging
+import queue
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from coserve.core.config import OptimConfig
+from coserve.core.messages import BackwardTask, TaskResult, TrainerFailed
+from coserve.models.llama import LlamaForCausalLM
+from coserve.models.peft_adapter import LoraAdapter, save_peft_adapter
+from coserve.trainer.lora_params import TrainableLoRA
+from coserve.trainer.worker import WorkerSpec, run_worker
+
+logger = logging.getLogger(__name__)
+
+
+class TrainerProcess:
+    """Runs :func:`run_worker` in a spawned process that shares the model, the serving adapter
+    slot, the activation store and the optimizer-state banks with this process (no copies).
+
+    Implements ``coserve.core.coserver.TrainerClient``.
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        store: torch.Tensor,
+        scales: torch.Tensor,
+        adapter: LoraAdapter,
+        *,
+        slot: int,
+        optim: OptimConfig,
+        dropout: float = 0.0,
+        seed: int = 0,
+        num_threads: int = 0,
+    ) -> None:
+        device = store.device
+        self._layout = TrainableLoRA(adapter, dropout=dropout, seed=seed, device="cpu")
+        numel = self._layout.flat.numel()
+        self.banks = torch.zeros(2, 3, numel, dtype=torch.float32, device=device)
+        self.meta = torch.tensor([-1, 0, 0], dtype=torch.int64)
+        if device.type == "cpu":
+            self.banks.share_memory_()
+        self.meta.share_memory_()
+        self.model = model
+        self.scales = scales
+        self.spec = WorkerSpec(model, store, scales, self.banks, self.meta, adapter, slot, dropout, seed,
+                               optim, num_threads)
+        self._ctx = mp.get_context("spawn")
+        self._proc: BaseProcess | None = None
+        self._write_serving()
+        self._start()
+
+    # ------------------------------------------------------------------ TrainerClient
+
+    def submit(self, task: BackwardTask) -> None:
+        self._tasks.put(task)
+
+    def poll(self, timeout: float = 0.0) -> list[TaskResult]:
+        out: list[TaskResult] = []
+        block = timeout > 0
+        while True:
+            try:
+                msg = self._results.get(block=block, timeout=timeout if block else None)
+            except queue.Empty:
+                return out
+            block = False
+            if isinstance(msg, TrainerFailed):
+                logger.error("trainer failed on task %s:\n%s", msg.task_id, msg.error)
+                continue
+            out.append(msg)
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.is_alive()
+
+    def restart(self) -> int:
+        self._stop(kill=True)
+        self._write_serving()
+        self._start()
+        return self.committed_steps
+
+    def close(self) -> None:
+        self._stop(kill=False)
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def committed_steps(self) -> int:
+        bank = int(self.meta[0])
+        return int(self.meta[1 + bank]) if bank >= 0 else 0
+
+    def committed_adapter(self, base_model_name_or_path: str | None = None) -> LoraAdapter:
+        """The adapter after the last committed optimizer step (the initial one before any)."""
+        bank = int(self.meta[0])
+        if bank >= 0:
+            with torch.no_grad():
+                self._layout.flat.copy_(self.banks[bank, 0].cpu())
+        return self._layout.to_adapter(base_model_name_or_path)
+
+    def export(self, path: str | Path, base_model_name_or_path: str | None = None) -> None:
+        """Write the committed adapter as a PEFT directory (atomically)."""
+        save_peft_adapter(self.committed_adapter(base_model_name_or_path), path)
+
+    def committed_state(self) -> tuple[torch.Tensor, int]:
+        """``([3, P] master + AdamW moments on CPU, optimizer steps)`` of the last commit."""
+        bank = int(self.meta[0])
+        if bank < 0:
+            return torch.empty(0), 0
+        return self.banks[bank].cpu().clone(), int(self.meta[1 + bank])
+
+    def load_state(self, state: torch.Tensor, steps: int) -> None:
+        """Resume from a saved ``committed_state`` (call before any task is submitted)."""
+        self.banks[0].copy_(state)
+        self.meta[1] = steps
+        self.meta[0] = 0
+        self.restart()
+
+    # ------------------------------------------------------------------ process
+
+    def _write_serving(self) -> None:
+        """Make the serving slot equal the committed master (or the initial adapter)."""
+        layout = TrainableLoRA(self.committed_adapter(), device=self.banks.device)
+        layout.write_serving(self.model.lora_stacks, self.spec.slot, self.scales)
+
+    def _start(self) -> None:
+        self._tasks = self._ctx.Queue()
+        self._results = self._ctx.Queue()
+        self._proc = self._ctx.Process(
+            target=run_worker, args=(self.spec, self._tasks, self._results), daemon=True,
+            name="coserve-trainer",
+        )
+        self._proc.start()
+
+    def _stop(self, kill: bool) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.is_alive() and not kill:
+            self._tasks.put(None)
+            proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=10)
+        self._proc = None
+        for q in (self._tasks, self._results):
+            q.close()
+            q.cancel_join_thread()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None

@@ -1,0 +1,99 @@
+"""The trainer worker process: backward tasks in, optimizer steps applied in place, results out."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from coserve.core.config import OptimConfig
+from coserve.core.messages import BackwardTask, StepInfo, TaskResult, TrainerFailed
+from coserve.models.llama import LlamaForCausalLM
+from coserve.models.peft_adapter import LoraAdapter
+from coserve.trainer.backward import TaskRow, task_backward
+from coserve.trainer.lora_params import TrainableLoRA
+from coserve.trainer.optim import LoRAOptimizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerSpec:
+    """Everything the worker needs. Tensors are shared with the engine (shared memory / CUDA IPC):
+    ``model`` (base weights + the serving adapter stacks), ``store`` (captured activations),
+    ``scales`` (per-slot LoRA scaling), ``banks`` ``[2, 3, P]`` (two copies of master weights +
+    AdamW moments) and ``meta`` ``[3]`` int64: ``meta[0]`` the bank holding the last committed
+    state (-1: none yet), ``meta[1 + b]`` the number of optimizer steps in bank ``b``."""
+
+    model: LlamaForCausalLM
+    store: torch.Tensor
+    scales: torch.Tensor
+    banks: torch.Tensor
+    meta: torch.Tensor
+    adapter: LoraAdapter
+    slot: int
+    dropout: float
+    seed: int
+    optim: OptimConfig
+    num_threads: int = 0
+
+
+def run_worker(spec: WorkerSpec, tasks: Any, results: Any) -> None:
+    """Process entry point: serve backward tasks until a ``None`` arrives."""
+    logging.basicConfig(level=os.environ.get("COSERVE_TRAINER_LOG", "WARNING"))
+    if spec.num_threads:
+        torch.set_num_threads(spec.num_threads)
+    task: BackwardTask | None = None
+    try:
+        worker = _Worker(spec)
+        while True:
+            task = tasks.get()
+            if task is None:
+                return
+            results.put(worker.run(task))
+    except Exception:  # the engine restarts us from the last committed state
+        results.put(TrainerFailed(task.task_id if task is not None else None, traceback.format_exc()))
+        raise
+
+
+class _Worker:
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        device = spec.store.device
+        self.lora = TrainableLoRA(spec.adapter, dropout=spec.dropout, seed=spec.seed, device=device)
+        self.optim = LoRAOptimizer(self.lora, spec.optim)
+        self.loss_sum = 0.0
+        self.num_targets = 0
+        bank = int(spec.meta[0])
+        if bank >= 0:
+            self.optim.import_state(spec.banks[bank], int(spec.meta[1 + bank]))
+
+    def run(self, task: BackwardTask) -> TaskResult:
+        start = time.perf_counter()
+        rows = [TaskRow(s.offset, s.labels) for s in task.samples]
+        loss = task_backward(self.spec.model, self.lora, self.spec.store, rows, dropout_key=task.step)
+        self.loss_sum += loss.loss_sum
+        self.num_targets += loss.num_targets
+        info = None
+        if task.ends_step:
+            res = self.optim.step(self.num_targets, self.loss_sum)
+            self.loss_sum, self.num_targets = 0.0, 0
+            self._commit()
+            info = StepInfo(task.step, res.lr, res.grad_norm, res.skipped)
+        return TaskResult(task.task_id, loss.loss_sum, loss.num_targets, time.perf_counter() - start, info)
+
+    def _commit(self) -> None:
+        """Save the new state into the other bank, flip the bank index, then update serving."""
+        spec = self.spec
+        bank = 1 - int(spec.meta[0]) if int(spec.meta[0]) >= 0 else 0
+        self.optim.export_state(spec.banks[bank])
+        spec.meta[1 + bank] = self.optim.step_count
+        if spec.banks.is_cuda:
+            torch.cuda.synchronize(spec.banks.device)
+        spec.meta[0] = bank  # NOTE: the commit point: one 8-byte write
+        self.lora.write_serving(spec.model.lora_stacks, spec.slot, spec.scales)

@@ -1,0 +1,209 @@
+"""Fine-tuning inside the engine, end to end: FT rows share steps with inference requests, the
+trainer runs in its own process, and the adapter equals what a plain transformers + peft loop
+produces from the same samples in the same optimizer steps (read back from train_log.jsonl)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from coserve import EngineConfig, LLMEngine, SamplingParams
+from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig
+from coserve.models.peft_adapter import load_peft_adapter, new_lora_adapter, save_peft_adapter
+from coserve.models.presets import preset_path
+from coserve.server.finetune import FinetuneSession, FinetuneSpec
+from tests.conftest import make_hf_model
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+# NOTE: atol 1e-5 on weights of scale ~5e-2: AdamW divides by sqrt(v), so an entry whose gradient
+# is near zero turns fp32 summation-order noise (different kernels, same math) into ~1e-6 moves.
+ATOL = 1e-5
+SCHEDULER_NAMES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = make_hf_model(tmp_path_factory.mktemp("e2e") / "llama", "llama", vocab_size=1024)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(preset_path("tiny") / name, path / name)
+    return path
+
+
+def write_dataset(path: Path, n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        length = rng.randint(6, 30)
+        ids = [rng.randrange(6, 1024) for _ in range(length)]
+        prompt = rng.randint(1, length - 2)
+        rows.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def init_adapter(model_dir: Path, out: Path, lora: LoRAConfig) -> Path:
+    """A random initial adapter with B != 0, so that every step moves every parameter."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    shapes = {"q_proj": (64, 64), "k_proj": (32, 64), "v_proj": (32, 64), "o_proj": (64, 64),
+              "gate_proj": (112, 64), "up_proj": (112, 64), "down_proj": (64, 112)}
+    adapter = new_lora_adapter(num_layers=cfg["num_hidden_layers"], shapes=shapes, rank=lora.rank,
+                               alpha=lora.alpha, target_modules=lora.target_modules, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    weights = {k: (a, torch.randn(b.shape, generator=gen) * 0.05) for k, (a, b) in adapter.weights.items()}
+    save_peft_adapter(replace(adapter, weights=weights), out)
+    return out
+
+
+def peft_reference(model_dir: Path, init_dir: Path, rows: list[dict], log: list[dict],
+                   optim: OptimConfig) -> tuple[dict, list[float]]:
+    """The plain transformers + peft loop, fed the logged optimizer steps."""
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, init_dir, is_trainable=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, eps=optim.eps,
+                            weight_decay=optim.weight_decay)
+    sched = transformers.get_scheduler(SCHEDULER_NAMES[optim.lr_scheduler], opt,
+                                       num_warmup_steps=optim.warmup_steps,
+                                       num_training_steps=optim.total_steps)
+    losses = []
+    for entry in log:
+        targets = [torch.tensor(rows[i]["labels"][1:]) for i in entry["sample_ids"]]
+        total = sum(int((t != -100).sum()) for t in targets)
+        step_loss = 0.0
+        for i, target in zip(entry["sample_ids"], targets, strict=True):
+            logits = model(input_ids=torch.tensor([rows[i]["input_ids"]])).logits[0, :-1]
+            keep = target != -100
+            loss = F.cross_entropy(logits[keep], target[keep], reduction="sum")
+            (loss / total).backward()
+            step_loss += loss.item()
+        if optim.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(params, optim.max_grad_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(step_loss / total)
+    out = init_dir.parent / "peft_out"
+    model.save_pretrained(out)
+    return load_peft_adapter(out).weights, losses
+
+
+def drive(engine: LLMEngine, session: FinetuneSession, prompts: list[list[int]], kill_after_task: bool = False
+          ) -> tuple[dict[str, list[int]], int]:
+    """Feed inference requests while fine-tuning runs; returns outputs and the count of mixed steps."""
+    mixed = 0
+    original = session.coserver.on_step_end
+
+    def count(record):  # type: ignore[no-untyped-def]
+        nonlocal mixed
+        mixed += int(record.ft_tokens > 0 and record.view.has_inference)
+        original(record)
+
+    session.coserver.on_step_end = count  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+    outputs: dict[str, list[int]] = {}
+    pending = list(enumerate(prompts))
+    killed = not kill_after_task
+    steps = 0
+    while not session.done or engine.has_unfinished_requests() or pending:
+        if pending and steps % 3 == 0:
+            i, p = pending.pop(0)
+            engine.add_request(f"r{i}", p, params)
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+        if not killed and session.coserver.backward_running:
+            os.kill(session.trainer.pid, signal.SIGKILL)  # type: ignore[arg-type]
+            killed = True
+        if not session.done and not engine.has_unfinished_requests():
+            session.wait(0.05)
+        steps += 1
+        assert steps < 5000
+    return outputs, mixed
+
+
+@pytest.mark.parametrize(
+    "lora, optim, backward_tokens",
+    [
+        (LoRAConfig(rank=8, alpha=16, target_modules=("q_proj", "v_proj")),
+         OptimConfig(lr=1e-2, max_grad_norm=0.0), 48),
+        (LoRAConfig(rank=16, alpha=8, target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                       "up_proj", "down_proj")),
+         OptimConfig(lr=5e-3, weight_decay=0.1, lr_scheduler="cosine", warmup_steps=2, max_grad_norm=0.5,
+                     accumulation_tasks=2), 40),
+    ],
+    ids=["r8-qv", "r16-all-accum-cosine-clip"],
+)
+def test_coserved_adapter_equals_peft_loop(model_dir: Path, tmp_path: Path, lora: LoRAConfig,
+                                           optim: OptimConfig, backward_tokens: int) -> None:
+    rows = write_dataset(tmp_path / "data.jsonl", 14, seed=lora.rank)
+    init = init_adapter(model_dir, tmp_path / "init", lora)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), num_training_slots=1, max_lora_rank=16,
+                                    max_num_batched_tokens=96))
+    spec = FinetuneSpec(data=tmp_path / "data.jsonl", output=tmp_path / "out", lora=lora, optim=optim,
+                        coserve=CoServeConfig(backward_tokens=backward_tokens, max_seq_len=64, epochs=2, seed=5),
+                        init_adapter=init, trainer_threads=1)
+    session = FinetuneSession(engine, spec)
+    prompts = [[random.Random(i).randrange(6, 1024) for _ in range(5 + i)] for i in range(8)]
+    outputs, mixed = drive(engine, session, prompts)
+    adapter_dir = session.export()
+    session.close()
+    assert mixed > 0, "no step carried inference and fine-tuning rows together"
+
+    log = [json.loads(line) for line in (tmp_path / "out" / "train_log.jsonl").read_text().splitlines()]
+    trained = sorted(i for e in log for i in e["sample_ids"])
+    assert trained == sorted(list(range(len(rows))) * 2), "every sample once per epoch"
+    expected, ref_losses = peft_reference(model_dir, init, rows, log, session.optim)
+    assert [e["loss"] for e in log] == pytest.approx(ref_losses, rel=1e-5)
+    got = load_peft_adapter(adapter_dir).weights
+    assert got.keys() == expected.keys()
+    for key, (a, b) in expected.items():
+        torch.testing.assert_close(got[key][0], a, rtol=1e-4, atol=ATOL, msg=lambda m, k=key: f"A {k}: {m}")
+        torch.testing.assert_close(got[key][1], b, rtol=1e-4, atol=ATOL, msg=lambda m, k=key: f"B {k}: {m}")
+
+    # Inference rows are unaffected by the fine-tuning rows that shared their steps.
+    plain = LLMEngine(EngineConfig(model=str(model_dir), max_num_batched_tokens=96))
+    for i, p in enumerate(prompts):
+        plain.add_request(f"r{i}", p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    reference: dict[str, list[int]] = {}
+    while plain.has_unfinished_requests():
+        for out in plain.step():
+            if out.finished:
+                reference[out.request_id] = out.outputs[0].token_ids
+    assert outputs == reference
+
+
+def test_trainer_killed_mid_task_recovers(model_dir: Path, tmp_path: Path) -> None:
+    lora = LoRAConfig(rank=8, alpha=16, target_modules=("q_proj", "v_proj"))
+    optim = OptimConfig(lr=1e-2, max_grad_norm=0.0)
+    rows = write_dataset(tmp_path / "data.jsonl", 12, seed=7)
+    init = init_adapter(model_dir, tmp_path / "init", lora)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), num_training_slots=1, max_lora_rank=16,
+                                    max_num_batched_tokens=96))
+    spec = FinetuneSpec(data=tmp_path / "data.jsonl", output=tmp_path / "out", lora=lora, optim=optim,
+                        coserve=CoServeConfig(backward_tokens=48, max_seq_len=64, epochs=1, seed=5),
+                        init_adapter=init, trainer_threads=1)
+    session = FinetuneSession(engine, spec)
+    prompts = [[3 + i, 7, 9, 11] for i in range(10)]
+    outputs, _ = drive(engine, session, prompts, kill_after_task=True)
+    adapter_dir = session.export()
+    session.close()
+    assert session.coserver.num_restarts == 1
+    assert len(outputs) == len(prompts), "inference kept serving while the trainer was down"
+    log = [json.loads(line) for line in (tmp_path / "out" / "train_log.jsonl").read_text().splitlines()]
+    assert sorted(i for e in log for i in e["sample_ids"]) == list(range(len(rows)))
+    expected, _ = peft_reference(model_dir, init, rows, log, session.optim)
+    got = load_peft_adapter(adapter_dir).weights
+    for key, (a, b) in expected.items():
+        torch.testing.assert_close(got[key][0], a, rtol=1e-4, atol=ATOL)
+        torch.testing.assert_close(got[key][1], b, rtol=1e-4, atol=ATOL)
