@@ -13,7 +13,7 @@ import torch
 from coserve.core.activations import ActivationStore
 from coserve.core.config import CoServeConfig, OptimConfig
 from coserve.core.finetune import FTSample, SamplePool
-from coserve.core.host import FTRow, StepRecord, StepView
+from coserve.core.host import FTRow, Interrupted, StepRecord, StepView
 from coserve.core.messages import BackwardTask, TaskResult, TaskSample
 
 logger = logging.getLogger(__name__)
@@ -29,6 +29,14 @@ class TrainerClient(Protocol):
         ...
 
     def alive(self) -> bool: ...
+
+    def pause(self) -> None:
+        """Clear the grant flag: the backward stops at its next layer boundary."""
+        ...
+
+    def resume(self) -> None:
+        """Set the grant flag."""
+        ...
 
     def restart(self) -> int:
         """Start a fresh worker from the last committed state; returns the committed step count."""
@@ -103,6 +111,13 @@ class CoServer:
         self.tokens_trained = 0
         self.num_restarts = 0
         self.last_loss: float | None = None
+        # Set by the host: True when an inference request is waiting to be scheduled.
+        self.arrival_probe: Callable[[], bool] | None = None
+        self.interrupt_ft_only = True
+        self.num_interrupted = 0
+        self._ft_only = False
+        self._paused = False
+        self._layer_events: list[torch.cuda.Event] = []
 
     # ------------------------------------------------------------------ hooks
 
@@ -118,6 +133,9 @@ class CoServer:
         """Choose the fine-tuning rows of the next step (hook 1)."""
         self.poll()
         self._step_rows = []
+        if self._in_flight is not None and view.num_prefill_tokens > 0:
+            self.trainer.pause()  # NOTE: set again in on_step_end, whatever happens in between
+            self._paused = True
         if self._in_flight is not None or self._task_full():
             return []
         budget = view.token_budget if view.has_inference else self.store.capacity
@@ -135,6 +153,7 @@ class CoServer:
         self.pool.claim([s.sample_id for s in picked])
         offset = self.store.reserve(sum(s.num_tokens for s in picked))
         self._step_ft_start = view.num_prefill_tokens
+        self._ft_only = not view.has_inference
         for s in picked:
             self._step_rows.append(TaskSample(s.sample_id, offset, s.labels))
             offset += s.num_tokens
@@ -142,17 +161,37 @@ class CoServer:
 
     def on_layer(self, layer: int, hidden: torch.Tensor) -> None:
         """Copy the fine-tuning rows' residual stream into the store (hook 2)."""
-        if self._step_rows:
-            n = self._step_tokens()
-            start = self._step_ft_start
-            self.store.capture(layer, self._step_rows[0].offset, hidden[start : start + n])
+        if not self._step_rows:
+            return
+        if self._ft_only and self.interrupt_ft_only and self.arrival_probe is not None:
+            if hidden.is_cuda:
+                self._bound_lookahead()
+            if self.arrival_probe():
+                raise Interrupted(f"inference work arrived before layer {layer}")
+        n = self._step_tokens()
+        start = self._step_ft_start
+        self.store.capture(layer, self._step_rows[0].offset, hidden[start : start + n])
+
+    def _bound_lookahead(self) -> None:
+        """Keep the GPU at most one layer behind the CPU in an FT-only step, so that checking
+        for arrivals at a layer boundary means something."""
+        event = torch.cuda.Event()
+        event.record()
+        self._layer_events.append(event)
+        if len(self._layer_events) > 1:
+            self._layer_events.pop(0).synchronize()
 
     def on_step_end(self, record: StepRecord) -> None:
         """Retire the step's rows into the open task; submit it when full (hook 3)."""
+        if self._paused:
+            self.trainer.resume()
+            self._paused = False
+        self._layer_events.clear()
         rows, self._step_rows = self._step_rows, []
         if not rows:
             return
         if record.interrupted:
+            self.num_interrupted += 1
             self.pool.release([r.sample_id for r in rows])
             self.store.unreserve_from(rows[0].offset)
             return

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
 
 from coserve.core.coserver import CoServer
-from coserve.core.host import FTRow, PrefillView, StepRecord, StepView
+from coserve.core.host import FTRow, Interrupted, PrefillView, StepRecord, StepView
 from coserve.engine.block_manager import BlockManager
 from coserve.engine.config import EngineConfig
 from coserve.engine.lora_manager import LoRAManager
@@ -86,11 +87,19 @@ class LLMEngine:
         self.last_step: StepStats | None = None
         self.coserver: CoServer | None = None
         self.training_slot = -1
+        # A driver that holds requests outside the engine (a replay clock, an HTTP inbox) tells
+        # here whether one is due.
+        self.external_arrivals: Callable[[], bool] | None = None
 
     def attach(self, coserver: CoServer, training_slot: int = 0) -> None:
         """Co-serve: let ``coserver`` add fine-tuning rows (on a training adapter slot) to steps."""
         self.coserver = coserver
         self.training_slot = self.lora_manager.training_slot(training_slot)
+        coserver.arrival_probe = self.arrival_pending
+
+    def arrival_pending(self) -> bool:
+        """Is inference work waiting? (An FT-only step gives way to it at the next layer.)"""
+        return bool(self.scheduler.waiting) or (self.external_arrivals is not None and self.external_arrivals())
 
     # ------------------------------------------------------------------ requests
 
@@ -184,7 +193,13 @@ class LLMEngine:
             return []
         rows = self.build_rows(sched, ft_rows)
         hook = self.coserver.on_layer if ft_rows and self.coserver is not None else None
-        logits = self.runner.execute(rows, hook)
+        try:
+            logits = self.runner.execute(rows, hook)
+        except Interrupted:
+            assert self.coserver is not None and view is not None and sched.is_empty
+            self.coserver.on_step_end(StepRecord(view=view, ft_tokens=0, duration_s=time.perf_counter() - start,
+                                                 interrupted=True))
+            return []
         outputs = self.finish_step(sched, logits, start)
         if self.coserver is not None and view is not None:
             assert self.last_step is not None

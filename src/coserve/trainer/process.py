@@ -50,9 +50,11 @@ class TrainerProcess:
         self.meta.share_memory_()
         self.model = model
         self.scales = scales
-        self.spec = WorkerSpec(model, store, scales, self.banks, self.meta, adapter, slot, dropout, seed,
-                               optim, num_threads)
         self._ctx = mp.get_context("spawn")
+        self.grant = self._ctx.Event()
+        self.grant.set()
+        self.spec = WorkerSpec(model, store, scales, self.banks, self.meta, adapter, slot, dropout, seed,
+                               optim, grant=self.grant, num_threads=num_threads)
         self._proc: BaseProcess | None = None
         self._write_serving()
         self._start()
@@ -75,6 +77,13 @@ class TrainerProcess:
                 logger.error("trainer failed on task %s:\n%s", msg.task_id, msg.error)
                 continue
             out.append(msg)
+
+    def pause(self) -> None:
+        """Clear the grant flag: the worker stops at its next layer boundary."""
+        self.grant.clear()
+
+    def resume(self) -> None:
+        self.grant.set()
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.is_alive()

@@ -40,7 +40,9 @@ class WorkerSpec:
     dropout: float
     seed: int
     optim: OptimConfig
+    grant: Any = None  # multiprocessing Event: set = the trainer may run, cleared = pause
     num_threads: int = 0
+    max_layers_ahead: int = 2
 
 
 def run_worker(spec: WorkerSpec, tasks: Any, results: Any) -> None:
@@ -69,6 +71,7 @@ class _Worker:
         self.optim = LoRAOptimizer(self.lora, spec.optim)
         self.loss_sum = 0.0
         self.num_targets = 0
+        self._events: list[torch.cuda.Event] = []
         bank = int(spec.meta[0])
         if bank >= 0:
             self.optim.import_state(spec.banks[bank], int(spec.meta[1 + bank]))
@@ -76,7 +79,9 @@ class _Worker:
     def run(self, task: BackwardTask) -> TaskResult:
         start = time.perf_counter()
         rows = [TaskRow(s.offset, s.labels) for s in task.samples]
-        loss = task_backward(self.spec.model, self.lora, self.spec.store, rows, dropout_key=task.step)
+        loss = task_backward(self.spec.model, self.lora, self.spec.store, rows, dropout_key=task.step,
+                             at_layer_boundary=self._layer_boundary)
+        self._events.clear()
         self.loss_sum += loss.loss_sum
         self.num_targets += loss.num_targets
         info = None
@@ -86,6 +91,18 @@ class _Worker:
             self._commit()
             info = StepInfo(task.step, res.lr, res.grad_norm, res.skipped)
         return TaskResult(task.task_id, loss.loss_sum, loss.num_targets, time.perf_counter() - start, info)
+
+    def _layer_boundary(self, layer: int) -> None:
+        """Pause here while the engine runs a prefill; keep GPU work queued ahead of the CPU to
+        at most ``max_layers_ahead`` layers, so that a pause takes effect within about a layer."""
+        if self.spec.store.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self._events.append(event)
+            if len(self._events) > self.spec.max_layers_ahead:
+                self._events.pop(0).synchronize()
+        if self.spec.grant is not None:
+            self.spec.grant.wait()
 
     def _commit(self) -> None:
         """Save the new state into the other bank, flip the bank index, then update serving."""

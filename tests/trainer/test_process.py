@@ -1,0 +1,68 @@
+"""The trainer worker as a process: grant flag (pause at layer boundaries), results, export."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from coserve.core.config import OptimConfig
+from coserve.core.messages import BackwardTask, TaskSample
+from coserve.models.loader import load_model
+from coserve.models.peft_adapter import new_lora_adapter
+from coserve.trainer.process import TrainerProcess
+from coserve.trainer.worker import WorkerSpec, _Worker
+
+
+def _setup(num_layers: int = 2):  # type: ignore[no-untyped-def]
+    model = load_model("tiny", num_lora_slots=1, max_lora_rank=8)
+    cfg = model.config
+    adapter = new_lora_adapter(num_layers=cfg.num_layers, shapes=cfg.linear_shapes(), rank=4, alpha=8,
+                               target_modules=("q_proj", "v_proj"), seed=0)
+    store = torch.randn(cfg.num_layers + 1, 32, cfg.hidden_size)
+    scales = torch.zeros(1)
+    task = BackwardTask(0, 0, (TaskSample(0, 0, tuple(range(10, 30))),), ends_step=True)
+    return model, adapter, store, scales, task
+
+
+def test_paused_worker_stops_at_a_layer_boundary_until_granted() -> None:
+    model, adapter, store, scales, task = _setup()
+    grant = threading.Event()  # cleared: paused
+    spec = WorkerSpec(model, store, scales, torch.zeros(2, 3, 1), torch.tensor([-1, 0, 0]), adapter, 0, 0.0, 0,
+                      OptimConfig(lr=1e-3), grant=grant)
+    spec.banks = torch.zeros(2, 3, sum(a.numel() + b.numel() for a, b in adapter.weights.values()))
+    worker = _Worker(spec)
+    ran: list[int] = []
+    for i, layer in enumerate(model.model.layers):
+        original = layer.forward
+        layer.forward = lambda *a, _i=i, _f=original, **k: (ran.append(_i), _f(*a, **k))[1]  # type: ignore[method-assign]
+    result: list[object] = []
+    thread = threading.Thread(target=lambda: result.append(worker.run(task)))
+    thread.start()
+    time.sleep(0.5)
+    assert ran == [] and not result, "the worker recomputed a layer while paused"
+    grant.set()
+    thread.join(timeout=30)
+    assert ran == list(range(model.config.num_layers - 1, -1, -1)) and result
+
+
+def test_trainer_process_pause_resume_and_commit() -> None:
+    model, adapter, store, scales, task = _setup()
+    trainer = TrainerProcess(model, store, scales, adapter, slot=0, optim=OptimConfig(lr=1e-3), num_threads=1)
+    try:
+        b_before = model.lora_stacks(0, "q_proj")[1][0, :, :4].clone()  # B starts at 0; A gets no gradient yet
+        trainer.pause()
+        trainer.submit(task)
+        assert trainer.poll(timeout=2.0) == []  # paused at its first layer boundary
+        trainer.resume()
+        results = trainer.poll(timeout=60.0)
+        assert len(results) == 1 and results[0].step_info is not None
+        assert trainer.committed_steps == 1
+        b_after = model.lora_stacks(0, "q_proj")[1][0, :, :4]
+        assert not torch.equal(b_before, b_after), "the serving slot was updated in place"
+        committed = trainer.committed_adapter()
+        torch.testing.assert_close(committed.weights[(0, "q_proj")][1], b_after)
+    finally:
+        trainer.close()
+    assert not trainer.alive()
