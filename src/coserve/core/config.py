@@ -102,3 +102,36 @@ class CoServeConfig:
         """Tokens of activations to hold: a task closes once it reaches ``backward_tokens``, so
         it never exceeds ``backward_tokens - 1 + max_seq_len``."""
         return self.backward_tokens + self.max_seq_len - 1
+
+
+FT_POLICIES = ("off", "temporal", "full")
+
+
+@dataclass(frozen=True)
+class SLOConfig:
+    """Inference latency targets and how fine-tuning may use the slack they leave (DESIGN §7).
+
+    ``margin``: fraction of each slack kept as safety (admission prices against
+    ``(1 - margin) * slack``). ``policy``: ``off`` (no fine-tuning), ``temporal`` (only FT-only
+    steps, never mixed into an inference step), ``full`` (FT-only steps and mixed steps).
+    ``interrupt_ft_only``: an arriving request interrupts a running FT-only step at the next
+    layer boundary.
+    """
+
+    ttft_slo_s: float = 1.0
+    tpot_slo_s: float = 0.1
+    margin: float = 0.1
+    policy: str = "full"
+    interrupt_ft_only: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.ttft_slo_s > 0:
+            raise ValueError(f"--ttft-slo must be positive, got {self.ttft_slo_s}")
+        if not self.tpot_slo_s > 0:
+            raise ValueError(f"--tpot-slo must be positive, got {self.tpot_slo_s}")
+        if not 0.0 <= self.margin < 1.0:
+            raise ValueError(f"--slo-margin must be in [0, 1), got {self.margin}")
+        if self.policy not in FT_POLICIES:
+            raise ValueError(
+                f"--ft-policy must be one of {', '.join(FT_POLICIES)}, got {self.policy!r}"
+            )

@@ -45,7 +45,12 @@ class StepView:
     """The inference batch a host is about to run, as coserve needs to see it.
 
     ``token_budget`` is how many more tokens (of any row kind) the host accepts in this step.
-    ``num_waiting`` / ``oldest_waiting_arrival`` describe requests queued behind the step.
+    ``num_waiting`` / ``oldest_waiting_arrival`` describe requests queued behind the step;
+    ``waiting_prefill_tokens`` is how many prompt tokens those requests still need prefilled.
+    ``prefill_remaining[i]`` is how many prompt tokens the request of ``prefills[i]`` still needs
+    after this step (chunked prefill); empty means every chunk finishes its prompt, so its first
+    token comes at the end of this step. Admission uses both to price the work ahead of a first
+    token (DESIGN §7).
     """
 
     now: float
@@ -56,6 +61,8 @@ class StepView:
     token_budget: int = 0
     num_waiting: int = 0
     oldest_waiting_arrival: float | None = None
+    waiting_prefill_tokens: int = 0
+    prefill_remaining: tuple[int, ...] = ()
 
     @property
     def has_inference(self) -> bool:
@@ -76,7 +83,11 @@ class FTRow:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """What a step was and how long it took (latency-model training data)."""
+    """What a step was and how long it took (latency-model training data).
+
+    ``ft_lens`` holds the token count of each FT row in ``ft_rows`` order (it sums to
+    ``ft_tokens``); ``trainer_busy`` says a backward task ran beside the step.
+    """
 
     view: StepView
     ft_tokens: int
@@ -84,3 +95,5 @@ class StepRecord:
     mode: str = "eager"
     interrupted: bool = False
     ft_rows: tuple[int, ...] = field(default_factory=tuple)
+    ft_lens: tuple[int, ...] = ()
+    trainer_busy: bool = False

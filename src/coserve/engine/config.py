@@ -28,6 +28,9 @@ class EngineConfig:
     num_training_slots: int = 0
     attention_backend: str = "torch"
     skip_tokenizer_init: bool = False
+    lora_backend: str = "torch"
+    enforce_eager: bool = False
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_lora_rank")
@@ -44,6 +47,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        sizes = self.cuda_graph_batch_sizes
+        if not all(isinstance(n, int) and n > 0 for n in sizes) or list(sizes) != sorted(set(sizes)):
+            raise ValueError(f"cuda_graph_batch_sizes must be increasing positive integers, got {sizes!r}")
 
     @property
     def torch_device(self) -> torch.device:

@@ -1,4 +1,8 @@
-"""Runs one step: builds the flat varlen batch, runs the model, returns the sampling rows' logits."""
+"""Runs one step: builds the flat varlen batch, runs the model, returns the sampling rows' logits.
+
+Decode-only steps replay a CUDA graph when the device and the attention backend allow it
+(:mod:`coserve.engine.cuda_graph`); every other step runs eagerly. ``last_mode`` says which.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from coserve.engine.config import EngineConfig
+from coserve.engine.cuda_graph import DecodeGraphs
 from coserve.layers.attention import AttentionMetadata, get_attention_backend
-from coserve.layers.lora import LoRABatch, StackedLoRA
+from coserve.layers.lora import LoRABatch, get_lora_op
 from coserve.models.llama import ForwardContext, LayerHook, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -51,6 +56,7 @@ class ModelRunner:
         self.dtype = model.lm_head_weight.dtype
         self.lora_scales = lora_scales
         self.backend = get_attention_backend(config.attention_backend)
+        self.lora_op = get_lora_op(config.lora_backend)
         self.num_blocks = self._num_kv_blocks()
         cfg = model.config
         self.kv_cache = torch.zeros(
@@ -59,6 +65,25 @@ class ModelRunner:
         )
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_blocks, config.block_size,
                     self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
+        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager and getattr(
+            self.backend, "cuda_graph_capable", False
+        ):
+            self.graphs = self.decode_graphs(capture=True)
+        self.last_mode = "eager"
+
+    def decode_graphs(self, capture: bool) -> DecodeGraphs:
+        """The decode-graph runner over this runner's model and cache (``capture=False``: eager replay)."""
+        sizes = [n for n in self.config.cuda_graph_batch_sizes if n <= self.config.max_num_seqs]
+        return DecodeGraphs(
+            self.model, self.kv_cache, self.backend, self.lora_scales,
+            sizes or [self.config.max_num_seqs], self.max_model_len, self.config.block_size, capture=capture,
+        )
+
+    def planned_mode(self, rows: list[BatchRow]) -> str:
+        """``graph`` when :meth:`execute` would replay a CUDA graph for ``rows``, else ``eager``."""
+        return "graph" if self.graphs is not None and self.graphs.accepts(rows) else "eager"
 
     @property
     def block_bytes(self) -> int:
@@ -112,12 +137,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, rows: list[BatchRow], layer_hook: LayerHook | None = None) -> torch.Tensor:
-        """Run one step; returns fp32 logits ``[n_sampling_rows, V]`` in row order."""
+        """Run one step; returns fp32 logits ``[n_sampling_rows, V]`` in row order.
+
+        Sets ``last_mode``: ``graph`` (decode-only step replayed from a CUDA graph; ``layer_hook``
+        must be None then, a hook forces eager) or ``eager``.
+        """
+        if layer_hook is None and self.graphs is not None and self.graphs.accepts(rows):
+            self.last_mode = "graph"
+            return self.graphs.run(rows)
+        self.last_mode = "eager"
         inputs = self.prepare(rows)
         ctx = ForwardContext(
             attn=inputs.attn,
             kv_cache=self.kv_cache,
-            lora=StackedLoRA(inputs.lora, self.lora_scales) if inputs.lora.active else None,
+            lora=self.lora_op(inputs.lora, self.lora_scales) if inputs.lora.active else None,
             backend=self.backend,
             layer_hook=layer_hook,
         )

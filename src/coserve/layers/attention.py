@@ -18,6 +18,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from coserve.layers.triton_attention import TritonAttention
+
 
 @dataclass
 class AttentionMetadata:
@@ -169,7 +171,7 @@ def causal_mask(n: int, ctx: int, sliding_window: int | None, device: torch.devi
     return mask
 
 
-ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttention}
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttention, "triton": TritonAttention}
 
 
 def get_attention_backend(name: str) -> AttentionBackend:

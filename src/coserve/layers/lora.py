@@ -10,12 +10,15 @@ addresses).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from coserve.layers.triton_lora import TritonLoRA
 
 
 @dataclass
@@ -98,6 +101,19 @@ class StackedLoRA:
         self, layer: int, target: str, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     ) -> None:
         lora_segments_ref(y, x, a, b, self.scales, self.batch)
+
+
+LoRAOp = Callable[[LoRABatch, torch.Tensor], LoRAContext]
+"""Builds the LoRA context of one step from its routing and the per-slot scales ``[S]`` fp32."""
+
+LORA_OPS: dict[str, LoRAOp] = {"torch": StackedLoRA, "triton": TritonLoRA.from_batch}
+
+
+def get_lora_op(name: str) -> LoRAOp:
+    try:
+        return LORA_OPS[name]
+    except KeyError:
+        raise ValueError(f"unknown LoRA backend {name!r}; available: {', '.join(sorted(LORA_OPS))}") from None
 
 
 class LoRALinear(nn.Module):

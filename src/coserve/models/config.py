@@ -43,6 +43,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     dtype: str = "float32"
+    initializer_range: float = 0.02
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -127,6 +128,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            initializer_range=float(cfg.get("initializer_range", 0.02)),
         )
 
     @classmethod

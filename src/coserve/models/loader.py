@@ -109,14 +109,16 @@ def load_model(
 
 
 def init_dummy_weights(net: LlamaForCausalLM, seed: int) -> None:
-    """Random weights, N(0, 0.02) like Hugging Face's init; norms at one; LoRA stacks untouched."""
+    """Random weights, N(0, initializer_range²) like Hugging Face's init; norms at one; LoRA stacks
+    untouched."""
     gen = torch.Generator(device=net.lm_head_weight.device).manual_seed(seed)
+    std = net.config.initializer_range
     with torch.no_grad():
         for name, p in net.named_parameters():
             if name.endswith("layernorm.weight") or name == "model.norm.weight":
                 p.fill_(1.0)
             else:
-                p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32) * 0.02)
+                p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32) * std)
 
 
 def load_weights(net: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:

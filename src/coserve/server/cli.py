@@ -154,6 +154,20 @@ def finetune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo_args(p: argparse.ArgumentParser) -> None:
+    from coserve.server.demo import add_demo_args
+
+    add_demo_args(p)
+
+
+@command("demo", _demo_args)
+def demo(args: argparse.Namespace) -> int:
+    """Serve a bursty workload and fine-tune in the same engine; compare with inference alone."""
+    from coserve.server.demo import run_demo
+
+    return run_demo(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="coserve", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")

@@ -78,8 +78,9 @@ def _hash64(*parts: object) -> int:
 class TrainableLoRA:
     """The fp32 master weights of the training adapter (see the module docstring for the layout).
 
-    ``flat: [P]`` fp32 leaf with ``requires_grad``; :meth:`a` / :meth:`b` are views into it, so
-    autograd through them accumulates into ``flat.grad``.
+    ``flat: [P]`` fp32 leaf with ``requires_grad`` on ``device``, initialised from ``adapter``;
+    :meth:`a` / :meth:`b` are views into it, so autograd through them accumulates into
+    ``flat.grad``. ``dropout`` is PEFT's ``lora_dropout``; ``seed`` seeds its masks.
     """
 
     def __init__(
@@ -117,10 +118,9 @@ class TrainableLoRA:
     def numel(self) -> int:
         return self.flat.numel()
 
-    def shape(self, target: str) -> tuple[int, int]:
-        """``(out, in)`` of the base linear of ``target``."""
-        s = self._slices[(0, target)]
-        return s.b_shape[0], s.a_shape[1]
+    def trains(self, layer: int, target: str) -> bool:
+        """Whether this adapter has weights for ``(layer, target)``."""
+        return (layer, target) in self._slices
 
     def a(self, layer: int, target: str) -> torch.Tensor:
         """View ``[r, in]`` of ``A`` of ``(layer, target)`` into ``flat``."""
@@ -196,7 +196,7 @@ class TrainableLoRA:
                     a_stack, b_stack = stacks(layer, target)
                     a_stack[slot].zero_()
                     b_stack[slot].zero_()
-                    if (layer, target) not in self._slices:
+                    if not self.trains(layer, target):
                         continue
                     if a_stack.shape[1] < self.rank:
                         raise ValueError(
@@ -240,7 +240,7 @@ class _TrainingLoRA:
         b: torch.Tensor,
     ) -> None:
         lora = self.lora
-        if (layer, target) not in lora._slices:
+        if not lora.trains(layer, target):
             return
         if self.key is not None:
             x = x * self._mask(layer, target, x).to(x.dtype)

@@ -1,0 +1,64 @@
+"""Per-request latency records and SLO attainment."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """What happened to one request (times in seconds on the replay clock)."""
+
+    arrival_s: float
+    first_token_s: float | None
+    finish_s: float | None
+    prompt_tokens: int
+    output_tokens: int
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first (0 for one-token outputs)."""
+        if self.finish_s is None or self.first_token_s is None:
+            return None
+        if self.output_tokens <= 1:
+            return 0.0
+        return (self.finish_s - self.first_token_s) / (self.output_tokens - 1)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]); NaN for no values."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def attained(r: RequestRecord, ttft_slo: float, tpot_slo: float) -> bool:
+    """A request meets its SLO when it finished with TTFT and TPOT within the limits."""
+    return r.ttft is not None and r.tpot is not None and r.ttft <= ttft_slo and r.tpot <= tpot_slo
+
+
+def attainment(records: Sequence[RequestRecord], ttft_slo: float, tpot_slo: float) -> float:
+    """Fraction of requests that met both SLOs (unfinished requests count as misses)."""
+    if not records:
+        return math.nan
+    return sum(attained(r, ttft_slo, tpot_slo) for r in records) / len(records)
+
+
+def latency_summary(records: Sequence[RequestRecord]) -> dict[str, float]:
+    ttft = [r.ttft for r in records if r.ttft is not None]
+    tpot = [r.tpot for r in records if r.tpot is not None]
+    out: dict[str, float] = {"requests": float(len(records)), "finished": float(len(tpot))}
+    for name, xs in (("ttft", ttft), ("tpot", tpot)):
+        for q in (50, 90, 99):
+            out[f"{name}_p{q}_ms"] = percentile(xs, q) * 1e3
+        out[f"{name}_mean_ms"] = (sum(xs) / len(xs) * 1e3) if xs else math.nan
+    return out

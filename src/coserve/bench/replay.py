@@ -1,0 +1,131 @@
+"""Open-loop replay of a workload against an engine running in this thread.
+
+Requests enter at their workload times on a monotonic clock; a step that runs long does not
+shift later arrivals (they are added late but keep their true arrival time, so TTFT counts the
+wait). The driver is the only part that knows the engine is in-process: an HTTP driver can
+replace it and produce the same :class:`RequestRecord` list.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from coserve.bench.metrics import RequestRecord
+from coserve.bench.workload import Arrival
+from coserve.engine.llm_engine import LLMEngine
+from coserve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Snapshot:
+    """Progress of a replay, handed to the tick callback."""
+
+    t: float
+    arrived: int
+    finished: list[RequestRecord]
+    inference_tokens: int
+    ft_tokens: int
+
+
+@dataclass
+class ReplayResult:
+    records: list[RequestRecord]
+    duration_s: float
+    inference_tokens: int
+    ft_tokens: int
+    timeline: list[tuple[float, int, int]] = field(default_factory=list)  # (t, inference tok, FT tok) per tick
+
+
+class InProcessDriver:
+    """Feeds ``arrivals`` to ``engine`` at their times and steps it."""
+
+    def __init__(self, engine: LLMEngine, seed: int = 0, low_token: int = 10) -> None:
+        self.engine = engine
+        self.seed = seed
+        self.low_token = low_token
+
+    def prompt(self, i: int, n: int) -> list[int]:
+        rng = random.Random(self.seed * 1_000_003 + i)
+        vocab = self.engine.model_config.vocab_size
+        return [rng.randrange(self.low_token, vocab) for _ in range(n)]
+
+    def run(
+        self,
+        arrivals: Sequence[Arrival],
+        *,
+        duration_s: float,
+        ft_tokens: Callable[[], int] | None = None,
+        idle_wait: Callable[[float], None] | None = None,
+        tick: Callable[[Snapshot], None] | None = None,
+        tick_every_s: float = 1.0,
+        drain_s: float = 30.0,
+    ) -> ReplayResult:
+        """Replay arrivals in ``[0, duration_s)``; then let admitted requests finish (at most
+        ``drain_s``). ``ft_tokens()`` reports fine-tuning tokens trained so far; ``idle_wait(s)``
+        is called instead of sleeping when the engine has nothing to do."""
+        engine = self.engine
+        todo = [a for a in arrivals if a.time_s < duration_s]
+        t0 = time.monotonic()
+        clock = lambda: time.monotonic() - t0  # noqa: E731
+        nxt = 0
+        engine.external_arrivals = lambda: nxt < len(todo) and clock() >= todo[nxt].time_s
+        starts: dict[str, tuple[float, Arrival]] = {}
+        first: dict[str, float] = {}
+        done: list[RequestRecord] = []
+        finished: set[str] = set()
+        inf_tokens = 0
+        ft0 = ft_tokens() if ft_tokens else 0
+        timeline: list[tuple[float, int, int]] = []
+        next_tick = tick_every_s
+        try:
+            while True:
+                now = clock()
+                if now >= duration_s + drain_s or (now >= duration_s and not engine.has_unfinished_requests()):
+                    break
+                while nxt < len(todo) and todo[nxt].time_s <= now:
+                    a = todo[nxt]
+                    rid = f"req{nxt}"
+                    engine.add_request(rid, self.prompt(nxt, a.prompt_tokens),
+                                       SamplingParams(max_tokens=a.output_tokens, temperature=0.0, ignore_eos=True),
+                                       arrival_time=t0 + a.time_s)
+                    starts[rid] = (a.time_s, a)
+                    nxt += 1
+                outs = engine.step()
+                for out in outs:
+                    rid = out.request_id
+                    inf_tokens += 1
+                    if rid not in first and out.metrics.first_token_time is not None:
+                        first[rid] = out.metrics.first_token_time - t0
+                    if out.finished:
+                        finished.add(rid)
+                        arr, a = starts[rid]
+                        fin = (out.metrics.finish_time or time.monotonic()) - t0
+                        done.append(RequestRecord(arr, first.get(rid), fin, a.prompt_tokens,
+                                                  len(out.outputs[0].token_ids)))
+                if not outs and not engine.has_unfinished_requests():
+                    gap = (todo[nxt].time_s - clock()) if nxt < len(todo) else duration_s - clock()
+                    if gap > 0:
+                        if idle_wait is not None:
+                            idle_wait(min(gap, 0.005))
+                        else:
+                            time.sleep(min(gap, 0.005))
+                now = clock()
+                if now >= next_tick:
+                    ft = (ft_tokens() - ft0) if ft_tokens else 0
+                    timeline.append((now, inf_tokens, ft))
+                    if tick is not None:
+                        tick(Snapshot(now, nxt, done, inf_tokens, ft))
+                    next_tick += tick_every_s
+        finally:
+            engine.external_arrivals = None
+        # Requests admitted but unfinished at the end count as misses.
+        records = list(done)
+        for rid, (arr, a) in starts.items():
+            if rid not in finished:
+                records.append(RequestRecord(arr, first.get(rid), None, a.prompt_tokens, 0))
+                engine.abort_request(rid)
+        return ReplayResult(sorted(records, key=lambda r: r.arrival_s), clock(), inf_tokens,
+                            (ft_tokens() - ft0) if ft_tokens else 0, timeline)

@@ -1,0 +1,490 @@
+"""Step latency model (DESIGN §6): features, coefficient sets per form and mode, NNLS fit.
+
+A step is priced by one of two linear forms over its batch composition:
+
+* prefill-carrying (any prefill chunk or FT row):
+  ``T = a·Σ_i (n_i + B_d)² + b·(T_in + B_d) + g·T_ft + e·K + h·Σ_i n_i·ctx_i + c``
+* decode-only: ``T = b'·B_d + e'·K + c'``
+
+``n_i`` are the prefill rows' lengths (inference chunks and FT rows), ``T_in = Σ n_i``, ``B_d``
+the decode rows, ``T_ft`` the FT tokens (extra cost of capturing their activations), ``K`` the
+KV tokens read by decode rows and ``ctx_i`` the cached context a chunk attends to (0 for FT rows).
+
+Each form has one coefficient set per mode (``graph``, ``eager``; a step with FT rows is always
+``eager``). A backward task running beside the step (``busy``) slows it by a fitted
+``T_busy = (1 + ρ)·T + δ`` per form and mode, so the idle coefficients stay those of a quiet GPU.
+All coefficients are fitted by non-negative least squares on relative error.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Final, NamedTuple
+
+import torch
+
+from coserve.core.host import PrefillView, StepRecord, StepView
+
+logger = logging.getLogger(__name__)
+
+MODES: Final = ("graph", "eager")
+TERMS: Final[dict[str, tuple[str, ...]]] = {
+    "prefill": ("a_sq", "b_tokens", "g_ft", "e_kv", "h_ctx", "c"),
+    "decode": ("b_decodes", "e_kv", "c"),
+}
+KEYS: Final = tuple(f"{form}/{mode}" for form in TERMS for mode in MODES)
+# NOTE: placeholders until calibration, deliberately slow (a few times an 8B model on one H200)
+# so that an uncalibrated server admits little fine-tuning rather than breaking SLOs.
+DEFAULT_COEFFICIENTS: Final[dict[str, tuple[float, ...]]] = {
+    "prefill": (3e-9, 1e-4, 1e-6, 1e-7, 3e-9, 0.02),
+    "decode": (2e-4, 1e-7, 0.02),
+}
+_STATE_VERSION: Final = 1
+
+
+
+class NNLSResult(NamedTuple):
+    x: torch.Tensor
+    residual: float
+    iterations: int
+
+
+def nnls(a: torch.Tensor, b: torch.Tensor, *, max_iter: int | None = None) -> NNLSResult:
+    """``x = argmin_{x ≥ 0} ‖A·x − b‖₂`` by the Lawson–Hanson active-set method, in float64.
+
+    The passive set P grows by the coordinate of largest gradient ``w = Aᵀ(b − A·x)`` while
+    ``max w > tol``; each unconstrained solve on P that leaves a coordinate ≤ 0 is cut back along
+    the segment to the last feasible point, dropping the coordinates that reach 0.
+
+    ``a: [m, n]``, ``b: [m]`` -> ``x: [n]`` (float64, CPU), ``residual = ‖A·x − b‖₂``.
+    """
+    a = a.detach().to("cpu", torch.float64)
+    b = b.detach().to("cpu", torch.float64)
+    m, n = a.shape
+    max_iter = 3 * n + 10 if max_iter is None else max_iter
+    eps = torch.finfo(torch.float64).eps
+    a_norm = float(a.abs().sum(0).max()) if a.numel() else 0.0
+    b_norm = float(b.abs().max()) if b.numel() else 0.0
+    tol = 10 * eps * max(m, n) * a_norm * b_norm
+    x = torch.zeros(n, dtype=torch.float64)
+    passive = torch.zeros(n, dtype=torch.bool)
+    blocked = torch.zeros(n, dtype=torch.bool)
+    w = a.T @ b
+    iterations = 0
+    while bool((free := ~passive & ~blocked).any()):
+        j = int(torch.where(free, w, -math.inf).argmax())
+        if float(w[j]) <= tol:
+            break
+        if iterations == max_iter:
+            logger.warning("nnls stopped after %d iterations before convergence", max_iter)
+            break
+        iterations += 1
+        passive[j] = True
+        s = _passive_lstsq(a, b, passive)
+        if float(s[j]) <= 0.0:
+            # NOTE: column j is numerically dependent on P; entering it cannot lower the residual.
+            passive[j] = False
+            blocked[j] = True
+            continue
+        while bool((s[passive] <= 0).any()):
+            cut = passive & (s <= 0)
+            ratios = x[cut] / (x[cut] - s[cut])
+            k = int(cut.nonzero()[int(ratios.argmin())])
+            x = x + float(ratios.min()) * (s - x)
+            passive &= x > 0
+            passive[k] = False
+            x = torch.where(passive, x, torch.zeros_like(x))
+            s = _passive_lstsq(a, b, passive)
+        x = s
+        blocked.zero_()
+        w = a.T @ (b - a @ x)
+    return NNLSResult(x, float(torch.linalg.vector_norm(a @ x - b)), iterations)
+
+
+def _passive_lstsq(a: torch.Tensor, b: torch.Tensor, passive: torch.Tensor) -> torch.Tensor:
+    """Least squares on the passive columns, zero elsewhere (min-norm if rank-deficient)."""
+    s = torch.zeros(a.shape[1], dtype=torch.float64)
+    idx = passive.nonzero().squeeze(1)
+    if idx.numel():
+        sol = torch.linalg.lstsq(a[:, idx], b.unsqueeze(1), driver="gelsd").solution
+        s[idx] = sol.squeeze(1)
+    return s
+
+
+def _fit_relative(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    weight: torch.Tensor,
+    prior: Sequence[float] | None = None,
+    prior_weight: float = 0.0,
+) -> tuple[float, ...]:
+    """``θ = argmin_{θ ≥ 0} Σ_r (w_r·(x_r·θ − y_r))² + λ‖S·(θ − θ₀)‖²``.
+
+    Columns are scaled (``S``: the largest weighted magnitude of each feature) so that features
+    spanning orders of magnitude condition alike; the prior ``θ₀`` (weight ``λ``) pins the
+    directions that the rows do not excite. Tall systems are reduced to ``R`` of ``QR`` first.
+    ``x: [m, k]``, ``y: [m]``, ``weight: [m]`` -> ``k`` coefficients.
+    """
+    a = x * weight[:, None]
+    rhs = y * weight
+    scale = a.abs().amax(0)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    a = a / scale
+    if prior is not None and prior_weight > 0:
+        root = math.sqrt(prior_weight)
+        theta0 = torch.tensor(prior, dtype=torch.float64) * scale
+        a = torch.cat([a, root * torch.eye(a.shape[1], dtype=torch.float64)])
+        rhs = torch.cat([rhs, root * theta0])
+    if a.shape[0] > a.shape[1]:
+        q, r = torch.linalg.qr(a)
+        a, rhs = r, q.T @ rhs
+    return tuple((nnls(a, rhs).x / scale).tolist())
+
+
+
+class Chunk(NamedTuple):
+    """A prefill chunk: ``num_tokens`` new tokens attending to ``context_len`` cached ones."""
+
+    num_tokens: int
+    context_len: int = 0
+
+
+@dataclass(frozen=True)
+class StepFeatures:
+    """One step's composition, as the latency model prices it.
+
+    ``chunks``: inference prefill chunks; ``ft_lens``: FT row lengths; ``kv_tokens``: KV tokens
+    read by the ``num_decodes`` decode rows; ``mode``: the host's mode for the inference part
+    (FT rows force ``eager``: see :attr:`exec_mode`); ``busy``: a backward task runs beside it.
+    """
+
+    chunks: tuple[Chunk, ...] = ()
+    ft_lens: tuple[int, ...] = ()
+    num_decodes: int = 0
+    kv_tokens: int = 0
+    mode: str = "eager"
+    busy: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"step mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+
+    @classmethod
+    def from_view(
+        cls, view: StepView, ft_lens: Sequence[int] = (), *, busy: bool = False
+    ) -> StepFeatures:
+        chunks = tuple(Chunk(p.num_tokens, p.context_len) for p in view.prefills)
+        return cls(chunks, tuple(ft_lens), view.num_decodes, view.decode_kv_tokens, view.mode, busy)
+
+    @classmethod
+    def from_record(cls, record: StepRecord) -> StepFeatures:
+        """A host that leaves ``ft_lens`` empty is taken to have run one FT row of all tokens."""
+        lens = record.ft_lens or ((record.ft_tokens,) if record.ft_tokens > 0 else ())
+        return replace(
+            cls.from_view(record.view, lens, busy=record.trainer_busy), mode=record.mode
+        )
+
+    def with_ft(self, lens: Sequence[int]) -> StepFeatures:
+        """The same step with FT rows of ``lens`` appended."""
+        return replace(self, ft_lens=self.ft_lens + tuple(lens))
+
+    @property
+    def form(self) -> str:
+        return "prefill" if self.chunks or self.ft_lens else "decode"
+
+    @property
+    def exec_mode(self) -> str:
+        return "eager" if self.ft_lens else self.mode
+
+    @property
+    def key(self) -> str:
+        return f"{self.form}/{self.exec_mode}"
+
+    def vector(self) -> tuple[float, ...]:
+        """The regressors of :data:`TERMS` ``[form]``, in that order."""
+        bd = self.num_decodes
+        if self.form == "decode":
+            return (float(bd), float(self.kv_tokens), 1.0)
+        lens = [c.num_tokens for c in self.chunks] + list(self.ft_lens)
+        return (
+            float(sum((n + bd) ** 2 for n in lens)),
+            float(sum(lens) + bd),
+            float(sum(self.ft_lens)),
+            float(self.kv_tokens),
+            float(sum(c.num_tokens * c.context_len for c in self.chunks)),
+            1.0,
+        )
+
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """A synthetic batch a host runs at calibration: ``decode_kv[j]`` is decode row j's KV."""
+
+    chunks: tuple[Chunk, ...] = ()
+    decode_kv: tuple[int, ...] = ()
+    ft_lens: tuple[int, ...] = ()
+    mode: str = "eager"
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks) + sum(self.ft_lens) + len(self.decode_kv)
+
+    def features(self, *, busy: bool = False) -> StepFeatures:
+        return StepFeatures(
+            self.chunks, self.ft_lens, len(self.decode_kv), sum(self.decode_kv), self.mode, busy
+        )
+
+    def record(self, duration_s: float, *, busy: bool = False, now: float = 0.0) -> StepRecord:
+        """The :class:`StepRecord` of running this batch in ``duration_s`` seconds."""
+        view = StepView(
+            now=now,
+            prefills=tuple(PrefillView(c.num_tokens, c.context_len, now) for c in self.chunks),
+            num_decodes=len(self.decode_kv),
+            decode_kv_tokens=sum(self.decode_kv),
+            mode=self.mode,
+        )
+        return StepRecord(
+            view=view, ft_tokens=sum(self.ft_lens), duration_s=duration_s,
+            mode=self.features().exec_mode, ft_lens=self.ft_lens, trainer_busy=busy,
+        )
+
+
+def _levels(lo: int, hi: int, k: int) -> list[int]:
+    """Up to ``k`` distinct integers spread geometrically over ``[lo, hi]`` (ends included)."""
+    if hi < lo or k < 1:
+        return []
+    if k == 1 or hi == lo:
+        return [hi]
+    return sorted({round(lo * (hi / lo) ** (i / (k - 1))) for i in range(k)})
+
+
+def _split(total: int, parts: int) -> tuple[Chunk, ...]:
+    q, r = divmod(total, parts)
+    return tuple(Chunk(q + (1 if i < r else 0)) for i in range(parts))
+
+
+def calibration_plan(
+    max_tokens: int, max_decodes: int, max_kv: int, *, modes: Sequence[str] = MODES
+) -> list[BatchSpec]:
+    """The synthetic batches that make every coefficient identifiable (DESIGN §6).
+
+    ``max_tokens``: tokens per step; ``max_decodes``: decode rows per step; ``max_kv``: KV tokens
+    a batch may read in total. Per mode: a sweep of one chunk's length (a, b, c); fixed lengths
+    split over more chunks (a vs b); chunks over cached context (h); a decode batch × KV grid
+    (b', e', c'); prefill chunks with decodes (B_d inside the square, e). Eager only: FT rows
+    added to fixed batches, alone and beside inference (g).
+    """
+    if max_tokens < 1 or max_decodes < 0 or max_kv < 0 or not set(modes) <= set(MODES):
+        raise ValueError(f"calibration_plan needs max_tokens >= 1, max_decodes >= 0, "
+                         f"max_kv >= 0 and modes among {MODES}")
+    t, d, kv = max_tokens, max_decodes, max_kv
+    specs: list[BatchSpec] = []
+    for mode in modes:
+        specs += [BatchSpec((Chunk(n),), mode=mode) for n in _levels(1, t, 12)]
+        for total in sorted({n for n in (t, t // 4) if n >= 2}):
+            specs += [BatchSpec(_split(total, p), mode=mode) for p in _levels(2, min(total, 64), 5)]
+        for n in sorted({max(1, t // 8), max(1, t // 2)}):
+            specs += [BatchSpec((Chunk(n, c),), mode=mode) for c in _levels(1, kv, 4)]
+        for b in _levels(1, d, 5):
+            for per_row in _levels(1, kv // b, 5):
+                specs.append(BatchSpec(decode_kv=(per_row,) * b, mode=mode))
+        for n in sorted({max(1, t // 4), max(1, t // 2)}):
+            for b in _levels(1, min(d, t - n), 4):
+                for per_row in sorted({1, max(1, kv // b)}):
+                    specs.append(BatchSpec((Chunk(n),), (per_row,) * b, mode=mode))
+    quarter = max(1, t // 4)
+    bases = [BatchSpec(), BatchSpec((Chunk(quarter),))]
+    b = min(d, t - quarter, max(1, t // 8))
+    if b > 0:
+        bases.append(BatchSpec((Chunk(quarter),), (max(1, kv // (2 * b)),) * b))
+    for base in bases:
+        for total in _levels(1, t - base.num_tokens, 5):
+            specs.append(replace(base, ft_lens=(total,), mode="eager"))
+            if total >= 4:
+                rows = tuple(c.num_tokens for c in _split(total, 4))
+                specs.append(replace(base, ft_lens=rows, mode="eager"))
+    return specs
+
+
+
+class ErrorStats(NamedTuple):
+    """Relative prediction error ``|T̂ − T| / T`` over ``n`` steps (linear-interpolated quantiles)."""
+
+    median_rel: float
+    p99_rel: float
+    n: int
+
+
+def error_summary(rel_errors: Sequence[float]) -> ErrorStats:
+    if not rel_errors:
+        return ErrorStats(math.nan, math.nan, 0)
+    e = torch.tensor(rel_errors, dtype=torch.float64)
+    return ErrorStats(float(e.quantile(0.5)), float(e.quantile(0.99)), len(rel_errors))
+
+
+class LatencyModel:
+    """Predicts step time in seconds from :class:`StepFeatures`; never fails.
+
+    :meth:`fit` is the calibration: it sets the coefficients and keeps them as the prior of
+    online refits. :meth:`observe` keeps the last ``window`` measured steps per (form, mode, busy)
+    and refits that set every ``refit_every`` of them, weakly pulled toward the calibration
+    (``prior_weight``) so that the directions a window barely excites (steady-state decoding)
+    keep their calibrated values. A set with no fit yet falls back to: for ``graph``,
+    the same form's ``eager`` set (slower, so a safe stand-in); else :data:`DEFAULT_COEFFICIENTS`.
+    """
+
+    def __init__(
+        self,
+        *,
+        window: int = 2000,
+        refit_every: int = 100,
+        prior_weight: float = 1e-3,
+        defaults: Mapping[str, Sequence[float]] = DEFAULT_COEFFICIENTS,
+    ) -> None:
+        if window < 1 or refit_every < 1 or prior_weight < 0:
+            raise ValueError("LatencyModel needs window >= 1, refit_every >= 1, prior_weight >= 0")
+        self.window = window
+        self.refit_every = refit_every
+        self.prior_weight = prior_weight
+        self._defaults = {form: _checked(form, defaults[form]) for form in TERMS}
+        self._coef: dict[str, tuple[float, ...]] = {}
+        self._busy: dict[str, tuple[float, ...]] = {}
+        self._calib: dict[str, tuple[float, ...]] = {}
+        self._calib_busy: dict[str, tuple[float, ...]] = {}
+        self._windows: dict[tuple[str, bool], deque[tuple[tuple[float, ...], float]]] = {}
+        self._unfitted: dict[tuple[str, bool], int] = {}
+
+    # -- prediction
+
+    def coefficients(self, key: str) -> tuple[float, ...]:
+        """The idle coefficient set in use for ``key`` (``"prefill/eager"`` …), in TERMS order."""
+        form, mode = key.split("/")
+        coef = self._coef.get(key)
+        if coef is None and mode == "graph":
+            coef = self._coef.get(f"{form}/eager")
+        return coef if coef is not None else self._defaults[form]
+
+    def busy_term(self, key: str) -> tuple[float, ...]:
+        """``(ρ, δ)`` of ``T_busy = (1 + ρ)·T + δ`` for ``key``; ``(0, 0)`` before any busy data."""
+        form, mode = key.split("/")
+        other = f"{form}/{'eager' if mode == 'graph' else 'graph'}"
+        return self._busy.get(key) or self._busy.get(other) or (0.0, 0.0)
+
+    def predict(self, features: StepFeatures) -> float:
+        """Predicted step time in seconds."""
+        key = features.key
+        t = sum(c * v for c, v in zip(self.coefficients(key), features.vector(), strict=True))
+        if features.busy:
+            rho, delta = self.busy_term(key)
+            t = t * (1.0 + rho) + delta
+        return t
+
+    # -- fitting
+
+    def fit(self, records: Sequence[StepRecord]) -> None:
+        """Calibrate from measured steps: every set with data is refitted and becomes the prior."""
+        groups: dict[tuple[str, bool], list[tuple[tuple[float, ...], float]]] = {}
+        for row, key, busy in _rows(records):
+            groups.setdefault((key, busy), []).append(row)
+        for (key, busy), rows in sorted(groups.items(), key=lambda kv: kv[0][1]):
+            self._solve(key, busy, rows, prior=None)
+            target, calib = (self._busy, self._calib_busy) if busy else (self._coef, self._calib)
+            if key in target:
+                calib[key] = target[key]
+        logger.info("latency model calibrated from %d steps: %s", len(records), self._coef)
+
+    def observe(self, record: StepRecord) -> None:
+        """Add one measured step; refit its set every ``refit_every`` observations."""
+        for row, key, busy in _rows([record]):
+            win = self._windows.setdefault((key, busy), deque(maxlen=self.window))
+            win.append(row)
+            n = self._unfitted.get((key, busy), 0) + 1
+            self._unfitted[(key, busy)] = n
+            if n >= self.refit_every:
+                self._unfitted[(key, busy)] = 0
+                prior = (self._calib_busy if busy else self._calib).get(key)
+                self._solve(key, busy, list(win), prior=prior)
+
+    def _solve(
+        self, key: str, busy: bool, rows: list[tuple[tuple[float, ...], float]],
+        prior: tuple[float, ...] | None,
+    ) -> None:
+        x = torch.tensor([r[0] for r in rows], dtype=torch.float64)
+        y = torch.tensor([r[1] for r in rows], dtype=torch.float64)
+        weight = 1.0 / y.clamp_min(1e-9)
+        if busy:
+            # Regress the slowdown on the idle prediction: y − T = ρ·T + δ.
+            base = x @ torch.tensor(self.coefficients(key), dtype=torch.float64)
+            x, y = torch.stack([base, torch.ones_like(base)], 1), y - base
+        if prior is None and x.shape[0] < x.shape[1]:
+            return
+        coef = _fit_relative(x, y, weight, prior, self.prior_weight)
+        if all(math.isfinite(c) for c in coef):
+            (self._busy if busy else self._coef)[key] = coef
+        else:
+            logger.warning("latency refit of %s (busy=%s) not finite; keeping the old set", key, busy)
+
+    # -- reporting and persistence
+
+    def error_stats(self, records: Sequence[StepRecord]) -> dict[str, ErrorStats]:
+        """Relative error per ``"{form}/{mode}/{idle|busy}"`` and over ``"all"`` steps."""
+        errors: dict[str, list[float]] = {"all": []}
+        for record in records:
+            if record.interrupted or record.duration_s <= 0:
+                continue
+            f = StepFeatures.from_record(record)
+            rel = abs(self.predict(f) - record.duration_s) / record.duration_s
+            errors.setdefault(f"{f.key}/{'busy' if f.busy else 'idle'}", []).append(rel)
+            errors["all"].append(rel)
+        return {k: error_summary(v) for k, v in errors.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serializable coefficients (fitted and calibration); windows are not saved."""
+        return {
+            "version": _STATE_VERSION,
+            "coefficients": {k: list(v) for k, v in self._coef.items()},
+            "busy": {k: list(v) for k, v in self._busy.items()},
+            "calibration": {k: list(v) for k, v in self._calib.items()},
+            "calibration_busy": {k: list(v) for k, v in self._calib_busy.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output. Raises ``ValueError`` on a malformed state."""
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"unsupported LatencyModel state (expected version {_STATE_VERSION})")
+        tables = []
+        for name in ("coefficients", "busy", "calibration", "calibration_busy"):
+            table = state.get(name, {})
+            if not isinstance(table, Mapping) or not set(table) <= set(KEYS):
+                raise ValueError(f"LatencyModel state: bad {name!r} table")
+            kind = "busy" if "busy" in name else None
+            tables.append({k: _checked(kind or k.split("/")[0], v) for k, v in table.items()})
+        self._coef, self._busy, self._calib, self._calib_busy = tables
+        self._windows.clear()
+        self._unfitted.clear()
+
+
+def _checked(form: str, values: Sequence[float]) -> tuple[float, ...]:
+    size = 2 if form == "busy" else len(TERMS[form])
+    coef = tuple(float(v) for v in values)
+    if len(coef) != size or not all(math.isfinite(c) and c >= 0 for c in coef):
+        raise ValueError(f"{form} coefficients must be {size} finite values >= 0, got {values!r}")
+    return coef
+
+
+def _rows(
+    records: Sequence[StepRecord],
+) -> list[tuple[tuple[tuple[float, ...], float], str, bool]]:
+    """``((features, seconds), key, busy)`` per usable record (interrupted steps are not)."""
+    out = []
+    for record in records:
+        if record.interrupted or not record.duration_s > 0:
+            continue
+        f = StepFeatures.from_record(record)
+        out.append(((f.vector(), record.duration_s), f.key, f.busy))
+    return out

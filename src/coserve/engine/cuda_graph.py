@@ -1,0 +1,203 @@
+"""CUDA graphs for decode-only steps, one per batch-size bucket (and per "any adapter in use").
+
+A decode step of ``n`` rows runs the graph of the smallest bucket ``b >= n``; rows ``n..b`` are
+padding (no KV slot, no cached context, no adapter), so they read and write nothing that matters.
+Everything that changes between steps is a static device buffer the graph reads:
+
+    input_ids, positions [b] int64 · slot_mapping [b] int64 · context_lens [b] int32
+    block_tables [b, W] int32 · token_slots [b] int64 (adapter slot of each row, -1 none)
+    lora_order [b] int32 (rows with an adapter grouped by slot, -1 padded; see layers.triton_lora)
+
+``run`` fills pinned host staging buffers, copies them in (one stream, so the copies finish
+before the replay starts), replays, and returns the first ``n`` rows of the static logits.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from coserve.layers.attention import AttentionBackend, AttentionMetadata
+from coserve.layers.triton_lora import LoRALaunch, TritonLoRA, order_by_slot
+from coserve.models.llama import ForwardContext, LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from coserve.engine.model_runner import BatchRow
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    batch_size: int
+    with_lora: bool
+
+
+class DecodeGraphs:
+    """Captured decode steps. ``capture=False`` runs the same static-buffer path eagerly (CPU tests).
+
+    May change: the KV cache at the decode rows' new slots (as an eager step would) and its own
+    static buffers. Must hold: ``run(rows)`` equals an eager step over the same rows.
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: torch.Tensor,
+        backend: AttentionBackend,
+        lora_scales: torch.Tensor,
+        batch_sizes: Sequence[int],
+        max_model_len: int,
+        block_size: int,
+        capture: bool = True,
+    ) -> None:
+        self.model, self.kv_cache, self.backend = model, kv_cache, backend
+        self.lora_scales = lora_scales
+        self.batch_sizes = tuple(sorted(batch_sizes))
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.capture = capture
+        self.device = kv_cache.device
+        self.width = -(-max_model_len // block_size)
+        bmax = self.batch_sizes[-1]
+        pin = self.device.type == "cuda"
+
+        def dev(*shape: int, dtype: torch.dtype, fill: int) -> torch.Tensor:
+            return torch.full(shape, fill, dtype=dtype, device=self.device)
+
+        def host(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
+
+        # One device buffer per dtype so each step needs three host-to-device copies.
+        self._d_rows = dev(4, bmax, dtype=torch.long, fill=0)
+        self._d_ctx = dev(2, bmax, dtype=torch.int32, fill=0)
+        self.input_ids, self.positions, self.slot_mapping, self.token_slots = self._d_rows.unbind(0)
+        self.context_lens, self.lora_order = self._d_ctx.unbind(0)
+        self.block_tables = dev(bmax, self.width, dtype=torch.int32, fill=0)
+        self.cu_seqlens = torch.arange(bmax + 1, dtype=torch.int32, device=self.device)
+        self._h_rows = host(4, bmax, dtype=torch.long)
+        self._h_ctx = host(2, bmax, dtype=torch.int32)
+        self._h_tables = host(bmax, self.width, dtype=torch.int32)
+        self._reset_inputs()
+        self._copied: torch.cuda.Event | None = None
+        self.logits = torch.empty(bmax, model.config.vocab_size, dtype=torch.float32, device=self.device)
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.batch_sizes[-1]
+
+    def bucket(self, n: int) -> int | None:
+        """The smallest captured batch size ``>= n`` (None when ``n`` exceeds the largest)."""
+        return next((b for b in self.batch_sizes if b >= n), None)
+
+    def accepts(self, rows: Sequence[BatchRow]) -> bool:
+        """A step runs as a graph iff every row is a sampling, KV-writing decode row that fits."""
+        if not rows or len(rows) > self.max_batch_size:
+            return False
+        return all(
+            not r.is_prefill and r.writes_kv and r.samples and len(r.token_ids) == 1
+            and r.context_len < self.max_model_len and len(r.block_table) <= self.width
+            for r in rows
+        )
+
+    def _reset_inputs(self) -> None:
+        """Every row padding: token 0 at position 0, no slot, no context, no adapter."""
+        self._d_rows.copy_(torch.tensor([0, 0, -1, -1], device=self.device)[:, None].expand_as(self._d_rows))
+        self._d_ctx.copy_(torch.tensor([0, -1], device=self.device)[:, None].expand_as(self._d_ctx))
+
+    def _forward(self, key: GraphKey) -> None:
+        b = key.batch_size
+        meta = AttentionMetadata(
+            cu_seqlens_q=self.cu_seqlens[: b + 1],
+            context_lens=self.context_lens[:b],
+            block_tables=self.block_tables[:b],
+            slot_mapping=self.slot_mapping[:b],
+            num_prefill_rows=0,
+            num_prefill_tokens=0,
+            q_lens=[1] * b,
+            # NOTE: backends size their launches from these host lists; the graph must cover any
+            # context, so they say "the longest".
+            context_lens_list=[self.max_model_len] * b,
+            block_tables_list=[],
+        )
+        lora = None
+        if key.with_lora:
+            launch = LoRALaunch.for_tokens(b, _num_sms(self.device))
+            lora = TritonLoRA(self.token_slots[:b], self.lora_order[:b], self.lora_scales, launch)
+        ctx = ForwardContext(attn=meta, kv_cache=self.kv_cache, lora=lora, backend=self.backend)
+        hidden = self.model(self.input_ids[:b], self.positions[:b], ctx)
+        self.logits[:b].copy_(self.model.compute_logits(hidden))
+
+    def _capture(self, key: GraphKey) -> torch.cuda.CUDAGraph:
+        logger.info("capturing decode graph: batch %d, lora %s", key.batch_size, key.with_lora)
+        self._reset_inputs()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile Triton kernels, create cuBLAS handles, outside the capture
+                self._forward(key)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._forward(key)
+        return graph
+
+    def capture_all(self, with_lora: bool) -> None:
+        """Capture every bucket up front (the engine's warm-up); largest first so memory is reused."""
+        for b in reversed(self.batch_sizes):
+            key = GraphKey(b, with_lora)
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(key)
+
+    def run(self, rows: Sequence[BatchRow]) -> torch.Tensor:
+        """Run one decode step; returns fp32 logits ``[len(rows), V]`` (a fresh tensor)."""
+        n = len(rows)
+        b = self.bucket(n)
+        assert b is not None and self.accepts(rows)
+        with_lora = self.model.num_lora_slots > 0 and any(r.lora_slot >= 0 for r in rows)
+        self._stage(rows, b)
+        key = GraphKey(b, with_lora)
+        if not self.capture:
+            self._forward(key)
+        else:
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(key)
+                self._stage(rows, b)  # capture's warm-up overwrote the static inputs
+            self.graphs[key].replay()
+        return self.logits[:n].clone()
+
+    def _stage(self, rows: Sequence[BatchRow], b: int) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copies have read the staging buffers
+        n, bs = len(rows), self.block_size
+        h_rows, h_ctx, tables = self._h_rows.numpy(), self._h_ctx.numpy(), self._h_tables.numpy()
+        h_rows[:, n:b] = np.array([0, 0, -1, -1])[:, None]
+        h_ctx[:, n:b] = np.array([0, -1])[:, None]
+        for i, r in enumerate(rows):
+            ctx = r.context_len
+            h_rows[:, i] = (r.token_ids[0], ctx, r.block_table[ctx // bs] * bs + ctx % bs, r.lora_slot)
+            h_ctx[0, i] = ctx
+            tables[i, : len(r.block_table)] = r.block_table
+        order = order_by_slot([1] * n, [r.lora_slot for r in rows])
+        h_ctx[1, :n] = -1
+        h_ctx[1, : len(order)] = order
+        cuda = self.device.type == "cuda"
+        self._d_rows.copy_(self._h_rows, non_blocking=cuda)
+        self._d_ctx.copy_(self._h_ctx, non_blocking=cuda)
+        self.block_tables[:b].copy_(self._h_tables[:b], non_blocking=cuda)
+        if cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+
+def _num_sms(device: torch.device) -> int:
+    from coserve.layers.triton_attention import num_sms
+
+    return num_sms(device)

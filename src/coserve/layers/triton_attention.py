@@ -1,0 +1,369 @@
+"""Triton attention backend: paged decode (split-K, CUDA-graph capturable) and varlen prefill.
+
+Same contract as :class:`coserve.layers.attention.TorchAttention` (see that module's docstring
+for the flat batch layout). Three kernels:
+
+- ``store_kv``: ``kv[slot // bs, 0|1, slot % bs] = k|v`` for every token whose slot is not -1.
+- ``prefill``: one program per (query tile of one prefill row, query head). Keys are the row's
+  cached prefix (positions ``< ctx``, read through its block table) followed by the row's own
+  new tokens (read from ``k``/``v``, causal). Fine-tuning rows have ``ctx == 0`` and write no KV,
+  so they attend causally within themselves.
+- ``decode``: one program per (decode row, KV head, split). The row's ``ctx`` cached keys are cut
+  into ``num_splits`` equal ranges *inside the kernel*, so the grid depends on the batch size
+  only and the launch can be captured in a CUDA graph; the row's own new key comes from
+  ``k``/``v``. Split partials ``(o, lse)`` are merged by ``merge``.
+
+Mistral's sliding window (query at position p sees keys ``p - window < j <= p``) is applied in
+both kernels: key ranges start at the window's edge, masks cover the rest.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # CPU-only installs: the backend says it is unavailable when built
+    HAS_TRITON = False
+
+if TYPE_CHECKING:
+    from coserve.layers.attention import AttentionMetadata
+
+
+@functools.cache
+def jit(fn: Callable[..., None]) -> Any:
+    """``triton.jit(fn)`` at first launch, so ``TRITON_INTERPRET`` is read then, not at import."""
+    return triton.jit(fn)
+
+
+def triton_usable(device: torch.device) -> bool:
+    """Whether Triton kernels can run on tensors of ``device`` (GPU, or CPU in interpret mode)."""
+    if not HAS_TRITON:
+        return False
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and bool(triton.knobs.runtime.interpret)
+
+
+def _store_kv_kernel(
+    k_ptr, v_ptr, kv_ptr, slot_ptr,
+    s_kt, s_vt, s_block, s_kv, s_tok, s_head,
+    BLOCK_SIZE: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BLOCK_HD: tl.constexpr,
+):
+    t = tl.program_id(0)
+    i = tl.arange(0, BLOCK_HD)
+    slot = tl.load(slot_ptr + t + i * 0)  # broadcast as a block: scalar & block masks trip the interpreter
+    head, d = i // D, i % D
+    mask = (i < KVH * D) & (slot >= 0)
+    safe = tl.maximum(slot, 0)
+    dst = kv_ptr + (safe // BLOCK_SIZE) * s_block + (safe % BLOCK_SIZE) * s_tok + head * s_head + d
+    k = tl.load(k_ptr + t * s_kt + i, mask=mask)
+    v = tl.load(v_ptr + t * s_vt + i, mask=mask)
+    tl.store(dst, k, mask=mask)
+    tl.store(dst + s_kv, v, mask=mask)
+
+
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, kv_ptr, cu_ptr, ctx_ptr, bt_ptr, tile_row_ptr, tile_m_ptr,
+    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh,
+    s_block, s_kv, s_tok, s_head, s_bt,
+    scale, window,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // GROUP
+    row = tl.load(tile_row_ptr + tile)
+    m0 = tl.load(tile_m_ptr + tile)
+    q_start = tl.load(cu_ptr + row)
+    n = tl.load(cu_ptr + row + 1) - q_start
+    ctx = tl.load(ctx_ptr + row)
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    mask_m = offs_m < n
+    tok_m = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + tok_m[:, None] * s_qt + h * s_qh + offs_d[None, :], mask=mask_m[:, None], other=0.0)
+    qpos = ctx + offs_m
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+
+    # Cached prefix: keys at positions [lo, ctx) through the block table.
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(ctx + m0 - window + 1, 0)
+    for n0 in range(lo, ctx, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < ctx
+        page = tl.load(bt_ptr + row * s_bt + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
+        base = page * s_block + (offs_n % BLOCK_SIZE) * s_tok + kvh * s_head
+        k = tl.load(kv_ptr + base[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        v = tl.load(kv_ptr + s_kv + base[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale
+        keep = mask_n[None, :]
+        if HAS_WINDOW:
+            keep = keep & (offs_n[None, :] > qpos[:, None] - window)
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    # The row's own tokens, causal: local key index j < min(n, m0 + BLOCK_M).
+    lo2 = 0
+    if HAS_WINDOW:
+        lo2 = tl.maximum(m0 - window + 1, 0)
+    hi2 = tl.minimum(n, m0 + BLOCK_M)
+    for n0 in range(lo2, hi2, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi2
+        tok_n = (q_start + offs_n).to(tl.int64)
+        k = tl.load(k_ptr + tok_n[:, None] * s_kt + kvh * s_kh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        v = tl.load(v_ptr + tok_n[:, None] * s_vt + kvh * s_vh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale
+        keep = mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None])
+        if HAS_WINDOW:
+            keep = keep & (offs_n[None, :] > offs_m[:, None] - window)
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_i[:, None]
+    tl.store(o_ptr + tok_m[:, None] * s_ot + h * s_oh + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=mask_m[:, None])
+
+
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, po_ptr, lse_ptr, kv_ptr, ctx_ptr, bt_ptr,
+    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh,
+    s_block, s_kv, s_tok, s_head, s_bt,
+    scale, window,
+    NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + b)
+    start = 0
+    if HAS_WINDOW:
+        start = tl.maximum(ctx - window + 1, 0)
+    per_split = tl.cdiv(ctx - start, NUM_SPLITS)
+    lo = start + sp * per_split
+    hi = tl.minimum(lo + per_split, ctx)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, D)
+    mask_g = offs_g < GROUP
+    heads = kvh * GROUP + offs_g
+    q = tl.load(q_ptr + b * s_qt + heads[:, None] * s_qh + offs_d[None, :], mask=mask_g[:, None], other=0.0)
+
+    # The row's own key (position ctx) seeds split 0; the other splits start empty.
+    k_self = tl.load(k_ptr + b * s_kt + kvh * s_kh + offs_d).to(tl.float32)
+    v_self = tl.load(v_ptr + b * s_vt + kvh * s_vh + offs_d).to(tl.float32)
+    s_self = tl.sum(q.to(tl.float32) * k_self[None, :], 1) * scale
+    first = sp == 0
+    m_i = tl.where(first, s_self, float("-inf"))
+    l_i = tl.where(first, 1.0, 0.0) + tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.where(first, 1.0, 0.0) * (tl.zeros([BLOCK_G, D], tl.float32) + v_self[None, :])
+
+    bt_row = bt_ptr + b.to(tl.int64) * s_bt
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi
+        page = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
+        base = page * s_block + (offs_n % BLOCK_SIZE) * s_tok + kvh * s_head
+        k = tl.load(kv_ptr + base[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        v = tl.load(kv_ptr + s_kv + base[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]
+        tl.store(o_ptr + b * s_ot + heads[:, None] * s_oh + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=mask_g[:, None])
+    else:
+        # Partials [B, H, NUM_SPLITS, D] and lse [B, H, NUM_SPLITS] (-inf for an empty split).
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_safe))
+        row = (b * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + sp
+        tl.store(lse_ptr + row, lse, mask=mask_g)
+        tl.store(po_ptr + row[:, None] * D + offs_d[None, :], acc / l_safe[:, None], mask=mask_g[:, None])
+
+
+def _merge_kernel(
+    po_ptr, lse_ptr, o_ptr, s_ot, s_oh, H,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, D)
+    mask_s = offs_s < NUM_SPLITS
+    row = (b * H + h) * NUM_SPLITS
+    lse = tl.load(lse_ptr + row + offs_s, mask=mask_s, other=float("-inf"))
+    w = tl.exp(lse - tl.max(lse, 0))
+    o = tl.load(po_ptr + (row + offs_s)[:, None] * D + offs_d[None, :], mask=mask_s[:, None], other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(o_ptr + b * s_ot + h * s_oh + offs_d, out.to(o_ptr.dtype.element_ty))
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (4 stands in for the CPU interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``kv_layer[slot // bs, 0|1, slot % bs] = k|v`` for every token whose slot is not -1.
+
+    k, v: [T, KVH, D] (heads and dim contiguous); kv_layer: [N, 2, bs, KVH, D] (any block stride);
+    slot_mapping: [T] int64.
+    """
+    t, kvh, d = k.shape
+    if t == 0:
+        return
+    s_block, s_kv, s_tok, s_head, s_d = kv_layer.stride()
+    assert s_d == 1 and k.stride(2) == 1 and k.stride(1) == d and v.stride(1) == d
+    jit(_store_kv_kernel)[(t,)](
+        k, v, kv_layer, slot_mapping, k.stride(0), v.stride(0), s_block, s_kv, s_tok, s_head,
+        BLOCK_SIZE=kv_layer.shape[2], KVH=kvh, D=d, BLOCK_HD=_pow2(kvh * d),
+    )
+
+
+def decode_splits(num_rows: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
+    """Splits per (row, KV head): enough programs to fill the GPU twice, none shorter than 64 keys."""
+    want = -(-2 * num_sms // max(num_rows * num_kv_heads, 1))
+    return max(1, min(want, 64, -(-max_context // 64)))
+
+
+class TritonAttention:
+    """Paged attention in Triton; decode launches are CUDA-graph capturable (see module doc)."""
+
+    cuda_graph_capable = True
+
+    def __init__(
+        self, block_m: int = 64, block_n: int = 64, decode_block_n: int = 64, sms: int | None = None
+    ) -> None:
+        if not HAS_TRITON:
+            raise RuntimeError("attention backend 'triton' needs the triton package (pip install triton)")
+        self.block_m, self.block_n, self.decode_block_n = block_m, block_n, decode_block_n
+        self.sms = sms  # overrides the device's multiprocessor count in decode_splits (tests)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor | None,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        if not triton_usable(q.device):
+            raise RuntimeError(
+                f"attention backend 'triton' cannot run on {q.device}: it needs a CUDA device "
+                "(or TRITON_INTERPRET=1 on CPU); use attention_backend='torch'"
+            )
+        if kv_layer is None:
+            # NOTE: no cache (trainer recompute): a dummy one-block cache keeps one code path;
+            # such rows have ctx == 0 and slot -1, so it is never read or written.
+            kv_layer = q.new_zeros(1, 2, 1, k.shape[1], k.shape[2])
+        store_kv(k, v, kv_layer, meta.slot_mapping)
+        out = torch.empty_like(q)
+        window = sliding_window or 0
+        if meta.num_prefill_rows:
+            self._prefill(q, k, v, out, kv_layer, meta, scale, window)
+        if meta.num_decode_rows:
+            self._decode(q, k, v, out, kv_layer, meta, scale, window)
+        return out
+
+    def _prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+        kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float, window: int,
+    ) -> None:
+        rows: list[int] = []
+        starts: list[int] = []
+        for r in range(meta.num_prefill_rows):
+            for m0 in range(0, meta.q_lens[r], self.block_m):
+                rows.append(r)
+                starts.append(m0)
+        tiles = torch.tensor([rows, starts], dtype=torch.int32).to(q.device, non_blocking=True)
+        heads, d = q.shape[1], q.shape[2]
+        group = heads // k.shape[1]
+        s_block, s_kv, s_tok, s_head, _ = kv_layer.stride()
+        jit(_prefill_kernel)[(len(rows), heads)](
+            q, k, v, out, kv_layer, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
+            tiles[0], tiles[1],
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1), s_block, s_kv, s_tok, s_head, meta.block_tables.stride(0),
+            scale, window,
+            GROUP=group, D=d, BLOCK_SIZE=kv_layer.shape[2], BLOCK_M=self.block_m, BLOCK_N=self.block_n,
+            HAS_WINDOW=window > 0, num_warps=4 if d <= 64 else 8, num_stages=2,
+        )
+
+    def _decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+        kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float, window: int,
+    ) -> None:
+        first_row, first_tok = meta.num_prefill_rows, meta.num_prefill_tokens
+        nrows = meta.num_decode_rows
+        qd, kd, vd, od = q[first_tok:], k[first_tok:], v[first_tok:], out[first_tok:]
+        ctx = meta.context_lens[first_row:]
+        tables = meta.block_tables[first_row:]
+        heads, d = q.shape[1], q.shape[2]
+        kvh = k.shape[1]
+        group = heads // kvh
+        max_ctx = max(meta.context_lens_list[first_row:], default=0)
+        if window:
+            max_ctx = min(max_ctx, window)
+        splits = decode_splits(nrows, kvh, max_ctx, self.sms or num_sms(q.device))
+        partial = torch.empty(nrows * heads * splits * d if splits > 1 else 1, dtype=torch.float32,
+                              device=q.device)
+        lse = torch.empty(nrows * heads * splits if splits > 1 else 1, dtype=torch.float32, device=q.device)
+        s_block, s_kv, s_tok, s_head, _ = kv_layer.stride()
+        jit(_decode_kernel)[(nrows, kvh, splits)](
+            qd, kd, vd, od, partial, lse, kv_layer, ctx, tables,
+            qd.stride(0), qd.stride(1), kd.stride(0), kd.stride(1), vd.stride(0), vd.stride(1),
+            od.stride(0), od.stride(1), s_block, s_kv, s_tok, s_head, tables.stride(0),
+            scale, window,
+            NUM_SPLITS=splits, GROUP=group, BLOCK_G=max(16, _pow2(group)), D=d,
+            BLOCK_SIZE=kv_layer.shape[2], BLOCK_N=self.decode_block_n, HAS_WINDOW=window > 0,
+            num_warps=4, num_stages=2,
+        )
+        if splits > 1:
+            jit(_merge_kernel)[(nrows, heads)](
+                partial, lse, od, od.stride(0), od.stride(1), heads,
+                NUM_SPLITS=splits, BLOCK_S=_pow2(splits), D=d,
+            )

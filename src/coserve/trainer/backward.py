@@ -1,0 +1,152 @@
+"""Layer-wise recompute backward of one backward task (DESIGN §8).
+
+The engine ran the forward pass of the task's samples inside inference batches and saved, per
+sample, the residual-stream input of every decoder layer and the final hidden state (before the
+final norm) into an activation store ``store: [L + 1, capacity, d]`` (model dtype): sample ``i``
+occupies tokens ``[offset_i, offset_i + n_i)`` of every plane; plane ``L`` is the final hidden
+state. From those checkpoints the backward pass needs only one decoder layer's autograd graph at
+a time.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from coserve.layers.attention import AttentionMetadata
+from coserve.models.llama import ForwardContext, LlamaForCausalLM
+from coserve.trainer.lora_params import TrainableLoRA
+
+logger = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class TaskRow:
+    """One FT sample of a task: its tokens sit at ``[offset, offset + len(labels))`` of the store.
+
+    ``labels`` follow the Hugging Face convention: ``-100`` is masked and the shift happens in the
+    loss (position ``t``'s logits are scored against ``labels[t + 1]``).
+    """
+
+    offset: int
+    labels: tuple[int, ...]
+
+
+class TaskLoss(NamedTuple):
+    loss_sum: float  # sum of token cross-entropies over the task's target tokens
+    num_targets: int
+
+
+class _TaskBatch(NamedTuple):
+    """The task's rows back to back, as one flat varlen batch."""
+
+    tokens: torch.Tensor  # [T] int64: the store token of each batch token
+    positions: torch.Tensor  # [T] int64: position within its row
+    targets: torch.Tensor  # [T] int64: the label that position t predicts, -100 if none
+    row_lens: list[int]
+
+
+def task_backward(
+    model: LlamaForCausalLM,
+    lora: TrainableLoRA,
+    store: torch.Tensor,
+    rows: Sequence[TaskRow],
+    *,
+    dropout_key: int | None = None,
+    at_layer_boundary: Callable[[int], None] | None = None,
+) -> TaskLoss:
+    """Accumulate ``∂loss/∂flat`` into ``lora.flat.grad`` from saved layer inputs.
+
+    ``loss = Σ_rows Σ_t CE(logits[t], labels[t + 1])`` over targets ``labels[t + 1] != -100``,
+    ``logits = lm_head(final_norm(h_L))`` (fp32 cross-entropy) from plane ``L``. Then for
+    ``l = L-1 … 0``: ``h_{l+1} = layer_l(h_l)`` is recomputed from ``store[l]`` with autograd
+    (each row causal within itself, positions from 0, no KV cache, LoRA from
+    ``lora.context(dropout_key, row_lens)``) and ``∂loss/∂h_{l+1}`` is pulled back to
+    ``∂loss/∂h_l`` and the layer's LoRA parameters. ``at_layer_boundary(l)`` runs before layer
+    ``l``'s recompute. The loss is NOT normalized: the caller divides by the step's target count.
+
+    store: ``[L + 1, capacity, d]`` (model dtype, read only); model: frozen, never modified.
+    Returns the un-normalized loss sum and the number of target tokens; with no target token
+    nothing is computed.
+    """
+    num_layers = len(model.model.layers)
+    if store.dim() != 3 or store.shape[0] != num_layers + 1:
+        raise ValueError(
+            f"store must be [L + 1 = {num_layers + 1}, capacity, d], got {list(store.shape)}"
+        )
+    batch = _task_batch(rows, store.shape[1], store.device)
+    picked = (batch.targets != IGNORE_INDEX).nonzero().squeeze(1)
+    num_targets = int(picked.numel())
+    if num_targets == 0:
+        return TaskLoss(0.0, 0)
+    meta = AttentionMetadata.build(
+        q_lens=batch.row_lens,
+        context_lens=[0] * len(batch.row_lens),
+        block_tables=[[] for _ in batch.row_lens],
+        writes_kv=[False] * len(batch.row_lens),
+        num_prefill_rows=len(batch.row_lens),
+        block_size=1,
+        device=store.device,
+    )
+    ctx = ForwardContext(attn=meta, kv_cache=None, lora=lora.context(dropout_key, batch.row_lens))
+
+    with torch.enable_grad():
+        # Only the target positions reach the LM head: [n_targets, V] instead of [T, V].
+        final = store[num_layers, batch.tokens].detach().requires_grad_(True)
+        logits = model.compute_logits(model.model.norm(final[picked]))
+        loss = F.cross_entropy(logits.float(), batch.targets[picked], reduction="sum")
+        loss.backward()
+        loss_sum = float(loss.detach())
+        grad = final.grad
+        del final, logits, loss
+
+        for layer_idx in range(num_layers - 1, -1, -1):
+            if at_layer_boundary is not None:
+                at_layer_boundary(layer_idx)
+            assert grad is not None
+            x = store[layer_idx, batch.tokens].detach()
+            if layer_idx > 0:
+                x.requires_grad_(True)
+            y = model.model.layers[layer_idx](x, batch.positions, model.rotary, ctx)
+            if y.requires_grad:
+                # Frees this layer's graph before the next layer's is built.
+                torch.autograd.backward(y, grad)
+            grad = x.grad if layer_idx > 0 else None
+            del x, y
+    return TaskLoss(loss_sum, num_targets)
+
+
+def _task_batch(rows: Sequence[TaskRow], capacity: int, device: torch.device) -> _TaskBatch:
+    if not rows:
+        raise ValueError("a backward task needs at least one row")
+    index: list[torch.Tensor] = []
+    positions: list[torch.Tensor] = []
+    targets: list[int] = []
+    row_lens: list[int] = []
+    for i, row in enumerate(rows):
+        n = len(row.labels)
+        if n == 0:
+            raise ValueError(f"task row {i} is empty")
+        if row.offset < 0 or row.offset + n > capacity:
+            raise ValueError(
+                f"task row {i} spans store tokens [{row.offset}, {row.offset + n}) outside "
+                f"[0, {capacity})"
+            )
+        index.append(torch.arange(row.offset, row.offset + n))
+        positions.append(torch.arange(n))
+        targets.extend(row.labels[1:])
+        targets.append(IGNORE_INDEX)
+        row_lens.append(n)
+    return _TaskBatch(
+        tokens=torch.cat(index).to(device),
+        positions=torch.cat(positions).to(device),
+        targets=torch.tensor(targets, dtype=torch.int64, device=device),
+        row_lens=row_lens,
+    )

@@ -1,0 +1,292 @@
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from coserve.core.host import PrefillView, StepRecord, StepView
+from coserve.core.latency import (
+    DEFAULT_COEFFICIENTS,
+    KEYS,
+    TERMS,
+    BatchSpec,
+    Chunk,
+    LatencyModel,
+    StepFeatures,
+    calibration_plan,
+    error_summary,
+    nnls,
+)
+
+# Realistic orders of magnitude (8B model, one H200); g is raised to be identifiable.
+TRUE = {
+    "prefill/eager": (1.0e-9, 3.4e-5, 5e-6, 3.3e-8, 2e-9, 6e-3),
+    "prefill/graph": (1.0e-9, 3.2e-5, 0.0, 3.3e-8, 2e-9, 4e-3),
+    "decode/eager": (6e-5, 3.3e-8, 1.5e-2),
+    "decode/graph": (5e-5, 3.3e-8, 3.7e-3),
+}
+BUSY = {"prefill/eager": (0.1, 5e-4), "prefill/graph": (0.1, 5e-4),
+        "decode/eager": (0.3, 1e-3), "decode/graph": (0.3, 1e-3)}
+MAX_TOKENS, MAX_DECODES, MAX_KV = 8192, 256, 200_000
+
+
+def true_time(f: StepFeatures, coef: dict[str, tuple[float, ...]] = TRUE) -> float:
+    t = sum(c * v for c, v in zip(coef[f.key], f.vector(), strict=True))
+    if f.busy:
+        rho, delta = BUSY[f.key]
+        t = t * (1 + rho) + delta
+    return t
+
+
+def measure(spec: BatchSpec, rng: random.Random, *, busy: bool = False, noise: float = 0.002,
+            coef: dict[str, tuple[float, ...]] = TRUE) -> StepRecord:
+    return spec.record(true_time(spec.features(busy=busy), coef) * (1 + noise * rng.gauss(0, 1)),
+                       busy=busy)
+
+
+def random_spec(rng: random.Random, mode: str) -> BatchSpec:
+    """A plausible serving step (not from the plan): decode-only, prefill(+decodes), or +FT."""
+    b = rng.choice([0, rng.randint(1, MAX_DECODES)])
+    decode_kv = tuple(rng.randint(16, 700) for _ in range(b))
+    if rng.random() < 0.4 and b:
+        return BatchSpec(decode_kv=decode_kv, mode=mode)
+    chunks = tuple(Chunk(rng.randint(1, 2048), rng.choice([0, rng.randint(1, 4096)]))
+                   for _ in range(rng.randint(1, 3)))
+    ft = tuple(rng.randint(16, 512) for _ in range(rng.randint(0, 3))) if mode == "eager" else ()
+    return BatchSpec(chunks, decode_kv, ft, mode)
+
+
+def calibrated(rng: random.Random, *, refit_every: int = 100, window: int = 2000,
+               prior_weight: float = 1e-3) -> LatencyModel:
+    model = LatencyModel(refit_every=refit_every, window=window, prior_weight=prior_weight)
+    plan = calibration_plan(MAX_TOKENS, MAX_DECODES, MAX_KV)
+    model.fit([measure(s, rng, busy=busy) for s in plan for busy in (False, True)])
+    return model
+
+
+# ---------------------------------------------------------------------------------- NNLS
+
+
+def brute_force_nnls(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The optimum is the least-squares solution on its support: try every support."""
+    n = a.shape[1]
+    best, best_cost = torch.zeros(n, dtype=torch.float64), float(b @ b)
+    for k in range(1, n + 1):
+        for support in itertools.combinations(range(n), k):
+            idx = list(support)
+            sol = torch.linalg.lstsq(a[:, idx], b.unsqueeze(1)).solution.squeeze(1)
+            if bool((sol >= 0).all()):
+                x = torch.zeros(n, dtype=torch.float64)
+                x[idx] = sol
+                cost = float(((a @ x - b) ** 2).sum())
+                if cost < best_cost - 1e-12:
+                    best, best_cost = x, cost
+    return best
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "expected"),
+    [
+        ([[1, 0, 0], [0, 1, 0], [0, 0, 1]], [1, -2, 3], [1, 0, 3]),
+        ([[1, 0], [0, 1], [1, 1]], [2, -1, 1], [1.5, 0]),  # unconstrained optimum is (2, -1)
+        # Column 1 enters first and must leave again (the inner loop of Lawson–Hanson).
+        ([[0, -3, 0], [0, -3, -2], [2, 0, -2], [3, 2, -1]], [1, -2, 0, 1], [12 / 17, 0, 15 / 17]),
+        ([[1, 2], [3, 4]], [0, 0], [0, 0]),
+        ([[1, 0], [1, 0]], [1, 3], [2, 0]),  # zero column stays at 0
+        ([[-1, -2], [-3, -1]], [1, 1], [0, 0]),  # every gradient points below 0
+    ],
+)
+def test_nnls_hand_made(a: list[list[float]], b: list[float], expected: list[float]) -> None:
+    res = nnls(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64))
+    assert res.x.dtype == torch.float64
+    torch.testing.assert_close(res.x, torch.tensor(expected, dtype=torch.float64),
+                               atol=1e-12, rtol=0)
+    assert (res.x >= 0).all()
+
+
+def test_nnls_positive_solution_equals_least_squares() -> None:
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(30, 6, generator=g, dtype=torch.float64)
+    x = torch.rand(6, generator=g, dtype=torch.float64) + 0.1
+    res = nnls(a, a @ x)
+    torch.testing.assert_close(res.x, x, atol=1e-10, rtol=0)
+    assert res.residual < 1e-10 and res.iterations == 6
+
+
+def test_nnls_matches_brute_force_and_kkt() -> None:
+    g = torch.Generator().manual_seed(1)
+    for _ in range(60):
+        m, n = int(torch.randint(2, 9, (1,), generator=g)), int(torch.randint(1, 6, (1,), generator=g))
+        a = torch.randn(m, n, generator=g, dtype=torch.float64)
+        b = torch.randn(m, generator=g, dtype=torch.float64)
+        x = nnls(a, b).x
+        # KKT: w = Aᵀ(b − Ax) ≤ 0 everywhere, = 0 where x > 0.
+        w = a.T @ (b - a @ x)
+        assert (x >= 0).all() and (w <= 1e-9).all() and (w[x > 0].abs() <= 1e-9).all()
+        if torch.linalg.matrix_rank(a) == n:  # unique optimum
+            torch.testing.assert_close(x, brute_force_nnls(a, b), atol=1e-9, rtol=0)
+
+
+def test_nnls_rank_deficient_reaches_the_optimal_fit() -> None:
+    a = torch.tensor([[1.0, 1.0, 0.0], [2.0, 2.0, 1.0], [3.0, 3.0, 0.0]], dtype=torch.float64)
+    b = torch.tensor([2.0, 5.0, 6.0], dtype=torch.float64)
+    res = nnls(a, b)
+    assert (res.x >= 0).all()
+    torch.testing.assert_close(a @ res.x, b, atol=1e-10, rtol=0)
+
+
+# ---------------------------------------------------------------------------------- features
+
+
+def test_features_vector_by_hand() -> None:
+    f = StepFeatures((Chunk(3, 10), Chunk(5)), (2,), num_decodes=4, kv_tokens=100, mode="graph")
+    assert f.form == "prefill" and f.exec_mode == "eager" and f.key == "prefill/eager"
+    # Σ(n+B_d)² = 7² + 9² + 6², T_in + B_d = 10 + 4, T_ft = 2, K = 100, Σ n·ctx = 30.
+    assert f.vector() == (166.0, 14.0, 2.0, 100.0, 30.0, 1.0)
+    d = StepFeatures(num_decodes=4, kv_tokens=100, mode="graph")
+    assert d.key == "decode/graph" and d.vector() == (4.0, 100.0, 1.0)
+    assert d.with_ft((7,)).key == "prefill/eager"
+    with pytest.raises(ValueError, match="mode"):
+        StepFeatures(mode="cudagraph")
+
+
+def test_features_from_view_and_record() -> None:
+    view = StepView(now=1.0, prefills=(PrefillView(8, 2, 0.5),), num_decodes=3,
+                    decode_kv_tokens=40, mode="graph")
+    f = StepFeatures.from_view(view, (4,), busy=True)
+    assert f == StepFeatures((Chunk(8, 2),), (4,), 3, 40, "graph", True)
+    rec = StepRecord(view=view, ft_tokens=9, duration_s=0.1, mode="eager", ft_lens=(4, 5),
+                     trainer_busy=True)
+    assert StepFeatures.from_record(rec).ft_lens == (4, 5)
+    legacy = StepRecord(view=view, ft_tokens=9, duration_s=0.1)  # host without ft_lens
+    assert StepFeatures.from_record(legacy).ft_lens == (9,)
+    spec = BatchSpec((Chunk(8, 2),), (10, 30), (4,), "eager")
+    assert StepFeatures.from_record(spec.record(0.1, busy=True)) == spec.features(busy=True)
+    graph = BatchSpec((Chunk(8, 2),), (10, 30), (4,), "graph")  # FT rows run it eagerly
+    assert StepFeatures.from_record(graph.record(0.1)).key == "prefill/eager"
+
+
+# ---------------------------------------------------------------------------------- plan
+
+
+def test_calibration_plan_respects_limits_and_identifies_every_coefficient() -> None:
+    plan = calibration_plan(MAX_TOKENS, MAX_DECODES, MAX_KV)
+    assert 50 < len(plan) < 400
+    for s in plan:
+        assert 0 < s.num_tokens <= MAX_TOKENS and len(s.decode_kv) <= MAX_DECODES
+        assert sum(s.decode_kv) <= MAX_KV and all(c.context_len <= MAX_KV for c in s.chunks)
+        assert not s.ft_lens or s.mode == "eager"
+    for key in KEYS:
+        rows = [s.features().vector() for s in plan if s.features().key == key]
+        rank = int(torch.linalg.matrix_rank(torch.tensor(rows, dtype=torch.float64)))
+        # g (FT capture) is never exercised in graph mode: FT rows force eager.
+        expected = len(TERMS[key.split("/")[0]]) - (key == "prefill/graph")
+        assert rank == expected, key
+    assert calibration_plan(1, 0, 0)  # tiny limits still give a plan
+    eager_only = calibration_plan(64, 4, 256, modes=("eager",))
+    assert {s.mode for s in eager_only} == {"eager"}
+
+
+# ---------------------------------------------------------------------------------- fitting
+
+
+def test_fit_recovers_coefficients_and_predicts_held_out_steps() -> None:
+    rng = random.Random(0)
+    model = calibrated(rng)
+    for key, truth in TRUE.items():
+        got = model.coefficients(key)
+        for name, c, t in zip(TERMS[key.split("/")[0]], got, truth, strict=True):
+            assert c == pytest.approx(t, rel=0.05, abs=1e-12), (key, name)
+        assert model.busy_term(key) == pytest.approx(BUSY[key], rel=0.05)
+    held_out = [measure(random_spec(rng, mode), rng, busy=rng.random() < 0.3, noise=0.0)
+                for mode in ("graph", "eager") for _ in range(300)]
+    stats = model.error_stats(held_out)
+    assert stats["all"].n == 600 and stats["all"].p99_rel < 0.01
+    assert {"decode/graph/idle", "decode/graph/busy", "prefill/eager/idle"} <= set(stats)
+
+
+def test_online_refit_follows_changed_coefficients() -> None:
+    rng = random.Random(1)
+    model = calibrated(rng, refit_every=50, window=300)
+    slower = {k: tuple(1.5 * c for c in v) for k, v in TRUE.items()}
+    held_out = [random_spec(rng, "graph").features() for _ in range(200)]
+
+    def worst() -> float:
+        return max(abs(model.predict(f) / true_time(f, slower) - 1) for f in held_out)
+
+    assert worst() > 0.3
+    for _ in range(500):
+        model.observe(measure(random_spec(rng, "graph"), rng, coef=slower))
+    assert worst() < 0.01
+    assert all(len(w) <= 300 for w in model._windows.values())
+
+
+def test_steady_state_window_keeps_calibrated_directions() -> None:
+    """A window of identical decode steps excites one direction; the others stay calibrated."""
+    rng = random.Random(2)
+    model = calibrated(rng, refit_every=20)
+    spec = BatchSpec(decode_kv=(500,) * 64, mode="graph")
+    for _ in range(40):
+        model.observe(measure(spec, rng))
+    for b, kv in [(1, 16), (256, 700)]:
+        f = StepFeatures(num_decodes=b, kv_tokens=b * kv, mode="graph")
+        assert model.predict(f) == pytest.approx(true_time(f), rel=0.01)
+
+
+def test_predictions_never_fail_before_data() -> None:
+    model = LatencyModel()
+    f = StepFeatures(num_decodes=2, kv_tokens=10, mode="graph")
+    assert model.predict(f) == pytest.approx(sum(
+        c * v for c, v in zip(DEFAULT_COEFFICIENTS["decode"], f.vector(), strict=True)))
+    # Only eager data: graph falls back to eager (slower, hence safe).
+    model.fit([BatchSpec(decode_kv=(k,) * b).record(0.01 + 1e-3 * b)
+               for b in (1, 2, 4) for k in (1, 8)])
+    assert model.coefficients("decode/graph") == model.coefficients("decode/eager")
+    assert model.busy_term("decode/graph") == (0.0, 0.0)
+    assert math.isfinite(model.predict(StepFeatures(ft_lens=(30,), busy=True)))
+
+
+def test_interrupted_and_empty_records_are_ignored() -> None:
+    model = LatencyModel(refit_every=1)
+    spec = BatchSpec(decode_kv=(8,))
+    bad = StepRecord(view=spec.record(1.0).view, ft_tokens=0, duration_s=100.0, interrupted=True)
+    model.observe(bad)
+    model.fit([bad])
+    assert model.state_dict()["coefficients"] == {}
+    assert model.error_stats([bad])["all"].n == 0
+
+
+def test_error_stats_math() -> None:
+    model = LatencyModel()
+    model.load_state_dict({"version": 1, "coefficients": {"decode/eager": [0.0, 0.0, 0.01]},
+                           "busy": {"decode/eager": [1.0, 0.0]}})
+    spec = BatchSpec(decode_kv=(8,))
+    # Prediction 0.01 and duration 0.01 / (1 + e): relative error e.
+    idle = [spec.record(0.01 / (1 + e)) for e in (0.1, 0.2, 0.3, 0.4)]
+    busy = [spec.record(0.02, busy=True)]  # predicted (1 + 1)·0.01: exact
+    stats = model.error_stats(idle + busy)
+    assert stats["decode/eager/idle"].median_rel == pytest.approx(0.25)
+    assert stats["decode/eager/idle"].p99_rel == pytest.approx(0.3 + 0.97 * 0.1)
+    assert stats["decode/eager/busy"] == pytest.approx((0.0, 0.0, 1))
+    assert stats["all"].n == 5
+    assert error_summary([]).n == 0 and math.isnan(error_summary([]).median_rel)
+
+
+def test_state_dict_round_trip_through_json() -> None:
+    rng = random.Random(3)
+    model = calibrated(rng)
+    restored = LatencyModel()
+    restored.load_state_dict(json.loads(json.dumps(model.state_dict())))
+    for _ in range(50):
+        f = random_spec(rng, rng.choice(["graph", "eager"])).features(busy=rng.random() < 0.5)
+        assert restored.predict(f) == model.predict(f)
+    with pytest.raises(ValueError, match="version"):
+        restored.load_state_dict({"version": 0})
+    with pytest.raises(ValueError, match="decode coefficients"):
+        restored.load_state_dict({"version": 1, "coefficients": {"decode/eager": [1.0]}})
+    with pytest.raises(ValueError, match="table"):
+        restored.load_state_dict({"version": 1, "busy": {"mixed/eager": [0.0, 0.0]}})

@@ -1,0 +1,433 @@
+"""The trainer's master adapter (``TrainableLoRA``) and the layer-wise recompute backward.
+
+The oracle for ``task_backward`` is plain autograd through the whole model on the same rows.
+The builders here (samples, engine-style capture) are shared with ``test_peft_parity``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from coserve.engine.lora_manager import LoRAManager
+from coserve.layers.attention import AttentionMetadata
+from coserve.layers.lora import LoRABatch, StackedLoRA
+from coserve.models.llama import ForwardContext, LlamaForCausalLM
+from coserve.models.loader import load_model
+from coserve.models.peft_adapter import LORA_TARGETS, LoraAdapter, new_lora_adapter
+from coserve.trainer.backward import TaskRow, task_backward
+from coserve.trainer.lora_params import TrainableLoRA, dropout_mask, row_dropout_key
+from tests.conftest import ARCHS
+
+QV = ("q_proj", "v_proj")
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+# --------------------------------------------------------------------------------------------
+# Builders
+
+
+@dataclass(frozen=True)
+class Sample:
+    ids: tuple[int, ...]
+    labels: tuple[int, ...]  # -100 on the prompt
+
+    @property
+    def num_targets(self) -> int:
+        return sum(1 for t in self.labels[1:] if t != -100)
+
+
+def random_samples(
+    n: int, seed: int, vocab: int = 160, min_len: int = 5, max_len: int = 40
+) -> list[Sample]:
+    """``n`` random sequences with a random masked prompt prefix (at least 2 targets each)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(min_len, max_len + 1, (1,), generator=gen))
+        ids = torch.randint(0, vocab, (length,), generator=gen).tolist()
+        prompt = int(torch.randint(1, length - 1, (1,), generator=gen))
+        out.append(Sample(tuple(ids), tuple([-100] * prompt + ids[prompt:])))
+    return out
+
+
+def perturbed_adapter(
+    model: LlamaForCausalLM,
+    rank: int,
+    targets: Sequence[str],
+    seed: int,
+    alpha: float = 16.0,
+    b_std: float = 0.05,
+) -> LoraAdapter:
+    """PEFT's initialisation (``B = 0``) with ``B`` then drawn ``N(0, b_std²)``, so the first
+    optimizer steps are not trivial."""
+    cfg = model.config
+    fresh = new_lora_adapter(
+        num_layers=cfg.num_layers,
+        shapes=cfg.linear_shapes(),
+        rank=rank,
+        alpha=alpha,
+        target_modules=targets,
+        seed=seed,
+    )
+    gen = torch.Generator().manual_seed(seed + 1)
+    weights = {
+        key: (a, torch.randn(b.shape, generator=gen) * b_std)
+        for key, (a, b) in sorted(fresh.weights.items())
+    }
+    return dataclasses.replace(fresh, weights=weights)
+
+
+def flat_batch(lens: Sequence[int]) -> tuple[torch.Tensor, AttentionMetadata]:
+    """Positions and attention metadata of rows that each start at 0 and write no KV."""
+    r = len(lens)
+    meta = AttentionMetadata.build(list(lens), [0] * r, [[] for _ in lens], [False] * r, r, 4)
+    return torch.cat([torch.arange(n) for n in lens]), meta
+
+
+@dataclass
+class EngineCaptureLoRA:
+    """What the engine's capture forward does: serving-slot LoRA for every row (``stacked``),
+    with the trainer's dropout mask applied to the inputs of FT row ``i`` of the task
+    (``ft_rows[i] = (batch start, length, index in the task)``)."""
+
+    stacked: StackedLoRA
+    ft_rows: list[tuple[int, int, int]]
+    seed: int
+    p: float
+    key: int | None
+
+    def apply(
+        self,
+        layer: int,
+        target: str,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+    ) -> None:
+        if self.key is not None and self.p > 0:
+            x = x.clone()
+            for start, n, row in self.ft_rows:
+                mask = dropout_mask(
+                    self.seed,
+                    row_dropout_key(self.key, row),
+                    layer,
+                    target,
+                    (n, x.shape[1]),
+                    self.p,
+                    x.device,
+                )
+                x[start : start + n] *= mask.to(x.dtype)
+        self.stacked.apply(layer, target, x, y, a, b)
+
+
+def engine_capture(
+    model: LlamaForCausalLM,
+    manager: LoRAManager,
+    slot: int,
+    samples: Sequence[Sample],
+    offsets: Sequence[int],
+    rows_in_task: Sequence[int],
+    store: torch.Tensor,
+    *,
+    lora_seed: int = 0,
+    dropout: float = 0.0,
+    dropout_key: int | None = None,
+    inference_prompt: Sequence[int] | None = None,
+) -> None:
+    """One engine step: an optional inference prefill row (no adapter), then the FT rows routed
+    to ``slot``; a layer hook copies each FT row's layer inputs into ``store`` at its offset."""
+    lens = [len(s.ids) for s in samples]
+    ids = [torch.tensor(s.ids) for s in samples]
+    slots = [slot] * len(samples)
+    if inference_prompt is not None:
+        lens, slots = [len(inference_prompt), *lens], [-1, *slots]
+        ids = [torch.tensor(inference_prompt), *ids]
+    positions, meta = flat_batch(lens)
+    first = 1 if inference_prompt is not None else 0
+    starts = [sum(lens[:i]) for i in range(first, len(lens))]
+    stacked = StackedLoRA(LoRABatch.from_rows(lens, slots), manager.scales)
+    ft_rows = [(s, len(x.ids), r) for s, x, r in zip(starts, samples, rows_in_task, strict=True)]
+    lora_ctx = EngineCaptureLoRA(stacked, ft_rows, lora_seed, dropout, dropout_key)
+
+    def hook(layer: int, hidden: torch.Tensor) -> None:
+        for (start, n, _), off in zip(ft_rows, offsets, strict=True):
+            store[layer, off : off + n] = hidden[start : start + n]
+
+    with torch.no_grad():
+        model(torch.cat(ids), positions, ForwardContext(attn=meta, lora=lora_ctx, layer_hook=hook))
+
+
+def assert_close_scaled(actual: torch.Tensor, expected: torch.Tensor, rtol: float) -> None:
+    """Elementwise ``|a - e| <= rtol · (|e| + max|e|)``: fp32 summation-order noise is relative
+    to the largest entries, not to each (possibly tiny) entry."""
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=rtol * float(expected.abs().max()))
+
+
+def new_store(model: LlamaForCausalLM, capacity: int) -> torch.Tensor:
+    cfg = model.config
+    dtype = model.lm_head_weight.dtype
+    return torch.full((cfg.num_layers + 1, capacity, cfg.hidden_size), float("nan"), dtype=dtype)
+
+
+def full_autograd_loss(
+    model: LlamaForCausalLM,
+    lora: TrainableLoRA,
+    samples: Sequence[Sample],
+    dropout_key: int | None = None,
+) -> torch.Tensor:
+    """The oracle: one autograd graph through the whole model; summed token cross-entropy."""
+    lens = [len(s.ids) for s in samples]
+    positions, meta = flat_batch(lens)
+    ids = torch.cat([torch.tensor(s.ids) for s in samples])
+    ctx = ForwardContext(attn=meta, lora=lora.context(dropout_key, lens))
+    logits = model.compute_logits(model(ids, positions, ctx))
+    targets = torch.cat([torch.tensor([*s.labels[1:], -100]) for s in samples])
+    return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
+
+
+# --------------------------------------------------------------------------------------------
+# Fixtures
+
+
+@pytest.fixture(scope="module")
+def models(hf_models: dict[str, Path]) -> dict[str, LlamaForCausalLM]:
+    return {
+        arch: load_model(hf_models[arch], num_lora_slots=2, max_lora_rank=16, dtype=torch.float32)
+        for arch in ARCHS
+    }
+
+
+def capture_task(
+    model: LlamaForCausalLM,
+    lora: TrainableLoRA,
+    samples: Sequence[Sample],
+    dropout_key: int | None = None,
+) -> tuple[torch.Tensor, list[TaskRow]]:
+    """Write the master into slot 1, capture ``samples`` over two engine steps at scattered
+    offsets (in reverse order in the store), return the store and the task rows."""
+    manager = LoRAManager(model, max_loras=1, num_training_slots=1)
+    slot = manager.training_slot(0)
+    lora.write_serving(manager.stacks, slot, manager.scales)
+    lens = [len(s.ids) for s in samples]
+    offsets, pos = [0] * len(samples), 3
+    for i in reversed(range(len(samples))):
+        offsets[i], pos = pos, pos + lens[i] + 2
+    store = new_store(model, pos)
+    half = len(samples) // 2
+    for part in (range(half), range(half, len(samples))):
+        engine_capture(
+            model,
+            manager,
+            slot,
+            [samples[i] for i in part],
+            [offsets[i] for i in part],
+            list(part),
+            store,
+            lora_seed=lora.seed,
+            dropout=lora.dropout,
+            dropout_key=dropout_key,
+            inference_prompt=[7, 8, 9, 10, 11],
+        )
+    return store, [TaskRow(off, s.labels) for off, s in zip(offsets, samples, strict=True)]
+
+
+# --------------------------------------------------------------------------------------------
+# TrainableLoRA
+
+
+def test_flat_layout_views_and_round_trip(models: dict[str, LlamaForCausalLM]) -> None:
+    model = models["llama"]
+    adapter = perturbed_adapter(model, 8, ("q_proj", "v_proj", "down_proj"), seed=3)
+    lora = TrainableLoRA(adapter)
+    assert lora.flat.is_leaf and lora.flat.requires_grad and lora.flat.dtype == torch.float32
+    expected = torch.cat(
+        [
+            t.flatten()
+            for layer in range(2)
+            for target in adapter.target_modules
+            for t in adapter.weights[(layer, target)]
+        ]
+    )
+    assert torch.equal(lora.flat.detach(), expected)
+    assert lora.a(1, "down_proj").shape == (8, 112) and lora.b(1, "down_proj").shape == (64, 8)
+    assert lora.a(1, "v_proj").data_ptr() != lora.b(1, "v_proj").data_ptr()
+    with torch.no_grad():
+        lora.b(1, "v_proj").fill_(2.5)
+    assert torch.all(lora.to_adapter().weights[(1, "v_proj")][1] == 2.5)
+
+    out = lora.to_adapter("base-x")
+    assert out.base_model_name_or_path == "base-x" and out.scaling == adapter.scaling
+    for key, (a, _) in out.weights.items():
+        assert a.data_ptr() != lora.a(*key).data_ptr()  # a copy, not a view
+    other = TrainableLoRA(perturbed_adapter(model, 8, ("q_proj", "v_proj", "down_proj"), seed=9))
+    other.load_adapter(out)
+    assert torch.equal(other.flat, lora.flat)
+    with pytest.raises(ValueError, match="does not match"):
+        other.load_adapter(perturbed_adapter(model, 4, ("q_proj", "v_proj", "down_proj"), seed=1))
+    with pytest.raises(ValueError, match="scaling"):
+        other.load_adapter(
+            perturbed_adapter(model, 8, ("q_proj", "v_proj", "down_proj"), seed=1, alpha=3.0)
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_serving_in_place(models: dict[str, LlamaForCausalLM], dtype: torch.dtype) -> None:
+    model = models["llama"]
+    lora = TrainableLoRA(perturbed_adapter(model, 8, QV, seed=4))
+    stacks = {
+        (layer, t): (torch.randn(3, 16, i, dtype=dtype), torch.randn(3, o, 16, dtype=dtype))
+        for layer in range(2)
+        for t, (o, i) in model.config.linear_shapes().items()
+    }
+    before = {k: (a.clone(), b.clone()) for k, (a, b) in stacks.items()}
+    ptrs = {k: (a.data_ptr(), b.data_ptr()) for k, (a, b) in stacks.items()}
+    scales = torch.zeros(3)
+    lora.write_serving(lambda layer, t: stacks[(layer, t)], 1, scales)
+    assert scales.tolist() == [0.0, lora.scaling, 0.0]
+    for (layer, t), (a, b) in stacks.items():
+        assert (a.data_ptr(), b.data_ptr()) == ptrs[(layer, t)]
+        assert torch.equal(a[0::2], before[(layer, t)][0][0::2])  # other slots untouched
+        assert torch.equal(b[0::2], before[(layer, t)][1][0::2])
+        if t in QV:
+            assert torch.equal(a[1, :8], lora.a(layer, t).detach().to(dtype))
+            assert torch.equal(b[1, :, :8], lora.b(layer, t).detach().to(dtype))
+            assert not a[1, 8:].any() and not b[1, :, 8:].any()
+        else:
+            assert not a[1].any() and not b[1].any()
+
+
+def test_dropout_mask_is_seeded_inverted_dropout() -> None:
+    m = dropout_mask(1, 2, 0, "q_proj", (200, 64), 0.25, "cpu")
+    assert m.shape == (200, 64) and m.dtype == torch.float32
+    assert m.unique().tolist() == [0.0, pytest.approx(1 / 0.75)]
+    assert abs(float((m == 0).float().mean()) - 0.25) < 0.02
+    assert torch.equal(m, dropout_mask(1, 2, 0, "q_proj", (200, 64), 0.25, "cpu"))
+    for args in [
+        (2, 2, 0, "q_proj"),
+        (1, 3, 0, "q_proj"),
+        (1, 2, 1, "q_proj"),
+        (1, 2, 0, "k_proj"),
+    ]:
+        assert not torch.equal(m, dropout_mask(*args, (200, 64), 0.25, "cpu"))
+    assert torch.all(dropout_mask(1, 2, 0, "q_proj", (3, 4), 0.0, "cpu") == 1)
+    assert row_dropout_key(5, 0) != row_dropout_key(5, 1) != row_dropout_key(6, 1)
+
+
+# --------------------------------------------------------------------------------------------
+# task_backward
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(("targets", "dropout"), [(QV, 0.0), (LORA_TARGETS, 0.0), (ATTN, 0.2)])
+def test_task_backward_matches_full_autograd(
+    models: dict[str, LlamaForCausalLM], arch: str, targets: tuple[str, ...], dropout: float
+) -> None:
+    model = models[arch]
+    samples = random_samples(5, seed=11)
+    key = 42 if dropout else None
+    ref = TrainableLoRA(perturbed_adapter(model, 8, targets, seed=5), dropout=dropout, seed=7)
+    loss = full_autograd_loss(model, ref, samples, dropout_key=key)
+    loss.backward()
+
+    lora = TrainableLoRA(perturbed_adapter(model, 8, targets, seed=5), dropout=dropout, seed=7)
+    store, rows = capture_task(model, lora, samples, dropout_key=key)
+    seen: list[int] = []
+    out = task_backward(model, lora, store, rows, dropout_key=key, at_layer_boundary=seen.append)
+
+    assert seen == [1, 0]
+    assert out.num_targets == sum(s.num_targets for s in samples)
+    assert out.loss_sum == pytest.approx(loss.item(), rel=1e-5)
+    assert ref.flat.grad is not None and lora.flat.grad is not None
+    assert_close_scaled(lora.flat.grad, ref.flat.grad, rtol=1e-5)
+    assert all(p.grad is None and not p.requires_grad for p in model.parameters())
+
+
+def test_gradients_accumulate_over_tasks(models: dict[str, LlamaForCausalLM]) -> None:
+    model = models["llama"]
+    samples = random_samples(6, seed=12)
+    lora = TrainableLoRA(perturbed_adapter(model, 8, ATTN, seed=6))
+    store_a, rows_a = capture_task(model, lora, samples[:3])
+    store_b, rows_b = capture_task(model, lora, samples[3:])
+    la = task_backward(model, lora, store_a, rows_a)
+    assert lora.flat.grad is not None
+    grad_a = lora.flat.grad.clone()
+    lb = task_backward(model, lora, store_b, rows_b)
+    ref = TrainableLoRA(lora.to_adapter())
+    ref_loss = full_autograd_loss(model, ref, samples)
+    ref_loss.backward()
+    assert la.loss_sum + lb.loss_sum == pytest.approx(ref_loss.item(), rel=1e-5)
+    assert ref.flat.grad is not None
+    assert_close_scaled(lora.flat.grad, ref.flat.grad, rtol=1e-5)
+    assert not torch.equal(lora.flat.grad, grad_a)
+
+
+def test_dropout_changes_loss_and_gradients(models: dict[str, LlamaForCausalLM]) -> None:
+    model = models["llama"]
+    samples = random_samples(4, seed=13)
+    adapter = perturbed_adapter(model, 8, ATTN, seed=8, b_std=0.3)
+    results = {}
+    for name, p, key, seed in [
+        ("off", 0.0, None, 0),
+        ("p", 0.3, 1, 0),
+        ("p_again", 0.3, 1, 0),
+        ("other_key", 0.3, 2, 0),
+        ("other_seed", 0.3, 1, 1),
+        ("no_key", 0.3, None, 0),
+    ]:
+        lora = TrainableLoRA(adapter, dropout=p, seed=seed)
+        store, rows = capture_task(model, lora, samples, dropout_key=key)
+        out = task_backward(model, lora, store, rows, dropout_key=key)
+        assert lora.flat.grad is not None
+        results[name] = (out.loss_sum, lora.flat.grad.clone())
+    assert results["p"][0] == results["p_again"][0]
+    assert torch.equal(results["p"][1], results["p_again"][1])
+    assert results["no_key"][0] == results["off"][0]
+    for name in ("off", "other_key", "other_seed"):
+        assert results[name][0] != results["p"][0]
+        assert not torch.allclose(results[name][1], results["p"][1], rtol=1e-3)
+
+
+def test_rows_without_targets_and_bad_rows(models: dict[str, LlamaForCausalLM]) -> None:
+    model = models["llama"]
+    lora = TrainableLoRA(perturbed_adapter(model, 8, QV, seed=1))
+    store = new_store(model, 8)
+    called: list[int] = []
+    out = task_backward(
+        model, lora, store, [TaskRow(0, (1, -100, -100))], at_layer_boundary=called.append
+    )
+    assert out == (0.0, 0) and called == [] and lora.flat.grad is None
+    with pytest.raises(ValueError, match="outside"):
+        task_backward(model, lora, store, [TaskRow(5, (1, 2, 3, 4))])
+    with pytest.raises(ValueError, match="store must be"):
+        task_backward(model, lora, store[:2], [TaskRow(0, (1, 2))])
+
+
+def test_bf16_model_gives_close_fp32_gradients(hf_models: dict[str, Path]) -> None:
+    samples = random_samples(3, seed=14)
+    grads = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = load_model(hf_models["llama"], num_lora_slots=1, max_lora_rank=16, dtype=dtype)
+        lora = TrainableLoRA(perturbed_adapter(model, 8, ATTN, seed=2))
+        manager = LoRAManager(model, max_loras=0, num_training_slots=1)
+        lora.write_serving(manager.stacks, 0, manager.scales)
+        store = new_store(model, 200)
+        offsets = [sum(len(s.ids) for s in samples[:i]) for i in range(len(samples))]
+        engine_capture(model, manager, 0, samples, offsets, range(3), store)
+        task_backward(
+            model,
+            lora,
+            store,
+            [TaskRow(o, s.labels) for o, s in zip(offsets, samples, strict=True)],
+        )
+        assert lora.flat.grad is not None and lora.flat.grad.dtype == torch.float32
+        grads[dtype] = lora.flat.grad
+    cos = F.cosine_similarity(grads[torch.float32], grads[torch.bfloat16], dim=0)
+    assert float(cos) > 0.99
