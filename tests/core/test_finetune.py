@@ -759,21 +759,34 @@ def test_claim_release_retire_errors_are_atomic() -> None:
     assert pool.progress.samples_retired == 0
 
 
-def test_window_spans_epochs_without_duplicates() -> None:
+def test_window_stops_at_the_end_of_the_oldest_unfinished_epoch() -> None:
     pool = SamplePool(make_samples(3), epochs=3, shuffle=False, window=5)
     assert ids_of(pool.candidates()) == [0, 1, 2]  # each sample at most once
     pool.claim([0])
-    assert ids_of(pool.candidates()) == [1, 2]  # epoch-1 copy of 0 waits for the in-flight one
-    pool.retire([0])
-    assert ids_of(pool.candidates()) == [1, 2, 0]
-    pool.claim([0])  # the epoch-1 copy, jumping over epoch-0 samples 1 and 2
-    assert pool.epoch == 0
     assert ids_of(pool.candidates()) == [1, 2]
     pool.retire([0])
+    assert ids_of(pool.candidates()) == [1, 2]  # epoch 1 waits until epoch 0 is finished
     pool.claim([1, 2])
-    pool.retire([1, 2])
+    assert pool.candidates() == []
+    pool.retire([1])
+    assert pool.candidates() == []  # 2 (epoch 0) still in flight
+    pool.retire([2])
     assert pool.epoch == 1
-    assert ids_of(pool.candidates()) == [1, 2, 0]
+    assert ids_of(pool.candidates()) == [0, 1, 2]
+
+
+def test_shortest_first_admission_does_not_starve_long_samples() -> None:
+    samples = [FTSample(i, tuple(range(2 + 10 * i)), tuple(range(2 + 10 * i))) for i in range(6)]
+    pool = SamplePool(samples, epochs=4, shuffle=True, seed=3, window=64)
+    trained: list[int] = []
+    while not pool.done:
+        pick = min(pool.candidates(), key=lambda s: s.num_tokens)  # always the shortest
+        pool.claim([pick.sample_id])
+        pool.retire([pick.sample_id])
+        trained.append(pick.sample_id)
+    assert sorted(trained) == sorted(list(range(6)) * 4)
+    for e in range(4):
+        assert sorted(trained[6 * e : 6 * e + 6]) == list(range(6)), "each epoch trains every sample once"
 
 
 def test_done_after_all_epochs_and_progress() -> None:
@@ -922,25 +935,6 @@ def test_load_state_dict_rejects_mismatches() -> None:
         with pytest.raises(ValueError, match=match):
             target.load_state_dict(bad)
         assert target.progress == before
-
-
-def test_starved_sample_does_not_break_the_pool() -> None:
-    # Admission always prefers the short sample, so the long one's occurrences pile up across
-    # epochs; the window must stay distinct and everything must still drain.
-    short = FTSample(0, (1, 2), (1, 2))
-    long = FTSample(1, tuple(range(50)), tuple(range(50)))
-    epochs = 50
-    pool = SamplePool([long, short], epochs=epochs, shuffle=False, window=2)
-    for _ in range(epochs):
-        assert ids_of(pool.candidates()) == [1, 0]
-        pool.claim([0])
-        pool.retire([0])
-    assert pool.epoch == 0
-    for _ in range(epochs):
-        assert ids_of(pool.candidates()) == [1]
-        pool.claim([1])
-        pool.retire([1])
-    assert pool.done
 
 
 def test_pool_calls_stay_cheap_on_a_large_dataset() -> None:

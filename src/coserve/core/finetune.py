@@ -594,8 +594,8 @@ class SamplePool:
     (done) or :meth:`release` (back to candidate). Unclaimed occurrences are always ordered by
     stream position, so a released sample is ahead of every sample that entered the stream after
     it. :meth:`candidates` shows the first ``window`` unclaimed occurrences, skipping a sample
-    whose earlier occurrence is in flight or already shown (the window may reach into the next
-    epoch; a skipped occurrence is offered later). Hence the public API can name samples by
+    whose earlier occurrence is in flight or already shown. The window never reaches past the
+    oldest unfinished epoch, so shortest-first admission cannot starve long samples. Hence the public API can name samples by
     ``sample_id``: a sample is never in flight twice and never a candidate twice.
 
     Cost per call is O(window + in-flight samples); the permutation of an epoch is drawn once when
@@ -859,7 +859,13 @@ class SamplePool:
         out: list[tuple[int, int]] = []
         if limit <= 0:
             return out
+        # NOTE: the window stops at the end of the oldest unfinished epoch. Admission takes the
+        # shortest candidates first; a window reaching into the next epoch would offer the short
+        # samples again and again and starve the long ones.
+        end = min(self._total, (self.epoch + 1) * self._n)
         for pos, idx in self._heads:
+            if pos >= end:
+                break
             if idx not in self._in_flight:
                 out.append((pos, idx))
                 if len(out) == limit:
@@ -869,7 +875,7 @@ class SamplePool:
         # sample, after which out + in-flight covers all of them and `limit` is reached.
         seen = {idx for _, idx in out}
         pos = self._cursor
-        while pos < self._total and len(out) < limit:
+        while pos < end and len(out) < limit:
             idx = self._index_at(pos)
             if idx not in self._in_flight and idx not in seen:
                 out.append((pos, idx))

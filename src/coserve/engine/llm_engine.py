@@ -97,6 +97,11 @@ class LLMEngine:
         self.training_slot = self.lora_manager.training_slot(training_slot)
         coserver.arrival_probe = self.arrival_pending
 
+    def detach(self) -> None:
+        """Stop co-serving: later steps carry inference rows only."""
+        self.coserver = None
+        self.training_slot = -1
+
     def arrival_pending(self) -> bool:
         """Is inference work waiting? (An FT-only step gives way to it at the next layer.)"""
         return bool(self.scheduler.waiting) or (self.external_arrivals is not None and self.external_arrivals())

@@ -8,6 +8,7 @@ built-in ``tiny_facts`` dataset, so it runs on a fresh machine with no downloads
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import tempfile
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ from coserve.bench.workload import BurstPattern, Scaling, synthetic
 from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig
 from coserve.engine.config import EngineConfig
 from coserve.engine.llm_engine import LLMEngine
+from coserve.engine.sampling_params import SamplingParams
+from coserve.engine.sequence import LoRARequest
 from coserve.server.finetune import FinetuneSession, FinetuneSpec
 
 logger = logging.getLogger(__name__)
@@ -116,4 +119,29 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"{r.name:<10} {len(r.replay.records):>8d} {r.attainment * 100:>11.1f}% {s['ttft_p99_ms']:>7.0f}ms "
               f"{s['tpot_p99_ms']:>7.1f}ms {r.ft_tokens_per_s:>9.0f} {loss:>18}")
     print(f"\nfine-tuned adapter: {adapter}  (train log: {out / 'train_log.jsonl'})")
+    _show_learning(engine, spec.data, adapter)
     return 0
+
+
+def _show_learning(engine: LLMEngine, data: Path, adapter: Path) -> None:
+    """Answer three training questions with the base model and with the adapter just trained."""
+    tok = engine.tokenizer
+    assert tok is not None
+    rows = [json.loads(line) for line in data.read_text().splitlines()[:3] if line.strip()]
+    if not all("instruction" in r for r in rows):
+        return
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    print("\nquestion -> base model | with the fine-tuned adapter (expected)")
+    for i, row in enumerate(rows):
+        prompt = tok.apply_chat_template([{"role": "user", "content": row["instruction"]}],
+                                         add_generation_prompt=True, tokenize=True)
+        answers = []
+        for j, lora in enumerate((None, LoRARequest("demo", str(adapter)))):
+            rid = f"show{i}-{j}"
+            engine.add_request(rid, prompt, params, lora)
+            while True:
+                outs = [o for o in engine.step() if o.request_id == rid and o.finished]
+                if outs:
+                    answers.append(outs[0].outputs[0].text.strip())
+                    break
+        print(f"  {row['instruction']} -> {answers[0]!r} | {answers[1]!r} ({row['output']!r})")

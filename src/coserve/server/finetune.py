@@ -143,6 +143,8 @@ class FinetuneSession:
         return path
 
     def close(self) -> None:
+        if self.engine.coserver is self.coserver:
+            self.engine.detach()
         self.coserver.close()
 
     @property
