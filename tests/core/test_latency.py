@@ -120,7 +120,8 @@ def test_nnls_positive_solution_equals_least_squares() -> None:
 def test_nnls_matches_brute_force_and_kkt() -> None:
     g = torch.Generator().manual_seed(1)
     for _ in range(60):
-        m, n = int(torch.randint(2, 9, (1,), generator=g)), int(torch.randint(1, 6, (1,), generator=g))
+        m = int(torch.randint(2, 9, (1,), generator=g))
+        n = int(torch.randint(1, 6, (1,), generator=g))
         a = torch.randn(m, n, generator=g, dtype=torch.float64)
         b = torch.randn(m, generator=g, dtype=torch.float64)
         x = nnls(a, b).x

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from coserve import EngineConfig, LLMEngine, SamplingParams
-from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig
+from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig, SLOConfig
 from coserve.server.finetune import FinetuneSession, FinetuneSpec
 
 DATA = Path(__file__).resolve().parents[2] / "src" / "coserve" / "data" / "tiny_facts.jsonl"
@@ -54,7 +54,21 @@ def test_uninterrupted_ft_only_step_captures_samples(session) -> None:  # type: 
 
 def test_interruption_can_be_switched_off(session) -> None:  # type: ignore[no-untyped-def]
     engine, s = session
-    s.coserver.interrupt_ft_only = False
+    s.coserver.slo = SLOConfig(interrupt_ft_only=False)
     engine.external_arrivals = lambda: True
     engine.step()
     assert s.coserver.num_interrupted == 0 and s.pool.num_in_flight > 0
+
+
+def test_calibration_runs_through_the_engine_and_fits_the_model(session) -> None:  # type: ignore[no-untyped-def]
+    from coserve.core.latency import BatchSpec, Chunk, StepFeatures
+
+    engine, s = session
+    free = engine.block_manager.num_free_blocks
+    n = engine.calibrate(repeats=1)
+    assert n > 50
+    assert engine.block_manager.num_free_blocks == free, "calibration gave back every borrowed block"
+    spec = BatchSpec((Chunk(64),), decode_kv=(32,) * 4)
+    measured = min(engine.run_batch(spec) for _ in range(5))
+    predicted = s.coserver.latency.predict(StepFeatures.from_view(spec.record(measured).view))
+    assert predicted == pytest.approx(measured, rel=1.0), "calibrated prediction within 2x on CPU"

@@ -177,6 +177,4 @@ def should_interrupt(slo: SLOConfig, *, ft_only_step: bool, num_arrived: int) ->
     Only FT-only steps are interruptible, and only while fine-tuning is on and
     ``interrupt_ft_only`` is set; otherwise the arrivals wait for the step to end.
     """
-    return (
-        ft_only_step and num_arrived > 0 and slo.interrupt_ft_only and slo.policy != "off"
-    )
+    return ft_only_step and num_arrived > 0 and slo.interrupt_ft_only and slo.policy != "off"

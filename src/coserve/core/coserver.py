@@ -11,9 +11,11 @@ from typing import Protocol
 import torch
 
 from coserve.core.activations import ActivationStore
-from coserve.core.config import CoServeConfig, OptimConfig
+from coserve.core.admission import AdmissionDecision, admit, should_interrupt
+from coserve.core.config import CoServeConfig, OptimConfig, SLOConfig
 from coserve.core.finetune import FTSample, SamplePool
 from coserve.core.host import FTRow, Interrupted, StepRecord, StepView
+from coserve.core.latency import BatchSpec, LatencyModel, calibration_plan
 from coserve.core.messages import BackwardTask, TaskResult, TaskSample
 
 logger = logging.getLogger(__name__)
@@ -92,6 +94,8 @@ class CoServer:
         trainer: TrainerClient,
         config: CoServeConfig,
         optim: OptimConfig,
+        slo: SLOConfig | None = None,
+        latency: LatencyModel | None = None,
         on_step_logged: Callable[[OptimizerStepLog], None] | None = None,
     ) -> None:
         self.pool = pool
@@ -100,6 +104,9 @@ class CoServer:
         self.trainer = trainer
         self.config = config
         self.optim = optim
+        self.slo = slo or SLOConfig()
+        self.latency = latency or LatencyModel()
+        self.last_decision: AdmissionDecision | None = None
         self.on_step_logged = on_step_logged
         self._step_rows: list[TaskSample] = []  # rows of the step being run
         self._step_ft_start = 0
@@ -113,7 +120,6 @@ class CoServer:
         self.last_loss: float | None = None
         # Set by the host: True when an inference request is waiting to be scheduled.
         self.arrival_probe: Callable[[], bool] | None = None
-        self.interrupt_ft_only = True
         self.num_interrupted = 0
         self._ft_only = False
         self._paused = False
@@ -136,17 +142,21 @@ class CoServer:
         if self._in_flight is not None and view.num_prefill_tokens > 0:
             self.trainer.pause()  # NOTE: set again in on_step_end, whatever happens in between
             self._paused = True
-        if self._in_flight is not None or self._task_full():
+        if self._task_full():
             return []
-        budget = view.token_budget if view.has_inference else self.store.capacity
-        budget = min(budget, self.store.free)
+        ft_only = not view.has_inference
+        decision = admit(
+            view, self.pool.candidates(), model=self.latency, slo=self.slo,
+            backward_running=self._in_flight is not None, capacity_tokens=self.store.free,
+            token_budget=max(view.token_budget, self.store.capacity) if ft_only else view.token_budget,
+        )
+        self.last_decision = decision
         picked: list[FTSample] = []
         task_tokens = self._task_tokens()
-        for sample in sorted(self.pool.candidates(), key=lambda s: (s.num_tokens, s.sample_id)):
-            if task_tokens >= self.config.backward_tokens or sample.num_tokens > budget:
+        for sample in decision.samples:  # shortest first; a task closes once it is full
+            if task_tokens >= self.config.backward_tokens:
                 break
             picked.append(sample)
-            budget -= sample.num_tokens
             task_tokens += sample.num_tokens
         if not picked:
             return []
@@ -163,7 +173,8 @@ class CoServer:
         """Copy the fine-tuning rows' residual stream into the store (hook 2)."""
         if not self._step_rows:
             return
-        if self._ft_only and self.interrupt_ft_only and self.arrival_probe is not None:
+        if self._ft_only and self.arrival_probe is not None and should_interrupt(
+                self.slo, ft_only_step=True, num_arrived=1):
             if hidden.is_cuda:
                 self._bound_lookahead()
             if self.arrival_probe():
@@ -187,6 +198,8 @@ class CoServer:
             self.trainer.resume()
             self._paused = False
         self._layer_events.clear()
+        if not record.interrupted:
+            self.latency.observe(record)
         rows, self._step_rows = self._step_rows, []
         if not rows:
             return
@@ -287,6 +300,19 @@ class CoServer:
             self.pool.release([r.sample_id for r in self._task_rows])
             self._task_rows = []
         self.store.reset()
+
+    def calibrate(self, run_batch: Callable[[BatchSpec], float], *, max_tokens: int, max_decodes: int,
+                  max_kv: int, max_context: int | None = None, modes: tuple[str, ...] = ("eager",),
+                  repeats: int = 2) -> int:
+        """Hook 5: time the calibration batches through the host's real path and fit the latency
+        model; returns the number of batches timed. ``run_batch`` runs one batch and returns its
+        duration in seconds; the fastest of ``repeats`` runs counts (the first warms up)."""
+        records = []
+        for spec in calibration_plan(max_tokens, max_decodes, max_kv, modes=modes, max_context=max_context):
+            duration = min(run_batch(spec) for _ in range(repeats))
+            records.append(spec.record(duration))
+        self.latency.fit(records)
+        return len(records)
 
     def close(self) -> None:
         self.trainer.close()

@@ -46,7 +46,6 @@ DEFAULT_COEFFICIENTS: Final[dict[str, tuple[float, ...]]] = {
 _STATE_VERSION: Final = 1
 
 
-
 class NNLSResult(NamedTuple):
     x: torch.Tensor
     residual: float
@@ -145,7 +144,6 @@ def _fit_relative(
     return tuple((nnls(a, rhs).x / scale).tolist())
 
 
-
 class Chunk(NamedTuple):
     """A prefill chunk: ``num_tokens`` new tokens attending to ``context_len`` cached ones."""
 
@@ -220,7 +218,6 @@ class StepFeatures:
         )
 
 
-
 @dataclass(frozen=True)
 class BatchSpec:
     """A synthetic batch a host runs at calibration: ``decode_kv[j]`` is decode row j's KV."""
@@ -269,7 +266,8 @@ def _split(total: int, parts: int) -> tuple[Chunk, ...]:
 
 
 def calibration_plan(
-    max_tokens: int, max_decodes: int, max_kv: int, *, modes: Sequence[str] = MODES
+    max_tokens: int, max_decodes: int, max_kv: int, *, modes: Sequence[str] = MODES,
+    max_context: int | None = None,
 ) -> list[BatchSpec]:
     """The synthetic batches that make every coefficient identifiable (DESIGN §6).
 
@@ -277,31 +275,34 @@ def calibration_plan(
     a batch may read in total. Per mode: a sweep of one chunk's length (a, b, c); fixed lengths
     split over more chunks (a vs b); chunks over cached context (h); a decode batch × KV grid
     (b', e', c'); prefill chunks with decodes (B_d inside the square, e). Eager only: FT rows
-    added to fixed batches, alone and beside inference (g).
+    added to fixed batches, alone and beside inference (g). ``max_context`` caps one row's cached
+    context plus its new tokens (the model's context length).
     """
     if max_tokens < 1 or max_decodes < 0 or max_kv < 0 or not set(modes) <= set(MODES):
         raise ValueError(f"calibration_plan needs max_tokens >= 1, max_decodes >= 0, "
                          f"max_kv >= 0 and modes among {MODES}")
     t, d, kv = max_tokens, max_decodes, max_kv
+    row_cap = max_context if max_context is not None else t + kv + 1
     specs: list[BatchSpec] = []
     for mode in modes:
         specs += [BatchSpec((Chunk(n),), mode=mode) for n in _levels(1, t, 12)]
         for total in sorted({n for n in (t, t // 4) if n >= 2}):
             specs += [BatchSpec(_split(total, p), mode=mode) for p in _levels(2, min(total, 64), 5)]
         for n in sorted({max(1, t // 8), max(1, t // 2)}):
-            specs += [BatchSpec((Chunk(n, c),), mode=mode) for c in _levels(1, kv, 4)]
+            specs += [BatchSpec((Chunk(n, c),), mode=mode)
+                      for c in _levels(1, max(1, min(kv, row_cap - n)), 4)]
         for b in _levels(1, d, 5):
-            for per_row in _levels(1, kv // b, 5):
+            for per_row in _levels(1, max(1, min(kv // b, row_cap - 1)), 5):
                 specs.append(BatchSpec(decode_kv=(per_row,) * b, mode=mode))
         for n in sorted({max(1, t // 4), max(1, t // 2)}):
             for b in _levels(1, min(d, t - n), 4):
-                for per_row in sorted({1, max(1, kv // b)}):
+                for per_row in sorted({1, max(1, min(kv // b, row_cap - 1))}):
                     specs.append(BatchSpec((Chunk(n),), (per_row,) * b, mode=mode))
     quarter = max(1, t // 4)
     bases = [BatchSpec(), BatchSpec((Chunk(quarter),))]
     b = min(d, t - quarter, max(1, t // 8))
     if b > 0:
-        bases.append(BatchSpec((Chunk(quarter),), (max(1, kv // (2 * b)),) * b))
+        bases.append(BatchSpec((Chunk(quarter),), (max(1, min(kv // (2 * b), row_cap - 1)),) * b))
     for base in bases:
         for total in _levels(1, t - base.num_tokens, 5):
             specs.append(replace(base, ft_lens=(total,), mode="eager"))
@@ -311,9 +312,8 @@ def calibration_plan(
     return specs
 
 
-
 class ErrorStats(NamedTuple):
-    """Relative prediction error ``|T̂ − T| / T`` over ``n`` steps (linear-interpolated quantiles)."""
+    """Relative error ``|T̂ − T| / T`` over ``n`` steps (quantiles interpolate linearly)."""
 
     median_rel: float
     p99_rel: float
@@ -321,6 +321,7 @@ class ErrorStats(NamedTuple):
 
 
 def error_summary(rel_errors: Sequence[float]) -> ErrorStats:
+    """Median and p99 of relative errors; ``nan`` for none."""
     if not rel_errors:
         return ErrorStats(math.nan, math.nan, 0)
     e = torch.tensor(rel_errors, dtype=torch.float64)
@@ -427,7 +428,7 @@ class LatencyModel:
         if all(math.isfinite(c) for c in coef):
             (self._busy if busy else self._coef)[key] = coef
         else:
-            logger.warning("latency refit of %s (busy=%s) not finite; keeping the old set", key, busy)
+            logger.warning("latency refit of %s (busy=%s) not finite; kept the old set", key, busy)
 
     # -- reporting and persistence
 

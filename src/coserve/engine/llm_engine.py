@@ -12,6 +12,7 @@ import torch
 
 from coserve.core.coserver import CoServer
 from coserve.core.host import FTRow, Interrupted, PrefillView, StepRecord, StepView
+from coserve.core.latency import BatchSpec
 from coserve.engine.block_manager import BlockManager
 from coserve.engine.config import EngineConfig
 from coserve.engine.lora_manager import LoRAManager
@@ -191,8 +192,10 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         ft_rows: list[FTRow] = []
         view = None
+        busy = False
         if self.coserver is not None:
             view = self._view(sched)
+            busy = self.coserver.backward_running
             ft_rows = self.coserver.plan(view)
         if sched.is_empty and not ft_rows:
             return []
@@ -203,14 +206,16 @@ class LLMEngine:
         except Interrupted:
             assert self.coserver is not None and view is not None and sched.is_empty
             self.coserver.on_step_end(StepRecord(view=view, ft_tokens=0, duration_s=time.perf_counter() - start,
-                                                 interrupted=True))
+                                                 interrupted=True, trainer_busy=busy))
             return []
         outputs = self.finish_step(sched, logits, start)
         if self.coserver is not None and view is not None:
             assert self.last_step is not None
+            ft_lens = tuple(len(r.token_ids) for r in ft_rows)
             self.coserver.on_step_end(StepRecord(
-                view=view, ft_tokens=sum(len(r.token_ids) for r in ft_rows),
-                duration_s=self.last_step.duration_s, ft_rows=tuple(r.sample_id for r in ft_rows),
+                view=view, ft_tokens=sum(ft_lens), duration_s=self.last_step.duration_s,
+                mode=self.last_step.mode, ft_rows=tuple(r.sample_id for r in ft_rows), ft_lens=ft_lens,
+                trainer_busy=busy,
             ))
         return outputs
 
@@ -225,7 +230,67 @@ class LLMEngine:
             token_budget=self.config.max_num_batched_tokens - sched.num_tokens,
             num_waiting=len(waiting),
             oldest_waiting_arrival=waiting[0].arrival_time if waiting else None,
+            waiting_prefill_tokens=sum(s.num_uncomputed_tokens for s in waiting),
+            prefill_remaining=tuple(c.seq.num_uncomputed_tokens - c.num_tokens for c in sched.prefills),
         )
+
+    def run_batch(self, spec: BatchSpec) -> float:
+        """Run one synthetic batch through the real step path (calibration, hook 5); returns seconds.
+
+        Borrows free KV blocks for the batch's cached context and gives them back; writes only
+        into those blocks. Fine-tuning rows are captured into a scratch buffer like real ones.
+        """
+        rng = torch.Generator().manual_seed(len(spec.chunks) * 7919 + len(spec.decode_kv))
+        vocab = self.model_config.vocab_size
+        borrowed: list[int] = []
+
+        def blocks_for(tokens: int) -> list[int]:
+            got = self.block_manager.take(self.block_manager.blocks_for_tokens(tokens))
+            borrowed.extend(got)
+            return got
+
+        def ids(n: int) -> list[int]:
+            return torch.randint(0, vocab, (n,), generator=rng).tolist()
+
+        try:
+            rows = [BatchRow(ids(c.num_tokens), c.context_len, blocks_for(c.context_len + c.num_tokens),
+                             samples=True) for c in spec.chunks]
+            rows += [BatchRow(ids(n), 0, [], self.training_slot, writes_kv=False) for n in spec.ft_lens]
+            rows += [BatchRow(ids(1), kv, blocks_for(kv + 1), samples=True, is_prefill=False)
+                     for kv in spec.decode_kv]
+            if not rows:
+                return 0.0
+            ft_start = sum(c.num_tokens for c in spec.chunks)
+            ft_tokens = sum(spec.ft_lens)
+            scratch = torch.empty(ft_tokens, self.model_config.hidden_size, dtype=self.runner.dtype,
+                                  device=self.runner.device)
+
+            def capture(layer: int, hidden: torch.Tensor) -> None:
+                scratch.copy_(hidden[ft_start : ft_start + ft_tokens])
+
+            self._sync()
+            start = time.perf_counter()
+            logits = self.runner.execute(rows, capture if ft_tokens else None)
+            if logits.shape[0]:
+                logits.argmax(dim=-1).tolist()
+            self._sync()
+            return time.perf_counter() - start
+        finally:
+            self.block_manager.give_back(borrowed)
+
+    def _sync(self) -> None:
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
+
+    def calibrate(self, repeats: int = 2) -> int:
+        """Fit the co-server's latency model on this engine's real step path (after warm-up)."""
+        if self.coserver is None:
+            raise RuntimeError("calibrate() needs an attached co-server")
+        cfg = self.config
+        max_kv = self.block_manager.num_free_blocks * cfg.block_size // 2
+        return self.coserver.calibrate(
+            self.run_batch, max_tokens=cfg.max_num_batched_tokens, max_decodes=min(cfg.max_num_seqs, 64),
+            max_kv=max_kv, max_context=self.max_model_len - 1, repeats=repeats)
 
     def build_rows(self, sched: SchedulerOutput, ft_rows: list[FTRow] | None = None) -> list[BatchRow]:
         """Rows in the order the attention layout needs: prefills, fine-tuning rows, decodes."""

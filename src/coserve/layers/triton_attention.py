@@ -20,26 +20,34 @@ both kernels: key ranges start at the window's edge, masks cover the rest.
 from __future__ import annotations
 
 import functools
+import importlib.util
+import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-try:
-    import triton
+if TYPE_CHECKING:
     import triton.language as tl
 
-    HAS_TRITON = True
-except ImportError:  # CPU-only installs: the backend says it is unavailable when built
-    HAS_TRITON = False
-
-if TYPE_CHECKING:
     from coserve.layers.attention import AttentionMetadata
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 @functools.cache
 def jit(fn: Callable[..., None]) -> Any:
-    """``triton.jit(fn)`` at first launch, so ``TRITON_INTERPRET`` is read then, not at import."""
+    """``triton.jit(fn)``, done at the kernel's first launch.
+
+    NOTE: Triton decides when it is imported whether its own library functions run in its
+    interpreter (``TRITON_INTERPRET=1``), so it is imported here, never at module import; the
+    kernels' ``tl`` global is bound here too.
+    """
+    import triton
+    import triton.language
+
+    fn.__globals__["tl"] = triton.language
     return triton.jit(fn)
 
 
@@ -49,7 +57,7 @@ def triton_usable(device: torch.device) -> bool:
         return False
     if device.type == "cuda":
         return True
-    return device.type == "cpu" and bool(triton.knobs.runtime.interpret)
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _store_kv_kernel(
@@ -156,8 +164,8 @@ def _decode_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, po_ptr, lse_ptr, kv_ptr, ctx_ptr, bt_ptr,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh,
     s_block, s_kv, s_tok, s_head, s_bt,
-    scale, window,
-    NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+    scale, window, num_splits,
+    SPLIT: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -167,7 +175,7 @@ def _decode_kernel(
     start = 0
     if HAS_WINDOW:
         start = tl.maximum(ctx - window + 1, 0)
-    per_split = tl.cdiv(ctx - start, NUM_SPLITS)
+    per_split = tl.cdiv(ctx - start, num_splits)
     lo = start + sp * per_split
     hi = tl.minimum(lo + per_split, ctx)
 
@@ -204,29 +212,29 @@ def _decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc / l_i[:, None]
         tl.store(o_ptr + b * s_ot + heads[:, None] * s_oh + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=mask_g[:, None])
     else:
-        # Partials [B, H, NUM_SPLITS, D] and lse [B, H, NUM_SPLITS] (-inf for an empty split).
+        # Partials [B, H, num_splits, D] and lse [B, H, num_splits] (-inf for an empty split).
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_safe))
-        row = (b * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + sp
+        row = (b * (GROUP * tl.num_programs(1)) + heads) * num_splits + sp
         tl.store(lse_ptr + row, lse, mask=mask_g)
         tl.store(po_ptr + row[:, None] * D + offs_d[None, :], acc / l_safe[:, None], mask=mask_g[:, None])
 
 
 def _merge_kernel(
-    po_ptr, lse_ptr, o_ptr, s_ot, s_oh, H,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr,
+    po_ptr, lse_ptr, o_ptr, s_ot, s_oh, H, num_splits,
+    BLOCK_S: tl.constexpr, D: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, D)
-    mask_s = offs_s < NUM_SPLITS
-    row = (b * H + h) * NUM_SPLITS
+    mask_s = offs_s < num_splits
+    row = (b * H + h) * num_splits
     lse = tl.load(lse_ptr + row + offs_s, mask=mask_s, other=float("-inf"))
     w = tl.exp(lse - tl.max(lse, 0))
     o = tl.load(po_ptr + (row + offs_s)[:, None] * D + offs_d[None, :], mask=mask_s[:, None], other=0.0)
@@ -268,17 +276,28 @@ def decode_splits(num_rows: int, num_kv_heads: int, max_context: int, num_sms: i
     return max(1, min(want, 64, -(-max_context // 64)))
 
 
+@dataclass(frozen=True)
+class AttentionTuning:
+    """Tile shapes and launch settings (chosen on the H200 by ``bench/engine_speed.py``)."""
+
+    prefill_block_m: int = 64
+    prefill_block_n: int = 64
+    prefill_warps: int = 4
+    prefill_stages: int = 2
+    decode_block_n: int = 64
+    decode_warps: int = 4
+    decode_stages: int = 2
+
+
 class TritonAttention:
     """Paged attention in Triton; decode launches are CUDA-graph capturable (see module doc)."""
 
     cuda_graph_capable = True
 
-    def __init__(
-        self, block_m: int = 64, block_n: int = 64, decode_block_n: int = 64, sms: int | None = None
-    ) -> None:
+    def __init__(self, tuning: AttentionTuning | None = None, sms: int | None = None) -> None:
         if not HAS_TRITON:
             raise RuntimeError("attention backend 'triton' needs the triton package (pip install triton)")
-        self.block_m, self.block_n, self.decode_block_n = block_m, block_n, decode_block_n
+        self.tuning = tuning or AttentionTuning()
         self.sms = sms  # overrides the device's multiprocessor count in decode_splits (tests)
 
     def forward(
@@ -313,10 +332,11 @@ class TritonAttention:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float, window: int,
     ) -> None:
+        tune = self.tuning
         rows: list[int] = []
         starts: list[int] = []
         for r in range(meta.num_prefill_rows):
-            for m0 in range(0, meta.q_lens[r], self.block_m):
+            for m0 in range(0, meta.q_lens[r], tune.prefill_block_m):
                 rows.append(r)
                 starts.append(m0)
         tiles = torch.tensor([rows, starts], dtype=torch.int32).to(q.device, non_blocking=True)
@@ -329,8 +349,9 @@ class TritonAttention:
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), s_block, s_kv, s_tok, s_head, meta.block_tables.stride(0),
             scale, window,
-            GROUP=group, D=d, BLOCK_SIZE=kv_layer.shape[2], BLOCK_M=self.block_m, BLOCK_N=self.block_n,
-            HAS_WINDOW=window > 0, num_warps=4 if d <= 64 else 8, num_stages=2,
+            GROUP=group, D=d, BLOCK_SIZE=kv_layer.shape[2], BLOCK_M=tune.prefill_block_m,
+            BLOCK_N=tune.prefill_block_n, HAS_WINDOW=window > 0, num_warps=tune.prefill_warps,
+            num_stages=tune.prefill_stages,
         )
 
     def _decode(
@@ -357,13 +378,13 @@ class TritonAttention:
             qd, kd, vd, od, partial, lse, kv_layer, ctx, tables,
             qd.stride(0), qd.stride(1), kd.stride(0), kd.stride(1), vd.stride(0), vd.stride(1),
             od.stride(0), od.stride(1), s_block, s_kv, s_tok, s_head, tables.stride(0),
-            scale, window,
-            NUM_SPLITS=splits, GROUP=group, BLOCK_G=max(16, _pow2(group)), D=d,
-            BLOCK_SIZE=kv_layer.shape[2], BLOCK_N=self.decode_block_n, HAS_WINDOW=window > 0,
-            num_warps=4, num_stages=2,
+            scale, window, splits,
+            SPLIT=splits > 1, GROUP=group, BLOCK_G=max(16, _pow2(group)), D=d,
+            BLOCK_SIZE=kv_layer.shape[2], BLOCK_N=self.tuning.decode_block_n, HAS_WINDOW=window > 0,
+            num_warps=self.tuning.decode_warps, num_stages=self.tuning.decode_stages,
         )
         if splits > 1:
             jit(_merge_kernel)[(nrows, heads)](
-                partial, lse, od, od.stride(0), od.stride(1), heads,
-                NUM_SPLITS=splits, BLOCK_S=_pow2(splits), D=d,
+                partial, lse, od, od.stride(0), od.stride(1), heads, splits,
+                BLOCK_S=_pow2(splits), D=d,
             )

@@ -20,12 +20,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from coserve.layers.triton_attention import HAS_TRITON, jit, num_sms
-
-if HAS_TRITON:
-    import triton.language as tl
+from coserve.layers.triton_attention import jit, num_sms
 
 if TYPE_CHECKING:
+    import triton.language as tl
+
     from coserve.layers.lora import LoRABatch
 
 _NO_SLOT = 1 << 30
@@ -33,9 +32,9 @@ _NO_SLOT = 1 << 30
 
 def _shrink_kernel(
     x_ptr, a_ptr, v_ptr, order_ptr, slot_ptr, n_order,
-    s_xt, s_as, s_ar, s_vk, s_vt,
-    IN: tl.constexpr, RANK: tl.constexpr, R_PAD: tl.constexpr, K_PER_SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NO_SLOT: tl.constexpr,
+    s_xt, s_as, s_ar, s_vk, s_vt, d_in, k_per_split,
+    RANK: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    NO_SLOT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     ks = tl.program_id(1)
@@ -44,14 +43,14 @@ def _shrink_kernel(
     slot = tl.load(slot_ptr + tl.maximum(tok, 0), mask=tok >= 0, other=-1).to(tl.int32)
     valid = (tok >= 0) & (slot >= 0)
     offs_r = tl.arange(0, R_PAD)
-    k_lo = ks * K_PER_SPLIT
+    k_lo = ks * k_per_split
     cur = tl.min(tl.where(valid, slot, NO_SLOT), 0)
     while cur < NO_SLOT:
         sel = valid & (slot == cur)
         acc = tl.zeros([BLOCK_M, R_PAD], tl.float32)
-        for k0 in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
+        for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < IN
+            mask_k = offs_k < d_in
             x = tl.load(x_ptr + tok[:, None] * s_xt + offs_k[None, :], mask=sel[:, None] & mask_k[None, :],
                         other=0.0)
             a = tl.load(a_ptr + cur.to(tl.int64) * s_as + offs_r[:, None] * s_ar + offs_k[None, :],
@@ -63,9 +62,9 @@ def _shrink_kernel(
 
 def _expand_kernel(
     y_ptr, b_ptr, v_ptr, order_ptr, slot_ptr, scale_ptr, n_order,
-    s_yt, s_bs, s_bo, s_vk, s_vt,
-    OUT: tl.constexpr, RANK: tl.constexpr, R_PAD: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NO_SLOT: tl.constexpr,
+    s_yt, s_bs, s_bo, s_vk, s_vt, d_out, split_k,
+    RANK: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NO_SLOT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -75,13 +74,13 @@ def _expand_kernel(
     valid = (tok >= 0) & (slot >= 0)
     offs_r = tl.arange(0, R_PAD)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < OUT
+    mask_n = offs_n < d_out
     res = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     cur = tl.min(tl.where(valid, slot, NO_SLOT), 0)
     while cur < NO_SLOT:
         sel = valid & (slot == cur)
         v = tl.zeros([BLOCK_M, R_PAD], tl.float32)
-        for ks in tl.static_range(SPLIT_K):
+        for ks in range(split_k):
             v += tl.load(v_ptr + ks * s_vk + tok[:, None] * s_vt + offs_r[None, :], mask=sel[:, None], other=0.0)
         b = tl.load(b_ptr + cur.to(tl.int64) * s_bs + offs_n[:, None] * s_bo + offs_r[None, :],
                     mask=mask_n[:, None] & (offs_r[None, :] < RANK), other=0.0)
@@ -145,16 +144,14 @@ def lora_shrink_expand(
     v = torch.empty(split_k, t_rows, r_pad, dtype=torch.float32, device=x.device)
     jit(_shrink_kernel)[(launch.num_tiles, split_k)](
         x, a, v, order, token_slots, n_order,
-        x.stride(0), a.stride(0), a.stride(1), v.stride(0), v.stride(1),
-        IN=d_in, RANK=rank, R_PAD=r_pad, K_PER_SPLIT=k_per_split,
-        BLOCK_M=launch.block_m, BLOCK_K=block_k, NO_SLOT=_NO_SLOT, num_warps=4,
+        x.stride(0), a.stride(0), a.stride(1), v.stride(0), v.stride(1), d_in, k_per_split,
+        RANK=rank, R_PAD=r_pad, BLOCK_M=launch.block_m, BLOCK_K=block_k, NO_SLOT=_NO_SLOT, num_warps=4,
     )
     block_n = 128 if d_out >= 1024 else 64
     jit(_expand_kernel)[(launch.num_tiles, -(-d_out // block_n))](
         y, b, v, order, token_slots, scales, n_order,
-        y.stride(0), b.stride(0), b.stride(1), v.stride(0), v.stride(1),
-        OUT=d_out, RANK=rank, R_PAD=r_pad, SPLIT_K=split_k,
-        BLOCK_M=launch.block_m, BLOCK_N=block_n, NO_SLOT=_NO_SLOT, num_warps=4,
+        y.stride(0), b.stride(0), b.stride(1), v.stride(0), v.stride(1), d_out, split_k,
+        RANK=rank, R_PAD=r_pad, BLOCK_M=launch.block_m, BLOCK_N=block_n, NO_SLOT=_NO_SLOT, num_warps=4,
     )
 
 

@@ -20,7 +20,7 @@ import torch
 from coserve.bench.metrics import attainment, latency_summary
 from coserve.bench.replay import InProcessDriver, ReplayResult, Snapshot
 from coserve.bench.workload import BurstPattern, Scaling, synthetic
-from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig
+from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig, SLOConfig
 from coserve.engine.config import EngineConfig
 from coserve.engine.llm_engine import LLMEngine
 from coserve.engine.sampling_params import SamplingParams
@@ -52,8 +52,12 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny")
     p.add_argument("--device", default="cpu")
     p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run")
-    p.add_argument("--ttft-slo-ms", type=float, default=1000.0)
-    p.add_argument("--tpot-slo-ms", type=float, default=100.0)
+    p.add_argument("--ttft-slo-ms", type=float, default=250.0)
+    p.add_argument("--tpot-slo-ms", type=float, default=25.0)
+    p.add_argument("--slo-margin", type=float, default=0.1, help="fraction of the latency budget kept free")
+    p.add_argument("--ft-policy", default="full", choices=["off", "temporal", "full"],
+                   help="off: inference only; temporal: FT only in idle steps; full: FT also inside batches")
+    p.add_argument("--no-interrupt", action="store_true", help="never interrupt an FT-only step")
     p.add_argument("--data", default=None, help="fine-tuning data (default: the built-in tiny_facts)")
     p.add_argument("--output", default=None, help="where the adapter and train_log.jsonl go (default: a temp dir)")
     p.add_argument("--seed", type=int, default=0)
@@ -97,9 +101,12 @@ def run_demo(args: argparse.Namespace) -> int:
                                                            "up_proj", "down_proj")),
         optim=OptimConfig(lr=2e-3, max_grad_norm=1.0),
         coserve=CoServeConfig(backward_tokens=128, max_seq_len=64, epochs=1000, seed=args.seed),
-        trainer_threads=1,
+        slo=SLOConfig(ttft_slo_s=ttft, tpot_slo_s=tpot, margin=args.slo_margin, policy=args.ft_policy,
+                      interrupt_ft_only=not args.no_interrupt),
+        trainer_threads=1, calibrate=True,
     )
     session = FinetuneSession(engine, spec)
+    print(f"latency model calibrated; fine-tuning policy {args.ft_policy!r} on {spec.data.name}", flush=True)
     try:
         co = driver.run(arrivals, duration_s=args.duration, ft_tokens=lambda: session.coserver.tokens_trained,
                         idle_wait=session.wait,

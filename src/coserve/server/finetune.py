@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from coserve.core.activations import ActivationStore
-from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig
+from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig, SLOConfig
 from coserve.core.coserver import CoServer, OptimizerStepLog
 from coserve.core.finetune import FTDataset, SamplePool, load_dataset
 from coserve.engine.llm_engine import LLMEngine
@@ -38,8 +38,10 @@ class FinetuneSpec:
     lora: LoRAConfig = LoRAConfig()
     optim: OptimConfig = OptimConfig()
     coserve: CoServeConfig = CoServeConfig()
+    slo: SLOConfig = SLOConfig()
     init_adapter: Path | None = None
     trainer_threads: int = 0
+    calibrate: bool = False
 
 
 class FinetuneSession:
@@ -81,9 +83,13 @@ class FinetuneSession:
         )
         self.coserver = CoServer(
             pool=self.pool, samples={s.sample_id: s for s in self.dataset.samples}, store=self.store,
-            trainer=self.trainer, config=cfg, optim=optim, on_step_logged=self._log_step,
+            trainer=self.trainer, config=cfg, optim=optim, slo=spec.slo, on_step_logged=self._log_step,
         )
         engine.attach(self.coserver, 0)
+        if spec.calibrate:
+            t = time.perf_counter()
+            n = engine.calibrate()
+            logger.info("latency model calibrated on %d batches in %.1fs", n, time.perf_counter() - t)
         spec.output.mkdir(parents=True, exist_ok=True)
         self._log_path = spec.output / "train_log.jsonl"
         self._log_path.write_text("")
@@ -118,6 +124,7 @@ class FinetuneSession:
         cfg = {
             "data": str(self.spec.data), "model": self.engine.config.model,
             "lora": asdict(self.spec.lora), "optim": asdict(self.optim), "coserve": asdict(self.spec.coserve),
+            "slo": asdict(self.spec.slo),
             "init_adapter": str(self.spec.init_adapter) if self.spec.init_adapter else None,
             "dataset": asdict(self.dataset.stats),
             "skipped_rows": [{"line": r.line, "reason": r.reason} for r in self.dataset.skipped],

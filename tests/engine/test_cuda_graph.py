@@ -1,0 +1,116 @@
+"""Decode graphs and the Triton paths through the whole engine.
+
+Without a GPU the Triton kernels run in Triton's interpreter and the decode-graph path runs its
+static buffers eagerly (``capture=False``); with one, graphs are captured and replayed.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from coserve import LLM, EngineConfig, LoRARequest, SamplingParams
+from coserve.engine.model_runner import BatchRow
+from tests.conftest import make_peft_adapter
+
+CUDA = torch.cuda.is_available()
+
+
+def triton_or_skip() -> None:
+    """Skip unless Triton kernels can run here (compiled on a GPU, interpreted on the CPU)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    if CUDA:
+        return
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set")
+    if tuple(int(p) for p in importlib.metadata.version("triton").split(".")[:2]) < (3, 7):
+        pytest.skip("Triton's interpreter before 3.7 breaks on numpy 2 scalars")
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+PROMPTS = [[5, 17, 33, 2, 91, 14, 7], [100, 3, 44, 44, 12, 9, 150, 61, 70, 8, 1, 2, 3, 4, 5, 6, 7], [42]]
+NEW_TOKENS = 10  # 17 + 10 tokens: past the Mistral window (24)
+
+
+def test_graph_batch_sizes_are_checked() -> None:
+    with pytest.raises(ValueError, match="cuda_graph_batch_sizes"):
+        EngineConfig(cuda_graph_batch_sizes=(4, 2))
+    with pytest.raises(ValueError, match="cuda_graph_batch_sizes"):
+        EngineConfig(cuda_graph_batch_sizes=(0, 2))
+
+
+def test_graph_buckets_and_acceptance(hf_models: dict[str, Path]) -> None:
+    llm = LLM(str(hf_models["llama"]), skip_tokenizer_init=True, block_size=4, max_model_len=64,
+              cuda_graph_batch_sizes=(1, 2, 4, 8))
+    runner = llm.engine.runner
+    graphs = runner.decode_graphs(capture=False)
+    assert [graphs.bucket(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
+    decode = BatchRow([3], 5, [0, 1], samples=True, is_prefill=False)
+    assert graphs.accepts([decode] * 8)
+    assert not graphs.accepts([decode] * 9)
+    assert not graphs.accepts([BatchRow([3, 4], 0, [0], samples=True), decode])  # prefill row
+    assert not graphs.accepts([BatchRow([3], 0, [], writes_kv=False, is_prefill=False, samples=True)])
+    assert not graphs.accepts([BatchRow([3], 64, list(range(17)), samples=True, is_prefill=False)])
+    assert runner.planned_mode([decode]) == ("graph" if runner.graphs is not None else "eager")
+
+
+def generate(llm: LLM, loras: list[LoRARequest | None]) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, logprobs=1, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params, lora_request=loras)
+    result = []
+    for o in outs:
+        got = o.outputs[0]
+        assert got.logprobs is not None
+        result.append((got.token_ids, [lp[t] for lp, t in zip(got.logprobs, got.token_ids, strict=True)]))
+    return result
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_triton_engine_matches_torch_engine(arch: str, hf_models: dict[str, Path], tmp_path: Path) -> None:
+    """Greedy tokens and log-probs of the Triton backends (eager, then through the decode-graph
+    path) equal the torch reference engine's, with two adapters and no adapter in one batch."""
+    triton_or_skip()
+    base = hf_models[arch]
+    a1 = make_peft_adapter(base, tmp_path / "a1", ["q_proj", "v_proj", "down_proj"], rank=8, seed=1)
+    a2 = make_peft_adapter(base, tmp_path / "a2", ["k_proj", "o_proj", "gate_proj", "up_proj"], rank=16, seed=2)
+    loras = [LoRARequest("a1", str(a1)), None, LoRARequest("a2", str(a2))]
+    common: dict = dict(skip_tokenizer_init=True, max_loras=2, max_lora_rank=16, block_size=4,
+                        max_model_len=64, max_num_batched_tokens=16, cuda_graph_batch_sizes=(1, 2, 4))
+    if CUDA:
+        common["device"] = "cuda"
+    expected = generate(LLM(str(base), **common), loras)
+
+    llm = LLM(str(base), attention_backend="triton", lora_backend="triton", enforce_eager=True, **common)
+    assert _close(generate(llm, loras), expected)
+
+    llm = LLM(str(base), attention_backend="triton", lora_backend="triton", **common)
+    runner = llm.engine.runner
+    if runner.graphs is None:
+        runner.graphs = runner.decode_graphs(capture=False)
+    modes: list[str] = []
+    execute = runner.execute
+
+    def record(rows: list[BatchRow], hook: object = None) -> torch.Tensor:
+        logits = execute(rows, hook)  # type: ignore[arg-type]
+        modes.append(runner.last_mode)
+        return logits
+
+    runner.execute = record  # type: ignore[method-assign]
+    got = generate(llm, loras)
+    assert "graph" in modes and "eager" in modes
+    assert _close(got, expected)
+
+
+def _close(got: list[tuple[list[int], list[float]]], expected: list[tuple[list[int], list[float]]]) -> bool:
+    tol = 2e-3 if CUDA else 1e-4  # the GPU runs fp32 products as tf32
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(got, expected, strict=True):
+        assert tokens == ref_tokens
+        assert lps == pytest.approx(ref_lps, abs=tol)
+    return True

@@ -1,0 +1,140 @@
+"""Triton kernels against the fp32 torch references, on fresh random inputs.
+
+On a GPU they run compiled; without one they run in Triton's interpreter (``TRITON_INTERPRET=1``,
+set here before the first launch; the kernels are jitted lazily). bf16 runs on the GPU only: the
+interpreter's bf16 matrix product is wrong (it multiplies the raw bits).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+if not CUDA:
+    # Triton reads TRITON_INTERPRET when it is imported (coserve imports it at the first launch).
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
+    version = tuple(int(p) for p in importlib.metadata.version("triton").split(".")[:2])
+    if version < (3, 7):
+        pytest.skip("Triton's interpreter before 3.7 breaks on numpy 2 scalars", allow_module_level=True)
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from coserve.layers.attention import AttentionMetadata, TorchAttention, write_kv  # noqa: E402
+from coserve.layers.lora import LoRABatch, lora_segments_ref  # noqa: E402
+from coserve.layers.triton_attention import TritonAttention, store_kv  # noqa: E402
+from coserve.layers.triton_lora import LoRALaunch, lora_shrink_expand, order_by_slot  # noqa: E402
+
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32, torch.float16]
+# ‖out − ref‖ / ‖ref‖ bounds: fp32 may run as tf32 on the GPU's matrix units.
+TOL = {torch.float32: 1e-3, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any(), "NaN in the output"
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def random_batch(
+    rng: random.Random, num_blocks: int, block_size: int, decode_rows: int
+) -> tuple[list[int], list[int], list[list[int]], list[bool], int]:
+    """Prefill chunks with cached prefixes, fine-tuning rows, then decode rows; tables disjoint."""
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    q_lens, ctxs, tables, writes = [], [], [], []
+    for kind in ["prefill"] * 3 + ["ft"] * 2 + ["decode"] * decode_rows:
+        n = 1 if kind == "decode" else rng.randint(1, 40)
+        ctx = 0 if kind == "ft" else rng.choice([0, rng.randint(1, 90)])
+        nb = 0 if kind == "ft" else -(-(ctx + n) // block_size)
+        tables.append([free.pop() for _ in range(nb)])
+        q_lens.append(n)
+        ctxs.append(ctx)
+        writes.append(kind != "ft")
+    return q_lens, ctxs, tables, writes, 5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_writes_exactly_the_slots(dtype: torch.dtype) -> None:
+    t, kvh, d, bs = 37, 2, 32, 8
+    k = torch.randn(t, kvh, d, dtype=dtype, device=DEVICE)
+    v = torch.randn(t, kvh, d, dtype=dtype, device=DEVICE)
+    cache = torch.randn(20, 3, 2, bs, kvh, d, dtype=dtype, device=DEVICE)
+    slots = torch.randperm(20 * bs, device=DEVICE)[:t]
+    slots[::4] = -1
+    ref = cache.clone()
+    write_kv(k, v, ref[:, 1], slots)
+    store_kv(k, v, cache[:, 1], slots)
+    assert torch.equal(cache, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("sms", [1, 64])  # 64 forces split-K decode with merged partials
+@pytest.mark.parametrize("heads", [(4, 2, 16), (8, 2, 64)])
+def test_attention_matches_reference(
+    dtype: torch.dtype, window: int | None, sms: int, heads: tuple[int, int, int]
+) -> None:
+    h, kvh, d = heads
+    bs, layers, nblocks = 4, 2, 160
+    rng = random.Random(hash((str(dtype), window, sms, heads)))
+    q_lens, ctxs, tables, writes, npre = random_batch(rng, nblocks, bs, decode_rows=4)
+    meta = AttentionMetadata.build(q_lens, ctxs, tables, writes, npre, bs, device=DEVICE)
+    t = sum(q_lens)
+    q = torch.randn(t, h, d, dtype=dtype, device=DEVICE)
+    qkv = torch.randn(t, 2, kvh, d, dtype=dtype, device=DEVICE)
+    k, v = qkv[:, 0], qkv[:, 1]  # strided like the model's split of its fused projection
+    cache = torch.randn(nblocks, layers, 2, bs, kvh, d, dtype=dtype, device=DEVICE)
+    ref_cache = cache.to(torch.float32, copy=True)
+    scale = d**-0.5
+
+    ref = TorchAttention().forward(q.float(), k.float(), v.float(), ref_cache[:, 1], meta, scale, window)
+    out = TritonAttention(sms=sms).forward(q, k, v, cache[:, 1], meta, scale, window)
+
+    assert rel_err(out, ref) < TOL[dtype]
+    assert torch.equal(cache.float(), ref_cache)  # same KV written, nothing else touched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rank", [8, 16])
+@pytest.mark.parametrize("padded", [False, True])
+def test_lora_matches_reference(dtype: torch.dtype, rank: int, padded: bool) -> None:
+    rng = random.Random(rank * 2 + padded)
+    slots_n, d_in, d_out = 4, 96, 80
+    row_lens = [rng.randint(1, 30) for _ in range(9)]
+    row_slots = [rng.choice([-1, 0, 1, 3, 3]) for _ in row_lens]
+    batch = LoRABatch.from_rows(row_lens, row_slots, DEVICE)
+    t = sum(row_lens)
+    x = torch.randn(t, d_in, dtype=dtype, device=DEVICE)
+    a = torch.randn(slots_n, rank, d_in, dtype=dtype, device=DEVICE) / d_in**0.5
+    b = torch.randn(slots_n, d_out, rank, dtype=dtype, device=DEVICE)
+    scales = torch.rand(slots_n, device=DEVICE) + 0.5
+    y0 = torch.randn(t, d_out + 24, dtype=dtype, device=DEVICE)
+    ref = y0.to(torch.float32, copy=True)
+    lora_segments_ref(ref[:, 8 : 8 + d_out], x.float(), a.float(), b.float(), scales, batch)
+
+    order = order_by_slot(row_lens, row_slots)
+    length = len(order) + (37 if padded else 0)  # a CUDA graph's static order is -1 padded
+    order_t = torch.full((length,), -1, dtype=torch.int32)
+    order_t[: len(order)] = torch.tensor(order, dtype=torch.int32)
+    y = y0.clone()
+    launch = LoRALaunch.for_tokens(length, 16)
+    lora_shrink_expand(y[:, 8 : 8 + d_out], x, a, b, scales, batch.token_slots, order_t.to(DEVICE), launch)
+
+    cols = slice(8, 8 + d_out)
+    assert rel_err(y[:, cols] - y0[:, cols], ref[:, cols] - y0[:, cols].float()) < TOL[dtype]
+    assert torch.equal(y[:, :8], y0[:, :8]) and torch.equal(y[:, 8 + d_out :], y0[:, 8 + d_out :])
+    untouched = batch.token_slots < 0
+    assert torch.equal(y[untouched], y0[untouched])
+
+
+def test_order_groups_tokens_by_slot() -> None:
+    assert order_by_slot([2, 1, 3, 1], [1, -1, 0, 1]) == [3, 4, 5, 0, 1, 6]
