@@ -207,3 +207,38 @@ def test_trainer_killed_mid_task_recovers(model_dir: Path, tmp_path: Path) -> No
     for key, (a, b) in expected.items():
         torch.testing.assert_close(got[key][0], a, rtol=1e-4, atol=ATOL)
         torch.testing.assert_close(got[key][1], b, rtol=1e-4, atol=ATOL)
+
+
+def test_resume_from_checkpoint_continues_the_run(model_dir: Path, tmp_path: Path) -> None:
+    lora = LoRAConfig(rank=8, alpha=16, target_modules=("q_proj", "v_proj"))
+    optim = OptimConfig(lr=1e-2, max_grad_norm=0.0, lr_scheduler="linear", total_steps=12)
+    rows = write_dataset(tmp_path / "data.jsonl", 12, seed=9)
+    init = init_adapter(model_dir, tmp_path / "init", lora)
+
+    def session(resume: bool) -> tuple[LLMEngine, FinetuneSession]:
+        engine = LLMEngine(EngineConfig(model=str(model_dir), num_training_slots=1, max_lora_rank=16))
+        spec = FinetuneSpec(data=tmp_path / "data.jsonl", output=tmp_path / "out", lora=lora, optim=optim,
+                            coserve=CoServeConfig(backward_tokens=40, max_seq_len=64, epochs=2, seed=5),
+                            init_adapter=init, trainer_threads=1, save_every=1, resume=resume)
+        return engine, FinetuneSession(engine, spec)
+
+    engine, first = session(resume=False)
+    while first.coserver.steps_done < 3:
+        engine.step()
+        first.wait(0.05)
+    first.close()  # the run stops here; its checkpoint holds step 3 (or a later one)
+    engine, second = session(resume=True)
+    assert second.coserver.steps_done >= 3
+    while not second.done:
+        if not engine.step():
+            second.wait(0.05)
+    adapter_dir = second.export()
+    second.close()
+    log = [json.loads(line) for line in (tmp_path / "out" / "train_log.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in log] == list(range(len(log)))
+    assert sorted(i for e in log for i in e["sample_ids"]) == sorted(list(range(len(rows))) * 2)
+    expected, _ = peft_reference(model_dir, init, rows, log, second.optim)
+    got = load_peft_adapter(adapter_dir).weights
+    for key, (a, b) in expected.items():
+        torch.testing.assert_close(got[key][0], a, rtol=1e-4, atol=ATOL)
+        torch.testing.assert_close(got[key][1], b, rtol=1e-4, atol=ATOL)

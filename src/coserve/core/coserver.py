@@ -301,6 +301,14 @@ class CoServer:
             self._task_rows = []
         self.store.reset()
 
+    def resume(self, steps_done: int, tokens_trained: int) -> None:
+        """Continue a run whose first ``steps_done`` optimizer steps are already applied."""
+        if self._in_flight is not None or self._task_rows or self.steps_done:
+            raise RuntimeError("resume() must come before the first step")
+        self._open = _OpenStep(steps_done)
+        self.steps_done = steps_done
+        self.tokens_trained = tokens_trained
+
     def calibrate(self, run_batch: Callable[[BatchSpec], float], *, max_tokens: int, max_decodes: int,
                   max_kv: int, max_context: int | None = None, modes: tuple[str, ...] = ("eager",),
                   repeats: int = 2) -> int:

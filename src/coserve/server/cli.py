@@ -101,6 +101,9 @@ def add_finetune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--train-on-prompt", action="store_true")
     p.add_argument("--trainer-threads", type=int, default=0, help="torch threads of the trainer process (0: default)")
+    p.add_argument("--save-every", type=int, default=100,
+                   help="write OUTPUT/checkpoint every N optimizer steps and at the end (0: never)")
+    p.add_argument("--resume", action="store_true", help="continue the run whose checkpoint is in OUTPUT")
 
 
 def finetune_spec(args: argparse.Namespace) -> FinetuneSpec:
@@ -121,6 +124,8 @@ def finetune_spec(args: argparse.Namespace) -> FinetuneSpec:
                               epochs=args.epochs, seed=args.seed, train_on_prompt=args.train_on_prompt),
         init_adapter=Path(args.init_adapter) if args.init_adapter else None,
         trainer_threads=args.trainer_threads,
+        save_every=args.save_every,
+        resume=args.resume,
     )
 
 

@@ -5,9 +5,13 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from coserve.core.activations import ActivationStore
 from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig, SLOConfig
@@ -42,6 +46,8 @@ class FinetuneSpec:
     init_adapter: Path | None = None
     trainer_threads: int = 0
     calibrate: bool = False
+    save_every: int = 100
+    resume: bool = False
 
 
 class FinetuneSession:
@@ -66,8 +72,11 @@ class FinetuneSession:
         if stats.num_skipped:
             logger.warning("%s: %d malformed rows skipped (first: line %d: %s)", spec.data, stats.num_skipped,
                            self.dataset.skipped[0].line, self.dataset.skipped[0].reason)
+        checkpoint = self._read_checkpoint() if spec.resume else None
         optim = spec.optim
-        if optim.total_steps == 0:
+        if checkpoint is not None:
+            optim = replace(optim, total_steps=checkpoint["optim"]["total_steps"])
+        elif optim.total_steps == 0:
             optim = replace(optim, total_steps=self.estimate_steps())
         self.optim = optim
         self.pool = SamplePool(self.dataset.samples, epochs=cfg.epochs, seed=cfg.seed, shuffle=cfg.shuffle,
@@ -85,17 +94,20 @@ class FinetuneSession:
             pool=self.pool, samples={s.sample_id: s for s in self.dataset.samples}, store=self.store,
             trainer=self.trainer, config=cfg, optim=optim, slo=spec.slo, on_step_logged=self._log_step,
         )
+        self.history: list[OptimizerStepLog] = []
+        spec.output.mkdir(parents=True, exist_ok=True)
+        self._log_path = spec.output / "train_log.jsonl"
+        if checkpoint is not None:
+            self._resume(checkpoint)
+        else:
+            self._log_path.write_text("")
         engine.attach(self.coserver, 0)
         if spec.calibrate:
             t = time.perf_counter()
             n = engine.calibrate()
             logger.info("latency model calibrated on %d batches in %.1fs", n, time.perf_counter() - t)
-        spec.output.mkdir(parents=True, exist_ok=True)
-        self._log_path = spec.output / "train_log.jsonl"
-        self._log_path.write_text("")
         self._write_run_config()
         self.started = time.monotonic()
-        self.history: list[OptimizerStepLog] = []
 
     def estimate_steps(self) -> int:
         """Optimizer steps the run will take (for the LR schedule): tasks close at the first sample
@@ -135,6 +147,55 @@ class FinetuneSession:
         self.history.append(entry)
         with self._log_path.open("a") as f:
             f.write(json.dumps(asdict(entry)) + "\n")
+        if self.spec.save_every and self.coserver.steps_done % self.spec.save_every == 0:
+            self.save_checkpoint()
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.spec.output / "checkpoint"
+
+    def save_checkpoint(self) -> Path:
+        """Write the committed adapter, optimizer state and data cursor, atomically.
+
+        Called at optimizer-step boundaries, when the trainer's committed state and the pool's
+        retired samples describe the same step.
+        """
+        tmp = self.spec.output / ".checkpoint.tmp"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        self.trainer.export(tmp / "adapter", base_model_name_or_path=str(self.engine.config.model))
+        state, steps = self.trainer.committed_state()
+        torch.save({"state": state, "steps": steps, "pool": self.pool.state_dict(),
+                    "tokens_trained": self.coserver.tokens_trained, "optim": asdict(self.optim)},
+                   tmp / "trainer_state.pt")
+        final = self.checkpoint_dir
+        old = self.spec.output / ".checkpoint.old"
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+        if old.exists():
+            shutil.rmtree(old)
+        return final
+
+    def _read_checkpoint(self) -> dict[str, Any]:
+        path = self.checkpoint_dir / "trainer_state.pt"
+        if not path.is_file():
+            raise ValueError(f"--resume: no checkpoint at {path}")
+        return dict(torch.load(path, weights_only=True))
+
+    def _resume(self, ck: dict[str, Any]) -> None:
+        steps = int(ck["steps"])
+        if steps:
+            self.trainer.load_state(ck["state"], steps)
+        self.pool.load_state_dict(ck["pool"])
+        self.coserver.resume(steps, int(ck["tokens_trained"]))
+        kept = []
+        if self._log_path.is_file():
+            kept = [line for line in self._log_path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] < steps]
+        self._log_path.write_text("".join(line + "\n" for line in kept))
+        logger.info("resumed from %s at optimizer step %d", self.checkpoint_dir, steps)
 
     @property
     def done(self) -> bool:
@@ -147,6 +208,8 @@ class FinetuneSession:
     def export(self) -> Path:
         path = self.spec.output / "adapter"
         self.trainer.export(path, base_model_name_or_path=str(self.engine.config.model))
+        if self.spec.save_every:
+            self.save_checkpoint()
         return path
 
     def close(self) -> None:
