@@ -203,10 +203,11 @@ def _common_prefix_len(a: list[int], b: list[int]) -> int:
 class _RowEncoder:
     """Turns one parsed JSON row into token ids and labels (or raises :class:`_RowError`)."""
 
-    def __init__(self, tokenizer: TokenizerLike, *, train_on_prompt: bool) -> None:
+    def __init__(self, tokenizer: TokenizerLike, *, train_on_prompt: bool, vocab_size: int | None = None
+                 ) -> None:
         self._tok = tokenizer
         self._train_on_prompt = train_on_prompt
-        self._vocab_size = int(tokenizer.vocab_size)
+        self._vocab_size = int(tokenizer.vocab_size) if vocab_size is None else vocab_size
         self._has_template = bool(tokenizer.chat_template)
 
     def encode_row(self, row: object) -> _Encoded:
@@ -449,8 +450,12 @@ def load_dataset(
     *,
     max_seq_len: int,
     train_on_prompt: bool = False,
+    vocab_size: int | None = None,
 ) -> FTDataset:
     """Loads a fine-tuning dataset from a ``.json`` array or ``.jsonl`` file.
+
+    ``vocab_size`` (default: the tokenizer's) bounds pre-tokenized ids: pass the smaller of the
+    tokenizer's and the model's, so that no id the model cannot embed gets through.
 
     The row shape is detected per row, in this order of precedence:
 
@@ -486,7 +491,7 @@ def load_dataset(
     if suffix not in (".json", ".jsonl"):
         raise DatasetError(f"{p}: unsupported dataset extension {p.suffix!r} (use .json or .jsonl)")
 
-    encoder = _RowEncoder(tokenizer, train_on_prompt=train_on_prompt)
+    encoder = _RowEncoder(tokenizer, train_on_prompt=train_on_prompt, vocab_size=vocab_size)
     samples: list[FTSample] = []
     skipped: list[SkippedRow] = []
     shape_counts = {"alpaca": 0, "chat": 0, "pretokenized": 0}

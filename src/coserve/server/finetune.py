@@ -66,8 +66,9 @@ class FinetuneSession:
         cfg = spec.coserve
         if cfg.max_seq_len > engine.max_model_len:
             raise ValueError(f"--max-seq-len {cfg.max_seq_len} exceeds the model's context {engine.max_model_len}")
+        vocab = min(engine.tokenizer.vocab_size, engine.model_config.vocab_size)
         self.dataset: FTDataset = load_dataset(spec.data, engine.tokenizer, max_seq_len=cfg.max_seq_len,
-                                               train_on_prompt=cfg.train_on_prompt)
+                                               train_on_prompt=cfg.train_on_prompt, vocab_size=vocab)
         stats = self.dataset.stats
         if stats.num_skipped:
             logger.warning("%s: %d malformed rows skipped (first: line %d: %s)", spec.data, stats.num_skipped,
