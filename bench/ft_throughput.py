@@ -116,7 +116,6 @@ def peft_run(config: dict[str, Any], length: int, step_tokens: int, steps: int, 
         step()
     sync()
     elapsed = time.perf_counter() - t0
-    del model, opt, params
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     tokens = steps * batch * length
