@@ -116,8 +116,6 @@ def peft_run(config: dict[str, Any], length: int, step_tokens: int, steps: int, 
         step()
     sync()
     elapsed = time.perf_counter() - t0
-    gc.collect()
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
     tokens = steps * batch * length
     return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
 
@@ -157,6 +155,9 @@ def main() -> None:
                                         dtype, gc_on)
                 except torch.OutOfMemoryError as e:
                     row[key] = {"error": f"out of memory: {e}"}
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
         co = row["coserve"]["tokens_per_s"]
         row["coserve_tflops"] = co * flops_per_token / 1e12
         row["coserve_fraction_of_matmul_rate"] = co * flops_per_token / peak if peak == peak else None
