@@ -15,7 +15,7 @@ from coserve.core.admission import AdmissionDecision, admit, should_interrupt
 from coserve.core.config import CoServeConfig, OptimConfig, SLOConfig
 from coserve.core.finetune import FTSample, SamplePool
 from coserve.core.host import FTRow, Interrupted, StepRecord, StepView
-from coserve.core.latency import BatchSpec, LatencyModel, calibration_plan
+from coserve.core.latency import BatchSpec, LatencyModel, StepFeatures, calibration_plan
 from coserve.core.messages import BackwardTask, TaskResult, TaskSample
 
 logger = logging.getLogger(__name__)
@@ -123,6 +123,12 @@ class CoServer:
         self.num_interrupted = 0
         self._ft_only = False
         self._paused = False
+        # Measurements for benchmarks (bounded by the run): grant-flag clears and the worker's
+        # observed pauses (time.monotonic, comparable across processes), latency predictions.
+        self.track = False
+        self.pause_windows: list[tuple[float, float]] = []
+        self.pause_observed: list[float] = []
+        self.prediction_errors: list[tuple[str, float, float]] = []
         self._layer_events: list[torch.cuda.Event] = []
 
     # ------------------------------------------------------------------ hooks
@@ -142,6 +148,7 @@ class CoServer:
         if self._in_flight is not None and view.num_prefill_tokens > 0:
             self.trainer.pause()  # NOTE: set again in on_step_end, whatever happens in between
             self._paused = True
+            self._pause_start = time.monotonic()
         if self._task_full():
             return []
         ft_only = not view.has_inference
@@ -197,8 +204,14 @@ class CoServer:
         if self._paused:
             self.trainer.resume()
             self._paused = False
+            if self.track:
+                self.pause_windows.append((self._pause_start, time.monotonic()))
         self._layer_events.clear()
         if not record.interrupted:
+            if self.track:
+                features = StepFeatures.from_record(record)
+                self.prediction_errors.append((features.key + ("/busy" if record.trainer_busy else "/idle"),
+                                               self.latency.predict(features), record.duration_s))
             self.latency.observe(record)
         rows, self._step_rows = self._step_rows, []
         if not rows:
@@ -256,6 +269,8 @@ class CoServer:
             return
         self._in_flight = None
         self.store.reset()
+        if self.track:
+            self.pause_observed.extend(result.pause_times)
         self._open.loss_sum += result.loss_sum
         self._open.num_targets += result.num_targets
         info = result.step_info

@@ -43,6 +43,7 @@ class TaskResult:
     num_targets: int
     duration_s: float
     step_info: StepInfo | None = None
+    pause_times: tuple[float, ...] = ()  # time.monotonic() when the worker found the grant cleared and its GPU queue drained
 
 
 @dataclass(frozen=True)

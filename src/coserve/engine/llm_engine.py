@@ -91,6 +91,7 @@ class LLMEngine:
         # A driver that holds requests outside the engine (a replay clock, an HTTP inbox) tells
         # here whether one is due.
         self.external_arrivals: Callable[[], bool] | None = None
+        self.last_step_kind = "idle"  # idle | inference | mixed | ft-only | ft-only-interrupted
 
     def attach(self, coserver: CoServer, training_slot: int = 0) -> None:
         """Co-serve: let ``coserver`` add fine-tuning rows (on a training adapter slot) to steps."""
@@ -198,13 +199,16 @@ class LLMEngine:
             busy = self.coserver.backward_running
             ft_rows = self.coserver.plan(view)
         if sched.is_empty and not ft_rows:
+            self.last_step_kind = "idle"
             return []
+        self.last_step_kind = ("ft-only" if sched.is_empty else "mixed") if ft_rows else "inference"
         rows = self.build_rows(sched, ft_rows)
         hook = self.coserver.on_layer if ft_rows and self.coserver is not None else None
         try:
             logits = self.runner.execute(rows, hook)
         except Interrupted:
             assert self.coserver is not None and view is not None and sched.is_empty
+            self.last_step_kind = "ft-only-interrupted"
             self.coserver.on_step_end(StepRecord(view=view, ft_tokens=0, duration_s=time.perf_counter() - start,
                                                  interrupted=True, trainer_busy=busy))
             return []

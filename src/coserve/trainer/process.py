@@ -15,6 +15,7 @@ from coserve.core.messages import BackwardTask, TaskResult, TrainerFailed
 from coserve.models.llama import LlamaForCausalLM
 from coserve.models.peft_adapter import LoraAdapter, save_peft_adapter
 from coserve.trainer.lora_params import TrainableLoRA
+from coserve.trainer.mps import mps_active
 from coserve.trainer.worker import WorkerSpec, run_worker
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,9 @@ class TrainerProcess:
         self.spec = WorkerSpec(model, store, scales, self.banks, self.meta, adapter, slot, dropout, seed,
                                optim, grant=self.grant, num_threads=num_threads)
         self._proc: BaseProcess | None = None
+        if device.type == "cuda" and not mps_active():
+            logger.warning("CUDA MPS daemon not running: the trainer's kernels time-slice with the engine's "
+                           "(start it with `nvidia-cuda-mps-control -d` before the engine starts)")
         self._write_serving()
         self._start()
 

@@ -72,6 +72,7 @@ class _Worker:
         self.loss_sum = 0.0
         self.num_targets = 0
         self._events: list[torch.cuda.Event] = []
+        self._pauses: list[float] = []
         bank = int(spec.meta[0])
         if bank >= 0:
             self.optim.import_state(spec.banks[bank], int(spec.meta[1 + bank]))
@@ -90,7 +91,8 @@ class _Worker:
             self.loss_sum, self.num_targets = 0.0, 0
             self._commit()
             info = StepInfo(task.step, res.lr, res.grad_norm, res.skipped)
-        return TaskResult(task.task_id, loss.loss_sum, loss.num_targets, time.perf_counter() - start, info)
+        pauses, self._pauses = tuple(self._pauses), []
+        return TaskResult(task.task_id, loss.loss_sum, loss.num_targets, time.perf_counter() - start, info, pauses)
 
     def _layer_boundary(self, layer: int) -> None:
         """Pause here while the engine runs a prefill; keep GPU work queued ahead of the CPU to
@@ -101,8 +103,12 @@ class _Worker:
             self._events.append(event)
             if len(self._events) > self.spec.max_layers_ahead:
                 self._events.pop(0).synchronize()
-        if self.spec.grant is not None:
-            self.spec.grant.wait()
+        grant = self.spec.grant
+        if grant is not None and not grant.is_set():
+            if self.spec.store.is_cuda:
+                torch.cuda.current_stream().synchronize()
+            self._pauses.append(time.monotonic())
+            grant.wait()
 
     def _commit(self) -> None:
         """Save the new state into the other bank, flip the bank index, then update serving."""

@@ -1,0 +1,46 @@
+"""CUDA MPS: lets the trainer's kernels run beside the engine's instead of time-slicing with them.
+
+Both processes must be MPS clients, i.e. the control daemon must be running before either
+initializes CUDA. :func:`start_mps_daemon` starts it (call it before anything touches CUDA);
+:func:`mps_active` tells whether a daemon answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def _pipe_dir() -> Path:
+    return Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"))
+
+
+def mps_active() -> bool:
+    """True when an MPS control daemon is running (its control pipe exists)."""
+    return (_pipe_dir() / "control").exists()
+
+
+def start_mps_daemon() -> bool:
+    """Start ``nvidia-cuda-mps-control -d`` if it is not running; True if MPS is active after.
+
+    NOTE: must run before this process initializes CUDA, or this process is not an MPS client.
+    """
+    if mps_active():
+        return True
+    exe = shutil.which("nvidia-cuda-mps-control")
+    if exe is None:
+        logger.warning("CUDA MPS is not available (no nvidia-cuda-mps-control): the trainer's kernels "
+                       "will time-slice with the engine's")
+        return False
+    result = subprocess.run([exe, "-d"], capture_output=True, text=True, check=False)
+    if result.returncode != 0 or not mps_active():
+        logger.warning("could not start the CUDA MPS daemon (%s): the trainer's kernels will time-slice "
+                       "with the engine's", (result.stderr or result.stdout).strip() or result.returncode)
+        return False
+    logger.info("started the CUDA MPS control daemon")
+    return True
