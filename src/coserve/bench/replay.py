@@ -37,6 +37,8 @@ class ReplayResult:
     inference_tokens: int
     ft_tokens: int
     timeline: list[tuple[float, int, int]] = field(default_factory=list)  # (t, inference tok, FT tok) per tick
+    # (kind of the step that was running when the request arrived, seconds it waited to enter the engine)
+    entry_delays: list[tuple[str, float]] = field(default_factory=list)
 
 
 class InProcessDriver:
@@ -79,6 +81,7 @@ class InProcessDriver:
         inf_tokens = 0
         ft0 = ft_tokens() if ft_tokens else 0
         timeline: list[tuple[float, int, int]] = []
+        entry_delays: list[tuple[str, float]] = []
         next_tick = tick_every_s
         try:
             while True:
@@ -92,6 +95,7 @@ class InProcessDriver:
                                        SamplingParams(max_tokens=a.output_tokens, temperature=0.0, ignore_eos=True),
                                        arrival_time=t0 + a.time_s)
                     starts[rid] = (a.time_s, a)
+                    entry_delays.append((engine.last_step_kind, now - a.time_s))
                     nxt += 1
                 outs = engine.step()
                 for out in outs:
@@ -128,4 +132,4 @@ class InProcessDriver:
                 records.append(RequestRecord(arr, first.get(rid), None, a.prompt_tokens, 0))
                 engine.abort_request(rid)
         return ReplayResult(sorted(records, key=lambda r: r.arrival_s), clock(), inf_tokens,
-                            (ft_tokens() - ft0) if ft_tokens else 0, timeline)
+                            (ft_tokens() - ft0) if ft_tokens else 0, timeline, entry_delays)

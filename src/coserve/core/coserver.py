@@ -251,6 +251,10 @@ class CoServer:
         self._open.tokens += self._task_tokens()
         self._task_rows = []
         self._in_flight = task
+        if self.store.tensor.is_cuda:
+            # NOTE: the captures were queued on the engine's stream; the trainer (another
+            # process, another stream) must see them complete.
+            torch.cuda.current_stream(self.store.tensor.device).synchronize()
         self.trainer.submit(task)
 
     def poll(self, timeout: float = 0.0) -> None:

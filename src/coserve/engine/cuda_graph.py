@@ -6,7 +6,8 @@ Everything that changes between steps is a static device buffer the graph reads:
 
     input_ids, positions [b] int64 · slot_mapping [b] int64 · context_lens [b] int32
     block_tables [b, W] int32 · token_slots [b] int64 (adapter slot of each row, -1 none)
-    lora_order [b] int32 (rows with an adapter grouped by slot, -1 padded; see layers.triton_lora)
+    lora_order [graph_order_length(b, S)] int32 (rows with an adapter grouped by slot, one slot
+    per tile, -1 padded; see layers.triton_lora)
 
 ``run`` fills pinned host staging buffers, copies them in (one stream, so the copies finish
 before the replay starts), replays, and returns the first ``n`` rows of the static logits.
@@ -23,7 +24,13 @@ import numpy as np
 import torch
 
 from coserve.layers.attention import AttentionBackend, AttentionMetadata
-from coserve.layers.triton_lora import LoRALaunch, TritonLoRA, order_by_slot
+from coserve.layers.triton_lora import (
+    LoRALaunch,
+    TritonLoRA,
+    block_m_for,
+    graph_order_length,
+    order_by_slot,
+)
 from coserve.models.llama import ForwardContext, LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -66,6 +73,8 @@ class DecodeGraphs:
         self.width = -(-max_model_len // block_size)
         bmax = self.batch_sizes[-1]
         pin = self.device.type == "cuda"
+        self.num_slots = model.num_lora_slots
+        order_max = max(graph_order_length(b, self.num_slots) for b in self.batch_sizes)
 
         def dev(*shape: int, dtype: torch.dtype, fill: int) -> torch.Tensor:
             return torch.full(shape, fill, dtype=dtype, device=self.device)
@@ -75,13 +84,13 @@ class DecodeGraphs:
 
         # One device buffer per dtype so each step needs three host-to-device copies.
         self._d_rows = dev(4, bmax, dtype=torch.long, fill=0)
-        self._d_ctx = dev(2, bmax, dtype=torch.int32, fill=0)
+        self._d_ctx = dev(2, max(bmax, order_max), dtype=torch.int32, fill=0)
         self.input_ids, self.positions, self.slot_mapping, self.token_slots = self._d_rows.unbind(0)
-        self.context_lens, self.lora_order = self._d_ctx.unbind(0)
+        self.context_lens, self.lora_order = self._d_ctx[0, :bmax], self._d_ctx[1]
         self.block_tables = dev(bmax, self.width, dtype=torch.int32, fill=0)
         self.cu_seqlens = torch.arange(bmax + 1, dtype=torch.int32, device=self.device)
         self._h_rows = host(4, bmax, dtype=torch.long)
-        self._h_ctx = host(2, bmax, dtype=torch.int32)
+        self._h_ctx = host(2, self._d_ctx.shape[1], dtype=torch.int32)
         self._h_tables = host(bmax, self.width, dtype=torch.int32)
         self._reset_inputs()
         self._copied: torch.cuda.Event | None = None
@@ -129,8 +138,9 @@ class DecodeGraphs:
         )
         lora = None
         if key.with_lora:
-            launch = LoRALaunch.for_tokens(b, _num_sms(self.device))
-            lora = TritonLoRA(self.token_slots[:b], self.lora_order[:b], self.lora_scales, launch)
+            length = graph_order_length(b, self.num_slots)
+            launch = LoRALaunch.for_order(length, block_m_for(b), _num_sms(self.device))
+            lora = TritonLoRA(self.token_slots[:b], self.lora_order[:length], self.lora_scales, launch)
         ctx = ForwardContext(attn=meta, kv_cache=self.kv_cache, lora=lora, backend=self.backend)
         hidden = self.model(self.input_ids[:b], self.positions[:b], ctx)
         self.logits[:b].copy_(self.model.compute_logits(hidden))
@@ -179,14 +189,14 @@ class DecodeGraphs:
         n, bs = len(rows), self.block_size
         h_rows, h_ctx, tables = self._h_rows.numpy(), self._h_ctx.numpy(), self._h_tables.numpy()
         h_rows[:, n:b] = np.array([0, 0, -1, -1])[:, None]
-        h_ctx[:, n:b] = np.array([0, -1])[:, None]
+        h_ctx[0, n:b] = 0
         for i, r in enumerate(rows):
             ctx = r.context_len
             h_rows[:, i] = (r.token_ids[0], ctx, r.block_table[ctx // bs] * bs + ctx % bs, r.lora_slot)
             h_ctx[0, i] = ctx
             tables[i, : len(r.block_table)] = r.block_table
-        order = order_by_slot([1] * n, [r.lora_slot for r in rows])
-        h_ctx[1, :n] = -1
+        order = order_by_slot([1] * n, [r.lora_slot for r in rows], block_m_for(b))
+        h_ctx[1, :] = -1
         h_ctx[1, : len(order)] = order
         cuda = self.device.type == "cuda"
         self._d_rows.copy_(self._h_rows, non_blocking=cuda)

@@ -230,7 +230,7 @@ class LLMEngine:
             prefills=tuple(PrefillView(c.num_tokens, c.context_len, c.seq.arrival_time) for c in sched.prefills),
             num_decodes=len(sched.decodes),
             decode_kv_tokens=sum(c.context_len + 1 for c in sched.decodes),
-            mode="eager",
+            mode=self.runner.planned_mode(self.build_rows(sched)) if not sched.prefills else "eager",
             token_budget=self.config.max_num_batched_tokens - sched.num_tokens,
             num_waiting=len(waiting),
             oldest_waiting_arrival=waiting[0].arrival_time if waiting else None,
@@ -340,6 +340,7 @@ class LLMEngine:
             num_prefill_tokens=sum(c.num_tokens for c in sched.prefills),
             num_decode_tokens=len(sched.decodes),
             num_preempted=len(sched.preempted),
+            mode=self.runner.last_mode,
         )
         return outputs
 

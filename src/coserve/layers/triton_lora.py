@@ -1,16 +1,18 @@
 """Multi-LoRA in Triton: gathered segmented matmul, shrink then expand.
 
-The tokens that use an adapter are listed in ``order`` grouped by adapter slot (a permutation of
-token indices, -1 padded). Both kernels walk ``order`` in tiles of ``BLOCK_M`` tokens, gather the
-tile's rows of ``x``/``y`` by index, and run one matrix product per distinct slot in the tile
-(usually one; at most ``#slots`` tiles hold two), so each tile reads an adapter's weights once.
+The tokens that use an adapter are listed in ``order``: token indices grouped by adapter slot,
+each group starting at a multiple of ``BLOCK_M`` and padded with -1, so every tile of
+``BLOCK_M`` entries holds tokens of one slot only. Each program gathers its tile's rows of
+``x``/``y`` by index and reads that slot's weights once:
 
-- shrink: ``v[t] = x[t] @ A[slot[t]].T`` (fp32), split over ``in`` into ``SPLIT_K`` partials;
-- expand: ``y[t] += (Σ_k v_k[t]) @ B[slot[t]].T · scale[slot[t]]``.
+- shrink, grid (tiles, SPLIT_K): ``v[k, t] = x[t, K_k] @ A[slot][:, K_k].T`` (fp32 partials over
+  ``SPLIT_K`` slices of ``in``, so one tile can still spread over many multiprocessors);
+- expand, grid (tiles, out / BLOCK_N): ``y[t] += (Σ_k v[k, t]) @ B[slot].T · scale[slot]``.
 
 The grid depends only on ``len(order)`` and the weight shapes, and the routing lives in device
 tensors, so the same kernels serve eager prefill segments and CUDA-graph-captured decode steps
-(where the runner refills ``token_slots``/``order`` before each replay).
+(the runner refills ``token_slots``/``order`` before each replay; see
+:func:`graph_order_length`).
 """
 
 from __future__ import annotations
@@ -27,90 +29,97 @@ if TYPE_CHECKING:
 
     from coserve.layers.lora import LoRABatch
 
-_NO_SLOT = 1 << 30
-
 
 def _shrink_kernel(
     x_ptr, a_ptr, v_ptr, order_ptr, slot_ptr, n_order,
     s_xt, s_as, s_ar, s_vk, s_vt, d_in, k_per_split,
     RANK: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    NO_SLOT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     ks = tl.program_id(1)
     offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     tok = tl.load(order_ptr + offs_m, mask=offs_m < n_order, other=-1).to(tl.int64)
-    slot = tl.load(slot_ptr + tl.maximum(tok, 0), mask=tok >= 0, other=-1).to(tl.int32)
-    valid = (tok >= 0) & (slot >= 0)
-    offs_r = tl.arange(0, R_PAD)
-    k_lo = ks * k_per_split
-    cur = tl.min(tl.where(valid, slot, NO_SLOT), 0)
-    while cur < NO_SLOT:
-        sel = valid & (slot == cur)
+    slots = tl.load(slot_ptr + tl.maximum(tok, 0), mask=tok >= 0, other=-1)
+    valid = (tok >= 0) & (slots >= 0)
+    slot = tl.max(tl.where(valid, slots, -1), 0)
+    if slot >= 0:
+        offs_r = tl.arange(0, R_PAD)
+        k_lo = ks * k_per_split
         acc = tl.zeros([BLOCK_M, R_PAD], tl.float32)
         for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < d_in
-            x = tl.load(x_ptr + tok[:, None] * s_xt + offs_k[None, :], mask=sel[:, None] & mask_k[None, :],
+            x = tl.load(x_ptr + tok[:, None] * s_xt + offs_k[None, :], mask=valid[:, None] & mask_k[None, :],
                         other=0.0)
-            a = tl.load(a_ptr + cur.to(tl.int64) * s_as + offs_r[:, None] * s_ar + offs_k[None, :],
+            a = tl.load(a_ptr + slot * s_as + offs_r[:, None] * s_ar + offs_k[None, :],
                         mask=(offs_r[:, None] < RANK) & mask_k[None, :], other=0.0)
             acc += tl.dot(x, tl.trans(a))
-        tl.store(v_ptr + ks * s_vk + tok[:, None] * s_vt + offs_r[None, :], acc, mask=sel[:, None])
-        cur = tl.min(tl.where(valid & (slot > cur), slot, NO_SLOT), 0)
+        tl.store(v_ptr + ks * s_vk + tok[:, None] * s_vt + offs_r[None, :], acc, mask=valid[:, None])
 
 
 def _expand_kernel(
     y_ptr, b_ptr, v_ptr, order_ptr, slot_ptr, scale_ptr, n_order,
-    s_yt, s_bs, s_bo, s_vk, s_vt, d_out, split_k,
-    RANK: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    NO_SLOT: tl.constexpr,
+    s_yt, s_bs, s_bo, s_vk, s_vt, d_out,
+    RANK: tl.constexpr, R_PAD: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     tok = tl.load(order_ptr + offs_m, mask=offs_m < n_order, other=-1).to(tl.int64)
-    slot = tl.load(slot_ptr + tl.maximum(tok, 0), mask=tok >= 0, other=-1).to(tl.int32)
-    valid = (tok >= 0) & (slot >= 0)
-    offs_r = tl.arange(0, R_PAD)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < d_out
-    res = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    cur = tl.min(tl.where(valid, slot, NO_SLOT), 0)
-    while cur < NO_SLOT:
-        sel = valid & (slot == cur)
-        v = tl.zeros([BLOCK_M, R_PAD], tl.float32)
-        for ks in range(split_k):
-            v += tl.load(v_ptr + ks * s_vk + tok[:, None] * s_vt + offs_r[None, :], mask=sel[:, None], other=0.0)
-        b = tl.load(b_ptr + cur.to(tl.int64) * s_bs + offs_n[:, None] * s_bo + offs_r[None, :],
+    slots = tl.load(slot_ptr + tl.maximum(tok, 0), mask=tok >= 0, other=-1)
+    valid = (tok >= 0) & (slots >= 0)
+    slot = tl.max(tl.where(valid, slots, -1), 0)
+    if slot >= 0:
+        offs_r = tl.arange(0, R_PAD)
+        offs_k = tl.arange(0, SPLIT_K)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < d_out
+        # All split-K partials in one load (no chain of dependent loads), summed in registers.
+        v = tl.load(v_ptr + offs_k[:, None, None] * s_vk + tok[None, :, None] * s_vt + offs_r[None, None, :],
+                    mask=valid[None, :, None], other=0.0)
+        v = tl.sum(v, 0)
+        b = tl.load(b_ptr + slot * s_bs + offs_n[:, None] * s_bo + offs_r[None, :],
                     mask=mask_n[:, None] & (offs_r[None, :] < RANK), other=0.0)
-        scale = tl.load(scale_ptr + cur)
-        d = tl.dot(v.to(b.dtype), tl.trans(b))
-        res += tl.where(sel[:, None], d * scale, 0.0)
-        cur = tl.min(tl.where(valid & (slot > cur), slot, NO_SLOT), 0)
-    ptrs = y_ptr + tok[:, None] * s_yt + offs_n[None, :]
-    mask = valid[:, None] & mask_n[None, :]
-    y = tl.load(ptrs, mask=mask, other=0.0)
-    tl.store(ptrs, (y.to(tl.float32) + res).to(y_ptr.dtype.element_ty), mask=mask)
+        scale = tl.load(scale_ptr + slot)
+        d = tl.dot(v.to(b.dtype), tl.trans(b)) * scale
+        ptrs = y_ptr + tok[:, None] * s_yt + offs_n[None, :]
+        mask = valid[:, None] & mask_n[None, :]
+        y = tl.load(ptrs, mask=mask, other=0.0)
+        tl.store(ptrs, (y.to(tl.float32) + d).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _pow2_at_least_16(n: int) -> int:
     return max(16, 1 << max(n - 1, 0).bit_length())
 
 
+def block_m_for(num_tokens: int) -> int:
+    """Tile height: small tiles for decode-sized batches, larger ones for prefill."""
+    return 16 if num_tokens <= 256 else 64
+
+
+def graph_order_length(batch_size: int, num_slots: int) -> int:
+    """Length of a static ``order`` that fits any routing of ``batch_size`` tokens over
+    ``num_slots`` adapters: each slot's group wastes less than one tile."""
+    block_m = block_m_for(batch_size)
+    return (batch_size // block_m + num_slots) * block_m
+
+
 @dataclass(frozen=True)
 class LoRALaunch:
-    """Launch shape shared by every linear of one step (a function of ``len(order)`` only)."""
+    """Launch shape shared by every linear of one step: a function of ``len(order)`` only."""
 
     block_m: int
     num_tiles: int
-    max_split_k: int
+    max_split_k: int  # a power of two
 
     @classmethod
-    def for_tokens(cls, num_order: int, num_sms: int) -> LoRALaunch:
-        block_m = 16 if num_order <= 256 else 64
-        tiles = max(1, -(-num_order // block_m))
-        return cls(block_m, tiles, max(1, min(32, -(-num_sms // tiles))))
+    def for_order(cls, order_length: int, block_m: int, sms: int) -> LoRALaunch:
+        tiles = max(1, -(-order_length // block_m))
+        split = 1
+        while split < 8 and tiles * split * 2 <= sms:
+            split *= 2
+        return cls(block_m, tiles, split)
 
 
 def lora_shrink_expand(
@@ -128,10 +137,11 @@ def lora_shrink_expand(
 
     y: [T, out] (row stride free, unit column stride: a column slice of a fused output works),
     x: [T, in], a: [S, r, in], b: [S, out, r], scales: [S] fp32, token_slots: [T] int64,
-    order: [N] int32 token indices grouped by slot, -1 padded (see module docstring).
+    order: [N] int32 token indices, one slot per tile of ``launch.block_m`` (see
+    :func:`order_by_slot`), -1 padded.
     """
     t_rows, d_in = x.shape
-    n_slots, rank, _ = a.shape
+    rank = a.shape[1]
     d_out = b.shape[1]
     assert x.stride(1) == 1 and y.stride(1) == 1 and a.is_contiguous() and b.is_contiguous()
     n_order = order.shape[0]
@@ -139,31 +149,39 @@ def lora_shrink_expand(
         return
     r_pad = _pow2_at_least_16(rank)
     block_k = 64
-    split_k = max(1, min(launch.max_split_k, d_in // 256))
+    split_k = launch.max_split_k
+    while split_k > 1 and d_in < split_k * 256:
+        split_k //= 2
     k_per_split = -(-d_in // (split_k * block_k)) * block_k
     v = torch.empty(split_k, t_rows, r_pad, dtype=torch.float32, device=x.device)
     jit(_shrink_kernel)[(launch.num_tiles, split_k)](
         x, a, v, order, token_slots, n_order,
         x.stride(0), a.stride(0), a.stride(1), v.stride(0), v.stride(1), d_in, k_per_split,
-        RANK=rank, R_PAD=r_pad, BLOCK_M=launch.block_m, BLOCK_K=block_k, NO_SLOT=_NO_SLOT, num_warps=4,
+        RANK=rank, R_PAD=r_pad, BLOCK_M=launch.block_m, BLOCK_K=block_k, num_warps=4,
     )
     block_n = 128 if d_out >= 1024 else 64
     jit(_expand_kernel)[(launch.num_tiles, -(-d_out // block_n))](
         y, b, v, order, token_slots, scales, n_order,
-        y.stride(0), b.stride(0), b.stride(1), v.stride(0), v.stride(1), d_out, split_k,
-        RANK=rank, R_PAD=r_pad, BLOCK_M=launch.block_m, BLOCK_N=block_n, NO_SLOT=_NO_SLOT, num_warps=4,
+        y.stride(0), b.stride(0), b.stride(1), v.stride(0), v.stride(1), d_out,
+        RANK=rank, R_PAD=r_pad, SPLIT_K=split_k, BLOCK_M=launch.block_m, BLOCK_N=block_n, num_warps=4,
     )
 
 
-def order_by_slot(row_lens: list[int], row_slots: list[int]) -> list[int]:
-    """Token indices of the rows that use an adapter, grouped by slot (row order kept within)."""
+def order_by_slot(row_lens: list[int], row_slots: list[int], block_m: int) -> list[int]:
+    """Token indices of the rows that use an adapter, grouped by slot (row order kept within),
+    each group padded with -1 to a multiple of ``block_m``."""
     by_slot: dict[int, list[int]] = {}
     start = 0
     for n, s in zip(row_lens, row_slots, strict=True):
         if s >= 0:
             by_slot.setdefault(s, []).extend(range(start, start + n))
         start += n
-    return [t for s in sorted(by_slot) for t in by_slot[s]]
+    order: list[int] = []
+    for s in sorted(by_slot):
+        group = by_slot[s]
+        order.extend(group)
+        order.extend([-1] * (-len(group) % block_m))
+    return order
 
 
 @dataclass
@@ -181,17 +199,17 @@ class TritonLoRA:
     @classmethod
     def from_batch(cls, batch: LoRABatch, scales: torch.Tensor) -> TritonLoRA:
         lens = [e - s for s, e in zip(batch.seg_starts, batch.seg_starts[1:], strict=False)]
-        order = order_by_slot(lens, batch.seg_slots)
+        block_m = block_m_for(batch.seg_starts[-1])
+        order = order_by_slot(lens, batch.seg_slots, block_m)
         device = batch.token_slots.device
         return cls(
             token_slots=batch.token_slots,
             order=torch.tensor(order, dtype=torch.int32).to(device),
             scales=scales,
-            launch=LoRALaunch.for_tokens(len(order), num_sms(device)),
+            launch=LoRALaunch.for_order(len(order), block_m, num_sms(device)),
         )
 
     def apply(
         self, layer: int, target: str, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     ) -> None:
         lora_shrink_expand(y, x, a, b, self.scales, self.token_slots, self.order, self.launch)
-

@@ -120,3 +120,7 @@ class _Worker:
             torch.cuda.synchronize(spec.banks.device)
         spec.meta[0] = bank  # NOTE: the commit point: one 8-byte write
         self.lora.write_serving(spec.model.lora_stacks, spec.slot, spec.scales)
+        if spec.banks.is_cuda:
+            # NOTE: the engine reopens admission when it reads our result; the new serving
+            # weights must be in memory by then, not just queued on our stream.
+            torch.cuda.synchronize(spec.banks.device)

@@ -1,0 +1,174 @@
+"""SLO machinery on the GPU: latency-model error, trainer pause delay, FT-only interruption delay.
+
+Replays a window of an arrival trace through the engine while it fine-tunes (policy ``full``),
+with the trainer in its own process (under CUDA MPS when the daemon can be started), and
+reports:
+- the latency model's relative error on held-out steps (each step is predicted before the model
+  observes it), per form (prefill / decode), mode (graph / eager) and trainer busy / idle;
+- the delay from the start of a step that carries prefill (grant flag cleared) to the moment the
+  trainer has stopped at a layer boundary and its queued GPU work has drained;
+- the delay a request sees when it arrives during an FT-only step (it waits for the next layer
+  boundary), next to the time of one decoder layer in such a step.
+
+    PYTHONPATH=src python bench/coserve_latency.py --trace .traces/azure2023_conv.csv --duration 60 \\
+        --out bench/results/coserve_latency.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from speed_common import LLAMA3_8B, TINY, provenance, write_model_dir
+
+from coserve.bench.metrics import attainment, latency_summary, percentile
+from coserve.bench.replay import InProcessDriver
+from coserve.bench.workload import Scaling, busiest_window, load_trace
+from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig, SLOConfig
+from coserve.core.latency import BatchSpec, error_summary
+from coserve.engine.config import EngineConfig
+from coserve.engine.llm_engine import LLMEngine
+from coserve.models.presets import preset_path
+from coserve.server.finetune import FinetuneSession, FinetuneSpec
+from coserve.trainer.mps import start_mps_daemon
+
+SHAPES = {"llama3-8b": LLAMA3_8B, "tiny": TINY}
+
+
+def ft_dataset(path: Path, n: int, lengths: tuple[int, int], vocab: int, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for _ in range(n):
+            ids = [rng.randrange(10, vocab) for _ in range(rng.randint(*lengths))]
+            f.write(json.dumps({"input_ids": ids, "labels": [-100] * (len(ids) // 4) + ids[len(ids) // 4:]}) + "\n")
+    return path
+
+
+def pause_delays(windows: list[tuple[float, float]], observed: list[float]) -> dict[str, Any]:
+    """For each grant-cleared window, the delay to the first observed pause inside it; windows in
+    which the trainer never paused (it reached no layer boundary before the step ended) are
+    counted apart with their full length."""
+    observed = sorted(observed)
+    delays, missed = [], []
+    j = 0
+    for start, end in windows:
+        while j < len(observed) and observed[j] < start:
+            j += 1
+        if j < len(observed) and observed[j] <= end:
+            delays.append(observed[j] - start)
+        else:
+            missed.append(end - start)
+    return {
+        "windows": len(windows), "paused": len(delays), "not_paused_within_step": len(missed),
+        "delay_p50_ms": percentile(delays, 50) * 1e3, "delay_p99_ms": percentile(delays, 99) * 1e3,
+        "delay_max_ms": max(delays) * 1e3 if delays else None,
+        "unpaused_window_p99_ms": percentile(missed, 99) * 1e3 if missed else None,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    p.add_argument("--trace", required=True)
+    p.add_argument("--duration", type=float, default=60.0)
+    p.add_argument("--rate-scale", type=float, default=1.0)
+    p.add_argument("--length-scale", type=float, default=1.0)
+    p.add_argument("--max-prompt", type=int, default=4096)
+    p.add_argument("--max-output", type=int, default=512)
+    p.add_argument("--ttft-slo-ms", type=float, default=1000.0)
+    p.add_argument("--tpot-slo-ms", type=float, default=100.0)
+    p.add_argument("--backward-tokens", type=int, default=1024)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--no-mps", action="store_true")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    mps = False if args.no_mps or not args.device.startswith("cuda") else start_mps_daemon()
+    config = SHAPES[args.shape]
+    work = Path(tempfile.mkdtemp(prefix="slo_bench_"))
+    model_dir = write_model_dir(work / "model", config)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(preset_path("tiny") / name, model_dir / name)
+    dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    engine = LLMEngine(EngineConfig(model=str(model_dir), load_format="dummy", dtype=dtype, device=args.device,
+                                    num_training_slots=1, max_lora_rank=16, max_model_len=8192,
+                                    max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256))
+    scaling = Scaling(rate=args.rate_scale, length=args.length_scale, max_prompt=args.max_prompt,
+                      max_output=args.max_output)
+    every = load_trace(args.trace, scaling)
+    start = busiest_window(every, args.duration)
+    arrivals = load_trace(args.trace, scaling, start_s=start, duration_s=args.duration)
+    slo = SLOConfig(ttft_slo_s=args.ttft_slo_ms / 1e3, tpot_slo_s=args.tpot_slo_ms / 1e3)
+    vocab = min(1024, config["vocab_size"])
+    spec = FinetuneSpec(
+        data=ft_dataset(work / "ft.jsonl", 4000, (256, 1024), vocab), output=work / "out",
+        lora=LoRAConfig(rank=16, alpha=32), optim=OptimConfig(lr=1e-4),
+        coserve=CoServeConfig(backward_tokens=args.backward_tokens, max_seq_len=1024, epochs=100, seed=0),
+        slo=slo, save_every=0, calibrate=False,
+    )
+    driver = InProcessDriver(engine, seed=0)
+    driver.run(arrivals[:16], duration_s=5.0, drain_s=30.0)  # warm-up (kernels, allocator)
+    session = FinetuneSession(engine, spec)
+    t = time.perf_counter()
+    n_cal = engine.calibrate(repeats=2)
+    calibration_s = time.perf_counter() - t
+    co = session.coserver
+    num_layers = engine.model_config.num_layers
+    ft_only_step = min(engine.run_batch(BatchSpec(ft_lens=(1024,))) for _ in range(3))
+    co.track = True
+    result = driver.run(arrivals, duration_s=args.duration, ft_tokens=lambda: co.tokens_trained,
+                        idle_wait=session.wait, drain_s=60.0)
+    session.close()
+
+    errors: dict[str, Any] = {}
+    groups: dict[str, list[float]] = {}
+    for key, predicted, measured in co.prediction_errors:
+        groups.setdefault(key, []).append(abs(predicted - measured) / measured)
+        groups.setdefault("all", []).append(abs(predicted - measured) / measured)
+    for key, rel in sorted(groups.items()):
+        stats = error_summary(rel)
+        errors[key] = {"median_rel": stats.median_rel, "p99_rel": stats.p99_rel, "n": stats.n}
+    ft_only = [d for kind, d in result.entry_delays if kind.startswith("ft-only")]
+    figures = {
+        "mps": mps,
+        "calibration": {"batches": n_cal, "seconds": calibration_s},
+        "latency_model_error": errors,
+        "trainer_pause": pause_delays(co.pause_windows, co.pause_observed),
+        "ft_only_interruption": {
+            "requests": len(ft_only), "interrupted_steps": co.num_interrupted,
+            "delay_p50_ms": percentile(ft_only, 50) * 1e3, "delay_p99_ms": percentile(ft_only, 99) * 1e3,
+            "ft_only_step_1024_tokens_ms": ft_only_step * 1e3,
+            "one_layer_ms": ft_only_step / num_layers * 1e3,
+        },
+        "replay": {
+            "requests": len(result.records),
+            "attainment": attainment(result.records, slo.ttft_slo_s, slo.tpot_slo_s),
+            **latency_summary(result.records),
+            "ft_tokens_per_s": result.ft_tokens / result.duration_s,
+            "optimizer_steps": co.steps_done,
+        },
+    }
+    out = {
+        **provenance(),
+        "config": {"shape": args.shape, "trace": Path(args.trace).name, "window_start_s": start,
+                   "duration_s": args.duration, "scaling": vars(scaling), "slo": vars(slo),
+                   "backward_tokens": args.backward_tokens, "max_num_batched_tokens": args.max_num_batched_tokens,
+                   "lora": {"rank": 16, "targets": list(LoRAConfig().target_modules)}},
+        "figures": figures,
+    }
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1, default=str))
+    print(json.dumps(figures, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
