@@ -16,12 +16,11 @@ from coserve.core.finetune import (
     DatasetError,
     FTDataset,
     FTSample,
-    SamplePool,
     SkippedRow,
     TokenizerLike,
-    _epoch_seed,
     load_dataset,
 )
+from coserve.core.sample_pool import SamplePool, _epoch_seed
 
 M = IGNORE_INDEX
 BOS = 1

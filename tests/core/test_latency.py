@@ -19,8 +19,8 @@ from coserve.core.latency import (
     StepFeatures,
     calibration_plan,
     error_summary,
-    nnls,
 )
+from coserve.core.nnls import nnls
 
 # Realistic orders of magnitude (8B model, one H200); g is raised to be identifiable.
 TRUE = {

@@ -13,10 +13,11 @@ import torch
 from coserve.core.activations import ActivationStore
 from coserve.core.admission import AdmissionDecision, admit, should_interrupt
 from coserve.core.config import CoServeConfig, OptimConfig, SLOConfig
-from coserve.core.finetune import FTSample, SamplePool
+from coserve.core.finetune import FTSample
 from coserve.core.host import FTRow, Interrupted, StepRecord, StepView
 from coserve.core.latency import BatchSpec, LatencyModel, StepFeatures, calibration_plan
 from coserve.core.messages import BackwardTask, TaskResult, TaskSample
+from coserve.core.sample_pool import SamplePool
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,8 @@ import torch
 from coserve.core.activations import ActivationStore
 from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig, SLOConfig
 from coserve.core.coserver import CoServer, OptimizerStepLog
-from coserve.core.finetune import FTDataset, SamplePool, load_dataset
+from coserve.core.finetune import FTDataset, load_dataset
+from coserve.core.sample_pool import SamplePool
 from coserve.engine.llm_engine import LLMEngine
 from coserve.models.peft_adapter import (
     LoraAdapter,
