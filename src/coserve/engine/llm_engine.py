@@ -14,6 +14,7 @@ from coserve.core.coserver import CoServer
 from coserve.core.host import FTRow, Interrupted, PrefillView, StepRecord, StepView
 from coserve.core.latency import BatchSpec
 from coserve.engine.block_manager import BlockManager
+from coserve.engine.calibration import run_synthetic_batch
 from coserve.engine.config import EngineConfig
 from coserve.engine.lora_manager import LoRAManager
 from coserve.engine.model_runner import BatchRow, ModelRunner
@@ -239,52 +240,8 @@ class LLMEngine:
         )
 
     def run_batch(self, spec: BatchSpec) -> float:
-        """Run one synthetic batch through the real step path (calibration, hook 5); returns seconds.
-
-        Borrows free KV blocks for the batch's cached context and gives them back; writes only
-        into those blocks. Fine-tuning rows are captured into a scratch buffer like real ones.
-        """
-        rng = torch.Generator().manual_seed(len(spec.chunks) * 7919 + len(spec.decode_kv))
-        vocab = self.model_config.vocab_size
-        borrowed: list[int] = []
-
-        def blocks_for(tokens: int) -> list[int]:
-            got = self.block_manager.take(self.block_manager.blocks_for_tokens(tokens))
-            borrowed.extend(got)
-            return got
-
-        def ids(n: int) -> list[int]:
-            return torch.randint(0, vocab, (n,), generator=rng).tolist()
-
-        try:
-            rows = [BatchRow(ids(c.num_tokens), c.context_len, blocks_for(c.context_len + c.num_tokens),
-                             samples=True) for c in spec.chunks]
-            rows += [BatchRow(ids(n), 0, [], self.training_slot, writes_kv=False) for n in spec.ft_lens]
-            rows += [BatchRow(ids(1), kv, blocks_for(kv + 1), samples=True, is_prefill=False)
-                     for kv in spec.decode_kv]
-            if not rows:
-                return 0.0
-            ft_start = sum(c.num_tokens for c in spec.chunks)
-            ft_tokens = sum(spec.ft_lens)
-            scratch = torch.empty(ft_tokens, self.model_config.hidden_size, dtype=self.runner.dtype,
-                                  device=self.runner.device)
-
-            def capture(layer: int, hidden: torch.Tensor) -> None:
-                scratch.copy_(hidden[ft_start : ft_start + ft_tokens])
-
-            self._sync()
-            start = time.perf_counter()
-            logits = self.runner.execute(rows, capture if ft_tokens else None)
-            if logits.shape[0]:
-                logits.argmax(dim=-1).tolist()
-            self._sync()
-            return time.perf_counter() - start
-        finally:
-            self.block_manager.give_back(borrowed)
-
-    def _sync(self) -> None:
-        if self.runner.device.type == "cuda":
-            torch.cuda.synchronize(self.runner.device)
+        """Run one synthetic batch through the real step path; returns seconds (hook 5)."""
+        return run_synthetic_batch(self, spec)
 
     def calibrate(self, repeats: int = 2) -> int:
         """Fit the co-server's latency model on this engine's real step path (after warm-up)."""
@@ -295,6 +252,10 @@ class LLMEngine:
         return self.coserver.calibrate(
             self.run_batch, max_tokens=cfg.max_num_batched_tokens, max_decodes=min(cfg.max_num_seqs, 64),
             max_kv=max_kv, max_context=self.max_model_len - 1, repeats=repeats)
+
+    def sync(self) -> None:
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
 
     def build_rows(self, sched: SchedulerOutput, ft_rows: list[FTRow] | None = None) -> list[BatchRow]:
         """Rows in the order the attention layout needs: prefills, fine-tuning rows, decodes."""
