@@ -17,12 +17,12 @@ import torch.nn.functional as F
 
 from coserve.engine.lora_manager import LoRAManager
 from coserve.layers.attention import AttentionMetadata
-from coserve.layers.lora import LoRABatch, StackedLoRA
+from coserve.layers.lora import LoRABatch, StackedLoRA, dropout_mask, row_dropout_key
 from coserve.models.llama import ForwardContext, LlamaForCausalLM
 from coserve.models.loader import load_model
 from coserve.models.peft_adapter import LORA_TARGETS, LoraAdapter, new_lora_adapter
 from coserve.trainer.backward import TaskRow, task_backward
-from coserve.trainer.lora_params import TrainableLoRA, dropout_mask, row_dropout_key
+from coserve.trainer.lora_params import TrainableLoRA
 from tests.conftest import ARCHS
 
 QV = ("q_proj", "v_proj")

@@ -16,7 +16,7 @@ from coserve.core.config import CoServeConfig, OptimConfig, SLOConfig
 from coserve.core.finetune import FTSample
 from coserve.core.host import FTRow, Interrupted, StepRecord, StepView
 from coserve.core.latency import BatchSpec, LatencyModel, StepFeatures, calibration_plan
-from coserve.core.messages import BackwardTask, TaskResult, TaskSample
+from coserve.core.messages import BackwardTask, TaskResult, TaskSample, row_dropout_key
 from coserve.core.sample_pool import SamplePool
 
 logger = logging.getLogger(__name__)
@@ -108,6 +108,9 @@ class CoServer:
         self.slo = slo or SLOConfig()
         self.latency = latency or LatencyModel()
         self.last_decision: AdmissionDecision | None = None
+        # LoRA dropout of the training adapter: the host applies it to FT rows (FTRow.dropout_key).
+        self.lora_dropout = 0.0
+        self.dropout_seed = 0
         self.on_step_logged = on_step_logged
         self._step_rows: list[TaskSample] = []  # rows of the step being run
         self._step_ft_start = 0
@@ -175,7 +178,15 @@ class CoServer:
         for s in picked:
             self._step_rows.append(TaskSample(s.sample_id, offset, s.labels))
             offset += s.num_tokens
-        return [FTRow(s.sample_id, s.input_ids) for s in picked]
+        first_row = len(self._task_rows)
+        return [FTRow(s.sample_id, s.input_ids, self._dropout_key(first_row + j)) for j, s in enumerate(picked)]
+
+    def _dropout_key(self, row: int) -> int | None:
+        """Row ``row`` of the task being filled is trained as row ``row`` of task ``_next_task_id``;
+        the trainer passes that task id as the dropout key (``row_dropout_key`` of the two)."""
+        if self.lora_dropout <= 0:
+            return None
+        return row_dropout_key(self._next_task_id, row)
 
     def on_layer(self, layer: int, hidden: torch.Tensor) -> None:
         """Copy the fine-tuning rows' residual stream into the store (hook 2)."""

@@ -75,10 +75,16 @@ class StepView:
 
 @dataclass(frozen=True)
 class FTRow:
-    """A fine-tuning sample placed in a step."""
+    """A fine-tuning sample placed in a step.
+
+    ``dropout_key`` (set when the training adapter uses LoRA dropout): the host must draw the
+    row's dropout masks with this key (``coserve.layers.lora.RowDropoutLoRA``), because the
+    trainer recomputes the row with the same masks.
+    """
 
     sample_id: int
     token_ids: tuple[int, ...]
+    dropout_key: int | None = None
 
 
 @dataclass(frozen=True)

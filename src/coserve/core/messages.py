@@ -52,3 +52,12 @@ class TrainerFailed:
 
     task_id: int | None
     error: str
+
+
+def row_dropout_key(task_id: int, row: int) -> int:
+    """The LoRA-dropout key of row ``row`` (its index in the backward task) of task ``task_id``.
+
+    The engine's capture forward and the trainer's recompute both draw the row's masks with this
+    key (``coserve.layers.lora.dropout_mask``), so that they apply the very same dropout.
+    """
+    return (task_id << 20) | row

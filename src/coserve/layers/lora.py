@@ -10,6 +10,8 @@ addresses).
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -17,6 +19,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from coserve.core.messages import row_dropout_key as row_dropout_key  # re-exported for the trainer
 
 from coserve.layers.triton_lora import TritonLoRA
 
@@ -162,3 +166,60 @@ class LoRALinear(nn.Module):
                 a, b = self.lora_stacks(name)
                 lora.apply(self.layer, name, x, y[:, off : off + size], a, b)
         return y
+
+
+def dropout_mask(
+    seed: int,
+    key: int,
+    layer: int,
+    target: str,
+    shape: tuple[int, int],
+    p: float,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """Inverted-dropout keep-mask ``m[t, j] = 1{u[t, j] >= p} / (1 - p)``, ``u ~ U[0, 1)``.
+
+    ``u`` is drawn from a ``torch.Generator`` on ``device`` seeded with a hash of
+    ``(seed, key, layer, target)``, so the mask depends on those and ``shape`` only (and on the
+    device type: CPU and CUDA generators differ). Apply it as ``x * m.to(x.dtype)``.
+    shape: ``(T, in)`` -> fp32 ``[T, in]`` on ``device``.
+    """
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout p must be in [0, 1), got {p}")
+    gen = torch.Generator(device=device).manual_seed(_hash64("dropout", seed, key, layer, target))
+    u = torch.rand(shape, generator=gen, device=device, dtype=torch.float32)
+    return (u >= p).to(torch.float32).mul_(1.0 / (1.0 - p))
+
+
+def _hash64(*parts: object) -> int:
+    # Python's hash() is salted per process; the engine and the trainer are different processes.
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return struct.unpack("<Q", digest)[0] >> 1  # manual_seed wants a non-negative int64
+
+
+@dataclass
+class RowDropoutLoRA:
+    """The engine's LoRA context when fine-tuning rows use LoRA dropout.
+
+    ``inner`` serves every row except the fine-tuning rows (route those to slot -1 in its batch);
+    fine-tuning row ``(start, n, key)`` gets ``y += (x·m) @ A[slot].T @ B[slot].T · scale[slot]``
+    with ``m = dropout_mask(seed, key, layer, target, (n, in), p)``: the masks the trainer's
+    recompute applies to the same row.
+    """
+
+    inner: StackedLoRA
+    slot: int
+    rows: list[tuple[int, int, int]]
+    seed: int
+    p: float
+
+    def apply(
+        self, layer: int, target: str, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+    ) -> None:
+        self.inner.apply(layer, target, x, y, a, b)
+        scale = self.inner.scales[self.slot]
+        for start, n, key in self.rows:
+            m = dropout_mask(self.seed, key, layer, target, (n, x.shape[1]), self.p, x.device)
+            xs = x[start : start + n] * m.to(x.dtype)
+            delta = (xs @ a[self.slot].T) @ b[self.slot].T
+            y[start : start + n] += delta * scale.to(delta.dtype)

@@ -103,6 +103,8 @@ class FinetuneSession:
             self._resume(checkpoint)
         else:
             self._log_path.write_text("")
+        self.coserver.lora_dropout = spec.lora.dropout
+        self.coserver.dropout_seed = cfg.seed
         engine.attach(self.coserver, 0)
         if spec.calibrate:
             t = time.perf_counter()

@@ -14,14 +14,12 @@ mask without ever exchanging it; see :func:`dropout_mask` and :func:`row_dropout
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from coserve.layers.lora import LoRAContext
+from coserve.layers.lora import LoRAContext, dropout_mask, row_dropout_key
 from coserve.models.peft_adapter import LORA_TARGETS, LoraAdapter
 
 StacksFn = Callable[[int, str], tuple[torch.Tensor, torch.Tensor]]
@@ -36,43 +34,6 @@ class _Slice:
     a_shape: tuple[int, int]  # [r, in]
     b_off: int
     b_shape: tuple[int, int]  # [out, r]
-
-
-def row_dropout_key(key: int, row: int) -> int:
-    """The dropout key of row ``row`` (its index in the task) of a task whose key is ``key``.
-
-    The engine's capture forward calls :func:`dropout_mask` with this key for FT row ``row``.
-    """
-    return _hash64("row", key, row)
-
-
-def dropout_mask(
-    seed: int,
-    key: int,
-    layer: int,
-    target: str,
-    shape: tuple[int, int],
-    p: float,
-    device: torch.device | str,
-) -> torch.Tensor:
-    """Inverted-dropout keep-mask ``m[t, j] = 1{u[t, j] >= p} / (1 - p)``, ``u ~ U[0, 1)``.
-
-    ``u`` is drawn from a ``torch.Generator`` on ``device`` seeded with a hash of
-    ``(seed, key, layer, target)``, so the mask depends on those and ``shape`` only (and on the
-    device type: CPU and CUDA generators differ). Apply it as ``x * m.to(x.dtype)``.
-    shape: ``(T, in)`` -> fp32 ``[T, in]`` on ``device``.
-    """
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout p must be in [0, 1), got {p}")
-    gen = torch.Generator(device=device).manual_seed(_hash64("dropout", seed, key, layer, target))
-    u = torch.rand(shape, generator=gen, device=device, dtype=torch.float32)
-    return (u >= p).to(torch.float32).mul_(1.0 / (1.0 - p))
-
-
-def _hash64(*parts: object) -> int:
-    # Python's hash() is salted per process; the engine and the trainer are different processes.
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return struct.unpack("<Q", digest)[0] >> 1  # manual_seed wants a non-negative int64
 
 
 class TrainableLoRA:

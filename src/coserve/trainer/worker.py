@@ -80,7 +80,7 @@ class _Worker:
     def run(self, task: BackwardTask) -> TaskResult:
         start = time.perf_counter()
         rows = [TaskRow(s.offset, s.labels) for s in task.samples]
-        loss = task_backward(self.spec.model, self.lora, self.spec.store, rows, dropout_key=task.step,
+        loss = task_backward(self.spec.model, self.lora, self.spec.store, rows, dropout_key=task.task_id,
                              at_layer_boundary=self._layer_boundary)
         self._events.clear()
         self.loss_sum += loss.loss_sum
