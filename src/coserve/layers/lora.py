@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from coserve.core.messages import row_dropout_key as row_dropout_key  # re-exported for the trainer
-
 from coserve.layers.triton_lora import TritonLoRA
 
 
