@@ -30,13 +30,14 @@ if not CUDA:
 
 from coserve.layers.attention import AttentionMetadata, TorchAttention, write_kv  # noqa: E402
 from coserve.layers.lora import LoRABatch, lora_segments_ref  # noqa: E402
-from coserve.layers.triton_attention import TritonAttention, store_kv  # noqa: E402
+from coserve.layers.triton_attention import AttentionTuning, TritonAttention, store_kv  # noqa: E402
 from coserve.layers.triton_lora import LoRALaunch, lora_shrink_expand, order_by_slot  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32, torch.float16]
-# ‖out − ref‖ / ‖ref‖ bounds: fp32 may run as tf32 on the GPU's matrix units.
-TOL = {torch.float32: 1e-3, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
+# ‖out − ref‖ / ‖ref‖ bounds. On the GPU fp32 products run as tf32 (two chained in LoRA: 1.5e-3
+# seen on the H200).
+TOL = {torch.float32: 3e-3 if CUDA else 1e-4, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -80,8 +81,9 @@ def test_store_kv_writes_exactly_the_slots(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("sms", [1, 64])  # 64 forces split-K decode with merged partials
 @pytest.mark.parametrize("heads", [(4, 2, 16), (8, 2, 64)])
+@pytest.mark.parametrize("sdpa", [False, True])  # fresh rows through the Triton kernel or SDPA
 def test_attention_matches_reference(
-    dtype: torch.dtype, window: int | None, sms: int, heads: tuple[int, int, int]
+    dtype: torch.dtype, window: int | None, sms: int, heads: tuple[int, int, int], sdpa: bool
 ) -> None:
     h, kvh, d = heads
     bs, layers, nblocks = 4, 2, 160
@@ -97,7 +99,8 @@ def test_attention_matches_reference(
     scale = d**-0.5
 
     ref = TorchAttention().forward(q.float(), k.float(), v.float(), ref_cache[:, 1], meta, scale, window)
-    out = TritonAttention(sms=sms).forward(q, k, v, cache[:, 1], meta, scale, window)
+    backend = TritonAttention(AttentionTuning(prefill_sdpa=sdpa), sms=sms)
+    out = backend.forward(q, k, v, cache[:, 1], meta, scale, window)
 
     assert rel_err(out, ref) < TOL[dtype]
     assert torch.equal(cache.float(), ref_cache)  # same KV written, nothing else touched
@@ -121,12 +124,12 @@ def test_lora_matches_reference(dtype: torch.dtype, rank: int, padded: bool) -> 
     ref = y0.to(torch.float32, copy=True)
     lora_segments_ref(ref[:, 8 : 8 + d_out], x.float(), a.float(), b.float(), scales, batch)
 
-    order = order_by_slot(row_lens, row_slots)
-    length = len(order) + (37 if padded else 0)  # a CUDA graph's static order is -1 padded
+    order = order_by_slot(row_lens, row_slots, 16)
+    length = len(order) + (48 if padded else 0)  # a CUDA graph's static order is -1 padded
     order_t = torch.full((length,), -1, dtype=torch.int32)
     order_t[: len(order)] = torch.tensor(order, dtype=torch.int32)
     y = y0.clone()
-    launch = LoRALaunch.for_tokens(length, 16)
+    launch = LoRALaunch.for_order(length, 16, sms=64 if padded else 1)  # with and without split-K
     lora_shrink_expand(y[:, 8 : 8 + d_out], x, a, b, scales, batch.token_slots, order_t.to(DEVICE), launch)
 
     cols = slice(8, 8 + d_out)
@@ -136,5 +139,5 @@ def test_lora_matches_reference(dtype: torch.dtype, rank: int, padded: bool) -> 
     assert torch.equal(y[untouched], y0[untouched])
 
 
-def test_order_groups_tokens_by_slot() -> None:
-    assert order_by_slot([2, 1, 3, 1], [1, -1, 0, 1]) == [3, 4, 5, 0, 1, 6]
+def test_order_groups_tokens_by_slot_one_slot_per_tile() -> None:
+    assert order_by_slot([2, 1, 3, 1], [1, -1, 0, 1], 4) == [3, 4, 5, -1, 0, 1, 6, -1]

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from coserve.layers.attention import AttentionBackend, AttentionMetadata
+from coserve.layers.triton_attention import num_sms
 from coserve.layers.triton_lora import (
     LoRALaunch,
     TritonLoRA,
@@ -139,7 +140,7 @@ class DecodeGraphs:
         lora = None
         if key.with_lora:
             length = graph_order_length(b, self.num_slots)
-            launch = LoRALaunch.for_order(length, block_m_for(b), _num_sms(self.device))
+            launch = LoRALaunch.for_order(length, block_m_for(b), num_sms(self.device))
             lora = TritonLoRA(self.token_slots[:b], self.lora_order[:length], self.lora_scales, launch)
         ctx = ForwardContext(attn=meta, kv_cache=self.kv_cache, lora=lora, backend=self.backend)
         hidden = self.model(self.input_ids[:b], self.positions[:b], ctx)
@@ -206,8 +207,3 @@ class DecodeGraphs:
             self._copied = torch.cuda.Event()
             self._copied.record()
 
-
-def _num_sms(device: torch.device) -> int:
-    from coserve.layers.triton_attention import num_sms
-
-    return num_sms(device)

@@ -34,6 +34,10 @@ class AttentionMetadata:
     q_lens: list[int]
     context_lens_list: list[int]
     block_tables_list: list[list[int]]
+    # Tokens that write KV, as indices into the batch (None: derive from slot_mapping). Built on
+    # the host so that writing needs no device-to-host sync.
+    write_index: torch.Tensor | None = None
+    num_kv_writes: int | None = None
 
     @property
     def num_rows(self) -> int:
@@ -67,6 +71,7 @@ class AttentionMetadata:
                 slots.append(table[pos // block_size] * block_size + pos % block_size)
         width = max((len(t) for t in block_tables), default=0) or 1
         padded = [t + [-1] * (width - len(t)) for t in block_tables]
+        writers = [i for i, slot in enumerate(slots) if slot >= 0]
         return cls(
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
@@ -77,6 +82,8 @@ class AttentionMetadata:
             q_lens=list(q_lens),
             context_lens_list=list(context_lens),
             block_tables_list=[list(t) for t in block_tables],
+            write_index=torch.tensor(writers, dtype=torch.int64, device=device),
+            num_kv_writes=len(writers),
         )
 
 
@@ -100,10 +107,19 @@ class AttentionBackend(Protocol):
         ...
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """``kv_layer[slot // bs, 0|1, slot % bs] = k|v`` for every token whose slot is not -1."""
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_layer: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    write_index: torch.Tensor | None = None,
+) -> None:
+    """``kv_layer[slot // bs, 0|1, slot % bs] = k|v`` for every token whose slot is not -1.
+
+    ``write_index``: those tokens' indices, when known (saves a device-to-host sync).
+    """
     block_size = kv_layer.shape[2]
-    keep = slot_mapping >= 0
+    keep = write_index if write_index is not None else (slot_mapping >= 0).nonzero().squeeze(1)
     slots = slot_mapping[keep]
     blocks, offsets = slots // block_size, slots % block_size
     kv_layer[blocks, 0, offsets] = k[keep].to(kv_layer.dtype)
@@ -123,8 +139,8 @@ class TorchAttention:
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        if kv_layer is not None and meta.slot_mapping.numel():
-            write_kv(k, v, kv_layer, meta.slot_mapping)
+        if kv_layer is not None and meta.slot_mapping.numel() and meta.num_kv_writes != 0:
+            write_kv(k, v, kv_layer, meta.slot_mapping, meta.write_index)
         out = torch.empty_like(q)
         start = 0
         for r, n in enumerate(meta.q_lens):
@@ -135,12 +151,15 @@ class TorchAttention:
                 k_pre, v_pre = gather_prefix(kv_layer, meta.block_tables_list[r], ctx)
                 k_row = torch.cat([k_pre.to(k.dtype), k_row])
                 v_row = torch.cat([v_pre.to(v.dtype), v_row])
-            mask = causal_mask(n, ctx, sliding_window, q.device)
+            # A row with no cached prefix and no window is plain causal: no mask lets SDPA pick
+            # its fused (flash) kernel.
+            plain = ctx == 0 and (sliding_window is None or n <= sliding_window)
             o = F.scaled_dot_product_attention(
                 q[start : start + n].transpose(0, 1),
                 k_row.transpose(0, 1),
                 v_row.transpose(0, 1),
-                attn_mask=mask,
+                attn_mask=None if plain else causal_mask(n, ctx, sliding_window, q.device),
+                is_causal=plain and n > 1,
                 scale=scale,
                 enable_gqa=True,
             )

@@ -256,9 +256,10 @@ def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
     """``out = softmax(q kᵀ · scale, causal) v`` for one row. q, out: [n, H, D]; k, v: [n, KVH, D]."""
     group = q.shape[1] // k.shape[1]
     # NOTE: KV heads are expanded because SDPA's flash kernel does not take GQA on every build.
-    kx, vx = (t.repeat_interleave(group, 1).transpose(0, 1) for t in (k, v))
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), kx, vx, is_causal=True, scale=scale)
-    out.copy_(o.transpose(0, 1))
+    # NOTE: 4-D inputs: with 3-D ones SDPA silently takes its math path (an n x n score matrix).
+    kx, vx = (t.repeat_interleave(group, 1).transpose(0, 1)[None] for t in (k, v))
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kx, vx, is_causal=True, scale=scale)
+    out.copy_(o[0].transpose(0, 1))
 
 
 def _pow2(n: int) -> int:
