@@ -87,6 +87,7 @@ def main() -> None:
     p.add_argument("--backward-tokens", type=int, default=1024)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--attention-backend", default="triton", choices=["torch", "triton"])
     p.add_argument("--no-mps", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -100,7 +101,8 @@ def main() -> None:
     dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     engine = LLMEngine(EngineConfig(model=str(model_dir), load_format="dummy", dtype=dtype, device=args.device,
                                     num_training_slots=1, max_lora_rank=16, max_model_len=8192,
-                                    max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256))
+                                    max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256,
+                                    attention_backend=args.attention_backend, lora_backend=args.attention_backend))
     scaling = Scaling(rate=args.rate_scale, length=args.length_scale, max_prompt=args.max_prompt,
                       max_output=args.max_output)
     every = load_trace(args.trace, scaling)

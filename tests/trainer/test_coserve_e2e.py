@@ -242,3 +242,55 @@ def test_resume_from_checkpoint_continues_the_run(model_dir: Path, tmp_path: Pat
     for key, (a, b) in expected.items():
         torch.testing.assert_close(got[key][0], a, rtol=1e-4, atol=ATOL)
         torch.testing.assert_close(got[key][1], b, rtol=1e-4, atol=ATOL)
+
+
+def test_lora_dropout_uses_the_same_masks_in_capture_and_recompute(model_dir: Path, tmp_path: Path) -> None:
+    """One co-served optimizer step with dropout equals full autograd through the model with the
+    trainer's masks: the engine's capture forward applied exactly those masks."""
+    from coserve.layers.attention import AttentionMetadata
+    from coserve.models.llama import ForwardContext
+    from coserve.trainer.lora_params import TrainableLoRA
+    from coserve.trainer.optim import LoRAOptimizer
+
+    lora = LoRAConfig(rank=8, alpha=16, dropout=0.3, target_modules=("q_proj", "v_proj", "o_proj"))
+    optim = OptimConfig(lr=1e-2, max_grad_norm=0.0)
+    rows = write_dataset(tmp_path / "data.jsonl", 4, seed=11)
+    init = init_adapter(model_dir, tmp_path / "init", lora)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), num_training_slots=1, max_lora_rank=16))
+    spec = FinetuneSpec(data=tmp_path / "data.jsonl", output=tmp_path / "out", lora=lora, optim=optim,
+                        coserve=CoServeConfig(backward_tokens=1000, max_seq_len=64, epochs=1, seed=5),
+                        init_adapter=init, trainer_threads=1)
+    session = FinetuneSession(engine, spec)
+    while not session.done:
+        if not engine.step():
+            session.wait(0.05)
+    got = session.trainer.committed_adapter()
+    session.close()
+    log = [json.loads(line) for line in (tmp_path / "out" / "train_log.jsonl").read_text().splitlines()]
+    assert len(log) == 1
+
+    ref = TrainableLoRA(load_peft_adapter(init), dropout=lora.dropout, seed=5)
+    model = engine.model
+    order = log[0]["sample_ids"]
+    ids = [rows[i]["input_ids"] for i in order]
+    lens = [len(x) for x in ids]
+    meta = AttentionMetadata.build(lens, [0] * len(lens), [[] for _ in lens], [False] * len(lens), len(lens), 16)
+    positions = torch.cat([torch.arange(n) for n in lens])
+    hidden = model(torch.tensor([t for x in ids for t in x]), positions,
+                   ForwardContext(attn=meta, lora=ref.context(0, lens)))
+    logits = model.compute_logits(hidden)
+    total, loss = 0, torch.zeros(())
+    start = 0
+    for i, n in zip(order, lens, strict=True):
+        target = torch.tensor(rows[i]["labels"][1:])
+        keep = target != -100
+        loss = loss + F.cross_entropy(logits[start : start + n - 1][keep], target[keep], reduction="sum")
+        total += int(keep.sum())
+        start += n
+    loss.backward()
+    LoRAOptimizer(ref, session.optim).step(total, float(loss))
+    assert log[0]["loss"] == pytest.approx(float(loss) / total, rel=1e-5)
+    expected = ref.to_adapter().weights
+    for key, (a, b) in expected.items():
+        torch.testing.assert_close(got.weights[key][0], a, rtol=1e-4, atol=ATOL)
+        torch.testing.assert_close(got.weights[key][1], b, rtol=1e-4, atol=ATOL)

@@ -43,6 +43,7 @@ class Reason(StrEnum):
     CAPACITY = "capacity"
     TOKEN_BUDGET = "token_budget"
     POOL_EXHAUSTED = "pool_exhausted"
+    NAIVE_LIMIT = "naive_tokens"
 
 
 class AdmissionDecision(NamedTuple):
@@ -143,6 +144,10 @@ def admit(
         return no_ft(Reason.NO_CAPACITY)
     if not candidates:
         return no_ft(Reason.EMPTY_POOL)
+    if slo.policy == "naive":
+        return naive_fill(base, base_s, candidates, model=model, budget=budget,
+                          limit=slo.naive_tokens, capacity_tokens=capacity_tokens,
+                          token_budget=token_budget)
     if view.has_inference and slo.policy == "temporal":
         return no_ft(Reason.TEMPORAL)
     if base_s > budget:
@@ -178,3 +183,42 @@ def should_interrupt(slo: SLOConfig, *, ft_only_step: bool, num_arrived: int) ->
     ``interrupt_ft_only`` is set; otherwise the arrivals wait for the step to end.
     """
     return ft_only_step and num_arrived > 0 and slo.interrupt_ft_only and slo.policy != "off"
+
+
+def naive_fill(
+    base: StepFeatures,
+    base_s: float,
+    candidates: Sequence[FTSample],
+    *,
+    model: LatencyModel,
+    budget: float,
+    limit: int,
+    capacity_tokens: int,
+    token_budget: int,
+) -> AdmissionDecision:
+    """The ``naive`` policy: add samples shortest first while their total stays within
+    ``limit`` FT tokens, the activation capacity and the step's token budget, whatever the
+    latency budget (the decode-fusion style of earlier co-serving systems: no latency model).
+
+    ``base`` / ``base_s``: the step's inference batch and its predicted time; ``budget`` and the
+    predicted times are reported, never used. A shortest sample longer than ``limit`` admits
+    nothing.
+    """
+    picked: list[FTSample] = []
+    used = 0
+    reason = Reason.POOL_EXHAUSTED
+    for sample in sorted(candidates, key=lambda s: (s.num_tokens, s.sample_id)):
+        n = sample.num_tokens
+        if used + n > capacity_tokens:
+            reason = Reason.CAPACITY
+            break
+        if used + n > token_budget:
+            reason = Reason.TOKEN_BUDGET
+            break
+        if used + n > limit:
+            reason = Reason.NAIVE_LIMIT
+            break
+        picked.append(sample)
+        used += n
+    predicted = model.predict(base.with_ft([s.num_tokens for s in picked])) if picked else base_s
+    return AdmissionDecision(picked, budget, predicted, reason)

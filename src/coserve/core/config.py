@@ -104,7 +104,7 @@ class CoServeConfig:
         return self.backward_tokens + self.max_seq_len - 1
 
 
-FT_POLICIES = ("off", "temporal", "full")
+FT_POLICIES = ("off", "temporal", "full", "naive")
 
 
 @dataclass(frozen=True)
@@ -113,9 +113,10 @@ class SLOConfig:
 
     ``margin``: fraction of each slack kept as safety (admission prices against
     ``(1 - margin) * slack``). ``policy``: ``off`` (no fine-tuning), ``temporal`` (only FT-only
-    steps, never mixed into an inference step), ``full`` (FT-only steps and mixed steps).
-    ``interrupt_ft_only``: an arriving request interrupts a running FT-only step at the next
-    layer boundary.
+    steps, never mixed into an inference step), ``full`` (FT-only steps and mixed steps),
+    ``naive`` (a baseline: up to ``naive_tokens`` FT tokens in every step, shortest first, with
+    no latency model). ``interrupt_ft_only``: an arriving request interrupts a running FT-only
+    step at the next layer boundary.
     """
 
     ttft_slo_s: float = 1.0
@@ -123,6 +124,7 @@ class SLOConfig:
     margin: float = 0.1
     policy: str = "full"
     interrupt_ft_only: bool = True
+    naive_tokens: int = 256
 
     def __post_init__(self) -> None:
         if not self.ttft_slo_s > 0:
@@ -135,3 +137,5 @@ class SLOConfig:
             raise ValueError(
                 f"--ft-policy must be one of {', '.join(FT_POLICIES)}, got {self.policy!r}"
             )
+        if self.naive_tokens <= 0:
+            raise ValueError(f"--naive-tokens must be positive, got {self.naive_tokens}")

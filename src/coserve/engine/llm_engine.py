@@ -99,6 +99,7 @@ class LLMEngine:
         self.coserver = coserver
         self.training_slot = self.lora_manager.training_slot(training_slot)
         coserver.arrival_probe = self.arrival_pending
+        self.runner.ft_dropout = (coserver.lora_dropout, coserver.dropout_seed)
 
     def detach(self) -> None:
         """Stop co-serving: later steps carry inference rows only."""
@@ -251,7 +252,8 @@ class LLMEngine:
         max_kv = self.block_manager.num_free_blocks * cfg.block_size // 2
         return self.coserver.calibrate(
             self.run_batch, max_tokens=cfg.max_num_batched_tokens, max_decodes=min(cfg.max_num_seqs, 64),
-            max_kv=max_kv, max_context=self.max_model_len - 1, repeats=repeats)
+            max_kv=max_kv, max_context=self.max_model_len - 1, repeats=repeats,
+            modes=("graph", "eager") if self.runner.graphs is not None else ("eager",))
 
     def sync(self) -> None:
         if self.runner.device.type == "cuda":
@@ -266,7 +268,8 @@ class LLMEngine:
             rows.append(BatchRow(seq.token_slice(ctx, ctx + chunk.num_tokens), ctx, seq.block_table,
                                  seq.lora_slot, samples=chunk.samples))
         for ft in ft_rows or ():
-            rows.append(BatchRow(list(ft.token_ids), 0, [], self.training_slot, writes_kv=False))
+            rows.append(BatchRow(list(ft.token_ids), 0, [], self.training_slot, writes_kv=False,
+                                 dropout_key=ft.dropout_key))
         for chunk in sched.decodes:
             seq = chunk.seq
             ctx = chunk.context_len

@@ -14,7 +14,7 @@ import torch
 from coserve.engine.config import EngineConfig
 from coserve.engine.cuda_graph import DecodeGraphs
 from coserve.layers.attention import AttentionMetadata, get_attention_backend
-from coserve.layers.lora import LoRABatch, get_lora_op
+from coserve.layers.lora import LoRABatch, LoRAContext, RowDropoutLoRA, get_lora_op
 from coserve.models.llama import ForwardContext, LayerHook, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -25,7 +25,8 @@ class BatchRow:
     """One row of a step: ``token_ids`` at positions ``context_len ...`` of its sequence.
 
     ``writes_kv=False`` marks a fine-tuning row (no KV written, no cached prefix).
-    ``samples`` asks for the logits of the row's last token.
+    ``samples`` asks for the logits of the row's last token. ``dropout_key`` (fine-tuning rows of
+    an adapter trained with LoRA dropout): the key of the row's dropout masks.
     """
 
     token_ids: list[int]
@@ -35,6 +36,7 @@ class BatchRow:
     writes_kv: bool = True
     samples: bool = False
     is_prefill: bool = True
+    dropout_key: int | None = None
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,8 @@ class ModelRunner:
         self.lora_scales = lora_scales
         self.backend = get_attention_backend(config.attention_backend)
         self.lora_op = get_lora_op(config.lora_backend)
+        # (p, seed) of the LoRA dropout that rows with a dropout_key get (set by the host).
+        self.ft_dropout: tuple[float, int] = (0.0, 0)
         self.num_blocks = self._num_kv_blocks()
         cfg = model.config
         self.kv_cache = torch.zeros(
@@ -126,7 +130,9 @@ class ModelRunner:
             block_size=self.config.block_size,
             device=self.device,
         )
-        lora = LoRABatch.from_rows([len(r.token_ids) for r in rows], [r.lora_slot for r in rows], self.device)
+        # Rows with dropout get their LoRA from RowDropoutLoRA instead (see execute).
+        slots = [-1 if r.dropout_key is not None else r.lora_slot for r in rows]
+        lora = LoRABatch.from_rows([len(r.token_ids) for r in rows], slots, self.device)
         return BatchInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
             positions=torch.tensor(pos, dtype=torch.long, device=self.device),
@@ -147,12 +153,27 @@ class ModelRunner:
             return self.graphs.run(rows)
         self.last_mode = "eager"
         inputs = self.prepare(rows)
+        lora: LoRAContext | None = self.lora_op(inputs.lora, self.lora_scales) if inputs.lora.active else None
+        dropped = [(start, len(r.token_ids), r.dropout_key, r.lora_slot)
+                   for start, r in zip(_starts(rows), rows, strict=True) if r.dropout_key is not None]
+        if dropped:
+            p, seed = self.ft_dropout
+            lora = RowDropoutLoRA(lora, dropped[0][3], [(s, n, k) for s, n, k, _ in dropped], seed, p,
+                                  self.lora_scales)
         ctx = ForwardContext(
             attn=inputs.attn,
             kv_cache=self.kv_cache,
-            lora=self.lora_op(inputs.lora, self.lora_scales) if inputs.lora.active else None,
+            lora=lora,
             backend=self.backend,
             layer_hook=layer_hook,
         )
         hidden = self.model(inputs.input_ids, inputs.positions, ctx)
         return self.model.compute_logits(hidden[inputs.logits_indices])
+
+
+def _starts(rows: list[BatchRow]) -> list[int]:
+    out, t = [], 0
+    for r in rows:
+        out.append(t)
+        t += len(r.token_ids)
+    return out

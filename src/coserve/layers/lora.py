@@ -200,23 +200,26 @@ def _hash64(*parts: object) -> int:
 class RowDropoutLoRA:
     """The engine's LoRA context when fine-tuning rows use LoRA dropout.
 
-    ``inner`` serves every row except the fine-tuning rows (route those to slot -1 in its batch);
-    fine-tuning row ``(start, n, key)`` gets ``y += (x·m) @ A[slot].T @ B[slot].T · scale[slot]``
-    with ``m = dropout_mask(seed, key, layer, target, (n, in), p)``: the masks the trainer's
-    recompute applies to the same row.
+    ``inner`` serves every other row (the dropout rows are routed to slot -1 in its batch; None
+    when no other row has an adapter); fine-tuning row ``(start, n, key)`` gets
+    ``y += (x·m) @ A[slot].T @ B[slot].T · scale[slot]`` with
+    ``m = dropout_mask(seed, key, layer, target, (n, in), p)``: the masks the trainer's recompute
+    applies to the same row.
     """
 
-    inner: StackedLoRA
+    inner: LoRAContext | None
     slot: int
     rows: list[tuple[int, int, int]]
     seed: int
     p: float
+    scales: torch.Tensor
 
     def apply(
         self, layer: int, target: str, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     ) -> None:
-        self.inner.apply(layer, target, x, y, a, b)
-        scale = self.inner.scales[self.slot]
+        if self.inner is not None:
+            self.inner.apply(layer, target, x, y, a, b)
+        scale = self.scales[self.slot]
         for start, n, key in self.rows:
             m = dropout_mask(self.seed, key, layer, target, (n, x.shape[1]), self.p, x.device)
             xs = x[start : start + n] * m.to(x.dtype)
