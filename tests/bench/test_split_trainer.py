@@ -11,13 +11,13 @@ import torch
 
 from coserve.core.config import OptimConfig
 from coserve.core.finetune import FTSample
+from coserve.layers.attention import AttentionMetadata
 from coserve.models.llama import ForwardContext
 from coserve.models.loader import load_model
 from coserve.models.peft_adapter import new_lora_adapter
 from coserve.trainer.backward import TaskRow, task_backward
 from coserve.trainer.lora_params import TrainableLoRA
 from coserve.trainer.split import SplitTrainer, split_batches, train_step
-from coserve.layers.attention import AttentionMetadata
 
 TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")
 
@@ -63,7 +63,7 @@ def test_train_step_equals_layerwise_recompute_backward() -> None:
         model(torch.tensor([t for s in batch for t in s.input_ids]),
               torch.cat([torch.arange(n) for n in lens]), ctx)
     offsets = [sum(lens[:i]) for i in range(3)]
-    recompute = task_backward(model, lora, store, [TaskRow(o, s.labels) for o, s in zip(offsets, batch)])
+    recompute = task_backward(model, lora, store, [TaskRow(o, s.labels) for o, s in zip(offsets, batch, strict=True)])
 
     assert full.num_targets == recompute.num_targets == sum(s.num_target_tokens for s in batch)
     assert full.loss_sum == pytest.approx(recompute.loss_sum, rel=1e-5)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
@@ -62,3 +63,59 @@ def latency_summary(records: Sequence[RequestRecord]) -> dict[str, float]:
             out[f"{name}_p{q}_ms"] = percentile(xs, q) * 1e3
         out[f"{name}_mean_ms"] = (sum(xs) / len(xs) * 1e3) if xs else math.nan
     return out
+
+
+class SLO(NamedTuple):
+    """A pair of per-request limits in seconds: ``ttft_s`` on TTFT, ``tpot_s`` on TPOT."""
+
+    ttft_s: float
+    tpot_s: float
+
+
+def relative_slo(reference: Sequence[RequestRecord], factor: float = 3.0) -> SLO:
+    """``factor ×`` the reference run's mean TTFT and mean TPOT (the relative SLO of the
+    memory-sharing paper): the TTFT mean is over requests that got a first token, the TPOT mean
+    over finished requests with at least two output tokens (a one-token answer has no TPOT).
+    Raises ``ValueError`` when the reference has no such request."""
+    ttft = [r.ttft for r in reference if r.ttft is not None]
+    tpot = [r.tpot for r in reference if r.tpot is not None and r.output_tokens > 1]
+    if not ttft or not tpot:
+        raise ValueError("the reference run finished no request with two or more output tokens: "
+                         "no relative SLO (lengthen --duration or lower the load)")
+    return SLO(factor * sum(ttft) / len(ttft), factor * sum(tpot) / len(tpot))
+
+
+def rolling_attainment(records: Sequence[RequestRecord], slo: SLO, times: Sequence[float],
+                       window_s: float) -> list[float | None]:
+    """For each ``t`` of ``times``: the attainment of the requests that arrived in
+    ``(t − window_s, t]`` (``None`` when none arrived)."""
+    out: list[float | None] = []
+    for t in times:
+        inside = [r for r in records if t - window_s < r.arrival_s <= t]
+        out.append(attainment(inside, slo.ttft_s, slo.tpot_s) if inside else None)
+    return out
+
+
+class Rates(NamedTuple):
+    """Per-interval rates from a cumulative timeline: ``t[i]`` the end of interval ``i``."""
+
+    t: list[float]
+    inference_tokens_per_s: list[float]
+    ft_tokens_per_s: list[float]
+
+
+def timeline_rates(timeline: Sequence[tuple[float, int, int]]) -> Rates:
+    """``(t, cumulative inference tokens, cumulative FT tokens)`` ticks (from 0 at ``t = 0``)
+    -> tokens per second over each interval between ticks."""
+    ts: list[float] = []
+    inf: list[float] = []
+    ft: list[float] = []
+    prev = (0.0, 0, 0)
+    for tick in timeline:
+        dt = tick[0] - prev[0]
+        if dt > 0:
+            ts.append(tick[0])
+            inf.append((tick[1] - prev[1]) / dt)
+            ft.append((tick[2] - prev[2]) / dt)
+        prev = tick
+    return Rates(ts, inf, ft)

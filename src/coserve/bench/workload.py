@@ -111,3 +111,64 @@ def synthetic(pattern: BurstPattern, duration_s: float, scaling: Scaling = Scali
                     max(1, int(rng.expovariate(1 / pattern.output_mean))))
         out.append(scaling.apply(a))
     return out
+
+
+# Where a trace named without a path is looked for: beside the checkout, then inside it.
+TRACE_DIRS: tuple[Path, ...] = (Path("../shared/data/traces"), Path(".traces"))
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The arrivals one benchmark replays: ``duration_s`` seconds starting at ``window_start_s``
+    of the scaled source timeline, re-based to 0. ``source`` is the CSV path or ``synthetic``."""
+
+    name: str
+    source: str
+    arrivals: tuple[Arrival, ...]
+    window_start_s: float
+    duration_s: float
+    scaling: Scaling
+    seed: int
+
+
+def find_trace(name: str, search: tuple[Path, ...] = TRACE_DIRS) -> Path:
+    """``name`` as a path if it exists, else ``DIR/name`` or ``DIR/name.csv`` in ``search``."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    for d in search:
+        for candidate in (d / name, d / f"{name}.csv"):
+            if candidate.is_file():
+                return candidate
+    dirs = ", ".join(str(d) for d in search)
+    raise FileNotFoundError(f"--workload {name!r}: no such file, no trace of that name in {dirs}, "
+                            f"and not one of the synthetic patterns {', '.join(BURSTS)}")
+
+
+def window(arrivals: list[Arrival], start_s: float, duration_s: float) -> tuple[Arrival, ...]:
+    """The arrivals in ``[start_s, start_s + duration_s)``, re-based to 0."""
+    return tuple(Arrival(a.time_s - start_s, a.prompt_tokens, a.output_tokens) for a in arrivals
+                 if start_s <= a.time_s < start_s + duration_s)
+
+
+def load_workload(name: str, duration_s: float, scaling: Scaling = Scaling(), seed: int = 0,
+                  search: tuple[Path, ...] = TRACE_DIRS) -> Workload:
+    """A synthetic pattern of :data:`BURSTS` or a trace CSV (see :func:`find_trace`), cut to the
+    ``duration_s`` window holding its largest one-second burst (:func:`busiest_window`).
+
+    A synthetic pattern is generated over ``duration_s`` plus one scaled period, so that the
+    window can hold a whole burst wherever it falls; ``seed`` fixes its arrivals.
+    """
+    if duration_s <= 0:
+        raise ValueError(f"--duration must be positive, got {duration_s}")
+    pattern = BURSTS.get(name)
+    if pattern is not None:
+        every = synthetic(pattern, duration_s + pattern.period_s / scaling.rate, scaling, seed=seed)
+        source = "synthetic"
+    else:
+        path = find_trace(name, search)
+        every = load_trace(path, scaling)
+        source = str(path)
+        name = path.stem
+    start = busiest_window(every, duration_s)
+    return Workload(name, source, window(every, start, duration_s), start, duration_s, scaling, seed)

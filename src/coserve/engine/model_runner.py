@@ -75,6 +75,11 @@ class ModelRunner:
             self.backend, "cuda_graph_capable", False
         ):
             self.graphs = self.decode_graphs(capture=True)
+            # Warm-up: capture every bucket now; a capture in the middle of serving stalls all
+            # requests for about a second.
+            self.graphs.capture_all(with_lora=False)
+            if config.max_loras > 0:
+                self.graphs.capture_all(with_lora=True)
         self.last_mode = "eager"
 
     def decode_graphs(self, capture: bool) -> DecodeGraphs:

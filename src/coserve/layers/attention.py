@@ -142,30 +142,47 @@ class TorchAttention:
         if kv_layer is not None and meta.slot_mapping.numel() and meta.num_kv_writes != 0:
             write_kv(k, v, kv_layer, meta.slot_mapping, meta.write_index)
         out = torch.empty_like(q)
-        start = 0
-        for r, n in enumerate(meta.q_lens):
-            ctx = meta.context_lens_list[r]
+        group = q.shape[1] // k.shape[1]
+        lens, ctxs = meta.q_lens, meta.context_lens_list
+        start, r = 0, 0
+        while r < len(lens):
+            n, ctx = lens[r], ctxs[r]
+            # A row with no cached prefix and no window is plain causal: no mask lets SDPA pick
+            # its fused (flash) kernel, which also wants K/V heads repeated rather than enable_gqa.
+            # Consecutive plain rows of one length go through one batched call.
+            if ctx == 0 and (sliding_window is None or n <= sliding_window):
+                end = r + 1
+                while end < len(lens) and lens[end] == n and ctxs[end] == 0:
+                    end += 1
+                rows, span = end - r, (end - r) * n
+                qq = q[start : start + span].view(rows, n, *q.shape[1:]).transpose(1, 2)
+                kk = _repeat_heads(k[start : start + span], group).view(rows, n, *q.shape[1:]).transpose(1, 2)
+                vv = _repeat_heads(v[start : start + span], group).view(rows, n, *q.shape[1:]).transpose(1, 2)
+                o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=n > 1, scale=scale)
+                out[start : start + span] = o.transpose(1, 2).reshape(span, *q.shape[1:])
+                start, r = start + span, end
+                continue
             k_row, v_row = k[start : start + n], v[start : start + n]
             if ctx:
                 assert kv_layer is not None, "a row with cached context needs the KV cache"
                 k_pre, v_pre = gather_prefix(kv_layer, meta.block_tables_list[r], ctx)
                 k_row = torch.cat([k_pre.to(k.dtype), k_row])
                 v_row = torch.cat([v_pre.to(v.dtype), v_row])
-            # A row with no cached prefix and no window is plain causal: no mask lets SDPA pick
-            # its fused (flash) kernel.
-            plain = ctx == 0 and (sliding_window is None or n <= sliding_window)
             o = F.scaled_dot_product_attention(
                 q[start : start + n].transpose(0, 1),
-                k_row.transpose(0, 1),
-                v_row.transpose(0, 1),
-                attn_mask=None if plain else causal_mask(n, ctx, sliding_window, q.device),
-                is_causal=plain and n > 1,
+                _repeat_heads(k_row, group).transpose(0, 1),
+                _repeat_heads(v_row, group).transpose(0, 1),
+                attn_mask=causal_mask(n, ctx, sliding_window, q.device),
                 scale=scale,
-                enable_gqa=True,
             )
             out[start : start + n] = o.transpose(0, 1)
-            start += n
+            start, r = start + n, r + 1
         return out
+
+
+def _repeat_heads(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``[T, KVH, D] -> [T, KVH·group, D]``: query head ``h`` reads KV head ``h // group``."""
+    return x.repeat_interleave(group, dim=1) if group > 1 else x
 
 
 def gather_prefix(kv_layer: torch.Tensor, table: list[int], ctx: int) -> tuple[torch.Tensor, torch.Tensor]:

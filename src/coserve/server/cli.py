@@ -173,6 +173,9 @@ def demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+from coserve.server import bench_cli  # noqa: E402, F401  (registers the bench command)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="coserve", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")

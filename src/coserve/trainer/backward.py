@@ -70,7 +70,8 @@ def task_backward(
     (each row causal within itself, positions from 0, no KV cache, LoRA from
     ``lora.context(dropout_key, row_lens)``) and ``∂loss/∂h_{l+1}`` is pulled back to
     ``∂loss/∂h_l`` and the layer's LoRA parameters. ``at_layer_boundary(l)`` runs before layer
-    ``l``'s recompute. The loss is NOT normalized: the caller divides by the step's target count.
+    ``l``'s recompute and again before its backward. The loss is NOT normalized: the caller
+    divides by the step's target count.
 
     store: ``[L + 1, capacity, d]`` (model dtype, read only); model: frozen, never modified.
     Returns the un-normalized loss sum and the number of target tokens; with no target token
@@ -115,6 +116,8 @@ def task_backward(
             if layer_idx > 0:
                 x.requires_grad_(True)
             y = model.model.layers[layer_idx](x, batch.positions, model.rotary, ctx)
+            if at_layer_boundary is not None:
+                at_layer_boundary(layer_idx)  # a second chance to pause: between recompute and backward
             if y.requires_grad:
                 # Frees this layer's graph before the next layer's is built.
                 torch.autograd.backward(y, grad)

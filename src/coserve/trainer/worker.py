@@ -42,7 +42,7 @@ class WorkerSpec:
     optim: OptimConfig
     grant: Any = None  # multiprocessing Event: set = the trainer may run, cleared = pause
     num_threads: int = 0
-    max_layers_ahead: int = 2
+    max_layers_ahead: int = 1
 
 
 def run_worker(spec: WorkerSpec, tasks: Any, results: Any) -> None:

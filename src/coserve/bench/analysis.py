@@ -1,0 +1,117 @@
+"""From one configuration's replay to its figures, and the comparisons between configurations."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from coserve.bench.configs import REFERENCE
+from coserve.bench.metrics import (
+    SLO,
+    attainment,
+    latency_summary,
+    rolling_attainment,
+    timeline_rates,
+)
+from coserve.bench.runners import RunOutcome
+from coserve.core.latency import error_summary
+
+# Configurations every other one's FT throughput is compared with, in the table and the JSON.
+BASELINES = ("split", "naive", "temporal")
+
+
+def latency_model_error(errors: Sequence[tuple[str, float, float]]) -> dict[str, Any] | None:
+    """Relative error ``|predicted − measured| / measured`` per step kind (``form/mode/busy``)
+    and over all steps: median, p99 and count; None with no step."""
+    groups: dict[str, list[float]] = {}
+    for key, predicted, measured in errors:
+        if measured <= 0:
+            continue
+        rel = abs(predicted - measured) / measured
+        groups.setdefault(key, []).append(rel)
+        groups.setdefault("all", []).append(rel)
+    if not groups:
+        return None
+    out = {}
+    for key, errs in sorted(groups.items()):
+        stats = error_summary(errs)
+        out[key] = {"median_rel": stats.median_rel, "p99_rel": stats.p99_rel, "n": stats.n}
+    return out
+
+
+def summarize(outcome: RunOutcome, *, slo: SLO, relative: SLO | None, window_s: float) -> dict[str, Any]:
+    """The figures of one configuration (see the result schema in ``coserve.bench.harness``)."""
+    replay = outcome.replay
+    records = replay.records
+    rates = timeline_rates(replay.timeline)
+    util = [u for _, u in outcome.gpu_utilization]
+    cfg = outcome.config
+    duration = max(replay.duration_s, 1e-9)
+    return {
+        "kind": str(cfg.kind), "policy": cfg.policy, "interrupt_ft_only": cfg.interrupt_ft_only,
+        "summary": cfg.summary,
+        "requests": len(records),
+        "finished": sum(r.finish_s is not None for r in records),
+        "duration_s": replay.duration_s,
+        "attainment_abs": attainment(records, slo.ttft_s, slo.tpot_s),
+        "attainment_rel": attainment(records, relative.ttft_s, relative.tpot_s) if relative else None,
+        "inference_tokens": replay.inference_tokens,
+        "inference_tokens_per_s": replay.inference_tokens / duration,
+        "ft_tokens": replay.ft_tokens,
+        "ft_tokens_per_s": replay.ft_tokens / duration,
+        "optimizer_steps": outcome.optimizer_steps,
+        "loss_first": outcome.loss_first,
+        "loss_last": outcome.loss_last,
+        "latency": latency_summary(records),
+        "latency_model_error": latency_model_error(outcome.prediction_errors),
+        "gpu_utilization": {"mean_percent": sum(util) / len(util), "samples": len(util)} if util else None,
+        **outcome.extra,
+        "timeline": {
+            "t_s": rates.t,
+            "inference_tokens_per_s": rates.inference_tokens_per_s,
+            "ft_tokens_per_s": rates.ft_tokens_per_s,
+            "attainment_abs": rolling_attainment(records, slo, rates.t, window_s),
+            "attainment_rel": rolling_attainment(records, relative, rates.t, window_s) if relative else None,
+            "gpu_utilization": [list(s) for s in outcome.gpu_utilization],
+        },
+        "per_request": {
+            "arrival_s": [r.arrival_s for r in records],
+            "ttft_ms": [None if r.ttft is None else r.ttft * 1e3 for r in records],
+            "tpot_ms": [None if r.tpot is None else r.tpot * 1e3 for r in records],
+            "output_tokens": [r.output_tokens for r in records],
+        },
+    }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or not b > 0:
+        return None
+    return a / b
+
+
+def comparisons(figures: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """``ft_over_<baseline>``: each configuration's FT tokens/s over the baseline's (for the
+    baselines of :data:`BASELINES` that ran); ``attainment_minus_reference_pp``: each
+    configuration's attainment (abs and rel) minus the inference-only run's, in percentage
+    points."""
+    out: dict[str, Any] = {}
+    for base in BASELINES:
+        if base in figures:
+            out[f"ft_over_{base}"] = {
+                name: _ratio(f["ft_tokens_per_s"], figures[base]["ft_tokens_per_s"])
+                for name, f in figures.items() if name not in (base, REFERENCE)
+            }
+    ref = figures.get(REFERENCE)
+    if ref is not None:
+        out["attainment_minus_reference_pp"] = {
+            name: {kind: _pp(f[f"attainment_{kind}"], ref[f"attainment_{kind}"]) for kind in ("abs", "rel")}
+            for name, f in figures.items() if name != REFERENCE
+        }
+    return out
+
+
+def _pp(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or math.isnan(a) or math.isnan(b):
+        return None
+    return (a - b) * 100.0

@@ -1,0 +1,53 @@
+"""The configurations a benchmark compares on the same arrivals, by name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class RunKind(StrEnum):
+    """How a configuration runs (the harness has one runner per kind)."""
+
+    INFERENCE = "inference"  # the engine alone
+    COSERVE = "coserve"  # the engine with a co-server attached (an admission policy)
+    SPLIT = "split"  # the engine alone, beside a trainer process with its own training loop
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One configuration: its kind and, for co-serving, the admission policy and whether an
+    arrival interrupts a running FT-only step."""
+
+    name: str
+    kind: RunKind
+    summary: str
+    policy: str = "off"
+    interrupt_ft_only: bool = True
+
+
+CONFIGS: dict[str, RunConfig] = {c.name: c for c in (
+    RunConfig("inference", RunKind.INFERENCE, "inference only: the reference of the relative SLO"),
+    RunConfig("temporal", RunKind.COSERVE, "coserve, FT only in steps with no inference (interruptible)",
+              policy="temporal"),
+    RunConfig("full", RunKind.COSERVE, "coserve, FT inside inference batches within the latency budget, "
+              "and FT-only steps (interruptible)", policy="full"),
+    RunConfig("full-noint", RunKind.COSERVE, "coserve full, FT-only steps never interrupted",
+              policy="full", interrupt_ft_only=False),
+    RunConfig("naive", RunKind.COSERVE, "up to --naive-tokens FT tokens in every step, shortest first, "
+              "no latency model, no interruption", policy="naive", interrupt_ft_only=False),
+    RunConfig("split", RunKind.SPLIT, "a separate trainer process with its own training loop, running "
+              "all the time beside inference (fixed MPS share on GPU)"),
+)}
+REFERENCE = "inference"
+
+
+def parse_configs(text: str) -> tuple[RunConfig, ...]:
+    """Comma-separated names of :data:`CONFIGS`, in the order given, duplicates dropped, with the
+    reference (``inference``) first whether listed or not. Raises ``ValueError`` naming the flag."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise ValueError(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
+    ordered = dict.fromkeys([REFERENCE, *names])
+    return tuple(CONFIGS[n] for n in ordered)

@@ -1,0 +1,98 @@
+"""A benchmark's files: the JSON result, the markdown table for the README, the plots."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from coserve.bench.plots import write_plots
+
+
+def clean(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by None (strict JSON has no NaN)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [clean(v) for v in value]
+    return value
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x * 100:.1f}%"
+
+
+def _ms(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.0f}" if x >= 100 else f"{x:.1f}"
+
+
+def _times(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2f}×"
+
+
+def markdown_table(result: Mapping[str, Any]) -> str:
+    """Rows = configurations (in run order); columns = SLO attainment (absolute, relative),
+    TTFT / TPOT p99, FT tokens/s and FT throughput over the split and naive baselines; a caption
+    states the workload, window, scaling, SLOs, model, device and commit."""
+    cfg = result["config"]
+    wl, slo = cfg["workload"], cfg["slo"]
+    ref = result.get("reference") or {}
+    scaling = wl["scaling"]
+    rel = (f"relative: {slo['relative_factor']:g}× the inference-only mean TTFT / TPOT "
+           f"({_ms(ref.get('relative_ttft_slo_ms'))} ms / {_ms(ref.get('relative_tpot_slo_ms'))} ms)")
+    lines = [
+        f"**{wl['name']}**, {wl['duration_s']:g} s window from {wl['window_start_s']:.1f} s "
+        f"({wl['requests']} requests; rate ×{scaling['rate']:g}, length ×{scaling['length']:g}, "
+        f"prompt ≤ {scaling['max_prompt']}, output ≤ {scaling['max_output']}); SLO: TTFT ≤ "
+        f"{slo['ttft_ms']:g} ms, TPOT ≤ {slo['tpot_ms']:g} ms; {rel}. Model {cfg['model']['name']} "
+        f"({cfg['model']['dtype']}), FT {cfg['ft']['lengths']}, LoRA rank {cfg['ft']['lora_rank']}; "
+        f"{result['device']['name']}, commit {str(result['commit'])[:10]}"
+        f"{' (dirty)' if result['dirty'] is True else ''}.",
+        "",
+        "| configuration | SLO attainment (abs) | SLO attainment (rel) | TTFT p99 (ms) | TPOT p99 (ms) "
+        "| FT tokens/s | FT vs split | FT vs naive |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    comp = result.get("comparisons", {})
+    for name, f in result["figures"].items():
+        lat = f["latency"]
+        lines.append(
+            f"| {name} | {_pct(f['attainment_abs'])} | {_pct(f['attainment_rel'])} | "
+            f"{_ms(lat.get('ttft_p99_ms'))} | {_ms(lat.get('tpot_p99_ms'))} | {f['ft_tokens_per_s']:.0f} | "
+            f"{_times(comp.get('ft_over_split', {}).get(name))} | {_times(comp.get('ft_over_naive', {}).get(name))} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+class Outputs(NamedTuple):
+    json: Path
+    markdown: Path
+    plots: list[Path]
+    plots_skipped: str | None
+
+
+def write_outputs(result: dict[str, Any], out_dir: Path, stem: str, *, skip_plots: str | None = None) -> Outputs:
+    """Write ``STEM.json`` and ``STEM.md`` into ``out_dir``, and ``STEM-*.png`` unless
+    ``skip_plots`` says why not.
+
+    The result's ``outputs`` entry records the file names and why plots were skipped, if they were.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
+    written: list[Path] = []
+    skipped = skip_plots
+    if skip_plots is None:
+        drawn = write_plots(clean(result), out_dir, stem)
+        written, skipped = drawn.paths, drawn.skipped
+    result["outputs"] = {"json": json_path.name, "markdown": md_path.name, "plots": [p.name for p in written],
+                         "plots_skipped": skipped}
+    cleaned = clean(result)
+    tmp = json_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(cleaned, indent=1))
+    tmp.replace(json_path)
+    md_path.write_text(markdown_table(cleaned))
+    return Outputs(json_path, md_path, written, skipped)

@@ -1,0 +1,184 @@
+"""One runner per kind of configuration: each replays the same arrivals on the same engine.
+
+A runner leaves the engine as it found it: no request in flight, no co-server attached, no
+trainer process running. Every trainer is warmed up (its process started and its first
+optimizer step done) before the replay clock starts, so that no configuration is charged for
+process start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from coserve.bench.configs import RunConfig, RunKind
+from coserve.bench.replay import InProcessDriver, ReplayResult
+from coserve.bench.utilization import UtilizationSampler
+from coserve.bench.workload import Arrival
+from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig, SLOConfig
+from coserve.core.finetune import load_dataset
+from coserve.engine.llm_engine import LLMEngine
+from coserve.models.peft_adapter import new_lora_adapter
+from coserve.server.finetune import FinetuneSession, FinetuneSpec
+from coserve.trainer.split import SplitTrainer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """What every fine-tuning configuration trains, and how."""
+
+    data: Path
+    max_seq_len: int
+    backward_tokens: int
+    lora: LoRAConfig
+    optim: OptimConfig
+    naive_tokens: int
+    split_mps_percentage: int
+    trainer_threads: int = 0
+    warmup_timeout_s: float = 300.0
+
+
+@dataclass
+class BenchContext:
+    """The state the runs share: one engine, one driver, one set of arrivals, and the latency
+    model's calibrated state (fitted by the first co-serving run, loaded by every later one)."""
+
+    engine: LLMEngine
+    driver: InProcessDriver
+    arrivals: tuple[Arrival, ...]
+    duration_s: float
+    drain_s: float
+    slo: SLOConfig
+    training: TrainingSetup
+    work: Path
+    sampler: UtilizationSampler
+    seed: int = 0
+    latency_state: dict[str, Any] | None = None
+    calibration: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """What one configuration's replay produced. ``optimizer_steps`` and the losses count the
+    replay only (not the warm-up); ``prediction_errors`` are ``(key, predicted s, measured s)``
+    per step, each predicted before the model observed it."""
+
+    config: RunConfig
+    replay: ReplayResult
+    optimizer_steps: int = 0
+    prediction_errors: tuple[tuple[str, float, float], ...] = ()
+    gpu_utilization: tuple[tuple[float, float], ...] = ()
+    loss_first: float | None = None
+    loss_last: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+Runner = Callable[[BenchContext, RunConfig], RunOutcome]
+
+
+def _replay(ctx: BenchContext, ft_tokens: Callable[[], int] | None = None,
+            idle_wait: Callable[[float], None] | None = None) -> tuple[ReplayResult, tuple[tuple[float, float], ...]]:
+    ctx.sampler.start()
+    try:
+        result = ctx.driver.run(ctx.arrivals, duration_s=ctx.duration_s, ft_tokens=ft_tokens,
+                                idle_wait=idle_wait, drain_s=ctx.drain_s)
+    finally:
+        util = tuple(ctx.sampler.stop())
+    return result, util
+
+
+def run_inference(ctx: BenchContext, config: RunConfig) -> RunOutcome:
+    """The engine alone."""
+    replay, util = _replay(ctx)
+    return RunOutcome(config, replay, gpu_utilization=util)
+
+
+def _session_spec(ctx: BenchContext, config: RunConfig) -> FinetuneSpec:
+    t = ctx.training
+    return FinetuneSpec(
+        data=t.data, output=ctx.work / config.name, lora=t.lora, optim=t.optim,
+        coserve=CoServeConfig(backward_tokens=t.backward_tokens, max_seq_len=t.max_seq_len, epochs=1000,
+                              seed=ctx.seed),
+        slo=replace(ctx.slo, policy=config.policy, interrupt_ft_only=config.interrupt_ft_only,
+                    naive_tokens=t.naive_tokens),
+        trainer_threads=t.trainer_threads, calibrate=False, save_every=0,
+    )
+
+
+def _warm_up(ctx: BenchContext, session: FinetuneSession) -> None:
+    """FT-only steps until the trainer completed its first optimizer step."""
+    co = session.coserver
+    deadline = time.monotonic() + ctx.training.warmup_timeout_s
+    while co.steps_done == 0:
+        if time.monotonic() > deadline:
+            logger.warning("trainer warm-up: no optimizer step within %.0fs", ctx.training.warmup_timeout_s)
+            return
+        ctx.engine.step()
+        if ctx.engine.last_step_kind == "idle":
+            session.wait(0.05)
+
+
+def run_coserve(ctx: BenchContext, config: RunConfig) -> RunOutcome:
+    """The engine with a co-server under ``config.policy``; the first such run calibrates the
+    latency model, every run starts its replay from that calibrated state."""
+    session = FinetuneSession(ctx.engine, _session_spec(ctx, config))
+    try:
+        co = session.coserver
+        if ctx.latency_state is None:
+            start = time.perf_counter()
+            batches = ctx.engine.calibrate()
+            ctx.calibration = {"batches": batches, "seconds": time.perf_counter() - start}
+            ctx.latency_state = co.latency.state_dict()
+        _warm_up(ctx, session)
+        co.latency.load_state_dict(ctx.latency_state)
+        co.prediction_errors.clear()
+        co.track = True
+        steps, interrupted, logged = co.steps_done, co.num_interrupted, len(session.history)
+        replay, util = _replay(ctx, ft_tokens=lambda: co.tokens_trained, idle_wait=session.wait)
+        losses = [h.loss for h in session.history[logged:] if h.loss is not None]
+        return RunOutcome(
+            config, replay, co.steps_done - steps, tuple(co.prediction_errors), util,
+            losses[0] if losses else None, losses[-1] if losses else None,
+            {"interrupted_steps": co.num_interrupted - interrupted, "trainer_restarts": co.num_restarts},
+        )
+    finally:
+        session.close()
+
+
+def run_split(ctx: BenchContext, config: RunConfig) -> RunOutcome:
+    """The engine alone beside a :class:`SplitTrainer` on the same samples and adapter setup."""
+    engine = ctx.engine
+    t = ctx.training
+    assert engine.tokenizer is not None
+    vocab = min(engine.tokenizer.vocab_size, engine.model_config.vocab_size)
+    dataset = load_dataset(t.data, engine.tokenizer, max_seq_len=t.max_seq_len, vocab_size=vocab)
+    model_cfg = engine.model_config
+    adapter = new_lora_adapter(num_layers=model_cfg.num_layers, shapes=model_cfg.linear_shapes(),
+                               rank=t.lora.rank, alpha=t.lora.alpha, target_modules=t.lora.target_modules,
+                               use_rslora=t.lora.use_rslora, seed=ctx.seed)
+    trainer = SplitTrainer(engine.model, adapter, dataset.samples, backward_tokens=t.backward_tokens,
+                           optim=t.optim, dropout=t.lora.dropout, seed=ctx.seed, num_threads=t.trainer_threads,
+                           mps_percentage=t.split_mps_percentage)
+    try:
+        if not trainer.wait_steps(1, t.warmup_timeout_s):
+            logger.warning("split trainer: no optimizer step within %.0fs", t.warmup_timeout_s)
+        steps, loss_first = trainer.steps_done, trainer.last_loss
+        replay, util = _replay(ctx, ft_tokens=lambda: trainer.tokens_trained)
+        trainer.check()
+        return RunOutcome(config, replay, trainer.steps_done - steps, (), util, loss_first, trainer.last_loss,
+                          {"mps_share_percent": trainer.mps_share})
+    finally:
+        trainer.close()
+
+
+RUNNERS: dict[RunKind, Runner] = {
+    RunKind.INFERENCE: run_inference,
+    RunKind.COSERVE: run_coserve,
+    RunKind.SPLIT: run_split,
+}

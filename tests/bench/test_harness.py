@@ -1,0 +1,98 @@
+"""``coserve bench`` end to end on CPU: the tiny model, a few seconds of a scaled-down synthetic
+burst, every configuration on the same arrivals, the JSON result, the table and the plots."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coserve.bench.configs import CONFIGS
+from coserve.bench.plots import MISSING, write_plots
+from coserve.server.cli import main
+
+ARGS = [
+    "bench", "--workload", "burst-light", "--duration", "2", "--rate-scale", "0.05", "--length-scale", "0.1",
+    "--configs", ",".join(CONFIGS), "--model", "tiny", "--device", "cpu", "--max-num-batched-tokens", "128",
+    "--ttft-slo-ms", "500", "--tpot-slo-ms", "50", "--ft-lengths", "spread:16-48", "--ft-samples", "48",
+    "--backward-tokens", "64", "--threads", "1", "--trainer-threads", "1", "--warmup-requests", "2",
+    "--drain", "10",
+]
+
+
+def _no_nan(token: str) -> float:
+    raise AssertionError(f"non-finite number {token} in the JSON result")
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    out = tmp_path_factory.mktemp("bench")
+    assert main([*ARGS, "--out", str(out)]) == 0
+    return out, json.loads((out / "burst-light.json").read_text(), parse_constant=_no_nan)
+
+
+def test_every_configuration_runs_on_the_same_arrivals(bench_run: tuple[Path, dict[str, Any]]) -> None:
+    _, result = bench_run
+    figures = result["figures"]
+    assert list(figures) == list(CONFIGS)  # the reference first, then in the order asked
+    requests = result["config"]["workload"]["requests"]
+    assert requests > 0
+    for name, f in figures.items():
+        assert f["requests"] == requests, name
+        assert 0.0 <= f["attainment_abs"] <= 1.0 and 0.0 <= f["attainment_rel"] <= 1.0, name
+        assert len(f["per_request"]["arrival_s"]) == requests
+        assert f["latency"]["ttft_p99_ms"] >= f["latency"]["ttft_p50_ms"] > 0
+        tl = f["timeline"]
+        assert len(tl["t_s"]) == len(tl["ft_tokens_per_s"]) == len(tl["attainment_abs"]) >= 1
+        assert f["gpu_utilization"] is None  # CPU
+    assert figures["inference"]["ft_tokens"] == 0 and figures["inference"]["latency_model_error"] is None
+    for name in ("temporal", "full", "full-noint", "naive", "split"):
+        assert figures[name]["ft_tokens"] > 0 and figures[name]["optimizer_steps"] > 0, name
+        assert figures[name]["ft_tokens_per_s"] == pytest.approx(
+            figures[name]["ft_tokens"] / figures[name]["duration_s"])
+    for name in ("temporal", "full", "full-noint", "naive"):
+        assert figures[name]["latency_model_error"]["all"]["n"] > 0, name
+    assert figures["split"]["latency_model_error"] is None
+
+
+def test_result_records_provenance_reference_and_comparisons(bench_run: tuple[Path, dict[str, Any]]) -> None:
+    _, result = bench_run
+    assert {"commit", "dirty", "device", "versions", "command"} <= set(result)
+    cfg = result["config"]
+    assert cfg["workload"]["scaling"] == {"rate": 0.05, "length": 0.1, "max_prompt": 4096, "max_output": 512}
+    assert (cfg["slo"]["ttft_ms"], cfg["slo"]["tpot_ms"], cfg["slo"]["relative_factor"]) == (500, 50, 3)
+    assert cfg["ft"]["naive_tokens"] == 256 and cfg["ft"]["lengths"] == "spread:16-48"
+    ref = result["reference"]
+    assert ref["relative_ttft_slo_ms"] == pytest.approx(3 * ref["mean_ttft_ms"])
+    assert result["calibration"]["batches"] > 0
+    comp = result["comparisons"]
+    assert comp["ft_over_split"]["full"] == pytest.approx(
+        result["figures"]["full"]["ft_tokens_per_s"] / result["figures"]["split"]["ft_tokens_per_s"])
+    assert set(comp["attainment_minus_reference_pp"]) == set(CONFIGS) - {"inference"}
+
+
+def test_markdown_table_and_plots(bench_run: tuple[Path, dict[str, Any]]) -> None:
+    out, result = bench_run
+    table = (out / "burst-light.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == list(CONFIGS)
+    assert "FT vs split" in rows[0] and "TTFT ≤ 500 ms" in table
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    if importlib.util.find_spec("matplotlib") is None:
+        assert pngs == [] and result["outputs"]["plots_skipped"] == MISSING
+    else:
+        assert pngs == [f"burst-light-{k}.png" for k in ("attainment", "latency", "throughput")]
+        assert result["outputs"]["plots"] and result["outputs"]["plots_skipped"] is None
+
+
+def test_plots_skipped_with_a_message_without_matplotlib(bench_run: tuple[Path, dict[str, Any]],
+                                                         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, result = bench_run
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    drawn = write_plots(result, tmp_path, "x")
+    assert drawn.paths == [] and drawn.skipped == MISSING and "coserve[bench]" in MISSING
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,74 @@
+"""Workload resolution (traces by path or name, synthetic bursts), configuration and FT-length
+parsing."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from coserve.bench.configs import CONFIGS, parse_configs
+from coserve.bench.ftdata import parse_lengths, write_ft_dataset
+from coserve.bench.workload import BURSTS, Scaling, find_trace, load_workload
+
+
+def write_trace(path: Path) -> Path:
+    rows = ["arrival_s,prompt_tokens,output_tokens"]
+    rows += [f"{t},{100 + t},{10}" for t in range(0, 100, 10)]  # one request every 10 s
+    rows += [f"{50 + i / 10},{200},{20}" for i in range(8)]  # a burst of 8 at 50 s
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def test_trace_window_holds_the_largest_burst(tmp_path: Path) -> None:
+    path = write_trace(tmp_path / "t.csv")
+    w = load_workload(str(path), 20.0, Scaling(length=0.5))
+    assert (w.name, w.source, w.window_start_s) == ("t", str(path), 40.0)
+    times = [a.time_s for a in w.arrivals]
+    assert times[0] == 0.0 and max(times) < 20.0 and len(times) == 10  # 40, 50 and the burst of 8
+    assert sorted({a.prompt_tokens for a in w.arrivals}) == [70, 75, 100]  # (140, 150, 200) × 0.5
+
+
+def test_trace_by_name_in_search_dirs(tmp_path: Path) -> None:
+    write_trace(tmp_path / "mine.csv")
+    assert find_trace("mine", (tmp_path / "nowhere", tmp_path)) == tmp_path / "mine.csv"
+    with pytest.raises(FileNotFoundError, match="burst-light"):
+        find_trace("absent", (tmp_path,))
+
+
+@pytest.mark.parametrize("name", sorted(BURSTS))
+def test_synthetic_window_is_seeded_and_holds_a_burst(name: str) -> None:
+    pattern = BURSTS[name]
+    a = load_workload(name, 20.0, Scaling(rate=0.5), seed=3)
+    b = load_workload(name, 20.0, Scaling(rate=0.5), seed=3)
+    assert a == b and a.source == "synthetic"
+    per_second: dict[int, int] = {}
+    for x in a.arrivals:
+        per_second[int(x.time_s)] = per_second.get(int(x.time_s), 0) + 1
+    assert max(per_second.values()) > 3 * pattern.base_rate * 0.5  # the burst is in the window
+    assert load_workload(name, 20.0, Scaling(rate=0.5), seed=4) != a
+
+
+def test_parse_configs_puts_the_reference_first() -> None:
+    assert [c.name for c in parse_configs("split,full,split")] == ["inference", "split", "full"]
+    assert [c.name for c in parse_configs(",".join(CONFIGS))] == list(CONFIGS)
+    assert CONFIGS["full-noint"].policy == "full" and not CONFIGS["full-noint"].interrupt_ft_only
+    with pytest.raises(ValueError, match="--configs: unknown fast"):
+        parse_configs("full,fast")
+
+
+def test_ft_lengths_and_dataset(tmp_path: Path) -> None:
+    fixed, spread = parse_lengths("fixed:512"), parse_lengths("spread:256-1024")
+    assert (fixed.lo, fixed.hi, spread.lo, spread.hi) == (512, 512, 256, 1024)
+    for bad in ("fixed", "uniform:3-4", "spread:9", "spread:10-5", "fixed:x"):
+        with pytest.raises(ValueError, match="--ft-lengths"):
+            parse_lengths(bad)
+    path = write_ft_dataset(tmp_path / "ft.jsonl", 50, parse_lengths("spread:8-16"), vocab_size=100)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == 50 and all(8 <= len(r["input_ids"]) <= 16 for r in rows)
+    assert all(10 <= t < 100 for r in rows for t in r["input_ids"])
+    r = random.choice(rows)
+    masked = len(r["input_ids"]) // 4
+    assert r["labels"] == [-100] * masked + r["input_ids"][masked:]
