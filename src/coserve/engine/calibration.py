@@ -9,6 +9,9 @@ import torch
 
 from coserve.core.latency import BatchSpec
 from coserve.engine.model_runner import BatchRow
+from coserve.engine.sampling_params import SamplingParams
+
+_GREEDY = SamplingParams(temperature=0.0)
 
 if TYPE_CHECKING:
     from coserve.engine.llm_engine import LLMEngine
@@ -53,8 +56,9 @@ def run_synthetic_batch(engine: LLMEngine, spec: BatchSpec) -> float:
         engine.sync()
         start = time.perf_counter()
         logits = engine.runner.execute(rows, hook)
-        if logits.shape[0]:
-            logits.argmax(dim=-1).tolist()
+        if logits.shape[0]:  # sample like a real step does (greedy; the sampler syncs)
+            n = logits.shape[0]
+            engine.sampler(logits, [_GREEDY] * n, [None] * n, [0] * n, engine.eos_token_ids)
         engine.sync()
         return time.perf_counter() - start
     finally:

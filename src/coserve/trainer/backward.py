@@ -70,7 +70,7 @@ def task_backward(
     (each row causal within itself, positions from 0, no KV cache, LoRA from
     ``lora.context(dropout_key, row_lens)``) and ``∂loss/∂h_{l+1}`` is pulled back to
     ``∂loss/∂h_l`` and the layer's LoRA parameters. ``at_layer_boundary(l)`` runs before layer
-    ``l``'s recompute and again before its backward. The loss is NOT normalized: the caller
+    ``l``'s recompute and again before its backward (and with ``l = L`` before the loss). The loss is NOT normalized: the caller
     divides by the step's target count.
 
     store: ``[L + 1, capacity, d]`` (model dtype, read only); model: frozen, never modified.
@@ -98,6 +98,8 @@ def task_backward(
     )
     ctx = ForwardContext(attn=meta, kv_cache=None, lora=lora.context(dropout_key, batch.row_lens))
 
+    if at_layer_boundary is not None:
+        at_layer_boundary(num_layers)  # the loss over the vocabulary is a layer's worth of work too
     with torch.enable_grad():
         # Only the target positions reach the LM head: [n_targets, V] instead of [T, V].
         final = store[num_layers, batch.tokens].detach().requires_grad_(True)

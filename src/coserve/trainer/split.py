@@ -42,7 +42,9 @@ logger = logging.getLogger(__name__)
 MPS_SHARE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 
 
-def split_batches(samples: Sequence[FTSample], backward_tokens: int, seed: int) -> Iterator[list[FTSample]]:
+def split_batches(
+    samples: Sequence[FTSample], backward_tokens: int, seed: int
+) -> Iterator[list[FTSample]]:
     """Endless optimizer-step batches: epoch after epoch, the samples in an order shuffled by
     ``(seed, epoch)``; a batch closes at the first sample that brings it to ``backward_tokens``
     tokens (the rule of the co-serving trainer's backward tasks), so one batch holds at most
@@ -65,28 +67,39 @@ def split_batches(samples: Sequence[FTSample], backward_tokens: int, seed: int) 
 
 
 def train_step(
-    model: LlamaForCausalLM, lora: TrainableLoRA, batch: Sequence[FTSample], *, dropout_key: int | None = None
+    model: LlamaForCausalLM,
+    lora: TrainableLoRA,
+    batch: Sequence[FTSample],
+    *,
+    dropout_key: int | None = None,
 ) -> TaskLoss:
     """Accumulate ``∂loss/∂flat`` into ``lora.flat.grad`` by a full autograd forward and backward.
 
     The samples run back to back as one flat batch, each causal within itself from position 0
     with no KV cache, every token on ``lora`` (``lora.context(dropout_key, row_lens)``).
     ``loss = Σ_rows Σ_t CE(logits[t], labels[t + 1])`` over targets ``!= -100``, fp32
-    cross-entropy, NOT normalized: the same quantity as :func:`~coserve.trainer.backward.task_backward`
-    computes from captured activations. The model is frozen and never modified.
+    cross-entropy, NOT normalized: the quantity that
+    :func:`~coserve.trainer.backward.task_backward` computes from captured activations. The
+    model is frozen and never modified.
     """
     device = lora.flat.device
     row_lens = [s.num_tokens for s in batch]
     ids = torch.tensor([t for s in batch for t in s.input_ids], dtype=torch.int64, device=device)
     positions = torch.cat([torch.arange(n) for n in row_lens]).to(device)
-    targets = torch.tensor([t for s in batch for t in (*s.labels[1:], IGNORE_INDEX)], dtype=torch.int64,
-                           device=device)
+    targets = torch.tensor(
+        [t for s in batch for t in (*s.labels[1:], IGNORE_INDEX)], dtype=torch.int64, device=device
+    )
     picked = (targets != IGNORE_INDEX).nonzero().squeeze(1)
     if picked.numel() == 0:
         return TaskLoss(0.0, 0)
     meta = AttentionMetadata.build(
-        q_lens=row_lens, context_lens=[0] * len(batch), block_tables=[[] for _ in batch],
-        writes_kv=[False] * len(batch), num_prefill_rows=len(batch), block_size=1, device=device,
+        q_lens=row_lens,
+        context_lens=[0] * len(batch),
+        block_tables=[[] for _ in batch],
+        writes_kv=[False] * len(batch),
+        num_prefill_rows=len(batch),
+        block_size=1,
+        device=device,
     )
     ctx = ForwardContext(attn=meta, kv_cache=None, lora=lora.context(dropout_key, row_lens))
     with torch.enable_grad():
@@ -199,11 +212,28 @@ class SplitTrainer:
         ctx = mp.get_context("spawn")
         self._stop = ctx.Event()
         self._errors = ctx.Queue()
-        spec = SplitSpec(model, adapter, tuple(samples), backward_tokens, optim, dropout, seed, num_threads,
-                         self.flat, self.counters, self.loss, self._stop, str(device))
+        spec = SplitSpec(
+            model,
+            adapter,
+            tuple(samples),
+            backward_tokens,
+            optim,
+            dropout,
+            seed,
+            num_threads,
+            self.flat,
+            self.counters,
+            self.loss,
+            self._stop,
+            str(device),
+        )
         self.exitcode: int | None = None
-        self._proc: BaseProcess | None = ctx.Process(target=run_split_worker, args=(spec, self._errors),
-                                                     daemon=True, name="coserve-split-trainer")
+        self._proc: BaseProcess | None = ctx.Process(
+            target=run_split_worker,
+            args=(spec, self._errors),
+            daemon=True,
+            name="coserve-split-trainer",
+        )
         with _environ(MPS_SHARE_ENV, None if self.mps_share is None else str(self.mps_share)):
             self._proc.start()
 

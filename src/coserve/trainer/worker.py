@@ -113,6 +113,7 @@ class _Worker:
     def _commit(self) -> None:
         """Save the new state into the other bank, flip the bank index, then update serving."""
         spec = self.spec
+        self._layer_boundary(-1)  # the optimizer step and the serving write yield to a prefill too
         bank = 1 - int(spec.meta[0]) if int(spec.meta[0]) >= 0 else 0
         self.optim.export_state(spec.banks[bank])
         spec.meta[1 + bank] = self.optim.step_count
