@@ -89,6 +89,9 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--attention-backend", default="triton", choices=["torch", "triton"])
     p.add_argument("--no-mps", action="store_true")
+    p.add_argument("--trainer-sm-share", type=int, default=None,
+                   help="CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of the trainer process")
+    p.add_argument("--no-reference", action="store_true", help="skip the inference-only run")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -114,10 +117,11 @@ def main() -> None:
         data=ft_dataset(work / "ft.jsonl", 4000, (256, 1024), vocab), output=work / "out",
         lora=LoRAConfig(rank=16, alpha=32), optim=OptimConfig(lr=1e-4),
         coserve=CoServeConfig(backward_tokens=args.backward_tokens, max_seq_len=1024, epochs=100, seed=0),
-        slo=slo, save_every=0, calibrate=False,
+        slo=slo, save_every=0, calibrate=False, trainer_sm_share=args.trainer_sm_share,
     )
     driver = InProcessDriver(engine, seed=0)
     driver.run(arrivals[:16], duration_s=5.0, drain_s=30.0)  # warm-up (kernels, allocator)
+    reference = None if args.no_reference else driver.run(arrivals, duration_s=args.duration, drain_s=60.0)
     session = FinetuneSession(engine, spec)
     t = time.perf_counter()
     n_cal = engine.calibrate(repeats=2)
@@ -150,6 +154,10 @@ def main() -> None:
             "ft_only_step_1024_tokens_ms": ft_only_step * 1e3,
             "one_layer_ms": ft_only_step / num_layers * 1e3,
         },
+        "inference_only": None if reference is None else {
+            "attainment": attainment(reference.records, slo.ttft_slo_s, slo.tpot_slo_s),
+            **latency_summary(reference.records),
+        },
         "replay": {
             "requests": len(result.records),
             "attainment": attainment(result.records, slo.ttft_slo_s, slo.tpot_slo_s),
@@ -163,6 +171,7 @@ def main() -> None:
         "config": {"shape": args.shape, "trace": Path(args.trace).name, "window_start_s": start,
                    "duration_s": args.duration, "scaling": vars(scaling), "slo": vars(slo),
                    "backward_tokens": args.backward_tokens, "max_num_batched_tokens": args.max_num_batched_tokens,
+                   "trainer_sm_share": args.trainer_sm_share,
                    "lora": {"rank": 16, "targets": list(LoRAConfig().target_modules)}},
         "figures": figures,
     }

@@ -40,7 +40,9 @@ def latency_model_error(errors: Sequence[tuple[str, float, float]]) -> dict[str,
     return out
 
 
-def summarize(outcome: RunOutcome, *, slo: SLO, relative: SLO | None, window_s: float) -> dict[str, Any]:
+def summarize(
+    outcome: RunOutcome, *, slo: SLO, relative: SLO | None, window_s: float
+) -> dict[str, Any]:
     """The figures of one configuration (see the result schema in ``coserve.bench.harness``)."""
     replay = outcome.replay
     records = replay.records
@@ -49,13 +51,17 @@ def summarize(outcome: RunOutcome, *, slo: SLO, relative: SLO | None, window_s: 
     cfg = outcome.config
     duration = max(replay.duration_s, 1e-9)
     return {
-        "kind": str(cfg.kind), "policy": cfg.policy, "interrupt_ft_only": cfg.interrupt_ft_only,
+        "kind": str(cfg.kind),
+        "policy": cfg.policy,
+        "interrupt_ft_only": cfg.interrupt_ft_only,
         "summary": cfg.summary,
         "requests": len(records),
         "finished": sum(r.finish_s is not None for r in records),
         "duration_s": replay.duration_s,
         "attainment_abs": attainment(records, slo.ttft_s, slo.tpot_s),
-        "attainment_rel": attainment(records, relative.ttft_s, relative.tpot_s) if relative else None,
+        "attainment_rel": attainment(records, relative.ttft_s, relative.tpot_s)
+        if relative
+        else None,
         "inference_tokens": replay.inference_tokens,
         "inference_tokens_per_s": replay.inference_tokens / duration,
         "ft_tokens": replay.ft_tokens,
@@ -65,14 +71,18 @@ def summarize(outcome: RunOutcome, *, slo: SLO, relative: SLO | None, window_s: 
         "loss_last": outcome.loss_last,
         "latency": latency_summary(records),
         "latency_model_error": latency_model_error(outcome.prediction_errors),
-        "gpu_utilization": {"mean_percent": sum(util) / len(util), "samples": len(util)} if util else None,
+        "gpu_utilization": {"mean_percent": sum(util) / len(util), "samples": len(util)}
+        if util
+        else None,
         **outcome.extra,
         "timeline": {
             "t_s": rates.t,
             "inference_tokens_per_s": rates.inference_tokens_per_s,
             "ft_tokens_per_s": rates.ft_tokens_per_s,
             "attainment_abs": rolling_attainment(records, slo, rates.t, window_s),
-            "attainment_rel": rolling_attainment(records, relative, rates.t, window_s) if relative else None,
+            "attainment_rel": rolling_attainment(records, relative, rates.t, window_s)
+            if relative
+            else None,
             "gpu_utilization": [list(s) for s in outcome.gpu_utilization],
         },
         "per_request": {
@@ -100,13 +110,18 @@ def comparisons(figures: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
         if base in figures:
             out[f"ft_over_{base}"] = {
                 name: _ratio(f["ft_tokens_per_s"], figures[base]["ft_tokens_per_s"])
-                for name, f in figures.items() if name not in (base, REFERENCE)
+                for name, f in figures.items()
+                if name not in (base, REFERENCE)
             }
     ref = figures.get(REFERENCE)
     if ref is not None:
         out["attainment_minus_reference_pp"] = {
-            name: {kind: _pp(f[f"attainment_{kind}"], ref[f"attainment_{kind}"]) for kind in ("abs", "rel")}
-            for name, f in figures.items() if name != REFERENCE
+            name: {
+                kind: _pp(f[f"attainment_{kind}"], ref[f"attainment_{kind}"])
+                for kind in ("abs", "rel")
+            }
+            for name, f in figures.items()
+            if name != REFERENCE
         }
     return out
 

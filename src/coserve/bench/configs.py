@@ -26,19 +26,48 @@ class RunConfig:
     interrupt_ft_only: bool = True
 
 
-CONFIGS: dict[str, RunConfig] = {c.name: c for c in (
-    RunConfig("inference", RunKind.INFERENCE, "inference only: the reference of the relative SLO"),
-    RunConfig("temporal", RunKind.COSERVE, "coserve, FT only in steps with no inference (interruptible)",
-              policy="temporal"),
-    RunConfig("full", RunKind.COSERVE, "coserve, FT inside inference batches within the latency budget, "
-              "and FT-only steps (interruptible)", policy="full"),
-    RunConfig("full-noint", RunKind.COSERVE, "coserve full, FT-only steps never interrupted",
-              policy="full", interrupt_ft_only=False),
-    RunConfig("naive", RunKind.COSERVE, "up to --naive-tokens FT tokens in every step, shortest first, "
-              "no latency model, no interruption", policy="naive", interrupt_ft_only=False),
-    RunConfig("split", RunKind.SPLIT, "a separate trainer process with its own training loop, running "
-              "all the time beside inference (fixed MPS share on GPU)"),
-)}
+CONFIGS: dict[str, RunConfig] = {
+    c.name: c
+    for c in (
+        RunConfig(
+            "inference", RunKind.INFERENCE, "inference only: the reference of the relative SLO"
+        ),
+        RunConfig(
+            "temporal",
+            RunKind.COSERVE,
+            "coserve, FT only in steps with no inference (interruptible)",
+            policy="temporal",
+        ),
+        RunConfig(
+            "full",
+            RunKind.COSERVE,
+            "coserve, FT inside inference batches within the latency budget, "
+            "and FT-only steps (interruptible)",
+            policy="full",
+        ),
+        RunConfig(
+            "full-noint",
+            RunKind.COSERVE,
+            "coserve full, FT-only steps never interrupted",
+            policy="full",
+            interrupt_ft_only=False,
+        ),
+        RunConfig(
+            "naive",
+            RunKind.COSERVE,
+            "up to --naive-tokens FT tokens in every step, shortest first, "
+            "no latency model, no interruption",
+            policy="naive",
+            interrupt_ft_only=False,
+        ),
+        RunConfig(
+            "split",
+            RunKind.SPLIT,
+            "a separate trainer process with its own training loop, running "
+            "all the time beside inference (fixed MPS share on GPU)",
+        ),
+    )
+}
 REFERENCE = "inference"
 
 
@@ -48,6 +77,8 @@ def parse_configs(text: str) -> tuple[RunConfig, ...]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
-        raise ValueError(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
+        raise ValueError(
+            f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(CONFIGS)}"
+        )
     ordered = dict.fromkeys([REFERENCE, *names])
     return tuple(CONFIGS[n] for n in ordered)

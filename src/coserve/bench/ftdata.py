@@ -45,8 +45,10 @@ def parse_lengths(spec: str) -> LengthLaw:
     kind, _, arg = spec.partition(":")
     law = LENGTH_LAWS.get(kind)
     if law is None:
-        raise ValueError(f"--ft-lengths {spec!r}: use {' or '.join(f'{k}:…' for k in LENGTH_LAWS)} "
-                         "(fixed:512, spread:256-1024)")
+        raise ValueError(
+            f"--ft-lengths {spec!r}: use {' or '.join(f'{k}:…' for k in LENGTH_LAWS)} "
+            "(fixed:512, spread:256-1024)"
+        )
     try:
         lo, hi = law(arg)
     except ValueError as e:
@@ -54,8 +56,14 @@ def parse_lengths(spec: str) -> LengthLaw:
     return LengthLaw(lo, hi, spec)
 
 
-def write_ft_dataset(path: Path, num_samples: int, lengths: LengthLaw, vocab_size: int, seed: int = 0,
-                     prompt_fraction: float = 0.25) -> Path:
+def write_ft_dataset(
+    path: Path,
+    num_samples: int,
+    lengths: LengthLaw,
+    vocab_size: int,
+    seed: int = 0,
+    prompt_fraction: float = 0.25,
+) -> Path:
     """Write ``num_samples`` pre-tokenized rows (``input_ids`` uniform in ``[10, vocab_size)``,
     ``labels`` masked with ``-100`` on the first ``prompt_fraction`` of each row) as JSONL."""
     if num_samples <= 0:

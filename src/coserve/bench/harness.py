@@ -6,6 +6,8 @@ inference only first (the reference of the relative SLO), then each co-serving p
 split baseline. The first co-serving run calibrates the latency model; every co-serving run
 starts from that calibrated state. After every configuration the JSON result and the markdown
 table are rewritten, so a run stopped early keeps what it finished; the plots come at the end.
+A configuration that fails is recorded and the others still run; with a time budget, one that
+would not finish in time is skipped (both are named in the result and the table).
 
 Result schema (``STEM.json``; times in ms unless named ``_s``, attainment as a fraction):
 
@@ -25,6 +27,8 @@ Result schema (``STEM.json``; times in ms unless named ``_s``, attainment as a f
   (arrival_s, ttft_ms, tpot_ms, output_tokens; null for a request that did not get there);
 * ``comparisons``: ``ft_over_split`` / ``ft_over_naive`` / ``ft_over_temporal`` (configuration →
   ratio of FT tokens/s), ``attainment_minus_reference_pp`` (configuration → abs / rel);
+* ``failed`` / ``skipped``: configuration → why it has no figures (an exception; not enough of
+  ``--time-budget`` left for a run as long as the last one of its kind);
 * ``outputs``: the file names written beside it and why plots were skipped, if they were.
 """
 
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import shutil
 import tempfile
 import time
@@ -52,7 +57,7 @@ from coserve.bench.replay import InProcessDriver
 from coserve.bench.report import Outputs, write_outputs
 from coserve.bench.runners import RUNNERS, BenchContext, TrainingSetup
 from coserve.bench.utilization import UtilizationSampler
-from coserve.bench.workload import Arrival, Scaling, load_workload
+from coserve.bench.workload import Arrival, Scaling, Workload, load_workload
 from coserve.core.config import LoRAConfig, OptimConfig, SLOConfig
 from coserve.engine.config import EngineConfig
 from coserve.engine.llm_engine import LLMEngine
@@ -88,7 +93,7 @@ class FTSetup:
 @dataclass(frozen=True)
 class BenchSpec:
     """One benchmark run. ``slo`` gives the absolute SLOs and the margin (its policy fields are
-    set per configuration); ``engine.model`` may be ``shape:NAME`` (see :mod:`coserve.bench.shapes`)."""
+    set per configuration); ``engine.model`` may be ``shape:NAME`` (:mod:`coserve.bench.shapes`)."""
 
     workload: str
     duration_s: float
@@ -108,24 +113,32 @@ class BenchSpec:
     mps: bool = True
     engine_threads: int = 0
     plots: bool = True
+    time_budget_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.configs or self.configs[0].name != REFERENCE:
-            raise ValueError(f"--configs: the first configuration must be {REFERENCE!r} (the reference)")
+            raise ValueError(
+                f"--configs: the first configuration must be {REFERENCE!r} (the reference)"
+            )
         if self.relative_factor <= 0 or self.rolling_window_s <= 0:
             raise ValueError("--relative-factor and --rolling-window must be positive")
         if not 0 < self.attainment_target <= 1:
             raise ValueError(f"--attainment-target must be in (0, 1], got {self.attainment_target}")
-        if self.warmup_requests < 0 or self.drain_s < 0:
-            raise ValueError("--warmup-requests and --drain must be >= 0")
+        if self.warmup_requests < 0 or self.drain_s < 0 or self.time_budget_s < 0:
+            raise ValueError("--warmup-requests, --drain and --time-budget must be >= 0")
 
 
 def _engine_config(spec: BenchSpec, work: Path) -> EngineConfig:
-    cfg = replace(spec.engine, num_training_slots=max(1, spec.engine.num_training_slots),
-                  max_lora_rank=max(spec.engine.max_lora_rank, spec.ft.lora.rank))
+    cfg = replace(
+        spec.engine,
+        num_training_slots=max(1, spec.engine.num_training_slots),
+        max_lora_rank=max(spec.engine.max_lora_rank, spec.ft.lora.rank),
+    )
     if shapes.is_shape(cfg.model):
         fmt = "dummy" if cfg.load_format == "auto" else cfg.load_format
-        cfg = replace(cfg, model=str(shapes.materialize(cfg.model, work / "model")), load_format=fmt)
+        cfg = replace(
+            cfg, model=str(shapes.materialize(cfg.model, work / "model")), load_format=fmt
+        )
     return cfg
 
 
@@ -133,112 +146,212 @@ def _uses_cuda(cfg: EngineConfig) -> bool:
     return cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
 
 
-def _warm_up(driver: InProcessDriver, arrivals: tuple[Arrival, ...], n: int, drain_s: float) -> None:
+def _warm_up(
+    driver: InProcessDriver, arrivals: tuple[Arrival, ...], n: int, drain_s: float
+) -> None:
     """Serve the first ``n`` requests at once (kernels, allocator, graphs) before any timed run."""
     if n:
         batch = [Arrival(0.0, a.prompt_tokens, a.output_tokens) for a in arrivals[:n]]
         driver.run(batch, duration_s=1.0, drain_s=max(drain_s, 60.0))
 
 
-def _config_section(spec: BenchSpec, engine_cfg: EngineConfig, engine: LLMEngine, workload: Any,
-                    mps: bool) -> dict[str, Any]:
+def _config_section(
+    spec: BenchSpec, engine: LLMEngine, workload: Workload, mps: bool
+) -> dict[str, Any]:
     ft = spec.ft
     return {
-        "workload": {"name": workload.name, "source": workload.source, "window_start_s": workload.window_start_s,
-                     "duration_s": workload.duration_s, "requests": len(workload.arrivals), "seed": spec.seed,
-                     "scaling": asdict(spec.scaling)},
-        "slo": {"ttft_ms": spec.slo.ttft_slo_s * 1e3, "tpot_ms": spec.slo.tpot_slo_s * 1e3,
-                "margin": spec.slo.margin, "relative_factor": spec.relative_factor,
-                "attainment_target": spec.attainment_target},
-        "model": {"name": spec.engine.model, "dtype": str(engine.runner.dtype).removeprefix("torch."),
-                  "layers": engine.model_config.num_layers, "hidden_size": engine.model_config.hidden_size,
-                  "load_format": engine_cfg.load_format},
-        "engine": {k: v for k, v in asdict(engine_cfg).items() if k not in ("model", "cuda_graph_batch_sizes")},
-        "ft": {"lengths": ft.lengths.spec, "samples": ft.num_samples, "backward_tokens": ft.backward_tokens,
-               "lora_rank": ft.lora.rank, "lora_alpha": ft.lora.alpha, "targets": list(ft.lora.target_modules),
-               "lr": ft.optim.lr, "naive_tokens": ft.naive_limit,
-               "split_mps_percentage": ft.split_mps_percentage},
-        "configs": {c.name: {"kind": str(c.kind), "policy": c.policy, "interrupt_ft_only": c.interrupt_ft_only,
-                             "summary": c.summary} for c in spec.configs},
+        "workload": {
+            "name": workload.name,
+            "source": workload.source,
+            "window_start_s": workload.window_start_s,
+            "duration_s": workload.duration_s,
+            "requests": len(workload.arrivals),
+            "seed": spec.seed,
+            "scaling": asdict(spec.scaling),
+        },
+        "slo": {
+            "ttft_ms": spec.slo.ttft_slo_s * 1e3,
+            "tpot_ms": spec.slo.tpot_slo_s * 1e3,
+            "margin": spec.slo.margin,
+            "relative_factor": spec.relative_factor,
+            "attainment_target": spec.attainment_target,
+        },
+        "model": {
+            "name": spec.engine.model,
+            "dtype": str(engine.runner.dtype).removeprefix("torch."),
+            "layers": engine.model_config.num_layers,
+            "hidden_size": engine.model_config.hidden_size,
+            "load_format": engine.config.load_format,
+            "context": engine.max_model_len,
+        },
+        "engine": {
+            k: v
+            for k, v in asdict(engine.config).items()
+            if k not in ("model", "cuda_graph_batch_sizes")
+        },
+        "ft": {
+            "lengths": ft.lengths.spec,
+            "samples": ft.num_samples,
+            "backward_tokens": ft.backward_tokens,
+            "lora_rank": ft.lora.rank,
+            "lora_alpha": ft.lora.alpha,
+            "targets": list(ft.lora.target_modules),
+            "lr": ft.optim.lr,
+            "naive_tokens": ft.naive_limit,
+            "split_mps_percentage": ft.split_mps_percentage,
+        },
+        "configs": {
+            c.name: {
+                "kind": str(c.kind),
+                "policy": c.policy,
+                "interrupt_ft_only": c.interrupt_ft_only,
+                "summary": c.summary,
+            }
+            for c in spec.configs
+        },
         "rolling_window_s": spec.rolling_window_s,
-        "warmup_requests": spec.warmup_requests, "drain_s": spec.drain_s,
+        "warmup_requests": spec.warmup_requests,
+        "drain_s": spec.drain_s,
         "mps": mps,
     }
 
 
-def run_bench(spec: BenchSpec, *, argv: list[str] | None = None,
-              progress: Callable[[str], None] | None = None) -> tuple[dict[str, Any], Outputs]:
+def _setup(
+    spec: BenchSpec, work: Path, say: Callable[[str], None]
+) -> tuple[BenchContext, Workload]:
+    """Cut the workload, build and warm up the engine, write the FT data into ``work``."""
+    engine_cfg = _engine_config(spec, work)
+    workload = load_workload(spec.workload, spec.duration_s, spec.scaling, spec.seed)
+    if not workload.arrivals:
+        raise ValueError(
+            f"--workload {spec.workload}: no arrival in the {spec.duration_s:g} s window"
+        )
+    say(
+        f"workload {workload.name}: {len(workload.arrivals)} requests in {spec.duration_s:g} s "
+        f"from {workload.window_start_s:.1f} s of {workload.source}"
+    )
+    t0 = time.perf_counter()
+    engine = LLMEngine(engine_cfg)
+    ft = spec.ft
+    if ft.lengths.hi > engine.max_model_len:
+        raise ValueError(
+            f"--ft-lengths {ft.lengths.spec}: longer than the model's context "
+            f"({engine.max_model_len} tokens)"
+        )
+    assert engine.tokenizer is not None
+    vocab = min(engine.tokenizer.vocab_size, engine.model_config.vocab_size)
+    data = write_ft_dataset(work / "ft.jsonl", ft.num_samples, ft.lengths, vocab, spec.seed)
+    driver = InProcessDriver(engine, seed=spec.seed)
+    _warm_up(driver, workload.arrivals, spec.warmup_requests, spec.drain_s)
+    say(
+        f"engine ready in {time.perf_counter() - t0:.1f} s "
+        f"({engine_cfg.model}, {engine.runner.device})"
+    )
+    training = TrainingSetup(
+        data=data,
+        max_seq_len=ft.lengths.hi,
+        backward_tokens=ft.backward_tokens,
+        lora=ft.lora,
+        optim=ft.optim,
+        naive_tokens=ft.naive_limit,
+        split_mps_percentage=ft.split_mps_percentage,
+        trainer_threads=ft.trainer_threads,
+        warmup_timeout_s=spec.trainer_warmup_timeout_s,
+    )
+    ctx = BenchContext(
+        engine=engine,
+        driver=driver,
+        arrivals=workload.arrivals,
+        duration_s=spec.duration_s,
+        drain_s=spec.drain_s,
+        slo=spec.slo,
+        training=training,
+        work=work,
+        sampler=UtilizationSampler(engine.runner.device),
+        seed=spec.seed,
+    )
+    return ctx, workload
+
+
+def run_bench(
+    spec: BenchSpec, *, argv: list[str] | None = None, progress: Callable[[str], None] | None = None
+) -> tuple[dict[str, Any], Outputs]:
     """Run every configuration of ``spec``; write and return the result (see the module docstring).
 
     ``argv``: the command line to record (default ``sys.argv``); ``progress``: called with one
     line per stage (the CLI prints them).
     """
     say = progress or logger.info
+    began = time.monotonic()
     mps = start_mps_daemon() if spec.mps and _uses_cuda(spec.engine) else False
     if spec.engine_threads:
         torch.set_num_threads(spec.engine_threads)
     work = Path(tempfile.mkdtemp(prefix="coserve-bench-"))
     try:
-        engine_cfg = _engine_config(spec, work)
-        workload = load_workload(spec.workload, spec.duration_s, spec.scaling, spec.seed)
-        if not workload.arrivals:
-            raise ValueError(f"--workload {spec.workload}: no arrival in the {spec.duration_s:g} s window")
-        say(f"workload {workload.name}: {len(workload.arrivals)} requests in {spec.duration_s:g} s from "
-            f"{workload.window_start_s:.1f} s of {workload.source}")
-        t0 = time.perf_counter()
-        engine = LLMEngine(engine_cfg)
-        if spec.ft.lengths.hi > engine.max_model_len:
-            raise ValueError(f"--ft-lengths {spec.ft.lengths.spec}: longer than the model's context "
-                             f"{engine.max_model_len}")
-        assert engine.tokenizer is not None
-        vocab = min(engine.tokenizer.vocab_size, engine.model_config.vocab_size)
-        data = write_ft_dataset(work / "ft.jsonl", spec.ft.num_samples, spec.ft.lengths, vocab, spec.seed)
-        driver = InProcessDriver(engine, seed=spec.seed)
-        _warm_up(driver, workload.arrivals, spec.warmup_requests, spec.drain_s)
-        say(f"engine ready in {time.perf_counter() - t0:.1f} s ({engine_cfg.model}, {engine.runner.device})")
-        ctx = BenchContext(
-            engine=engine, driver=driver, arrivals=workload.arrivals, duration_s=spec.duration_s,
-            drain_s=spec.drain_s, slo=spec.slo, work=work, seed=spec.seed,
-            sampler=UtilizationSampler(engine.runner.device),
-            training=TrainingSetup(
-                data=data, max_seq_len=spec.ft.lengths.hi, backward_tokens=spec.ft.backward_tokens,
-                lora=spec.ft.lora, optim=spec.ft.optim, naive_tokens=spec.ft.naive_limit,
-                split_mps_percentage=spec.ft.split_mps_percentage, trainer_threads=spec.ft.trainer_threads,
-                warmup_timeout_s=spec.trainer_warmup_timeout_s),
-        )
+        ctx, workload = _setup(spec, work, say)
         result: dict[str, Any] = {
             **provenance(argv),
-            "config": _config_section(spec, engine_cfg, engine, workload, mps),
-            "reference": None, "calibration": None, "figures": {}, "comparisons": {},
+            "config": _config_section(spec, ctx.engine, workload, mps),
+            "reference": None,
+            "calibration": None,
+            "figures": {},
+            "comparisons": {},
+            "failed": {},
+            "skipped": {},
         }
         absolute = SLO(spec.slo.ttft_slo_s, spec.slo.tpot_slo_s)
         relative: SLO | None = None
         stem = workload.name
         write_outputs(result, spec.out, stem, skip_plots=IN_PROGRESS)
+        took: dict[RunKind, float] = {}
         for config in spec.configs:
-            start = time.perf_counter()
-            outcome = RUNNERS[config.kind](ctx, config)
+            left = spec.time_budget_s - (time.monotonic() - began)
+            need = took.get(config.kind, max(took.values(), default=spec.duration_s))
+            if spec.time_budget_s and need > left and config.name != REFERENCE:
+                result["skipped"][config.name] = (
+                    f"time budget: ~{need:.0f} s needed, {left:.0f} s left"
+                )
+                say(f"{config.name:>10}: skipped ({result['skipped'][config.name]})")
+                continue
+            start = time.monotonic()
+            calibrated = ctx.calibration
+            try:
+                outcome = RUNNERS[config.kind](ctx, config)
+            except Exception as e:  # one configuration's failure must not lose the others'
+                if config.name == REFERENCE:
+                    raise
+                logger.exception("configuration %s failed", config.name)
+                result["failed"][config.name] = f"{type(e).__name__}: {e}"
+                write_outputs(result, spec.out, stem, skip_plots=IN_PROGRESS)
+                continue
+            if calibrated is None and ctx.calibration is not None:
+                start += ctx.calibration["seconds"]  # once per benchmark: not part of a run's cost
+            took[config.kind] = time.monotonic() - start
             if config.name == REFERENCE:
                 relative = _reference(result, outcome.replay.records, spec.relative_factor)
-            if config.kind is RunKind.COSERVE:
-                result["calibration"] = ctx.calibration
-            figures = summarize(outcome, slo=absolute, relative=relative, window_s=spec.rolling_window_s)
+            result["calibration"] = ctx.calibration
+            figures = summarize(
+                outcome, slo=absolute, relative=relative, window_s=spec.rolling_window_s
+            )
             result["figures"][config.name] = figures
             result["comparisons"] = comparisons(result["figures"])
             write_outputs(result, spec.out, stem, skip_plots=IN_PROGRESS)
-            say(f"{config.name:>10}: attainment abs {figures['attainment_abs'] * 100:5.1f}% "
-                f"rel {_pct(figures['attainment_rel'])}, FT {figures['ft_tokens_per_s']:8.0f} tokens/s "
-                f"({time.perf_counter() - start:.0f} s)")
+            say(
+                f"{config.name:>10}: attainment abs {_pct(figures['attainment_abs'])} "
+                f"rel {_pct(figures['attainment_rel'])}, "
+                f"FT {figures['ft_tokens_per_s']:8.0f} tokens/s ({took[config.kind]:.0f} s)"
+            )
             gc.collect()
-            if engine.runner.device.type == "cuda":
+            if ctx.engine.runner.device.type == "cuda":
                 torch.cuda.empty_cache()
-        return result, write_outputs(result, spec.out, stem, skip_plots=None if spec.plots else "turned off (--no-plots)")
+        skip = None if spec.plots else "turned off (--no-plots)"
+        return result, write_outputs(result, spec.out, stem, skip_plots=skip)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
 def _pct(x: float | None) -> str:
-    return "  n/a" if x is None else f"{x * 100:5.1f}%"
+    return "  n/a" if x is None or math.isnan(x) else f"{x * 100:5.1f}%"
 
 
 def _reference(result: dict[str, Any], records: Any, factor: float) -> SLO | None:
@@ -250,7 +363,9 @@ def _reference(result: dict[str, Any], records: Any, factor: float) -> SLO | Non
         logger.warning("%s", e)
         return None
     result["reference"] = {
-        "mean_ttft_ms": rel.ttft_s / factor * 1e3, "mean_tpot_ms": rel.tpot_s / factor * 1e3,
-        "relative_ttft_slo_ms": rel.ttft_s * 1e3, "relative_tpot_slo_ms": rel.tpot_s * 1e3,
+        "mean_ttft_ms": rel.ttft_s / factor * 1e3,
+        "mean_tpot_ms": rel.tpot_s / factor * 1e3,
+        "relative_ttft_slo_ms": rel.ttft_s * 1e3,
+        "relative_tpot_slo_ms": rel.tpot_s * 1e3,
     }
     return rel

@@ -36,7 +36,11 @@ def write_plots(result: Mapping[str, Any], out_dir: Path, stem: str) -> Plots:
     if not figures:
         return Plots([], "no configuration has run")
     paths = []
-    for name, draw in (("latency", _latency), ("throughput", _throughput), ("attainment", _attainment)):
+    for name, draw in (
+        ("latency", _latency),
+        ("throughput", _throughput),
+        ("attainment", _attainment),
+    ):
         fig = draw(plt, result)
         path = out_dir / f"{stem}-{name}.png"
         fig.savefig(path, dpi=110)
@@ -54,13 +58,20 @@ def _latency(plt: Any, result: Mapping[str, Any]) -> Any:
     figures = result["figures"]
     slo = result["config"]["slo"]
     ref = result.get("reference") or {}
-    fig, axes = plt.subplots(len(figures), 2, figsize=(12, 2.2 * len(figures) + 0.8), squeeze=False,
-                             sharex=True)
+    fig, axes = plt.subplots(
+        len(figures), 2, figsize=(12, 2.2 * len(figures) + 0.8), squeeze=False, sharex=True
+    )
     for row, (name, f) in zip(axes, figures.items(), strict=True):
         req = f["per_request"]
-        for ax, metric, limit, rel in ((row[0], "ttft_ms", slo["ttft_ms"], ref.get("relative_ttft_slo_ms")),
-                                       (row[1], "tpot_ms", slo["tpot_ms"], ref.get("relative_tpot_slo_ms"))):
-            pts = [(t, v) for t, v in zip(req["arrival_s"], req[metric], strict=True) if v is not None and v > 0]
+        for ax, metric, limit, rel in (
+            (row[0], "ttft_ms", slo["ttft_ms"], ref.get("relative_ttft_slo_ms")),
+            (row[1], "tpot_ms", slo["tpot_ms"], ref.get("relative_tpot_slo_ms")),
+        ):
+            pts = [
+                (t, v)
+                for t, v in zip(req["arrival_s"], req[metric], strict=True)
+                if v is not None and v > 0
+            ]
             if pts:
                 ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=4, alpha=0.6)
                 ax.set_yscale("log")
@@ -78,13 +89,25 @@ def _latency(plt: Any, result: Mapping[str, Any]) -> Any:
 
 def _throughput(plt: Any, result: Mapping[str, Any]) -> Any:
     figures = result["figures"]
-    fig, axes = plt.subplots(len(figures), 1, figsize=(10, 1.9 * len(figures) + 0.8), squeeze=False,
-                             sharex=True, sharey=True)
+    fig, axes = plt.subplots(
+        len(figures),
+        1,
+        figsize=(10, 1.9 * len(figures) + 0.8),
+        squeeze=False,
+        sharex=True,
+        sharey=True,
+    )
     for (ax,), (name, f) in zip(axes, figures.items(), strict=True):
         tl = f["timeline"]
         if tl["t_s"]:
-            ax.stackplot(tl["t_s"], tl["inference_tokens_per_s"], tl["ft_tokens_per_s"],
-                         labels=["inference output", "fine-tuning"], step="pre", alpha=0.8)
+            ax.stackplot(
+                tl["t_s"],
+                tl["inference_tokens_per_s"],
+                tl["ft_tokens_per_s"],
+                labels=["inference output", "fine-tuning"],
+                step="pre",
+                alpha=0.8,
+            )
         ax.set_ylabel(f"{name}\ntokens/s")
     axes[0][0].legend(loc="upper right", fontsize=7)
     axes[-1][0].set_xlabel("time (s)")
@@ -106,7 +129,13 @@ def _attainment(plt: Any, result: Mapping[str, Any]) -> Any:
                 continue
             pts = [(t, v * 100) for t, v in zip(tl["t_s"], values, strict=True) if v is not None]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, linewidth=1.2)
-        ax.axhline(target * 100, color="red", linestyle="--", linewidth=1, label=f"target {target * 100:g}%")
+        ax.axhline(
+            target * 100,
+            color="red",
+            linestyle="--",
+            linewidth=1,
+            label=f"target {target * 100:g}%",
+        )
         ax.set_ylabel(f"SLO attained, {'absolute' if kind == 'abs' else 'relative'} (%)")
         ax.set_ylim(bottom=max(0.0, ax.get_ylim()[0]), top=101)
     axes[0].legend(loc="lower left", fontsize=7, ncol=4)

@@ -17,7 +17,9 @@ import torch
 
 def _git(*args: str) -> str | None:
     try:
-        return subprocess.run(["git", *args], capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", *args], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
 
@@ -27,12 +29,22 @@ def _device() -> dict[str, Any]:
         return {"name": "cpu", "cpus": os.cpu_count()}
     props = torch.cuda.get_device_properties(0)
     smi = subprocess.run(
-        ["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm,clocks.max.mem", "--format=csv,noheader"],
-        capture_output=True, text=True, check=False,
+        [
+            "nvidia-smi",
+            "--query-gpu=driver_version,clocks.max.sm,clocks.max.mem",
+            "--format=csv,noheader",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
     ).stdout.strip()
-    return {"name": props.name, "sms": props.multi_processor_count,
-            "memory_gib": round(props.total_memory / 2**30, 1), "cuda": torch.version.cuda,
-            "driver_maxclocks": smi}
+    return {
+        "name": props.name,
+        "sms": props.multi_processor_count,
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "cuda": torch.version.cuda,
+        "driver_maxclocks": smi,
+    }
 
 
 def provenance(argv: list[str] | None = None) -> dict[str, Any]:
@@ -41,8 +53,11 @@ def provenance(argv: list[str] | None = None) -> dict[str, Any]:
     ``sys.argv``, behind the interpreter)."""
     commit = _git("rev-parse", "HEAD") or os.environ.get("COSERVE_COMMIT", "unknown")
     status = _git("status", "--porcelain")
-    dirty: bool | str = bool(status) if status is not None else (
-        os.environ["COSERVE_DIRTY"] == "1" if "COSERVE_DIRTY" in os.environ else "unknown")
+    dirty: bool | str = (
+        bool(status)
+        if status is not None
+        else (os.environ["COSERVE_DIRTY"] == "1" if "COSERVE_DIRTY" in os.environ else "unknown")
+    )
     try:
         import triton
 
@@ -50,7 +65,15 @@ def provenance(argv: list[str] | None = None) -> dict[str, Any]:
     except ImportError:
         triton_version = None
     return {
-        "commit": commit, "dirty": dirty, "device": _device(),
-        "versions": {"torch": torch.__version__, "triton": triton_version, "python": sys.version.split()[0]},
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, *(sys.argv if argv is None else argv)]),
+        "commit": commit,
+        "dirty": dirty,
+        "device": _device(),
+        "versions": {
+            "torch": torch.__version__,
+            "triton": triton_version,
+            "python": sys.version.split()[0],
+        },
+        "command": " ".join(
+            shlex.quote(a) for a in [sys.executable, *(sys.argv if argv is None else argv)]
+        ),
     }

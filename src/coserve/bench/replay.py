@@ -125,11 +125,14 @@ class InProcessDriver:
                     next_tick += tick_every_s
         finally:
             engine.external_arrivals = None
+            # NOTE: also when a step raised: the engine must not keep this replay's requests.
+            for rid in starts:
+                if rid not in finished:
+                    engine.abort_request(rid)
         # Requests admitted but unfinished at the end count as misses.
         records = list(done)
         for rid, (arr, a) in starts.items():
             if rid not in finished:
                 records.append(RequestRecord(arr, first.get(rid), None, a.prompt_tokens, 0))
-                engine.abort_request(rid)
         return ReplayResult(sorted(records, key=lambda r: r.arrival_s), clock(), inf_tokens,
                             (ft_tokens() - ft0) if ft_tokens else 0, timeline, entry_delays)

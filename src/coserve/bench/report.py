@@ -42,29 +42,44 @@ def markdown_table(result: Mapping[str, Any]) -> str:
     wl, slo = cfg["workload"], cfg["slo"]
     ref = result.get("reference") or {}
     scaling = wl["scaling"]
-    rel = (f"relative: {slo['relative_factor']:g}× the inference-only mean TTFT / TPOT "
-           f"({_ms(ref.get('relative_ttft_slo_ms'))} ms / {_ms(ref.get('relative_tpot_slo_ms'))} ms)")
+    rel = (
+        f"relative: {slo['relative_factor']:g}× the inference-only mean TTFT / TPOT "
+        f"({_ms(ref.get('relative_ttft_slo_ms'))} ms / {_ms(ref.get('relative_tpot_slo_ms'))} ms)"
+    )
     lines = [
         f"**{wl['name']}**, {wl['duration_s']:g} s window from {wl['window_start_s']:.1f} s "
         f"({wl['requests']} requests; rate ×{scaling['rate']:g}, length ×{scaling['length']:g}, "
         f"prompt ≤ {scaling['max_prompt']}, output ≤ {scaling['max_output']}); SLO: TTFT ≤ "
         f"{slo['ttft_ms']:g} ms, TPOT ≤ {slo['tpot_ms']:g} ms; {rel}. Model {cfg['model']['name']} "
-        f"({cfg['model']['dtype']}), FT {cfg['ft']['lengths']}, LoRA rank {cfg['ft']['lora_rank']}; "
+        f"({cfg['model']['dtype']}), FT {cfg['ft']['lengths']}, "
+        f"LoRA rank {cfg['ft']['lora_rank']}; "
         f"{result['device']['name']}, commit {str(result['commit'])[:10]}"
         f"{' (dirty)' if result['dirty'] is True else ''}.",
         "",
-        "| configuration | SLO attainment (abs) | SLO attainment (rel) | TTFT p99 (ms) | TPOT p99 (ms) "
-        "| FT tokens/s | FT vs split | FT vs naive |",
+        "| configuration | SLO attainment (abs) | SLO attainment (rel) | TTFT p99 (ms) "
+        "| TPOT p99 (ms) | FT tokens/s | FT vs split | FT vs naive |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     comp = result.get("comparisons", {})
     for name, f in result["figures"].items():
         lat = f["latency"]
-        lines.append(
-            f"| {name} | {_pct(f['attainment_abs'])} | {_pct(f['attainment_rel'])} | "
-            f"{_ms(lat.get('ttft_p99_ms'))} | {_ms(lat.get('tpot_p99_ms'))} | {f['ft_tokens_per_s']:.0f} | "
-            f"{_times(comp.get('ft_over_split', {}).get(name))} | {_times(comp.get('ft_over_naive', {}).get(name))} |"
-        )
+        cells = [
+            name,
+            _pct(f["attainment_abs"]),
+            _pct(f["attainment_rel"]),
+            _ms(lat.get("ttft_p99_ms")),
+            _ms(lat.get("tpot_p99_ms")),
+            f"{f['ft_tokens_per_s']:.0f}",
+            _times(comp.get("ft_over_split", {}).get(name)),
+            _times(comp.get("ft_over_naive", {}).get(name)),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    missing = {**result.get("failed", {}), **result.get("skipped", {})}
+    if missing:
+        lines += [
+            "",
+            "Not in the table: " + "; ".join(f"{k} ({v})" for k, v in missing.items()) + ".",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -75,7 +90,9 @@ class Outputs(NamedTuple):
     plots_skipped: str | None
 
 
-def write_outputs(result: dict[str, Any], out_dir: Path, stem: str, *, skip_plots: str | None = None) -> Outputs:
+def write_outputs(
+    result: dict[str, Any], out_dir: Path, stem: str, *, skip_plots: str | None = None
+) -> Outputs:
     """Write ``STEM.json`` and ``STEM.md`` into ``out_dir``, and ``STEM-*.png`` unless
     ``skip_plots`` says why not.
 
@@ -88,8 +105,12 @@ def write_outputs(result: dict[str, Any], out_dir: Path, stem: str, *, skip_plot
     if skip_plots is None:
         drawn = write_plots(clean(result), out_dir, stem)
         written, skipped = drawn.paths, drawn.skipped
-    result["outputs"] = {"json": json_path.name, "markdown": md_path.name, "plots": [p.name for p in written],
-                         "plots_skipped": skipped}
+    result["outputs"] = {
+        "json": json_path.name,
+        "markdown": md_path.name,
+        "plots": [p.name for p in written],
+        "plots_skipped": skipped,
+    }
     cleaned = clean(result)
     tmp = json_path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(cleaned, indent=1))

@@ -65,9 +65,11 @@ class BenchContext:
 
 @dataclass(frozen=True)
 class RunOutcome:
-    """What one configuration's replay produced. ``optimizer_steps`` and the losses count the
-    replay only (not the warm-up); ``prediction_errors`` are ``(key, predicted s, measured s)``
-    per step, each predicted before the model observed it."""
+    """What one configuration's replay produced. ``optimizer_steps`` counts the replay only (not
+    the warm-up); ``loss_first`` / ``loss_last``: the mean loss of the first and last optimizer
+    step of the replay (split: of the last step before the replay, sampled at its start, and of
+    the last one); ``prediction_errors`` are ``(key, predicted s, measured s)`` per step, each
+    predicted before the model observed it; ``extra``: figures of one kind only."""
 
     config: RunConfig
     replay: ReplayResult
@@ -82,12 +84,20 @@ class RunOutcome:
 Runner = Callable[[BenchContext, RunConfig], RunOutcome]
 
 
-def _replay(ctx: BenchContext, ft_tokens: Callable[[], int] | None = None,
-            idle_wait: Callable[[float], None] | None = None) -> tuple[ReplayResult, tuple[tuple[float, float], ...]]:
+def _replay(
+    ctx: BenchContext,
+    ft_tokens: Callable[[], int] | None = None,
+    idle_wait: Callable[[float], None] | None = None,
+) -> tuple[ReplayResult, tuple[tuple[float, float], ...]]:
     ctx.sampler.start()
     try:
-        result = ctx.driver.run(ctx.arrivals, duration_s=ctx.duration_s, ft_tokens=ft_tokens,
-                                idle_wait=idle_wait, drain_s=ctx.drain_s)
+        result = ctx.driver.run(
+            ctx.arrivals,
+            duration_s=ctx.duration_s,
+            ft_tokens=ft_tokens,
+            idle_wait=idle_wait,
+            drain_s=ctx.drain_s,
+        )
     finally:
         util = tuple(ctx.sampler.stop())
     return result, util
@@ -102,12 +112,22 @@ def run_inference(ctx: BenchContext, config: RunConfig) -> RunOutcome:
 def _session_spec(ctx: BenchContext, config: RunConfig) -> FinetuneSpec:
     t = ctx.training
     return FinetuneSpec(
-        data=t.data, output=ctx.work / config.name, lora=t.lora, optim=t.optim,
-        coserve=CoServeConfig(backward_tokens=t.backward_tokens, max_seq_len=t.max_seq_len, epochs=1000,
-                              seed=ctx.seed),
-        slo=replace(ctx.slo, policy=config.policy, interrupt_ft_only=config.interrupt_ft_only,
-                    naive_tokens=t.naive_tokens),
-        trainer_threads=t.trainer_threads, calibrate=False, save_every=0,
+        data=t.data,
+        output=ctx.work / config.name,
+        lora=t.lora,
+        optim=t.optim,
+        coserve=CoServeConfig(
+            backward_tokens=t.backward_tokens, max_seq_len=t.max_seq_len, epochs=1000, seed=ctx.seed
+        ),
+        slo=replace(
+            ctx.slo,
+            policy=config.policy,
+            interrupt_ft_only=config.interrupt_ft_only,
+            naive_tokens=t.naive_tokens,
+        ),
+        trainer_threads=t.trainer_threads,
+        calibrate=False,
+        save_every=0,
     )
 
 
@@ -117,7 +137,9 @@ def _warm_up(ctx: BenchContext, session: FinetuneSession) -> None:
     deadline = time.monotonic() + ctx.training.warmup_timeout_s
     while co.steps_done == 0:
         if time.monotonic() > deadline:
-            logger.warning("trainer warm-up: no optimizer step within %.0fs", ctx.training.warmup_timeout_s)
+            logger.warning(
+                "trainer warm-up: no optimizer step within %.0fs", ctx.training.warmup_timeout_s
+            )
             return
         ctx.engine.step()
         if ctx.engine.last_step_kind == "idle":
@@ -143,9 +165,17 @@ def run_coserve(ctx: BenchContext, config: RunConfig) -> RunOutcome:
         replay, util = _replay(ctx, ft_tokens=lambda: co.tokens_trained, idle_wait=session.wait)
         losses = [h.loss for h in session.history[logged:] if h.loss is not None]
         return RunOutcome(
-            config, replay, co.steps_done - steps, tuple(co.prediction_errors), util,
-            losses[0] if losses else None, losses[-1] if losses else None,
-            {"interrupted_steps": co.num_interrupted - interrupted, "trainer_restarts": co.num_restarts},
+            config,
+            replay,
+            optimizer_steps=co.steps_done - steps,
+            prediction_errors=tuple(co.prediction_errors),
+            gpu_utilization=util,
+            loss_first=losses[0] if losses else None,
+            loss_last=losses[-1] if losses else None,
+            extra={
+                "interrupted_steps": co.num_interrupted - interrupted,
+                "trainer_restarts": co.num_restarts,
+            },
         )
     finally:
         session.close()
@@ -159,20 +189,41 @@ def run_split(ctx: BenchContext, config: RunConfig) -> RunOutcome:
     vocab = min(engine.tokenizer.vocab_size, engine.model_config.vocab_size)
     dataset = load_dataset(t.data, engine.tokenizer, max_seq_len=t.max_seq_len, vocab_size=vocab)
     model_cfg = engine.model_config
-    adapter = new_lora_adapter(num_layers=model_cfg.num_layers, shapes=model_cfg.linear_shapes(),
-                               rank=t.lora.rank, alpha=t.lora.alpha, target_modules=t.lora.target_modules,
-                               use_rslora=t.lora.use_rslora, seed=ctx.seed)
-    trainer = SplitTrainer(engine.model, adapter, dataset.samples, backward_tokens=t.backward_tokens,
-                           optim=t.optim, dropout=t.lora.dropout, seed=ctx.seed, num_threads=t.trainer_threads,
-                           mps_percentage=t.split_mps_percentage)
+    adapter = new_lora_adapter(
+        num_layers=model_cfg.num_layers,
+        shapes=model_cfg.linear_shapes(),
+        rank=t.lora.rank,
+        alpha=t.lora.alpha,
+        target_modules=t.lora.target_modules,
+        use_rslora=t.lora.use_rslora,
+        seed=ctx.seed,
+    )
+    trainer = SplitTrainer(
+        engine.model,
+        adapter,
+        dataset.samples,
+        backward_tokens=t.backward_tokens,
+        optim=t.optim,
+        dropout=t.lora.dropout,
+        seed=ctx.seed,
+        num_threads=t.trainer_threads,
+        mps_percentage=t.split_mps_percentage,
+    )
     try:
         if not trainer.wait_steps(1, t.warmup_timeout_s):
             logger.warning("split trainer: no optimizer step within %.0fs", t.warmup_timeout_s)
         steps, loss_first = trainer.steps_done, trainer.last_loss
         replay, util = _replay(ctx, ft_tokens=lambda: trainer.tokens_trained)
         trainer.check()
-        return RunOutcome(config, replay, trainer.steps_done - steps, (), util, loss_first, trainer.last_loss,
-                          {"mps_share_percent": trainer.mps_share})
+        return RunOutcome(
+            config,
+            replay,
+            optimizer_steps=trainer.steps_done - steps,
+            gpu_utilization=util,
+            loss_first=loss_first,
+            loss_last=trainer.last_loss,
+            extra={"mps_share_percent": trainer.mps_share},
+        )
     finally:
         trainer.close()
 

@@ -28,8 +28,11 @@ LLAMA3_8B: dict[str, Any] = {
     "rms_norm_eps": 1e-5,
     "rope_theta": 500000.0,
     "rope_scaling": {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
     },
     "tie_word_embeddings": False,
     "bos_token_id": 128000,
@@ -49,8 +52,9 @@ def materialize(model: str, directory: Path) -> Path:
     name = model.removeprefix(PREFIX)
     config = SHAPES.get(name)
     if config is None:
-        raise ValueError(f"--model {model!r}: unknown shape; choose from "
-                         f"{', '.join(PREFIX + s for s in SHAPES)}")
+        raise ValueError(
+            f"--model {model!r}: unknown shape; choose from {', '.join(PREFIX + s for s in SHAPES)}"
+        )
     path = directory / name
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=1))

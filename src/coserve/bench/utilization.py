@@ -34,8 +34,10 @@ def find_probe(device: torch.device) -> Probe | None:
             logger.info("GPU utilization probe %s unavailable: %s", probe.__name__, e)
             continue
         return probe
-    logger.warning("no GPU utilization probe works here (torch.cuda.utilization needs nvidia-ml-py): "
-                   "utilization is reported as null")
+    logger.warning(
+        "no GPU utilization probe works here (torch.cuda.utilization needs nvidia-ml-py): "
+        "utilization is reported as null"
+    )
     return None
 
 
@@ -62,8 +64,12 @@ class UtilizationSampler:
         self._stop.clear()
         if self.probe is None:
             return
-        self._thread = threading.Thread(target=self._run, args=(self.probe, time.monotonic()),
-                                        name="gpu-utilization", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run,
+            args=(self.probe, time.monotonic()),
+            name="gpu-utilization",
+            daemon=True,
+        )
         self._thread.start()
 
     def _run(self, probe: Probe, t0: float) -> None:

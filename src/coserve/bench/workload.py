@@ -171,4 +171,5 @@ def load_workload(name: str, duration_s: float, scaling: Scaling = Scaling(), se
         source = str(path)
         name = path.stem
     start = busiest_window(every, duration_s)
-    return Workload(name, source, window(every, start, duration_s), start, duration_s, scaling, seed)
+    arrivals = window(every, start, duration_s)
+    return Workload(name, source, arrivals, start, duration_s, scaling, seed)

@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 
 from coserve.core.activations import ActivationStore
-from coserve.core.admission import AdmissionDecision, admit, should_interrupt
+from coserve.core.admission import AdmissionDecision, admit, latency_budget, should_interrupt
 from coserve.core.config import CoServeConfig, OptimConfig, SLOConfig
 from coserve.core.finetune import FTSample
 from coserve.core.host import FTRow, Interrupted, StepRecord, StepView
@@ -149,7 +149,7 @@ class CoServer:
         """Choose the fine-tuning rows of the next step (hook 1)."""
         self.poll()
         self._step_rows = []
-        if self._in_flight is not None and view.num_prefill_tokens > 0:
+        if self._in_flight is not None and self._must_pause(view):
             self.trainer.pause()  # NOTE: set again in on_step_end, whatever happens in between
             self._paused = True
             self._pause_start = time.monotonic()
@@ -187,6 +187,17 @@ class CoServer:
         if self.lora_dropout <= 0:
             return None
         return row_dropout_key(self._next_task_id, row)
+
+    def _must_pause(self, view: StepView) -> bool:
+        """Pause the backward for this step: always for a step that carries prefill (DESIGN §7);
+        for a decode-only step when the latency model says that running beside the backward
+        would break the step's latency budget."""
+        if view.num_prefill_tokens > 0:
+            return True
+        if not view.has_inference:
+            return False
+        busy = self.latency.predict(StepFeatures.from_view(view, busy=True))
+        return busy > latency_budget(view, self.latency, self.slo)
 
     def on_layer(self, layer: int, hidden: torch.Tensor) -> None:
         """Copy the fine-tuning rows' residual stream into the store (hook 2)."""

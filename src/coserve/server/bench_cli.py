@@ -25,47 +25,109 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     p.set_defaults(max_model_len=8192)
     w = p.add_argument_group("workload")
-    w.add_argument("--workload", required=True,
-                   help="a trace CSV (arrival_s,prompt_tokens,output_tokens), a trace name looked up in "
-                        "../shared/data/traces/ and .traces/ (azure2023_code, azure2023_conv, "
-                        "mooncake_synthetic), or a synthetic pattern: burst-light, burst-dense")
-    w.add_argument("--duration", type=float, default=60.0,
-                   help="seconds of arrivals: the window holding the workload's largest burst")
+    w.add_argument(
+        "--workload",
+        required=True,
+        help="a trace CSV (arrival_s,prompt_tokens,output_tokens), a trace name looked up in "
+        "../shared/data/traces/ and .traces/ (azure2023_code, azure2023_conv, "
+        "mooncake_synthetic), or a synthetic pattern: burst-light, burst-dense",
+    )
+    w.add_argument(
+        "--duration",
+        type=float,
+        default=60.0,
+        help="seconds of arrivals: the window holding the workload's largest burst",
+    )
     w.add_argument("--rate-scale", type=float, default=1.0, help="arrival rate multiplier")
-    w.add_argument("--length-scale", type=float, default=1.0, help="prompt and output length multiplier")
-    w.add_argument("--max-prompt", type=int, default=4096, help="prompt lengths are clipped to this")
+    w.add_argument(
+        "--length-scale", type=float, default=1.0, help="prompt and output length multiplier"
+    )
+    w.add_argument(
+        "--max-prompt", type=int, default=4096, help="prompt lengths are clipped to this"
+    )
     w.add_argument("--max-output", type=int, default=512, help="output lengths are clipped to this")
     r = p.add_argument_group("configurations and SLOs")
-    r.add_argument("--configs", default="inference,temporal,full,full-noint,naive,split",
-                   help="comma-separated: inference, temporal, full, full-noint, naive, split "
-                        "(inference always runs first: it is the reference)")
+    r.add_argument(
+        "--configs",
+        default="inference,temporal,full,full-noint,naive,split",
+        help="comma-separated: inference, temporal, full, full-noint, naive, split "
+        "(inference always runs first: it is the reference)",
+    )
     r.add_argument("--ttft-slo-ms", type=float, default=1000.0)
     r.add_argument("--tpot-slo-ms", type=float, default=100.0)
-    r.add_argument("--slo-margin", type=float, default=0.1, help="fraction of the latency budget kept free")
-    r.add_argument("--relative-factor", type=float, default=3.0,
-                   help="relative SLO: TTFT and TPOT within this many times the inference-only means")
-    r.add_argument("--attainment-target", type=float, default=0.99, help="the target line of the plots")
-    r.add_argument("--rolling-window", type=float, default=10.0, help="seconds of the rolling attainment")
+    r.add_argument(
+        "--slo-margin", type=float, default=0.1, help="fraction of the latency budget kept free"
+    )
+    r.add_argument(
+        "--relative-factor",
+        type=float,
+        default=3.0,
+        help="relative SLO: TTFT and TPOT within this many times the inference-only means",
+    )
+    r.add_argument(
+        "--attainment-target", type=float, default=0.99, help="the target line of the plots"
+    )
+    r.add_argument(
+        "--rolling-window", type=float, default=10.0, help="seconds of the rolling attainment"
+    )
     f = p.add_argument_group("fine-tuning")
-    f.add_argument("--ft-lengths", default="spread:256-1024", help="fixed:N or spread:LO-HI (uniform)")
-    f.add_argument("--ft-samples", type=int, default=2000, help="synthetic samples (cycled in epochs)")
-    f.add_argument("--backward-tokens", type=int, default=1024, help="tokens per optimizer step (at least)")
+    f.add_argument(
+        "--ft-lengths", default="spread:256-1024", help="fixed:N or spread:LO-HI (uniform)"
+    )
+    f.add_argument(
+        "--ft-samples", type=int, default=2000, help="synthetic samples (cycled in epochs)"
+    )
+    f.add_argument(
+        "--backward-tokens", type=int, default=1024, help="tokens per optimizer step (at least)"
+    )
     f.add_argument("--lora-rank", type=int, default=16)
     f.add_argument("--lora-alpha", type=float, default=32.0)
     f.add_argument("--target-modules", default="q_proj,k_proj,v_proj,o_proj")
     f.add_argument("--lr", type=float, default=1e-4)
-    f.add_argument("--naive-tokens", type=int, default=None,
-                   help="FT tokens the naive baseline adds to every step (default: max(256, longest sample))")
-    f.add_argument("--split-mps-percentage", type=int, default=50,
-                   help="the split trainer's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (GPU with MPS only)")
+    f.add_argument(
+        "--naive-tokens",
+        type=int,
+        default=None,
+        help="FT tokens the naive baseline adds to every step (default: max(256, longest sample))",
+    )
+    f.add_argument(
+        "--split-mps-percentage",
+        type=int,
+        default=50,
+        help="the split trainer's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (GPU with MPS only)",
+    )
     f.add_argument("--no-mps", action="store_true", help="do not start the CUDA MPS daemon")
-    f.add_argument("--trainer-threads", type=int, default=0, help="torch threads of trainer processes (0: default)")
+    f.add_argument(
+        "--trainer-threads",
+        type=int,
+        default=0,
+        help="torch threads of trainer processes (0: default)",
+    )
     o = p.add_argument_group("run")
-    o.add_argument("--threads", type=int, default=0, help="torch threads of the engine process (0: default)")
+    o.add_argument(
+        "--threads", type=int, default=0, help="torch threads of the engine process (0: default)"
+    )
     o.add_argument("--warmup-requests", type=int, default=16)
-    o.add_argument("--drain", type=float, default=30.0, help="seconds to let requests finish after the window")
+    o.add_argument(
+        "--drain", type=float, default=30.0, help="seconds to let requests finish after the window"
+    )
+    o.add_argument(
+        "--time-budget",
+        type=float,
+        default=0.0,
+        help="seconds for the whole benchmark (0: none): a configuration that would not finish "
+        "in what is left, judged by the last run of its kind, is skipped and named as such",
+    )
+    o.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.85,
+        help="fraction of GPU memory the engine may take (the rest is left to trainer processes)",
+    )
     o.add_argument("--no-plots", action="store_true")
-    o.add_argument("--out", required=True, help="directory for WORKLOAD.json, WORKLOAD.md and the plots")
+    o.add_argument(
+        "--out", required=True, help="directory for WORKLOAD.json, WORKLOAD.md and the plots"
+    )
 
 
 def bench_spec(args: argparse.Namespace) -> BenchSpec:
@@ -80,24 +142,52 @@ def bench_spec(args: argparse.Namespace) -> BenchSpec:
     if args.naive_tokens is not None and args.naive_tokens <= 0:
         raise ValueError(f"--naive-tokens must be positive, got {args.naive_tokens}")
     return BenchSpec(
-        workload=args.workload, duration_s=args.duration,
-        scaling=Scaling(rate=args.rate_scale, length=args.length_scale, max_prompt=args.max_prompt,
-                        max_output=args.max_output),
-        configs=parse_configs(args.configs),
-        slo=SLOConfig(ttft_slo_s=args.ttft_slo_ms / 1e3, tpot_slo_s=args.tpot_slo_ms / 1e3, margin=args.slo_margin),
-        engine=EngineConfig(model=args.model, **engine_kwargs(args)),  # type: ignore[arg-type]
-        ft=FTSetup(
-            lengths=parse_lengths(args.ft_lengths), num_samples=args.ft_samples,
-            backward_tokens=args.backward_tokens,
-            lora=LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha,
-                            target_modules=tuple(t.strip() for t in args.target_modules.split(",") if t.strip())),
-            optim=OptimConfig(lr=args.lr), naive_tokens=args.naive_tokens,
-            split_mps_percentage=args.split_mps_percentage, trainer_threads=args.trainer_threads,
+        workload=args.workload,
+        duration_s=args.duration,
+        scaling=Scaling(
+            rate=args.rate_scale,
+            length=args.length_scale,
+            max_prompt=args.max_prompt,
+            max_output=args.max_output,
         ),
-        out=Path(args.out), seed=args.seed, relative_factor=args.relative_factor,
-        rolling_window_s=args.rolling_window, attainment_target=args.attainment_target,
-        warmup_requests=args.warmup_requests, drain_s=args.drain, mps=not args.no_mps,
-        engine_threads=args.threads, plots=not args.no_plots,
+        configs=parse_configs(args.configs),
+        slo=SLOConfig(
+            ttft_slo_s=args.ttft_slo_ms / 1e3,
+            tpot_slo_s=args.tpot_slo_ms / 1e3,
+            margin=args.slo_margin,
+        ),
+        engine=EngineConfig(
+            model=args.model,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            **engine_kwargs(args),  # type: ignore[arg-type]
+        ),
+        ft=FTSetup(
+            lengths=parse_lengths(args.ft_lengths),
+            num_samples=args.ft_samples,
+            backward_tokens=args.backward_tokens,
+            lora=LoRAConfig(
+                rank=args.lora_rank,
+                alpha=args.lora_alpha,
+                target_modules=tuple(
+                    t.strip() for t in args.target_modules.split(",") if t.strip()
+                ),
+            ),
+            optim=OptimConfig(lr=args.lr),
+            naive_tokens=args.naive_tokens,
+            split_mps_percentage=args.split_mps_percentage,
+            trainer_threads=args.trainer_threads,
+        ),
+        out=Path(args.out),
+        seed=args.seed,
+        relative_factor=args.relative_factor,
+        rolling_window_s=args.rolling_window,
+        attainment_target=args.attainment_target,
+        warmup_requests=args.warmup_requests,
+        drain_s=args.drain,
+        mps=not args.no_mps,
+        engine_threads=args.threads,
+        plots=not args.no_plots,
+        time_budget_s=args.time_budget,
     )
 
 

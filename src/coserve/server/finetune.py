@@ -49,6 +49,7 @@ class FinetuneSpec:
     calibrate: bool = False
     save_every: int = 100
     resume: bool = False
+    trainer_sm_share: int | None = None
 
 
 class FinetuneSession:
@@ -90,7 +91,7 @@ class FinetuneSession:
         self.trainer = TrainerProcess(
             model, self.store.tensor, engine.lora_manager.scales, adapter,
             slot=engine.lora_manager.training_slot(0), optim=optim, dropout=spec.lora.dropout, seed=cfg.seed,
-            num_threads=spec.trainer_threads,
+            num_threads=spec.trainer_threads, sm_share=spec.trainer_sm_share,
         )
         self.coserver = CoServer(
             pool=self.pool, samples={s.sample_id: s for s in self.dataset.samples}, store=self.store,

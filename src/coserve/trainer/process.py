@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import queue
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -40,6 +41,7 @@ class TrainerProcess:
         dropout: float = 0.0,
         seed: int = 0,
         num_threads: int = 0,
+        sm_share: int | None = None,
     ) -> None:
         device = store.device
         self._layout = TrainableLoRA(adapter, dropout=dropout, seed=seed, device="cpu")
@@ -51,6 +53,8 @@ class TrainerProcess:
         self.meta.share_memory_()
         self.model = model
         self.scales = scales
+        # Under MPS: the share of SMs the trainer's kernels may occupy (None: no limit).
+        self.sm_share = sm_share
         self._ctx = mp.get_context("spawn")
         self.grant = self._ctx.Event()
         self.grant.set()
@@ -148,7 +152,19 @@ class TrainerProcess:
             target=run_worker, args=(self.spec, self._tasks, self._results), daemon=True,
             name="coserve-trainer",
         )
-        self._proc.start()
+        # The child reads CUDA_MPS_ACTIVE_THREAD_PERCENTAGE when it initializes CUDA.
+        key = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+        saved = os.environ.get(key)
+        if self.sm_share is not None:
+            os.environ[key] = str(self.sm_share)
+        try:
+            self._proc.start()
+        finally:
+            if self.sm_share is not None:
+                if saved is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = saved
 
     def _stop(self, kill: bool) -> None:
         proc = self._proc

@@ -1,0 +1,85 @@
+"""When the co-server pauses the backward: prefill steps always, decode steps when the latency
+model says the step would break its budget beside the backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coserve.core.activations import ActivationStore
+from coserve.core.config import CoServeConfig, OptimConfig, SLOConfig
+from coserve.core.coserver import CoServer
+from coserve.core.finetune import FTSample
+from coserve.core.host import PrefillView, StepRecord, StepView
+from coserve.core.latency import LatencyModel
+from coserve.core.messages import BackwardTask, TaskResult, TaskSample
+from coserve.core.sample_pool import SamplePool
+
+
+class FakeTrainer:
+    def __init__(self) -> None:
+        self.paused = False
+        self.pauses = 0
+
+    def submit(self, task: BackwardTask) -> None: ...
+
+    def poll(self, timeout: float = 0.0) -> list[TaskResult]:
+        return []
+
+    def alive(self) -> bool:
+        return True
+
+    def pause(self) -> None:
+        self.paused = True
+        self.pauses += 1
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def restart(self) -> int:
+        return 0
+
+    def close(self) -> None: ...
+
+
+def model(decode_c: float, busy: tuple[float, float]) -> LatencyModel:
+    m = LatencyModel()
+    m.load_state_dict({
+        "version": 1,
+        "coefficients": {"prefill/eager": [0, 1e-4, 0, 0, 0, 0.01], "prefill/graph": [0, 1e-4, 0, 0, 0, 0.01],
+                         "decode/eager": [0, 0, decode_c], "decode/graph": [0, 0, decode_c]},
+        "busy": {"decode/graph": list(busy), "decode/eager": list(busy)},
+    })
+    return m
+
+
+def coserver(latency: LatencyModel) -> tuple[CoServer, FakeTrainer]:
+    samples = [FTSample(i, tuple(range(8)), tuple(range(8))) for i in range(4)]
+    trainer = FakeTrainer()
+    co = CoServer(pool=SamplePool(samples), samples={s.sample_id: s for s in samples},
+                  store=ActivationStore(2, 64, 8, torch.float32, "cpu"), trainer=trainer,
+                  config=CoServeConfig(backward_tokens=16, max_seq_len=16), optim=OptimConfig(),
+                  slo=SLOConfig(ttft_slo_s=1.0, tpot_slo_s=0.1, margin=0.1), latency=latency)
+    co._in_flight = BackwardTask(0, 0, (TaskSample(0, 0, tuple(range(8))),), True)  # a backward is running
+    return co, trainer
+
+
+DECODE = StepView(now=1.0, num_decodes=8, decode_kv_tokens=800, mode="graph", token_budget=100)
+PREFILL = StepView(now=1.0, prefills=(PrefillView(64, 0, 0.9),), token_budget=100)
+
+
+@pytest.mark.parametrize(
+    "view, decode_c, busy, paused",
+    [
+        (PREFILL, 0.01, (0.0, 0.0), True),  # prefill: always
+        (DECODE, 0.01, (0.0, 0.0), False),  # 10 ms beside the backward: within 90 ms
+        (DECODE, 0.05, (1.0, 0.0), True),  # 100 ms beside the backward: over 90 ms
+        (DECODE, 0.05, (0.5, 0.0), False),  # 75 ms: within
+    ],
+)
+def test_pause_decision(view: StepView, decode_c: float, busy: tuple[float, float], paused: bool) -> None:
+    co, trainer = coserver(model(decode_c, busy))
+    co.plan(view)
+    assert trainer.paused is paused
+    co.on_step_end(StepRecord(view=view, ft_tokens=0, duration_s=0.01, trainer_busy=True))
+    assert trainer.paused is False, "the grant is set again after the step"
