@@ -3,24 +3,58 @@ burst, every configuration on the same arrivals, the JSON result, the table and 
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from coserve.bench.configs import CONFIGS
+from coserve.bench.configs import CONFIGS, RunKind
+from coserve.bench.harness import BenchSpec, run_bench
 from coserve.bench.plots import MISSING, write_plots
+from coserve.bench.runners import RUNNERS
 from coserve.server.cli import main
 
 ARGS = [
-    "bench", "--workload", "burst-light", "--duration", "2", "--rate-scale", "0.05", "--length-scale", "0.1",
-    "--configs", ",".join(CONFIGS), "--model", "tiny", "--device", "cpu", "--max-num-batched-tokens", "128",
-    "--ttft-slo-ms", "500", "--tpot-slo-ms", "50", "--ft-lengths", "spread:16-48", "--ft-samples", "48",
-    "--backward-tokens", "64", "--threads", "1", "--trainer-threads", "1", "--warmup-requests", "2",
-    "--drain", "10",
+    "bench",
+    "--workload",
+    "burst-light",
+    "--duration",
+    "2",
+    "--rate-scale",
+    "0.05",
+    "--length-scale",
+    "0.1",
+    "--configs",
+    ",".join(CONFIGS),
+    "--model",
+    "tiny",
+    "--device",
+    "cpu",
+    "--max-num-batched-tokens",
+    "128",
+    "--ttft-slo-ms",
+    "500",
+    "--tpot-slo-ms",
+    "50",
+    "--ft-lengths",
+    "spread:16-48",
+    "--ft-samples",
+    "48",
+    "--backward-tokens",
+    "64",
+    "--threads",
+    "1",
+    "--trainer-threads",
+    "1",
+    "--warmup-requests",
+    "2",
+    "--drain",
+    "10",
 ]
 
 
@@ -35,7 +69,9 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
     return out, json.loads((out / "burst-light.json").read_text(), parse_constant=_no_nan)
 
 
-def test_every_configuration_runs_on_the_same_arrivals(bench_run: tuple[Path, dict[str, Any]]) -> None:
+def test_every_configuration_runs_on_the_same_arrivals(
+    bench_run: tuple[Path, dict[str, Any]],
+) -> None:
     _, result = bench_run
     figures = result["figures"]
     assert list(figures) == list(CONFIGS)  # the reference first, then in the order asked
@@ -49,29 +85,45 @@ def test_every_configuration_runs_on_the_same_arrivals(bench_run: tuple[Path, di
         tl = f["timeline"]
         assert len(tl["t_s"]) == len(tl["ft_tokens_per_s"]) == len(tl["attainment_abs"]) >= 1
         assert f["gpu_utilization"] is None  # CPU
-    assert figures["inference"]["ft_tokens"] == 0 and figures["inference"]["latency_model_error"] is None
+    assert (
+        figures["inference"]["ft_tokens"] == 0
+        and figures["inference"]["latency_model_error"] is None
+    )
     for name in ("temporal", "full", "full-noint", "naive", "split"):
         assert figures[name]["ft_tokens"] > 0 and figures[name]["optimizer_steps"] > 0, name
         assert figures[name]["ft_tokens_per_s"] == pytest.approx(
-            figures[name]["ft_tokens"] / figures[name]["duration_s"])
+            figures[name]["ft_tokens"] / figures[name]["duration_s"]
+        )
     for name in ("temporal", "full", "full-noint", "naive"):
         assert figures[name]["latency_model_error"]["all"]["n"] > 0, name
     assert figures["split"]["latency_model_error"] is None
 
 
-def test_result_records_provenance_reference_and_comparisons(bench_run: tuple[Path, dict[str, Any]]) -> None:
+def test_result_records_provenance_reference_and_comparisons(
+    bench_run: tuple[Path, dict[str, Any]],
+) -> None:
     _, result = bench_run
     assert {"commit", "dirty", "device", "versions", "command"} <= set(result)
     cfg = result["config"]
-    assert cfg["workload"]["scaling"] == {"rate": 0.05, "length": 0.1, "max_prompt": 4096, "max_output": 512}
-    assert (cfg["slo"]["ttft_ms"], cfg["slo"]["tpot_ms"], cfg["slo"]["relative_factor"]) == (500, 50, 3)
+    assert cfg["workload"]["scaling"] == {
+        "rate": 0.05,
+        "length": 0.1,
+        "max_prompt": 4096,
+        "max_output": 512,
+    }
+    assert (cfg["slo"]["ttft_ms"], cfg["slo"]["tpot_ms"], cfg["slo"]["relative_factor"]) == (
+        500,
+        50,
+        3,
+    )
     assert cfg["ft"]["naive_tokens"] == 256 and cfg["ft"]["lengths"] == "spread:16-48"
     ref = result["reference"]
     assert ref["relative_ttft_slo_ms"] == pytest.approx(3 * ref["mean_ttft_ms"])
     assert result["calibration"]["batches"] > 0
     comp = result["comparisons"]
     assert comp["ft_over_split"]["full"] == pytest.approx(
-        result["figures"]["full"]["ft_tokens_per_s"] / result["figures"]["split"]["ft_tokens_per_s"])
+        result["figures"]["full"]["ft_tokens_per_s"] / result["figures"]["split"]["ft_tokens_per_s"]
+    )
     assert set(comp["attainment_minus_reference_pp"]) == set(CONFIGS) - {"inference"}
 
 
@@ -89,10 +141,42 @@ def test_markdown_table_and_plots(bench_run: tuple[Path, dict[str, Any]]) -> Non
         assert result["outputs"]["plots"] and result["outputs"]["plots_skipped"] is None
 
 
-def test_plots_skipped_with_a_message_without_matplotlib(bench_run: tuple[Path, dict[str, Any]],
-                                                         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plots_skipped_with_a_message_without_matplotlib(
+    bench_run: tuple[Path, dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _, result = bench_run
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     drawn = write_plots(result, tmp_path, "x")
     assert drawn.paths == [] and drawn.skipped == MISSING and "coserve[bench]" in MISSING
     assert list(tmp_path.iterdir()) == []
+
+
+def _spec(out: Path, configs: str, **overrides: Any) -> BenchSpec:
+    from coserve.server.bench_cli import add_bench_args, bench_spec
+
+    parser = argparse.ArgumentParser()
+    add_bench_args(parser)
+    args = parser.parse_args(
+        [*ARGS[1:], "--duration", "1", "--configs", configs, "--out", str(out)]
+    )
+    return replace(bench_spec(args), plots=False, **overrides)
+
+
+def test_a_failing_configuration_is_recorded_and_the_others_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(ctx: Any, config: Any) -> Any:
+        raise RuntimeError("trainer out of memory")
+
+    monkeypatch.setitem(RUNNERS, RunKind.SPLIT, broken)
+    result, outputs = run_bench(_spec(tmp_path, "split,inference"))
+    assert list(result["figures"]) == ["inference"]
+    assert result["failed"] == {"split": "RuntimeError: trainer out of memory"}
+    assert "split (RuntimeError: trainer out of memory)" in outputs.markdown.read_text()
+
+
+def test_time_budget_skips_what_would_not_finish_but_never_the_reference(tmp_path: Path) -> None:
+    result, _ = run_bench(_spec(tmp_path, "full", time_budget_s=0.01))
+    assert list(result["figures"]) == ["inference"]
+    assert result["skipped"]["full"].startswith("time budget")
+    assert result["calibration"] is None

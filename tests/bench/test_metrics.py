@@ -46,7 +46,7 @@ def test_relative_attainment_by_hand() -> None:
         rec(0.0, 0.5, 0.5, 1),  # one token: TPOT 0 -> attains
     ]
     assert attainment(run, *rel) == pytest.approx(2 / 5)
-    # The same run against absolute SLOs of 1 s / 0.6 s: only the TPOT 0.625 and the unfinished miss.
+    # Against absolute SLOs of 1 s / 0.6 s: only the TPOT of 0.625 and the unfinished one miss.
     assert attainment(run, 1.0, 0.6) == pytest.approx(3 / 5)
 
 
@@ -58,7 +58,12 @@ def test_relative_slo_needs_a_finished_multi_token_request() -> None:
 def test_rolling_attainment_by_arrival_window() -> None:
     records = [rec(0.5, 0.625, 0.75, 2), rec(1.5, 2.5, 2.75, 2), rec(2.5, 2.625, 2.75, 2)]
     slo = SLO(0.5, 0.5)  # the request that arrived at 1.5 s waited 1 s: a miss
-    assert rolling_attainment(records, slo, [1.0, 2.0, 3.0, 5.0], window_s=2.0) == [1.0, 0.5, 0.5, None]
+    assert rolling_attainment(records, slo, [1.0, 2.0, 3.0, 5.0], window_s=2.0) == [
+        1.0,
+        0.5,
+        0.5,
+        None,
+    ]
 
 
 def test_timeline_rates_from_cumulative_ticks() -> None:

@@ -35,10 +35,18 @@ def samples(n: int, lo: int, hi: int, vocab: int = 1024, seed: int = 0) -> list[
 def adapter_with_b(model, seed: int = 0):  # type: ignore[no-untyped-def]
     """A random adapter with B != 0, so that A gets a gradient too."""
     cfg = model.config
-    adapter = new_lora_adapter(num_layers=cfg.num_layers, shapes=cfg.linear_shapes(), rank=4, alpha=8,
-                               target_modules=TARGETS, seed=seed)
+    adapter = new_lora_adapter(
+        num_layers=cfg.num_layers,
+        shapes=cfg.linear_shapes(),
+        rank=4,
+        alpha=8,
+        target_modules=TARGETS,
+        seed=seed,
+    )
     gen = torch.Generator().manual_seed(seed + 1)
-    weights = {k: (a, torch.randn(b.shape, generator=gen) * 0.05) for k, (a, b) in adapter.weights.items()}
+    weights = {
+        k: (a, torch.randn(b.shape, generator=gen) * 0.05) for k, (a, b) in adapter.weights.items()
+    }
     return replace(adapter, weights=weights)
 
 
@@ -55,15 +63,27 @@ def test_train_step_equals_layerwise_recompute_backward() -> None:
     num_layers = model.config.num_layers
     lens = [s.num_tokens for s in batch]
     store = torch.zeros(num_layers + 1, sum(lens), model.config.hidden_size)
-    meta = AttentionMetadata.build(q_lens=lens, context_lens=[0] * 3, block_tables=[[]] * 3,
-                                   writes_kv=[False] * 3, num_prefill_rows=3, block_size=1)
-    ctx = ForwardContext(attn=meta, lora=lora.context(None, lens),
-                         layer_hook=lambda i, h: store[i].copy_(h))
+    meta = AttentionMetadata.build(
+        q_lens=lens,
+        context_lens=[0] * 3,
+        block_tables=[[]] * 3,
+        writes_kv=[False] * 3,
+        num_prefill_rows=3,
+        block_size=1,
+    )
+    ctx = ForwardContext(
+        attn=meta, lora=lora.context(None, lens), layer_hook=lambda i, h: store[i].copy_(h)
+    )
     with torch.no_grad():
-        model(torch.tensor([t for s in batch for t in s.input_ids]),
-              torch.cat([torch.arange(n) for n in lens]), ctx)
+        model(
+            torch.tensor([t for s in batch for t in s.input_ids]),
+            torch.cat([torch.arange(n) for n in lens]),
+            ctx,
+        )
     offsets = [sum(lens[:i]) for i in range(3)]
-    recompute = task_backward(model, lora, store, [TaskRow(o, s.labels) for o, s in zip(offsets, batch, strict=True)])
+    recompute = task_backward(
+        model, lora, store, [TaskRow(o, s.labels) for o, s in zip(offsets, batch, strict=True)]
+    )
 
     assert full.num_targets == recompute.num_targets == sum(s.num_target_tokens for s in batch)
     assert full.loss_sum == pytest.approx(recompute.loss_sum, rel=1e-5)
@@ -83,10 +103,23 @@ def test_split_batches_close_at_backward_tokens_and_cycle_epochs() -> None:
 def test_split_trainer_process_trains_counts_and_stops() -> None:
     model = load_model("tiny", num_lora_slots=1, max_lora_rank=8)
     cfg = model.config
-    adapter = new_lora_adapter(num_layers=cfg.num_layers, shapes=cfg.linear_shapes(), rank=4, alpha=8,
-                               target_modules=TARGETS, seed=0)
-    trainer = SplitTrainer(model, adapter, samples(16, 8, 24), backward_tokens=48,
-                           optim=OptimConfig(lr=1e-2), num_threads=1, mps_percentage=50)
+    adapter = new_lora_adapter(
+        num_layers=cfg.num_layers,
+        shapes=cfg.linear_shapes(),
+        rank=4,
+        alpha=8,
+        target_modules=TARGETS,
+        seed=0,
+    )
+    trainer = SplitTrainer(
+        model,
+        adapter,
+        samples(16, 8, 24),
+        backward_tokens=48,
+        optim=OptimConfig(lr=1e-2),
+        num_threads=1,
+        mps_percentage=50,
+    )
     try:
         assert trainer.mps_share is None  # CPU: no MPS share applies
         assert trainer.wait_steps(3, timeout=60.0), "no optimizer step within 60 s"
@@ -95,8 +128,10 @@ def test_split_trainer_process_trains_counts_and_stops() -> None:
         trained = trainer.adapter()
         # B starts at zero: every completed step moves it.
         assert any(trained.weights[k][1].abs().sum() > 0 for k in trained.weights)
-        assert all(torch.equal(adapter.weights[k][1], torch.zeros_like(adapter.weights[k][1]))
-                   for k in adapter.weights)
+        assert all(
+            torch.equal(adapter.weights[k][1], torch.zeros_like(adapter.weights[k][1]))
+            for k in adapter.weights
+        )
         before = trainer.tokens_trained
         assert trainer.wait_steps(trainer.steps_done + 1, timeout=30.0)
         assert trainer.tokens_trained > before

@@ -72,3 +72,17 @@ def test_ft_lengths_and_dataset(tmp_path: Path) -> None:
     r = random.choice(rows)
     masked = len(r["input_ids"]) // 4
     assert r["labels"] == [-100] * masked + r["input_ids"][masked:]
+
+
+def test_model_shape_directory(tmp_path: Path) -> None:
+    from coserve.bench.shapes import is_shape, materialize
+    from coserve.models.config import ModelConfig
+    from coserve.models.tokenizer import Tokenizer
+
+    assert is_shape("shape:llama3-8b") and not is_shape("tiny")
+    path = materialize("shape:llama3-8b", tmp_path)
+    cfg = ModelConfig.from_dir(path)
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads) == (32, 4096, 8)
+    assert Tokenizer.from_dir(path).vocab_size == 1024
+    with pytest.raises(ValueError, match="shape:llama3-8b"):
+        materialize("shape:gpt5", tmp_path)
