@@ -26,9 +26,9 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 16
     num_training_slots: int = 0
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"
     skip_tokenizer_init: bool = False
-    lora_backend: str = "torch"
+    lora_backend: str = "auto"
     enforce_eager: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
@@ -56,6 +56,19 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def kernel_backend(self, name: str) -> str:
+        """Resolve ``auto`` for an attention/LoRA backend: Triton on CUDA when it imports, else
+        the torch reference."""
+        if name != "auto":
+            return name
+        if self.torch_device.type != "cuda":
+            return "torch"
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "torch"
+        return "triton"
 
     @property
     def num_lora_slots(self) -> int:

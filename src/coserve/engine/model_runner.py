@@ -57,8 +57,8 @@ class ModelRunner:
         self.device = model.lm_head_weight.device
         self.dtype = model.lm_head_weight.dtype
         self.lora_scales = lora_scales
-        self.backend = get_attention_backend(config.attention_backend)
-        self.lora_op = get_lora_op(config.lora_backend)
+        self.backend = get_attention_backend(config.kernel_backend(config.attention_backend))
+        self.lora_op = get_lora_op(config.kernel_backend(config.lora_backend))
         # (p, seed) of the LoRA dropout that rows with a dropout_key get (set by the host).
         self.ft_dropout: tuple[float, int] = (0.0, 0)
         self.num_blocks = self._num_kv_blocks()
