@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+# NOTE: without a GPU the Triton kernels run in Triton's interpreter, checked against the torch
+# references like on the device. Triton reads this once, when it is first imported (peft imports
+# it during collection), so it is set here, before any test module loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ARCHS = ("llama", "mistral", "qwen2")
 
