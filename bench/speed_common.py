@@ -3,38 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
-import shlex
 import statistics
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-LLAMA3_8B: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-    "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "rope_scaling": {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
-    },
-    "tie_word_embeddings": False,
-    "bos_token_id": 128000,
-    "eos_token_id": 128001,
-    "torch_dtype": "bfloat16",
-}
+from coserve.bench.provenance import provenance as provenance  # re-exported for the scripts
+from coserve.bench.shapes import SHAPES
+
+# The shapes and the provenance record live in the package, shared with `coserve bench`.
+LLAMA3_8B: dict[str, Any] = SHAPES["llama3-8b"]
 
 
 def write_model_dir(path: Path, config: dict[str, Any]) -> Path:
@@ -42,44 +22,6 @@ def write_model_dir(path: Path, config: dict[str, Any]) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=1))
     return path
-
-
-def _git(*args: str) -> str | None:
-    try:
-        return subprocess.run(["git", *args], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
-def provenance() -> dict[str, Any]:
-    """Commit (``git``, or ``COSERVE_COMMIT``/``COSERVE_DIRTY`` where the tree has no ``.git``),
-    device, versions and the exact command line."""
-    commit = _git("rev-parse", "HEAD") or os.environ.get("COSERVE_COMMIT", "unknown")
-    status = _git("status", "--porcelain")
-    dirty = bool(status) if status is not None else os.environ.get("COSERVE_DIRTY", "unknown") == "1"
-    device: dict[str, Any] = {"name": "cpu"}
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        smi = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm,clocks.max.mem", "--format=csv,noheader"],
-            capture_output=True, text=True, check=False,
-        ).stdout.strip()
-        device = {
-            "name": props.name, "sms": props.multi_processor_count,
-            "memory_gib": round(props.total_memory / 2**30, 1), "cuda": torch.version.cuda,
-            "driver_maxclocks": smi,
-        }
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    return {
-        "commit": commit, "dirty": dirty, "device": device,
-        "versions": {"torch": torch.__version__, "triton": triton_version, "python": sys.version.split()[0]},
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
-    }
 
 
 TINY: dict[str, Any] = {
