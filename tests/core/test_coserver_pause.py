@@ -60,7 +60,7 @@ def coserver(latency: LatencyModel) -> tuple[CoServer, FakeTrainer]:
                   store=ActivationStore(2, 64, 8, torch.float32, "cpu"), trainer=trainer,
                   config=CoServeConfig(backward_tokens=16, max_seq_len=16), optim=OptimConfig(),
                   slo=SLOConfig(ttft_slo_s=1.0, tpot_slo_s=0.1, margin=0.1), latency=latency)
-    co._in_flight = BackwardTask(0, 0, (TaskSample(0, 0, tuple(range(8))),), True)  # a backward is running
+    co._in_flight = [(BackwardTask(0, 0, (TaskSample(0, 0, tuple(range(8))),), True), 0)]  # a backward runs
     return co, trainer
 
 
@@ -83,3 +83,67 @@ def test_pause_decision(view: StepView, decode_c: float, busy: tuple[float, floa
     assert trainer.paused is paused
     co.on_step_end(StepRecord(view=view, ft_tokens=0, duration_s=0.01, trainer_busy=True))
     assert trainer.paused is False, "the grant is set again after the step"
+
+
+class QueueTrainer(FakeTrainer):
+    """Takes tasks and reports them done only when told to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.submitted: list[BackwardTask] = []
+        self.results: list[TaskResult] = []
+
+    def submit(self, task: BackwardTask) -> None:
+        self.submitted.append(task)
+
+    def poll(self, timeout: float = 0.0) -> list[TaskResult]:
+        out, self.results = self.results, []
+        return out
+
+    def finish(self, task: BackwardTask) -> None:
+        from coserve.core.messages import StepInfo
+
+        info = StepInfo(task.step, 1e-3, 0.0, False) if task.ends_step else None
+        self.results.append(TaskResult(task.task_id, 1.0, 4, 0.01, info))
+
+
+IDLE = StepView(now=1.0, token_budget=64)
+
+
+def pipelined(accumulation: int) -> tuple[CoServer, QueueTrainer]:
+    samples = [FTSample(i, tuple(range(8)), tuple(range(8))) for i in range(12)]
+    trainer = QueueTrainer()
+    co = CoServer(pool=SamplePool(samples, shuffle=False), samples={s.sample_id: s for s in samples},
+                  store=ActivationStore(2, 16, 8, torch.float32, "cpu", regions=2), trainer=trainer,
+                  config=CoServeConfig(backward_tokens=16, max_seq_len=8),
+                  optim=OptimConfig(accumulation_tasks=accumulation), latency=model(0.01, (0.0, 0.0)))
+    return co, trainer
+
+
+def run_step(co: CoServer) -> int:
+    rows = co.plan(IDLE)
+    co.on_step_end(StepRecord(view=IDLE, ft_tokens=sum(len(r.token_ids) for r in rows), duration_s=0.01))
+    return len(rows)
+
+
+def test_next_task_of_a_step_is_captured_during_the_backward() -> None:
+    co, trainer = pipelined(accumulation=2)
+    assert run_step(co) == 2 and len(trainer.submitted) == 1  # task 0 (does not end step 0)
+    assert not trainer.submitted[0].ends_step
+    assert run_step(co) == 2, "admission stays open: the adapter cannot change before task 1"
+    assert len(trainer.submitted) == 2 and trainer.submitted[1].ends_step
+    first, second = trainer.submitted
+    assert {s.offset // 16 for s in first.samples} != {s.offset // 16 for s in second.samples}, "own regions"
+    assert run_step(co) == 0, "task 1 ends the step: closed until it is done"
+    trainer.finish(first)
+    assert run_step(co) == 0, "still closed: the step's last task runs"
+    trainer.finish(second)
+    assert run_step(co) == 2 and co.steps_done == 1
+
+
+def test_one_task_per_step_closes_admission_during_the_backward() -> None:
+    co, trainer = pipelined(accumulation=1)
+    assert run_step(co) == 2 and len(trainer.submitted) == 1
+    assert run_step(co) == 0
+    trainer.finish(trainer.submitted[0])
+    assert run_step(co) == 2

@@ -37,7 +37,7 @@ def test_ft_only_step_is_interrupted_by_an_arrival(session) -> None:  # type: ig
     assert engine.step() == []
     assert s.coserver.num_interrupted == 1
     assert s.pool.num_in_flight == 0, "the interrupted step's samples went back to the pool"
-    assert s.store.used == 0
+    assert s.store.used() == 0
     engine.external_arrivals = None
     engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
     out = engine.step()
@@ -49,7 +49,7 @@ def test_uninterrupted_ft_only_step_captures_samples(session) -> None:  # type: 
     assert engine.step() == []
     assert s.coserver.num_interrupted == 0
     assert s.pool.num_in_flight > 0
-    assert s.coserver.backward_running or s.store.used > 0
+    assert s.coserver.backward_running or s.store.used() > 0
 
 
 def test_interruption_can_be_switched_off(session) -> None:  # type: ignore[no-untyped-def]

@@ -1,11 +1,12 @@
 """Where captured fine-tuning activations wait for the backward pass.
 
-A preallocated buffer ``[num_layers + 1, capacity, d]`` (model dtype): plane ``l`` holds the
-residual-stream input of decoder layer ``l`` for every captured token, plane ``num_layers`` the
-final hidden state before the last norm. Tokens are reserved contiguously per step; the whole
-buffer is released when the backward task that uses it is done (admission is closed meanwhile,
-so at most one task's activations live here). The buffer is shared with the trainer process
-(shared memory on CPU, CUDA IPC on GPU) and never reallocated.
+A preallocated buffer ``[num_layers + 1, regions · capacity, d]`` (model dtype): plane ``l``
+holds the residual-stream input of decoder layer ``l`` for every captured token, plane
+``num_layers`` the final hidden state before the last norm. Each backward task owns one region
+of ``capacity`` tokens from its first capture until its backward is done; with two regions the
+next task of the same optimizer step can be captured while the trainer differentiates the
+previous one. Tokens are reserved contiguously inside a region. The buffer is shared with the
+trainer process (shared memory on CPU, CUDA IPC on GPU) and never reallocated.
 """
 
 from __future__ import annotations
@@ -15,33 +16,37 @@ import torch
 
 class ActivationStore:
     def __init__(self, num_layers: int, capacity: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
-        if capacity <= 0:
-            raise ValueError(f"activation store capacity must be positive, got {capacity}")
-        self.tensor = torch.zeros(num_layers + 1, capacity, hidden_size, dtype=dtype, device=device)
+                 device: torch.device | str, regions: int = 1) -> None:
+        if capacity <= 0 or regions <= 0:
+            raise ValueError(f"activation store: capacity and regions must be positive, got {capacity}, {regions}")
+        self.tensor = torch.zeros(num_layers + 1, regions * capacity, hidden_size, dtype=dtype, device=device)
         if self.tensor.device.type == "cpu":
             self.tensor.share_memory_()
         self.capacity = capacity
-        self.used = 0
+        self.regions = regions
+        self._used = [0] * regions
 
-    @property
-    def free(self) -> int:
-        return self.capacity - self.used
+    def used(self, region: int = 0) -> int:
+        return self._used[region]
 
-    def reserve(self, n: int) -> int:
-        """Reserve ``n`` contiguous tokens; returns their offset."""
-        if n > self.free:
-            raise RuntimeError(f"activation store: {n} tokens asked, {self.free} free")
-        offset = self.used
-        self.used += n
+    def free(self, region: int = 0) -> int:
+        return self.capacity - self._used[region]
+
+    def reserve(self, n: int, region: int = 0) -> int:
+        """Reserve ``n`` contiguous tokens in ``region``; returns their offset in the buffer."""
+        if n > self.free(region):
+            raise RuntimeError(f"activation store region {region}: {n} tokens asked, {self.free(region)} free")
+        offset = region * self.capacity + self._used[region]
+        self._used[region] += n
         return offset
 
     def unreserve_from(self, offset: int) -> None:
-        """Drop the reservations from ``offset`` on (an interrupted step's tokens)."""
-        self.used = min(self.used, offset)
+        """Drop the reservations from buffer ``offset`` on, inside its region (an interrupted step)."""
+        region = offset // self.capacity
+        self._used[region] = min(self._used[region], offset - region * self.capacity)
 
-    def reset(self) -> None:
-        self.used = 0
+    def reset(self, region: int = 0) -> None:
+        self._used[region] = 0
 
     def capture(self, layer: int, offset: int, hidden: torch.Tensor) -> None:
         """``plane[layer][offset : offset + len(hidden)] = hidden``."""

@@ -120,6 +120,7 @@ def admit(
     backward_running: bool,
     capacity_tokens: int,
     token_budget: int,
+    trainer_busy: bool | None = None,
 ) -> AdmissionDecision:
     """Choose the FT samples of the next step (DESIGN §7).
 
@@ -129,7 +130,9 @@ def admit(
     budget: that step has no deadline, an arrival interrupts it (:func:`should_interrupt`).
     A queue the host left unscheduled still bounds such a step through its TTFT slack.
     """
-    base = StepFeatures.from_view(view, busy=backward_running)
+    # ``backward_running`` closes admission; ``trainer_busy`` (default: the same) prices the step
+    # as running beside a backward, which a pipelined trainer may be while admission is open.
+    base = StepFeatures.from_view(view, busy=backward_running if trainer_busy is None else trainer_busy)
     base_s = model.predict(base) if view.has_inference else 0.0
     budget = latency_budget(view, model, slo)
 

@@ -115,7 +115,11 @@ class CoServer:
         self._step_rows: list[TaskSample] = []  # rows of the step being run
         self._step_ft_start = 0
         self._task_rows: list[TaskSample] = []  # captured, not yet submitted
-        self._in_flight: BackwardTask | None = None
+        # Tasks handed to the trainer, oldest first, with the store region each one holds. A
+        # second task of the same optimizer step may be captured (in the other region) while
+        # the trainer works on the first: the adapter cannot change before that step ends.
+        self._in_flight: list[tuple[BackwardTask, int]] = []
+        self._fill_region = 0
         self._open = _OpenStep(0)
         self._next_task_id = 0
         self.steps_done = 0
@@ -139,27 +143,44 @@ class CoServer:
 
     @property
     def backward_running(self) -> bool:
-        return self._in_flight is not None
+        return bool(self._in_flight)
 
     @property
     def done(self) -> bool:
-        return self.pool.done and self._in_flight is None
+        return self.pool.done and not self._in_flight
+
+    def _admission_closed(self) -> bool:
+        """No new FT rows: a task in flight ends the optimizer step (the adapter changes before
+        anything captured now would be differentiated), or no store region is free."""
+        if not self._in_flight:
+            return False
+        if any(task.ends_step for task, _ in self._in_flight):
+            return True
+        return self._free_region() is None
+
+    def _free_region(self) -> int | None:
+        held = {region for _, region in self._in_flight}
+        if self._task_rows or self._step_rows:
+            return self._fill_region
+        return next((r for r in range(self.store.regions) if r not in held), None)
 
     def plan(self, view: StepView) -> list[FTRow]:
         """Choose the fine-tuning rows of the next step (hook 1)."""
         self.poll()
         self._step_rows = []
-        if self._in_flight is not None and self._must_pause(view):
+        if self._in_flight and self._must_pause(view):
             self.trainer.pause()  # NOTE: set again in on_step_end, whatever happens in between
             self._paused = True
             self._pause_start = time.monotonic()
         if self._task_full():
             return []
+        region = None if self._admission_closed() else self._free_region()
         ft_only = not view.has_inference
         decision = admit(
             view, self.pool.candidates(), model=self.latency, slo=self.slo,
-            backward_running=self._in_flight is not None, capacity_tokens=self.store.free,
+            backward_running=region is None, capacity_tokens=self.store.free(region or 0),
             token_budget=max(view.token_budget, self.store.capacity) if ft_only else view.token_budget,
+            trainer_busy=self.backward_running,
         )
         self.last_decision = decision
         picked: list[FTSample] = []
@@ -169,10 +190,11 @@ class CoServer:
                 break
             picked.append(sample)
             task_tokens += sample.num_tokens
-        if not picked:
+        if not picked or region is None:
             return []
         self.pool.claim([s.sample_id for s in picked])
-        offset = self.store.reserve(sum(s.num_tokens for s in picked))
+        self._fill_region = region
+        offset = self.store.reserve(sum(s.num_tokens for s in picked), region)
         self._step_ft_start = view.num_prefill_tokens
         self._ft_only = not view.has_inference
         for s in picked:
@@ -264,7 +286,7 @@ class CoServer:
         return not self.pool.candidates()
 
     def _submit(self) -> None:
-        if self._in_flight is not None or not self._task_rows:
+        if not self._task_rows or any(task.ends_step for task, _ in self._in_flight):
             return
         self._open.num_tasks += 1
         ends = self._open.num_tasks >= self.optim.accumulation_tasks or self._pool_drained()
@@ -273,7 +295,7 @@ class CoServer:
         self._open.sample_ids.extend(r.sample_id for r in self._task_rows)
         self._open.tokens += self._task_tokens()
         self._task_rows = []
-        self._in_flight = task
+        self._in_flight.append((task, self._fill_region))
         if self.store.tensor.is_cuda:
             # NOTE: the captures were queued on the engine's stream; the trainer (another
             # process, another stream) must see them complete.
@@ -282,20 +304,19 @@ class CoServer:
 
     def poll(self, timeout: float = 0.0) -> None:
         """Take in trainer results (waiting up to ``timeout`` s); recover from a dead trainer."""
-        for result in self.trainer.poll(timeout if self._in_flight is not None else 0.0):
+        for result in self.trainer.poll(timeout if self._in_flight else 0.0):
             self._on_result(result)
-        if self._in_flight is not None and not self.trainer.alive():
+        if self._in_flight and not self.trainer.alive():
             self._recover()
-        elif self._in_flight is None and self._task_rows and (self._task_full() or self._pool_drained()):
+        elif self._task_rows and not self._step_rows and (self._task_full() or self._pool_drained()):
             self._submit()
 
     def _on_result(self, result: TaskResult) -> None:
-        task = self._in_flight
-        if task is None or result.task_id != task.task_id:
+        if not self._in_flight or result.task_id != self._in_flight[0][0].task_id:
             logger.warning("ignoring a result for unknown task %d", result.task_id)
             return
-        self._in_flight = None
-        self.store.reset()
+        _, region = self._in_flight.pop(0)  # the trainer works through tasks in order
+        self.store.reset(region)
         if self.track:
             self.pause_observed.extend(result.pause_times)
         self._open.loss_sum += result.loss_sum
@@ -324,8 +345,8 @@ class CoServer:
         self.num_restarts += 1
         lost = list(self._open.sample_ids)
         logger.error("trainer process died during task %s; restarting (%d samples go back to the pool)",
-                     self._in_flight.task_id if self._in_flight else None, len(lost))
-        self._in_flight = None
+                     self._in_flight[0][0].task_id if self._in_flight else None, len(lost))
+        self._in_flight = []
         committed = self.trainer.restart()
         if committed > self._open.index:
             # NOTE: the worker committed the step but died before reporting it: keep it.
@@ -341,11 +362,12 @@ class CoServer:
         if self._task_rows:
             self.pool.release([r.sample_id for r in self._task_rows])
             self._task_rows = []
-        self.store.reset()
+        for region in range(self.store.regions):
+            self.store.reset(region)
 
     def resume(self, steps_done: int, tokens_trained: int) -> None:
         """Continue a run whose first ``steps_done`` optimizer steps are already applied."""
-        if self._in_flight is not None or self._task_rows or self.steps_done:
+        if self._in_flight or self._task_rows or self.steps_done:
             raise RuntimeError("resume() must come before the first step")
         self._open = _OpenStep(steps_done)
         self.steps_done = steps_done

@@ -86,8 +86,11 @@ class FinetuneSession:
                                window=cfg.candidate_window)
         adapter = self._initial_adapter()
         model = engine.model
+        # Two regions let the next task of an optimizer step be captured during the backward of
+        # the previous one (same adapter weights); with one task per step there is nothing to overlap.
         self.store = ActivationStore(model.config.num_layers, cfg.store_capacity, model.config.hidden_size,
-                                     engine.runner.dtype, engine.runner.device)
+                                     engine.runner.dtype, engine.runner.device,
+                                     regions=2 if optim.accumulation_tasks > 1 else 1)
         self.trainer = TrainerProcess(
             model, self.store.tensor, engine.lora_manager.scales, adapter,
             slot=engine.lora_manager.training_slot(0), optim=optim, dropout=spec.lora.dropout, seed=cfg.seed,
