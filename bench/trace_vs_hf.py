@@ -1,0 +1,165 @@
+"""One trace replayed open-loop through coserve and through Hugging Face ``transformers`` (the peer).
+
+Same GPU, same run, same arrivals, same model shape (random weights). The peer serves the way a
+``model.generate`` user does: whenever it is free it takes every request that has arrived (up to
+``--peer-batch``), left-pads them into one batch and generates until the longest is done; a
+request's first token is the batch's first decode step, its last token the step at which it
+reached its output length. Reports output tokens/s and TTFT/TPOT percentiles for both.
+
+    PYTHONPATH=src python bench/trace_vs_hf.py --trace .traces/azure2023_conv.csv --duration 300 \\
+        --out bench/results/trace_vs_hf_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from speed_common import LLAMA3_8B, TINY, provenance, write_model_dir
+
+from coserve.bench.metrics import RequestRecord, latency_summary
+from coserve.bench.replay import InProcessDriver
+from coserve.bench.workload import Arrival, Scaling, load_workload
+from coserve.engine.config import EngineConfig
+from coserve.engine.llm_engine import LLMEngine
+
+SHAPES = {"llama3-8b": LLAMA3_8B, "tiny": TINY}
+
+
+def prompt_ids(i: int, n: int, vocab: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed * 1_000_003 + i)
+    return [rng.randrange(10, vocab) for _ in range(n)]
+
+
+def run_coserve(model_dir: Path, arrivals: list[Arrival], duration: float, device: str) -> dict[str, Any]:
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    engine = LLMEngine(EngineConfig(model=str(model_dir), load_format="dummy", dtype=dtype, device=device,
+                                    max_model_len=8192, max_num_batched_tokens=2048, max_loras=0,
+                                    skip_tokenizer_init=True))
+    driver = InProcessDriver(engine, seed=0)
+    driver.run(arrivals[:8], duration_s=2.0, drain_s=30.0)  # warm-up
+    result = driver.run(arrivals, duration_s=duration, drain_s=120.0)
+    out = _summary(result.records, result.duration_s)
+    del engine, driver
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
+
+
+def run_hf(config: dict[str, Any], arrivals: list[Arrival], duration: float, device: str,
+           peer_batch: int, drain_s: float = 120.0) -> dict[str, Any]:
+    import transformers
+
+    cfg = transformers.LlamaConfig(**{k: v for k, v in config.items() if k != "architectures"})
+    cfg._attn_implementation = "sdpa"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(cfg).to(dtype).eval()
+    vocab = config["vocab_size"]
+    todo = [a for a in arrivals if a.time_s < duration]
+    records: list[RequestRecord] = []
+
+    class StepClock(transformers.StoppingCriteria):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+            if input_ids.is_cuda:
+                torch.cuda.synchronize()
+            self.times.append(time.monotonic() - t0)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    with torch.no_grad():  # warm-up
+        model.generate(torch.randint(10, vocab, (1, 16), device=device), max_new_tokens=2, do_sample=False,
+                       pad_token_id=0)
+    t0 = time.monotonic()
+    nxt = 0
+    while nxt < len(todo) and time.monotonic() - t0 < duration + drain_s:
+        now = time.monotonic() - t0
+        if todo[nxt].time_s > now:
+            time.sleep(min(0.005, todo[nxt].time_s - now))
+            continue
+        batch = []
+        while nxt < len(todo) and todo[nxt].time_s <= now and len(batch) < peer_batch:
+            batch.append((nxt, todo[nxt]))
+            nxt += 1
+        prompts = [prompt_ids(i, a.prompt_tokens, vocab) for i, a in batch]
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        clock = StepClock()
+        new = max(a.output_tokens for _, a in batch)
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False, pad_token_id=0, stopping_criteria=[clock])
+        for _, a in batch:  # clock.times[k] = when token k+1 of every row existed
+            first = clock.times[0]
+            last = clock.times[min(a.output_tokens, len(clock.times)) - 1]
+            records.append(RequestRecord(a.time_s, first, last, a.prompt_tokens, a.output_tokens))
+    for a in todo[nxt:]:
+        records.append(RequestRecord(a.time_s, None, None, a.prompt_tokens, 0))
+    elapsed = time.monotonic() - t0
+    del model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return _summary(records, elapsed)
+
+
+def _summary(records: list[RequestRecord], elapsed: float) -> dict[str, Any]:
+    done = [r for r in records if r.finish_s is not None]
+    tokens = sum(r.output_tokens for r in done)
+    end = max((r.finish_s for r in done if r.finish_s is not None), default=elapsed)
+    return {"requests": len(records), "finished": len(done), "output_tokens": tokens,
+            "output_tokens_per_s": tokens / end if end else 0.0, **latency_summary(records)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    p.add_argument("--trace", required=True)
+    p.add_argument("--duration", type=float, default=300.0)
+    p.add_argument("--rate-scale", type=float, default=1.0)
+    p.add_argument("--length-scale", type=float, default=1.0)
+    p.add_argument("--max-prompt", type=int, default=4096)
+    p.add_argument("--max-output", type=int, default=512)
+    p.add_argument("--peer-batch", type=int, default=64)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    config = SHAPES[args.shape]
+    scaling = Scaling(rate=args.rate_scale, length=args.length_scale, max_prompt=args.max_prompt,
+                      max_output=args.max_output)
+    workload = load_workload(args.trace, args.duration, scaling)
+    arrivals = list(workload.arrivals)
+    model_dir = write_model_dir(Path(tempfile.mkdtemp(prefix="trace_vs_hf_")) / "model", config)
+    ours = run_coserve(model_dir, arrivals, args.duration, args.device)
+    print(json.dumps({"coserve": ours}), flush=True)
+    peer = run_hf(config, arrivals, args.duration, args.device, args.peer_batch)
+    print(json.dumps({"transformers": peer}), flush=True)
+    figures = {
+        "coserve": ours, "transformers": peer,
+        "throughput_ratio": ours["output_tokens_per_s"] / peer["output_tokens_per_s"]
+        if peer["output_tokens_per_s"] else None,
+        "ttft_p99_ratio": ours["ttft_p99_ms"] / peer["ttft_p99_ms"] if peer["ttft_p99_ms"] else None,
+    }
+    result = {**provenance(), "config": {"shape": args.shape, "trace": Path(args.trace).name,
+                                          "window_start_s": workload.window_start_s, "duration_s": args.duration,
+                                          "scaling": vars(scaling), "peer_batch": args.peer_batch},
+              "figures": figures}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    print(json.dumps(figures, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
