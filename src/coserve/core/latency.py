@@ -303,13 +303,16 @@ class LatencyModel:
         logger.info("latency model calibrated from %d steps: %s", len(records), self._coef)
 
     def observe(self, record: StepRecord) -> None:
-        """Add one measured step; refit its set every ``refit_every`` observations."""
+        """Add one measured step; refit its set after 10 observations, then after a quarter of its
+        window, at most every ``refit_every`` observations."""
         for row, key, busy in _rows([record]):
             win = self._windows.setdefault((key, busy), deque(maxlen=self.window))
             win.append(row)
             n = self._unfitted.get((key, busy), 0) + 1
             self._unfitted[(key, busy)] = n
-            if n >= self.refit_every:
+            # Refit early while a set has few observations (a rare step kind would otherwise
+            # keep its calibration bias for hundreds of steps), then every `refit_every`.
+            if n >= min(self.refit_every, max(10, len(win) // 4)):
                 self._unfitted[(key, busy)] = 0
                 prior = (self._calib_busy if busy else self._calib).get(key)
                 self._solve(key, busy, list(win), prior=prior)
