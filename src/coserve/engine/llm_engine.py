@@ -193,18 +193,20 @@ class LLMEngine:
         """Schedule and run one forward pass; returns the outputs of requests that got a token."""
         start = time.perf_counter()
         sched = self.scheduler.schedule()
+        rows = self.build_rows(sched)
         ft_rows: list[FTRow] = []
         view = None
         busy = False
         if self.coserver is not None:
-            view = self._view(sched)
+            view = self._view(sched, rows)
             busy = self.coserver.backward_running
             ft_rows = self.coserver.plan(view)
         if sched.is_empty and not ft_rows:
             self.last_step_kind = "idle"
             return []
         self.last_step_kind = ("ft-only" if sched.is_empty else "mixed") if ft_rows else "inference"
-        rows = self.build_rows(sched, ft_rows)
+        if ft_rows:
+            rows = self.with_ft_rows(rows, len(sched.prefills), ft_rows)
         hook = self.coserver.on_layer if ft_rows and self.coserver is not None else None
         try:
             logits = self.runner.execute(rows, hook)
@@ -225,14 +227,14 @@ class LLMEngine:
             ))
         return outputs
 
-    def _view(self, sched: SchedulerOutput) -> StepView:
+    def _view(self, sched: SchedulerOutput, rows: list[BatchRow]) -> StepView:
         waiting = self.scheduler.waiting
         return StepView(
             now=time.monotonic(),
             prefills=tuple(PrefillView(c.num_tokens, c.context_len, c.seq.arrival_time) for c in sched.prefills),
             num_decodes=len(sched.decodes),
             decode_kv_tokens=sum(c.context_len + 1 for c in sched.decodes),
-            mode=self.runner.planned_mode(self.build_rows(sched)) if not sched.prefills else "eager",
+            mode=self.runner.planned_mode(rows) if not sched.prefills else "eager",
             token_budget=self.config.max_num_batched_tokens - sched.num_tokens,
             num_waiting=len(waiting),
             oldest_waiting_arrival=waiting[0].arrival_time if waiting else None,
@@ -259,23 +261,26 @@ class LLMEngine:
         if self.runner.device.type == "cuda":
             torch.cuda.synchronize(self.runner.device)
 
-    def build_rows(self, sched: SchedulerOutput, ft_rows: list[FTRow] | None = None) -> list[BatchRow]:
-        """Rows in the order the attention layout needs: prefills, fine-tuning rows, decodes."""
+    def build_rows(self, sched: SchedulerOutput) -> list[BatchRow]:
+        """The inference rows of a step: prefill chunks, then decodes."""
         rows = []
         for chunk in sched.prefills:
             seq = chunk.seq
             ctx = chunk.context_len
             rows.append(BatchRow(seq.token_slice(ctx, ctx + chunk.num_tokens), ctx, seq.block_table,
                                  seq.lora_slot, samples=chunk.samples))
-        for ft in ft_rows or ():
-            rows.append(BatchRow(list(ft.token_ids), 0, [], self.training_slot, writes_kv=False,
-                                 dropout_key=ft.dropout_key))
         for chunk in sched.decodes:
             seq = chunk.seq
             ctx = chunk.context_len
             rows.append(BatchRow([seq.token_at(ctx)], ctx, seq.block_table, seq.lora_slot,
                                  samples=True, is_prefill=False))
         return rows
+
+    def with_ft_rows(self, rows: list[BatchRow], num_prefill: int, ft_rows: list[FTRow]) -> list[BatchRow]:
+        """Insert fine-tuning rows where the attention layout wants them: after the prefills."""
+        ft = [BatchRow(list(r.token_ids), 0, [], self.training_slot, writes_kv=False, dropout_key=r.dropout_key)
+              for r in ft_rows]
+        return rows[:num_prefill] + ft + rows[num_prefill:]
 
     def finish_step(self, sched: SchedulerOutput, logits: torch.Tensor, start: float) -> list[RequestOutput]:
         chunks = sched.chunks
