@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -85,6 +86,14 @@ class MLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x, lora)), lora)
 
 
+class LayerOutput(NamedTuple):
+    """A decoder layer's output with its last residual add left to the caller:
+    ``h_{l+1} = hidden + delta``."""
+
+    hidden: torch.Tensor  # h_l + attn(norm(h_l))
+    delta: torch.Tensor  # mlp(norm(hidden))
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``h += attn(norm(h)); h += mlp(norm(h))``. hidden: [T, d] -> [T, d]."""
 
@@ -98,8 +107,21 @@ class DecoderLayer(nn.Module):
     def forward(
         self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rotary, ctx)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden), ctx.lora)
+        out = self.forward_deferred(hidden, self.input_layernorm(hidden), positions, rotary, ctx)
+        return out.hidden + out.delta
+
+    def forward_deferred(
+        self, hidden: torch.Tensor, normed: torch.Tensor, positions: torch.Tensor,
+        rotary: RotaryEmbedding, ctx: ForwardContext,
+    ) -> LayerOutput:
+        """The block without its last residual add, so that the caller can fuse that add with
+        the next norm. ``normed`` must be ``input_layernorm(hidden)``.
+
+        hidden, normed: [T, d] -> hidden + attn [T, d], mlp delta [T, d].
+        """
+        attn = self.self_attn(normed, positions, rotary, ctx)
+        hidden, normed = self.post_attention_layernorm.add_and_norm(attn, hidden)
+        return LayerOutput(hidden, self.mlp(normed, ctx.lora))
 
 
 class DecoderModel(nn.Module):
@@ -144,13 +166,23 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         hidden = self.embed(input_ids)
         hook = ctx.layer_hook
-        for i, layer in enumerate(self.model.layers):
+        delta: torch.Tensor | None = None
+        norms = [layer.input_layernorm for layer in self.model.layers] + [self.model.norm]
+        for i, norm in enumerate(norms):
+            assert isinstance(norm, RMSNorm)
+            # Each layer's last residual add runs fused with the next norm: h_i = hidden + delta.
+            if delta is None:
+                normed = norm(hidden)
+            else:
+                hidden, normed = norm.add_and_norm(delta, hidden)
             if hook is not None:
                 hook(i, hidden)
-            hidden = layer(hidden, positions, self.rotary, ctx)
-        if hook is not None:
-            hook(len(self.model.layers), hidden)
-        return self.model.norm(hidden)
+            if i == len(self.model.layers):
+                return normed
+            layer = self.model.layers[i]
+            assert isinstance(layer, DecoderLayer)
+            hidden, delta = layer.forward_deferred(hidden, normed, positions, self.rotary, ctx)
+        raise AssertionError("unreachable")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return (hidden @ self.lm_head_weight.T).float()
