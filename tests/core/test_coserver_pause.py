@@ -147,3 +147,33 @@ def test_one_task_per_step_closes_admission_during_the_backward() -> None:
     assert run_step(co) == 0
     trainer.finish(trainer.submitted[0])
     assert run_step(co) == 2
+
+
+class DyingTrainer(QueueTrainer):
+    """A trainer process that dies on every task."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.restarts = 0
+
+    def alive(self) -> bool:
+        return not self.submitted
+
+    def restart(self) -> int:
+        self.restarts += 1
+        self.submitted = []
+        return 0
+
+
+def test_a_trainer_that_keeps_dying_stops_fine_tuning_not_serving() -> None:
+    co, _ = pipelined(accumulation=1)
+    trainer = DyingTrainer()
+    co.trainer = trainer
+    for _ in range(20):
+        run_step(co)
+        if co.failure is not None:
+            break
+    assert co.failure is not None and "fine-tuning stopped" in co.failure
+    assert trainer.restarts == co.max_restarts
+    assert co.done and co.plan(IDLE) == [], "no more fine-tuning rows; inference steps go on"
+    assert co.pool.num_in_flight == 0, "nothing is left claimed"

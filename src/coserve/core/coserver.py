@@ -125,6 +125,11 @@ class CoServer:
         self.steps_done = 0
         self.tokens_trained = 0
         self.num_restarts = 0
+        # The trainer died this many times in a row without finishing a step; past
+        # `max_restarts` fine-tuning stops (inference goes on) and `failure` says why.
+        self.max_restarts = 3
+        self._restarts_in_a_row = 0
+        self.failure: str | None = None
         self.last_loss: float | None = None
         # Set by the host: True when an inference request is waiting to be scheduled.
         self.arrival_probe: Callable[[], bool] | None = None
@@ -147,7 +152,8 @@ class CoServer:
 
     @property
     def done(self) -> bool:
-        return self.pool.done and not self._in_flight
+        """Every epoch is trained, or fine-tuning gave up (:attr:`failure`)."""
+        return (self.pool.done and not self._in_flight) or self.failure is not None
 
     def _admission_closed(self) -> bool:
         """No new FT rows: a task in flight ends the optimizer step (the adapter changes before
@@ -168,6 +174,8 @@ class CoServer:
         """Choose the fine-tuning rows of the next step (hook 1)."""
         self.poll()
         self._step_rows = []
+        if self.failure is not None:
+            return []
         if self._in_flight and self._must_pause(view):
             self.trainer.pause()  # NOTE: set again in on_step_end, whatever happens in between
             self._paused = True
@@ -327,6 +335,7 @@ class CoServer:
         opened = self._open
         loss = opened.loss_sum / opened.num_targets if opened.num_targets else None
         self.pool.retire(opened.sample_ids)
+        self._restarts_in_a_row = 0
         self.steps_done += 1
         self.tokens_trained += opened.tokens
         self.last_loss = loss
@@ -343,10 +352,19 @@ class CoServer:
     def _recover(self) -> None:
         """The worker died: the unfinished optimizer step is lost; its samples go back."""
         self.num_restarts += 1
+        self._restarts_in_a_row += 1
         lost = list(self._open.sample_ids)
         logger.error("trainer process died during task %s; restarting (%d samples go back to the pool)",
                      self._in_flight[0][0].task_id if self._in_flight else None, len(lost))
         self._in_flight = []
+        if self._restarts_in_a_row > self.max_restarts:
+            self.failure = (f"the trainer died {self._restarts_in_a_row} times in a row without finishing "
+                            "an optimizer step; fine-tuning stopped (inference goes on, the last committed "
+                            "adapter is kept)")
+            logger.error(self.failure)
+            self.pool.release(lost + [r.sample_id for r in self._task_rows])
+            self._task_rows = []
+            return
         committed = self.trainer.restart()
         if committed > self._open.index:
             # NOTE: the worker committed the step but died before reporting it: keep it.

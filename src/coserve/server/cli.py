@@ -150,6 +150,10 @@ def finetune(args: argparse.Namespace) -> int:
     print(f"dataset {spec.data}: {stats.num_samples} samples, {stats.num_tokens} tokens "
           f"({stats.num_skipped} malformed rows skipped, {stats.num_truncated} truncated)")
     path = run_to_completion(engine, session)
+    if session.coserver.failure is not None:
+        print(f"coserve finetune: error: {session.coserver.failure}; adapter of the last committed step: {path}",
+              file=sys.stderr)
+        return 1
     hist = session.history
     first = next((h.loss for h in hist if h.loss is not None), None)
     last = next((h.loss for h in reversed(hist) if h.loss is not None), None)
