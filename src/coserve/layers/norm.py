@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
+
+from coserve.layers import triton_fused
+
+
+class AddNorm(NamedTuple):
+    """A residual add and the norm of its result."""
+
+    hidden: torch.Tensor  # the residual stream after the add
+    normed: torch.Tensor  # norm(hidden)
 
 
 class RMSNorm(nn.Module):
@@ -18,6 +29,36 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if triton_fused.use_fused_kernels(x, self.weight) and x.stride(-1) == 1:
+            x2 = x.reshape(-1, x.shape[-1])
+            out = x2.new_empty(x2.shape, dtype=torch.promote_types(self.weight.dtype, x.dtype))
+            triton_fused.rms_norm(out, x2, self.weight, self.eps)
+            return out.view(x.shape)
+        return self._reference(x)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> AddNorm:
+        """``hidden = residual + x`` (in their dtype), then ``normed = self(hidden)``, in one pass
+        over the rows where the fused kernels apply.
+
+        x, residual: [T, d] -> hidden [T, d], normed [T, d].
+        """
+        if (
+            triton_fused.use_fused_kernels(x, residual, self.weight)
+            and x.dtype == residual.dtype
+            and x.shape == residual.shape
+            and x.stride(-1) == 1
+            and residual.stride(-1) == 1
+        ):
+            x2 = x.reshape(-1, x.shape[-1])
+            r2 = residual.reshape(-1, x.shape[-1])
+            hidden = x2.new_empty(x2.shape)
+            out = x2.new_empty(x2.shape, dtype=torch.promote_types(self.weight.dtype, x.dtype))
+            triton_fused.rms_norm(out, x2, self.weight, self.eps, r2, hidden)
+            return AddNorm(hidden.view(x.shape), out.view(x.shape))
+        hidden = residual + x
+        return AddNorm(hidden, self._reference(hidden))
+
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 
+from coserve.layers import triton_fused
 from coserve.models.config import RopeConfig
 
 
@@ -49,6 +50,15 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if (
+            triton_fused.use_fused_kernels(q, k)
+            and q.dim() == k.dim() == 3
+            and q.stride(-1) == k.stride(-1) == 1
+        ):
+            q_out = q.new_empty(q.shape)
+            k_out = k.new_empty(k.shape)
+            triton_fused.rotary(q_out, k_out, q, k, positions, self.cos_cache, self.sin_cache)
+            return q_out, k_out
         cos = self.cos_cache[positions].unsqueeze(1)
         sin = self.sin_cache[positions].unsqueeze(1)
         return _apply(q, cos, sin), _apply(k, cos, sin)

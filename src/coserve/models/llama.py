@@ -17,7 +17,7 @@ from torch import nn
 from coserve.layers.activation import silu_and_mul
 from coserve.layers.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from coserve.layers.lora import LoRAContext, LoRALinear
-from coserve.layers.norm import RMSNorm
+from coserve.layers.norm import AddNorm, RMSNorm
 from coserve.layers.rotary import RotaryEmbedding
 from coserve.models.config import ModelConfig
 
@@ -167,22 +167,16 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embed(input_ids)
         hook = ctx.layer_hook
         delta: torch.Tensor | None = None
-        norms = [layer.input_layernorm for layer in self.model.layers] + [self.model.norm]
-        for i, norm in enumerate(norms):
-            assert isinstance(norm, RMSNorm)
-            # Each layer's last residual add runs fused with the next norm: h_i = hidden + delta.
-            if delta is None:
-                normed = norm(hidden)
-            else:
-                hidden, normed = norm.add_and_norm(delta, hidden)
+        for i, layer in enumerate(self.model.layers):
+            assert isinstance(layer, DecoderLayer)
+            hidden, normed = _add_and_norm(layer.input_layernorm, hidden, delta)
             if hook is not None:
                 hook(i, hidden)
-            if i == len(self.model.layers):
-                return normed
-            layer = self.model.layers[i]
-            assert isinstance(layer, DecoderLayer)
             hidden, delta = layer.forward_deferred(hidden, normed, positions, self.rotary, ctx)
-        raise AssertionError("unreachable")
+        hidden, normed = _add_and_norm(self.model.norm, hidden, delta)
+        if hook is not None:
+            hook(len(self.model.layers), hidden)
+        return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return (hidden @ self.lm_head_weight.T).float()
@@ -196,6 +190,14 @@ class LlamaForCausalLM(nn.Module):
         assert isinstance(block, DecoderLayer)
         lin = _TARGET_MODULE[target](block)
         return lin.lora_stacks(target)
+
+
+def _add_and_norm(norm: RMSNorm, hidden: torch.Tensor, delta: torch.Tensor | None) -> AddNorm:
+    """The previous layer's last residual add ``h = hidden + delta`` (none for the embeddings)
+    and ``norm(h)``, in one kernel where the fused kernels apply."""
+    if delta is None:
+        return AddNorm(hidden, norm(hidden))
+    return norm.add_and_norm(delta, hidden)
 
 
 _DEFAULT_BACKEND = TorchAttention()
