@@ -1,0 +1,310 @@
+"""The OpenAI-compatible HTTP API in front of an :class:`EngineThread`.
+
+``create_app`` serves ``POST /v1/completions`` and ``POST /v1/chat/completions`` (whole
+responses, or ``stream: true`` as server-sent events ending with ``data: [DONE]``),
+``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus). Tokenization and
+chat templates run here, on the server's event loop, never on the engine thread. A user
+mistake is a 400 with an OpenAI error body that says what is wrong, never a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException
+
+from coserve.engine.outputs import RequestOutput
+from coserve.engine.sampling_params import SamplingParams
+from coserve.server.engine_thread import EngineDeadError, EngineThread, RequestHandle
+from coserve.server.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    Usage,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class _EngineCollector(Collector):
+    """Reads the engine thread's published snapshot at scrape time."""
+
+    def __init__(self, engine_thread: EngineThread) -> None:
+        self.engine_thread = engine_thread
+
+    def collect(self) -> Iterable[Metric]:
+        s = self.engine_thread.stats
+        yield GaugeMetricFamily("coserve_num_requests_running", "Requests being decoded.", s.num_running)
+        yield GaugeMetricFamily("coserve_num_requests_waiting", "Requests waiting to start.", s.num_waiting)
+        if s.coserving:
+            yield CounterMetricFamily("coserve_finetune_tokens_trained", "Fine-tuning tokens trained.",
+                                      s.ft_tokens_trained)
+            yield CounterMetricFamily("coserve_finetune_optimizer_steps", "Fine-tuning optimizer steps.",
+                                      s.ft_optimizer_steps)
+
+
+class ServerMetrics:
+    """One registry per app, so that several apps (tests) can live in one process."""
+
+    def __init__(self, engine_thread: EngineThread) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("coserve_requests", "HTTP API requests.", ["endpoint"], registry=r)
+        self.errors = Counter("coserve_request_errors", "HTTP API requests answered with an error.",
+                              ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("coserve_prompt_tokens", "Prompt tokens of served requests.", registry=r)
+        self.generation_tokens = Counter("coserve_generation_tokens", "Generated tokens.", registry=r)
+        buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+        self.ttft = Histogram("coserve_time_to_first_token_seconds", "Time to first token.", buckets=buckets,
+                              registry=r)
+        self.tpot = Histogram("coserve_time_per_output_token_seconds", "Time per output token after the first.",
+                              buckets=buckets, registry=r)
+        r.register(_EngineCollector(engine_thread))
+
+    def observe(self, out: RequestOutput) -> None:
+        m, n = out.metrics, len(out.outputs[0].token_ids)
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.generation_tokens.inc(n)
+        if m.first_token_time is not None:
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+            if m.finish_time is not None and n > 1:
+                self.tpot.observe((m.finish_time - m.first_token_time) / (n - 1))
+
+
+# ---------------------------------------------------------------------- the app
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
+                        status_code=status)
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts) or "invalid request"
+
+
+def _usage(out: RequestOutput) -> Usage:
+    p, c = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+
+def _sse(obj: BaseModel | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else obj.model_dump_json(exclude_none=True)}\n\n"
+
+
+class _Api:
+    """The route handlers' shared state."""
+
+    def __init__(self, engine_thread: EngineThread, model_name: str) -> None:
+        self.et = engine_thread
+        self.model_name = model_name
+        self.metrics = ServerMetrics(engine_thread)
+        self.tokenizer = engine_thread.engine.tokenizer
+        self.max_model_len = engine_thread.engine.max_model_len
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise HTTPException(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}")
+
+    async def start(self, prompt: str | list[int], params: SamplingParams) -> tuple[RequestHandle, RequestOutput]:
+        """Submit and wait for the first output, so that a refused request is a 400, not a stream."""
+        handle = self.et.submit(prompt, params)
+        try:
+            return handle, await handle.get()
+        except BaseException:
+            if not handle.finished:
+                self.et.abort(handle.request_id)
+            raise
+
+    async def finish(self, handle: RequestHandle, out: RequestOutput) -> RequestOutput:
+        try:
+            while not out.finished:
+                out = await handle.get()
+        finally:
+            if not handle.finished:
+                self.et.abort(handle.request_id)
+        self.metrics.observe(out)
+        return out
+
+    async def deltas(self, handle: RequestHandle, out: RequestOutput,
+                     holdback: int) -> AsyncIterator[tuple[str, RequestOutput, int]]:
+        """(new text, output, tokens before it) per engine output. ``holdback`` characters stay
+        unsent until the end, because a stop string may still cut them off."""
+        sent = sent_tokens = 0
+        try:
+            while True:
+                text = out.outputs[0].text
+                upto = len(text) if out.finished else max(sent, len(text) - holdback)
+                if upto > sent or out.finished:
+                    yield text[sent:upto], out, sent_tokens
+                    sent, sent_tokens = upto, len(out.outputs[0].token_ids)
+                if out.finished:
+                    break
+                out = await handle.get()
+        finally:
+            if not handle.finished:
+                self.et.abort(handle.request_id)
+        self.metrics.observe(out)
+
+    def logprobs(self, out: RequestOutput, start: int = 0, offset: int = 0) -> CompletionLogprobs | None:
+        c = out.outputs[0]
+        if c.logprobs is None or self.tokenizer is None:
+            return None
+        tok = self.tokenizer
+        tokens, lps, tops, offsets = [], [], [], []
+        for tid, entry in zip(c.token_ids[start:], c.logprobs[start:], strict=False):
+            s = tok.decode([tid], skip_special_tokens=False)
+            offsets.append(offset)
+            offset += len(s)
+            tokens.append(s)
+            lps.append(entry.get(tid))
+            tops.append({tok.decode([t], skip_special_tokens=False): lp for t, lp in entry.items()})
+        return CompletionLogprobs(tokens=tokens, token_logprobs=lps, top_logprobs=tops, text_offset=offsets)
+
+    # ------------------------------------------------------------------ routes
+
+    async def completions(self, req: CompletionRequest) -> Response:
+        self.check_model(req.model)
+        params = req.sampling_params(req.max_tokens, 16, req.logprobs)
+        prompt = req.prompt
+        if isinstance(prompt, str) and self.tokenizer is not None:
+            prompt = self.tokenizer.encode(prompt)
+        handle, first = await self.start(prompt, params)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def response(choice: CompletionChoice, usage: Usage | None = None) -> CompletionResponse:
+            return CompletionResponse(id=rid, created=created, model=self.model_name, choices=[choice], usage=usage)
+
+        if not req.stream:
+            out = await self.finish(handle, first)
+            c = out.outputs[0]
+            return JSONResponse(response(CompletionChoice(text=c.text, logprobs=self.logprobs(out),
+                                                          finish_reason=c.finish_reason), _usage(out)).model_dump())
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+
+        async def events() -> AsyncIterator[str]:
+            offset = 0
+            async for delta, out, start in self.deltas(handle, first, max(map(len, params.stop), default=0)):
+                c = out.outputs[0]
+                choice = CompletionChoice(text=delta, logprobs=self.logprobs(out, start, offset),
+                                          finish_reason=c.finish_reason)
+                offset += len(delta)
+                yield _sse(response(choice))
+                if out.finished and include_usage:
+                    yield _sse(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[],
+                                                  usage=_usage(out)))
+            yield _sse("[DONE]")
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def chat(self, req: ChatCompletionRequest) -> Response:
+        self.check_model(req.model)
+        if req.logprobs:
+            raise ValueError("logprobs are not supported for chat completions (use /v1/completions)")
+        if self.tokenizer is None:
+            raise ValueError("this server has no tokenizer: chat completions need one")
+        ids = self.tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages],
+                                                 add_generation_prompt=True, tokenize=True)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = req.sampling_params(max_tokens, max(1, self.max_model_len - len(ids)))
+        handle, first = await self.start(ids, params)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if not req.stream:
+            out = await self.finish(handle, first)
+            c = out.outputs[0]
+            choice = ChatChoice(message=ChatMessageOut(role="assistant", content=c.text),
+                                finish_reason=c.finish_reason)
+            return JSONResponse(ChatCompletionResponse(id=rid, created=created, model=self.model_name,
+                                                       choices=[choice], usage=_usage(out)).model_dump())
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+
+        def chunk(choices: list[ChatChoice], usage: Usage | None = None) -> ChatCompletionResponse:
+            return ChatCompletionResponse(id=rid, object="chat.completion.chunk", created=created,
+                                          model=self.model_name, choices=choices, usage=usage)
+
+        async def events() -> AsyncIterator[str]:
+            yield _sse(chunk([ChatChoice(delta=ChatMessageOut(role="assistant", content=""))]))
+            async for delta, out, _ in self.deltas(handle, first, max(map(len, params.stop), default=0)):
+                c = out.outputs[0]
+                yield _sse(chunk([ChatChoice(delta=ChatMessageOut(content=delta), finish_reason=c.finish_reason)]))
+                if out.finished and include_usage:
+                    yield _sse(chunk([], _usage(out)))
+            yield _sse("[DONE]")
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def create_app(engine_thread: EngineThread, model_name: str) -> FastAPI:
+    """The API app for ``engine_thread`` (started by the caller), serving ``model_name``."""
+    app = FastAPI(title="coserve", docs_url=None, redoc_url=None)
+    api = _Api(engine_thread, model_name)
+    app.state.api = api
+    endpoints = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"}
+
+    @app.middleware("http")
+    async def count(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        endpoint = request.url.path if request.url.path in endpoints else "other"
+        if endpoint.startswith("/v1/"):
+            api.metrics.requests.labels(endpoint).inc()
+        response = await call_next(request)
+        if response.status_code >= 400:
+            api.metrics.errors.labels(endpoint, str(response.status_code)).inc()
+        return response
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(400, _validation_message(exc))
+
+    @app.exception_handler(ValueError)
+    async def refused(request: Request, exc: ValueError) -> JSONResponse:
+        return _error(400, str(exc))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error(exc.status_code, str(exc.detail), kind)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return _error(503, str(exc), "service_unavailable")
+
+    app.post("/v1/completions", response_model=None)(api.completions)
+    app.post("/v1/chat/completions", response_model=None)(api.chat)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "coserve"}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine_thread.alive:
+            return _error(503, "the engine loop is not running", "service_unavailable")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(api.metrics.registry), media_type="text/plain; version=0.0.4")
+
+    return app
+

@@ -1,0 +1,289 @@
+"""The engine's step loop in one background thread, fed by an inbox, read by asyncio consumers.
+
+The API server (asyncio, HTTP, tokenizer, chat templates) runs beside this thread: it only
+puts typed submissions into the inbox and reads outputs from per-request queues, so the step
+loop never waits on HTTP or tokenizer work. ``LLMEngine`` is not thread-safe; only the loop
+thread touches it after :meth:`EngineThread.start`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from coserve.engine.llm_engine import LLMEngine
+from coserve.engine.outputs import RequestOutput
+from coserve.engine.sampling_params import SamplingParams
+from coserve.engine.sequence import LoRARequest
+
+if TYPE_CHECKING:
+    from coserve.server.finetune import FinetuneSession
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop is not running (shut down, or failed); the request was not served."""
+
+
+class RequestHandle:
+    """The consumer's side of one request: an ``asyncio.Queue`` filled from the engine thread.
+
+    Items are cumulative :class:`RequestOutput` snapshots; the last one has ``finished`` set.
+    A request the engine refused, or one the loop failed, gets a single exception instead.
+    Only the event loop that called :meth:`EngineThread.submit` may read the handle.
+    """
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self._loop = loop
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def deliver(self, item: RequestOutput | BaseException) -> None:
+        """Called from the engine thread: hand ``item`` to the consumer's event loop."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
+            pass
+
+    async def get(self) -> RequestOutput:
+        """The next output; raises the request's error (ValueError for a refused request)."""
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            yield await self.get()
+
+
+@dataclass(frozen=True)
+class _Submission:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    lora: LoRARequest | None
+    arrival_time: float
+    handle: RequestHandle
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot the loop publishes after each iteration (safe to read from any thread)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    coserving: bool = False
+    ft_tokens_trained: int = 0
+    ft_optimizer_steps: int = 0
+    adapter_path: Path | None = None
+
+
+class EngineThread:
+    """Owns an :class:`LLMEngine` (and optionally a :class:`FinetuneSession`) and steps it.
+
+    Contract: :meth:`submit` and :meth:`abort` may be called from any thread; everything else
+    that touches the engine happens on the loop thread. Errors raised by ``add_request``
+    (``InvalidRequestError``, ``AdapterError``: both ``ValueError``) go to that request's
+    handle and the loop keeps running. With a session, FT-only steps fill idle time; an HTTP
+    arrival interrupts one at the next layer (``engine.external_arrivals``); when the session
+    is done its adapter is exported, the session closed, and serving continues.
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        session: FinetuneSession | None = None,
+        idle_wait_s: float = 0.02,
+    ) -> None:
+        self.engine = engine
+        self.session = session
+        self.idle_wait_s = idle_wait_s
+        self.stats = EngineStats(coserving=session is not None)
+        self._inbox: deque[_Submission] = deque()
+        self._aborts: deque[str] = deque()
+        self._cond = threading.Condition()
+        self._handles: dict[str, RequestHandle] = {}
+        self._ids = itertools.count()
+        self._stopping = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.failure: BaseException | None = None
+        engine.external_arrivals = lambda: bool(self._inbox)
+
+    # ------------------------------------------------------------------ any thread
+
+    def start(self) -> EngineThread:
+        if self._thread is not None:
+            raise RuntimeError("the engine thread is already started")
+        self._thread = threading.Thread(target=self._run, name="coserve-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def submit(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        lora: LoRARequest | None = None,
+        request_id: str | None = None,
+    ) -> RequestHandle:
+        """Queue a request; must be called from the event loop that will read the handle."""
+        rid = request_id or f"req-{next(self._ids)}"
+        handle = RequestHandle(rid, asyncio.get_running_loop())
+        sub = _Submission(rid, prompt if isinstance(prompt, str) else list(prompt), params, lora,
+                          time.monotonic(), handle)
+        with self._cond:
+            if self._thread is None or self._closed:
+                handle.deliver(EngineDeadError("the engine is not running"))
+                return handle
+            self._inbox.append(sub)
+            self._cond.notify()
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (its client went away); unknown or finished ids are ignored."""
+        with self._cond:
+            self._aborts.append(request_id)
+            self._cond.notify()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the loop: pending requests fail with :class:`EngineDeadError`; a co-serving
+        session exports its adapter and is closed. Idempotent."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("the engine thread did not stop within %.0fs", timeout)
+
+    # ------------------------------------------------------------------ the loop thread
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain()
+                self._iterate()
+                self._publish()
+        except BaseException as e:  # a bug in the engine: fail every request rather than hang them
+            logger.exception("the engine loop failed")
+            self.failure = e
+            self._stopping = True
+        finally:
+            self._close()
+
+    def _drain(self) -> None:
+        with self._cond:
+            subs = list(self._inbox)
+            self._inbox.clear()
+            aborts = list(self._aborts)
+            self._aborts.clear()
+        for sub in subs:
+            try:
+                self.engine.add_request(sub.request_id, sub.prompt, sub.params, sub.lora, sub.arrival_time)
+            except ValueError as e:
+                sub.handle.deliver(e)
+                continue
+            self._handles[sub.request_id] = sub.handle
+        for rid in aborts:
+            handle = self._handles.pop(rid, None)
+            out = self.engine.abort_request(rid)
+            if handle is not None and out is not None:
+                handle.deliver(out)
+
+    def _iterate(self) -> None:
+        engine, session = self.engine, self.session
+        if session is not None and session.done:
+            self._finish_session(session)
+            session = None
+        if not engine.has_unfinished_requests() and session is None:
+            with self._cond:
+                while not self._inbox and not self._aborts and not self._stopping:
+                    self._cond.wait()
+            return
+        outputs = engine.step()
+        for out in outputs:
+            handle = self._handles.get(out.request_id)
+            if handle is None:
+                continue
+            if out.finished:
+                del self._handles[out.request_id]
+            handle.deliver(out)
+        if session is None or engine.has_unfinished_requests() or self._inbox:
+            return
+        # Only fine-tuning is running: wait for the trainer rather than spin, briefly, since
+        # an HTTP arrival cannot wake this wait.
+        t = time.monotonic()
+        session.wait(self.idle_wait_s)
+        if engine.last_step_kind == "idle" and time.monotonic() - t < self.idle_wait_s / 2:
+            with self._cond:
+                if not self._inbox and not self._aborts and not self._stopping:
+                    self._cond.wait(self.idle_wait_s)
+
+    def _finish_session(self, session: FinetuneSession) -> None:
+        coserver = session.coserver
+        if coserver.failure is not None:
+            logger.error("fine-tuning failed: %s; exporting the last committed step", coserver.failure)
+        try:
+            path: Path | None = session.export()
+            logger.info("fine-tuning %s: %d optimizer steps, %d tokens; adapter: %s",
+                        "finished" if session.done else "stopped", coserver.steps_done,
+                        coserver.tokens_trained, path)
+        except Exception:
+            logger.exception("exporting the fine-tuned adapter failed")
+            path = None
+        finally:
+            session.close()
+            self.session = None
+        self.stats = EngineStats(
+            num_running=self.stats.num_running, num_waiting=self.stats.num_waiting, coserving=True,
+            ft_tokens_trained=coserver.tokens_trained, ft_optimizer_steps=coserver.steps_done,
+            adapter_path=path,
+        )
+
+    def _publish(self) -> None:
+        sched = self.engine.scheduler
+        old = self.stats
+        coserver = self.session.coserver if self.session is not None else None
+        self.stats = EngineStats(
+            num_running=len(sched.running), num_waiting=len(sched.waiting), coserving=old.coserving,
+            ft_tokens_trained=coserver.tokens_trained if coserver else old.ft_tokens_trained,
+            ft_optimizer_steps=coserver.steps_done if coserver else old.ft_optimizer_steps,
+            adapter_path=old.adapter_path,
+        )
+
+    def _close(self) -> None:
+        dead = EngineDeadError("the engine shut down before the request finished")
+        with self._cond:
+            self._closed = True
+            pending = [s.handle for s in self._inbox]
+            self._inbox.clear()
+        for rid, handle in list(self._handles.items()):
+            try:
+                self.engine.abort_request(rid)
+            except Exception:
+                logger.exception("aborting %s at shutdown failed", rid)
+            pending.append(handle)
+        self._handles.clear()
+        for handle in pending:
+            handle.deliver(dead)
+        if self.session is not None:
+            self._finish_session(self.session)
+        self._publish()

@@ -1,0 +1,138 @@
+"""The OpenAI-compatible request and response bodies (pydantic), checked when parsed."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+
+from coserve.engine.sampling_params import SamplingParams
+
+# ---------------------------------------------------------------------- request models
+
+
+class _Request(BaseModel):
+    # Clients send fields this server does not use (user, presence_penalty=0, ...): ignore them.
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: StrictBool = False
+
+
+class _SamplingRequest(_Request):
+    model: str | None = None
+    max_tokens: StrictInt | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: StrictInt | None = None
+    n: StrictInt | None = None
+    stop: str | list[str] | None = None
+    seed: StrictInt | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+
+    def sampling_params(self, max_tokens: int | None, default_max_tokens: int,
+                        logprobs: int | None = None) -> SamplingParams:
+        """Raises ValueError (a 400) naming the bad field."""
+        if self.n not in (None, 1):
+            raise ValueError(f"n must be 1 (one choice per request), got {self.n}")
+        return SamplingParams(
+            max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0, seed=self.seed, logprobs=logprobs,
+            stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
+        )
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int]
+    logprobs: StrictInt | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_type(cls, v: Any) -> Any:
+        if not (isinstance(v, str) or (isinstance(v, list) and all(type(t) is int for t in v))):
+            raise ValueError("prompt must be a string or a list of token ids (integers)")
+        if not v:
+            raise ValueError("the prompt is empty")
+        return v
+
+
+class ChatTextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[ChatTextPart] | None = None
+
+    def as_template_dict(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(p.text for p in content)
+        return {"role": self.role, "content": content}
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = None
+
+
+# ---------------------------------------------------------------------- response models
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut | None = None
+    delta: ChatMessageOut | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+# ---------------------------------------------------------------------- metrics

@@ -1,0 +1,90 @@
+"""``coserve serve``: the OpenAI-compatible HTTP server, optionally fine-tuning while it serves.
+
+    coserve serve --model tiny --host 127.0.0.1 --port 8000
+    coserve serve --model tiny --finetune-data data.jsonl --output out/ --backward-tokens 128
+
+With ``--finetune-data`` the engine co-serves: fine-tuning rows fill the batches' spare room
+and idle time; when the dataset's epochs are done (or at Ctrl-C) the adapter is exported to
+``OUTPUT/adapter`` and the server keeps serving (or stops).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any, cast
+
+from coserve.server.cli import (
+    add_engine_args,
+    add_finetune_args,
+    command,
+    engine_kwargs,
+    finetune_spec,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class _OptionalFinetuneFlags:
+    """Forwards ``add_argument`` to an argument group: the fine-tuning flags become optional and
+    ``--data`` is spelled ``--finetune-data`` (its presence is what turns co-serving on)."""
+
+    def __init__(self, group: argparse._ArgumentGroup) -> None:
+        self.group = group
+
+    def add_argument(self, *names: str, **kwargs: Any) -> argparse.Action:
+        if names == ("--data",):
+            names, kwargs["dest"] = ("--finetune-data",), "data"
+            kwargs["help"] = "fine-tune on this dataset while serving (" + kwargs.get("help", "") + ")"
+        kwargs["required"] = False
+        return self.group.add_argument(*names, **kwargs)
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    group = p.add_argument_group("co-serving (fine-tuning while serving)")
+    add_finetune_args(cast(argparse.ArgumentParser, _OptionalFinetuneFlags(group)))
+
+
+@command("serve", add_serve_args)
+def serve(args: argparse.Namespace) -> int:
+    """Serve until Ctrl-C; then close the trainer and export the adapter (when co-serving)."""
+    import uvicorn
+
+    from coserve.engine.config import EngineConfig
+    from coserve.engine.llm_engine import LLMEngine
+    from coserve.server.api import create_app
+    from coserve.server.engine_thread import EngineThread
+    from coserve.server.finetune import FinetuneSession
+
+    coserving = args.data is not None
+    if coserving and args.output is None:
+        raise ValueError("--output is required with --finetune-data")
+    kwargs = engine_kwargs(args)
+    spec = finetune_spec(args) if coserving else None
+    if spec is not None:
+        kwargs["max_lora_rank"] = max(int(kwargs["max_lora_rank"]), spec.lora.rank)  # type: ignore[call-overload]
+    engine = LLMEngine(EngineConfig(model=args.model, num_training_slots=1 if coserving else 0,
+                                    **kwargs))  # type: ignore[arg-type]
+    session = FinetuneSession(engine, spec) if spec is not None else None
+    engine_thread = EngineThread(engine, session).start()
+    name = args.served_model_name or args.model
+    app = create_app(engine_thread, name)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level=str(args.log_level).lower(), access_log=False))
+    url = f"http://{args.host}:{args.port}/v1"
+    logger.info("serving %r at %s", name, url)
+    print(f"coserve: serving {name!r} at {url}" + (f", fine-tuning on {args.data}" if coserving else ""),
+          flush=True)
+    try:
+        server.run()  # returns after uvicorn's own graceful shutdown on SIGINT/SIGTERM
+    finally:
+        engine_thread.shutdown()
+    stats = engine_thread.stats
+    if stats.adapter_path is not None:
+        print(f"coserve: fine-tuned {stats.ft_optimizer_steps} optimizer steps, {stats.ft_tokens_trained} tokens; "
+              f"adapter: {stats.adapter_path}", flush=True)
+    return 0 if engine_thread.failure is None else 1

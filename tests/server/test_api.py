@@ -1,0 +1,264 @@
+"""The HTTP API end to end: the tiny engine on CPU, uvicorn on a free port, the ``openai`` client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import uvicorn
+
+from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig
+from coserve.engine.config import EngineConfig
+from coserve.engine.llm_engine import LLMEngine
+from coserve.engine.outputs import RequestOutput
+from coserve.server.api import create_app
+from coserve.server.engine_thread import EngineThread
+from coserve.server.finetune import FinetuneSession, FinetuneSpec
+
+DATA = Path(__file__).resolve().parents[2] / "src" / "coserve" / "data" / "tiny_facts.jsonl"
+MODEL = "tiny"
+
+
+@dataclass
+class Served:
+    engine_thread: EngineThread
+    url: str
+    client: openai.OpenAI
+    batch_sizes: list[int]
+
+
+@contextmanager
+def serve(engine: LLMEngine, session: FinetuneSession | None = None) -> Iterator[Served]:
+    """Run the app under uvicorn in a background thread on a pre-bound free port."""
+    batch_sizes: list[int] = []
+    step = engine.step
+
+    def recording_step() -> list[RequestOutput]:
+        outputs = step()
+        batch_sizes.append(len(outputs))
+        return outputs
+
+    engine.step = recording_step  # type: ignore[method-assign]
+    engine_thread = EngineThread(engine, session).start()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(engine_thread, MODEL), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.started, "uvicorn did not start"
+    url = f"http://127.0.0.1:{port}"
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
+    try:
+        yield Served(engine_thread, url, client, batch_sizes)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        engine_thread.shutdown()
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    with serve(LLMEngine(EngineConfig(model=MODEL, device="cpu"))) as s:
+        yield s
+
+
+def http(url: str, body: Any = None, raw: bytes | None = None) -> tuple[int, Any]:
+    """(status, decoded JSON or text) for a GET (no body) or a POST."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            status, text = r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read().decode()
+    try:
+        return status, json.loads(text)
+    except json.JSONDecodeError:
+        return status, text
+
+
+def test_completion_whole_and_streamed(served: Served) -> None:
+    tok = served.engine_thread.engine.tokenizer
+    assert tok is not None
+    prompt = "The capital of France is"
+    r = served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+    c = r.choices[0]
+    assert c.finish_reason == "length" and c.text
+    assert r.usage is not None
+    assert r.usage.completion_tokens == 6
+    assert r.usage.prompt_tokens == len(tok.encode(prompt))
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 6
+    chunks = list(served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                                   stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == c.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    ids = served.client.completions.create(model=MODEL, prompt=tok.encode(prompt), max_tokens=6, temperature=0)
+    assert ids.choices[0].text == c.text, "token ids and text give the same prompt"
+
+
+def test_completion_logprobs_and_stop(served: Served) -> None:
+    r = served.client.completions.create(model=MODEL, prompt="Hello, my name is", max_tokens=4, temperature=0,
+                                         logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    assert len(lp.tokens) == 4 and all(x is not None and x <= 0 for x in lp.token_logprobs)
+    full = served.client.completions.create(model=MODEL, prompt="Hello, my name is", max_tokens=12,
+                                            temperature=0).choices[0].text
+    stop = full[5:8]
+    for stream in (False, True):
+        if stream:
+            text = "".join(ch.choices[0].text for ch in served.client.completions.create(
+                model=MODEL, prompt="Hello, my name is", max_tokens=12, temperature=0, stop=[stop], stream=True))
+        else:
+            text = served.client.completions.create(model=MODEL, prompt="Hello, my name is", max_tokens=12,
+                                                    temperature=0, stop=stop).choices[0].text
+        assert text == full[:full.index(stop)]
+
+
+def test_chat_whole_and_streamed(served: Served) -> None:
+    messages: Any = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    r = served.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0)
+    c = r.choices[0]
+    assert c.message.role == "assistant" and c.message.content and c.finish_reason == "length"
+    assert r.usage is not None and r.usage.completion_tokens == 5 and r.usage.prompt_tokens > 5
+    chunks = list(served.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5,
+                                                        temperature=0, stream=True,
+                                                        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == c.message.content
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+
+
+def test_concurrent_requests_are_batched(served: Served) -> None:
+    served.batch_sizes.clear()
+    prompts = [f"Request number {i} says" for i in range(8)]
+
+    def one(p: str) -> tuple[str, int]:
+        r = served.client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0.8, seed=1)
+        assert r.usage is not None
+        return r.choices[0].finish_reason, r.usage.completion_tokens
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, prompts))
+    assert all(reason in ("length", "stop") for reason, _ in results)
+    assert any(n == 24 for _, n in results)
+    assert max(served.batch_sizes) > 1, "concurrent requests shared engine steps"
+
+
+BAD_REQUESTS: list[tuple[str, dict[str, Any], str]] = [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"prompt": ""}, "empty"),
+    ("/v1/completions", {"prompt": []}, "empty"),
+    ("/v1/completions", {"prompt": [5] * 4096}, "context"),
+    ("/v1/completions", {"prompt": [10**9]}, "vocabulary"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, "n must be 1"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "stop": [""]}, "stop"),
+    ("/v1/completions", {"max_tokens": 3}, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"},
+     "temperature"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True, "max_tokens": -3},
+     "max_tokens"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "needle"), BAD_REQUESTS)
+def test_bad_input_is_a_400_that_says_why(served: Served, path: str, body: dict[str, Any], needle: str) -> None:
+    status, reply = http(served.url + path, {"model": MODEL, **body})
+    assert status == 400, reply
+    assert reply["error"]["type"] == "invalid_request_error"
+    assert needle in reply["error"]["message"], reply
+
+
+def test_errors_through_the_client_and_server_keeps_serving(served: Served) -> None:
+    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        served.client.completions.create(model=MODEL, prompt="hi", n=2)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        served.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                              temperature=-1, stream=True)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        served.client.completions.create(model="gpt-9", prompt="hi")
+    status, reply = http(served.url + "/v1/completions", raw=b"{not json")
+    assert status == 400 and "JSON" in reply["error"]["message"]
+    status, reply = http(served.url + "/v1/nothing-here")
+    assert status == 404 and "error" in reply
+    r = served.client.completions.create(model=MODEL, prompt="still alive?", max_tokens=3)
+    assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_models_health_and_metrics(served: Served) -> None:
+    assert [m.id for m in served.client.models.list()] == [MODEL]
+    assert http(served.url + "/health") == (200, {"status": "ok"})
+    served.client.completions.create(model=MODEL, prompt="count me", max_tokens=3)
+    http(served.url + "/v1/completions", {"prompt": "hi", "n": 2})
+    status, text = http(served.url + "/metrics")
+    assert status == 200
+    for name in ('coserve_requests_total{endpoint="/v1/completions"}', "coserve_request_errors_total",
+                 "coserve_time_to_first_token_seconds_count", "coserve_time_per_output_token_seconds_count",
+                 "coserve_num_requests_running", "coserve_num_requests_waiting"):
+        assert name in text, name
+    assert "coserve_finetune" not in text
+
+
+def test_coserving_trains_while_serving(tmp_path: Path) -> None:
+    engine = LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8))
+    spec = FinetuneSpec(data=DATA, output=tmp_path / "out", lora=LoRAConfig(rank=8, alpha=16),
+                        optim=OptimConfig(lr=1e-3), coserve=CoServeConfig(backward_tokens=32, max_seq_len=64),
+                        trainer_threads=1, save_every=0)
+    session = FinetuneSession(engine, spec)
+    with serve(engine, session) as s:
+        deadline = time.monotonic() + 40
+        served_requests = 0
+        while s.engine_thread.stats.ft_optimizer_steps < 1 and time.monotonic() < deadline:
+            r = s.client.completions.create(model=MODEL, prompt="What is the capital?", max_tokens=4)
+            assert r.usage is not None and r.usage.completion_tokens >= 1
+            served_requests += 1
+        assert s.engine_thread.stats.ft_optimizer_steps >= 1, "no optimizer step while serving"
+        assert served_requests >= 1
+        _, text = http(s.url + "/metrics")
+        assert "coserve_finetune_optimizer_steps_total" in text
+        assert "coserve_finetune_tokens_trained_total" in text
+    assert (tmp_path / "out" / "adapter" / "adapter_config.json").is_file(), "exported at shutdown"
+    assert s.engine_thread.stats.adapter_path is not None
+    assert engine.coserver is None, "the session was closed"
+
+
+def test_submit_after_shutdown_fails_cleanly() -> None:
+    from coserve.engine.sampling_params import SamplingParams
+    from coserve.server.engine_thread import EngineDeadError
+
+    et = EngineThread(LLMEngine(EngineConfig(model=MODEL, device="cpu"))).start()
+
+    async def scenario() -> None:
+        outs = [o async for o in et.submit([1, 2, 3], SamplingParams(max_tokens=2))]
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 2
+        with pytest.raises(ValueError, match="vocabulary"):
+            await et.submit([10**9], SamplingParams(max_tokens=2)).get()
+        et.shutdown()
+        with pytest.raises(EngineDeadError):
+            await et.submit([1, 2, 3], SamplingParams(max_tokens=2)).get()
+
+    asyncio.run(scenario())
