@@ -11,7 +11,7 @@ import json
 import time
 
 import torch
-from speed_common import LLAMA3_8B, TINY, write_model_dir
+from speed_common import LLAMA3_8B, TINY, provenance, write_model_dir
 
 from coserve.core.activations import ActivationStore
 from coserve.engine.config import EngineConfig
@@ -51,6 +51,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--row-len", type=int, default=512)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default=None, help="write the figures with provenance as JSON here")
     args = p.parse_args()
     import tempfile
     from pathlib import Path
@@ -88,6 +89,8 @@ def main() -> None:
            "forward_tflops": flops / fwd_wall / 1e12, "backward_tflops": 2 * flops / bwd_wall / 1e12,
            "tokens_per_s_serial": n / (fwd_wall + bwd_wall)}
     print(json.dumps(out, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps({**provenance(), "config": vars(args), "figures": out}, indent=1))
     print("FORWARD\n", fwd_table)
     print("BACKWARD\n", bwd_table)
 
