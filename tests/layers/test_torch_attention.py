@@ -28,3 +28,28 @@ def test_runs_of_equal_length_rows_match_row_by_row() -> None:
     meta = AttentionMetadata.build(lens, [0] * len(lens), [[] for _ in lens], [False] * len(lens), len(lens), 16)
     out = TorchAttention().forward(q, k, v, None, meta, 0.25, None)
     torch.testing.assert_close(out, reference(q, k, v, lens, 0.25), rtol=1e-5, atol=1e-6)
+
+
+def test_batched_decode_rows_match_row_by_row() -> None:
+    from coserve.layers.attention import write_kv
+
+    torch.manual_seed(1)
+    bs, blocks, kvh, h, d = 4, 32, 2, 8, 16
+    kv = torch.randn(blocks, 2, bs, kvh, d)  # one layer's view
+    ctxs = [0, 5, 11, 3]  # cached tokens before this step
+    tables = [[3], [7, 1], [2, 9, 4, 12], [20]]
+    meta = AttentionMetadata.build([1] * 4, ctxs, tables, [True] * 4, 0, bs)
+    q, k, v = torch.randn(4, h, d), torch.randn(4, kvh, d), torch.randn(4, kvh, d)
+    for window in (None, 4):
+        cache = kv.clone()
+        out = TorchAttention().forward(q, k, v, cache, meta, 0.3, window)
+        expected = kv.clone()
+        write_kv(k, v, expected, meta.slot_mapping)
+        for r, (ctx, table) in enumerate(zip(ctxs, tables, strict=True)):
+            keys = torch.cat([expected[b, 0] for b in table])[: ctx + 1]
+            vals = torch.cat([expected[b, 1] for b in table])[: ctx + 1]
+            mask = causal_mask(1, ctx, window, q.device)
+            ref = F.scaled_dot_product_attention(q[r : r + 1].transpose(0, 1), keys.transpose(0, 1),
+                                                 vals.transpose(0, 1), attn_mask=mask, scale=0.3,
+                                                 enable_gqa=True).transpose(0, 1)
+            torch.testing.assert_close(out[r : r + 1], ref, rtol=1e-5, atol=1e-6)

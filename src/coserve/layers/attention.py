@@ -127,7 +127,8 @@ def write_kv(
 
 
 class TorchAttention:
-    """Reference backend in plain torch: one SDPA call per row, any device."""
+    """Reference backend in plain torch, any device: prefill rows one SDPA call each (runs of
+    equal-length prefix-free rows batched), all decode rows in one padded call."""
 
     def forward(
         self,
@@ -146,6 +147,10 @@ class TorchAttention:
         lens, ctxs = meta.q_lens, meta.context_lens_list
         start, r = 0, 0
         while r < len(lens):
+            if r == meta.num_prefill_rows and kv_layer is not None:
+                # Decode rows (one query each, their new KV already written): one padded call.
+                out[start:] = _decode_rows(q[start:], kv_layer, meta, scale, sliding_window, group)
+                break
             n, ctx = lens[r], ctxs[r]
             # A row with no cached prefix and no window is plain causal: no mask lets SDPA pick
             # its fused (flash) kernel, which also wants K/V heads repeated rather than enable_gqa.
@@ -178,6 +183,39 @@ class TorchAttention:
             out[start : start + n] = o.transpose(0, 1)
             start, r = start + n, r + 1
         return out
+
+
+def _decode_rows(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    group: int,
+) -> torch.Tensor:
+    """Attention of the decode rows, batched: row ``i`` (query at position ``c_i``) attends to
+    its cached positions ``0..c_i`` (gathered through its block table, padding masked out).
+
+    q: [R, H, D] (the decode rows' queries, in row order) -> [R, H, D].
+    """
+    r0 = meta.num_prefill_rows
+    block_size = kv_layer.shape[2]
+    ctx = meta.context_lens[r0:].to(torch.long)  # [R]: the new token's position
+    length = max(meta.context_lens_list[r0:]) + 1
+    pos = torch.arange(length, device=q.device)
+    valid = pos[None, :] <= ctx[:, None]  # [R, L]
+    if sliding_window is not None:
+        valid &= pos[None, :] > ctx[:, None] - sliding_window
+    tables = meta.block_tables[r0:].to(torch.long)
+    blocks = tables[:, pos // block_size].clamp_min(0)  # [R, L]; -1 padding only where masked
+    k = kv_layer[blocks, 0, pos % block_size].to(q.dtype)  # [R, L, KVH, D]
+    v = kv_layer[blocks, 1, pos % block_size].to(q.dtype)
+    rows, heads, dim = q.shape
+    qq = q.view(rows, 1, heads, dim).transpose(1, 2)  # [R, H, 1, D]
+    kk = k.repeat_interleave(group, dim=2).transpose(1, 2) if group > 1 else k.transpose(1, 2)
+    vv = v.repeat_interleave(group, dim=2).transpose(1, 2) if group > 1 else v.transpose(1, 2)
+    o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=valid[:, None, None, :], scale=scale)
+    return o.transpose(1, 2).reshape(rows, heads, dim)
 
 
 def _repeat_heads(x: torch.Tensor, group: int) -> torch.Tensor:
