@@ -15,8 +15,11 @@ handling, batching, KV management, sampling, CUDA graphs — stays the host's ow
    ``hidden``; it must not change it. It may raise :class:`Interrupted` in an FT-only step.
 3. ``on_step_end(record)`` after the step's outputs are known: measured time, batch features,
    mode. Retires the step's fine-tuning rows and hands full backward tasks to the trainer.
-4. ``on_blocks_needed(n) -> blocks`` when the host's block manager runs out of KV blocks.
-5. ``calibrate(run_batch)`` after the host's warm-up, before serving.
+4. ``on_blocks_needed(n) -> blocks`` when the host's block manager runs out of KV blocks
+   (not yet: activations live in a buffer of their own until the shared KV/activation pool of
+   DESIGN §9 exists).
+5. ``calibrate(run_batch)`` after the host's warm-up, before serving (the built-in host:
+   ``LLMEngine.calibrate``).
 
 What a host lends: the training adapter's weight tensors (a reserved slot of its multi-LoRA
 batching, updated in place only), the base weights, and (later) its KV pool.
