@@ -180,3 +180,21 @@ def test_time_budget_skips_what_would_not_finish_but_never_the_reference(tmp_pat
     assert list(result["figures"]) == ["inference"]
     assert result["skipped"]["full"].startswith("time budget")
     assert result["calibration"] is None
+
+
+def test_auto_rate_lowers_the_rate_until_inference_alone_meets_the_slo(tmp_path: Path) -> None:
+    args = list(ARGS)
+    args[args.index("--configs") + 1] = "inference"
+    args[args.index("--rate-scale") + 1] = "4"  # far too many requests for a 1-layer-per-ms CPU
+    args[args.index("--ttft-slo-ms") + 1] = "60"
+    args += ["--auto-rate", "--probe-seconds", "1", "--probe-factor", "0.25", "--attainment-target", "0.9",
+             "--out", str(tmp_path)]
+    assert main(args) == 0
+    result = json.loads((tmp_path / "burst-light.json").read_text(), parse_constant=_no_nan)
+    probes = result["config"]["rate_probes"]
+    rates = [p["rate"] for p in probes]
+    assert rates == sorted(rates, reverse=True) and rates[0] == 4
+    assert result["config"]["workload"]["scaling"]["rate"] == rates[-1]
+    if len(probes) < 6:  # stopped because the last probe met the target
+        assert probes[-1]["attainment"] >= 0.9
+        assert all(p["attainment"] < 0.9 for p in probes[:-1])

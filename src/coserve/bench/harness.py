@@ -114,6 +114,13 @@ class BenchSpec:
     engine_threads: int = 0
     plots: bool = True
     time_budget_s: float = 0.0
+    # Probe the rate first: inference-only runs of `probe_s` on the workload's busiest window,
+    # starting at `scaling.rate` and multiplying it by `probe_factor` until inference alone meets
+    # the absolute SLO for `attainment_target` of the requests (at most `max_probes` tries).
+    auto_rate: bool = False
+    probe_s: float = 20.0
+    probe_factor: float = 0.6
+    max_probes: int = 6
 
     def __post_init__(self) -> None:
         if not self.configs or self.configs[0].name != REFERENCE:
@@ -126,6 +133,8 @@ class BenchSpec:
             raise ValueError(f"--attainment-target must be in (0, 1], got {self.attainment_target}")
         if self.warmup_requests < 0 or self.drain_s < 0 or self.time_budget_s < 0:
             raise ValueError("--warmup-requests, --drain and --time-budget must be >= 0")
+        if self.probe_s <= 0 or not 0 < self.probe_factor < 1 or self.max_probes < 1:
+            raise ValueError("--probe-seconds > 0, 0 < --probe-factor < 1 and --max-probes >= 1 needed")
 
 
 def _engine_config(spec: BenchSpec, work: Path) -> EngineConfig:
@@ -273,6 +282,32 @@ def _setup(
     return ctx, workload
 
 
+def _probe_rate(
+    spec: BenchSpec, ctx: BenchContext, say: Callable[[str], None]
+) -> tuple[BenchSpec, Workload, list[dict[str, float]]]:
+    """The largest probed rate at which inference alone meets the absolute SLO for
+    ``attainment_target`` of the requests on the busiest ``probe_s`` window; returns the spec and
+    the workload at that rate, and every probe (rate, attainment)."""
+    from coserve.bench.metrics import attainment
+
+    probes: list[dict[str, float]] = []
+    rate = spec.scaling.rate
+    for _ in range(spec.max_probes):
+        scaling = replace(spec.scaling, rate=rate)
+        window = load_workload(spec.workload, spec.probe_s, scaling, spec.seed)
+        run = ctx.driver.run(window.arrivals, duration_s=spec.probe_s, drain_s=spec.drain_s)
+        got = attainment(run.records, spec.slo.ttft_slo_s, spec.slo.tpot_slo_s)
+        probes.append({"rate": rate, "attainment": got, "requests": float(len(run.records))})
+        say(f"rate probe ×{rate:.3g}: inference-only attainment {_pct(got)} on {len(run.records)} requests")
+        if got >= spec.attainment_target:
+            break
+        rate *= spec.probe_factor
+    else:
+        say(f"rate probe: no probed rate met {_pct(spec.attainment_target)}; using ×{rate:.3g}")
+    spec = replace(spec, scaling=replace(spec.scaling, rate=rate))
+    return spec, load_workload(spec.workload, spec.duration_s, spec.scaling, spec.seed), probes
+
+
 def run_bench(
     spec: BenchSpec, *, argv: list[str] | None = None, progress: Callable[[str], None] | None = None
 ) -> tuple[dict[str, Any], Outputs]:
@@ -289,9 +324,13 @@ def run_bench(
     work = Path(tempfile.mkdtemp(prefix="coserve-bench-"))
     try:
         ctx, workload = _setup(spec, work, say)
+        probes: list[dict[str, float]] = []
+        if spec.auto_rate:
+            spec, workload, probes = _probe_rate(spec, ctx, say)
+            ctx.arrivals = workload.arrivals
         result: dict[str, Any] = {
             **provenance(argv),
-            "config": _config_section(spec, ctx.engine, workload, mps),
+            "config": {**_config_section(spec, ctx.engine, workload, mps), "rate_probes": probes},
             "reference": None,
             "calibration": None,
             "figures": {},

@@ -39,6 +39,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         help="seconds of arrivals: the window holding the workload's largest burst",
     )
     w.add_argument("--rate-scale", type=float, default=1.0, help="arrival rate multiplier")
+    w.add_argument("--auto-rate", action="store_true",
+                   help="first probe inference-only runs, lowering the rate from --rate-scale until "
+                        "inference alone meets the SLO for --attainment-target of the requests")
+    w.add_argument("--probe-seconds", type=float, default=20.0)
+    w.add_argument("--probe-factor", type=float, default=0.6)
     w.add_argument(
         "--length-scale", type=float, default=1.0, help="prompt and output length multiplier"
     )
@@ -188,6 +193,9 @@ def bench_spec(args: argparse.Namespace) -> BenchSpec:
         engine_threads=args.threads,
         plots=not args.no_plots,
         time_budget_s=args.time_budget,
+        auto_rate=args.auto_rate,
+        probe_s=args.probe_seconds,
+        probe_factor=args.probe_factor,
     )
 
 
