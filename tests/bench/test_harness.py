@@ -198,3 +198,17 @@ def test_auto_rate_lowers_the_rate_until_inference_alone_meets_the_slo(tmp_path:
     if len(probes) < 6:  # stopped because the last probe met the target
         assert probes[-1]["attainment"] >= 0.9
         assert all(p["attainment"] < 0.9 for p in probes[:-1])
+
+
+def test_a_saved_latency_state_replaces_the_calibration(
+    bench_run: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    out, _ = bench_run
+    state = out / "burst-light-latency-state.json"
+    assert state.is_file(), "every run saves its calibrated latency model"
+    args = list(ARGS)
+    args[args.index("--configs") + 1] = "inference,full"
+    assert main([*args, "--latency-state", str(state), "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "burst-light.json").read_text(), parse_constant=_no_nan)
+    assert result["calibration"]["loaded_from"] == str(state)
+    assert "full" in result["figures"]

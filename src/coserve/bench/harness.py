@@ -35,6 +35,7 @@ Result schema (``STEM.json``; times in ms unless named ``_s``, attainment as a f
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import math
 import shutil
@@ -118,6 +119,9 @@ class BenchSpec:
     # starting at `scaling.rate` and multiplying it by `probe_factor` until inference alone meets
     # the absolute SLO for `attainment_target` of the requests (at most `max_probes` tries).
     auto_rate: bool = False
+    # A latency-model state (JSON) from an earlier run of the same model shape and engine
+    # settings: loaded instead of calibrating again. Every run writes its own next to the result.
+    latency_state: Path | None = None
     probe_s: float = 20.0
     probe_factor: float = 0.6
     max_probes: int = 6
@@ -324,6 +328,9 @@ def run_bench(
     work = Path(tempfile.mkdtemp(prefix="coserve-bench-"))
     try:
         ctx, workload = _setup(spec, work, say)
+        if spec.latency_state is not None:
+            ctx.latency_state = json.loads(spec.latency_state.read_text())
+            ctx.calibration = {"loaded_from": str(spec.latency_state), "seconds": 0.0}
         probes: list[dict[str, float]] = []
         if spec.auto_rate:
             spec, workload, probes = _probe_rate(spec, ctx, say)
@@ -383,6 +390,8 @@ def run_bench(
             gc.collect()
             if ctx.engine.runner.device.type == "cuda":
                 torch.cuda.empty_cache()
+        if ctx.latency_state is not None:
+            (spec.out / f"{stem}-latency-state.json").write_text(json.dumps(ctx.latency_state))
         skip = None if spec.plots else "turned off (--no-plots)"
         return result, write_outputs(result, spec.out, stem, skip_plots=skip)
     finally:

@@ -43,6 +43,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="first probe inference-only runs, lowering the rate from --rate-scale until "
                         "inference alone meets the SLO for --attainment-target of the requests")
     w.add_argument("--probe-seconds", type=float, default=20.0)
+    w.add_argument("--latency-state", default=None,
+                   help="JSON latency-model state of an earlier run (same model and engine settings): "
+                        "skip the calibration")
     w.add_argument("--probe-factor", type=float, default=0.6)
     w.add_argument(
         "--length-scale", type=float, default=1.0, help="prompt and output length multiplier"
@@ -194,6 +197,7 @@ def bench_spec(args: argparse.Namespace) -> BenchSpec:
         plots=not args.no_plots,
         time_budget_s=args.time_budget,
         auto_rate=args.auto_rate,
+        latency_state=Path(args.latency_state) if args.latency_state else None,
         probe_s=args.probe_seconds,
         probe_factor=args.probe_factor,
     )
