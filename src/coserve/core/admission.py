@@ -156,27 +156,8 @@ def admit(
     if base_s > budget:
         return no_ft(Reason.OVER_BUDGET)
 
-    picked: list[FTSample] = []
-    used = 0
-    features, predicted = base, base_s
-    reason = Reason.POOL_EXHAUSTED
-    for sample in sorted(candidates, key=lambda s: (s.num_tokens, s.sample_id)):
-        n = sample.num_tokens
-        if used + n > capacity_tokens:
-            reason = Reason.CAPACITY
-            break
-        if used + n > token_budget:
-            reason = Reason.TOKEN_BUDGET
-            break
-        trial = features.with_ft((n,))
-        trial_s = model.predict(trial)
-        if trial_s > budget:
-            reason = Reason.LATENCY
-            break
-        picked.append(sample)
-        used += n
-        features, predicted = trial, trial_s
-    return AdmissionDecision(picked, budget, predicted, reason)
+    return _fill(base, base_s, candidates, model=model, budget=budget, capacity_tokens=capacity_tokens,
+                 token_budget=token_budget)
 
 
 def should_interrupt(slo: SLOConfig, *, ft_only_step: bool, num_arrived: int) -> bool:
@@ -207,8 +188,29 @@ def naive_fill(
     predicted times are reported, never used. A shortest sample longer than ``limit`` admits
     nothing.
     """
+    return _fill(base, base_s, candidates, model=model, budget=budget, capacity_tokens=capacity_tokens,
+                 token_budget=token_budget, limit=limit, check_latency=False)
+
+
+def _fill(
+    base: StepFeatures,
+    base_s: float,
+    candidates: Sequence[FTSample],
+    *,
+    model: LatencyModel,
+    budget: float,
+    capacity_tokens: int,
+    token_budget: int,
+    limit: int | None = None,
+    check_latency: bool = True,
+) -> AdmissionDecision:
+    """Shortest first while capacity, the token budget, ``limit`` FT tokens (if given) and, with
+    ``check_latency``, the predicted step time within ``budget`` all hold. Every coefficient is
+    non-negative, so a longer step only predicts longer: the first sample that does not fit
+    ends the fill."""
     picked: list[FTSample] = []
     used = 0
+    features, predicted = base, base_s
     reason = Reason.POOL_EXHAUSTED
     for sample in sorted(candidates, key=lambda s: (s.num_tokens, s.sample_id)):
         n = sample.num_tokens
@@ -218,10 +220,18 @@ def naive_fill(
         if used + n > token_budget:
             reason = Reason.TOKEN_BUDGET
             break
-        if used + n > limit:
+        if limit is not None and used + n > limit:
             reason = Reason.NAIVE_LIMIT
             break
+        if check_latency:
+            trial = features.with_ft((n,))
+            trial_s = model.predict(trial)
+            if trial_s > budget:
+                reason = Reason.LATENCY
+                break
+            features, predicted = trial, trial_s
         picked.append(sample)
         used += n
-    predicted = model.predict(base.with_ft([s.num_tokens for s in picked])) if picked else base_s
+    if picked and not check_latency:
+        predicted = model.predict(base.with_ft([s.num_tokens for s in picked]))
     return AdmissionDecision(picked, budget, predicted, reason)
