@@ -26,11 +26,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from speed_common import LLAMA3_8B, TINY, provenance, write_model_dir
+from speed_common import LLAMA3_8B, TINY, add_trace_args, provenance, trace_scaling, write_model_dir
 
 from coserve.bench.metrics import attainment, latency_summary, percentile
 from coserve.bench.replay import InProcessDriver
-from coserve.bench.workload import Scaling, busiest_window, load_trace
+from coserve.bench.workload import busiest_window, load_trace
 from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig, SLOConfig
 from coserve.core.latency import BatchSpec, error_summary
 from coserve.engine.config import EngineConfig
@@ -76,12 +76,7 @@ def pause_delays(windows: list[tuple[float, float]], observed: list[float]) -> d
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
-    p.add_argument("--trace", required=True)
-    p.add_argument("--duration", type=float, default=60.0)
-    p.add_argument("--rate-scale", type=float, default=1.0)
-    p.add_argument("--length-scale", type=float, default=1.0)
-    p.add_argument("--max-prompt", type=int, default=4096)
-    p.add_argument("--max-output", type=int, default=512)
+    add_trace_args(p, duration=60.0)
     p.add_argument("--ttft-slo-ms", type=float, default=1000.0)
     p.add_argument("--tpot-slo-ms", type=float, default=100.0)
     p.add_argument("--backward-tokens", type=int, default=1024)
@@ -106,8 +101,7 @@ def main() -> None:
                                     num_training_slots=1, max_lora_rank=16, max_model_len=8192,
                                     max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256,
                                     attention_backend=args.attention_backend, lora_backend=args.attention_backend))
-    scaling = Scaling(rate=args.rate_scale, length=args.length_scale, max_prompt=args.max_prompt,
-                      max_output=args.max_output)
+    scaling = trace_scaling(args)
     every = load_trace(args.trace, scaling)
     start = busiest_window(every, args.duration)
     arrivals = load_trace(args.trace, scaling, start_s=start, duration_s=args.duration)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 from collections.abc import Callable
@@ -12,6 +13,7 @@ import torch
 
 from coserve.bench.provenance import provenance as provenance  # re-exported for the scripts
 from coserve.bench.shapes import SHAPES
+from coserve.bench.workload import Scaling
 
 # The shapes and the provenance record live in the package, shared with `coserve bench`.
 LLAMA3_8B: dict[str, Any] = SHAPES["llama3-8b"]
@@ -97,3 +99,18 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     if out.isnan().any():
         return float("inf")
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def add_trace_args(p: argparse.ArgumentParser, duration: float) -> None:
+    """The trace-replay flags the scripts share: which trace, which window, how it is scaled."""
+    p.add_argument("--trace", required=True)
+    p.add_argument("--duration", type=float, default=duration)
+    p.add_argument("--rate-scale", type=float, default=1.0)
+    p.add_argument("--length-scale", type=float, default=1.0)
+    p.add_argument("--max-prompt", type=int, default=4096)
+    p.add_argument("--max-output", type=int, default=512)
+
+
+def trace_scaling(args: argparse.Namespace) -> Scaling:
+    return Scaling(rate=args.rate_scale, length=args.length_scale, max_prompt=args.max_prompt,
+                   max_output=args.max_output)

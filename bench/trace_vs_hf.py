@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from speed_common import LLAMA3_8B, TINY, provenance, write_model_dir
+from speed_common import LLAMA3_8B, TINY, add_trace_args, provenance, trace_scaling, write_model_dir
 
 from coserve.bench.metrics import RequestRecord, latency_summary
 from coserve.bench.replay import InProcessDriver
-from coserve.bench.workload import Arrival, Scaling, load_workload
+from coserve.bench.workload import Arrival, load_workload
 from coserve.engine.config import EngineConfig
 from coserve.engine.llm_engine import LLMEngine
 
@@ -125,19 +125,13 @@ def _summary(records: list[RequestRecord], elapsed: float) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
-    p.add_argument("--trace", required=True)
-    p.add_argument("--duration", type=float, default=300.0)
-    p.add_argument("--rate-scale", type=float, default=1.0)
-    p.add_argument("--length-scale", type=float, default=1.0)
-    p.add_argument("--max-prompt", type=int, default=4096)
-    p.add_argument("--max-output", type=int, default=512)
+    add_trace_args(p, duration=300.0)
     p.add_argument("--peer-batch", type=int, default=64)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     config = SHAPES[args.shape]
-    scaling = Scaling(rate=args.rate_scale, length=args.length_scale, max_prompt=args.max_prompt,
-                      max_output=args.max_output)
+    scaling = trace_scaling(args)
     workload = load_workload(args.trace, args.duration, scaling)
     arrivals = list(workload.arrivals)
     model_dir = write_model_dir(Path(tempfile.mkdtemp(prefix="trace_vs_hf_")) / "model", config)
