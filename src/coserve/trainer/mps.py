@@ -7,13 +7,17 @@ initializes CUDA. :func:`start_mps_daemon` starts it (call it before anything to
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
+
+MPS_SHARE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 
 
 def _pipe_dir() -> Path:
@@ -44,3 +48,21 @@ def start_mps_daemon() -> bool:
         return False
     logger.info("started the CUDA MPS control daemon")
     return True
+
+
+@contextlib.contextmanager
+def mps_share(percent: int | None) -> Iterator[None]:
+    """Within the block, a process spawned gets at most ``percent`` of the SMs under MPS (the
+    child reads ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` when it initializes CUDA); ``None``: no limit."""
+    if percent is None:
+        yield
+        return
+    old = os.environ.get(MPS_SHARE_ENV)
+    os.environ[MPS_SHARE_ENV] = str(percent)
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[MPS_SHARE_ENV]
+        else:
+            os.environ[MPS_SHARE_ENV] = old

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import queue
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -16,7 +15,7 @@ from coserve.core.messages import BackwardTask, TaskResult, TrainerFailed
 from coserve.models.llama import LlamaForCausalLM
 from coserve.models.peft_adapter import LoraAdapter, save_peft_adapter
 from coserve.trainer.lora_params import TrainableLoRA
-from coserve.trainer.mps import mps_active
+from coserve.trainer.mps import mps_active, mps_share
 from coserve.trainer.worker import WorkerSpec, run_worker
 
 logger = logging.getLogger(__name__)
@@ -152,19 +151,8 @@ class TrainerProcess:
             target=run_worker, args=(self.spec, self._tasks, self._results), daemon=True,
             name="coserve-trainer",
         )
-        # The child reads CUDA_MPS_ACTIVE_THREAD_PERCENTAGE when it initializes CUDA.
-        key = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
-        saved = os.environ.get(key)
-        if self.sm_share is not None:
-            os.environ[key] = str(self.sm_share)
-        try:
+        with mps_share(self.sm_share):
             self._proc.start()
-        finally:
-            if self.sm_share is not None:
-                if saved is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = saved
 
     def _stop(self, kill: bool) -> None:
         proc = self._proc

@@ -10,7 +10,6 @@ with CUDA MPS, through a fixed share of the SMs (``CUDA_MPS_ACTIVE_THREAD_PERCEN
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import queue
@@ -34,12 +33,11 @@ from coserve.models.llama import ForwardContext, LlamaForCausalLM
 from coserve.models.peft_adapter import LoraAdapter
 from coserve.trainer.backward import IGNORE_INDEX, TaskLoss
 from coserve.trainer.lora_params import TrainableLoRA
-from coserve.trainer.mps import mps_active
+from coserve.trainer.mps import mps_active, mps_share
 from coserve.trainer.optim import LoRAOptimizer
 
 logger = logging.getLogger(__name__)
 
-MPS_SHARE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 
 
 def split_batches(
@@ -159,24 +157,6 @@ def run_split_worker(spec: SplitSpec, errors: Any) -> None:
         raise
 
 
-@contextlib.contextmanager
-def _environ(name: str, value: str | None) -> Iterator[None]:
-    """Set (or leave alone, for ``None``) one environment variable for the block; a spawned
-    child started inside the block inherits it."""
-    if value is None:
-        yield
-        return
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
-
-
 class SplitTrainer:
     """Starts :func:`run_split_worker` in a spawned process over the engine's ``model``.
 
@@ -234,7 +214,7 @@ class SplitTrainer:
             daemon=True,
             name="coserve-split-trainer",
         )
-        with _environ(MPS_SHARE_ENV, None if self.mps_share is None else str(self.mps_share)):
+        with mps_share(self.mps_share):
             self._proc.start()
 
     @property
