@@ -47,6 +47,8 @@ ARGS = [
     "48",
     "--backward-tokens",
     "64",
+    "--grad-accum",
+    "2",
     "--threads",
     "1",
     "--trainer-threads",
@@ -96,6 +98,17 @@ def test_every_configuration_runs_on_the_same_arrivals(
         )
     for name in ("temporal", "full", "full-noint", "naive"):
         assert figures[name]["latency_model_error"]["all"]["n"] > 0, name
+        tasks = figures[name]["backward_tasks"]
+        # two tasks per optimizer step, each of at least --backward-tokens tokens
+        assert tasks["tasks"] >= 2 * figures[name]["optimizer_steps"] - 1 and tasks["tokens"] >= 64, name
+        assert tasks["turnaround_s"] >= tasks["trainer_s"] > 0, name
+    assert result["config"]["ft"]["grad_accum"] == 2
+    for name, f in figures.items():
+        spent = f["step_seconds"]
+        assert 0 < sum(spent.values()) <= f["duration_s"] + 1e-6, name
+        assert set(f["step_counts"]) <= set(spent), name
+    assert "ft-only" in figures["temporal"]["step_counts"]
+    assert "ft-only" not in figures["inference"]["step_counts"]
     assert figures["split"]["latency_model_error"] is None
 
 

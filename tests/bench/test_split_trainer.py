@@ -138,3 +138,45 @@ def test_split_trainer_process_trains_counts_and_stops() -> None:
     finally:
         trainer.close()
     assert not trainer.alive() and trainer.exitcode == 0
+
+
+class _StopAfter:
+    """A stop flag that reads set from its ``n``-th look on (the worker looks once per step)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def is_set(self) -> bool:
+        self.n -= 1
+        return self.n < 0
+
+
+def test_split_worker_accumulates_grad_accum_batches_per_optimizer_step() -> None:
+    import queue
+
+    from coserve.trainer.optim import LoRAOptimizer
+    from coserve.trainer.split import SplitSpec, run_split_worker
+
+    model = load_model("tiny", num_lora_slots=1, max_lora_rank=8)
+    adapter = adapter_with_b(model)
+    data = samples(12, 8, 24)
+    optim = OptimConfig(lr=1e-2, accumulation_tasks=3)
+    flat = TrainableLoRA(adapter).flat.detach().clone()
+    spec = SplitSpec(model, adapter, tuple(data), 40, optim, 0.0, 0, 1, flat,
+                     torch.zeros(2, dtype=torch.int64), torch.zeros(1, dtype=torch.float64),
+                     _StopAfter(1), "cpu")
+    run_split_worker(spec, queue.Queue())
+
+    ref = TrainableLoRA(adapter)
+    opt = LoRAOptimizer(ref, optim)
+    batches = split_batches(data, 40, 0)
+    loss, targets, tokens = 0.0, 0, 0
+    for i in range(3):
+        batch = next(batches)
+        res = train_step(model, ref, batch, dropout_key=i)
+        loss, targets = loss + res.loss_sum, targets + res.num_targets
+        tokens += sum(s.num_tokens for s in batch)
+    opt.step(targets, loss)
+    assert spec.counters.tolist() == [tokens, 1]
+    assert spec.loss[0].item() == pytest.approx(loss / targets)
+    torch.testing.assert_close(spec.flat, ref.flat.detach(), rtol=0, atol=0)

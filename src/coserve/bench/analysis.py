@@ -74,6 +74,8 @@ def summarize(
         "gpu_utilization": {"mean_percent": sum(util) / len(util), "samples": len(util)}
         if util
         else None,
+        "step_seconds": dict(replay.step_seconds),
+        "step_counts": dict(replay.step_counts),
         **outcome.extra,
         "timeline": {
             "t_s": rates.t,

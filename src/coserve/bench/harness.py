@@ -210,6 +210,7 @@ def _config_section(
             "lora_alpha": ft.lora.alpha,
             "targets": list(ft.lora.target_modules),
             "lr": ft.optim.lr,
+            "grad_accum": ft.optim.accumulation_tasks,
             "naive_tokens": ft.naive_limit,
             "split_mps_percentage": ft.split_mps_percentage,
         },

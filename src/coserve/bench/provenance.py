@@ -51,13 +51,15 @@ def provenance(argv: list[str] | None = None) -> dict[str, Any]:
     """``commit`` (``git``, or ``COSERVE_COMMIT`` / ``COSERVE_DIRTY`` where the tree has no
     ``.git``), ``dirty``, ``device``, ``versions`` and ``command`` (``argv``, default
     ``sys.argv``, behind the interpreter)."""
-    commit = _git("rev-parse", "HEAD") or os.environ.get("COSERVE_COMMIT", "unknown")
+    # NOTE: the variables win over git: a copied tree (the device machine) may carry a .git whose
+    # status differs from the checkout it was copied from.
+    commit = os.environ.get("COSERVE_COMMIT") or _git("rev-parse", "HEAD") or "unknown"
     status = _git("status", "--porcelain")
-    dirty: bool | str = (
-        bool(status)
-        if status is not None
-        else (os.environ["COSERVE_DIRTY"] == "1" if "COSERVE_DIRTY" in os.environ else "unknown")
-    )
+    dirty: bool | str
+    if "COSERVE_DIRTY" in os.environ:
+        dirty = os.environ["COSERVE_DIRTY"] == "1"
+    else:
+        dirty = bool(status) if status is not None else "unknown"
     try:
         import triton
 

@@ -39,6 +39,10 @@ class ReplayResult:
     timeline: list[tuple[float, int, int]] = field(default_factory=list)  # (t, inference tok, FT tok) per tick
     # (kind of the step that was running when the request arrived, seconds it waited to enter the engine)
     entry_delays: list[tuple[str, float]] = field(default_factory=list)
+    # seconds spent in engine steps of each kind (idle, inference, mixed, ft-only, ...) and in
+    # idle waits: where the replay's wall time went
+    step_seconds: dict[str, float] = field(default_factory=dict)
+    step_counts: dict[str, int] = field(default_factory=dict)
 
 
 class InProcessDriver:
@@ -82,6 +86,8 @@ class InProcessDriver:
         ft0 = ft_tokens() if ft_tokens else 0
         timeline: list[tuple[float, int, int]] = []
         entry_delays: list[tuple[str, float]] = []
+        step_seconds: dict[str, float] = {}
+        step_counts: dict[str, int] = {}
         next_tick = tick_every_s
         try:
             while True:
@@ -97,7 +103,11 @@ class InProcessDriver:
                     starts[rid] = (a.time_s, a)
                     entry_delays.append((engine.last_step_kind, now - a.time_s))
                     nxt += 1
+                began = time.perf_counter()
                 outs = engine.step()
+                kind = engine.last_step_kind
+                step_seconds[kind] = step_seconds.get(kind, 0.0) + time.perf_counter() - began
+                step_counts[kind] = step_counts.get(kind, 0) + 1
                 for out in outs:
                     rid = out.request_id
                     inf_tokens += 1
@@ -112,10 +122,12 @@ class InProcessDriver:
                 if not outs and not engine.has_unfinished_requests():
                     gap = (todo[nxt].time_s - clock()) if nxt < len(todo) else duration_s - clock()
                     if gap > 0:
+                        began = time.perf_counter()
                         if idle_wait is not None:
                             idle_wait(min(gap, 0.005))
                         else:
                             time.sleep(min(gap, 0.005))
+                        step_seconds["wait"] = step_seconds.get("wait", 0.0) + time.perf_counter() - began
                 now = clock()
                 if now >= next_tick:
                     ft = (ft_tokens() - ft0) if ft_tokens else 0
@@ -135,4 +147,5 @@ class InProcessDriver:
             if rid not in finished:
                 records.append(RequestRecord(arr, first.get(rid), None, a.prompt_tokens, 0))
         return ReplayResult(sorted(records, key=lambda r: r.arrival_s), clock(), inf_tokens,
-                            (ft_tokens() - ft0) if ft_tokens else 0, timeline, entry_delays)
+                            (ft_tokens() - ft0) if ft_tokens else 0, timeline, entry_delays,
+                            step_seconds, step_counts)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -160,6 +160,7 @@ def run_coserve(ctx: BenchContext, config: RunConfig) -> RunOutcome:
         _warm_up(ctx, session)
         co.latency.load_state_dict(ctx.latency_state)
         co.prediction_errors.clear()
+        co.task_timings.clear()
         co.track = True
         steps, interrupted, logged = co.steps_done, co.num_interrupted, len(session.history)
         replay, util = _replay(ctx, ft_tokens=lambda: co.tokens_trained, idle_wait=session.wait)
@@ -175,10 +176,30 @@ def run_coserve(ctx: BenchContext, config: RunConfig) -> RunOutcome:
             extra={
                 "interrupted_steps": co.num_interrupted - interrupted,
                 "trainer_restarts": co.num_restarts,
+                "backward_tasks": task_breakdown(co.task_timings, replay.duration_s),
             },
         )
     finally:
         session.close()
+
+
+def task_breakdown(
+    timings: Sequence[tuple[float, float, float, int]], duration_s: float
+) -> dict[str, float] | None:
+    """Where the backward tasks' time went: ``tasks``, mean ``tokens`` per task, mean
+    ``trainer_s`` (the worker's own time per task, pauses included), mean ``turnaround_s``
+    (submitted to result taken in by the engine) and ``trainer_busy_fraction`` (summed
+    trainer time over the replay's duration)."""
+    if not timings:
+        return None
+    n = len(timings)
+    return {
+        "tasks": float(n),
+        "tokens": sum(t[3] for t in timings) / n,
+        "trainer_s": sum(t[2] for t in timings) / n,
+        "turnaround_s": sum(t[1] - t[0] for t in timings) / n,
+        "trainer_busy_fraction": sum(t[2] for t in timings) / max(duration_s, 1e-9),
+    }
 
 
 def run_split(ctx: BenchContext, config: RunConfig) -> RunOutcome:

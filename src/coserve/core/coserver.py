@@ -142,6 +142,10 @@ class CoServer:
         self.pause_windows: list[tuple[float, float]] = []
         self.pause_observed: list[float] = []
         self.prediction_errors: list[tuple[str, float, float]] = []
+        # per backward task: (submitted, result received: time.monotonic; trainer-side seconds;
+        # tokens) — where a co-serving run's fine-tuning time goes
+        self.task_timings: list[tuple[float, float, float, int]] = []
+        self._submitted: dict[int, tuple[float, int]] = {}
         self._layer_events: list[torch.cuda.Event] = []
 
     # ------------------------------------------------------------------ hooks
@@ -304,6 +308,8 @@ class CoServer:
         self._open.tokens += self._task_tokens()
         self._task_rows = []
         self._in_flight.append((task, self._fill_region))
+        if self.track:
+            self._submitted[task.task_id] = (time.monotonic(), sum(len(r.labels) for r in task.samples))
         if self.store.tensor.is_cuda:
             # NOTE: the captures were queued on the engine's stream; the trainer (another
             # process, another stream) must see them complete.
@@ -327,6 +333,9 @@ class CoServer:
         self.store.reset(region)
         if self.track:
             self.pause_observed.extend(result.pause_times)
+            sent = self._submitted.pop(result.task_id, None)
+            if sent is not None:
+                self.task_timings.append((sent[0], time.monotonic(), result.duration_s, sent[1]))
         self._open.loss_sum += result.loss_sum
         self._open.num_targets += result.num_targets
         info = result.step_info

@@ -86,7 +86,14 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         "--ft-samples", type=int, default=2000, help="synthetic samples (cycled in epochs)"
     )
     f.add_argument(
-        "--backward-tokens", type=int, default=1024, help="tokens per optimizer step (at least)"
+        "--backward-tokens", type=int, default=1024, help="tokens per backward task (at least)"
+    )
+    f.add_argument(
+        "--grad-accum",
+        type=int,
+        default=4,
+        help="backward tasks per optimizer step (the split baseline accumulates as many batches); "
+        "tasks of one step are captured while the trainer runs the previous one",
     )
     f.add_argument("--lora-rank", type=int, default=16)
     f.add_argument("--lora-alpha", type=float, default=32.0)
@@ -180,7 +187,7 @@ def bench_spec(args: argparse.Namespace) -> BenchSpec:
                     t.strip() for t in args.target_modules.split(",") if t.strip()
                 ),
             ),
-            optim=OptimConfig(lr=args.lr),
+            optim=OptimConfig(lr=args.lr, accumulation_tasks=args.grad_accum),
             naive_tokens=args.naive_tokens,
             split_mps_percentage=args.split_mps_percentage,
             trainer_threads=args.trainer_threads,

@@ -138,19 +138,27 @@ def run_split_worker(spec: SplitSpec, errors: Any) -> None:
     try:
         lora = TrainableLoRA(spec.adapter, dropout=spec.dropout, seed=spec.seed, device=spec.device)
         optim = LoRAOptimizer(lora, spec.optim)
-        for step, batch in enumerate(split_batches(spec.samples, spec.backward_tokens, spec.seed)):
-            if spec.stop.is_set():
-                return
-            result = train_step(spec.model, lora, batch, dropout_key=step)
-            info = optim.step(result.num_targets, result.loss_sum)
+        batches = split_batches(spec.samples, spec.backward_tokens, spec.seed)
+        task = 0
+        while not spec.stop.is_set():
+            # one optimizer step: `accumulation_tasks` batches, like the co-serving trainer's tasks
+            loss_sum, targets, tokens = 0.0, 0, 0
+            for _ in range(spec.optim.accumulation_tasks):
+                batch = next(batches)
+                result = train_step(spec.model, lora, batch, dropout_key=task)
+                task += 1
+                loss_sum += result.loss_sum
+                targets += result.num_targets
+                tokens += sum(s.num_tokens for s in batch)
+            info = optim.step(targets, loss_sum)
             if info.skipped:
                 continue
             with torch.no_grad():
                 spec.flat.copy_(lora.flat)
             if spec.flat.is_cuda:
                 torch.cuda.synchronize(spec.flat.device)
-            spec.loss[0] = result.loss_sum / max(1, result.num_targets)
-            spec.counters[0] += sum(s.num_tokens for s in batch)
+            spec.loss[0] = loss_sum / max(1, targets)
+            spec.counters[0] += tokens
             spec.counters[1] += 1
     except Exception:
         errors.put(TrainerFailed(None, traceback.format_exc()))
