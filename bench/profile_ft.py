@@ -24,7 +24,7 @@ from coserve.trainer.lora_params import TrainableLoRA
 SHAPES = {"llama3-8b": LLAMA3_8B, "tiny": TINY}
 
 
-def timed(fn, device: str, reps: int = 3) -> tuple[float, str]:  # type: ignore[no-untyped-def]
+def timed(fn, device: str, reps: int = 3, profile_it: bool = True) -> tuple[float, str]:  # type: ignore[no-untyped-def]
     fn()
     if device == "cuda":
         torch.cuda.synchronize()
@@ -35,7 +35,7 @@ def timed(fn, device: str, reps: int = 3) -> tuple[float, str]:  # type: ignore[
         torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / reps
     table = ""
-    if device == "cuda":
+    if device == "cuda" and profile_it:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -51,6 +51,10 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--row-len", type=int, default=512)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--boundary-sync", action="store_true",
+                   help="bound the backward's queued GPU work to one layer boundary ahead, as the trainer "
+                        "worker does (an event per boundary, the CPU waits on the one before)")
+    p.add_argument("--no-profile", action="store_true", help="skip the torch.profiler tables")
     p.add_argument("--out", default=None, help="write the figures with provenance as JSON here")
     args = p.parse_args()
     import tempfile
@@ -76,18 +80,35 @@ def main() -> None:
     def capture(layer: int, hidden: torch.Tensor) -> None:
         store.capture(layer, 0, hidden[:n])
 
-    fwd_wall, fwd_table = timed(lambda: engine.runner.execute(rows, capture), args.device)
+    fwd_wall, fwd_table = timed(lambda: engine.runner.execute(rows, capture), args.device,
+                                profile_it=not args.no_profile)
     task = [TaskRow(i * args.row_len, tuple(r)) for i, r in enumerate(ids)]
 
+    events: list[torch.cuda.Event] = []
+
+    def boundary(layer: int) -> None:
+        event = torch.cuda.Event()
+        event.record()
+        events.append(event)
+        if len(events) > 1:
+            events.pop(0).synchronize()
+
+    hook = boundary if args.boundary_sync and args.device == "cuda" else None
+    dispatch: list[float] = []
+
     def backward() -> None:
-        task_backward(engine.model, lora, store.tensor, task)
+        t = time.perf_counter()
+        task_backward(engine.model, lora, store.tensor, task, at_layer_boundary=hook)
+        dispatch.append(time.perf_counter() - t)  # until the CPU has queued (or waited for) it all
+        events.clear()
         lora.flat.grad = None
 
-    bwd_wall, bwd_table = timed(backward, args.device)
+    bwd_wall, bwd_table = timed(backward, args.device, profile_it=not args.no_profile)
     flops = 2 * mc.num_params() * n
     out = {"tokens": n, "forward_s": fwd_wall, "backward_s": bwd_wall,
            "forward_tflops": flops / fwd_wall / 1e12, "backward_tflops": 2 * flops / bwd_wall / 1e12,
-           "tokens_per_s_serial": n / (fwd_wall + bwd_wall)}
+           "tokens_per_s_serial": n / (fwd_wall + bwd_wall),
+           "backward_dispatch_s": min(dispatch), "boundary_sync": hook is not None}
     print(json.dumps(out, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps({**provenance(), "config": vars(args), "figures": out}, indent=1))
