@@ -257,11 +257,11 @@ def test_engine_greedy_tokens_and_logprobs_match(
     prompts = [[5, 17, 33, 2, 91, 14, 7], [100, 3, 44, 44, 12, 9, 150, 61, 70, 8, 1], [42]]
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, ignore_eos=True)
     monkeypatch.setattr(triton_fused, "ENABLED", False)
-    llm = LLM(str(hf_models["llama"]), skip_tokenizer_init=True, block_size=4)
+    llm = LLM(str(hf_models["llama"]), skip_tokenizer_init=True, block_size=4, num_kv_blocks=64)
     ref = llm.generate(prompts, params)
     del llm
     counts = _count_launches(monkeypatch)
-    llm = LLM(str(hf_models["llama"]), skip_tokenizer_init=True, block_size=4)
+    llm = LLM(str(hf_models["llama"]), skip_tokenizer_init=True, block_size=4, num_kv_blocks=64)
     got = llm.generate(prompts, params)
     assert min(counts.values()) > 0
     for a, b in zip(got, ref, strict=True):
