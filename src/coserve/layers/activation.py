@@ -13,6 +13,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
     x: [T, 2·d] -> [T, d].
     """
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _SiluAndMulFn.apply(x)  # type: ignore[no-any-return]
     d = x.shape[-1] // 2
     if triton_fused.use_fused_kernels(x) and x.stride(-1) == 1 and x.shape[-1] == 2 * d:
         x2 = x.reshape(-1, 2 * d)
@@ -20,3 +22,25 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         triton_fused.silu_and_mul(out, x2)
         return out.view(*x.shape[:-1], d)
     return F.silu(x[..., :d]) * x[..., d:]
+
+
+class _SiluAndMulFn(torch.autograd.Function):
+    """:func:`silu_and_mul` with a hand-written backward (one autograd node; the forward is the
+    fused kernel where it applies). With ``g, u`` the halves and ``σ = sigmoid(g)``:
+    ``dg = dy · u · σ · (1 + g · (1 − σ))``, ``du = dy · g · σ``, in fp32."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x)
+        return silu_and_mul(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        d = x.shape[-1] // 2
+        g, u = x[..., :d].float(), x[..., d:].float()
+        sig = torch.sigmoid(g)
+        dy = grad.float()
+        dg = dy * u * sig * (1 + g * (1 - sig))
+        du = dy * g * sig
+        return torch.cat([dg, du], dim=-1).to(x.dtype)

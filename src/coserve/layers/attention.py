@@ -142,9 +142,11 @@ class TorchAttention:
     ) -> torch.Tensor:
         if kv_layer is not None and meta.slot_mapping.numel() and meta.num_kv_writes != 0:
             write_kv(k, v, kv_layer, meta.slot_mapping, meta.write_index)
-        out = torch.empty_like(q)
         group = q.shape[1] // k.shape[1]
         lens, ctxs = meta.q_lens, meta.context_lens_list
+        if kv_layer is None and not any(ctxs) and (sliding_window is None or max(lens) <= sliding_window):
+            return _plain_rows(q, k, v, lens, scale, group)
+        out = torch.empty_like(q)
         start, r = 0, 0
         while r < len(lens):
             if r == meta.num_prefill_rows and kv_layer is not None:
@@ -183,6 +185,33 @@ class TorchAttention:
             out[start : start + n] = o.transpose(0, 1)
             start, r = start + n, r + 1
         return out
+
+
+def _plain_rows(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], scale: float, group: int
+) -> torch.Tensor:
+    """Causal attention of rows with no cached prefix (the trainer's recompute): one SDPA call
+    per run of equal-length rows, the runs cut with one ``split`` and joined with one ``cat``,
+    so that autograd sees two nodes instead of a slice and a slice-assignment per row.
+
+    q: [T, H, D], k, v: [T, KVH, D], ``lens``: row lengths summing to T -> [T, H, D].
+    """
+    runs: list[tuple[int, int]] = []  # (rows, length)
+    for n in lens:
+        if runs and runs[-1][1] == n:
+            runs[-1] = (runs[-1][0] + 1, n)
+        else:
+            runs.append((1, n))
+    sizes = [rows * n for rows, n in runs]
+    heads, dim = q.shape[1:]
+    outs = []
+    for (rows, n), qs, ks, vs in zip(runs, q.split(sizes), k.split(sizes), v.split(sizes), strict=True):
+        qq = qs.view(rows, n, heads, dim).transpose(1, 2)
+        kk = _repeat_heads(ks, group).view(rows, n, heads, dim).transpose(1, 2)
+        vv = _repeat_heads(vs, group).view(rows, n, heads, dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=n > 1, scale=scale)
+        outs.append(o.transpose(1, 2).reshape(rows * n, heads, dim))
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
 def _decode_rows(

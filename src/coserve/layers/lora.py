@@ -158,6 +158,11 @@ class LoRALinear(nn.Module):
         return getattr(self, f"lora_a_{target}"), getattr(self, f"lora_b_{target}")
 
     def forward(self, x: torch.Tensor, lora: LoRAContext | None = None) -> torch.Tensor:
+        fused = getattr(lora, "linear", None) if self.has_lora else None
+        if fused is not None:
+            # The trainer's recompute: base and LoRA in one autograd node (TrainableLoRA.context).
+            out: torch.Tensor = fused(self.layer, self.out_slices, x, self.weight, self.bias)
+            return out
         y = F.linear(x, self.weight, self.bias)
         if lora is not None and self.has_lora:
             for name, size in self.out_slices.items():

@@ -29,6 +29,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _RMSNormFn.apply(x, self)  # type: ignore[no-any-return]
         if triton_fused.use_fused_kernels(x, self.weight) and x.stride(-1) == 1:
             x2 = x.reshape(-1, x.shape[-1])
             out = x2.new_empty(x2.shape, dtype=torch.promote_types(self.weight.dtype, x.dtype))
@@ -56,10 +58,36 @@ class RMSNorm(nn.Module):
             triton_fused.rms_norm(out, x2, self.weight, self.eps, r2, hidden)
             return AddNorm(hidden.view(x.shape), out.view(x.shape))
         hidden = residual + x
-        return AddNorm(hidden, self._reference(hidden))
+        return AddNorm(hidden, self(hidden))
 
     def _reference(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """RMSNorm with a hand-written backward (the weight is frozen): one autograd node instead
+    of one per elementwise op, for the trainer's layer recompute. The forward is the module's
+    own (the fused kernel where it applies).
+
+    ``dx = rstd · (g − x̂ · mean(g · x̂))`` with ``g = (dy · weight)`` in fp32, ``x̂ = x · rstd``.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x)
+        ctx.norm = norm
+        return norm(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        norm: RMSNorm = ctx.norm
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)
+        xhat = xf * rstd
+        g = (grad * norm.weight).float()
+        dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+        return dx.to(x.dtype), None

@@ -50,6 +50,21 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+            return _RotaryFn.apply(q, k, positions, self)  # type: ignore[no-any-return]
+        return self.rotate(positions, q, k, self.sin_cache)
+
+    def neg_sin_cache(self) -> torch.Tensor:
+        """``−sin`` (made on first use): RoPE's backward is RoPE by the opposite angle."""
+        cache = getattr(self, "_neg_sin", None)
+        if cache is None or cache.device != self.sin_cache.device:
+            cache = self._neg_sin = -self.sin_cache
+        return cache
+
+    def rotate(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, sin_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotation with ``sin_cache`` (``sin_cache`` or :meth:`neg_sin_cache`)."""
         if (
             triton_fused.use_fused_kernels(q, k)
             and q.dim() == k.dim() == 3
@@ -57,10 +72,10 @@ class RotaryEmbedding(nn.Module):
         ):
             q_out = q.new_empty(q.shape)
             k_out = k.new_empty(k.shape)
-            triton_fused.rotary(q_out, k_out, q, k, positions, self.cos_cache, self.sin_cache)
+            triton_fused.rotary(q_out, k_out, q, k, positions, self.cos_cache, sin_cache)
             return q_out, k_out
         cos = self.cos_cache[positions].unsqueeze(1)
-        sin = self.sin_cache[positions].unsqueeze(1)
+        sin = sin_cache[positions].unsqueeze(1)
         return _apply(q, cos, sin), _apply(k, cos, sin)
 
 
@@ -70,3 +85,32 @@ def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     half = xf.shape[-1] // 2
     rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
     return (xf * cos + rotated * sin).to(dtype)
+
+
+class _RotaryFn(torch.autograd.Function):
+    """RoPE with a hand-written backward (one autograd node for q and k; the forward is the
+    fused kernel where it applies). The rotation is orthogonal, its transpose is the rotation
+    by ``−angle``: ``dx = dy·cos + rotate_half(dy)·(−sin)`` (cos/sin repeat over the halves)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.save_for_backward(positions)
+        ctx.rope = rope
+        ctx.shapes = (q.shape, k.shape, q.dtype, k.dtype, q.device)
+        return rope.rotate(positions, q, k, rope.sin_cache)
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx, gq: torch.Tensor | None, gk: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+        (positions,) = ctx.saved_tensors
+        rope: RotaryEmbedding = ctx.rope
+        q_shape, k_shape, q_dtype, k_dtype, device = ctx.shapes
+        if gq is None:
+            gq = torch.zeros(q_shape, dtype=q_dtype, device=device)
+        if gk is None:
+            gk = torch.zeros(k_shape, dtype=k_dtype, device=device)
+        dq, dk = rope.rotate(positions, gq.contiguous(), gk.contiguous(), rope.neg_sin_cache())
+        return dq, dk, None, None

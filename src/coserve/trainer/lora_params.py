@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from coserve.layers.lora import LoRAContext, dropout_mask, row_dropout_key
 from coserve.models.peft_adapter import LORA_TARGETS, LoraAdapter
@@ -74,6 +75,19 @@ class TrainableLoRA:
         self.flat = torch.zeros(off, dtype=torch.float32, device=device)
         self.load_adapter(adapter)
         self.flat.requires_grad_(True)
+        # NOTE: autograd runs through one leaf per layer (a view of `flat`'s storage) whose
+        # `.grad` is a view of `flat.grad`: every layer's gradient lands in place in the flat
+        # buffer. Differentiating through slices of `flat` itself would make each slice's
+        # backward allocate, zero and add a full-size [P] gradient (8 per layer for q/k/v/o).
+        self._layer_spans: list[tuple[int, int]] = []
+        for layer in range(self.num_layers):
+            pairs = [self._slices[(layer, t)] for t in self.target_modules if (layer, t) in self._slices]
+            start = pairs[0].a_off if pairs else off
+            end = pairs[-1].b_off + pairs[-1].b_shape[0] * pairs[-1].b_shape[1] if pairs else off
+            self._layer_spans.append((start, end))
+        storage = self.flat.detach()
+        self._leaves = [storage[s:e].requires_grad_(True) for s, e in self._layer_spans]
+        self._bound_grad: torch.Tensor | None = None
 
     @property
     def numel(self) -> int:
@@ -92,6 +106,34 @@ class TrainableLoRA:
         """View ``[out, r]`` of ``B`` of ``(layer, target)`` into ``flat``."""
         s = self._slices[(layer, target)]
         return self.flat[s.b_off : s.b_off + s.b_shape[0] * s.b_shape[1]].view(s.b_shape)
+
+    def bind_grads(self) -> None:
+        """Make ``flat.grad`` exist (zeros if None) and point each layer leaf's ``.grad`` into it,
+        so that backward passes accumulate into ``flat.grad`` in place. Called by
+        :meth:`context`; needed again only after something replaced ``flat.grad``."""
+        grad = self.flat.grad
+        if grad is None:
+            grad = torch.zeros_like(self.flat)
+            self.flat.grad = grad
+        if grad is not self._bound_grad:
+            for (s, e), leaf in zip(self._layer_spans, self._leaves, strict=True):
+                leaf.grad = grad[s:e]
+            self._bound_grad = grad
+
+    def layer_weights(self, layer: int, dtype: torch.dtype) -> torch.Tensor:
+        """Layer ``layer``'s A/B values as one differentiable tensor in ``dtype`` (the layer's span
+        of ``flat``; see :meth:`unpack`)."""
+        return self._leaves[layer].to(dtype)
+
+    def unpack(self, weights: torch.Tensor, layer: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """``target -> (A [r, in], B [out, r])`` views of :meth:`layer_weights` (one split)."""
+        pairs = [(t, self._slices[(layer, t)]) for t in self.target_modules if (layer, t) in self._slices]
+        sizes = [n for _, s in pairs for n in (s.a_shape[0] * s.a_shape[1], s.b_shape[0] * s.b_shape[1])]
+        parts = weights.split(sizes)
+        return {
+            t: (parts[2 * i].view(s.a_shape), parts[2 * i + 1].view(s.b_shape))
+            for i, (t, s) in enumerate(pairs)
+        }
 
     def to_adapter(self, base_model_name_or_path: str | None = None) -> LoraAdapter:
         """An fp32 CPU copy of the current weights (for ``save_peft_adapter``)."""
@@ -180,6 +222,7 @@ class TrainableLoRA:
         ``dropout_key`` is None. The stacks the linears pass in are ignored.
         """
         key = dropout_key if self.dropout > 0 else None
+        self.bind_grads()
         return _TrainingLoRA(self, key, None if row_lens is None else tuple(row_lens))
 
 
@@ -190,6 +233,14 @@ class _TrainingLoRA:
         self.lora = lora
         self.key = key
         self.row_lens = row_lens
+        self._cast: tuple[int, torch.dtype, dict[str, tuple[torch.Tensor, torch.Tensor]]] | None = None
+
+    def _weights(self, layer: int, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The layer's A/B, cast and split once per layer (q/k/v/o share one cast node)."""
+        if self._cast is None or self._cast[:2] != (layer, dtype):
+            lora = self.lora
+            self._cast = (layer, dtype, lora.unpack(lora.layer_weights(layer, dtype), layer))
+        return self._cast[2]
 
     def apply(
         self,
@@ -205,8 +256,62 @@ class _TrainingLoRA:
             return
         if self.key is not None:
             x = x * self._mask(layer, target, x).to(x.dtype)
-        la, lb = lora.a(layer, target).to(x.dtype), lora.b(layer, target).to(x.dtype)
+        la, lb = self._weights(layer, x.dtype)[target]
         y.add_(((x @ la.T) @ lb.T) * lora.scaling)
+
+    def linear(
+        self,
+        layer: int,
+        out_slices: dict[str, int],
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``x @ weight.T + bias`` plus the LoRA output of every trained target among
+        ``out_slices`` (name -> output size, in order): one autograd node
+        (:class:`_LoRALinearFn`) without dropout; base plus :meth:`linear_delta` with it."""
+        names = [n for n in out_slices if self.lora.trains(layer, n)]
+        if not names:
+            return F.linear(x, weight, bias)
+        if self.key is not None:
+            delta = self.linear_delta(layer, out_slices, x)
+            y = F.linear(x, weight, bias)
+            return y if delta is None else y + delta
+        ab = self._weights(layer, x.dtype)
+        a_all = torch.cat([ab[n][0] for n in names]) if len(names) > 1 else ab[names[0]][0]
+        spans, off = [], 0
+        for n, size in out_slices.items():
+            if n in names:
+                spans.append((off, size))
+            off += size
+        out: torch.Tensor = _LoRALinearFn.apply(
+            x, weight, bias, a_all, self.lora.scaling, tuple(spans), *[ab[n][1] for n in names]
+        )
+        return out
+
+    def linear_delta(self, layer: int, out_slices: dict[str, int], x: torch.Tensor) -> torch.Tensor | None:
+        """The LoRA output of a fused linear with outputs ``out_slices`` (name -> size, in
+        order) as one ``[T, Σ sizes]`` tensor (zeros for targets this adapter does not train),
+        or None when it trains none of them. Without dropout the targets share one shrink
+        matmul (``x @ [A_1; A_2; …].T``). Same values as :meth:`apply` per target."""
+        lora = self.lora
+        names = [n for n in out_slices if lora.trains(layer, n)]
+        if not names:
+            return None
+        ab = self._weights(layer, x.dtype)
+        shrunk: dict[str, torch.Tensor] = {}
+        if self.key is None:
+            a_all = torch.cat([ab[n][0] for n in names]) if len(names) > 1 else ab[names[0]][0]
+            xa = x @ a_all.T
+            shrunk = dict(zip(names, xa.split(lora.rank, dim=1), strict=True))
+        else:
+            shrunk = {n: (x * self._mask(layer, n, x).to(x.dtype)) @ ab[n][0].T for n in names}
+        parts = [
+            shrunk[n] @ ab[n][1].T if n in shrunk else x.new_zeros(x.shape[0], size)
+            for n, size in out_slices.items()
+        ]
+        delta = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+        return delta * lora.scaling
 
     def _mask(self, layer: int, target: str, x: torch.Tensor) -> torch.Tensor:
         assert self.key is not None
@@ -227,3 +332,48 @@ class _TrainingLoRA:
             for i, n in enumerate(lens)
         ]
         return torch.cat(masks) if len(masks) != 1 else masks[0]
+
+
+class _LoRALinearFn(torch.autograd.Function):
+    """``y = x Wᵀ + b``, then ``y[:, span_i] += (x A_iᵀ) B_iᵀ · s`` for each trained target
+    ``i``, with a hand-written backward: one autograd node per linear instead of about ten.
+    The base weight and bias are frozen. With ``t = [dy_i B_i]_i`` (``[T, k·r]``):
+    ``dx = dy W + s · t A``, ``dA = s · tᵀ x``, ``dB_i = s · dy_iᵀ (x A_iᵀ)``.
+
+    x: [T, in]; weight: [out, in]; a_all: [k·r, in] (the targets' A stacked); bs: k × [out_i, r].
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        a_all: torch.Tensor,
+        scaling: float,
+        spans: tuple[tuple[int, int], ...],
+        *bs: torch.Tensor,
+    ) -> torch.Tensor:
+        y = F.linear(x, weight, bias)
+        xa = x @ a_all.T
+        for (off, size), part, b in zip(spans, xa.split(a_all.shape[0] // len(bs), dim=1), bs, strict=True):
+            y[:, off : off + size] += (part @ b.T) * scaling
+        ctx.save_for_backward(x, weight, a_all, xa, *bs)
+        ctx.scaling = scaling
+        ctx.spans = spans
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        x, weight, a_all, xa, *bs = ctx.saved_tensors
+        s: float = ctx.scaling
+        spans: tuple[tuple[int, int], ...] = ctx.spans
+        dys = [dy[:, off : off + size] for off, size in spans]
+        t = torch.cat([g @ b for g, b in zip(dys, bs, strict=True)], dim=1)
+        dx = dy @ weight if ctx.needs_input_grad[0] else None
+        if dx is not None:
+            dx.addmm_(t, a_all, alpha=s)
+        da = (t.T @ x) * s
+        parts = xa.split(a_all.shape[0] // len(bs), dim=1)
+        dbs = [(g.T @ part) * s for g, part in zip(dys, parts, strict=True)]
+        return (dx, None, None, da, None, None, *dbs)
