@@ -86,12 +86,16 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         "--ft-samples", type=int, default=2000, help="synthetic samples (cycled in epochs)"
     )
     f.add_argument(
-        "--backward-tokens", type=int, default=1024, help="tokens per backward task (at least)"
+        "--backward-tokens",
+        type=int,
+        default=4096,
+        help="tokens per backward task (at least); on the H200 the trainer's backward was bound by "
+        "its CPU dispatch below ~4k tokens per task (bench/results/diagnostic/)",
     )
     f.add_argument(
         "--grad-accum",
         type=int,
-        default=4,
+        default=2,
         help="backward tasks per optimizer step (the split baseline accumulates as many batches); "
         "tasks of one step are captured while the trainer runs the previous one",
     )
