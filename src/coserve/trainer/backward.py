@@ -25,6 +25,7 @@ from coserve.trainer.lora_params import TrainableLoRA
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
+LOSS_CHUNK = 2048  # target tokens per LM-head chunk of the loss
 
 
 @dataclass(frozen=True)
@@ -69,8 +70,10 @@ def task_backward(
     ``l = L-1 … 0``: ``h_{l+1} = layer_l(h_l)`` is recomputed from ``store[l]`` with autograd
     (each row causal within itself, positions from 0, no KV cache, LoRA from
     ``lora.context(dropout_key, row_lens)``) and ``∂loss/∂h_{l+1}`` is pulled back to
-    ``∂loss/∂h_l`` and the layer's LoRA parameters. ``at_layer_boundary(l)`` runs before layer
-    ``l``'s recompute and again before its backward (and with ``l = L`` before the loss). The loss is NOT normalized: the caller
+    ``∂loss/∂h_l`` and the layer's LoRA parameters, the attention half and the MLP half of the
+    layer each on its own. ``at_layer_boundary(l)`` runs four times per layer: before the
+    attention recompute, the MLP recompute, the MLP backward and the attention backward (and
+    with ``l = L`` before each chunk of the loss). The loss is NOT normalized: the caller
     divides by the step's target count.
 
     store: ``[L + 1, capacity, d]`` (model dtype, read only); model: frozen, never modified.
@@ -98,33 +101,49 @@ def task_backward(
     )
     ctx = ForwardContext(attn=meta, kv_cache=None, lora=lora.context(dropout_key, batch.row_lens))
 
-    if at_layer_boundary is not None:
-        at_layer_boundary(num_layers)  # the loss over the vocabulary is a layer's worth of work too
-    with torch.enable_grad():
-        # Only the target positions reach the LM head: [n_targets, V] instead of [T, V].
-        final = store[num_layers, batch.tokens].detach().requires_grad_(True)
-        logits = model.compute_logits(model.model.norm(final[picked]))
-        loss = F.cross_entropy(logits.float(), batch.targets[picked], reduction="sum")
-        loss.backward()
-        loss_sum = float(loss.detach())
-        grad = final.grad
-        del final, logits, loss
+    def boundary(layer: int) -> None:
+        if at_layer_boundary is not None:
+            at_layer_boundary(layer)
 
+    with torch.enable_grad():
+        # Only the target positions reach the LM head, LOSS_CHUNK of them at a time: a pause
+        # can come between chunks, and the logits never exceed [LOSS_CHUNK, V].
+        final = store[num_layers, batch.tokens].detach().requires_grad_(True)
+        loss_sum = 0.0
+        for chunk in picked.split(LOSS_CHUNK):
+            boundary(num_layers)  # the loss over the vocabulary is a layer's worth of work too
+            logits = model.compute_logits(model.model.norm(final[chunk]))
+            loss = F.cross_entropy(logits.float(), batch.targets[chunk], reduction="sum")
+            loss.backward()
+            loss_sum += float(loss.detach())
+            del logits, loss
+        grad = final.grad
+        del final
+
+        # Each layer in two halves (attention, MLP), each recomputed and differentiated on its
+        # own, so that a pause can come within a layer: before the attention recompute, the MLP
+        # recompute, the MLP backward and the attention backward.
         for layer_idx in range(num_layers - 1, -1, -1):
-            if at_layer_boundary is not None:
-                at_layer_boundary(layer_idx)
+            layer = model.model.layers[layer_idx]
             assert grad is not None
+            boundary(layer_idx)
             x = store[layer_idx, batch.tokens].detach()
             if layer_idx > 0:
                 x.requires_grad_(True)
-            y = model.model.layers[layer_idx](x, batch.positions, model.rotary, ctx)
-            if at_layer_boundary is not None:
-                at_layer_boundary(layer_idx)  # a second chance to pause: between recompute and backward
+            h = x + layer.self_attn(layer.input_layernorm(x), batch.positions, model.rotary, ctx)
+            boundary(layer_idx)
+            h_in = h.detach().requires_grad_(h.requires_grad)
+            y = h_in + layer.mlp(layer.post_attention_layernorm(h_in), ctx.lora)
+            boundary(layer_idx)
             if y.requires_grad:
-                # Frees this layer's graph before the next layer's is built.
+                # Frees the half's graph before the next one is built.
                 torch.autograd.backward(y, grad)
+            del y
+            boundary(layer_idx)
+            if h.requires_grad:
+                torch.autograd.backward(h, h_in.grad)
             grad = x.grad if layer_idx > 0 else None
-            del x, y
+            del x, h, h_in
     return TaskLoss(loss_sum, num_targets)
 
 
