@@ -13,13 +13,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
 
 from coserve.layers.attention import AttentionMetadata
-from coserve.models.llama import ForwardContext, LlamaForCausalLM
+from coserve.models.llama import DecoderLayer, ForwardContext, LlamaForCausalLM
 from coserve.trainer.lora_params import TrainableLoRA
 
 logger = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ def task_backward(
         # own, so that a pause can come within a layer: before the attention recompute, the MLP
         # recompute, the MLP backward and the attention backward.
         for layer_idx in range(num_layers - 1, -1, -1):
-            layer = model.model.layers[layer_idx]
+            layer = cast(DecoderLayer, model.model.layers[layer_idx])
             assert grad is not None
             boundary(layer_idx)
             x = store[layer_idx, batch.tokens].detach()
