@@ -1,8 +1,10 @@
-"""Synthetic batches through the engine's real step path: the calibration hook (DESIGN §5, hook 5)."""
+"""Synthetic batches through the engine's real step path: the calibration hook (DESIGN §5, hook 5)
+and the start-up warm-up (:mod:`coserve.engine.warmup`)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,15 +19,24 @@ if TYPE_CHECKING:
     from coserve.engine.llm_engine import LLMEngine
 
 
-def run_synthetic_batch(engine: LLMEngine, spec: BatchSpec) -> float:
-    """Run one synthetic batch through the real step path (calibration, hook 5); returns seconds.
+def run_synthetic_batch(
+    engine: LLMEngine, spec: BatchSpec, *, lora_slots: Sequence[int] = (), ft_slot: int | None = None
+) -> float:
+    """Run one synthetic batch through the real step path (calibration, hook 5; the start-up
+    warm-up); returns seconds.
 
     Borrows free KV blocks for the batch's cached context and gives them back; writes only into
     those blocks. Fine-tuning rows are captured into a scratch buffer like real ones.
+    ``lora_slots``: the adapter slots of the first inference rows (chunks, then decodes; the
+    other rows use none); ``ft_slot``: the fine-tuning rows' slot (default: the engine's
+    training slot).
     """
     rng = torch.Generator().manual_seed(len(spec.chunks) * 7919 + len(spec.decode_kv))
     vocab = engine.model_config.vocab_size
     borrowed: list[int] = []
+    slots = list(lora_slots) + [-1] * (len(spec.chunks) + len(spec.decode_kv) - len(lora_slots))
+    chunk_slots, decode_slots = slots[: len(spec.chunks)], slots[len(spec.chunks) :]
+    ft_slot = engine.training_slot if ft_slot is None else ft_slot
 
     def blocks_for(tokens: int) -> list[int]:
         got = engine.block_manager.take(engine.block_manager.blocks_for_tokens(tokens))
@@ -36,11 +47,11 @@ def run_synthetic_batch(engine: LLMEngine, spec: BatchSpec) -> float:
         return torch.randint(0, vocab, (n,), generator=rng).tolist()
 
     try:
-        rows = [BatchRow(ids(c.num_tokens), c.context_len, blocks_for(c.context_len + c.num_tokens),
-                         samples=True) for c in spec.chunks]
-        rows += [BatchRow(ids(n), 0, [], engine.training_slot, writes_kv=False) for n in spec.ft_lens]
-        rows += [BatchRow(ids(1), kv, blocks_for(kv + 1), samples=True, is_prefill=False)
-                 for kv in spec.decode_kv]
+        rows = [BatchRow(ids(c.num_tokens), c.context_len, blocks_for(c.context_len + c.num_tokens), slot,
+                         samples=True) for c, slot in zip(spec.chunks, chunk_slots, strict=True)]
+        rows += [BatchRow(ids(n), 0, [], ft_slot, writes_kv=False) for n in spec.ft_lens]
+        rows += [BatchRow(ids(1), kv, blocks_for(kv + 1), slot, samples=True, is_prefill=False)
+                 for kv, slot in zip(spec.decode_kv, decode_slots, strict=True)]
         if not rows:
             return 0.0
         ft_start = sum(c.num_tokens for c in spec.chunks)

@@ -31,6 +31,9 @@ class EngineConfig:
     lora_backend: str = "auto"
     enforce_eager: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+    # Run every eager step's shape class once at start-up so that no Triton kernel compiles while
+    # serving (engine/warmup.py): "auto" on CUDA only (the CPU has nothing to compile), "on", "off".
+    warmup: str = "auto"
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_lora_rank")
@@ -47,6 +50,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.warmup not in ("auto", "on", "off"):
+            raise ValueError(f"warmup must be auto, on or off, got {self.warmup!r}")
         sizes = self.cuda_graph_batch_sizes
         if not all(isinstance(n, int) and n > 0 for n in sizes) or list(sizes) != sorted(set(sizes)):
             raise ValueError(f"cuda_graph_batch_sizes must be increasing positive integers, got {sizes!r}")
@@ -56,6 +61,11 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    @property
+    def runs_warmup(self) -> bool:
+        """Whether the engine warms up at start-up (``auto``: on CUDA)."""
+        return self.warmup == "on" or (self.warmup == "auto" and self.torch_device.type == "cuda")
 
     def kernel_backend(self, name: str) -> str:
         """Resolve ``auto`` for an attention/LoRA backend: Triton on CUDA when it imports, else

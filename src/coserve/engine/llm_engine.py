@@ -22,6 +22,7 @@ from coserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutp
 from coserve.engine.sampling_params import SampledToken, SamplingParams
 from coserve.engine.scheduler import Scheduler, SchedulerOutput
 from coserve.engine.sequence import LoRARequest, Sequence
+from coserve.engine.warmup import WarmupReport, warm_up
 from coserve.layers.sampler import Sampler
 from coserve.models.loader import ModelSource, load_model
 from coserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -93,6 +94,8 @@ class LLMEngine:
         # here whether one is due.
         self.external_arrivals: Callable[[], bool] | None = None
         self.last_step_kind = "idle"  # idle | inference | mixed | ft-only | ft-only-interrupted
+        if config.runs_warmup:
+            self.warm_up()
 
     def attach(self, coserver: CoServer, training_slot: int = 0) -> None:
         """Co-serve: let ``coserver`` add fine-tuning rows (on a training adapter slot) to steps."""
@@ -245,6 +248,10 @@ class LLMEngine:
     def run_batch(self, spec: BatchSpec) -> float:
         """Run one synthetic batch through the real step path; returns seconds (hook 5)."""
         return run_synthetic_batch(self, spec)
+
+    def warm_up(self) -> WarmupReport:
+        """Run every eager step's shape class once, so that no kernel compiles while serving."""
+        return warm_up(self)
 
     def calibrate(self, repeats: int = 2) -> int:
         """Fit the co-server's latency model on this engine's real step path (after warm-up)."""

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -39,9 +40,32 @@ if TYPE_CHECKING:
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
+_KernelFn = TypeVar("_KernelFn", bound=Callable[..., None])
+
+
+def varying(*names: str) -> Callable[[_KernelFn], _KernelFn]:
+    """Mark a kernel's arguments that change from step to step (token and row counts, block-table
+    widths, pointers into a slice that starts at a row count) as ``do_not_specialize``.
+
+    Triton compiles one variant per specialization of an integer argument (``== 1``, divisible by
+    16) and of a pointer (16-byte aligned); an argument named here gets none, so its value never
+    asks for a new compilation in the middle of serving. The kernel computes the same results:
+    specialization only gives the compiler hints.
+    """
+
+    def mark(fn: _KernelFn) -> _KernelFn:
+        unknown = set(names) - set(inspect.signature(fn).parameters)
+        assert not unknown, f"{fn.__name__} has no argument {sorted(unknown)}"
+        fn.__dict__["do_not_specialize"] = names
+        return fn
+
+    return mark
+
+
 @functools.cache
 def jit(fn: Callable[..., None]) -> Any:
-    """``triton.jit(fn)``, done at the kernel's first launch.
+    """``triton.jit(fn)``, done at the kernel's first launch, with the arguments that
+    :func:`varying` names as ``do_not_specialize``.
 
     NOTE: Triton decides when it is imported whether its own library functions run in its
     interpreter (``TRITON_INTERPRET=1``), so it is imported here, never at module import; the
@@ -51,7 +75,7 @@ def jit(fn: Callable[..., None]) -> Any:
     import triton.language
 
     fn.__globals__["tl"] = triton.language
-    return triton.jit(fn)
+    return triton.jit(fn, do_not_specialize=list(fn.__dict__.get("do_not_specialize", ())))
 
 
 def triton_usable(device: torch.device) -> bool:
@@ -81,6 +105,9 @@ def _store_kv_kernel(
     tl.store(dst + s_kv, v, mask=mask)
 
 
+# The tiles' pointers are two rows of one [2, num_tiles] tensor: the second one's alignment
+# follows the tile count. The block-table width follows the batch's longest row.
+@varying("tile_row_ptr", "tile_m_ptr", "s_bt")
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, kv_ptr, cu_ptr, ctx_ptr, bt_ptr, tile_row_ptr, tile_m_ptr,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh,
@@ -163,6 +190,9 @@ def _prefill_kernel(
              mask=mask_m[:, None])
 
 
+# The decode rows follow the prefill rows: their context lengths and block tables are slices
+# that start at the number of prefill rows.
+@varying("ctx_ptr", "bt_ptr", "s_bt", "num_splits")
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, po_ptr, lse_ptr, kv_ptr, ctx_ptr, bt_ptr,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh,
@@ -228,6 +258,7 @@ def _decode_kernel(
         tl.store(po_ptr + row[:, None] * D + offs_d[None, :], acc / l_safe[:, None], mask=mask_g[:, None])
 
 
+@varying("num_splits")
 def _merge_kernel(
     po_ptr, lse_ptr, o_ptr, s_ot, s_oh, H, num_splits,
     BLOCK_S: tl.constexpr, D: tl.constexpr,
@@ -283,10 +314,13 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapp
     )
 
 
+MAX_DECODE_SPLITS = 64
+
+
 def decode_splits(num_rows: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
     """Splits per (row, KV head): enough programs to fill the GPU twice, none shorter than 64 keys."""
     want = -(-2 * num_sms // max(num_rows * num_kv_heads, 1))
-    return max(1, min(want, 64, -(-max_context // 64)))
+    return max(1, min(want, MAX_DECODE_SPLITS, -(-max_context // 64)))
 
 
 @dataclass(frozen=True)
@@ -409,5 +443,6 @@ class TritonAttention:
         if splits > 1:
             jit(_merge_kernel)[(nrows, heads)](
                 partial, lse, od, od.stride(0), od.stride(1), heads, splits,
-                BLOCK_S=_pow2(splits), D=d,
+                # One block for any split count: one compiled merge instead of one per power of two.
+                BLOCK_S=MAX_DECODE_SPLITS, D=d,
             )

@@ -9,6 +9,11 @@ before it multiplies ``up``.
 The torch code in ``norm.py``, ``rotary.py`` and ``activation.py`` stays the reference and the
 only path that autograd sees: these kernels have no backward. :func:`use_fused_kernels` decides,
 per call, between the two.
+
+No argument is marked :func:`~coserve.layers.triton_attention.varying`: the integers are row
+strides and sizes that the model's dimensions decide (a one-token step's q/k views have tighter
+rows, divisible by 16 all the same) and a step's token count is only the grid, so which variants
+a step compiles does not depend on its shape.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from coserve.layers.triton_attention import jit, num_sms
+from coserve.layers.triton_attention import jit, num_sms, varying
 
 if TYPE_CHECKING:
     import triton.language as tl
@@ -30,6 +30,11 @@ if TYPE_CHECKING:
     from coserve.layers.lora import LoRABatch
 
 
+# NOTE: ``n_order`` is a multiple of BLOCK_M (so divisible by 16) and so are ``s_vk`` (T·R_PAD)
+# and ``k_per_split``: they never change the specialization; ``n_order`` is marked anyway, should
+# a caller pass an order that is not padded to whole tiles. The strides stay specialized: the
+# compiler needs their divisibility to vectorize the loads of ``v``.
+@varying("n_order")
 def _shrink_kernel(
     x_ptr, a_ptr, v_ptr, order_ptr, slot_ptr, n_order,
     s_xt, s_as, s_ar, s_vk, s_vt, d_in, k_per_split,
@@ -57,6 +62,7 @@ def _shrink_kernel(
         tl.store(v_ptr + ks * s_vk + tok[:, None] * s_vt + offs_r[None, :], acc, mask=valid[:, None])
 
 
+@varying("n_order")
 def _expand_kernel(
     y_ptr, b_ptr, v_ptr, order_ptr, slot_ptr, scale_ptr, n_order,
     s_yt, s_bs, s_bo, s_vk, s_vt, d_out,
@@ -93,9 +99,13 @@ def _pow2_at_least_16(n: int) -> int:
     return max(16, 1 << max(n - 1, 0).bit_length())
 
 
+SMALL_STEP_TOKENS = 256
+"""Steps of up to this many tokens get 16-row tiles, larger ones 64-row tiles."""
+
+
 def block_m_for(num_tokens: int) -> int:
     """Tile height: small tiles for decode-sized batches, larger ones for prefill."""
-    return 16 if num_tokens <= 256 else 64
+    return 16 if num_tokens <= SMALL_STEP_TOKENS else 64
 
 
 def graph_order_length(batch_size: int, num_slots: int) -> int:

@@ -34,6 +34,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-loras", type=int, default=4)
     p.add_argument("--max-lora-rank", type=int, default=16)
+    p.add_argument("--warmup", default="auto", choices=["auto", "on", "off"],
+                   help="run every eager step shape once at start-up so no kernel compiles while "
+                        "serving (auto: on CUDA only)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
@@ -41,7 +44,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         load_format=args.load_format, dtype=args.dtype, device=args.device, seed=args.seed,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_loras=args.max_loras,
-        max_lora_rank=args.max_lora_rank,
+        max_lora_rank=args.max_lora_rank, warmup=args.warmup,
     )
 
 
