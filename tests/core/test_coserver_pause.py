@@ -177,3 +177,17 @@ def test_a_trainer_that_keeps_dying_stops_fine_tuning_not_serving() -> None:
     assert trainer.restarts == co.max_restarts
     assert co.done and co.plan(IDLE) == [], "no more fine-tuning rows; inference steps go on"
     assert co.pool.num_in_flight == 0, "nothing is left claimed"
+
+
+def test_backward_pauses_for_a_step_with_inference_and_ft_rows() -> None:
+    """Pipelined capture (the step's first task in flight): FT rows in a decode step pause the
+    backward for that step; FT rows in an FT-only step do not."""
+    co, trainer = pipelined(accumulation=2)
+    assert run_step(co) == 2 and len(trainer.submitted) == 1 and not trainer.paused
+    rows = co.plan(DECODE)
+    assert rows and trainer.paused, "inference + FT rows beside a running backward"
+    co.on_step_end(StepRecord(view=DECODE, ft_tokens=sum(len(r.token_ids) for r in rows), duration_s=0.01))
+    assert not trainer.paused and trainer.pauses == 1
+    co, trainer = pipelined(accumulation=4)
+    assert run_step(co) == 2 and run_step(co) == 2 and len(trainer.submitted) == 2
+    assert trainer.pauses == 0, "FT-only steps never pause the backward"

@@ -181,9 +181,7 @@ class CoServer:
         if self.failure is not None:
             return []
         if self._in_flight and self._must_pause(view):
-            self.trainer.pause()  # NOTE: set again in on_step_end, whatever happens in between
-            self._paused = True
-            self._pause_start = time.monotonic()
+            self._pause()
         if self._task_full():
             return []
         region = None if self._admission_closed() else self._free_region()
@@ -204,6 +202,11 @@ class CoServer:
             task_tokens += sample.num_tokens
         if not picked or region is None:
             return []
+        if view.has_inference and self._in_flight and not self._paused:
+            # NOTE: a step that carries both inference and FT rows runs eager and has the
+            # tightest budget of all; the backward beside it was the largest error of the
+            # latency model (H200, bench/results/diagnostic/): pause it for this step.
+            self._pause()
         self.pool.claim([s.sample_id for s in picked])
         self._fill_region = region
         offset = self.store.reserve(sum(s.num_tokens for s in picked), region)
@@ -214,6 +217,11 @@ class CoServer:
             offset += s.num_tokens
         first_row = len(self._task_rows)
         return [FTRow(s.sample_id, s.input_ids, self._dropout_key(first_row + j)) for j, s in enumerate(picked)]
+
+    def _pause(self) -> None:
+        self.trainer.pause()  # NOTE: set again in on_step_end, whatever happens in between
+        self._paused = True
+        self._pause_start = time.monotonic()
 
     def _dropout_key(self, row: int) -> int | None:
         """Row ``row`` of the task being filled is trained as row ``row`` of task ``_next_task_id``;
