@@ -161,6 +161,7 @@ def run_coserve(ctx: BenchContext, config: RunConfig) -> RunOutcome:
         co.latency.load_state_dict(ctx.latency_state)
         co.prediction_errors.clear()
         co.task_timings.clear()
+        co.step_log.clear()
         co.track = True
         steps, interrupted, logged = co.steps_done, co.num_interrupted, len(session.history)
         replay, util = _replay(ctx, ft_tokens=lambda: co.tokens_trained, idle_wait=session.wait)
@@ -177,6 +178,7 @@ def run_coserve(ctx: BenchContext, config: RunConfig) -> RunOutcome:
                 "interrupted_steps": co.num_interrupted - interrupted,
                 "trainer_restarts": co.num_restarts,
                 "backward_tasks": task_breakdown(co.task_timings, replay.duration_s),
+                "steps": step_table(co.step_log),
             },
         )
     finally:
@@ -199,6 +201,17 @@ def task_breakdown(
         "trainer_s": sum(t[2] for t in timings) / n,
         "turnaround_s": sum(t[1] - t[0] for t in timings) / n,
         "trainer_busy_fraction": sum(t[2] for t in timings) / max(duration_s, 1e-9),
+    }
+
+
+def step_table(log: Sequence[tuple[str, tuple[float, ...], float, float]]) -> dict[str, Any]:
+    """The replay's steps as rows ``[key, predicted s, measured s, *regressors]`` (regressors in
+    ``coserve.core.latency.TERMS[form]`` order), 6 significant digits: enough to refit the
+    latency model offline."""
+    return {
+        "columns": ["key", "predicted_s", "measured_s", "regressors"],
+        "rows": [[key, float(f"{p:.6g}"), float(f"{m:.6g}"), [float(f"{v:.6g}") for v in vec]]
+                 for key, vec, p, m in log],
     }
 
 

@@ -142,6 +142,9 @@ class CoServer:
         self.pause_windows: list[tuple[float, float]] = []
         self.pause_observed: list[float] = []
         self.prediction_errors: list[tuple[str, float, float]] = []
+        # per step: (key with /busy or /idle, the model's regressors, predicted s, measured s):
+        # the data to refit and judge latency models offline
+        self.step_log: list[tuple[str, tuple[float, ...], float, float]] = []
         # per backward task: (submitted, result received: time.monotonic; trainer-side seconds;
         # tokens) — where a co-serving run's fine-tuning time goes
         self.task_timings: list[tuple[float, float, float, int]] = []
@@ -275,8 +278,10 @@ class CoServer:
         if not record.interrupted:
             if self.track:
                 features = StepFeatures.from_record(record)
-                self.prediction_errors.append((features.key + ("/busy" if record.trainer_busy else "/idle"),
-                                               self.latency.predict(features), record.duration_s))
+                key = features.key + ("/busy" if record.trainer_busy else "/idle")
+                predicted = self.latency.predict(features)
+                self.prediction_errors.append((key, predicted, record.duration_s))
+                self.step_log.append((key, features.vector(), predicted, record.duration_s))
             self.latency.observe(record)
         rows, self._step_rows = self._step_rows, []
         if not rows:
