@@ -102,3 +102,25 @@ def test_lora_linear_backward_equals_autograd() -> None:
     before = got.flat.grad.clone()
     got.context().linear(1, out_slices, x, w, bias).backward(dy)
     torch.testing.assert_close(got.flat.grad, 2 * before)
+
+
+def test_fused_forwards_and_rope_kernel_backward_match_the_references(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """With the fused kernels on (Triton's interpreter without a GPU), the ops' forwards run the
+    kernels and RoPE's backward runs the kernel with −sin: same gradients as the torch path."""
+    calls: list[str] = []
+    for name in ("rms_norm", "rotary", "silu_and_mul"):
+        kernel = getattr(triton_fused, name)
+        monkeypatch.setattr(triton_fused, name, lambda *a, _n=name, _k=kernel, **kw: (calls.append(_n), _k(*a, **kw))[1])
+    rope = RotaryEmbedding(16, 64, RopeConfig())
+    norm = RMSNorm(32, 1e-6)
+    norm.weight.data.normal_(1.0, 0.3)
+    pos = torch.tensor([3, 0, 7, 1, 2])
+    q, k, x, gu = torch.randn(5, 2, 16), torch.randn(5, 1, 16), torch.randn(5, 32), torch.randn(5, 48)
+    refs = []
+    for enabled in (False, True):
+        monkeypatch.setattr(triton_fused, "ENABLED", enabled)
+        monkeypatch.setattr(triton_fused, "ON_CPU", enabled)
+        refs.append((_grads(lambda q, k: rope(pos, q, k), q, k), _grads(norm, x), _grads(silu_and_mul, gu)))
+    assert sorted(set(calls)) == ["rms_norm", "rotary", "silu_and_mul"] and calls.count("rotary") == 2
+    for got, ref in zip(refs[1], refs[0], strict=True):
+        _close(got, ref, 1e-5)
