@@ -30,6 +30,7 @@ from speed_common import LLAMA3_8B, TINY, add_trace_args, provenance, trace_scal
 
 from coserve.bench.metrics import attainment, latency_summary, percentile
 from coserve.bench.replay import InProcessDriver
+from coserve.bench.runners import step_table
 from coserve.bench.workload import busiest_window, load_trace
 from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig, SLOConfig
 from coserve.core.latency import BatchSpec, error_summary
@@ -152,6 +153,7 @@ def main() -> None:
             "attainment": attainment(reference.records, slo.ttft_slo_s, slo.tpot_slo_s),
             **latency_summary(reference.records),
         },
+        "steps": step_table(co.step_log),
         "replay": {
             "requests": len(result.records),
             "attainment": attainment(result.records, slo.ttft_slo_s, slo.tpot_slo_s),
