@@ -46,7 +46,8 @@ def dataset(path: Path, n: int, length: int, vocab: int, seed: int = 0) -> Path:
 
 
 def coserve_run(model_dir: Path, length: int, step_tokens: int, steps: int, warmup: int, device: str,
-                dtype: str, work: Path, vocab: int, accumulation: int = 1) -> dict[str, Any]:
+                dtype: str, work: Path, vocab: int, accumulation: int = 1,
+                save_mlp: bool = False) -> dict[str, Any]:
     """Tokens/s of FT-only steps over ``steps`` optimizer steps after ``warmup``."""
     per_step = max(1, step_tokens // length)
     n = per_step * (steps + warmup + 1)
@@ -58,7 +59,7 @@ def coserve_run(model_dir: Path, length: int, step_tokens: int, steps: int, warm
         data=data, output=work / f"out_{length}", lora=LoRAConfig(rank=16, alpha=32, target_modules=TARGETS),
         optim=OptimConfig(lr=1e-4, max_grad_norm=1.0, accumulation_tasks=accumulation),
         coserve=CoServeConfig(backward_tokens=max(length, step_tokens // accumulation), max_seq_len=length,
-                              epochs=1, seed=0, shuffle=False),
+                              epochs=1, seed=0, shuffle=False, save_mlp_activations=save_mlp),
         save_every=0,
     )
     session = FinetuneSession(engine, spec)
@@ -133,6 +134,8 @@ def main() -> None:
     p.add_argument("--accumulation-tasks", default="1",
                    help="comma list: backward tasks per optimizer step (same tokens per step); >1 overlaps "
                         "the capture of a task with the backward of the previous one")
+    p.add_argument("--save-mlp-activations", default="off", choices=["off", "on", "both"],
+                   help="keep the MLP's gate/up outputs (no MLP recompute in the trainer); both: A/B")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -149,10 +152,12 @@ def main() -> None:
     rows = []
     for length in (int(x) for x in args.lengths.split(",")):
         row: dict[str, Any] = {"seq_len": length}
+        keeps = {"off": (False,), "on": (True,), "both": (False, True)}[args.save_mlp_activations]
         for acc in (int(x) for x in args.accumulation_tasks.split(",")):
-            key = "coserve" if acc == 1 else f"coserve_accum{acc}"
-            row[key] = coserve_run(model_dir, length, args.step_tokens, args.steps, args.warmup,
-                                   args.device, dtype_name, work, config["vocab_size"], acc)
+            for keep in keeps:
+                key = ("coserve" if acc == 1 else f"coserve_accum{acc}") + ("_mlp" if keep else "")
+                row[key] = coserve_run(model_dir, length, args.step_tokens, args.steps, args.warmup,
+                                       args.device, dtype_name, work, config["vocab_size"], acc, keep)
         if not args.skip_peft:
             for gc_on in (True, False):
                 key = "peft_gc" if gc_on else "peft_no_gc"
@@ -176,6 +181,7 @@ def main() -> None:
         "config": {"shape": args.shape, "params": params, "dtype": dtype_name, "lora_rank": 16,
                    "targets": TARGETS, "step_tokens": args.step_tokens, "steps": args.steps,
                    "warmup": args.warmup, "flops_per_token": flops_per_token,
+                   "save_mlp_activations": args.save_mlp_activations,
                    "flop_count": "6*P per token: forward, recompute, input-gradient backward"},
         "figures": {"matmul_rate_tflops": peak / 1e12 if peak == peak else None, "rows": rows},
     }

@@ -72,3 +72,51 @@ def test_calibration_runs_through_the_engine_and_fits_the_model(session) -> None
     measured = min(engine.run_batch(spec) for _ in range(5))
     predicted = s.coserver.latency.predict(StepFeatures.from_view(spec.record(measured).view))
     assert predicted == pytest.approx(measured, rel=1.0), "calibrated prediction within 2x on CPU"
+
+
+def test_saved_mlp_activations_train_the_same_adapter(tmp_path: Path) -> None:
+    """FT-only steps with the gate/up outputs kept: the store's MLP planes hold what the layer
+    computes from the captured inputs, and the trainer (MLP differentiated from them) commits the
+    same adapter as the recomputing one."""
+    import torch
+
+    adapters = []
+    for keep in (False, True):
+        engine = LLMEngine(EngineConfig(model="tiny", num_training_slots=1, max_lora_rank=8))
+        spec = FinetuneSpec(data=DATA, output=tmp_path / f"out{keep}", lora=LoRAConfig(rank=8, alpha=16),
+                            optim=OptimConfig(lr=1e-2),
+                            coserve=CoServeConfig(backward_tokens=64, max_seq_len=64, save_mlp_activations=keep),
+                            trainer_threads=1)
+        s = FinetuneSession(engine, spec)
+        try:
+            assert (s.store.mlp is not None) is keep
+            engine.step()  # one FT-only step captures a task
+            if keep:
+                assert s.store.mlp is not None
+                n = s.store.used()
+                layer = engine.model.model.layers[1]
+                x = s.store.tensor[1, :n]
+                rows = s.coserver._in_flight[0][0].samples if s.coserver._in_flight else ()
+                # recompute layer 1's gate/up for the first captured row from its captured input
+                first = rows[0] if rows else None
+                assert first is not None
+                m = len(first.labels)
+                from coserve.layers.attention import AttentionMetadata
+                from coserve.models.llama import ForwardContext
+                meta = AttentionMetadata.build(q_lens=[m], context_lens=[0], block_tables=[[]], writes_kv=[False],
+                                               num_prefill_rows=1, block_size=1, device="cpu")
+                with torch.no_grad():
+                    xr = x[first.offset : first.offset + m]
+                    h = xr + layer.self_attn(layer.input_layernorm(xr), torch.arange(m), engine.model.rotary,
+                                             ForwardContext(attn=meta))
+                    gu = layer.mlp.gate_up_proj(layer.post_attention_layernorm(h))
+                torch.testing.assert_close(s.store.mlp[1, first.offset : first.offset + m], gu, rtol=1e-5, atol=1e-5)
+            while s.coserver.steps_done < 3:
+                if not engine.step():
+                    s.wait(0.05)
+            adapters.append(s.trainer.committed_adapter())
+        finally:
+            s.close()
+    for key, (a, b) in adapters[0].weights.items():
+        torch.testing.assert_close(adapters[1].weights[key][0], a, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(adapters[1].weights[key][1], b, rtol=1e-4, atol=1e-6)

@@ -97,8 +97,8 @@ def test_triton_engine_matches_torch_engine(arch: str, hf_models: dict[str, Path
     modes: list[str] = []
     execute = runner.execute
 
-    def record(rows: list[BatchRow], hook: object = None) -> torch.Tensor:
-        logits = execute(rows, hook)  # type: ignore[arg-type]
+    def record(rows: list[BatchRow], hook: object = None, mlp_hook: object = None) -> torch.Tensor:
+        logits = execute(rows, hook, mlp_hook)  # type: ignore[arg-type]
         modes.append(runner.last_mode)
         return logits
 

@@ -141,9 +141,11 @@ def engine_capture(
     dropout: float = 0.0,
     dropout_key: int | None = None,
     inference_prompt: Sequence[int] | None = None,
+    mlp_store: torch.Tensor | None = None,
 ) -> None:
     """One engine step: an optional inference prefill row (no adapter), then the FT rows routed
-    to ``slot``; a layer hook copies each FT row's layer inputs into ``store`` at its offset."""
+    to ``slot``; a layer hook copies each FT row's layer inputs into ``store`` at its offset (and
+    an MLP hook its gate/up outputs into ``mlp_store``)."""
     lens = [len(s.ids) for s in samples]
     ids = [torch.tensor(s.ids) for s in samples]
     slots = [slot] * len(samples)
@@ -161,8 +163,14 @@ def engine_capture(
         for (start, n, _), off in zip(ft_rows, offsets, strict=True):
             store[layer, off : off + n] = hidden[start : start + n]
 
+    def mlp_hook(layer: int, gate_up: torch.Tensor) -> None:
+        assert mlp_store is not None
+        for (start, n, _), off in zip(ft_rows, offsets, strict=True):
+            mlp_store[layer, off : off + n] = gate_up[start : start + n]
+
     with torch.no_grad():
-        model(torch.cat(ids), positions, ForwardContext(attn=meta, lora=lora_ctx, layer_hook=hook))
+        model(torch.cat(ids), positions, ForwardContext(attn=meta, lora=lora_ctx, layer_hook=hook,
+                                                        mlp_hook=mlp_hook if mlp_store is not None else None))
 
 
 def assert_close_scaled(actual: torch.Tensor, expected: torch.Tensor, rtol: float) -> None:
@@ -210,9 +218,12 @@ def capture_task(
     lora: TrainableLoRA,
     samples: Sequence[Sample],
     dropout_key: int | None = None,
+    mlp_store: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, list[TaskRow]]:
     """Write the master into slot 1, capture ``samples`` over two engine steps at scattered
-    offsets (in reverse order in the store), return the store and the task rows."""
+    offsets (in reverse order in the store), return the store and the task rows. With
+    ``mlp_store`` (an empty list) the gate/up outputs are captured too, into a tensor appended
+    to it."""
     manager = LoRAManager(model, max_loras=1, num_training_slots=1)
     slot = manager.training_slot(0)
     lora.write_serving(manager.stacks, slot, manager.scales)
@@ -221,6 +232,11 @@ def capture_task(
     for i in reversed(range(len(samples))):
         offsets[i], pos = pos, pos + lens[i] + 2
     store = new_store(model, pos)
+    mlp = None
+    if mlp_store is not None:
+        cfg = model.config
+        mlp = torch.zeros(cfg.num_layers, pos, 2 * cfg.intermediate_size, dtype=store.dtype)
+        mlp_store.append(mlp)
     half = len(samples) // 2
     for part in (range(half), range(half, len(samples))):
         engine_capture(
@@ -235,6 +251,7 @@ def capture_task(
             dropout=lora.dropout,
             dropout_key=dropout_key,
             inference_prompt=[7, 8, 9, 10, 11],
+            mlp_store=mlp,
         )
     return store, [TaskRow(off, s.labels) for off, s in zip(offsets, samples, strict=True)]
 
@@ -432,3 +449,28 @@ def test_bf16_model_gives_close_fp32_gradients(hf_models: dict[str, Path]) -> No
         grads[dtype] = lora.flat.grad
     cos = F.cosine_similarity(grads[torch.float32], grads[torch.bfloat16], dim=0)
     assert float(cos) > 0.99
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("targets", [ATTN, LORA_TARGETS])
+def test_saved_mlp_activations_give_the_same_gradients(
+    models: dict[str, LlamaForCausalLM], arch: str, targets: tuple[str, ...]
+) -> None:
+    """With the engine's gate/up outputs kept, layers whose MLP is not trained are differentiated
+    through the MLP by hand (no recompute); trained MLPs still recompute. Same loss and gradient
+    as full autograd either way."""
+    model = models[arch]
+    samples = random_samples(5, seed=12)
+    ref = TrainableLoRA(perturbed_adapter(model, 8, targets, seed=6))
+    loss = full_autograd_loss(model, ref, samples)
+    loss.backward()
+
+    lora = TrainableLoRA(perturbed_adapter(model, 8, targets, seed=6))
+    kept: list[torch.Tensor] = []
+    store, rows = capture_task(model, lora, samples, mlp_store=kept)
+    seen: list[int] = []
+    out = task_backward(model, lora, store, rows, at_layer_boundary=seen.append, mlp_store=kept[0])
+    assert seen == [2, 1, 1, 1, 1, 0, 0, 0, 0]
+    assert out.loss_sum == pytest.approx(loss.item(), rel=1e-5)
+    assert ref.flat.grad is not None and lora.flat.grad is not None
+    assert_close_scaled(lora.flat.grad, ref.flat.grad, rtol=1e-5)

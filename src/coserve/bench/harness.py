@@ -85,6 +85,7 @@ class FTSetup:
     naive_tokens: int | None = None
     split_mps_percentage: int = 50
     trainer_threads: int = 0
+    save_mlp_activations: bool = False
 
     @property
     def naive_limit(self) -> int:
@@ -211,6 +212,7 @@ def _config_section(
             "targets": list(ft.lora.target_modules),
             "lr": ft.optim.lr,
             "grad_accum": ft.optim.accumulation_tasks,
+            "save_mlp_activations": ft.save_mlp_activations,
             "naive_tokens": ft.naive_limit,
             "split_mps_percentage": ft.split_mps_percentage,
         },
@@ -271,6 +273,7 @@ def _setup(
         split_mps_percentage=ft.split_mps_percentage,
         trainer_threads=ft.trainer_threads,
         warmup_timeout_s=spec.trainer_warmup_timeout_s,
+        save_mlp_activations=ft.save_mlp_activations,
     )
     ctx = BenchContext(
         engine=engine,

@@ -42,6 +42,7 @@ class TrainingSetup:
     split_mps_percentage: int
     trainer_threads: int = 0
     warmup_timeout_s: float = 300.0
+    save_mlp_activations: bool = False
 
 
 @dataclass
@@ -117,7 +118,8 @@ def _session_spec(ctx: BenchContext, config: RunConfig) -> FinetuneSpec:
         lora=t.lora,
         optim=t.optim,
         coserve=CoServeConfig(
-            backward_tokens=t.backward_tokens, max_seq_len=t.max_seq_len, epochs=1000, seed=ctx.seed
+            backward_tokens=t.backward_tokens, max_seq_len=t.max_seq_len, epochs=1000, seed=ctx.seed,
+            save_mlp_activations=t.save_mlp_activations,
         ),
         slo=replace(
             ctx.slo,

@@ -7,6 +7,11 @@ of ``capacity`` tokens from its first capture until its backward is done; with t
 next task of the same optimizer step can be captured while the trainer differentiates the
 previous one. Tokens are reserved contiguously inside a region. The buffer is shared with the
 trainer process (shared memory on CPU, CUDA IPC on GPU) and never reallocated.
+
+With ``mlp_width`` (``2 · intermediate_size``) a second buffer ``mlp [num_layers, regions ·
+capacity, mlp_width]`` keeps every layer's gate/up projection output of the same tokens: the
+trainer then differentiates the MLP from it instead of recomputing the two largest matmuls of
+each layer (at ``2 · mlp_width`` bytes per token and layer).
 """
 
 from __future__ import annotations
@@ -16,12 +21,16 @@ import torch
 
 class ActivationStore:
     def __init__(self, num_layers: int, capacity: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device | str, regions: int = 1) -> None:
+                 device: torch.device | str, regions: int = 1, mlp_width: int = 0) -> None:
         if capacity <= 0 or regions <= 0:
             raise ValueError(f"activation store: capacity and regions must be positive, got {capacity}, {regions}")
         self.tensor = torch.zeros(num_layers + 1, regions * capacity, hidden_size, dtype=dtype, device=device)
-        if self.tensor.device.type == "cpu":
-            self.tensor.share_memory_()
+        self.mlp: torch.Tensor | None = None
+        if mlp_width > 0:
+            self.mlp = torch.zeros(num_layers, regions * capacity, mlp_width, dtype=dtype, device=device)
+        for t in (self.tensor, self.mlp):
+            if t is not None and t.device.type == "cpu":
+                t.share_memory_()
         self.capacity = capacity
         self.regions = regions
         self._used = [0] * regions
@@ -51,3 +60,8 @@ class ActivationStore:
     def capture(self, layer: int, offset: int, hidden: torch.Tensor) -> None:
         """``plane[layer][offset : offset + len(hidden)] = hidden``."""
         self.tensor[layer, offset : offset + hidden.shape[0]].copy_(hidden)
+
+    def capture_mlp(self, layer: int, offset: int, gate_up: torch.Tensor) -> None:
+        """``mlp[layer][offset : offset + len(gate_up)] = gate_up`` (a store with MLP planes)."""
+        assert self.mlp is not None, "this activation store keeps no MLP activations"
+        self.mlp[layer, offset : offset + gate_up.shape[0]].copy_(gate_up)

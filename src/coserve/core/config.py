@@ -79,6 +79,9 @@ class CoServeConfig:
 
     ``backward_tokens``: a backward task is handed to the trainer once it holds at least this many
     captured tokens. ``max_seq_len``: longest fine-tuning sample (longer ones are truncated).
+    ``save_mlp_activations``: also keep each layer's gate/up projection output of the captured
+    tokens, so that the trainer skips recomputing the MLP of layers whose MLP it does not train
+    (``4 · intermediate_size`` bytes per token and layer in bf16).
     """
 
     backward_tokens: int = 256
@@ -88,6 +91,7 @@ class CoServeConfig:
     shuffle: bool = True
     train_on_prompt: bool = False
     candidate_window: int = 64
+    save_mlp_activations: bool = False
 
     def __post_init__(self) -> None:
         if self.backward_tokens <= 0:

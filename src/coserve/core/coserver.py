@@ -258,6 +258,18 @@ class CoServer:
         start = self._step_ft_start
         self.store.capture(layer, self._step_rows[0].offset, hidden[start : start + n])
 
+    @property
+    def keeps_mlp(self) -> bool:
+        """Whether the store keeps the MLP activations too (the host then calls :meth:`on_mlp`)."""
+        return self.store.mlp is not None
+
+    def on_mlp(self, layer: int, gate_up: torch.Tensor) -> None:
+        """Copy the fine-tuning rows' gate/up projection output into the store."""
+        if not self._step_rows:
+            return
+        start = self._step_ft_start
+        self.store.capture_mlp(layer, self._step_rows[0].offset, gate_up[start : start + self._step_tokens()])
+
     def _bound_lookahead(self) -> None:
         """Keep the GPU at most one layer behind the CPU in an FT-only step, so that checking
         for arrivals at a layer boundary means something."""

@@ -62,11 +62,20 @@ def run_synthetic_batch(
         def capture(layer: int, hidden: torch.Tensor) -> None:
             scratch.copy_(hidden[ft_start : ft_start + ft_tokens])
 
+        mlp_hook = None
+        co = engine.coserver
+        if ft_tokens and co is not None and co.keeps_mlp:  # the real steps copy the MLP outputs too
+            mlp_scratch = torch.empty(ft_tokens, 2 * engine.model_config.intermediate_size,
+                                      dtype=engine.runner.dtype, device=engine.runner.device)
+
+            def mlp_hook(layer: int, gate_up: torch.Tensor) -> None:
+                mlp_scratch.copy_(gate_up[ft_start : ft_start + ft_tokens])
+
         # A layer hook makes the runner take its eager path, which an `eager` spec asks for.
         hook = capture if ft_tokens else (_no_hook if spec.mode == "eager" else None)
         engine.sync()
         start = time.perf_counter()
-        logits = engine.runner.execute(rows, hook)
+        logits = engine.runner.execute(rows, hook, mlp_hook)
         if logits.shape[0]:  # sample like a real step does (greedy; the sampler syncs)
             n = logits.shape[0]
             engine.sampler(logits, [_GREEDY] * n, [None] * n, [0] * n, engine.eos_token_ids)

@@ -210,9 +210,11 @@ class LLMEngine:
         self.last_step_kind = ("ft-only" if sched.is_empty else "mixed") if ft_rows else "inference"
         if ft_rows:
             rows = self.with_ft_rows(rows, len(sched.prefills), ft_rows)
-        hook = self.coserver.on_layer if ft_rows and self.coserver is not None else None
+        co = self.coserver if ft_rows else None
+        hook = co.on_layer if co is not None else None
+        mlp_hook = co.on_mlp if co is not None and co.keeps_mlp else None
         try:
-            logits = self.runner.execute(rows, hook)
+            logits = self.runner.execute(rows, hook, mlp_hook)
         except Interrupted:
             assert self.coserver is not None and view is not None and sched.is_empty
             self.last_step_kind = "ft-only-interrupted"

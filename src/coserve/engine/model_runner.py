@@ -147,13 +147,14 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, rows: list[BatchRow], layer_hook: LayerHook | None = None) -> torch.Tensor:
+    def execute(self, rows: list[BatchRow], layer_hook: LayerHook | None = None,
+                mlp_hook: LayerHook | None = None) -> torch.Tensor:
         """Run one step; returns fp32 logits ``[n_sampling_rows, V]`` in row order.
 
         Sets ``last_mode``: ``graph`` (decode-only step replayed from a CUDA graph; ``layer_hook``
         must be None then, a hook forces eager) or ``eager``.
         """
-        if layer_hook is None and self.graphs is not None and self.graphs.accepts(rows):
+        if layer_hook is None and mlp_hook is None and self.graphs is not None and self.graphs.accepts(rows):
             self.last_mode = "graph"
             return self.graphs.run(rows)
         self.last_mode = "eager"
@@ -171,6 +172,7 @@ class ModelRunner:
             lora=lora,
             backend=self.backend,
             layer_hook=layer_hook,
+            mlp_hook=mlp_hook,
         )
         hidden = self.model(inputs.input_ids, inputs.positions, ctx)
         return self.model.compute_logits(hidden[inputs.logits_indices])

@@ -37,10 +37,15 @@ class _SiluAndMulFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         (x,) = ctx.saved_tensors
-        d = x.shape[-1] // 2
-        g, u = x[..., :d].float(), x[..., d:].float()
-        sig = torch.sigmoid(g)
-        dy = grad.float()
-        dg = dy * u * sig * (1 + g * (1 - sig))
-        du = dy * g * sig
-        return torch.cat([dg, du], dim=-1).to(x.dtype)
+        return silu_and_mul_backward(x, grad)
+
+
+def silu_and_mul_backward(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``∂loss/∂x`` of :func:`silu_and_mul` given ``grad`` (see :class:`_SiluAndMulFn`)."""
+    d = x.shape[-1] // 2
+    g, u = x[..., :d].float(), x[..., d:].float()
+    sig = torch.sigmoid(g)
+    dy = grad.float()
+    dg = dy * u * sig * (1 + g * (1 - sig))
+    du = dy * g * sig
+    return torch.cat([dg, du], dim=-1).to(x.dtype)

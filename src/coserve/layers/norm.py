@@ -84,10 +84,15 @@ class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         (x,) = ctx.saved_tensors
-        norm: RMSNorm = ctx.norm
-        xf = x.float()
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)
-        xhat = xf * rstd
-        g = (grad * norm.weight).float()
-        dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
-        return dx.to(x.dtype), None
+        return rms_norm_backward(x, ctx.norm, grad), None
+
+
+def rms_norm_backward(x: torch.Tensor, norm: RMSNorm, grad: torch.Tensor) -> torch.Tensor:
+    """``∂loss/∂x`` of ``norm(x)`` given ``grad = ∂loss/∂norm(x)`` (the weight is frozen):
+    ``rstd · (g − x̂ · mean(g · x̂))`` with ``g = grad · weight`` in fp32, ``x̂ = x · rstd``."""
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)
+    xhat = xf * rstd
+    g = (grad * norm.weight).float()
+    dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+    return dx.to(x.dtype)

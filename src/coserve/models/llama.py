@@ -38,6 +38,8 @@ class ForwardContext:
     lora: LoRAContext | None = None
     backend: AttentionBackend | None = None
     layer_hook: LayerHook | None = None
+    # ``mlp_hook(i, gate_up)``: layer ``i``'s gate/up projection output [T, 2·intermediate]
+    mlp_hook: LayerHook | None = None
 
 
 class Attention(nn.Module):
@@ -82,8 +84,11 @@ class MLP(nn.Module):
             layer, cfg.intermediate_size, {"down_proj": cfg.hidden_size}, False, num_slots, max_rank, dtype
         )
 
-    def forward(self, x: torch.Tensor, lora: LoRAContext | None) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x, lora)), lora)
+    def forward(self, x: torch.Tensor, lora: LoRAContext | None, hook: LayerHook | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x, lora)
+        if hook is not None:
+            hook(self.gate_up_proj.layer, gate_up)
+        return self.down_proj(silu_and_mul(gate_up), lora)
 
 
 class LayerOutput(NamedTuple):
@@ -121,7 +126,7 @@ class DecoderLayer(nn.Module):
         """
         attn = self.self_attn(normed, positions, rotary, ctx)
         hidden, normed = self.post_attention_layernorm.add_and_norm(attn, hidden)
-        return LayerOutput(hidden, self.mlp(normed, ctx.lora))
+        return LayerOutput(hidden, self.mlp(normed, ctx.lora, ctx.mlp_hook))
 
 
 class DecoderModel(nn.Module):

@@ -99,6 +99,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         help="backward tasks per optimizer step (the split baseline accumulates as many batches); "
         "tasks of one step are captured while the trainer runs the previous one",
     )
+    f.add_argument(
+        "--save-mlp-activations",
+        action="store_true",
+        help="co-serving trainers differentiate the MLP from kept gate/up outputs (no MLP recompute)",
+    )
     f.add_argument("--lora-rank", type=int, default=16)
     f.add_argument("--lora-alpha", type=float, default=32.0)
     f.add_argument("--target-modules", default="q_proj,k_proj,v_proj,o_proj")
@@ -195,6 +200,7 @@ def bench_spec(args: argparse.Namespace) -> BenchSpec:
             naive_tokens=args.naive_tokens,
             split_mps_percentage=args.split_mps_percentage,
             trainer_threads=args.trainer_threads,
+            save_mlp_activations=args.save_mlp_activations,
         ),
         out=Path(args.out),
         seed=args.seed,

@@ -103,6 +103,9 @@ def add_finetune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backward-tokens", type=int, default=256)
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--train-on-prompt", action="store_true")
+    p.add_argument("--save-mlp-activations", action="store_true",
+                   help="keep the MLP's gate/up outputs of captured tokens so that the trainer does not "
+                        "recompute the MLP (more activation memory, less backward work)")
     p.add_argument("--trainer-threads", type=int, default=0, help="torch threads of the trainer process (0: default)")
     p.add_argument("--save-every", type=int, default=100,
                    help="write OUTPUT/checkpoint every N optimizer steps and at the end (0: never)")
@@ -124,7 +127,8 @@ def finetune_spec(args: argparse.Namespace) -> FinetuneSpec:
                           weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
                           accumulation_tasks=args.grad_accum),
         coserve=CoServeConfig(backward_tokens=args.backward_tokens, max_seq_len=args.max_seq_len,
-                              epochs=args.epochs, seed=args.seed, train_on_prompt=args.train_on_prompt),
+                              epochs=args.epochs, seed=args.seed, train_on_prompt=args.train_on_prompt,
+                              save_mlp_activations=args.save_mlp_activations),
         init_adapter=Path(args.init_adapter) if args.init_adapter else None,
         trainer_threads=args.trainer_threads,
         save_every=args.save_every,

@@ -90,11 +90,12 @@ class FinetuneSession:
         # the previous one (same adapter weights); with one task per step there is nothing to overlap.
         self.store = ActivationStore(model.config.num_layers, cfg.store_capacity, model.config.hidden_size,
                                      engine.runner.dtype, engine.runner.device,
-                                     regions=2 if optim.accumulation_tasks > 1 else 1)
+                                     regions=2 if optim.accumulation_tasks > 1 else 1,
+                                     mlp_width=2 * model.config.intermediate_size if cfg.save_mlp_activations else 0)
         self.trainer = TrainerProcess(
             model, self.store.tensor, engine.lora_manager.scales, adapter,
             slot=engine.lora_manager.training_slot(0), optim=optim, dropout=spec.lora.dropout, seed=cfg.seed,
-            num_threads=spec.trainer_threads, sm_share=spec.trainer_sm_share,
+            num_threads=spec.trainer_threads, sm_share=spec.trainer_sm_share, mlp_store=self.store.mlp,
         )
         self.coserver = CoServer(
             pool=self.pool, samples={s.sample_id: s for s in self.dataset.samples}, store=self.store,

@@ -18,7 +18,9 @@ from typing import NamedTuple, cast
 import torch
 import torch.nn.functional as F
 
+from coserve.layers.activation import silu_and_mul_backward
 from coserve.layers.attention import AttentionMetadata
+from coserve.layers.norm import rms_norm_backward
 from coserve.models.llama import DecoderLayer, ForwardContext, LlamaForCausalLM
 from coserve.trainer.lora_params import TrainableLoRA
 
@@ -62,6 +64,7 @@ def task_backward(
     *,
     dropout_key: int | None = None,
     at_layer_boundary: Callable[[int], None] | None = None,
+    mlp_store: torch.Tensor | None = None,
 ) -> TaskLoss:
     """Accumulate ``∂loss/∂flat`` into ``lora.flat.grad`` from saved layer inputs.
 
@@ -75,6 +78,10 @@ def task_backward(
     attention recompute, the MLP recompute, the MLP backward and the attention backward (and
     with ``l = L`` before each chunk of the loss). The loss is NOT normalized: the caller
     divides by the step's target count.
+
+    With ``mlp_store`` ``[L, capacity, 2·intermediate]`` (the gate/up outputs the engine kept,
+    same token offsets), a layer whose MLP the adapter does not train is differentiated through
+    its MLP from those saved outputs, by hand, without recomputing the MLP's matmuls.
 
     store: ``[L + 1, capacity, d]`` (model dtype, read only); model: frozen, never modified.
     Returns the un-normalized loss sum and the number of target tokens; with no target token
@@ -132,19 +139,39 @@ def task_backward(
                 x.requires_grad_(True)
             h = x + layer.self_attn(layer.input_layernorm(x), batch.positions, model.rotary, ctx)
             boundary(layer_idx)
-            h_in = h.detach().requires_grad_(h.requires_grad)
-            y = h_in + layer.mlp(layer.post_attention_layernorm(h_in), ctx.lora)
-            boundary(layer_idx)
-            if y.requires_grad:
-                # Frees the half's graph before the next one is built.
-                torch.autograd.backward(y, grad)
-            del y
+            if mlp_store is not None and not any(lora.trains(layer_idx, t) for t in MLP_TARGETS):
+                with torch.no_grad():
+                    dh = grad + _mlp_input_grad(layer, h.detach(), mlp_store[layer_idx, batch.tokens], grad)
+                boundary(layer_idx)
+            else:
+                h_in = h.detach().requires_grad_(h.requires_grad)
+                y = h_in + layer.mlp(layer.post_attention_layernorm(h_in), ctx.lora)
+                boundary(layer_idx)
+                if y.requires_grad:
+                    # Frees the half's graph before the next one is built.
+                    torch.autograd.backward(y, grad)
+                dh = h_in.grad
+                del y, h_in
             boundary(layer_idx)
             if h.requires_grad:
-                torch.autograd.backward(h, h_in.grad)
+                torch.autograd.backward(h, dh)
             grad = x.grad if layer_idx > 0 else None
-            del x, h, h_in
+            del x, h, dh
     return TaskLoss(loss_sum, num_targets)
+
+
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _mlp_input_grad(layer: DecoderLayer, h: torch.Tensor, gate_up: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``∂loss/∂h`` through ``mlp(post_attention_layernorm(h))`` (no LoRA on the MLP) given
+    ``grad = ∂loss/∂mlp(...)`` and the saved gate/up output: ``down`` and ``gate_up`` transposed,
+    the SwiGLU and RMSNorm backwards; no forward matmul is recomputed."""
+    mlp = layer.mlp
+    d_act = grad @ mlp.down_proj.weight
+    d_gate_up = silu_and_mul_backward(gate_up, d_act)
+    d_normed = d_gate_up @ mlp.gate_up_proj.weight
+    return rms_norm_backward(h, layer.post_attention_layernorm, d_normed)
 
 
 def _task_batch(rows: Sequence[TaskRow], capacity: int, device: torch.device) -> _TaskBatch:

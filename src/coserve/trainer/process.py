@@ -41,6 +41,7 @@ class TrainerProcess:
         seed: int = 0,
         num_threads: int = 0,
         sm_share: int | None = None,
+        mlp_store: torch.Tensor | None = None,
     ) -> None:
         device = store.device
         self._layout = TrainableLoRA(adapter, dropout=dropout, seed=seed, device="cpu")
@@ -58,7 +59,7 @@ class TrainerProcess:
         self.grant = self._ctx.Event()
         self.grant.set()
         self.spec = WorkerSpec(model, store, scales, self.banks, self.meta, adapter, slot, dropout, seed,
-                               optim, grant=self.grant, num_threads=num_threads)
+                               optim, grant=self.grant, num_threads=num_threads, mlp_store=mlp_store)
         self._proc: BaseProcess | None = None
         if device.type == "cuda" and not mps_active():
             logger.warning("CUDA MPS daemon not running: the trainer's kernels time-slice with the engine's "

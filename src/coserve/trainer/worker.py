@@ -43,6 +43,7 @@ class WorkerSpec:
     grant: Any = None  # multiprocessing Event: set = the trainer may run, cleared = pause
     num_threads: int = 0
     max_layers_ahead: int = 1
+    mlp_store: torch.Tensor | None = None  # the store's MLP planes, when it keeps them
 
 
 def run_worker(spec: WorkerSpec, tasks: Any, results: Any) -> None:
@@ -81,7 +82,7 @@ class _Worker:
         start = time.perf_counter()
         rows = [TaskRow(s.offset, s.labels) for s in task.samples]
         loss = task_backward(self.spec.model, self.lora, self.spec.store, rows, dropout_key=task.task_id,
-                             at_layer_boundary=self._layer_boundary)
+                             at_layer_boundary=self._layer_boundary, mlp_store=self.spec.mlp_store)
         self._events.clear()
         self.loss_sum += loss.loss_sum
         self.num_targets += loss.num_targets
