@@ -116,13 +116,15 @@ def task_backward(
         # Only the target positions reach the LM head, LOSS_CHUNK of them at a time: a pause
         # can come between chunks, and the logits never exceed [LOSS_CHUNK, V].
         final = store[num_layers, batch.tokens].detach().requires_grad_(True)
-        loss_sum = 0.0
+        # NOTE: summed on the device and read once at the end: reading each chunk's loss would
+        # make the CPU wait for the GPU before it queues the layers' work.
+        loss_total = torch.zeros((), dtype=torch.float64, device=store.device)
         for chunk in picked.split(LOSS_CHUNK):
             boundary(num_layers)  # the loss over the vocabulary is a layer's worth of work too
             logits = model.compute_logits(model.model.norm(final[chunk]))
             loss = F.cross_entropy(logits.float(), batch.targets[chunk], reduction="sum")
             loss.backward()
-            loss_sum += float(loss.detach())
+            loss_total += loss.detach()
             del logits, loss
         grad = final.grad
         del final
@@ -157,7 +159,7 @@ def task_backward(
                 torch.autograd.backward(h, dh)
             grad = x.grad if layer_idx > 0 else None
             del x, h, dh
-    return TaskLoss(loss_sum, num_targets)
+    return TaskLoss(float(loss_total), num_targets)
 
 
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
