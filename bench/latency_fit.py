@@ -1,0 +1,105 @@
+"""Offline look at the latency model: how other model forms would have predicted recorded steps.
+
+Reads the step tables that `coserve bench` (``figures.<config>.steps``) and
+``bench/coserve_latency.py`` (``figures.steps``) write: per step its key (``form/mode/busy``),
+the regressors of ``coserve.core.latency.TERMS[form]``, the online model's prediction and the
+measured time. Per key, in step order, fits on the first ``--train`` share and reports the
+relative error on the rest for:
+
+- ``online``: what the running model predicted (refitted online as it went);
+- ``linear``: the same linear form refitted by NNLS on relative error;
+- ``floor``: ``max(floor, linear)`` — a CPU-bound floor (the ``--floor-quantile`` of the
+  training steps' times) under a linear GPU term fitted on the training steps above 1.5 × floor:
+  the form to expect when eager steps are bound by kernel launches until their work is large.
+
+    python bench/latency_fit.py bench/results/.../burst-light.json [--config full] [--out fit.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from coserve.core.latency import error_summary
+from coserve.core.nnls import fit_relative
+
+
+def step_tables(result: dict[str, Any], config: str | None) -> dict[str, list[list[Any]]]:
+    """``config -> rows`` of every step table in a result file."""
+    figures = result.get("figures", {})
+    if "steps" in figures:  # bench/coserve_latency.py
+        return {"replay": figures["steps"]["rows"]}
+    return {name: f["steps"]["rows"] for name, f in figures.items()
+            if isinstance(f, dict) and f.get("steps") and (config is None or name == config)}
+
+
+def _errors(pred: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+    stats = error_summary(((pred - y).abs() / y).tolist())
+    return {"median_rel": stats.median_rel, "p99_rel": stats.p99_rel, "n": stats.n}
+
+
+def evaluate(rows: list[list[Any]], train: float, floor_q: float) -> dict[str, Any]:
+    """Held-out errors per key of the three forms (see the module docstring)."""
+    by_key: dict[str, list[list[Any]]] = {}
+    for key, predicted, measured, vec in rows:
+        if measured > 0:
+            by_key.setdefault(key, []).append([predicted, measured, vec])
+    out: dict[str, Any] = {}
+    for key, steps in sorted(by_key.items()):
+        n_train = int(len(steps) * train)
+        if n_train < 8 or len(steps) - n_train < 4:
+            out[key] = {"skipped": f"{len(steps)} steps: too few to split"}
+            continue
+        x = torch.tensor([s[2] for s in steps], dtype=torch.float64)
+        y = torch.tensor([s[1] for s in steps], dtype=torch.float64)
+        online = torch.tensor([s[0] for s in steps], dtype=torch.float64)
+        xt, yt, xh, yh = x[:n_train], y[:n_train], x[n_train:], y[n_train:]
+        theta = torch.tensor(fit_relative(xt, yt, 1.0 / yt), dtype=torch.float64)
+        floor = float(yt.quantile(floor_q))
+        above = yt > 1.5 * floor
+        if int(above.sum()) >= x.shape[1]:
+            gpu = torch.tensor(fit_relative(xt[above], yt[above], 1.0 / yt[above]), dtype=torch.float64)
+            floored = torch.maximum(xh @ gpu, torch.full_like(yh, floor))
+        else:
+            floored = torch.full_like(yh, floor)
+        out[key] = {
+            "train_steps": n_train, "held_out_steps": len(steps) - n_train,
+            "online": _errors(online[n_train:], yh),
+            "linear": _errors(xh @ theta, yh),
+            "floor": {**_errors(floored, yh), "floor_s": floor},
+            "measured_s": {"p10": float(y.quantile(0.1)), "p50": float(y.quantile(0.5)),
+                           "p90": float(y.quantile(0.9))},
+        }
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("results", nargs="+", help="result JSON files with step tables")
+    p.add_argument("--config", default=None, help="only this configuration of a bench result")
+    p.add_argument("--train", type=float, default=0.5, help="share of each key's steps to fit on")
+    p.add_argument("--floor-quantile", type=float, default=0.1)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    if not 0 < args.train < 1 or not 0 <= args.floor_quantile <= 1:
+        p.error("--train must be in (0, 1) and --floor-quantile in [0, 1]")
+    report: dict[str, Any] = {}
+    for path in args.results:
+        tables = step_tables(json.loads(Path(path).read_text()), args.config)
+        if not tables:
+            p.error(f"{path}: no step table (a result of this commit's `coserve bench` or coserve_latency.py)")
+        for name, rows in tables.items():
+            report[f"{Path(path).name}:{name}"] = evaluate(rows, args.train, args.floor_quantile)
+    text = json.dumps(report, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""bench/latency_fit.py: the held-out comparison picks the form that generated the steps."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from pathlib import Path
+
+spec = importlib.util.spec_from_file_location("latency_fit", Path(__file__).parents[2] / "bench" / "latency_fit.py")
+assert spec is not None and spec.loader is not None
+latency_fit = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(latency_fit)
+
+
+def _rows(floor: float) -> list[list[object]]:
+    rng = random.Random(0)
+    rows: list[list[object]] = []
+    for _ in range(400):
+        b, kv = rng.randint(1, 256), rng.randint(100, 200_000)
+        t = max(floor, 2e-5 * b + 3e-8 * kv + 1e-3) * rng.uniform(0.98, 1.02)
+        rows.append(["decode/eager/idle", 0.01, t, [float(b), float(kv), 1.0]])
+    return rows
+
+
+def test_floor_form_wins_on_launch_bound_steps_and_linear_on_linear_ones() -> None:
+    bound = latency_fit.evaluate(_rows(floor=4e-3), 0.5, 0.1)["decode/eager/idle"]
+    assert bound["floor"]["p99_rel"] < 0.05 < bound["linear"]["p99_rel"]
+    assert bound["floor"]["median_rel"] < bound["linear"]["median_rel"]
+    assert bound["online"]["median_rel"] > 0.5  # the constant 10 ms "prediction" of the rows
+    linear = latency_fit.evaluate(_rows(floor=0.0), 0.5, 0.1)["decode/eager/idle"]
+    assert linear["linear"]["median_rel"] < 0.05
+    assert latency_fit.evaluate(_rows(0.0)[:10], 0.5, 0.1)["decode/eager/idle"]["skipped"]
