@@ -102,6 +102,7 @@ def test_every_configuration_runs_on_the_same_arrivals(
         # two tasks per optimizer step, each of at least --backward-tokens tokens
         assert tasks["tasks"] >= 2 * figures[name]["optimizer_steps"] - 1 and tasks["tokens"] >= 64, name
         assert tasks["turnaround_s"] >= tasks["trainer_s"] > 0, name
+        assert 0 <= tasks["paused_s"] <= tasks["trainer_s"], name
         rows = figures[name]["steps"]["rows"]
         assert len(rows) == figures[name]["latency_model_error"]["all"]["n"], name
         assert all(r[0].split("/")[0] in ("prefill", "decode") and r[2] > 0 and r[3] for r in rows)

@@ -44,6 +44,7 @@ class TaskResult:
     duration_s: float
     step_info: StepInfo | None = None
     pause_times: tuple[float, ...] = ()  # time.monotonic() when the worker found the grant cleared and its GPU queue drained
+    paused_s: float = 0.0  # of duration_s, the time spent draining and waiting for the grant
 
 
 @dataclass(frozen=True)

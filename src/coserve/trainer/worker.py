@@ -74,6 +74,7 @@ class _Worker:
         self.num_targets = 0
         self._events: list[torch.cuda.Event] = []
         self._pauses: list[float] = []
+        self._paused_s = 0.0
         bank = int(spec.meta[0])
         if bank >= 0:
             self.optim.import_state(spec.banks[bank], int(spec.meta[1 + bank]))
@@ -93,7 +94,9 @@ class _Worker:
             self._commit()
             info = StepInfo(task.step, res.lr, res.grad_norm, res.skipped)
         pauses, self._pauses = tuple(self._pauses), []
-        return TaskResult(task.task_id, loss.loss_sum, loss.num_targets, time.perf_counter() - start, info, pauses)
+        paused, self._paused_s = self._paused_s, 0.0
+        return TaskResult(task.task_id, loss.loss_sum, loss.num_targets, time.perf_counter() - start, info, pauses,
+                          paused)
 
     def _layer_boundary(self, layer: int) -> None:
         """Pause here while the engine runs a prefill; keep GPU work queued ahead of the CPU to
@@ -106,10 +109,12 @@ class _Worker:
                 self._events.pop(0).synchronize()
         grant = self.spec.grant
         if grant is not None and not grant.is_set():
+            began = time.perf_counter()
             if self.spec.store.is_cuda:
                 torch.cuda.current_stream().synchronize()
             self._pauses.append(time.monotonic())
             grant.wait()
+            self._paused_s += time.perf_counter() - began
 
     def _commit(self) -> None:
         """Save the new state into the other bank, flip the bank index, then update serving."""
