@@ -3,9 +3,11 @@
 Every LoRA-capable linear keeps, per output slice (``q_proj``, ``k_proj``, ... of a fused
 projection), a stack of adapter weights indexed by adapter slot:
 ``A: [S, r_max, in]``, ``B: [S, out, r_max]``. An adapter of rank ``r < r_max`` occupies the
-first ``r`` rows of A / columns of B, the rest stay zero. Slots are allocated once; loading an
-adapter or a training update writes into them in place (kernels and the trainer hold their
-addresses).
+first ``r`` rows of A / columns of B, the rest stay zero. The stacks of a linear's ``k`` slices
+are views into two buffers, ``A_all: [S, k·r_max, in]`` and ``B_all: [S, Σ out, r_max]``, so a
+LoRA context can serve all slices at once (they share the input). Slots are allocated once;
+loading an adapter or a training update writes into them in place (kernels and the trainer hold
+their addresses).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from coserve.core.messages import row_dropout_key as row_dropout_key  # re-exported for the trainer
-from coserve.layers.triton_lora import TritonLoRA
+from coserve.layers.triton_lora import TritonLoRA, slice_stacks
 
 
 @dataclass
@@ -93,6 +95,29 @@ class LoRAContext(Protocol):
     ) -> None: ...
 
 
+class FusedLoRAContext(LoRAContext, Protocol):
+    """A LoRA context that can also serve every output slice of a fused linear in one go;
+    :class:`LoRALinear` calls :meth:`apply_fused` instead of :meth:`apply` when the context has it.
+    """
+
+    def apply_fused(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        a_all: torch.Tensor,
+        b_all: torch.Tensor,
+        out_slices: dict[str, int],
+    ) -> None:
+        """Like :meth:`apply` for each slice of ``out_slices`` (name -> out size, in order) at once.
+
+        x: [T, in], y: [T, Σ out] (the linear's whole output, in place), a_all: [S, k·r, in]
+        (slice ``i``'s A in rows ``[i·r, (i+1)·r)``), b_all: [S, Σ out, r] (slice ``i``'s B in
+        rows ``[off_i, off_i + out_i)``, its columns of ``y``); see :func:`slice_stacks`.
+        """
+        ...
+
+
 @dataclass
 class StackedLoRA:
     """The engine's LoRA context: per-slot stacks routed by a :class:`LoRABatch`."""
@@ -126,6 +151,9 @@ class LoRALinear(nn.Module):
     x: [T, in] -> y: [T, sum(out_slices)].
     """
 
+    lora_a_all: torch.Tensor  # [S, k·r_max, in] buffer (only when there are adapter slots)
+    lora_b_all: torch.Tensor  # [S, Σ out, r_max] buffer
+
     def __init__(
         self,
         layer: int,
@@ -148,14 +176,22 @@ class LoRALinear(nn.Module):
         for name, size in out_slices.items():
             self.offsets[name] = off
             off += size
-            if num_slots:
-                self.register_buffer(f"lora_a_{name}", torch.zeros(num_slots, max_rank, in_features, dtype=dtype))
-                self.register_buffer(f"lora_b_{name}", torch.zeros(num_slots, size, max_rank, dtype=dtype))
+        self.max_rank = max_rank
+        self._index = {name: i for i, name in enumerate(out_slices)}
         self.has_lora = num_slots > 0
+        if self.has_lora:
+            # Every slice's stacks in one buffer each (see the module docstring): A_all, B_all.
+            k = len(out_slices)
+            self.register_buffer("lora_a_all", torch.zeros(num_slots, k * max_rank, in_features, dtype=dtype))
+            self.register_buffer("lora_b_all", torch.zeros(num_slots, out, max_rank, dtype=dtype))
 
     def lora_stacks(self, target: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ``(A [S, r, in], B [S, out, r])`` stacks of one output slice."""
-        return getattr(self, f"lora_a_{target}"), getattr(self, f"lora_b_{target}")
+        """The ``(A [S, r, in], B [S, out, r])`` stacks of one output slice: views into
+        ``lora_a_all``/``lora_b_all`` (write them in place)."""
+        if not self.has_lora:
+            raise AttributeError(f"layer {self.layer} {target}: this linear has no adapter slots")
+        i, r, off = self._index[target], self.max_rank, self.offsets[target]
+        return self.lora_a_all[:, i * r : (i + 1) * r], self.lora_b_all[:, off : off + self.out_slices[target]]
 
     def forward(self, x: torch.Tensor, lora: LoRAContext | None = None) -> torch.Tensor:
         fused = getattr(lora, "linear", None) if self.has_lora else None
@@ -165,10 +201,12 @@ class LoRALinear(nn.Module):
             return out
         y = F.linear(x, self.weight, self.bias)
         if lora is not None and self.has_lora:
-            for name, size in self.out_slices.items():
-                off = self.offsets[name]
-                a, b = self.lora_stacks(name)
-                lora.apply(self.layer, name, x, y[:, off : off + size], a, b)
+            apply_fused = getattr(lora, "apply_fused", None)
+            if apply_fused is not None:
+                apply_fused(self.layer, x, y, self.lora_a_all, self.lora_b_all, self.out_slices)
+            else:
+                for name, off, a, b in slice_stacks(self.lora_a_all, self.lora_b_all, self.out_slices):
+                    lora.apply(self.layer, name, x, y[:, off : off + self.out_slices[name]], a, b)
         return y
 
 
@@ -224,6 +262,31 @@ class RowDropoutLoRA:
     ) -> None:
         if self.inner is not None:
             self.inner.apply(layer, target, x, y, a, b)
+        self._apply_rows(layer, target, x, y, a, b)
+
+    def apply_fused(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        a_all: torch.Tensor,
+        b_all: torch.Tensor,
+        out_slices: dict[str, int],
+    ) -> None:
+        """:meth:`apply` of every slice (the inner context's fused path where it has one)."""
+        slices = list(slice_stacks(a_all, b_all, out_slices))
+        inner_fused = getattr(self.inner, "apply_fused", None)
+        if inner_fused is not None:
+            inner_fused(layer, x, y, a_all, b_all, out_slices)
+        elif self.inner is not None:
+            for name, off, a, b in slices:
+                self.inner.apply(layer, name, x, y[:, off : off + out_slices[name]], a, b)
+        for name, off, a, b in slices:
+            self._apply_rows(layer, name, x, y[:, off : off + out_slices[name]], a, b)
+
+    def _apply_rows(
+        self, layer: int, target: str, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+    ) -> None:
         scale = self.scales[self.slot]
         for start, n, key in self.rows:
             m = dropout_mask(self.seed, key, layer, target, (n, x.shape[1]), self.p, x.device)

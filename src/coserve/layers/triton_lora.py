@@ -9,6 +9,11 @@ each group starting at a multiple of ``BLOCK_M`` and padded with -1, so every ti
   ``SPLIT_K`` slices of ``in``, so one tile can still spread over many multiprocessors);
 - expand, grid (tiles, out / BLOCK_N): ``y[t] += (Σ_k v[k, t]) @ B[slot].T · scale[slot]``.
 
+A fused linear's output slices (q/k/v, gate/up) share ``x``, so they share both launches
+(:func:`lora_shrink_expand_fused`): the shrink runs over the slices' stacked A rows
+(``[S, k·r, in]``), and each column block of the expand belongs to one slice, whose rank
+columns of ``v`` and rows of the stacked B (``[S, Σ out, r]``) it reads: two launches per linear.
+
 The grid depends only on ``len(order)`` and the weight shapes, and the routing lives in device
 tensors, so the same kernels serve eager prefill segments and CUDA-graph-captured decode steps
 (the runner refills ``token_slots``/``order`` before each replay; see
@@ -17,6 +22,7 @@ tensors, so the same kernels serve eager prefill segments and CUDA-graph-capture
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -65,7 +71,7 @@ def _shrink_kernel(
 @varying("n_order")
 def _expand_kernel(
     y_ptr, b_ptr, v_ptr, order_ptr, slot_ptr, scale_ptr, n_order,
-    s_yt, s_bs, s_bo, s_vk, s_vt, d_out,
+    s_yt, s_bs, s_bo, s_vk, s_vt, blk1, blk2, blk3, col1, col2, col3, col4,
     RANK: tl.constexpr, R_PAD: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -77,22 +83,35 @@ def _expand_kernel(
     valid = (tok >= 0) & (slots >= 0)
     slot = tl.max(tl.where(valid, slots, -1), 0)
     if slot >= 0:
+        # This column block's target i: target i owns the output columns [col_i, col_i+1)
+        # (col_0 = 0), tiled by the column blocks [blk_i, blk_i+1) (blk_0 = 0), and the ranks
+        # [i·RANK, (i+1)·RANK) of v.
+        i = (pid_n >= blk1).to(tl.int32) + (pid_n >= blk2).to(tl.int32) + (pid_n >= blk3).to(tl.int32)
+        blk_lo = tl.where(i == 0, 0, tl.where(i == 1, blk1, tl.where(i == 2, blk2, blk3)))
+        col_lo = tl.where(i == 0, 0, tl.where(i == 1, col1, tl.where(i == 2, col2, col3)))
+        col_hi = tl.where(i == 0, col1, tl.where(i == 1, col2, tl.where(i == 2, col3, col4)))
         offs_r = tl.arange(0, R_PAD)
         offs_k = tl.arange(0, SPLIT_K)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < d_out
+        offs_n = col_lo + (pid_n - blk_lo) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < col_hi
+        mask_r = offs_r < RANK
         # All split-K partials in one load (no chain of dependent loads), summed in registers.
-        v = tl.load(v_ptr + offs_k[:, None, None] * s_vk + tok[None, :, None] * s_vt + offs_r[None, None, :],
-                    mask=valid[None, :, None], other=0.0)
+        v = tl.load(v_ptr + offs_k[:, None, None] * s_vk + tok[None, :, None] * s_vt
+                    + (i * RANK + offs_r)[None, None, :],
+                    mask=valid[None, :, None] & mask_r[None, None, :], other=0.0)
         v = tl.sum(v, 0)
         b = tl.load(b_ptr + slot * s_bs + offs_n[:, None] * s_bo + offs_r[None, :],
-                    mask=mask_n[:, None] & (offs_r[None, :] < RANK), other=0.0)
+                    mask=mask_n[:, None] & mask_r[None, :], other=0.0)
         scale = tl.load(scale_ptr + slot)
         d = tl.dot(v.to(b.dtype), tl.trans(b)) * scale
         ptrs = y_ptr + tok[:, None] * s_yt + offs_n[None, :]
         mask = valid[:, None] & mask_n[None, :]
         y = tl.load(ptrs, mask=mask, other=0.0)
         tl.store(ptrs, (y.to(tl.float32) + d).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+MAX_FUSED_TARGETS = 4
+"""Most output slices one expand launch serves (the kernel's column-block boundaries)."""
 
 
 def _pow2_at_least_16(n: int) -> int:
@@ -146,18 +165,51 @@ def lora_shrink_expand(
     with ``s = token_slots[t]``, for every token ``t`` listed in ``order`` whose slot is not -1.
 
     y: [T, out] (row stride free, unit column stride: a column slice of a fused output works),
-    x: [T, in], a: [S, r, in], b: [S, out, r], scales: [S] fp32, token_slots: [T] int64,
+    x: [T, in], a: [S, r, in], b: [S, out, r] (slot and row strides free, unit last stride: views
+    into a fused linear's stacks work), scales: [S] fp32, token_slots: [T] int64,
     order: [N] int32 token indices, one slot per tile of ``launch.block_m`` (see
     :func:`order_by_slot`), -1 padded.
     """
+    lora_shrink_expand_fused(y, x, a, b, [b.shape[1]], scales, token_slots, order, launch)
+
+
+def lora_shrink_expand_fused(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a_all: torch.Tensor,
+    b_all: torch.Tensor,
+    out_sizes: Sequence[int],
+    scales: torch.Tensor,
+    token_slots: torch.Tensor,
+    order: torch.Tensor,
+    launch: LoRALaunch,
+) -> None:
+    """:func:`lora_shrink_expand` for the ``k = len(out_sizes)`` output slices of a fused linear,
+    which share ``x``, in two launches: one shrink over all ``k·r`` rows of ``a_all``, one expand
+    whose column blocks each belong to one slice.
+
+    Slice ``i`` (columns ``[off_i, off_i + out_i)`` of ``y``, ``off_i = Σ_{j<i} out_j``) gets
+    ``y[t, off_i:off_i+out_i] += x[t] @ A_i[s].T @ B_i[s].T · scales[s]`` with
+    ``A_i = a_all[:, i·r:(i+1)·r]``, ``B_i = b_all[:, off_i:off_i+out_i]``.
+
+    y: [T, Σ out] (unit column stride), x: [T, in], a_all: [S, k·r, in], b_all: [S, Σ out, r]
+    (unit last strides), k <= :data:`MAX_FUSED_TARGETS`; the rest as :func:`lora_shrink_expand`.
+    """
+    k = len(out_sizes)
     t_rows, d_in = x.shape
-    rank = a.shape[1]
-    d_out = b.shape[1]
-    assert x.stride(1) == 1 and y.stride(1) == 1 and a.is_contiguous() and b.is_contiguous()
+    rank = b_all.shape[2]
+    d_out = sum(out_sizes)
+    if not 1 <= k <= MAX_FUSED_TARGETS:
+        raise ValueError(f"{k} output slices: one launch serves 1 to {MAX_FUSED_TARGETS}")
+    assert a_all.shape[1] == k * rank and b_all.shape[1] == d_out and y.shape[1] == d_out, (
+        f"stacks {list(a_all.shape)}, {list(b_all.shape)} and output {list(y.shape)} do not fit "
+        f"slices {list(out_sizes)}"
+    )
+    assert x.stride(1) == 1 and y.stride(1) == 1 and a_all.stride(2) == 1 and b_all.stride(2) == 1
     n_order = order.shape[0]
     if n_order == 0 or t_rows == 0:
         return
-    r_pad = _pow2_at_least_16(rank)
+    r_pad = _pow2_at_least_16(k * rank)
     block_k = 64
     split_k = launch.max_split_k
     while split_k > 1 and d_in < split_k * 256:
@@ -165,16 +217,37 @@ def lora_shrink_expand(
     k_per_split = -(-d_in // (split_k * block_k)) * block_k
     v = torch.empty(split_k, t_rows, r_pad, dtype=torch.float32, device=x.device)
     jit(_shrink_kernel)[(launch.num_tiles, split_k)](
-        x, a, v, order, token_slots, n_order,
-        x.stride(0), a.stride(0), a.stride(1), v.stride(0), v.stride(1), d_in, k_per_split,
-        RANK=rank, R_PAD=r_pad, BLOCK_M=launch.block_m, BLOCK_K=block_k, num_warps=4,
+        x, a_all, v, order, token_slots, n_order,
+        x.stride(0), a_all.stride(0), a_all.stride(1), v.stride(0), v.stride(1), d_in, k_per_split,
+        RANK=k * rank, R_PAD=r_pad, BLOCK_M=launch.block_m, BLOCK_K=block_k, num_warps=4,
     )
-    block_n = 128 if d_out >= 1024 else 64
-    jit(_expand_kernel)[(launch.num_tiles, -(-d_out // block_n))](
-        y, b, v, order, token_slots, scales, n_order,
-        y.stride(0), b.stride(0), b.stride(1), v.stride(0), v.stride(1), d_out,
-        RANK=rank, R_PAD=r_pad, SPLIT_K=split_k, BLOCK_M=launch.block_m, BLOCK_N=block_n, num_warps=4,
+    block_n = 128 if min(out_sizes) >= 1024 else 64
+    # Column-block and column boundaries of the slices; unused ones lie past every block.
+    blks, cols = [0], [0]
+    for n in out_sizes:
+        blks.append(blks[-1] + -(-n // block_n))
+        cols.append(cols[-1] + n)
+    unused = 1 << 30
+    blk = blks[1:k] + [unused] * (MAX_FUSED_TARGETS - k)
+    col = cols[1:] + [unused] * (MAX_FUSED_TARGETS - k)
+    jit(_expand_kernel)[(launch.num_tiles, blks[-1])](
+        y, b_all, v, order, token_slots, scales, n_order,
+        y.stride(0), b_all.stride(0), b_all.stride(1), v.stride(0), v.stride(1), *blk, *col,
+        RANK=rank, R_PAD=_pow2_at_least_16(rank), SPLIT_K=split_k, BLOCK_M=launch.block_m,
+        BLOCK_N=block_n, num_warps=4,
     )
+
+
+def slice_stacks(
+    a_all: torch.Tensor, b_all: torch.Tensor, out_slices: dict[str, int]
+) -> Iterator[tuple[str, int, torch.Tensor, torch.Tensor]]:
+    """``(target, column offset, A [S, r, in], B [S, out, r])`` of each output slice of fused
+    stacks ``a_all [S, k·r, in]``, ``b_all [S, Σ out, r]`` (views)."""
+    rank = b_all.shape[2]
+    off = 0
+    for i, (name, size) in enumerate(out_slices.items()):
+        yield name, off, a_all[:, i * rank : (i + 1) * rank], b_all[:, off : off + size]
+        off += size
 
 
 def order_by_slot(row_lens: list[int], row_slots: list[int], block_m: int) -> list[int]:
@@ -223,3 +296,23 @@ class TritonLoRA:
         self, layer: int, target: str, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     ) -> None:
         lora_shrink_expand(y, x, a, b, self.scales, self.token_slots, self.order, self.launch)
+
+    def apply_fused(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        a_all: torch.Tensor,
+        b_all: torch.Tensor,
+        out_slices: dict[str, int],
+    ) -> None:
+        """Every output slice of a fused linear in one shrink and one expand launch (see
+        :meth:`coserve.layers.lora.FusedLoRAContext.apply_fused`)."""
+        if len(out_slices) <= MAX_FUSED_TARGETS:
+            lora_shrink_expand_fused(
+                y, x, a_all, b_all, list(out_slices.values()), self.scales, self.token_slots, self.order,
+                self.launch,
+            )
+            return
+        for name, off, a, b in slice_stacks(a_all, b_all, out_slices):
+            self.apply(layer, name, x, y[:, off : off + out_slices[name]], a, b)

@@ -1,0 +1,273 @@
+"""The fused multi-LoRA path: one shrink and one expand launch per :class:`LoRALinear`, for all of
+its output slices, against the per-slice launches and the fp32 torch reference.
+
+Runs compiled on a GPU, in Triton's interpreter without one (see ``test_triton_kernels.py``).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import random
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+CUDA = torch.cuda.is_available()
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+if not CUDA:
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
+    if tuple(int(p) for p in importlib.metadata.version("triton").split(".")[:2]) < (3, 7):
+        pytest.skip("Triton's interpreter before 3.7 breaks on numpy 2 scalars", allow_module_level=True)
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from coserve import LLM, LoRARequest, SamplingParams  # noqa: E402
+from coserve.layers import triton_lora  # noqa: E402
+from coserve.layers.lora import (  # noqa: E402
+    LoRABatch,
+    LoRALinear,
+    RowDropoutLoRA,
+    StackedLoRA,
+    lora_segments_ref,
+)
+from coserve.layers.triton_lora import TritonLoRA, slice_stacks  # noqa: E402
+from tests.conftest import make_peft_adapter  # noqa: E402
+
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32, torch.float16]
+TOL = {torch.float32: 3e-3 if CUDA else 1e-4, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
+SLOTS, MAX_RANK, D_IN = 4, 16, 96
+ADAPTER_RANKS = {0: 8, 1: 16, 3: 8}  # slot 2 holds no adapter (all zero)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any(), "NaN in the output"
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+class PerTarget:
+    """A context with ``apply`` only: LoRALinear's per-slice path (two launches per slice)."""
+
+    def __init__(self, inner: TritonLoRA) -> None:
+        self.inner = inner
+
+    def apply(self, layer: int, target: str, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor,
+              b: torch.Tensor) -> None:
+        self.inner.apply(layer, target, x, y, a, b)
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
+    """Counts the LoRA kernels' launches by kernel name."""
+    counts: Counter[str] = Counter()
+    real = triton_lora.jit
+
+    class Counting:
+        def __init__(self, fn: Any) -> None:
+            self.name, self.kernel = fn.__name__, real(fn)
+
+        def __getitem__(self, grid: Any) -> Any:
+            launcher = self.kernel[grid]
+
+            def launch(*args: Any, **kwargs: Any) -> Any:
+                counts[self.name] += 1
+                return launcher(*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(triton_lora, "jit", Counting)
+    yield counts
+
+
+def make_linear(out_slices: dict[str, int], dtype: torch.dtype, seed: int) -> LoRALinear:
+    """A fused linear with adapters of mixed ranks written through its per-slice stack views."""
+    gen = torch.Generator().manual_seed(seed)
+    lin = LoRALinear(0, D_IN, out_slices, bias=True, num_slots=SLOTS, max_rank=MAX_RANK, dtype=dtype)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen) / D_IN**0.5)
+        assert lin.bias is not None
+        lin.bias.copy_(torch.randn(lin.bias.shape, generator=gen))
+        for name in out_slices:
+            a, b = lin.lora_stacks(name)
+            for slot, r in ADAPTER_RANKS.items():
+                a[slot, :r].copy_(torch.randn(r, D_IN, generator=gen) / D_IN**0.5)
+                b[slot, :, :r].copy_(torch.randn(b.shape[1], r, generator=gen))
+    return lin.to(DEVICE)
+
+
+def make_batch(seed: int) -> tuple[LoRABatch, list[int], list[int]]:
+    rng = random.Random(seed)
+    row_lens = [rng.randint(1, 20) for _ in range(7)] + [1] * 6  # prefill chunks, then decodes
+    row_slots = [rng.choice([-1, 0, 1, 2, 3, 3]) for _ in row_lens]
+    row_slots[:3] = [0, -1, 1]  # several adapters and rows without one, always
+    return LoRABatch.from_rows(row_lens, row_slots, DEVICE), row_lens, row_slots
+
+
+SLICES = [
+    {"o_proj": 80},  # k = 1
+    {"gate_proj": 112, "up_proj": 112},  # the tiny test models' MLP: not a multiple of 64
+    {"q_proj": 64, "k_proj": 32, "v_proj": 32},  # the tiny test models' attention
+    {"q_proj": 200, "k_proj": 72, "v_proj": 24},  # ragged everywhere
+    {"q_proj": 1088, "k_proj": 1040, "v_proj": 1030},  # 128-wide column blocks
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("out_slices", SLICES, ids=lambda s: "-".join(map(str, s.values())))
+@pytest.mark.parametrize("sms", [1, 64])  # 64: split-K partials
+def test_fused_equals_per_target_and_reference(
+    dtype: torch.dtype, out_slices: dict[str, int], sms: int, launches: Counter[str]
+) -> None:
+    lin = make_linear(out_slices, dtype, seed=len(out_slices))
+    batch, _, _ = make_batch(seed=sum(out_slices.values()) + sms)
+    t = batch.token_slots.shape[0]
+    x = torch.randn(t, D_IN, dtype=dtype, device=DEVICE)
+    scales = torch.rand(SLOTS, device=DEVICE) + 0.5
+
+    ctx = TritonLoRA.from_batch(batch, scales)
+    ctx.launch = triton_lora.LoRALaunch.for_order(ctx.order.shape[0], ctx.launch.block_m, sms)
+    with torch.no_grad():
+        fused = lin(x, ctx)
+        assert launches == {"_shrink_kernel": 1, "_expand_kernel": 1}
+        launches.clear()
+        per_target = lin(x, PerTarget(ctx))
+        assert launches == {"_shrink_kernel": len(out_slices), "_expand_kernel": len(out_slices)}
+        base = F.linear(x, lin.weight, lin.bias)
+        torch_ctx = lin(x, StackedLoRA(batch, scales))  # the engine's torch backend
+
+    # fp32 reference: the base output plus each slice's segments
+    ref = F.linear(x.float(), lin.weight.float(), lin.bias.float())  # type: ignore[union-attr]
+    for name, off, a, b in slice_stacks(lin.lora_a_all.float(), lin.lora_b_all.float(), out_slices):
+        lora_segments_ref(ref[:, off : off + out_slices[name]], x.float(), a, b, scales, batch)
+    delta_ref = ref - base.float()
+    assert rel_err(fused.float() - base.float(), delta_ref) < TOL[dtype]
+    assert rel_err(per_target.float() - base.float(), delta_ref) < TOL[dtype]
+    assert rel_err(fused.float() - base.float(), per_target.float() - base.float()) < TOL[dtype]
+    assert rel_err(torch_ctx.float() - base.float(), delta_ref) < TOL[dtype]
+    # Tokens without an adapter (slot -1) and those of the empty slot 2 keep the base output.
+    untouched = (batch.token_slots < 0) | (batch.token_slots == 2)
+    assert untouched.any()
+    assert torch.equal(fused[untouched], base[untouched])
+
+
+def test_fused_padded_graph_order(launches: Counter[str]) -> None:
+    """A CUDA graph's static order (-1 padded past the routing, sized by graph_order_length)."""
+    out_slices = {"q_proj": 64, "k_proj": 32, "v_proj": 32}
+    lin = make_linear(out_slices, torch.float32, seed=5)
+    row_slots = [1, 0, -1, 3, 1, 0, 3, 3]
+    batch = LoRABatch.from_rows([1] * len(row_slots), row_slots, DEVICE)
+    scales = torch.rand(SLOTS, device=DEVICE) + 0.5
+    order = triton_lora.order_by_slot([1] * len(row_slots), row_slots, triton_lora.block_m_for(8))
+    length = triton_lora.graph_order_length(8, SLOTS)
+    order_t = torch.full((length,), -1, dtype=torch.int32)
+    order_t[: len(order)] = torch.tensor(order, dtype=torch.int32)
+    launch = triton_lora.LoRALaunch.for_order(length, triton_lora.block_m_for(8), 64)
+    ctx = TritonLoRA(batch.token_slots, order_t.to(DEVICE), scales, launch)
+    x = torch.randn(len(row_slots), D_IN, device=DEVICE)
+    with torch.no_grad():
+        got = lin(x, ctx)
+        expected = lin(x, StackedLoRA(batch, scales))
+    assert rel_err(got, expected) < TOL[torch.float32]
+    assert sum(launches.values()) == 2
+
+
+def test_stacks_are_views_of_the_fused_buffers() -> None:
+    out_slices = {"q_proj": 64, "k_proj": 32, "v_proj": 48}
+    lin = LoRALinear(3, 40, out_slices, bias=False, num_slots=2, max_rank=8, dtype=torch.float32)
+    assert lin.lora_a_all.shape == (2, 3 * 8, 40) and lin.lora_b_all.shape == (2, 144, 8)
+    for i, name in enumerate(out_slices):
+        a, b = lin.lora_stacks(name)
+        assert a.shape == (2, 8, 40) and b.shape == (2, out_slices[name], 8)
+        a[1, 2].fill_(i + 1)
+        b[0, :, 5].fill_(i + 1)
+    assert (lin.lora_a_all[1, [2, 10, 18]] == torch.tensor([[1.0], [2.0], [3.0]])).all()
+    assert lin.lora_a_all.count_nonzero() == 3 * 40
+    assert (lin.lora_b_all[0, :, 5] == torch.tensor([1.0] * 64 + [2.0] * 32 + [3.0] * 48)).all()
+    assert lin.lora_b_all.count_nonzero() == 144
+    assert {k for k in lin.state_dict() if "lora" in k} == {"lora_a_all", "lora_b_all"}
+    double = lin.to(torch.float64)  # the views follow the module's buffers
+    assert double.lora_stacks("k_proj")[0].dtype == torch.float64
+    assert double.lora_stacks("k_proj")[0].data_ptr() == double.lora_a_all[:, 8:].data_ptr()
+    assert not LoRALinear(0, 8, {"o_proj": 8}, False, 0, 8, torch.float32).has_lora
+
+
+def test_row_dropout_fused_equals_per_target() -> None:
+    """RowDropoutLoRA around the Triton context: fused inner launches, same result."""
+    out_slices = {"gate_proj": 112, "up_proj": 112}
+    lin = make_linear(out_slices, torch.float32, seed=7)
+    row_lens, row_slots = [5, 3, 1, 1], [0, -1, -1, 3]  # row 1 fine-tunes slot 1 with dropout
+    batch = LoRABatch.from_rows(row_lens, row_slots, DEVICE)
+    scales = torch.rand(SLOTS, device=DEVICE) + 0.5
+    inner = TritonLoRA.from_batch(batch, scales)
+    x = torch.randn(sum(row_lens), D_IN, device=DEVICE)
+
+    def ctx(inner_ctx: Any) -> RowDropoutLoRA:
+        return RowDropoutLoRA(inner=inner_ctx, slot=1, rows=[(5, 3, 11)], seed=3, p=0.25, scales=scales)
+
+    with torch.no_grad():
+        fused = lin(x, ctx(inner))
+        per_target = lin(x, ctx(PerTarget(inner)))
+        reference = lin(x, ctx(StackedLoRA(batch, scales)))
+    assert rel_err(fused, per_target) < TOL[torch.float32]
+    assert rel_err(fused, reference) < TOL[torch.float32]
+
+
+def _generate(llm: LLM, prompts: list[list[int]], loras: list[LoRARequest | None]) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1, ignore_eos=True)
+    result = []
+    for o in llm.generate(prompts, params, lora_request=loras):
+        got = o.outputs[0]
+        assert got.logprobs is not None
+        result.append((got.token_ids, [lp[t] for lp, t in zip(got.logprobs, got.token_ids, strict=True)]))
+    return result
+
+
+def test_engine_two_launches_per_linear_and_same_tokens(
+    hf_models: dict[str, Path], tmp_path: Path, launches: Counter[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three adapters (ranks 8, 16, 4; different targets) and no adapter in one batch: the Triton
+    engine's greedy tokens and log-probs equal the torch engine's, with exactly one shrink and one
+    expand launch per LoRA linear per step (8 per decoder layer; the per-slice path took 14)."""
+    base = hf_models["llama"]
+    adapters = [
+        make_peft_adapter(base, tmp_path / "a1", ["q_proj", "v_proj", "down_proj"], rank=8, seed=1),
+        make_peft_adapter(base, tmp_path / "a2", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                  "up_proj", "down_proj"], rank=16, seed=2),
+        make_peft_adapter(base, tmp_path / "a3", ["k_proj", "gate_proj", "up_proj"], rank=4, seed=3),
+    ]
+    prompts = [[5, 17, 33, 2, 91, 14, 7], [100, 3, 44, 44, 12, 9, 150, 61], [42], [7, 8, 9]]
+    loras = [LoRARequest(f"a{i + 1}", str(p)) for i, p in enumerate(adapters)]
+    routing: list[LoRARequest | None] = [loras[0], None, loras[1], loras[2]]
+    common: dict = dict(skip_tokenizer_init=True, max_loras=3, max_lora_rank=16, block_size=4,
+                        max_model_len=64, num_kv_blocks=64, max_num_batched_tokens=16, enforce_eager=True)
+    if CUDA:
+        common["device"] = "cuda"
+    expected = _generate(LLM(str(base), lora_backend="torch", **common), prompts, routing)
+    assert not launches
+
+    linear_calls = Counter[str]()
+    forward = LoRALinear.forward
+
+    def counting_forward(self: LoRALinear, x: torch.Tensor, lora: Any = None) -> torch.Tensor:
+        if isinstance(lora, TritonLoRA) and lora.order.numel() > 0:
+            linear_calls["with_lora"] += 1
+        return forward(self, x, lora)
+
+    monkeypatch.setattr(LoRALinear, "forward", counting_forward)
+    llm = LLM(str(base), lora_backend="triton", **common)
+    launches.clear()  # warm-up steps
+    got = _generate(llm, prompts, routing)
+    assert linear_calls["with_lora"] > 0
+    assert launches == {"_shrink_kernel": linear_calls["with_lora"], "_expand_kernel": linear_calls["with_lora"]}
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(got, expected, strict=True):
+        assert tokens == ref_tokens
+        assert lps == pytest.approx(ref_lps, abs=2e-2 if CUDA else 1e-4)
