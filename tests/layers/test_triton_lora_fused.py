@@ -271,3 +271,19 @@ def test_engine_two_launches_per_linear_and_same_tokens(
     for (tokens, lps), (ref_tokens, ref_lps) in zip(got, expected, strict=True):
         assert tokens == ref_tokens
         assert lps == pytest.approx(ref_lps, abs=2e-2 if CUDA else 1e-4)
+
+
+def test_fused_slices_can_be_switched_off(launches: Counter[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``COSERVE_FUSED_LORA=0`` (FUSED_SLICES): per-slice launches, the same output."""
+    out_slices = {"q_proj": 64, "k_proj": 32, "v_proj": 32}
+    lin = make_linear(out_slices, torch.float32, seed=9)
+    batch, _, _ = make_batch(seed=9)
+    x = torch.randn(batch.token_slots.shape[0], D_IN, device=DEVICE)
+    ctx = TritonLoRA.from_batch(batch, torch.ones(SLOTS, device=DEVICE))
+    with torch.no_grad():
+        fused = lin(x, ctx)
+        monkeypatch.setattr(triton_lora, "FUSED_SLICES", False)
+        launches.clear()
+        per_slice = lin(x, ctx)
+    assert launches == {"_shrink_kernel": 3, "_expand_kernel": 3}
+    torch.testing.assert_close(per_slice, fused, rtol=1e-5, atol=1e-5)

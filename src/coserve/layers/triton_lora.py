@@ -22,6 +22,7 @@ tensors, so the same kernels serve eager prefill segments and CUDA-graph-capture
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -112,6 +113,10 @@ def _expand_kernel(
 
 MAX_FUSED_TARGETS = 4
 """Most output slices one expand launch serves (the kernel's column-block boundaries)."""
+
+FUSED_SLICES = os.environ.get("COSERVE_FUSED_LORA", "1") != "0"
+"""Serve a fused linear's slices in shared launches; ``COSERVE_FUSED_LORA=0`` launches per slice
+(the before/after switch of the benchmarks)."""
 
 
 def _pow2_at_least_16(n: int) -> int:
@@ -308,7 +313,7 @@ class TritonLoRA:
     ) -> None:
         """Every output slice of a fused linear in one shrink and one expand launch (see
         :meth:`coserve.layers.lora.FusedLoRAContext.apply_fused`)."""
-        if len(out_slices) <= MAX_FUSED_TARGETS:
+        if FUSED_SLICES and len(out_slices) <= MAX_FUSED_TARGETS:
             lora_shrink_expand_fused(
                 y, x, a_all, b_all, list(out_slices.values()), self.scales, self.token_slots, self.order,
                 self.launch,
