@@ -106,9 +106,10 @@ def test_lora_linear_backward_equals_autograd() -> None:
 
 def test_fused_forwards_and_rope_kernel_backward_match_the_references(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """With the fused kernels on (Triton's interpreter without a GPU), the ops' forwards run the
-    kernels and RoPE's backward runs the kernel with −sin: same gradients as the torch path."""
+    kernels, RoPE's backward runs the kernel with −sin, and RMSNorm and SwiGLU run their backward
+    kernels: same gradients as the torch path."""
     calls: list[str] = []
-    for name in ("rms_norm", "rotary", "silu_and_mul"):
+    for name in ("rms_norm", "rotary", "silu_and_mul", "rms_norm_backward", "silu_and_mul_backward"):
         kernel = getattr(triton_fused, name)
         monkeypatch.setattr(triton_fused, name, lambda *a, _n=name, _k=kernel, **kw: (calls.append(_n), _k(*a, **kw))[1])
     rope = RotaryEmbedding(16, 64, RopeConfig())
@@ -121,6 +122,36 @@ def test_fused_forwards_and_rope_kernel_backward_match_the_references(monkeypatc
         monkeypatch.setattr(triton_fused, "ENABLED", enabled)
         monkeypatch.setattr(triton_fused, "ON_CPU", enabled)
         refs.append((_grads(lambda q, k: rope(pos, q, k), q, k), _grads(norm, x), _grads(silu_and_mul, gu)))
-    assert sorted(set(calls)) == ["rms_norm", "rotary", "silu_and_mul"] and calls.count("rotary") == 2
+    assert sorted(set(calls)) == ["rms_norm", "rms_norm_backward", "rotary", "silu_and_mul",
+                                  "silu_and_mul_backward"]
+    assert calls.count("rotary") == 2
     for got, ref in zip(refs[1], refs[0], strict=True):
         _close(got, ref, 1e-5)
+
+
+def test_backward_kernels_in_bf16_and_strided(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The backward kernels on bf16 rows with row strides wider than the rows, against the fp32
+    torch formulas."""
+    from coserve.layers.activation import silu_and_mul_backward
+    from coserve.layers.norm import rms_norm_backward
+
+    monkeypatch.setattr(triton_fused, "ENABLED", True)
+    monkeypatch.setattr(triton_fused, "ON_CPU", True)
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(7, 40 + 8, generator=gen) * 2).to(torch.bfloat16)[:, :40]
+    g = torch.randn(7, 20 + 4, generator=gen).to(torch.bfloat16)[:, :20]
+    got = silu_and_mul_backward(x, g)
+    monkeypatch.setattr(triton_fused, "ENABLED", False)
+    ref = silu_and_mul_backward(x.float(), g.float())
+    torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)
+
+    norm = RMSNorm(40, 1e-6, torch.bfloat16)
+    norm.weight.data.normal_(1.0, 0.3, generator=gen)
+    gn = torch.randn(7, 40 + 8, generator=gen).to(torch.bfloat16)[:, :40]
+    ref_norm = RMSNorm(40, 1e-6)
+    ref_norm.weight.data.copy_(norm.weight.data.float())
+    ref_n = rms_norm_backward(x.float(), ref_norm, gn.float())
+    monkeypatch.setattr(triton_fused, "ENABLED", True)
+    got_n = rms_norm_backward(x, norm, gn)
+    assert got_n.dtype == torch.bfloat16
+    torch.testing.assert_close(got_n.float(), ref_n, rtol=2e-2, atol=2e-2)

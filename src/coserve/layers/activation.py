@@ -42,6 +42,11 @@ class _SiluAndMulFn(torch.autograd.Function):
 
 def silu_and_mul_backward(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """``∂loss/∂x`` of :func:`silu_and_mul` given ``grad`` (see :class:`_SiluAndMulFn`)."""
+    if (triton_fused.use_fused_kernels(x, grad) and x.dim() == 2 and grad.dim() == 2
+            and x.stride(-1) == 1 and grad.stride(-1) == 1):
+        out = torch.empty_like(x)
+        triton_fused.silu_and_mul_backward(out, x, grad.to(x.dtype))
+        return out
     d = x.shape[-1] // 2
     g, u = x[..., :d].float(), x[..., d:].float()
     sig = torch.sigmoid(g)

@@ -90,6 +90,11 @@ class _RMSNormFn(torch.autograd.Function):
 def rms_norm_backward(x: torch.Tensor, norm: RMSNorm, grad: torch.Tensor) -> torch.Tensor:
     """``∂loss/∂x`` of ``norm(x)`` given ``grad = ∂loss/∂norm(x)`` (the weight is frozen):
     ``rstd · (g − x̂ · mean(g · x̂))`` with ``g = grad · weight`` in fp32, ``x̂ = x · rstd``."""
+    if (triton_fused.use_fused_kernels(x, grad, norm.weight) and x.dim() == 2 and grad.shape == x.shape
+            and x.stride(-1) == 1 and grad.stride(-1) == 1):
+        out = torch.empty_like(x)
+        triton_fused.rms_norm_backward(out, x, norm.weight, norm.eps, grad)
+        return out
     xf = x.float()
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)
     xhat = xf * rstd

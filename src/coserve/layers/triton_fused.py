@@ -212,3 +212,76 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
     jit(_silu_and_mul_kernel)[(t_rows, -(-d // block))](
         x, out, x.stride(0), out.stride(0), d, BLOCK=block, num_warps=4,
     )
+
+
+# ---------------------------------------------------------------- backwards (the trainer's)
+
+
+def _silu_and_mul_backward_kernel(
+    x_ptr, g_ptr, out_ptr, s_x, s_g, s_out, d,
+    BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < d
+    gate = tl.load(x_ptr + t * s_x + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + t * s_x + d + offs, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(g_ptr + t * s_g + offs, mask=mask, other=0.0).to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-gate))
+    d_gate = dy * up * sig * (1.0 + gate * (1.0 - sig))
+    d_up = dy * gate * sig
+    tl.store(out_ptr + t * s_out + offs, d_gate.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + t * s_out + d + offs, d_up.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul_backward(out: torch.Tensor, x: torch.Tensor, grad: torch.Tensor) -> None:
+    """The gradient of :func:`silu_and_mul` with respect to its input, in fp32: with ``g, u`` the
+    halves of ``x`` and ``σ = sigmoid(g)``, ``out = [dy·u·σ·(1 + g·(1 − σ)), dy·g·σ]``.
+
+    x, out: [T, 2·d]; grad: [T, d] (row strides free, unit column strides), one dtype.
+    """
+    t_rows, two_d = x.shape
+    d = two_d // 2
+    assert out.shape == x.shape and grad.shape == (t_rows, d)
+    assert x.stride(1) == 1 and out.stride(1) == 1 and grad.stride(1) == 1
+    if t_rows == 0 or d == 0:
+        return
+    block = min(1024, _pow2_at_least(d, 16))
+    jit(_silu_and_mul_backward_kernel)[(t_rows, -(-d // block))](
+        x, grad, out, x.stride(0), grad.stride(0), out.stride(0), d, BLOCK=block, num_warps=4,
+    )
+
+
+def _rms_norm_backward_kernel(
+    x_ptr, g_ptr, w_ptr, out_ptr, s_x, s_g, s_out, d, eps,
+    BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < d
+    x = tl.load(x_ptr + t * s_x + offs, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / d + eps)
+    xhat = x * rstd
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + t * s_g + offs, mask=mask, other=0.0).to(tl.float32) * w
+    dot = tl.sum(g * xhat, 0) / d
+    tl.store(out_ptr + t * s_out + offs, (rstd * (g - xhat * dot)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_backward(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                      grad: torch.Tensor) -> None:
+    """The gradient of :func:`rms_norm` (no residual) with respect to ``x``, the weight frozen, in
+    fp32: ``out = rstd · (g − x̂ · mean(g · x̂))`` with ``g = grad · weight``, ``x̂ = x · rstd``.
+
+    x, grad, out: [T, d] (row strides free, unit column strides); weight: [d].
+    """
+    t_rows, d = x.shape
+    assert grad.shape == x.shape and out.shape == x.shape and weight.is_contiguous()
+    assert x.stride(1) == 1 and grad.stride(1) == 1 and out.stride(1) == 1
+    if t_rows == 0:
+        return
+    block = _pow2_at_least(d, 16)
+    jit(_rms_norm_backward_kernel)[(t_rows,)](
+        x, grad, weight, out, x.stride(0), grad.stride(0), out.stride(0), d, eps,
+        BLOCK=block, num_warps=max(1, min(16, block // 512)),
+    )
