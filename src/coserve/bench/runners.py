@@ -161,7 +161,6 @@ def run_coserve(ctx: BenchContext, config: RunConfig) -> RunOutcome:
             ctx.latency_state = co.latency.state_dict()
         _warm_up(ctx, session)
         co.latency.load_state_dict(ctx.latency_state)
-        co.prediction_errors.clear()
         co.task_timings.clear()
         co.step_log.clear()
         co.track = True
@@ -172,7 +171,7 @@ def run_coserve(ctx: BenchContext, config: RunConfig) -> RunOutcome:
             config,
             replay,
             optimizer_steps=co.steps_done - steps,
-            prediction_errors=tuple(co.prediction_errors),
+            prediction_errors=tuple((key, p, m) for key, _, p, m in co.step_log),
             gpu_utilization=util,
             loss_first=losses[0] if losses else None,
             loss_last=losses[-1] if losses else None,

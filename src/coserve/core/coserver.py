@@ -141,9 +141,9 @@ class CoServer:
         self.track = False
         self.pause_windows: list[tuple[float, float]] = []
         self.pause_observed: list[float] = []
-        self.prediction_errors: list[tuple[str, float, float]] = []
-        # per step: (key with /busy or /idle, the model's regressors, predicted s, measured s):
-        # the data to refit and judge latency models offline
+        # per step: (key with /busy or /idle, the model's regressors, predicted s, measured s),
+        # each predicted before the model observed it: its error, and the data to refit and
+        # judge latency models offline
         self.step_log: list[tuple[str, tuple[float, ...], float, float]] = []
         # per backward task: (submitted, result received: time.monotonic; trainer-side seconds;
         # tokens; trainer seconds paused) — where a co-serving run's fine-tuning time goes
@@ -156,6 +156,12 @@ class CoServer:
     @property
     def backward_running(self) -> bool:
         return bool(self._in_flight)
+
+    @property
+    def trainer_active(self) -> bool:
+        """A backward runs and is not paused for the step being planned: the step runs beside
+        it (what the latency model's busy mode prices and what a step record reports)."""
+        return bool(self._in_flight) and not self._paused
 
     @property
     def done(self) -> bool:
@@ -193,7 +199,7 @@ class CoServer:
             view, self.pool.candidates(), model=self.latency, slo=self.slo,
             backward_running=region is None, capacity_tokens=self.store.free(region or 0),
             token_budget=max(view.token_budget, self.store.capacity) if ft_only else view.token_budget,
-            trainer_busy=self.backward_running,
+            trainer_busy=self.trainer_active,
         )
         self.last_decision = decision
         picked: list[FTSample] = []
@@ -291,9 +297,7 @@ class CoServer:
             if self.track:
                 features = StepFeatures.from_record(record)
                 key = features.key + ("/busy" if record.trainer_busy else "/idle")
-                predicted = self.latency.predict(features)
-                self.prediction_errors.append((key, predicted, record.duration_s))
-                self.step_log.append((key, features.vector(), predicted, record.duration_s))
+                self.step_log.append((key, features.vector(), self.latency.predict(features), record.duration_s))
             self.latency.observe(record)
         rows, self._step_rows = self._step_rows, []
         if not rows:

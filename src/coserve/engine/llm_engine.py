@@ -202,8 +202,8 @@ class LLMEngine:
         busy = False
         if self.coserver is not None:
             view = self._view(sched, rows)
-            busy = self.coserver.backward_running
             ft_rows = self.coserver.plan(view)
+            busy = self.coserver.trainer_active  # after plan's pause decisions
         if sched.is_empty and not ft_rows:
             self.last_step_kind = "idle"
             return []
