@@ -6,7 +6,7 @@
 #   bench/eval_device.sh WORKLOAD=RATE[=EXTRA_CONFIGS] ...
 #
 # RATE is a fixed --rate-scale, or "auto:START" for --auto-rate from START. EXTRA_CONFIGS are
-# added to inference,full,split,naive,temporal (e.g. "full-noint" for burst-light). Flags common
+# added after inference,full and before split,naive,temporal (e.g. "full-noint" for burst-light). Flags common
 # to every run come from $BENCH_FLAGS (appended last, so they override the defaults below), the
 # per-workload time budget from $BUDGET (seconds, default 540). Example (one H200, one workload):
 #
@@ -24,7 +24,7 @@ running=0
 for spec in "$@"; do
   IFS='=' read -r workload rate extra <<< "$spec"
   # the reference first, then in order of importance should the time budget run out
-  configs=inference,full,split,naive,temporal${extra:+,$extra}
+  configs=inference,full${extra:+,$extra},split,naive,temporal
   case $rate in
     auto:*) rate_flags=(--auto-rate --rate-scale "${rate#auto:}") ;;
     *) rate_flags=(--rate-scale "$rate") ;;
