@@ -24,6 +24,17 @@ class ActivationStore:
                  device: torch.device | str, regions: int = 1, mlp_width: int = 0) -> None:
         if capacity <= 0 or regions <= 0:
             raise ValueError(f"activation store: capacity and regions must be positive, got {capacity}, {regions}")
+        tokens = regions * capacity
+        need = tokens * ((num_layers + 1) * hidden_size + num_layers * mlp_width) * dtype.itemsize
+        if torch.device(device).type == "cuda":
+            free, _ = torch.cuda.mem_get_info(torch.device(device))
+            if need > free:
+                raise RuntimeError(
+                    f"activation store: {need / 2**30:.1f} GiB needed for {tokens} tokens"
+                    f"{' with MLP activations' if mlp_width else ''}, {free / 2**30:.1f} GiB free on {device}: "
+                    "lower --gpu-memory-utilization or --backward-tokens"
+                    f"{', or drop --save-mlp-activations' if mlp_width else ''}"
+                )
         self.tensor = torch.zeros(num_layers + 1, regions * capacity, hidden_size, dtype=dtype, device=device)
         self.mlp: torch.Tensor | None = None
         if mlp_width > 0:
