@@ -251,13 +251,9 @@ class _TrainingLoRA:
         a: torch.Tensor,
         b: torch.Tensor,
     ) -> None:
-        lora = self.lora
-        if not lora.trains(layer, target):
-            return
-        if self.key is not None:
-            x = x * self._mask(layer, target, x).to(x.dtype)
-        la, lb = self._weights(layer, x.dtype)[target]
-        y.add_(((x @ la.T) @ lb.T) * lora.scaling)
+        delta = self._delta(layer, {target: y.shape[1]}, x)
+        if delta is not None:
+            y.add_(delta)
 
     def linear(
         self,
@@ -269,12 +265,13 @@ class _TrainingLoRA:
     ) -> torch.Tensor:
         """``x @ weight.T + bias`` plus the LoRA output of every trained target among
         ``out_slices`` (name -> output size, in order): one autograd node
-        (:class:`_LoRALinearFn`) without dropout; base plus :meth:`linear_delta` with it."""
+        (:class:`_LoRALinearFn`, the targets sharing one shrink matmul) without dropout; the
+        base plus a per-target delta with it (each target masks its input differently)."""
         names = [n for n in out_slices if self.lora.trains(layer, n)]
         if not names:
             return F.linear(x, weight, bias)
         if self.key is not None:
-            delta = self.linear_delta(layer, out_slices, x)
+            delta = self._delta(layer, out_slices, x)
             y = F.linear(x, weight, bias)
             return y if delta is None else y + delta
         ab = self._weights(layer, x.dtype)
@@ -289,27 +286,21 @@ class _TrainingLoRA:
         )
         return out
 
-    def linear_delta(self, layer: int, out_slices: dict[str, int], x: torch.Tensor) -> torch.Tensor | None:
-        """The LoRA output of a fused linear with outputs ``out_slices`` (name -> size, in
-        order) as one ``[T, Σ sizes]`` tensor (zeros for targets this adapter does not train),
-        or None when it trains none of them. Without dropout the targets share one shrink
-        matmul (``x @ [A_1; A_2; …].T``). Same values as :meth:`apply` per target."""
+    def _delta(self, layer: int, out_slices: dict[str, int], x: torch.Tensor) -> torch.Tensor | None:
+        """The LoRA output ``(drop(x) @ A.T) @ B.T · scaling`` of the targets ``out_slices``
+        (name -> size, in order) as one ``[T, Σ sizes]`` tensor (zeros for targets this adapter
+        does not train), or None when it trains none of them."""
         lora = self.lora
-        names = [n for n in out_slices if lora.trains(layer, n)]
-        if not names:
+        if not any(lora.trains(layer, n) for n in out_slices):
             return None
         ab = self._weights(layer, x.dtype)
-        shrunk: dict[str, torch.Tensor] = {}
-        if self.key is None:
-            a_all = torch.cat([ab[n][0] for n in names]) if len(names) > 1 else ab[names[0]][0]
-            xa = x @ a_all.T
-            shrunk = dict(zip(names, xa.split(lora.rank, dim=1), strict=True))
-        else:
-            shrunk = {n: (x * self._mask(layer, n, x).to(x.dtype)) @ ab[n][0].T for n in names}
-        parts = [
-            shrunk[n] @ ab[n][1].T if n in shrunk else x.new_zeros(x.shape[0], size)
-            for n, size in out_slices.items()
-        ]
+        parts = []
+        for n, size in out_slices.items():
+            if not lora.trains(layer, n):
+                parts.append(x.new_zeros(x.shape[0], size))
+                continue
+            xd = x * self._mask(layer, n, x).to(x.dtype) if self.key is not None else x
+            parts.append((xd @ ab[n][0].T) @ ab[n][1].T)
         delta = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
         return delta * lora.scaling
 
