@@ -115,6 +115,17 @@ class DecoderLayer(nn.Module):
         out = self.forward_deferred(hidden, self.input_layernorm(hidden), positions, rotary, ctx)
         return out.hidden + out.delta
 
+    def attention_half(
+        self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """``h = hidden + attn(input_layernorm(hidden))``: the layer's first residual block (the
+        trainer recomputes and differentiates each half on its own)."""
+        return hidden + self.self_attn(self.input_layernorm(hidden), positions, rotary, ctx)
+
+    def mlp_half(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """``hidden + mlp(post_attention_layernorm(hidden))``: the layer's second residual block."""
+        return hidden + self.mlp(self.post_attention_layernorm(hidden), ctx.lora, ctx.mlp_hook)
+
     def forward_deferred(
         self, hidden: torch.Tensor, normed: torch.Tensor, positions: torch.Tensor,
         rotary: RotaryEmbedding, ctx: ForwardContext,

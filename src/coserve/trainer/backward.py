@@ -139,15 +139,16 @@ def task_backward(
             x = store[layer_idx, batch.tokens].detach()
             if layer_idx > 0:
                 x.requires_grad_(True)
-            h = x + layer.self_attn(layer.input_layernorm(x), batch.positions, model.rotary, ctx)
+            h = layer.attention_half(x, batch.positions, model.rotary, ctx)
             boundary(layer_idx)
+            dh: torch.Tensor | None
             if mlp_store is not None and not any(lora.trains(layer_idx, t) for t in MLP_TARGETS):
                 with torch.no_grad():
                     dh = grad + _mlp_input_grad(layer, h.detach(), mlp_store[layer_idx, batch.tokens], grad)
                 boundary(layer_idx)
             else:
                 h_in = h.detach().requires_grad_(h.requires_grad)
-                y = h_in + layer.mlp(layer.post_attention_layernorm(h_in), ctx.lora)
+                y = layer.mlp_half(h_in, ctx)
                 boundary(layer_idx)
                 if y.requires_grad:
                     # Frees the half's graph before the next one is built.
