@@ -8,7 +8,8 @@
 # RATE is a fixed --rate-scale, or "auto:START" for --auto-rate from START. EXTRA_CONFIGS are
 # added after inference,full and before split,naive,temporal (e.g. "full-noint" for burst-light). Flags common
 # to every run come from $BENCH_FLAGS (appended last, so they override the defaults below), the
-# per-workload time budget from $BUDGET (seconds, default 540). Example (one H200, one workload):
+# per-workload time budget from $BUDGET (seconds, default 540), the GPUs to use from $GPUS
+# (indices separated by spaces, default all). Example (one H200, one workload):
 #
 #   export COSERVE_COMMIT=<sha> COSERVE_DIRTY=0; bench/eval_device.sh burst-light=0.3=full-noint
 set -uo pipefail
@@ -17,6 +18,8 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 BUDGET=${BUDGET:-540}
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
 (( ngpu > 0 )) || { echo "no GPU visible" >&2; exit 1; }
+read -r -a gpus <<< "${GPUS:-$(seq -s ' ' 0 $(( ngpu - 1 )))}"
+ngpu=${#gpus[@]}
 # One MPS control daemon for every GPU, started before any CUDA client.
 nvidia-cuda-mps-control -d 2>/dev/null || true
 mkdir -p "$OUT/eval"
@@ -31,7 +34,7 @@ for spec in "$@"; do
   esac
   dir=$OUT/eval/$workload
   mkdir -p "$dir"
-  gpu=$(( running % ngpu ))
+  gpu=${gpus[$(( running % ngpu ))]}
   echo "== $workload on GPU $gpu: ${rate_flags[*]} configs $configs"
   # shellcheck disable=SC2086  # BENCH_FLAGS is a list of flags
   CUDA_VISIBLE_DEVICES=$gpu python3 -m coserve.server.bench_cli \
