@@ -86,11 +86,14 @@ def test_every_configuration_runs_on_the_same_arrivals(
         assert f["latency"]["ttft_p99_ms"] >= f["latency"]["ttft_p50_ms"] > 0
         tl = f["timeline"]
         assert len(tl["t_s"]) == len(tl["ft_tokens_per_s"]) == len(tl["attainment_abs"]) >= 1
-        assert f["gpu_utilization"] is None  # CPU
-    assert (
-        figures["inference"]["ft_tokens"] == 0
-        and figures["inference"]["latency_model_error"] is None
-    )
+        assert f["gpu_utilization"] is None and f["gpu_clock_mhz"] is None  # CPU
+        steps = f["engine_steps"]
+        assert steps["columns"][1:3] == ["kind", "mode"] and steps["rows"], name
+        assert all(r[1] in ("inference", "mixed") and r[3] + r[4] > 0 and r[5] > 0 for r in steps["rows"])
+        assert {r[1] for r in steps["rows"]} >= {"inference"}, name
+    for name in ("inference", "inference-last"):
+        assert figures[name]["ft_tokens"] == 0 and figures[name]["latency_model_error"] is None
+    assert list(figures)[-1] == "inference-last"
     for name in ("temporal", "full", "full-noint", "naive", "split"):
         assert figures[name]["ft_tokens"] > 0 and figures[name]["optimizer_steps"] > 0, name
         assert figures[name]["ft_tokens_per_s"] == pytest.approx(

@@ -24,7 +24,7 @@ from coserve.core.admission import (
 from coserve.core.config import SLOConfig
 from coserve.core.finetune import FTSample
 from coserve.core.host import PrefillView, StepView
-from coserve.core.latency import LatencyModel
+from coserve.core.latency import LatencyModel, StepFeatures
 
 NOW = 10.0
 SLO = SLOConfig(ttft_slo_s=1.0, tpot_slo_s=0.1, margin=0.1)
@@ -175,3 +175,22 @@ def test_should_interrupt(policy: str, interrupt: bool, ft_only: bool, arrived: 
 def test_slo_config_validation(kwargs: dict[str, Any], flag: str) -> None:
     with pytest.raises(ValueError, match=flag):
         SLOConfig(**kwargs)
+
+
+def test_admission_prices_steps_with_the_models_safety_factor() -> None:
+    """TPOT_VIEW's second 30-token sample fits Δ = 0.09 by the bare prediction (0.08), not once
+    the eager set's recent overrun of 1.2× is applied (0.096); the reported prediction stays
+    the bare one."""
+
+    class Overrunning(LatencyModel):
+        def safety(self, features: StepFeatures) -> float:
+            return 1.2 if features.exec_mode == "eager" else 1.0
+
+    model = hand_model()
+    model.__class__ = Overrunning
+    candidates = samples(30, 30, 30)
+    decision = admit(TPOT_VIEW, candidates, model=model, slo=SLO, backward_running=False,
+                     capacity_tokens=10_000, token_budget=10_000)
+    assert decision.samples == candidates[:1]
+    assert decision.predicted_s == pytest.approx(0.05)
+    assert decision.reason == Reason.LATENCY

@@ -291,3 +291,33 @@ def test_state_dict_round_trip_through_json() -> None:
         restored.load_state_dict({"version": 1, "coefficients": {"decode/eager": [1.0]}})
     with pytest.raises(ValueError, match="table"):
         restored.load_state_dict({"version": 1, "busy": {"mixed/eager": [0.0, 0.0]}})
+
+
+def test_safety_is_the_overrun_quantile_of_recent_steps_per_set() -> None:
+    """Eager steps with a ×0.9–1.6 scatter that no refit can learn: their set's safety factor is
+    the 90th percentile of measured / predicted (each predicted before it was observed) over the
+    last ``safety_window`` steps; a set that runs on time keeps 1, as does a set with too few
+    steps, and a restored state starts again from 1."""
+    rng = random.Random(3)
+    model = LatencyModel(safety_window=60, safety_min_steps=20)
+    model.fit([measure(random_spec(rng, m), rng, noise=0.0) for m in ("graph", "eager")
+               for _ in range(200)])
+    spec = BatchSpec((Chunk(700, 300),), (400,) * 8, (256,), "eager")
+    f = spec.features()
+    ratios = []
+    for i in range(100):
+        assert model.safety(f) == (1.0 if i < 20 else pytest.approx(
+            max(1.0, torch.tensor(ratios[-60:], dtype=torch.float64).quantile(0.9).item())))
+        measured = true_time(f) * rng.uniform(0.9, 1.6)
+        ratios.append(measured / model.predict(f))
+        model.observe(spec.record(measured))
+        model.observe(measure(BatchSpec(decode_kv=(rng.randint(16, 700),) * 8, mode="graph"),
+                              rng, noise=0.0))
+    assert model.safety(f) > 1.2
+    assert model.safety(StepFeatures(num_decodes=8, kv_tokens=3000, mode="graph")) == pytest.approx(
+        1.0, abs=1e-6)
+    assert model.safety(spec.features(busy=True)) == 1.0  # another set, no steps
+    model.load_state_dict(model.state_dict())
+    assert model.safety(f) == 1.0
+    with pytest.raises(ValueError, match="safety_quantile"):
+        LatencyModel(safety_quantile=1.5)

@@ -14,6 +14,7 @@ from coserve.bench.metrics import (
     rolling_attainment,
     timeline_rates,
 )
+from coserve.bench.replay import STEP_COLUMNS
 from coserve.bench.runners import RunOutcome
 from coserve.core.latency import error_summary
 
@@ -74,8 +75,15 @@ def summarize(
         "gpu_utilization": {"mean_percent": sum(util) / len(util), "samples": len(util)}
         if util
         else None,
+        "gpu_clock_mhz": {
+            "mean": sum(outcome.gpu_clock_mhz) / len(outcome.gpu_clock_mhz),
+            "min": min(outcome.gpu_clock_mhz),
+        }
+        if outcome.gpu_clock_mhz
+        else None,
         "step_seconds": dict(replay.step_seconds),
         "step_counts": dict(replay.step_counts),
+        "engine_steps": {"columns": list(STEP_COLUMNS), "rows": [list(r) for r in replay.steps]},
         **outcome.extra,
         "timeline": {
             "t_s": rates.t,

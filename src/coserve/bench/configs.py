@@ -66,6 +66,11 @@ CONFIGS: dict[str, RunConfig] = {
             "a separate trainer process with its own training loop, running "
             "all the time beside inference (fixed MPS share on GPU)",
         ),
+        RunConfig(
+            "inference-last",
+            RunKind.INFERENCE,
+            "inference only again, run last: shows whether the order of the runs biased the reference",
+        ),
     )
 }
 REFERENCE = "inference"

@@ -43,6 +43,12 @@ class ReplayResult:
     # idle waits: where the replay's wall time went
     step_seconds: dict[str, float] = field(default_factory=dict)
     step_counts: dict[str, int] = field(default_factory=dict)
+    # every step that ran work: (t, kind, mode, prefill tokens, decode tokens, seconds), so that
+    # runs can be compared step for step (same batch, same time?) whatever their configuration
+    steps: list[tuple[float, str, str, int, int, float]] = field(default_factory=list)
+
+
+STEP_COLUMNS = ("t_s", "kind", "mode", "prefill_tokens", "decode_tokens", "seconds")
 
 
 class InProcessDriver:
@@ -88,6 +94,7 @@ class InProcessDriver:
         entry_delays: list[tuple[str, float]] = []
         step_seconds: dict[str, float] = {}
         step_counts: dict[str, int] = {}
+        steps: list[tuple[float, str, str, int, int, float]] = []
         next_tick = tick_every_s
         try:
             while True:
@@ -106,8 +113,13 @@ class InProcessDriver:
                 began = time.perf_counter()
                 outs = engine.step()
                 kind = engine.last_step_kind
-                step_seconds[kind] = step_seconds.get(kind, 0.0) + time.perf_counter() - began
+                spent = time.perf_counter() - began
+                step_seconds[kind] = step_seconds.get(kind, 0.0) + spent
                 step_counts[kind] = step_counts.get(kind, 0) + 1
+                stats = engine.last_step
+                if kind in ("inference", "mixed") and stats is not None:
+                    steps.append((now, kind, stats.mode, stats.num_prefill_tokens,
+                                  stats.num_decode_tokens, spent))
                 for out in outs:
                     rid = out.request_id
                     inf_tokens += 1
@@ -148,4 +160,4 @@ class InProcessDriver:
                 records.append(RequestRecord(arr, first.get(rid), None, a.prompt_tokens, 0))
         return ReplayResult(sorted(records, key=lambda r: r.arrival_s), clock(), inf_tokens,
                             (ft_tokens() - ft0) if ft_tokens else 0, timeline, entry_delays,
-                            step_seconds, step_counts)
+                            step_seconds, step_counts, steps)

@@ -77,6 +77,7 @@ class RunOutcome:
     optimizer_steps: int = 0
     prediction_errors: tuple[tuple[str, float, float], ...] = ()
     gpu_utilization: tuple[tuple[float, float], ...] = ()
+    gpu_clock_mhz: tuple[float, ...] = ()
     loss_first: float | None = None
     loss_last: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -89,7 +90,7 @@ def _replay(
     ctx: BenchContext,
     ft_tokens: Callable[[], int] | None = None,
     idle_wait: Callable[[float], None] | None = None,
-) -> tuple[ReplayResult, tuple[tuple[float, float], ...]]:
+) -> tuple[ReplayResult, tuple[tuple[float, float], ...], tuple[float, ...]]:
     ctx.sampler.start()
     try:
         result = ctx.driver.run(
@@ -101,13 +102,13 @@ def _replay(
         )
     finally:
         util = tuple(ctx.sampler.stop())
-    return result, util
+    return result, util, tuple(ctx.sampler.clocks_mhz)
 
 
 def run_inference(ctx: BenchContext, config: RunConfig) -> RunOutcome:
     """The engine alone."""
-    replay, util = _replay(ctx)
-    return RunOutcome(config, replay, gpu_utilization=util)
+    replay, util, clocks = _replay(ctx)
+    return RunOutcome(config, replay, gpu_utilization=util, gpu_clock_mhz=clocks)
 
 
 def _session_spec(ctx: BenchContext, config: RunConfig) -> FinetuneSpec:
@@ -165,7 +166,9 @@ def run_coserve(ctx: BenchContext, config: RunConfig) -> RunOutcome:
         co.step_log.clear()
         co.track = True
         steps, interrupted, logged = co.steps_done, co.num_interrupted, len(session.history)
-        replay, util = _replay(ctx, ft_tokens=lambda: co.tokens_trained, idle_wait=session.wait)
+        replay, util, clocks = _replay(
+            ctx, ft_tokens=lambda: co.tokens_trained, idle_wait=session.wait
+        )
         losses = [h.loss for h in session.history[logged:] if h.loss is not None]
         return RunOutcome(
             config,
@@ -173,6 +176,7 @@ def run_coserve(ctx: BenchContext, config: RunConfig) -> RunOutcome:
             optimizer_steps=co.steps_done - steps,
             prediction_errors=tuple((key, p, m) for key, _, p, m in co.step_log),
             gpu_utilization=util,
+            gpu_clock_mhz=clocks,
             loss_first=losses[0] if losses else None,
             loss_last=losses[-1] if losses else None,
             extra={
@@ -249,13 +253,14 @@ def run_split(ctx: BenchContext, config: RunConfig) -> RunOutcome:
         if not trainer.wait_steps(1, t.warmup_timeout_s):
             logger.warning("split trainer: no optimizer step within %.0fs", t.warmup_timeout_s)
         steps, loss_first = trainer.steps_done, trainer.last_loss
-        replay, util = _replay(ctx, ft_tokens=lambda: trainer.tokens_trained)
+        replay, util, clocks = _replay(ctx, ft_tokens=lambda: trainer.tokens_trained)
         trainer.check()
         return RunOutcome(
             config,
             replay,
             optimizer_steps=trainer.steps_done - steps,
             gpu_utilization=util,
+            gpu_clock_mhz=clocks,
             loss_first=loss_first,
             loss_last=trainer.last_loss,
             extra={"mps_share_percent": trainer.mps_share},

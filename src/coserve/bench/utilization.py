@@ -1,4 +1,5 @@
-"""GPU utilization sampled once a second in a background thread while a replay runs."""
+"""GPU utilization (and the SM clock) sampled once a second in a background thread while a
+replay runs."""
 
 from __future__ import annotations
 
@@ -17,6 +18,11 @@ Probe = Callable[[torch.device], float]
 def _torch_probe(device: torch.device) -> float:
     # NOTE: needs pynvml (nvidia-ml-py); torch raises when it is missing.
     return float(torch.cuda.utilization(device))
+
+
+def _clock_probe(device: torch.device) -> float:
+    # the SM clock in MHz: an idle GPU clocks down, which slows the steps after an idle gap
+    return float(torch.cuda.clock_rate(device))
 
 
 # Tried in order; the first that answers on the device is used for the whole run.
@@ -42,7 +48,8 @@ def find_probe(device: torch.device) -> Probe | None:
 
 
 class UtilizationSampler:
-    """``start()``, then ``stop() -> [(t, percent), …]`` with ``t`` in seconds since ``start``.
+    """``start()``, then ``stop() -> [(t, percent), …]`` with ``t`` in seconds since ``start``;
+    ``clocks_mhz`` then holds the SM clock read with each sample (where the device reports it).
 
     Samples every ``every_s`` seconds; with no probe it samples nothing and ``stop`` returns ``[]``.
     """
@@ -52,6 +59,7 @@ class UtilizationSampler:
         self.device = device
         self.every_s = every_s
         self._samples: list[tuple[float, float]] = []
+        self.clocks_mhz: list[float] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -61,6 +69,7 @@ class UtilizationSampler:
 
     def start(self) -> None:
         self._samples = []
+        self.clocks_mhz = []
         self._stop.clear()
         if self.probe is None:
             return
@@ -73,12 +82,19 @@ class UtilizationSampler:
         self._thread.start()
 
     def _run(self, probe: Probe, t0: float) -> None:
+        clock: Probe | None = _clock_probe
         while not self._stop.wait(self.every_s):
             try:
                 self._samples.append((time.monotonic() - t0, probe(self.device)))
             except Exception as e:  # a failing probe ends sampling, never the benchmark
                 logger.warning("GPU utilization sampling stopped: %s", e)
                 return
+            if clock is not None:
+                try:
+                    self.clocks_mhz.append(clock(self.device))
+                except Exception as e:
+                    logger.info("SM clock unavailable: %s", e)
+                    clock = None
 
     def stop(self) -> list[tuple[float, float]]:
         self._stop.set()

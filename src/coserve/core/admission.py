@@ -205,7 +205,8 @@ def _fill(
     check_latency: bool = True,
 ) -> AdmissionDecision:
     """Shortest first while capacity, the token budget, ``limit`` FT tokens (if given) and, with
-    ``check_latency``, the predicted step time within ``budget`` all hold. Every coefficient is
+    ``check_latency``, the predicted step time times the model's :meth:`~LatencyModel.safety`
+    within ``budget`` all hold. Every coefficient is
     non-negative, so a longer step only predicts longer: the first sample that does not fit
     ends the fill."""
     picked: list[FTSample] = []
@@ -226,7 +227,7 @@ def _fill(
         if check_latency:
             trial = features.with_ft((n,))
             trial_s = model.predict(trial)
-            if trial_s > budget:
+            if trial_s * model.safety(trial) > budget:
                 reason = Reason.LATENCY
                 break
             features, predicted = trial, trial_s

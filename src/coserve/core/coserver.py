@@ -247,7 +247,8 @@ class CoServer:
             return True
         if not view.has_inference:
             return False
-        busy = self.latency.predict(StepFeatures.from_view(view, busy=True))
+        features = StepFeatures.from_view(view, busy=True)
+        busy = self.latency.predict(features) * self.latency.safety(features)
         return busy > latency_budget(view, self.latency, self.slo)
 
     def on_layer(self, layer: int, hidden: torch.Tensor) -> None:

@@ -240,6 +240,11 @@ class LatencyModel:
     (``prior_weight``) so that the directions a window barely excites (steady-state decoding)
     keep their calibrated values. A set with no fit yet falls back to: for ``graph``,
     the same form's ``eager`` set (slower, so a safe stand-in); else :data:`DEFAULT_COEFFICIENTS`.
+
+    :meth:`safety` is how far the set's recent steps ran over their predictions (the
+    ``safety_quantile`` of measured / predicted over the last ``safety_window`` steps, each
+    predicted before it was observed, at least 1): admission multiplies a step's prediction by
+    it, so that a set the linear form fits badly admits less instead of missing its SLO.
     """
 
     def __init__(
@@ -249,9 +254,17 @@ class LatencyModel:
         refit_every: int = 100,
         prior_weight: float = 1e-3,
         defaults: Mapping[str, Sequence[float]] = DEFAULT_COEFFICIENTS,
+        safety_quantile: float = 0.9,
+        safety_window: int = 200,
+        safety_min_steps: int = 20,
     ) -> None:
         if window < 1 or refit_every < 1 or prior_weight < 0:
             raise ValueError("LatencyModel needs window >= 1, refit_every >= 1, prior_weight >= 0")
+        if not 0.0 <= safety_quantile <= 1.0 or safety_window < 1 or safety_min_steps < 1:
+            raise ValueError(
+                "LatencyModel needs 0 <= safety_quantile <= 1, safety_window >= 1, "
+                "safety_min_steps >= 1"
+            )
         self.window = window
         self.refit_every = refit_every
         self.prior_weight = prior_weight
@@ -262,6 +275,10 @@ class LatencyModel:
         self._calib_busy: dict[str, tuple[float, ...]] = {}
         self._windows: dict[tuple[str, bool], deque[tuple[tuple[float, ...], float]]] = {}
         self._unfitted: dict[tuple[str, bool], int] = {}
+        self.safety_quantile = safety_quantile
+        self.safety_min_steps = safety_min_steps
+        self._ratios: dict[tuple[str, bool], deque[float]] = {}
+        self._safety_window = safety_window
 
     # -- prediction
 
@@ -288,6 +305,15 @@ class LatencyModel:
             t = t * (1.0 + rho) + delta
         return t
 
+    def safety(self, features: StepFeatures) -> float:
+        """The factor (≥ 1) by which recent steps of ``features``' set ran over their predictions:
+        1 until the set has ``safety_min_steps`` observations."""
+        ratios = self._ratios.get((features.key, features.busy))
+        if ratios is None or len(ratios) < self.safety_min_steps:
+            return 1.0
+        q = torch.tensor(list(ratios), dtype=torch.float64).quantile(self.safety_quantile)
+        return max(1.0, float(q))
+
     # -- fitting
 
     def fit(self, records: Sequence[StepRecord]) -> None:
@@ -305,6 +331,14 @@ class LatencyModel:
     def observe(self, record: StepRecord) -> None:
         """Add one measured step; refit its set after 10 observations, then after a quarter of its
         window, at most every ``refit_every`` observations."""
+        if record.duration_s > 0 and not record.interrupted:
+            f = StepFeatures.from_record(record)
+            predicted = self.predict(f)
+            if predicted > 0:
+                ratios = self._ratios.setdefault(
+                    (f.key, f.busy), deque(maxlen=self._safety_window)
+                )
+                ratios.append(record.duration_s / predicted)
         for row, key, busy in _rows([record]):
             win = self._windows.setdefault((key, busy), deque(maxlen=self.window))
             win.append(row)
@@ -374,6 +408,7 @@ class LatencyModel:
         self._coef, self._busy, self._calib, self._calib_busy = tables
         self._windows.clear()
         self._unfitted.clear()
+        self._ratios.clear()
 
 
 def _checked(form: str, values: Sequence[float]) -> tuple[float, ...]:
