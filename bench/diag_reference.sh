@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Why is the first replay after start-up slower (bench/results/diagnostic/README.md)? Two
+# benchmarks side by side on azure2023_code, 30 s windows, no calibration in either:
+#   GPU 0: inference, inference-last              (a second replay, nothing in between)
+#   GPU 1: inference, temporal, inference-last    (a trainer process in between; the latency
+#                                                  state comes from a file, so no calibration)
+# Outputs packed into $OUT/diag.tar.gz.
+set -uo pipefail
+: "${OUT:?OUT must name the output folder}"
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+nvidia-cuda-mps-control -d 2>/dev/null || true
+common=(--model shape:llama3-8b --device cuda --max-model-len 8192 --max-num-batched-tokens 2048
+  --max-loras 0 --gpu-memory-utilization 0.7 --lora-rank 16 --target-modules q_proj,k_proj,v_proj,o_proj
+  --ft-lengths spread:256-1024 --duration 30 --drain 10 --rate-scale 0.13 --workload azure2023_code
+  --no-plots)
+mkdir -p "$OUT/diag/a" "$OUT/diag/b"
+CUDA_VISIBLE_DEVICES=0 python3 -m coserve.server.bench_cli "${common[@]}" --configs inference,inference-last \
+  --out "$OUT/diag/a" > "$OUT/diag/a/log.txt" 2>&1 &
+CUDA_VISIBLE_DEVICES=1 python3 -m coserve.server.bench_cli "${common[@]}" \
+  --configs inference,temporal,inference-last --latency-state .traces/code-latency-state.json \
+  --out "$OUT/diag/b" > "$OUT/diag/b/log.txt" 2>&1 &
+wait
+tail -n 12 "$OUT"/diag/*/log.txt
+tar -czf "$OUT/diag.tar.gz" -C "$OUT" diag && rm -rf "$OUT/diag"
