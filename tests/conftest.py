@@ -18,6 +18,16 @@ if not torch.cuda.is_available():
 ARCHS = ("llama", "mistral", "qwen2")
 
 
+@pytest.fixture(autouse=True)
+def _unfreeze_gc() -> Any:
+    """Engines freeze what is alive at their start-up out of the garbage collector
+    (coserve.gc_freeze); a test suite builds hundreds, so each test gives them back."""
+    import gc
+
+    yield
+    gc.unfreeze()
+
+
 def make_hf_model(path: Path, arch: str = "llama", seed: int = 0, **overrides: Any) -> Path:
     """Save a tiny random ``transformers`` causal LM of family ``arch`` under ``path``."""
     import transformers

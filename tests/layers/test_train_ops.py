@@ -14,13 +14,19 @@ from coserve.models.config import RopeConfig
 from coserve.models.peft_adapter import new_lora_adapter
 from coserve.trainer.lora_params import TrainableLoRA
 
+# The fused kernels run on the GPU where there is one; without one, on CPU tensors in Triton's
+# interpreter (tests/conftest.py sets TRITON_INTERPRET=1 then, and ``ON_CPU`` lets the ops take
+# them). With a GPU the interpreter is off, so CPU tensors would only ever see the torch path.
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+
 
 def _grads(fn, *inputs: torch.Tensor) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
     inputs = tuple(t.detach().clone().requires_grad_(True) for t in inputs)
     out = fn(*inputs)
     outs = out if isinstance(out, tuple) else (out,)
     gen = torch.Generator().manual_seed(7)
-    torch.autograd.backward(outs, [torch.randn(o.shape, generator=gen, dtype=o.dtype) for o in outs])
+    torch.autograd.backward(outs, [torch.randn(o.shape, generator=gen, dtype=o.dtype).to(o.device) for o in outs])
     return [t.grad for t in inputs]
 
 
@@ -105,18 +111,20 @@ def test_lora_linear_backward_equals_autograd() -> None:
 
 
 def test_fused_forwards_and_rope_kernel_backward_match_the_references(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """With the fused kernels on (Triton's interpreter without a GPU), the ops' forwards run the
-    kernels, RoPE's backward runs the kernel with −sin, and RMSNorm and SwiGLU run their backward
-    kernels: same gradients as the torch path."""
+    """With the fused kernels on (on the GPU, or in Triton's interpreter without one), the ops'
+    forwards run the kernels, RoPE's backward runs the kernel with −sin, and RMSNorm and SwiGLU
+    run their backward kernels: same gradients as the torch path."""
     calls: list[str] = []
     for name in ("rms_norm", "rotary", "silu_and_mul", "rms_norm_backward", "silu_and_mul_backward"):
         kernel = getattr(triton_fused, name)
         monkeypatch.setattr(triton_fused, name, lambda *a, _n=name, _k=kernel, **kw: (calls.append(_n), _k(*a, **kw))[1])
-    rope = RotaryEmbedding(16, 64, RopeConfig())
+    rope = RotaryEmbedding(16, 64, RopeConfig()).to(DEVICE)
     norm = RMSNorm(32, 1e-6)
     norm.weight.data.normal_(1.0, 0.3)
-    pos = torch.tensor([3, 0, 7, 1, 2])
-    q, k, x, gu = torch.randn(5, 2, 16), torch.randn(5, 1, 16), torch.randn(5, 32), torch.randn(5, 48)
+    norm = norm.to(DEVICE)
+    pos = torch.tensor([3, 0, 7, 1, 2], device=DEVICE)
+    q, k, x, gu = (t.to(DEVICE) for t in (torch.randn(5, 2, 16), torch.randn(5, 1, 16), torch.randn(5, 32),
+                                          torch.randn(5, 48)))
     refs = []
     for enabled in (False, True):
         monkeypatch.setattr(triton_fused, "ENABLED", enabled)
@@ -130,16 +138,16 @@ def test_fused_forwards_and_rope_kernel_backward_match_the_references(monkeypatc
 
 
 def test_backward_kernels_in_bf16_and_strided(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The backward kernels on bf16 rows with row strides wider than the rows, against the fp32
-    torch formulas."""
+    """The backward kernels (on the GPU where there is one) on bf16 rows with row strides wider than
+    the rows, against the fp32 torch formulas."""
     from coserve.layers.activation import silu_and_mul_backward
     from coserve.layers.norm import rms_norm_backward
 
     monkeypatch.setattr(triton_fused, "ENABLED", True)
     monkeypatch.setattr(triton_fused, "ON_CPU", True)
     gen = torch.Generator().manual_seed(3)
-    x = (torch.randn(7, 40 + 8, generator=gen) * 2).to(torch.bfloat16)[:, :40]
-    g = torch.randn(7, 20 + 4, generator=gen).to(torch.bfloat16)[:, :20]
+    x = (torch.randn(7, 40 + 8, generator=gen) * 2).to(DEVICE, torch.bfloat16)[:, :40]
+    g = torch.randn(7, 20 + 4, generator=gen).to(DEVICE, torch.bfloat16)[:, :20]
     got = silu_and_mul_backward(x, g)
     monkeypatch.setattr(triton_fused, "ENABLED", False)
     ref = silu_and_mul_backward(x.float(), g.float())
@@ -147,8 +155,9 @@ def test_backward_kernels_in_bf16_and_strided(monkeypatch) -> None:  # type: ign
 
     norm = RMSNorm(40, 1e-6, torch.bfloat16)
     norm.weight.data.normal_(1.0, 0.3, generator=gen)
-    gn = torch.randn(7, 40 + 8, generator=gen).to(torch.bfloat16)[:, :40]
-    ref_norm = RMSNorm(40, 1e-6)
+    norm = norm.to(DEVICE)
+    gn = torch.randn(7, 40 + 8, generator=gen).to(DEVICE, torch.bfloat16)[:, :40]
+    ref_norm = RMSNorm(40, 1e-6).to(DEVICE)
     ref_norm.weight.data.copy_(norm.weight.data.float())
     ref_n = rms_norm_backward(x.float(), ref_norm, gn.float())
     monkeypatch.setattr(triton_fused, "ENABLED", True)

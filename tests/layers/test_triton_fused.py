@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
+import statistics
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -266,10 +267,19 @@ def test_engine_greedy_tokens_and_logprobs_match(
     llm = LLM(str(hf_models["llama"]), skip_tokenizer_init=True, block_size=4, num_kv_blocks=64)
     got = llm.generate(prompts, params)
     assert min(counts.values()) > 0
+    # On the GPU the Triton attention kernels multiply fp32 operands as tf32: q/k one fp32 ulp
+    # off the reference's (the fused kernels sum in another order) now and then fall on the other
+    # side of a tf32 rounding, and that step's log-probs move by up to ~1e-4 (6.3e-5 seen on the
+    # H200, one step of 24; 2e-6 at most with TRITON_F32_DEFAULT=ieee). The interpreter's dots are
+    # fp32. Most log-probs still agree to 1e-5, so a systematic error cannot hide in the bound.
+    tol = 3e-4 if CUDA else 1e-5
+    diffs: list[float] = []
     for a, b in zip(got, ref, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs is not None and b.outputs[0].logprobs is not None
         for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             assert step_a.keys() == step_b.keys()
             for tok, value in step_a.items():
-                assert value == pytest.approx(step_b[tok], abs=1e-5)
+                assert value == pytest.approx(step_b[tok], abs=tol)
+                diffs.append(abs(value - step_b[tok]))
+    assert statistics.median(diffs) <= 1e-5

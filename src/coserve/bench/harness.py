@@ -35,7 +35,6 @@ Result schema (``STEM.json``; times in ms unless named ``_s``, attainment as a f
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import math
@@ -63,6 +62,7 @@ from coserve.bench.workload import Arrival, Scaling, Workload, load_workload
 from coserve.core.config import LoRAConfig, OptimConfig, SLOConfig
 from coserve.engine.config import EngineConfig
 from coserve.engine.llm_engine import LLMEngine
+from coserve.gc_freeze import freeze_startup_objects
 from coserve.trainer.mps import start_mps_daemon
 
 logger = logging.getLogger(__name__)
@@ -333,6 +333,7 @@ def run_bench(
     work = Path(tempfile.mkdtemp(prefix="coserve-bench-"))
     try:
         ctx, workload = _setup(spec, work, say)
+        freeze_startup_objects("benchmark")
         if spec.latency_state is not None:
             ctx.latency_state = json.loads(spec.latency_state.read_text())
             ctx.calibration = {"loaded_from": str(spec.latency_state), "seconds": 0.0}
@@ -392,7 +393,9 @@ def run_bench(
                 f"rel {_pct(figures['attainment_rel'])}, "
                 f"FT {figures['ft_tokens_per_s']:8.0f} tokens/s ({took[config.kind]:.0f} s)"
             )
-            gc.collect()
+            # what this run left (its records, the result so far) stays out of the next run's
+            # garbage collections (coserve.gc_freeze)
+            freeze_startup_objects("benchmark")
             if ctx.engine.runner.device.type == "cuda":
                 torch.cuda.empty_cache()
         if ctx.latency_state is not None:

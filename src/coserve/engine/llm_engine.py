@@ -23,6 +23,7 @@ from coserve.engine.sampling_params import SampledToken, SamplingParams
 from coserve.engine.scheduler import Scheduler, SchedulerOutput
 from coserve.engine.sequence import LoRARequest, Sequence
 from coserve.engine.warmup import WarmupReport, warm_up
+from coserve.gc_freeze import freeze_startup_objects
 from coserve.layers.sampler import Sampler
 from coserve.models.loader import ModelSource, load_model
 from coserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -96,6 +97,7 @@ class LLMEngine:
         self.last_step_kind = "idle"  # idle | inference | mixed | ft-only | ft-only-interrupted
         if config.runs_warmup:
             self.warm_up()
+        freeze_startup_objects("engine")
 
     def attach(self, coserver: CoServer, training_slot: int = 0) -> None:
         """Co-serve: let ``coserver`` add fine-tuning rows (on a training adapter slot) to steps."""

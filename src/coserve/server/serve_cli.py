@@ -56,6 +56,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from coserve.engine.config import EngineConfig
     from coserve.engine.llm_engine import LLMEngine
+    from coserve.gc_freeze import freeze_startup_objects
     from coserve.server.api import create_app
     from coserve.server.engine_thread import EngineThread
     from coserve.server.finetune import FinetuneSession
@@ -73,6 +74,7 @@ def serve(args: argparse.Namespace) -> int:
     engine_thread = EngineThread(engine, session).start()
     name = args.served_model_name or args.model
     app = create_app(engine_thread, name)
+    freeze_startup_objects("server")
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level=str(args.log_level).lower(), access_log=False))
     url = f"http://{args.host}:{args.port}/v1"

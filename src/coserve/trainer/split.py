@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from coserve.core.config import OptimConfig
 from coserve.core.finetune import FTSample
 from coserve.core.messages import TrainerFailed
+from coserve.gc_freeze import freeze_startup_objects
 from coserve.layers.attention import AttentionMetadata
 from coserve.models.llama import ForwardContext, LlamaForCausalLM
 from coserve.models.peft_adapter import LoraAdapter
@@ -139,6 +140,7 @@ def run_split_worker(spec: SplitSpec, errors: Any) -> None:
         lora = TrainableLoRA(spec.adapter, dropout=spec.dropout, seed=spec.seed, device=spec.device)
         optim = LoRAOptimizer(lora, spec.optim)
         batches = split_batches(spec.samples, spec.backward_tokens, spec.seed)
+        freeze_startup_objects("split trainer")
         task = 0
         while not spec.stop.is_set():
             # one optimizer step: `accumulation_tasks` batches, like the co-serving trainer's tasks

@@ -13,6 +13,7 @@ import torch
 
 from coserve.core.config import OptimConfig
 from coserve.core.messages import BackwardTask, StepInfo, TaskResult, TrainerFailed
+from coserve.gc_freeze import freeze_startup_objects
 from coserve.models.llama import LlamaForCausalLM
 from coserve.models.peft_adapter import LoraAdapter
 from coserve.trainer.backward import TaskRow, task_backward
@@ -54,6 +55,7 @@ def run_worker(spec: WorkerSpec, tasks: Any, results: Any) -> None:
     task: BackwardTask | None = None
     try:
         worker = _Worker(spec)
+        freeze_startup_objects("trainer")
         while True:
             task = tasks.get()
             if task is None:
