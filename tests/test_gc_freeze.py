@@ -38,8 +38,8 @@ def test_freeze_moves_live_objects_out_and_collects_cycles_first() -> None:
 
 
 def test_engine_freezes_at_start_up(tmp_path: Path) -> None:
-    from coserve.engine.llm_engine import LLMEngine
     from coserve.engine.config import EngineConfig
+    from coserve.engine.llm_engine import LLMEngine
     from tests.conftest import make_hf_model
 
     gc.unfreeze()

@@ -90,6 +90,8 @@ def test_every_configuration_runs_on_the_same_arrivals(
         steps = f["engine_steps"]
         assert steps["columns"][1:3] == ["kind", "mode"] and steps["rows"], name
         assert all(r[1] in ("inference", "mixed") and r[3] + r[4] > 0 and r[5] > 0 for r in steps["rows"])
+        # the parts of a step: scheduling and the forward's enqueue within it; no GPU time on CPU
+        assert all(0 <= r[6] and 0 < r[7] and r[6] + r[7] <= r[5] and r[8] is None for r in steps["rows"])
         assert {r[1] for r in steps["rows"]} >= {"inference"}, name
     for name in ("inference", "inference-last"):
         assert figures[name]["ft_tokens"] == 0 and figures[name]["latency_model_error"] is None

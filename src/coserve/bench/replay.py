@@ -12,6 +12,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from coserve.bench.metrics import RequestRecord
 from coserve.bench.workload import Arrival
@@ -43,12 +44,14 @@ class ReplayResult:
     # idle waits: where the replay's wall time went
     step_seconds: dict[str, float] = field(default_factory=dict)
     step_counts: dict[str, int] = field(default_factory=dict)
-    # every step that ran work: (t, kind, mode, prefill tokens, decode tokens, seconds), so that
-    # runs can be compared step for step (same batch, same time?) whatever their configuration
-    steps: list[tuple[float, str, str, int, int, float]] = field(default_factory=list)
+    # every step that ran work, as STEP_COLUMNS, so that runs can be compared step for step
+    # (same batch, same time?) whatever their configuration, and a slow step split into its parts
+    # (coserve.engine.llm_engine.StepStats; None where unknown)
+    steps: list[tuple[Any, ...]] = field(default_factory=list)
 
 
-STEP_COLUMNS = ("t_s", "kind", "mode", "prefill_tokens", "decode_tokens", "seconds")
+STEP_COLUMNS = ("t_s", "kind", "mode", "prefill_tokens", "decode_tokens", "seconds", "schedule_s",
+                "forward_enqueue_s", "forward_gpu_s")
 
 
 class InProcessDriver:
@@ -94,7 +97,7 @@ class InProcessDriver:
         entry_delays: list[tuple[str, float]] = []
         step_seconds: dict[str, float] = {}
         step_counts: dict[str, int] = {}
-        steps: list[tuple[float, str, str, int, int, float]] = []
+        steps: list[tuple[Any, ...]] = []
         next_tick = tick_every_s
         try:
             while True:
@@ -119,7 +122,8 @@ class InProcessDriver:
                 stats = engine.last_step
                 if kind in ("inference", "mixed") and stats is not None:
                     steps.append((now, kind, stats.mode, stats.num_prefill_tokens,
-                                  stats.num_decode_tokens, spent))
+                                  stats.num_decode_tokens, spent, stats.schedule_s,
+                                  stats.forward_enqueue_s, stats.forward_gpu_s))
                 for out in outs:
                     rid = out.request_id
                     inf_tokens += 1

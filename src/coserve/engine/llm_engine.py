@@ -6,7 +6,7 @@ import logging
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -44,6 +44,12 @@ class StepStats:
     num_decode_tokens: int
     num_preempted: int
     mode: str = "eager"
+    # where the time went: scheduling and planning until the forward was called, the forward's
+    # enqueue on the CPU, and (CUDA) the forward on the GPU between events recorded around it
+    # (it includes the GPU's idle gaps while the CPU still launches); None where unknown
+    schedule_s: float | None = None
+    forward_enqueue_s: float | None = None
+    forward_gpu_s: float | None = None
 
 
 class LLMEngine:
@@ -215,8 +221,16 @@ class LLMEngine:
         co = self.coserver if ft_rows else None
         hook = co.on_layer if co is not None else None
         mlp_hook = co.on_mlp if co is not None and co.keeps_mlp else None
+        began = time.perf_counter()
+        events = None
+        if self.runner.device.type == "cuda":
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
         try:
             logits = self.runner.execute(rows, hook, mlp_hook)
+            if events is not None:
+                events[1].record()
+            enqueued = time.perf_counter()
         except Interrupted:
             assert self.coserver is not None and view is not None and sched.is_empty
             self.last_step_kind = "ft-only-interrupted"
@@ -224,6 +238,16 @@ class LLMEngine:
                                                  interrupted=True, trainer_busy=busy))
             return []
         outputs = self.finish_step(sched, logits, start)
+        assert self.last_step is not None
+        self.last_step = replace(
+            self.last_step,
+            schedule_s=began - start,
+            forward_enqueue_s=enqueued - began,
+            # sampling synchronized; a step without sampled rows may still run: no sync for it
+            forward_gpu_s=events[0].elapsed_time(events[1]) / 1e3
+            if events is not None and events[1].query()
+            else None,
+        )
         if self.coserver is not None and view is not None:
             assert self.last_step is not None
             ft_lens = tuple(len(r.token_ids) for r in ft_rows)
