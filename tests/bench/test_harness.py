@@ -92,6 +92,7 @@ def test_every_configuration_runs_on_the_same_arrivals(
         assert all(r[1] in ("inference", "mixed") and r[3] + r[4] > 0 and r[5] > 0 for r in steps["rows"])
         # the parts of a step: scheduling and the forward's enqueue within it; no GPU time on CPU
         assert all(0 <= r[6] and 0 < r[7] and r[6] + r[7] <= r[5] and r[8] is None for r in steps["rows"])
+        assert all(r[9] == 0 for r in steps["rows"] if r[3] == 0)  # no chunk, no chunk context
         assert {r[1] for r in steps["rows"]} >= {"inference"}, name
     for name in ("inference", "inference-last"):
         assert figures[name]["ft_tokens"] == 0 and figures[name]["latency_model_error"] is None
@@ -108,6 +109,7 @@ def test_every_configuration_runs_on_the_same_arrivals(
         assert tasks["tasks"] >= 2 * figures[name]["optimizer_steps"] - 1 and tasks["tokens"] >= 64, name
         assert tasks["turnaround_s"] >= tasks["trainer_s"] > 0, name
         assert 0 <= tasks["paused_s"] <= tasks["trainer_s"], name
+        assert tasks["gpu_wait_s"] == 0.0, name  # CPU: no GPU to wait for
         rows = figures[name]["steps"]["rows"]
         assert len(rows) == figures[name]["latency_model_error"]["all"]["n"], name
         assert all(r[0].split("/")[0] in ("prefill", "decode") and r[2] > 0 and r[3] for r in rows)

@@ -24,7 +24,8 @@ Result schema (``STEM.json``; times in ms unless named ``_s``, attainment as a f
   p99_rel, n; null without a co-server), ``gpu_utilization`` (mean_percent, samples; null when
   it cannot be read), ``gpu_clock_mhz`` (the SM clock's mean and min; null likewise),
   ``engine_steps`` (every inference or mixed step: t_s, kind, mode, prefill and decode tokens,
-  seconds, and of them schedule_s, forward_enqueue_s, forward_gpu_s), ``loss_first`` /
+  seconds, and of them schedule_s, forward_enqueue_s, forward_gpu_s; prefill_context_tokens),
+  ``loss_first`` /
   ``loss_last``, ``timeline`` (per second: t_s, inference and FT tokens/s, rolling attainment abs / rel, GPU utilization samples), ``per_request``
   (arrival_s, ttft_ms, tpot_ms, output_tokens; null for a request that did not get there);
 * ``comparisons``: ``ft_over_split`` / ``ft_over_naive`` / ``ft_over_temporal`` (configuration →

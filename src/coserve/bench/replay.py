@@ -51,7 +51,7 @@ class ReplayResult:
 
 
 STEP_COLUMNS = ("t_s", "kind", "mode", "prefill_tokens", "decode_tokens", "seconds", "schedule_s",
-                "forward_enqueue_s", "forward_gpu_s")
+                "forward_enqueue_s", "forward_gpu_s", "prefill_context_tokens")
 
 
 class InProcessDriver:
@@ -123,7 +123,8 @@ class InProcessDriver:
                 if kind in ("inference", "mixed") and stats is not None:
                     steps.append((now, kind, stats.mode, stats.num_prefill_tokens,
                                   stats.num_decode_tokens, spent, stats.schedule_s,
-                                  stats.forward_enqueue_s, stats.forward_gpu_s))
+                                  stats.forward_enqueue_s, stats.forward_gpu_s,
+                                  stats.prefill_context_tokens))
                 for out in outs:
                     rid = out.request_id
                     inf_tokens += 1

@@ -45,6 +45,10 @@ class TaskResult:
     step_info: StepInfo | None = None
     pause_times: tuple[float, ...] = ()  # time.monotonic() when the worker found the grant cleared and its GPU queue drained
     paused_s: float = 0.0  # of duration_s, the time spent draining and waiting for the grant
+    # of duration_s, outside pauses: the CPU waiting for the GPU at layer boundaries (the rest,
+    # duration_s − paused_s − gpu_wait_s, is the CPU issuing work: a CPU-bound backward has
+    # little of this, a GPU-bound or GPU-shared one much)
+    gpu_wait_s: float = 0.0
 
 
 @dataclass(frozen=True)

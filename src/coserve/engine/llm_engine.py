@@ -44,6 +44,8 @@ class StepStats:
     num_decode_tokens: int
     num_preempted: int
     mode: str = "eager"
+    # cached tokens the prefill chunks attend to beyond themselves (their context lengths summed)
+    prefill_context_tokens: int = 0
     # where the time went: scheduling and planning until the forward was called, the forward's
     # enqueue on the CPU, and (CUDA) the forward on the GPU between events recorded around it
     # (it includes the GPU's idle gaps while the CPU still launches); None where unknown
@@ -345,6 +347,7 @@ class LLMEngine:
             num_decode_tokens=len(sched.decodes),
             num_preempted=len(sched.preempted),
             mode=self.runner.last_mode,
+            prefill_context_tokens=sum(c.context_len for c in sched.prefills),
         )
         return outputs
 

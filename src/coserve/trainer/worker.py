@@ -77,6 +77,7 @@ class _Worker:
         self._events: list[torch.cuda.Event] = []
         self._pauses: list[float] = []
         self._paused_s = 0.0
+        self._gpu_wait_s = 0.0
         bank = int(spec.meta[0])
         if bank >= 0:
             self.optim.import_state(spec.banks[bank], int(spec.meta[1 + bank]))
@@ -97,8 +98,9 @@ class _Worker:
             info = StepInfo(task.step, res.lr, res.grad_norm, res.skipped)
         pauses, self._pauses = tuple(self._pauses), []
         paused, self._paused_s = self._paused_s, 0.0
+        gpu_wait, self._gpu_wait_s = self._gpu_wait_s, 0.0
         return TaskResult(task.task_id, loss.loss_sum, loss.num_targets, time.perf_counter() - start, info, pauses,
-                          paused)
+                          paused, gpu_wait)
 
     def _layer_boundary(self, layer: int) -> None:
         """Pause here while the engine runs a prefill; keep GPU work queued ahead of the CPU to
@@ -108,7 +110,9 @@ class _Worker:
             event.record()
             self._events.append(event)
             if len(self._events) > self.spec.max_layers_ahead:
+                began = time.perf_counter()
                 self._events.pop(0).synchronize()
+                self._gpu_wait_s += time.perf_counter() - began
         grant = self.spec.grant
         if grant is not None and not grant.is_set():
             began = time.perf_counter()
