@@ -87,6 +87,7 @@ def test_every_configuration_runs_on_the_same_arrivals(
         tl = f["timeline"]
         assert len(tl["t_s"]) == len(tl["ft_tokens_per_s"]) == len(tl["attainment_abs"]) >= 1
         assert f["gpu_utilization"] is None and f["gpu_clock_mhz"] is None  # CPU
+        assert f["cuda_allocator"] is None
         steps = f["engine_steps"]
         assert steps["columns"][1:3] == ["kind", "mode"] and steps["rows"], name
         assert all(r[1] in ("inference", "mixed") and r[3] + r[4] > 0 and r[5] > 0 for r in steps["rows"])

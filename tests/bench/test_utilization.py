@@ -41,3 +41,14 @@ def test_sampler_without_a_probe_samples_nothing() -> None:
     assert not sampler.available
     sampler.start()
     assert sampler.stop() == [] and sampler.clocks_mhz == []
+
+
+def test_allocator_counters_read_the_cuda_allocator(monkeypatch: pytest.MonkeyPatch) -> None:
+    from coserve.bench import runners
+
+    stats = {"segment.all.allocated": 7, "segment.all.freed": 2, "num_alloc_retries": 1,
+             "reserved_bytes.all.current": 3 * 2**30}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: stats)
+    assert runners._allocator_counters(torch.device("cuda")) == {
+        "device_allocs": 7.0, "device_frees": 2.0, "alloc_retries": 1.0, "reserved_gib": 3.0}
+    assert runners._allocator_counters(torch.device("cpu")) is None

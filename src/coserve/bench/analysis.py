@@ -81,6 +81,7 @@ def summarize(
         }
         if outcome.gpu_clock_mhz
         else None,
+        "cuda_allocator": outcome.cuda_allocator,
         "step_seconds": dict(replay.step_seconds),
         "step_counts": dict(replay.step_counts),
         "engine_steps": {"columns": list(STEP_COLUMNS), "rows": [list(r) for r in replay.steps]},

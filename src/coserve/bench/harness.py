@@ -23,6 +23,8 @@ Result schema (``STEM.json``; times in ms unless named ``_s``, attainment as a f
   p50 / p90 / p99 / mean), ``latency_model_error`` (per step kind and ``all``: median_rel,
   p99_rel, n; null without a co-server), ``gpu_utilization`` (mean_percent, samples; null when
   it cannot be read), ``gpu_clock_mhz`` (the SM clock's mean and min; null likewise),
+  ``cuda_allocator`` (the replay's cudaMalloc / cudaFree calls and allocation retries, reserved
+  GiB at its start and end; null off CUDA),
   ``engine_steps`` (every inference or mixed step: t_s, kind, mode, prefill and decode tokens,
   seconds, and of them schedule_s, forward_enqueue_s, forward_gpu_s; prefill_context_tokens),
   ``loss_first`` /

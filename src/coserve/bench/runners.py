@@ -13,7 +13,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
+
+import torch
 
 from coserve.bench.configs import RunConfig, RunKind
 from coserve.bench.replay import InProcessDriver, ReplayResult
@@ -78,6 +80,7 @@ class RunOutcome:
     prediction_errors: tuple[tuple[str, float, float], ...] = ()
     gpu_utilization: tuple[tuple[float, float], ...] = ()
     gpu_clock_mhz: tuple[float, ...] = ()
+    cuda_allocator: dict[str, float] | None = None
     loss_first: float | None = None
     loss_last: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -86,11 +89,38 @@ class RunOutcome:
 Runner = Callable[[BenchContext, RunConfig], RunOutcome]
 
 
+class Replayed(NamedTuple):
+    """A replay's result and what was sampled around it."""
+
+    result: ReplayResult
+    util: tuple[tuple[float, float], ...]
+    clocks: tuple[float, ...]
+    allocator: dict[str, float] | None
+
+
+# CUDA caching-allocator counters compared before and after a replay: cudaMalloc / cudaFree calls
+# (segments) and allocations retried after freeing the cache; each of those synchronizes the
+# device, in the middle of a step
+ALLOCATOR_COUNTERS = {"device_allocs": "segment.all.allocated", "device_frees": "segment.all.freed",
+                      "alloc_retries": "num_alloc_retries"}
+
+
+def _allocator_counters(device: torch.device) -> dict[str, float] | None:
+    if device.type != "cuda":
+        return None
+    stats = torch.cuda.memory_stats(device)
+    return {name: float(stats.get(key, 0)) for name, key in ALLOCATOR_COUNTERS.items()} | {
+        "reserved_gib": stats.get("reserved_bytes.all.current", 0) / 2**30
+    }
+
+
 def _replay(
     ctx: BenchContext,
     ft_tokens: Callable[[], int] | None = None,
     idle_wait: Callable[[float], None] | None = None,
-) -> tuple[ReplayResult, tuple[tuple[float, float], ...], tuple[float, ...]]:
+) -> Replayed:
+    device = ctx.engine.runner.device
+    before = _allocator_counters(device)
     ctx.sampler.start()
     try:
         result = ctx.driver.run(
@@ -102,13 +132,20 @@ def _replay(
         )
     finally:
         util = tuple(ctx.sampler.stop())
-    return result, util, tuple(ctx.sampler.clocks_mhz)
+    after = _allocator_counters(device)
+    allocator = None
+    if before is not None and after is not None:
+        allocator = {k: after[k] - before[k] for k in ALLOCATOR_COUNTERS}
+        allocator["reserved_gib_start"], allocator["reserved_gib_end"] = (
+            before["reserved_gib"], after["reserved_gib"])
+    return Replayed(result, util, tuple(ctx.sampler.clocks_mhz), allocator)
 
 
 def run_inference(ctx: BenchContext, config: RunConfig) -> RunOutcome:
     """The engine alone."""
-    replay, util, clocks = _replay(ctx)
-    return RunOutcome(config, replay, gpu_utilization=util, gpu_clock_mhz=clocks)
+    r = _replay(ctx)
+    return RunOutcome(config, r.result, gpu_utilization=r.util, gpu_clock_mhz=r.clocks,
+                      cuda_allocator=r.allocator)
 
 
 def _session_spec(ctx: BenchContext, config: RunConfig) -> FinetuneSpec:
@@ -166,17 +203,17 @@ def run_coserve(ctx: BenchContext, config: RunConfig) -> RunOutcome:
         co.step_log.clear()
         co.track = True
         steps, interrupted, logged = co.steps_done, co.num_interrupted, len(session.history)
-        replay, util, clocks = _replay(
-            ctx, ft_tokens=lambda: co.tokens_trained, idle_wait=session.wait
-        )
+        r = _replay(ctx, ft_tokens=lambda: co.tokens_trained, idle_wait=session.wait)
+        replay = r.result
         losses = [h.loss for h in session.history[logged:] if h.loss is not None]
         return RunOutcome(
             config,
             replay,
             optimizer_steps=co.steps_done - steps,
             prediction_errors=tuple((key, p, m) for key, _, p, m in co.step_log),
-            gpu_utilization=util,
-            gpu_clock_mhz=clocks,
+            gpu_utilization=r.util,
+            gpu_clock_mhz=r.clocks,
+            cuda_allocator=r.allocator,
             loss_first=losses[0] if losses else None,
             loss_last=losses[-1] if losses else None,
             extra={
@@ -255,14 +292,16 @@ def run_split(ctx: BenchContext, config: RunConfig) -> RunOutcome:
         if not trainer.wait_steps(1, t.warmup_timeout_s):
             logger.warning("split trainer: no optimizer step within %.0fs", t.warmup_timeout_s)
         steps, loss_first = trainer.steps_done, trainer.last_loss
-        replay, util, clocks = _replay(ctx, ft_tokens=lambda: trainer.tokens_trained)
+        r = _replay(ctx, ft_tokens=lambda: trainer.tokens_trained)
+        replay = r.result
         trainer.check()
         return RunOutcome(
             config,
             replay,
             optimizer_steps=trainer.steps_done - steps,
-            gpu_utilization=util,
-            gpu_clock_mhz=clocks,
+            gpu_utilization=r.util,
+            gpu_clock_mhz=r.clocks,
+            cuda_allocator=r.allocator,
             loss_first=loss_first,
             loss_last=trainer.last_loss,
             extra={"mps_share_percent": trainer.mps_share},
