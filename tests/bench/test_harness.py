@@ -55,6 +55,8 @@ ARGS = [
     "1",
     "--warmup-requests",
     "2",
+    "--burn-in",
+    "1",
     "--drain",
     "10",
 ]
@@ -114,7 +116,7 @@ def test_every_configuration_runs_on_the_same_arrivals(
         rows = figures[name]["steps"]["rows"]
         assert len(rows) == figures[name]["latency_model_error"]["all"]["n"], name
         assert all(r[0].split("/")[0] in ("prefill", "decode") and r[2] > 0 and r[3] for r in rows)
-    assert result["config"]["ft"]["grad_accum"] == 2
+    assert result["config"]["ft"]["grad_accum"] == 2 and result["config"]["burn_in_s"] == 1.0
     for name, f in figures.items():
         spent = f["step_seconds"]
         assert 0 < sum(spent.values()) <= f["duration_s"] + 1e-6, name
@@ -237,3 +239,8 @@ def test_a_saved_latency_state_replaces_the_calibration(
     result = json.loads((tmp_path / "burst-light.json").read_text(), parse_constant=_no_nan)
     assert result["calibration"]["loaded_from"] == str(state)
     assert "full" in result["figures"]
+
+
+def test_negative_burn_in_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="--burn-in"):
+        _spec(tmp_path, "inference", burn_in_s=-1.0)

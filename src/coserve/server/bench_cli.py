@@ -134,6 +134,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     )
     o.add_argument("--warmup-requests", type=int, default=16)
     o.add_argument(
+        "--burn-in", type=float, default=0.0, metavar="SECONDS",
+        help="before the reference, replay the workload's first SECONDS once, untimed (the first "
+        "replay after start-up has run slower than later ones on the GPU; "
+        "the inference-last configuration shows whether it still does)",
+    )
+    o.add_argument(
         "--drain", type=float, default=30.0, help="seconds to let requests finish after the window"
     )
     o.add_argument(
@@ -209,6 +215,7 @@ def bench_spec(args: argparse.Namespace) -> BenchSpec:
         rolling_window_s=args.rolling_window,
         attainment_target=args.attainment_target,
         warmup_requests=args.warmup_requests,
+        burn_in_s=args.burn_in,
         drain_s=args.drain,
         mps=not args.no_mps,
         engine_threads=args.threads,
