@@ -10,7 +10,9 @@ relative error on the rest for:
 - ``linear``: the same linear form refitted by NNLS on relative error;
 - ``floor``: ``max(floor, linear)`` — a CPU-bound floor (the ``--floor-quantile`` of the
   training steps' times) under a linear GPU term fitted on the training steps above 1.5 × floor:
-  the form to expect when eager steps are bound by kernel launches until their work is large.
+  the form to expect when eager steps are bound by kernel launches until their work is large;
+- ``rows`` (tables that record each step's prefill chunks and FT rows): the linear form plus one
+  term per chunk and one per FT row — per-row launches and copies that the token sums miss.
 
     python bench/latency_fit.py bench/results/.../burst-light.json [--config full] [--out fit.json]
 """
@@ -46,9 +48,9 @@ def _errors(pred: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
 def evaluate(rows: list[list[Any]], train: float, floor_q: float) -> dict[str, Any]:
     """Held-out errors per key of the three forms (see the module docstring)."""
     by_key: dict[str, list[list[Any]]] = {}
-    for key, predicted, measured, vec in rows:
+    for key, predicted, measured, vec, *extra in rows:
         if measured > 0:
-            by_key.setdefault(key, []).append([predicted, measured, vec])
+            by_key.setdefault(key, []).append([predicted, measured, vec, extra[0] if extra else None])
     out: dict[str, Any] = {}
     for key, steps in sorted(by_key.items()):
         n_train = int(len(steps) * train)
@@ -75,6 +77,11 @@ def evaluate(rows: list[list[Any]], train: float, floor_q: float) -> dict[str, A
             "measured_s": {"p10": float(y.quantile(0.1)), "p50": float(y.quantile(0.5)),
                            "p90": float(y.quantile(0.9))},
         }
+        if all(s[3] is not None for s in steps):
+            xr = torch.cat([x, torch.tensor([s[3] for s in steps], dtype=torch.float64)], 1)
+            theta_r = torch.tensor(fit_relative(xr[:n_train], yt, 1.0 / yt), dtype=torch.float64)
+            out[key]["rows"] = {**_errors(xr[n_train:] @ theta_r, yh),
+                                "per_chunk_s": float(theta_r[-2]), "per_ft_row_s": float(theta_r[-1])}
     return out
 
 

@@ -116,6 +116,9 @@ def test_every_configuration_runs_on_the_same_arrivals(
         rows = figures[name]["steps"]["rows"]
         assert len(rows) == figures[name]["latency_model_error"]["all"]["n"], name
         assert all(r[0].split("/")[0] in ("prefill", "decode") and r[2] > 0 and r[3] for r in rows)
+        # prefill chunks and FT rows: FT-only steps have FT rows and no chunk
+        assert all(len(r[4]) == 2 and min(r[4]) >= 0 for r in rows)
+        assert any(r[4][1] > 0 for r in rows), name
     assert result["config"]["ft"]["grad_accum"] == 2 and result["config"]["burn_in_s"] == 1.0
     for name, f in figures.items():
         spent = f["step_seconds"]

@@ -30,3 +30,20 @@ def test_floor_form_wins_on_launch_bound_steps_and_linear_on_linear_ones() -> No
     linear = latency_fit.evaluate(_rows(floor=0.0), 0.5, 0.1)["decode/eager/idle"]
     assert linear["linear"]["median_rel"] < 0.05
     assert latency_fit.evaluate(_rows(0.0)[:10], 0.5, 0.1)["decode/eager/idle"]["skipped"]
+
+
+def test_rows_form_finds_a_per_row_cost_the_token_sums_miss() -> None:
+    """Prefill steps that pay 2 ms per chunk and 3 ms per FT row on top of a linear token cost:
+    the rows form recovers both and predicts the held-out steps; the linear form cannot."""
+    rng = random.Random(1)
+    rows: list[list[object]] = []
+    for _ in range(400):
+        chunks, ft = rng.randint(1, 6), rng.randint(0, 4)
+        tokens = rng.randint(64, 2048)
+        t = (1e-5 * tokens + 2e-3 * chunks + 3e-3 * ft + 5e-3) * rng.uniform(0.99, 1.01)
+        rows.append(["prefill/eager/idle", 0.01, t, [0.0, float(tokens), 0.0, 0.0, 0.0, 1.0], [chunks, ft]])
+    got = latency_fit.evaluate(rows, 0.5, 0.1)["prefill/eager/idle"]
+    assert got["rows"]["median_rel"] < 0.02 < got["linear"]["median_rel"]
+    assert abs(got["rows"]["per_chunk_s"] - 2e-3) < 2e-4 and abs(got["rows"]["per_ft_row_s"] - 3e-3) < 3e-4
+    old = latency_fit.evaluate([r[:4] for r in rows], 0.5, 0.1)["prefill/eager/idle"]
+    assert "rows" not in old  # tables written before the rows column

@@ -210,7 +210,7 @@ def run_coserve(ctx: BenchContext, config: RunConfig) -> RunOutcome:
             config,
             replay,
             optimizer_steps=co.steps_done - steps,
-            prediction_errors=tuple((key, p, m) for key, _, p, m in co.step_log),
+            prediction_errors=tuple((key, p, m) for key, _, p, m, _ in co.step_log),
             gpu_utilization=r.util,
             gpu_clock_mhz=r.clocks,
             cuda_allocator=r.allocator,
@@ -249,14 +249,18 @@ def task_breakdown(
     }
 
 
-def step_table(log: Sequence[tuple[str, tuple[float, ...], float, float]]) -> dict[str, Any]:
-    """The replay's steps as rows ``[key, predicted s, measured s, *regressors]`` (regressors in
-    ``coserve.core.latency.TERMS[form]`` order), 6 significant digits: enough to refit the
-    latency model offline."""
+def step_table(
+    log: Sequence[tuple[str, tuple[float, ...], float, float, tuple[int, int]]],
+) -> dict[str, Any]:
+    """The replay's steps as rows ``[key, predicted s, measured s, regressors, rows]``
+    (regressors in ``coserve.core.latency.TERMS[form]`` order; rows: the step's prefill chunks
+    and FT rows), 6 significant digits: enough to refit the latency model offline, and to try
+    forms with a per-row term."""
     return {
-        "columns": ["key", "predicted_s", "measured_s", "regressors"],
-        "rows": [[key, float(f"{p:.6g}"), float(f"{m:.6g}"), [float(f"{v:.6g}") for v in vec]]
-                 for key, vec, p, m in log],
+        "columns": ["key", "predicted_s", "measured_s", "regressors", "rows"],
+        "rows": [[key, float(f"{p:.6g}"), float(f"{m:.6g}"), [float(f"{v:.6g}") for v in vec],
+                  list(rows)]
+                 for key, vec, p, m, rows in log],
     }
 
 

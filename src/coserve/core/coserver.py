@@ -144,7 +144,8 @@ class CoServer:
         # per step: (key with /busy or /idle, the model's regressors, predicted s, measured s),
         # each predicted before the model observed it: its error, and the data to refit and
         # judge latency models offline
-        self.step_log: list[tuple[str, tuple[float, ...], float, float]] = []
+        # (key, regressors, predicted s, measured s, (prefill chunks, FT rows)) per step
+        self.step_log: list[tuple[str, tuple[float, ...], float, float, tuple[int, int]]] = []
         # per backward task: (submitted, result received: time.monotonic; trainer-side seconds;
         # tokens; trainer seconds paused) — where a co-serving run's fine-tuning time goes
         self.task_timings: list[tuple[float, float, float, int, float, float]] = []
@@ -298,7 +299,8 @@ class CoServer:
             if self.track:
                 features = StepFeatures.from_record(record)
                 key = features.key + ("/busy" if record.trainer_busy else "/idle")
-                self.step_log.append((key, features.vector(), self.latency.predict(features), record.duration_s))
+                self.step_log.append((key, features.vector(), self.latency.predict(features), record.duration_s,
+                                      (len(features.chunks), len(features.ft_lens))))
             self.latency.observe(record)
         rows, self._step_rows = self._step_rows, []
         if not rows:
