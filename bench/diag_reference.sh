@@ -4,6 +4,8 @@
 #   GPU 0: inference, inference-last              (a second replay, nothing in between)
 #   GPU 1: inference, temporal, inference-last    (a trainer process in between; the latency
 #                                                  state comes from a file, so no calibration)
+# DIAG_GPU=N runs both on GPU N, one after the other. `b` loads the latency state of session 3's
+# evaluation (same model and engine settings); the trace comes from .traces (carry it).
 # Outputs packed into $OUT/diag.tar.gz.
 set -uo pipefail
 : "${OUT:?OUT must name the output folder}"
@@ -14,11 +16,19 @@ common=(--model shape:llama3-8b --device cuda --max-model-len 8192 --max-num-bat
   --ft-lengths spread:256-1024 --duration 30 --drain 10 --rate-scale 0.13 --workload azure2023_code
   --no-plots)
 mkdir -p "$OUT/diag/a" "$OUT/diag/b"
-CUDA_VISIBLE_DEVICES=0 python3 -m coserve.server.bench_cli "${common[@]}" --configs inference,inference-last \
-  --out "$OUT/diag/a" > "$OUT/diag/a/log.txt" 2>&1 &
-CUDA_VISIBLE_DEVICES=1 python3 -m coserve.server.bench_cli "${common[@]}" \
-  --configs inference,temporal,inference-last --latency-state .traces/code-latency-state.json \
-  --out "$OUT/diag/b" > "$OUT/diag/b/log.txt" 2>&1 &
-wait
+run_a() {
+  CUDA_VISIBLE_DEVICES=$1 python3 -m coserve.server.bench_cli "${common[@]}" --configs inference,inference-last \
+    --out "$OUT/diag/a" > "$OUT/diag/a/log.txt" 2>&1
+}
+run_b() {
+  CUDA_VISIBLE_DEVICES=$1 python3 -m coserve.server.bench_cli "${common[@]}" \
+    --configs inference,temporal,inference-last --latency-state bench/results/eval_h200/azure2023_code/azure2023_code-latency-state.json \
+    --out "$OUT/diag/b" > "$OUT/diag/b/log.txt" 2>&1
+}
+if [[ -n "${DIAG_GPU:-}" ]]; then  # one GPU: a, then b
+  run_a "$DIAG_GPU"; run_b "$DIAG_GPU"
+else
+  run_a 0 & run_b 1 & wait
+fi
 tail -n 12 "$OUT"/diag/*/log.txt
 tar -czf "$OUT/diag.tar.gz" -C "$OUT" diag && rm -rf "$OUT/diag"
