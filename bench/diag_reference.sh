@@ -4,7 +4,8 @@
 #   GPU 0: inference, inference-last              (a second replay, nothing in between)
 #   GPU 1: inference, temporal, inference-last    (a trainer process in between; the latency
 #                                                  state comes from a file, so no calibration)
-# DIAG_GPU=N runs both on GPU N, one after the other. `b` loads the latency state of session 3's
+# DIAG_FLAGS are added to both (e.g. "--stream-priority high"). DIAG_GPU=N runs both on GPU N,
+# one after the other. `b` loads the latency state of session 3's
 # evaluation (same model and engine settings); the trace comes from .traces (carry it).
 # Outputs packed into $OUT/diag.tar.gz.
 set -uo pipefail
@@ -14,7 +15,7 @@ nvidia-cuda-mps-control -d 2>/dev/null || true
 common=(--model shape:llama3-8b --device cuda --max-model-len 8192 --max-num-batched-tokens 2048
   --max-loras 0 --gpu-memory-utilization 0.7 --lora-rank 16 --target-modules q_proj,k_proj,v_proj,o_proj
   --ft-lengths spread:256-1024 --duration 30 --drain 10 --rate-scale 0.13 --workload azure2023_code
-  --no-plots)
+  --no-plots ${DIAG_FLAGS:-})  # shellcheck disable=SC2206  # a list of flags
 mkdir -p "$OUT/diag/a" "$OUT/diag/b"
 run_a() {
   CUDA_VISIBLE_DEVICES=$1 python3 -m coserve.server.bench_cli "${common[@]}" --configs inference,inference-last \

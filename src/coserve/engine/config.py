@@ -34,6 +34,11 @@ class EngineConfig:
     # Run every eager step's shape class once at start-up so that no Triton kernel compiles while
     # serving (engine/warmup.py): "auto" on CUDA only (the CPU has nothing to compile), "on", "off".
     warmup: str = "auto"
+    # "high": the engine's GPU work runs on the device's highest-priority stream, so that the
+    # GPU's block scheduler serves inference before the co-located trainer's work (which keeps
+    # the default, lowest priority; under MPS the trainer also starts as a below-normal client).
+    # "default": the default stream. No effect off CUDA.
+    stream_priority: str = "default"
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_lora_rank")
@@ -52,6 +57,8 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.warmup not in ("auto", "on", "off"):
             raise ValueError(f"warmup must be auto, on or off, got {self.warmup!r}")
+        if self.stream_priority not in ("default", "high"):
+            raise ValueError(f"stream_priority must be default or high, got {self.stream_priority!r}")
         sizes = self.cuda_graph_batch_sizes
         if not all(isinstance(n, int) and n > 0 for n in sizes) or list(sizes) != sorted(set(sizes)):
             raise ValueError(f"cuda_graph_batch_sizes must be increasing positive integers, got {sizes!r}")

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
 
@@ -81,6 +82,11 @@ class LLMEngine:
         )
         self.lora_manager = LoRAManager(self.model, config.max_loras, config.num_training_slots)
         self.runner = ModelRunner(config, self.model, self.lora_manager.scales)
+        # the stream every step, warm-up and calibration batch runs on (EngineConfig.stream_priority)
+        self.stream: torch.cuda.Stream | None = None
+        if self.runner.device.type == "cuda" and config.stream_priority == "high":
+            # NOTE: out-of-range priorities clamp to the highest the device has
+            self.stream = torch.cuda.Stream(self.runner.device, priority=-(1 << 10))
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -202,8 +208,29 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
 
+    @contextlib.contextmanager
+    def on_stream(self) -> Iterator[None]:
+        """Where the engine's GPU work goes: its own high-priority stream, or the current one.
+        The two streams are ordered both ways around the block (GPU-side waits, no host sync):
+        work queued before it (an adapter loaded into its slot) comes first, work queued after it
+        comes after."""
+        if self.stream is None:
+            yield
+            return
+        outer = torch.cuda.current_stream(self.runner.device)
+        self.stream.wait_stream(outer)
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:
+            outer.wait_stream(self.stream)
+
     def step(self) -> list[RequestOutput]:
         """Schedule and run one forward pass; returns the outputs of requests that got a token."""
+        with self.on_stream():
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         sched = self.scheduler.schedule()
         rows = self.build_rows(sched)
@@ -277,11 +304,13 @@ class LLMEngine:
 
     def run_batch(self, spec: BatchSpec) -> float:
         """Run one synthetic batch through the real step path; returns seconds (hook 5)."""
-        return run_synthetic_batch(self, spec)
+        with self.on_stream():
+            return run_synthetic_batch(self, spec)
 
     def warm_up(self) -> WarmupReport:
         """Run every eager step's shape class once, so that no kernel compiles while serving."""
-        return warm_up(self)
+        with self.on_stream():
+            return warm_up(self)
 
     def calibrate(self, repeats: int = 2) -> int:
         """Fit the co-server's latency model on this engine's real step path (after warm-up)."""

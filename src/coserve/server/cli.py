@@ -37,6 +37,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", default="auto", choices=["auto", "on", "off"],
                    help="run every eager step shape once at start-up so no kernel compiles while "
                         "serving (auto: on CUDA only)")
+    p.add_argument("--stream-priority", default="default", choices=["default", "high"],
+                   help="high: run the engine on the GPU's highest-priority stream and start the "
+                        "trainer as a below-normal MPS client, so that inference is served first "
+                        "where both run at once (CUDA only)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
@@ -44,7 +48,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         load_format=args.load_format, dtype=args.dtype, device=args.device, seed=args.seed,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_loras=args.max_loras,
-        max_lora_rank=args.max_lora_rank, warmup=args.warmup,
+        max_lora_rank=args.max_lora_rank, warmup=args.warmup, stream_priority=args.stream_priority,
     )
 
 

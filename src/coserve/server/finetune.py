@@ -96,6 +96,7 @@ class FinetuneSession:
             model, self.store.tensor, engine.lora_manager.scales, adapter,
             slot=engine.lora_manager.training_slot(0), optim=optim, dropout=spec.lora.dropout, seed=cfg.seed,
             num_threads=spec.trainer_threads, sm_share=spec.trainer_sm_share, mlp_store=self.store.mlp,
+            below_normal=engine.stream is not None,
         )
         self.coserver = CoServer(
             pool=self.pool, samples={s.sample_id: s for s in self.dataset.samples}, store=self.store,

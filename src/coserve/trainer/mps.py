@@ -18,6 +18,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 MPS_SHARE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+MPS_PRIORITY_ENV = "CUDA_MPS_CLIENT_PRIORITY"
 
 
 def _pipe_dir() -> Path:
@@ -51,18 +52,23 @@ def start_mps_daemon() -> bool:
 
 
 @contextlib.contextmanager
-def mps_share(percent: int | None) -> Iterator[None]:
+def mps_share(percent: int | None, below_normal: bool = False) -> Iterator[None]:
     """Within the block, a process spawned gets at most ``percent`` of the SMs under MPS (the
-    child reads ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` when it initializes CUDA); ``None``: no limit."""
-    if percent is None:
-        yield
-        return
-    old = os.environ.get(MPS_SHARE_ENV)
-    os.environ[MPS_SHARE_ENV] = str(percent)
+    child reads ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` when it initializes CUDA); ``None``: no limit.
+    ``below_normal``: it also starts as a below-normal-priority MPS client
+    (``CUDA_MPS_CLIENT_PRIORITY=1``, a hint to the scheduler that newer drivers honour)."""
+    env = {}
+    if percent is not None:
+        env[MPS_SHARE_ENV] = str(percent)
+    if below_normal:
+        env[MPS_PRIORITY_ENV] = "1"
+    old = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
     try:
         yield
     finally:
-        if old is None:
-            del os.environ[MPS_SHARE_ENV]
-        else:
-            os.environ[MPS_SHARE_ENV] = old
+        for name, value in old.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value

@@ -42,6 +42,7 @@ class TrainerProcess:
         num_threads: int = 0,
         sm_share: int | None = None,
         mlp_store: torch.Tensor | None = None,
+        below_normal: bool = False,
     ) -> None:
         device = store.device
         self._layout = TrainableLoRA(adapter, dropout=dropout, seed=seed, device="cpu")
@@ -55,6 +56,9 @@ class TrainerProcess:
         self.scales = scales
         # Under MPS: the share of SMs the trainer's kernels may occupy (None: no limit).
         self.sm_share = sm_share
+        # Under MPS: start as a below-normal-priority client (beside an engine on a high-priority
+        # stream, EngineConfig.stream_priority).
+        self.below_normal = below_normal
         self._ctx = mp.get_context("spawn")
         self.grant = self._ctx.Event()
         self.grant.set()
@@ -152,7 +156,7 @@ class TrainerProcess:
             target=run_worker, args=(self.spec, self._tasks, self._results), daemon=True,
             name="coserve-trainer",
         )
-        with mps_share(self.sm_share):
+        with mps_share(self.sm_share, self.below_normal):
             self._proc.start()
 
     def _stop(self, kill: bool) -> None:
