@@ -278,6 +278,7 @@ class LatencyModel:
         self.safety_quantile = safety_quantile
         self.safety_min_steps = safety_min_steps
         self._ratios: dict[tuple[str, bool], deque[float]] = {}
+        self._safety: dict[tuple[str, bool], float] = {}  # per set, updated as steps come in
         self._safety_window = safety_window
 
     # -- prediction
@@ -307,12 +308,9 @@ class LatencyModel:
 
     def safety(self, features: StepFeatures) -> float:
         """The factor (≥ 1) by which recent steps of ``features``' set ran over their predictions:
-        1 until the set has ``safety_min_steps`` observations."""
-        ratios = self._ratios.get((features.key, features.busy))
-        if ratios is None or len(ratios) < self.safety_min_steps:
-            return 1.0
-        q = torch.tensor(list(ratios), dtype=torch.float64).quantile(self.safety_quantile)
-        return max(1.0, float(q))
+        1 until the set has ``safety_min_steps`` observations. A lookup: admission asks it for
+        every candidate sample of every step."""
+        return self._safety.get((features.key, features.busy), 1.0)
 
     # -- fitting
 
@@ -339,6 +337,9 @@ class LatencyModel:
                     (f.key, f.busy), deque(maxlen=self._safety_window)
                 )
                 ratios.append(record.duration_s / predicted)
+                if len(ratios) >= self.safety_min_steps:
+                    q = torch.tensor(list(ratios), dtype=torch.float64).quantile(self.safety_quantile)
+                    self._safety[(f.key, f.busy)] = max(1.0, float(q))
         for row, key, busy in _rows([record]):
             win = self._windows.setdefault((key, busy), deque(maxlen=self.window))
             win.append(row)
@@ -409,6 +410,7 @@ class LatencyModel:
         self._windows.clear()
         self._unfitted.clear()
         self._ratios.clear()
+        self._safety.clear()
 
 
 def _checked(form: str, values: Sequence[float]) -> tuple[float, ...]:
