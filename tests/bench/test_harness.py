@@ -113,6 +113,7 @@ def test_every_configuration_runs_on_the_same_arrivals(
         assert tasks["turnaround_s"] >= tasks["trainer_s"] > 0, name
         assert 0 <= tasks["paused_s"] <= tasks["trainer_s"], name
         assert tasks["gpu_wait_s"] == 0.0, name  # CPU: no GPU to wait for
+        assert 0 < tasks["cpu_s"] <= tasks["trainer_s"] * 1.05 + 0.01, name
         rows = figures[name]["steps"]["rows"]
         assert len(rows) == figures[name]["latency_model_error"]["all"]["n"], name
         assert all(r[0].split("/")[0] in ("prefill", "decode") and r[2] > 0 and r[3] for r in rows)

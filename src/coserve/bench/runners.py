@@ -228,12 +228,12 @@ def run_coserve(ctx: BenchContext, config: RunConfig) -> RunOutcome:
 
 
 def task_breakdown(
-    timings: Sequence[tuple[float, float, float, int, float, float]], duration_s: float
+    timings: Sequence[tuple[float, float, float, int, float, float, float]], duration_s: float
 ) -> dict[str, float] | None:
     """Where the backward tasks' time went: ``tasks``, mean ``tokens`` per task, mean
     ``trainer_s`` (the worker's own time per task, pauses included) and ``paused_s`` (of it,
     paused for inference) and ``gpu_wait_s`` (of it, outside pauses, waiting for the GPU at layer
-    boundaries), mean ``turnaround_s`` (submitted to result taken in by the engine)
+    boundaries) and ``cpu_s`` (the CPU time its thread used), mean ``turnaround_s`` (submitted to result taken in by the engine)
     and ``trainer_busy_fraction`` (summed trainer time over the replay's duration)."""
     if not timings:
         return None
@@ -244,6 +244,7 @@ def task_breakdown(
         "trainer_s": sum(t[2] for t in timings) / n,
         "paused_s": sum(t[4] for t in timings) / n,
         "gpu_wait_s": sum(t[5] for t in timings) / n,
+        "cpu_s": sum(t[6] for t in timings) / n,
         "turnaround_s": sum(t[1] - t[0] for t in timings) / n,
         "trainer_busy_fraction": sum(t[2] for t in timings) / max(duration_s, 1e-9),
     }

@@ -148,7 +148,8 @@ class CoServer:
         self.step_log: list[tuple[str, tuple[float, ...], float, float, tuple[int, int]]] = []
         # per backward task: (submitted, result received: time.monotonic; trainer-side seconds;
         # tokens; trainer seconds paused) — where a co-serving run's fine-tuning time goes
-        self.task_timings: list[tuple[float, float, float, int, float, float]] = []
+        # per task: (sent, result taken in, trainer s, tokens, paused s, GPU wait s, CPU s)
+        self.task_timings: list[tuple[float, float, float, int, float, float, float]] = []
         self._submitted: dict[int, tuple[float, int]] = {}
         self._layer_events: list[torch.cuda.Event] = []
 
@@ -368,7 +369,7 @@ class CoServer:
             sent = self._submitted.pop(result.task_id, None)
             if sent is not None:
                 self.task_timings.append((sent[0], time.monotonic(), result.duration_s, sent[1], result.paused_s,
-                                          result.gpu_wait_s))
+                                          result.gpu_wait_s, result.cpu_s))
         self._open.loss_sum += result.loss_sum
         self._open.num_targets += result.num_targets
         info = result.step_info

@@ -49,6 +49,10 @@ class TaskResult:
     # duration_s − paused_s − gpu_wait_s, is the CPU issuing work: a CPU-bound backward has
     # little of this, a GPU-bound or GPU-shared one much)
     gpu_wait_s: float = 0.0
+    # CPU time the worker's thread used for the task (time.thread_time): near duration_s − paused_s
+    # for a CPU-bound backward (spin-waits on the GPU count too), far below it for one that
+    # waits on a lock, the scheduler or I/O
+    cpu_s: float = 0.0
 
 
 @dataclass(frozen=True)

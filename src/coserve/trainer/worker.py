@@ -84,6 +84,7 @@ class _Worker:
 
     def run(self, task: BackwardTask) -> TaskResult:
         start = time.perf_counter()
+        cpu_start = time.thread_time()
         rows = [TaskRow(s.offset, s.labels) for s in task.samples]
         loss = task_backward(self.spec.model, self.lora, self.spec.store, rows, dropout_key=task.task_id,
                              at_layer_boundary=self._layer_boundary, mlp_store=self.spec.mlp_store)
@@ -100,7 +101,7 @@ class _Worker:
         paused, self._paused_s = self._paused_s, 0.0
         gpu_wait, self._gpu_wait_s = self._gpu_wait_s, 0.0
         return TaskResult(task.task_id, loss.loss_sum, loss.num_targets, time.perf_counter() - start, info, pauses,
-                          paused, gpu_wait)
+                          paused, gpu_wait, time.thread_time() - cpu_start)
 
     def _layer_boundary(self, layer: int) -> None:
         """Pause here while the engine runs a prefill; keep GPU work queued ahead of the CPU to
