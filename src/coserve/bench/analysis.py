@@ -84,7 +84,8 @@ def summarize(
         "cuda_allocator": outcome.cuda_allocator,
         "step_seconds": dict(replay.step_seconds),
         "step_counts": dict(replay.step_counts),
-        "engine_steps": {"columns": list(STEP_COLUMNS), "rows": [list(r) for r in replay.steps]},
+        "engine_steps": {"columns": list(STEP_COLUMNS),
+                         "rows": [[_sig6(v) for v in r] for r in replay.steps]},
         **outcome.extra,
         "timeline": {
             "t_s": rates.t,
@@ -103,6 +104,11 @@ def summarize(
             "output_tokens": [r.output_tokens for r in records],
         },
     }
+
+
+def _sig6(v: Any) -> Any:
+    """Floats to 6 significant digits (steps are timed to the microsecond at best); the rest as is."""
+    return float(f"{v:.6g}") if isinstance(v, float) else v
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
