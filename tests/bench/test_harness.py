@@ -92,7 +92,9 @@ def test_every_configuration_runs_on_the_same_arrivals(
         assert f["cuda_allocator"] is None
         steps = f["engine_steps"]
         assert steps["columns"][1:3] == ["kind", "mode"] and steps["rows"], name
-        assert all(r[1] in ("inference", "mixed") and r[3] + r[4] > 0 and r[5] > 0 for r in steps["rows"])
+        assert all(r[1] in ("inference", "mixed", "ft-only") and r[3] + r[4] + r[10] > 0 and r[5] > 0
+                   for r in steps["rows"])
+        assert all((r[10] > 0) == (r[1] != "inference") for r in steps["rows"]), name
         # the parts of a step: scheduling and the forward's enqueue within it; no GPU time on CPU
         assert all(0 <= r[6] and 0 < r[7] and r[6] + r[7] <= r[5] and r[8] is None for r in steps["rows"])
         assert all(r[9] == 0 for r in steps["rows"] if r[3] == 0)  # no chunk, no chunk context

@@ -51,7 +51,7 @@ class ReplayResult:
 
 
 STEP_COLUMNS = ("t_s", "kind", "mode", "prefill_tokens", "decode_tokens", "seconds", "schedule_s",
-                "forward_enqueue_s", "forward_gpu_s", "prefill_context_tokens")
+                "forward_enqueue_s", "forward_gpu_s", "prefill_context_tokens", "ft_tokens")
 
 
 class InProcessDriver:
@@ -120,11 +120,11 @@ class InProcessDriver:
                 step_seconds[kind] = step_seconds.get(kind, 0.0) + spent
                 step_counts[kind] = step_counts.get(kind, 0) + 1
                 stats = engine.last_step
-                if kind in ("inference", "mixed") and stats is not None:
+                if kind in ("inference", "mixed", "ft-only") and stats is not None:
                     steps.append((now, kind, stats.mode, stats.num_prefill_tokens,
                                   stats.num_decode_tokens, spent, stats.schedule_s,
                                   stats.forward_enqueue_s, stats.forward_gpu_s,
-                                  stats.prefill_context_tokens))
+                                  stats.prefill_context_tokens, stats.ft_tokens))
                 for out in outs:
                     rid = out.request_id
                     inf_tokens += 1

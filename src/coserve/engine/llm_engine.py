@@ -47,6 +47,7 @@ class StepStats:
     mode: str = "eager"
     # cached tokens the prefill chunks attend to beyond themselves (their context lengths summed)
     prefill_context_tokens: int = 0
+    ft_tokens: int = 0  # fine-tuning tokens in the step
     # where the time went: scheduling and planning until the forward was called, the forward's
     # enqueue on the CPU, and (CUDA) the forward on the GPU between events recorded around it
     # (it includes the GPU's idle gaps while the CPU still launches); None where unknown
@@ -270,6 +271,7 @@ class LLMEngine:
         assert self.last_step is not None
         self.last_step = replace(
             self.last_step,
+            ft_tokens=sum(len(r.token_ids) for r in ft_rows),
             schedule_s=began - start,
             forward_enqueue_s=enqueued - began,
             # sampling synchronized; a step without sampled rows may still run: no sync for it
