@@ -57,6 +57,8 @@ ARGS = [
     "2",
     "--burn-in",
     "1",
+    "--profile-window",
+    "0:1",
     "--drain",
     "10",
 ]
@@ -90,6 +92,7 @@ def test_every_configuration_runs_on_the_same_arrivals(
         assert len(tl["t_s"]) == len(tl["ft_tokens_per_s"]) == len(tl["attainment_abs"]) >= 1
         assert f["gpu_utilization"] is None and f["gpu_clock_mhz"] is None  # CPU
         assert f["cuda_allocator"] is None
+        assert "Self CPU" in f["profile"]["self_cpu"] and "self_cuda" not in f["profile"], name
         steps = f["engine_steps"]
         assert steps["columns"][1:3] == ["kind", "mode"] and steps["rows"], name
         assert all(r[1] in ("inference", "mixed", "ft-only") and r[3] + r[4] + r[10] > 0 and r[5] > 0
@@ -247,6 +250,13 @@ def test_a_saved_latency_state_replaces_the_calibration(
     assert "full" in result["figures"]
 
 
-def test_negative_burn_in_is_refused(tmp_path: Path) -> None:
+def test_negative_burn_in_and_bad_profile_windows_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--burn-in"):
         _spec(tmp_path, "inference", burn_in_s=-1.0)
+    with pytest.raises(ValueError, match="--profile-window"):
+        _spec(tmp_path, "inference", profile_window=(5.0, 2.0))
+    from coserve.server.bench_cli import _window
+
+    assert _window("2:7.5") == (2.0, 7.5) and _window(None) is None
+    with pytest.raises(ValueError, match="START:END"):
+        _window("2-7")

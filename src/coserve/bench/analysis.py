@@ -82,6 +82,7 @@ def summarize(
         if outcome.gpu_clock_mhz
         else None,
         "cuda_allocator": outcome.cuda_allocator,
+        "profile": outcome.profile,
         "step_seconds": dict(replay.step_seconds),
         "step_counts": dict(replay.step_counts),
         "engine_steps": {"columns": list(STEP_COLUMNS),

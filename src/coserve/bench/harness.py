@@ -25,7 +25,8 @@ Result schema (``STEM.json``; times in ms unless named ``_s``, attainment as a f
   it cannot be read), ``gpu_clock_mhz`` (the SM clock's mean and min; null likewise),
   ``cuda_allocator`` (the replay's cudaMalloc / cudaFree calls and allocation retries, reserved
   GiB at its start and end; null off CUDA),
-  ``engine_steps`` (every inference, mixed or FT-only step that ran to its end: t_s, kind, mode,
+  ``profile`` (with ``--profile-window``: torch.profiler's operator tables over that window of
+  the replay, by self CPU and self CUDA time), ``engine_steps`` (every inference, mixed or FT-only step that ran to its end: t_s, kind, mode,
   prefill and decode tokens, seconds, and of them schedule_s, forward_enqueue_s, forward_gpu_s;
   prefill_context_tokens, ft_tokens),
   ``loss_first`` /
@@ -119,6 +120,8 @@ class BenchSpec:
     # Replay the workload's first `burn_in_s` seconds once, untimed, before the reference: on the
     # H200 the first replay after start-up ran slower than later ones (diagnostic README).
     burn_in_s: float = 0.0
+    # torch.profiler over this window of replay time (start s, end s) in every configuration
+    profile_window: tuple[float, float] | None = None
     drain_s: float = 30.0
     trainer_warmup_timeout_s: float = 300.0
     mps: bool = True
@@ -148,6 +151,8 @@ class BenchSpec:
         if (self.warmup_requests < 0 or self.drain_s < 0 or self.time_budget_s < 0
                 or self.burn_in_s < 0):
             raise ValueError("--warmup-requests, --burn-in, --drain and --time-budget must be >= 0")
+        if self.profile_window is not None and not 0 <= self.profile_window[0] < self.profile_window[1]:
+            raise ValueError(f"--profile-window must be START:END with 0 <= START < END, got {self.profile_window}")
         if self.probe_s <= 0 or not 0 < self.probe_factor < 1 or self.max_probes < 1:
             raise ValueError("--probe-seconds > 0, 0 < --probe-factor < 1 and --max-probes >= 1 needed")
 
@@ -301,6 +306,7 @@ def _setup(
         work=work,
         sampler=UtilizationSampler(engine.runner.device),
         seed=spec.seed,
+        profile_window=spec.profile_window,
     )
     return ctx, workload
 

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 
 from coserve.bench.configs import RunConfig, RunKind
-from coserve.bench.replay import InProcessDriver, ReplayResult
+from coserve.bench.replay import InProcessDriver, ReplayResult, Snapshot
 from coserve.bench.utilization import UtilizationSampler
 from coserve.bench.workload import Arrival
 from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig, SLOConfig
@@ -64,6 +64,8 @@ class BenchContext:
     seed: int = 0
     latency_state: dict[str, Any] | None = None
     calibration: dict[str, Any] | None = None
+    # (start s, end s) of replay time to run torch.profiler over in every configuration
+    profile_window: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,7 @@ class RunOutcome:
     gpu_utilization: tuple[tuple[float, float], ...] = ()
     gpu_clock_mhz: tuple[float, ...] = ()
     cuda_allocator: dict[str, float] | None = None
+    profile: dict[str, str] | None = None
     loss_first: float | None = None
     loss_last: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -96,6 +99,45 @@ class Replayed(NamedTuple):
     util: tuple[tuple[float, float], ...]
     clocks: tuple[float, ...]
     allocator: dict[str, float] | None
+    profile: dict[str, str] | None = None
+
+
+class WindowProfiler:
+    """torch.profiler over a window of replay time, driven by the replay's once-a-second tick:
+    it starts at the first tick at or after ``start`` and stops at the first at or after ``end``
+    (or when the replay ends). ``tables``: the operators by self CPU time and, on CUDA, by self
+    CUDA time — to compare the same window of two replays."""
+
+    def __init__(self, window: tuple[float, float], cuda: bool, rows: int = 25) -> None:
+        self.start_s, self.end_s = window
+        self.cuda = cuda
+        self.rows = rows
+        self._prof: Any = None
+        self.span: tuple[float, float] | None = None
+        self.tables: dict[str, str] | None = None
+
+    def tick(self, snapshot: Snapshot) -> None:
+        if self._prof is None and self.tables is None and snapshot.t >= self.start_s:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+            self._prof = profile(activities=activities)
+            self._prof.__enter__()
+            self.span = (snapshot.t, snapshot.t)
+        elif self._prof is not None and snapshot.t >= self.end_s:
+            self.stop(snapshot.t)
+
+    def stop(self, t: float | None = None) -> None:
+        if self._prof is None:
+            return
+        prof, self._prof = self._prof, None
+        prof.__exit__(None, None, None)
+        if self.span is not None and t is not None:
+            self.span = (self.span[0], t)
+        averages = prof.key_averages()
+        self.tables = {"self_cpu": averages.table(sort_by="self_cpu_time_total", row_limit=self.rows)}
+        if self.cuda:
+            self.tables["self_cuda"] = averages.table(sort_by="self_cuda_time_total", row_limit=self.rows)
 
 
 # CUDA caching-allocator counters compared before and after a replay: cudaMalloc / cudaFree calls
@@ -121,6 +163,8 @@ def _replay(
 ) -> Replayed:
     device = ctx.engine.runner.device
     before = _allocator_counters(device)
+    profiler = (WindowProfiler(ctx.profile_window, device.type == "cuda")
+                if ctx.profile_window is not None else None)
     ctx.sampler.start()
     try:
         result = ctx.driver.run(
@@ -129,23 +173,29 @@ def _replay(
             ft_tokens=ft_tokens,
             idle_wait=idle_wait,
             drain_s=ctx.drain_s,
+            tick=profiler.tick if profiler is not None else None,
         )
     finally:
         util = tuple(ctx.sampler.stop())
+        if profiler is not None:
+            profiler.stop()
     after = _allocator_counters(device)
     allocator = None
     if before is not None and after is not None:
         allocator = {k: after[k] - before[k] for k in ALLOCATOR_COUNTERS}
         allocator["reserved_gib_start"], allocator["reserved_gib_end"] = (
             before["reserved_gib"], after["reserved_gib"])
-    return Replayed(result, util, tuple(ctx.sampler.clocks_mhz), allocator)
+    profile = None
+    if profiler is not None and profiler.tables is not None and profiler.span is not None:
+        profile = {"window_s": f"{profiler.span[0]:.1f}-{profiler.span[1]:.1f}", **profiler.tables}
+    return Replayed(result, util, tuple(ctx.sampler.clocks_mhz), allocator, profile)
 
 
 def run_inference(ctx: BenchContext, config: RunConfig) -> RunOutcome:
     """The engine alone."""
     r = _replay(ctx)
     return RunOutcome(config, r.result, gpu_utilization=r.util, gpu_clock_mhz=r.clocks,
-                      cuda_allocator=r.allocator)
+                      cuda_allocator=r.allocator, profile=r.profile)
 
 
 def _session_spec(ctx: BenchContext, config: RunConfig) -> FinetuneSpec:
@@ -214,6 +264,7 @@ def run_coserve(ctx: BenchContext, config: RunConfig) -> RunOutcome:
             gpu_utilization=r.util,
             gpu_clock_mhz=r.clocks,
             cuda_allocator=r.allocator,
+            profile=r.profile,
             loss_first=losses[0] if losses else None,
             loss_last=losses[-1] if losses else None,
             extra={
@@ -307,6 +358,7 @@ def run_split(ctx: BenchContext, config: RunConfig) -> RunOutcome:
             gpu_utilization=r.util,
             gpu_clock_mhz=r.clocks,
             cuda_allocator=r.allocator,
+            profile=r.profile,
             loss_first=loss_first,
             loss_last=trainer.last_loss,
             extra={"mps_share_percent": trainer.mps_share},

@@ -134,6 +134,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     )
     o.add_argument("--warmup-requests", type=int, default=16)
     o.add_argument(
+        "--profile-window", default=None, metavar="START:END",
+        help="run torch.profiler over this window of replay time (seconds) in every configuration "
+        "and keep its operator tables in the result (figures.CONFIG.profile)",
+    )
+    o.add_argument(
         "--burn-in", type=float, default=0.0, metavar="SECONDS",
         help="before the reference, replay the workload's first SECONDS once, untimed (the first "
         "replay after start-up has run slower than later ones on the GPU; "
@@ -159,6 +164,16 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     o.add_argument(
         "--out", required=True, help="directory for WORKLOAD.json, WORKLOAD.md and the plots"
     )
+
+
+def _window(text: str | None) -> tuple[float, float] | None:
+    if text is None:
+        return None
+    try:
+        start, end = (float(v) for v in text.split(":"))
+    except ValueError:
+        raise ValueError(f"--profile-window must be START:END in seconds, got {text!r}") from None
+    return start, end
 
 
 def bench_spec(args: argparse.Namespace) -> BenchSpec:
@@ -216,6 +231,7 @@ def bench_spec(args: argparse.Namespace) -> BenchSpec:
         attainment_target=args.attainment_target,
         warmup_requests=args.warmup_requests,
         burn_in_s=args.burn_in,
+        profile_window=_window(args.profile_window),
         drain_s=args.drain,
         mps=not args.no_mps,
         engine_threads=args.threads,
