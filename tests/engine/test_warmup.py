@@ -226,3 +226,37 @@ def test_plan_covers_launcher_choices_on_any_gpu(lim: WarmupLimits) -> None:
             covered = set().union(*(launches(b.spec, b.lora_slots, sms, kvh) for b in plan))
             needed = set().union(*(launches(s, slots, sms, kvh) for s, slots in steps))
             assert needed <= covered, (sms, kvh, needed - covered)
+
+
+def test_gemm_sweep_runs_every_token_count_of_each_weight_shape(
+    hf_models: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from collections import Counter
+
+    import torch.nn.functional as F
+
+    from coserve.engine import warmup
+
+    common: dict[str, Any] = dict(model=str(hf_models["llama"]), device="cpu", skip_tokenizer_init=True,
+                                  num_kv_blocks=64, block_size=4, max_num_batched_tokens=24)
+    engine = LLMEngine(EngineConfig(**common))
+    seen: Counter[tuple[int, int, int]] = Counter()
+    linear = F.linear
+
+    def counting(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        seen[(x.shape[0], w.shape[0], w.shape[1])] += 1
+        return linear(x, w, b)
+
+    monkeypatch.setattr(F, "linear", counting)
+    assert warmup.gemm_sweep(engine.model, 24, 5) == 4 * 24 + 5  # q/k/v, o, gate/up, down
+    monkeypatch.setattr(F, "linear", linear)
+    shapes = {tuple(m.weight.shape) for m in engine.model.modules() if hasattr(m, "lora_a_all")}
+    assert len(shapes) == 4 and {(o, i) for _, o, i in seen} == shapes
+    assert {n for n, _, _ in seen} == set(range(1, 25)) and set(seen.values()) == {1}
+
+    swept: list[tuple[int, int]] = []
+    monkeypatch.setattr(warmup, "gemm_sweep", lambda model, t, r: swept.append((t, r)) or 0)
+    LLMEngine(EngineConfig(**common, warmup="on"))
+    assert swept == []
+    LLMEngine(EngineConfig(**common, warmup="on", warmup_gemms=True))
+    assert swept == [(24, 24)]  # max_num_seqs (256) is capped by the step's tokens

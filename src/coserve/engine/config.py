@@ -39,6 +39,9 @@ class EngineConfig:
     # the default, lowest priority; under MPS the trainer also starts as a below-normal client).
     # "default": the default stream. No effect off CUDA.
     stream_priority: str = "default"
+    # With the warm-up: also run each base-weight GEMM at every token count an eager step can
+    # have (engine/warmup.py gemm_sweep; ~2 s for the 8B shape at 2,048 tokens, by FLOPs).
+    warmup_gemms: bool = False
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_lora_rank")

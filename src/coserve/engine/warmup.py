@@ -32,6 +32,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
+import torch
+import torch.nn.functional as F
+
 from coserve.core.latency import BatchSpec, Chunk
 from coserve.engine.calibration import run_synthetic_batch
 from coserve.layers.triton_lora import SMALL_STEP_TOKENS, block_m_for
@@ -154,7 +157,8 @@ def warmup_plan(lim: WarmupLimits) -> list[WarmupBatch]:
 
 
 def warm_up(engine: LLMEngine) -> WarmupReport:
-    """Run :func:`warmup_plan` through ``engine`` (see the module docstring); logs the time."""
+    """Run :func:`warmup_plan` through ``engine`` (see the module docstring), then, with
+    ``EngineConfig.warmup_gemms``, :func:`gemm_sweep`; logs the time."""
     lim = WarmupLimits.of(engine)
     plan = warmup_plan(lim)
     start = time.perf_counter()
@@ -162,7 +166,44 @@ def warm_up(engine: LLMEngine) -> WarmupReport:
         run_synthetic_batch(engine, batch.spec, lora_slots=batch.lora_slots, ft_slot=lim.ft_slot)
     report = WarmupReport(len(plan), time.perf_counter() - start)
     logger.info("warm-up: %d batches in %.1f s", report.batches, report.seconds)
+    if engine.config.warmup_gemms:
+        began = time.perf_counter()
+        calls = gemm_sweep(engine.model, engine.config.max_num_batched_tokens,
+                           min(engine.config.max_num_seqs, engine.config.max_num_batched_tokens))
+        logger.info("warm-up: %d GEMMs in %.1f s", calls, time.perf_counter() - began)
     return report
+
+
+def gemm_sweep(model: torch.nn.Module, max_tokens: int, max_rows: int) -> int:
+    """Each distinct base-weight GEMM of an eager step once at every row count it can have: the
+    linears at 1 … ``max_tokens`` tokens, the LM head at 1 … ``max_rows`` sampled rows. An
+    eager step's token count is arbitrary, and the matmul library picks and loads its kernels
+    per shape: on the H200 steps of a token count not seen before ran ~1.4× slower per token
+    (bench/results/diagnostic/README.md). Returns the number of GEMMs run."""
+    from coserve.layers.lora import LoRALinear
+
+    weights: dict[tuple[tuple[int, ...], bool], LoRALinear] = {}
+    for module in model.modules():
+        if isinstance(module, LoRALinear):
+            weights.setdefault((tuple(module.weight.shape), module.bias is not None), module)
+    calls = 0
+    with torch.inference_mode():
+        inputs: dict[int, torch.Tensor] = {}
+        for linear in weights.values():
+            w = linear.weight
+            x = inputs.setdefault(w.shape[1], torch.zeros(max_tokens, w.shape[1], dtype=w.dtype, device=w.device))
+            for n in range(1, max_tokens + 1):
+                F.linear(x[:n], w, linear.bias)
+            calls += max_tokens
+        head = getattr(model, "lm_head_weight", None)
+        if isinstance(head, torch.Tensor):
+            x = torch.zeros(max_rows, head.shape[1], dtype=head.dtype, device=head.device)
+            for n in range(1, max_rows + 1):
+                x[:n] @ head.T
+            calls += max_rows
+    if torch.cuda.is_available() and any(w.weight.is_cuda for w in weights.values()):
+        torch.cuda.synchronize()
+    return calls
 
 
 def _levels(values: Iterable[int], hi: int) -> list[int]:
