@@ -141,14 +141,13 @@ class CoServer:
         self.track = False
         self.pause_windows: list[tuple[float, float]] = []
         self.pause_observed: list[float] = []
-        # per step: (key with /busy or /idle, the model's regressors, predicted s, measured s),
-        # each predicted before the model observed it: its error, and the data to refit and
-        # judge latency models offline
-        # (key, regressors, predicted s, measured s, (prefill chunks, FT rows)) per step
+        # per step: (key with /busy or /idle, the model's regressors, predicted s, measured s,
+        # (prefill chunks, FT rows)), each predicted before the model observed it: its error, and
+        # the data to refit and judge latency models offline
         self.step_log: list[tuple[str, tuple[float, ...], float, float, tuple[int, int]]] = []
         # per backward task: (submitted, result received: time.monotonic; trainer-side seconds;
-        # tokens; trainer seconds paused) — where a co-serving run's fine-tuning time goes
-        # per task: (sent, result taken in, trainer s, tokens, paused s, GPU wait s, CPU s)
+        # tokens; of the trainer's seconds: paused, waiting on the GPU; its thread's CPU seconds)
+        # — where a co-serving run's fine-tuning time goes
         self.task_timings: list[tuple[float, float, float, int, float, float, float]] = []
         self._submitted: dict[int, tuple[float, int]] = {}
         self._layer_events: list[torch.cuda.Event] = []
