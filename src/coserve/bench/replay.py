@@ -37,7 +37,7 @@ class ReplayResult:
     duration_s: float
     inference_tokens: int
     ft_tokens: int
-    timeline: list[tuple[float, int, int]] = field(default_factory=list)  # (t, inference tok, FT tok) per tick
+    timeline: list[tuple[float, int, int]] = field(default_factory=list)  # (t, inference tok, FT tok) once a second
     # (kind of the step that was running when the request arrived, seconds it waited to enter the engine)
     entry_delays: list[tuple[str, float]] = field(default_factory=list)
     # seconds spent in engine steps of each kind (idle, inference, mixed, ft-only, ...) and in
@@ -99,6 +99,7 @@ class InProcessDriver:
         step_counts: dict[str, int] = {}
         steps: list[tuple[Any, ...]] = []
         next_tick = tick_every_s
+        next_sample = 1.0  # the timeline: once a second, whatever the tick
         try:
             while True:
                 now = clock()
@@ -146,12 +147,15 @@ class InProcessDriver:
                             time.sleep(min(gap, 0.005))
                         step_seconds["wait"] = step_seconds.get("wait", 0.0) + time.perf_counter() - began
                 now = clock()
-                if now >= next_tick:
+                if now >= next_sample or now >= next_tick:
                     ft = (ft_tokens() - ft0) if ft_tokens else 0
-                    timeline.append((now, inf_tokens, ft))
-                    if tick is not None:
-                        tick(Snapshot(now, nxt, done, inf_tokens, ft))
-                    next_tick += tick_every_s
+                    if now >= next_sample:
+                        timeline.append((now, inf_tokens, ft))
+                        next_sample += 1.0
+                    if now >= next_tick:
+                        if tick is not None:
+                            tick(Snapshot(now, nxt, done, inf_tokens, ft))
+                        next_tick += tick_every_s
         finally:
             engine.external_arrivals = None
             # NOTE: also when a step raised: the engine must not keep this replay's requests.

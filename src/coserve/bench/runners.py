@@ -103,7 +103,7 @@ class Replayed(NamedTuple):
 
 
 class WindowProfiler:
-    """torch.profiler over a window of replay time, driven by the replay's once-a-second tick:
+    """torch.profiler over a window of replay time, driven by the replay's tick (every 0.1 s):
     it starts at the first tick at or after ``start`` and stops at the first at or after ``end``
     (or when the replay ends). ``tables``: the operators by self CPU time and, on CUDA, by self
     CUDA time — to compare the same window of two replays."""
@@ -174,6 +174,7 @@ def _replay(
             idle_wait=idle_wait,
             drain_s=ctx.drain_s,
             tick=profiler.tick if profiler is not None else None,
+            tick_every_s=0.1,
         )
     finally:
         util = tuple(ctx.sampler.stop())
