@@ -121,8 +121,14 @@ class WindowProfiler:
             from torch.profiler import ProfilerActivity, profile
 
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-            self._prof = profile(activities=activities)
-            self._prof.__enter__()
+            try:
+                prof = profile(activities=activities)
+                prof.__enter__()
+            except Exception as e:  # no profiler, no tables: the replay goes on
+                logger.warning("profile window: the profiler did not start (%s: %s)", type(e).__name__, e)
+                self.tables = {}
+                return
+            self._prof = prof
             self.span = (snapshot.t, snapshot.t)
         elif self._prof is not None and snapshot.t >= self.end_s:
             self.stop(snapshot.t)
@@ -131,13 +137,17 @@ class WindowProfiler:
         if self._prof is None:
             return
         prof, self._prof = self._prof, None
-        prof.__exit__(None, None, None)
-        if self.span is not None and t is not None:
-            self.span = (self.span[0], t)
-        averages = prof.key_averages()
-        self.tables = {"self_cpu": averages.table(sort_by="self_cpu_time_total", row_limit=self.rows)}
-        if self.cuda:
-            self.tables["self_cuda"] = averages.table(sort_by="self_cuda_time_total", row_limit=self.rows)
+        try:  # a profiler failure loses its tables, never the configuration's figures
+            prof.__exit__(None, None, None)
+            if self.span is not None and t is not None:
+                self.span = (self.span[0], t)
+            averages = prof.key_averages()
+            tables = {"self_cpu": averages.table(sort_by="self_cpu_time_total", row_limit=self.rows)}
+            if self.cuda:
+                tables["self_cuda"] = averages.table(sort_by="self_device_time_total", row_limit=self.rows)
+            self.tables = tables
+        except Exception as e:
+            logger.warning("profile window: no tables (%s: %s)", type(e).__name__, e)
 
 
 # CUDA caching-allocator counters compared before and after a replay: cudaMalloc / cudaFree calls
