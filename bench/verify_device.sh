@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The first device call of a session after GPU code changed (about 6 minutes on one H200):
+# The first device call of a session after GPU code changed (about 7 minutes on one H200):
 # the GPU kernels and the trainer's backwards against their references, the trainer's backward
 # by task size (and with the worker's one-boundary lookahead), fine-tuning throughput with and
-# without kept MLP activations, and the LoRA overhead with fused launches. Everything lands in $OUT (at most 8 files come back).
+# without kept MLP activations beside the peft loops in the same run (512-token sequences), and
+# the LoRA overhead with fused launches. Everything lands in $OUT (at most 8 files come back).
 #
 #   export COSERVE_COMMIT=<sha> COSERVE_DIRTY=0; bench/verify_device.sh
 set -uo pipefail
@@ -18,7 +19,7 @@ for run in 2 8 8:--boundary-sync; do
   python3 bench/profile_ft.py --rows "$rows" --row-len 512 --no-profile $flag \
     --out "$OUT/profile_ft_$rows${flag:+_sync}.json" 2>&1 | grep -E '"(tokens|forward_s|backward_s|backward_dispatch_s)"'
 done
-python3 bench/ft_throughput.py --lengths 512 --skip-peft --accumulation-tasks 1,2 \
+python3 bench/ft_throughput.py --lengths 512 --accumulation-tasks 1,2 \
   --save-mlp-activations both --out "$OUT/ft_throughput.json" > "$OUT/ft_throughput.log" 2>&1
 echo "ft_throughput rc=$?"; grep seq_len "$OUT/ft_throughput.log" | head -n 1
 python3 bench/engine_speed.py --sections decode,lora --batches 1,16 --contexts 2048 \
