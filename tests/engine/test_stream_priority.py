@@ -72,3 +72,43 @@ def test_steps_run_on_the_high_priority_stream_with_the_same_tokens(
     assert got == ref
     assert seen and all(s == engine.stream for s in seen)
     assert torch.cuda.current_stream() != engine.stream  # the caller's stream is left as it was
+
+
+def test_on_stream_orders_the_streams_both_ways(hf_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """With fakes for the CUDA stream calls: inside the block the engine's stream is current, it
+    first waits for the caller's stream, and the caller's waits for it on the way out — also
+    when the block raises."""
+    engine = LLMEngine(EngineConfig(model=str(hf_models["llama"]), device="cpu", skip_tokenizer_init=True,
+                                    num_kv_blocks=32, block_size=4))
+    calls: list[tuple[str, str]] = []
+
+    class FakeStream:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def wait_stream(self, other: FakeStream) -> None:
+            calls.append((self.name, other.name))
+
+    outer, mine = FakeStream("caller"), FakeStream("engine")
+    current = [outer]
+
+    class Switch:
+        def __init__(self, stream: FakeStream) -> None:
+            self.stream = stream
+
+        def __enter__(self) -> None:
+            current.append(self.stream)
+
+        def __exit__(self, *exc: object) -> None:
+            current.pop()
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(torch.cuda, "stream", Switch)
+    engine.stream = mine  # type: ignore[assignment]
+    with engine.on_stream():
+        assert current[-1] is mine and calls == [("engine", "caller")]
+    assert current == [outer] and calls == [("engine", "caller"), ("caller", "engine")]
+    calls.clear()
+    with pytest.raises(RuntimeError), engine.on_stream():
+        raise RuntimeError("step failed")
+    assert current == [outer] and calls == [("engine", "caller"), ("caller", "engine")]
