@@ -231,6 +231,10 @@ def error_summary(rel_errors: Sequence[float]) -> ErrorStats:
     return ErrorStats(float(e.quantile(0.5)), float(e.quantile(0.99)), len(rel_errors))
 
 
+SAFETY_EVERY = 10
+"""A set's safety factor is recomputed every this many of its steps (and at its first)."""
+
+
 class LatencyModel:
     """Predicts step time in seconds from :class:`StepFeatures`; never fails.
 
@@ -279,6 +283,7 @@ class LatencyModel:
         self.safety_min_steps = safety_min_steps
         self._ratios: dict[tuple[str, bool], deque[float]] = {}
         self._safety: dict[tuple[str, bool], float] = {}  # per set, updated as steps come in
+        self._ratio_count: dict[tuple[str, bool], int] = {}
         self._safety_window = safety_window
 
     # -- prediction
@@ -337,7 +342,12 @@ class LatencyModel:
                     (f.key, f.busy), deque(maxlen=self._safety_window)
                 )
                 ratios.append(record.duration_s / predicted)
-                if len(ratios) >= self.safety_min_steps:
+                # NOTE: the quantile every SAFETY_EVERY steps of a set, not every step: this runs
+                # on the engine's per-step path
+                n = self._ratio_count.get((f.key, f.busy), 0) + 1
+                self._ratio_count[(f.key, f.busy)] = n
+                if len(ratios) >= self.safety_min_steps and (
+                        len(ratios) == self.safety_min_steps or n % SAFETY_EVERY == 0):
                     q = torch.tensor(list(ratios), dtype=torch.float64).quantile(self.safety_quantile)
                     self._safety[(f.key, f.busy)] = max(1.0, float(q))
         for row, key, busy in _rows([record]):
@@ -411,6 +421,7 @@ class LatencyModel:
         self._unfitted.clear()
         self._ratios.clear()
         self._safety.clear()
+        self._ratio_count.clear()
 
 
 def _checked(form: str, values: Sequence[float]) -> tuple[float, ...]:
