@@ -101,6 +101,11 @@ class Replayed(NamedTuple):
     allocator: dict[str, float] | None
     profile: dict[str, str] | None = None
 
+    def measures(self) -> dict[str, Any]:
+        """The :class:`RunOutcome` fields sampled around the replay."""
+        return {"gpu_utilization": self.util, "gpu_clock_mhz": self.clocks,
+                "cuda_allocator": self.allocator, "profile": self.profile}
+
 
 class WindowProfiler:
     """torch.profiler over a window of replay time, driven by the replay's tick (every 0.1 s):
@@ -184,7 +189,7 @@ def _replay(
             idle_wait=idle_wait,
             drain_s=ctx.drain_s,
             tick=profiler.tick if profiler is not None else None,
-            tick_every_s=0.1,
+            tick_every_s=0.1 if profiler is not None else 1.0,
         )
     finally:
         util = tuple(ctx.sampler.stop())
@@ -205,8 +210,7 @@ def _replay(
 def run_inference(ctx: BenchContext, config: RunConfig) -> RunOutcome:
     """The engine alone."""
     r = _replay(ctx)
-    return RunOutcome(config, r.result, gpu_utilization=r.util, gpu_clock_mhz=r.clocks,
-                      cuda_allocator=r.allocator, profile=r.profile)
+    return RunOutcome(config, r.result, **r.measures())
 
 
 def _session_spec(ctx: BenchContext, config: RunConfig) -> FinetuneSpec:
@@ -272,10 +276,7 @@ def run_coserve(ctx: BenchContext, config: RunConfig) -> RunOutcome:
             replay,
             optimizer_steps=co.steps_done - steps,
             prediction_errors=tuple((key, p, m) for key, _, p, m, _ in co.step_log),
-            gpu_utilization=r.util,
-            gpu_clock_mhz=r.clocks,
-            cuda_allocator=r.allocator,
-            profile=r.profile,
+            **r.measures(),
             loss_first=losses[0] if losses else None,
             loss_last=losses[-1] if losses else None,
             extra={
@@ -292,11 +293,11 @@ def run_coserve(ctx: BenchContext, config: RunConfig) -> RunOutcome:
 def task_breakdown(
     timings: Sequence[tuple[float, float, float, int, float, float, float]], duration_s: float
 ) -> dict[str, float] | None:
-    """Where the backward tasks' time went: ``tasks``, mean ``tokens`` per task, mean
-    ``trainer_s`` (the worker's own time per task, pauses included) and ``paused_s`` (of it,
-    paused for inference) and ``gpu_wait_s`` (of it, outside pauses, waiting for the GPU at layer
-    boundaries) and ``cpu_s`` (the CPU time its thread used), mean ``turnaround_s`` (submitted to result taken in by the engine)
-    and ``trainer_busy_fraction`` (summed trainer time over the replay's duration)."""
+    """Where the backward tasks' time went: ``tasks``, mean ``tokens`` per task; means of
+    ``trainer_s`` (the worker's own time per task, pauses included), of it ``paused_s`` (paused
+    for inference) and ``gpu_wait_s`` (outside pauses, waiting for the GPU at layer boundaries),
+    ``cpu_s`` (the CPU time its thread used) and ``turnaround_s`` (submitted to result taken in
+    by the engine); ``trainer_busy_fraction`` (summed trainer time over the replay's duration)."""
     if not timings:
         return None
     n = len(timings)
@@ -366,10 +367,7 @@ def run_split(ctx: BenchContext, config: RunConfig) -> RunOutcome:
             config,
             replay,
             optimizer_steps=trainer.steps_done - steps,
-            gpu_utilization=r.util,
-            gpu_clock_mhz=r.clocks,
-            cuda_allocator=r.allocator,
-            profile=r.profile,
+            **r.measures(),
             loss_first=loss_first,
             loss_last=trainer.last_loss,
             extra={"mps_share_percent": trainer.mps_share},
