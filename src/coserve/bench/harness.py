@@ -24,14 +24,14 @@ Result schema (``STEM.json``; times in ms unless named ``_s``, attainment as a f
   p99_rel, n; null without a co-server), ``gpu_utilization`` (mean_percent, samples; null when
   it cannot be read), ``gpu_clock_mhz`` (the SM clock's mean and min; null likewise),
   ``cuda_allocator`` (the replay's cudaMalloc / cudaFree calls and allocation retries, reserved
-  GiB at its start and end; null off CUDA),
-  ``profile`` (with ``--profile-window``: torch.profiler's operator tables over that window of
-  the replay, by self CPU and self CUDA time), ``engine_steps`` (every inference, mixed or FT-only step that ran to its end: t_s, kind, mode,
-  prefill and decode tokens, seconds, and of them schedule_s, forward_enqueue_s, forward_gpu_s;
-  prefill_context_tokens, ft_tokens),
-  ``loss_first`` /
-  ``loss_last``, ``timeline`` (per second: t_s, inference and FT tokens/s, rolling attainment abs / rel, GPU utilization samples), ``per_request``
-  (arrival_s, ttft_ms, tpot_ms, output_tokens; null for a request that did not get there);
+  GiB at its start and end; null off CUDA), ``profile`` (with ``--profile-window``:
+  torch.profiler's operator tables over that window, by self CPU and self CUDA time),
+  ``engine_steps`` (every inference, mixed or FT-only step that ran to its end: t_s, kind,
+  mode, prefill and decode tokens, seconds, and of them schedule_s, forward_enqueue_s,
+  forward_gpu_s; prefill_context_tokens, ft_tokens), ``loss_first`` / ``loss_last``,
+  ``timeline`` (per second: t_s, inference and FT tokens/s, rolling attainment abs / rel, GPU
+  utilization samples), ``per_request`` (arrival_s, ttft_ms, tpot_ms, output_tokens; null for a
+  request that did not get there);
 * ``comparisons``: ``ft_over_split`` / ``ft_over_naive`` / ``ft_over_temporal`` (configuration →
   ratio of FT tokens/s), ``attainment_minus_reference_pp`` (configuration → abs / rel);
 * ``failed`` / ``skipped``: configuration → why it has no figures (an exception; not enough of
