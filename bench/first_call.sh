@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The first device call of a session on two GPUs (nvidia-h200-x2, ~7 minutes): the verification
+# The first device call of a session on two GPUs (nvidia-h200-x2, ~8 minutes): the verification
 # (bench/verify_device.sh: GPU tests, backward alone, FT-only throughput, LoRA overhead) on GPU 0,
 # beside the first-replay diagnosis (bench/diag_reference.sh, both benchmarks one after the other)
 # on GPU 1. Flags for the diagnosis come from $DIAG_FLAGS. Everything comes back in two archives:
