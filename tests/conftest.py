@@ -18,6 +18,26 @@ if not torch.cuda.is_available():
 ARCHS = ("llama", "mistral", "qwen2")
 
 
+def triton_unavailable() -> str | None:
+    """Why Triton kernels cannot run here (compiled on a GPU, in Triton's interpreter on the
+    CPU), or None; without a GPU it makes sure the interpreter is on."""
+    import importlib.metadata
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    if torch.cuda.is_available():
+        return None
+    # Triton reads TRITON_INTERPRET when it is imported (coserve imports it at the first launch).
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        return "triton was imported before TRITON_INTERPRET=1 could be set"
+    if tuple(int(p) for p in importlib.metadata.version("triton").split(".")[:2]) < (3, 7):
+        return "Triton's interpreter before 3.7 breaks on numpy 2 scalars"
+    os.environ["TRITON_INTERPRET"] = "1"
+    return None
+
+
 @pytest.fixture(autouse=True)
 def _unfreeze_gc() -> Any:
     """Engines freeze what is alive at their start-up out of the garbage collector

@@ -6,10 +6,6 @@ static buffers eagerly (``capture=False``); with one, graphs are captured and re
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
-import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,22 +13,16 @@ import torch
 
 from coserve import LLM, EngineConfig, LoRARequest, SamplingParams
 from coserve.engine.model_runner import BatchRow
-from tests.conftest import make_peft_adapter
+from tests.conftest import make_peft_adapter, triton_unavailable
 
 CUDA = torch.cuda.is_available()
 
 
 def triton_or_skip() -> None:
     """Skip unless Triton kernels can run here (compiled on a GPU, interpreted on the CPU)."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    if CUDA:
-        return
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set")
-    if tuple(int(p) for p in importlib.metadata.version("triton").split(".")[:2]) < (3, 7):
-        pytest.skip("Triton's interpreter before 3.7 breaks on numpy 2 scalars")
-    os.environ["TRITON_INTERPRET"] = "1"
+    reason = triton_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
 
 
 PROMPTS = [[5, 17, 33, 2, 91, 14, 7], [100, 3, 44, 44, 12, 9, 150, 61, 70, 8, 1, 2, 3, 4, 5, 6, 7], [42]]

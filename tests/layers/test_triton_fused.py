@@ -9,30 +9,19 @@ and the bf16 residual sum is not checked bit for bit.
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
-import os
 import statistics
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.conftest import triton_unavailable
+
 CUDA = torch.cuda.is_available()
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed", allow_module_level=True)
-if not CUDA:
-    # Triton reads TRITON_INTERPRET when it is imported (coserve imports it at the first launch).
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set",
-                    allow_module_level=True)
-    version = tuple(int(p) for p in importlib.metadata.version("triton").split(".")[:2])
-    if version < (3, 7):
-        pytest.skip("Triton's interpreter before 3.7 breaks on numpy 2 scalars",
-                    allow_module_level=True)
-    os.environ["TRITON_INTERPRET"] = "1"
+_SKIP = triton_unavailable()
+if _SKIP is not None:
+    pytest.skip(_SKIP, allow_module_level=True)
 
 from coserve import LLM, SamplingParams  # noqa: E402
 from coserve.layers import triton_fused  # noqa: E402

@@ -7,26 +7,17 @@ interpreter's bf16 matrix product is wrong (it multiplies the raw bits).
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
-import os
 import random
-import sys
 
 import pytest
 import torch
 
+from tests.conftest import triton_unavailable
+
 CUDA = torch.cuda.is_available()
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed", allow_module_level=True)
-if not CUDA:
-    # Triton reads TRITON_INTERPRET when it is imported (coserve imports it at the first launch).
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
-    version = tuple(int(p) for p in importlib.metadata.version("triton").split(".")[:2])
-    if version < (3, 7):
-        pytest.skip("Triton's interpreter before 3.7 breaks on numpy 2 scalars", allow_module_level=True)
-    os.environ["TRITON_INTERPRET"] = "1"
+_SKIP = triton_unavailable()
+if _SKIP is not None:
+    pytest.skip(_SKIP, allow_module_level=True)
 
 from coserve.layers.attention import AttentionMetadata, TorchAttention, write_kv  # noqa: E402
 from coserve.layers.lora import LoRABatch, lora_segments_ref  # noqa: E402

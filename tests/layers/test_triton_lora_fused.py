@@ -6,11 +6,7 @@ Runs compiled on a GPU, in Triton's interpreter without one (see ``test_triton_k
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
-import os
 import random
-import sys
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,15 +16,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.conftest import triton_unavailable
+
 CUDA = torch.cuda.is_available()
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed", allow_module_level=True)
-if not CUDA:
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
-    if tuple(int(p) for p in importlib.metadata.version("triton").split(".")[:2]) < (3, 7):
-        pytest.skip("Triton's interpreter before 3.7 breaks on numpy 2 scalars", allow_module_level=True)
-    os.environ["TRITON_INTERPRET"] = "1"
+_SKIP = triton_unavailable()
+if _SKIP is not None:
+    pytest.skip(_SKIP, allow_module_level=True)
 
 from coserve import LLM, LoRARequest, SamplingParams  # noqa: E402
 from coserve.layers import triton_lora  # noqa: E402
