@@ -296,12 +296,12 @@ class CoServer:
                 self.pause_windows.append((self._pause_start, time.monotonic()))
         self._layer_events.clear()
         if not record.interrupted:
-            if self.track:
+            predicted = self.latency.observe(record)
+            if self.track and predicted is not None:
                 features = StepFeatures.from_record(record)
                 key = features.key + ("/busy" if record.trainer_busy else "/idle")
-                self.step_log.append((key, features.vector(), self.latency.predict(features), record.duration_s,
+                self.step_log.append((key, features.vector(), predicted, record.duration_s,
                                       (len(features.chunks), len(features.ft_lens))))
-            self.latency.observe(record)
         rows, self._step_rows = self._step_rows, []
         if not rows:
             return

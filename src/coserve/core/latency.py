@@ -331,36 +331,37 @@ class LatencyModel:
                 calib[key] = target[key]
         logger.info("latency model calibrated from %d steps: %s", len(records), self._coef)
 
-    def observe(self, record: StepRecord) -> None:
+    def observe(self, record: StepRecord) -> float | None:
         """Add one measured step; refit its set after 10 observations, then after a quarter of its
-        window, at most every ``refit_every`` observations."""
-        if record.duration_s > 0 and not record.interrupted:
-            f = StepFeatures.from_record(record)
-            predicted = self.predict(f)
-            if predicted > 0:
-                ratios = self._ratios.setdefault(
-                    (f.key, f.busy), deque(maxlen=self._safety_window)
-                )
-                ratios.append(record.duration_s / predicted)
-                # NOTE: the quantile every SAFETY_EVERY steps of a set, not every step: this runs
-                # on the engine's per-step path
-                n = self._ratio_count.get((f.key, f.busy), 0) + 1
-                self._ratio_count[(f.key, f.busy)] = n
-                if len(ratios) >= self.safety_min_steps and (
-                        len(ratios) == self.safety_min_steps or n % SAFETY_EVERY == 0):
-                    q = torch.tensor(list(ratios), dtype=torch.float64).quantile(self.safety_quantile)
-                    self._safety[(f.key, f.busy)] = max(1.0, float(q))
-        for row, key, busy in _rows([record]):
-            win = self._windows.setdefault((key, busy), deque(maxlen=self.window))
-            win.append(row)
-            n = self._unfitted.get((key, busy), 0) + 1
-            self._unfitted[(key, busy)] = n
-            # Refit early while a set has few observations (a rare step kind would otherwise
-            # keep its calibration bias for hundreds of steps), then every `refit_every`.
-            if n >= min(self.refit_every, max(10, len(win) // 4)):
-                self._unfitted[(key, busy)] = 0
-                prior = (self._calib_busy if busy else self._calib).get(key)
-                self._solve(key, busy, list(win), prior=prior)
+        window, at most every ``refit_every`` observations. Returns the step's prediction made
+        before it was observed (None for an interrupted or untimed step, which is not used)."""
+        if record.interrupted or not record.duration_s > 0:
+            return None
+        f = StepFeatures.from_record(record)
+        key, busy = f.key, f.busy
+        predicted = self.predict(f)
+        if predicted > 0:
+            ratios = self._ratios.setdefault((key, busy), deque(maxlen=self._safety_window))
+            ratios.append(record.duration_s / predicted)
+            # NOTE: the quantile every SAFETY_EVERY steps of a set, not every step: this runs on
+            # the engine's per-step path
+            n = self._ratio_count.get((key, busy), 0) + 1
+            self._ratio_count[(key, busy)] = n
+            if len(ratios) >= self.safety_min_steps and (
+                    len(ratios) == self.safety_min_steps or n % SAFETY_EVERY == 0):
+                q = torch.tensor(list(ratios), dtype=torch.float64).quantile(self.safety_quantile)
+                self._safety[(key, busy)] = max(1.0, float(q))
+        win = self._windows.setdefault((key, busy), deque(maxlen=self.window))
+        win.append((f.vector(), record.duration_s))
+        n = self._unfitted.get((key, busy), 0) + 1
+        self._unfitted[(key, busy)] = n
+        # Refit early while a set has few observations (a rare step kind would otherwise keep its
+        # calibration bias for hundreds of steps), then every `refit_every`.
+        if n >= min(self.refit_every, max(10, len(win) // 4)):
+            self._unfitted[(key, busy)] = 0
+            prior = (self._calib_busy if busy else self._calib).get(key)
+            self._solve(key, busy, list(win), prior=prior)
+        return predicted
 
     def _solve(
         self, key: str, busy: bool, rows: list[tuple[tuple[float, ...], float]],

@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -267,11 +267,16 @@ class LLMEngine:
             self.coserver.on_step_end(StepRecord(view=view, ft_tokens=0, duration_s=time.perf_counter() - start,
                                                  interrupted=True, trainer_busy=busy))
             return []
-        outputs = self.finish_step(sched, logits, start)
-        assert self.last_step is not None
-        self.last_step = replace(
-            self.last_step,
-            ft_tokens=sum(len(r.token_ids) for r in ft_rows),
+        outputs = self.finish_step(sched, logits)
+        ft_lens = tuple(len(r.token_ids) for r in ft_rows)
+        stats = self.last_step = StepStats(
+            duration_s=time.perf_counter() - start,
+            num_prefill_tokens=sum(c.num_tokens for c in sched.prefills),
+            num_decode_tokens=len(sched.decodes),
+            num_preempted=len(sched.preempted),
+            mode=self.runner.last_mode,
+            prefill_context_tokens=sum(c.context_len for c in sched.prefills),
+            ft_tokens=sum(ft_lens),
             schedule_s=began - start,
             forward_enqueue_s=enqueued - began,
             # sampling synchronized; a step without sampled rows may still run: no sync for it
@@ -280,12 +285,9 @@ class LLMEngine:
             else None,
         )
         if self.coserver is not None and view is not None:
-            assert self.last_step is not None
-            ft_lens = tuple(len(r.token_ids) for r in ft_rows)
             self.coserver.on_step_end(StepRecord(
-                view=view, ft_tokens=sum(ft_lens), duration_s=self.last_step.duration_s,
-                mode=self.last_step.mode, ft_rows=tuple(r.sample_id for r in ft_rows), ft_lens=ft_lens,
-                trainer_busy=busy,
+                view=view, ft_tokens=stats.ft_tokens, duration_s=stats.duration_s, mode=stats.mode,
+                ft_rows=tuple(r.sample_id for r in ft_rows), ft_lens=ft_lens, trainer_busy=busy,
             ))
         return outputs
 
@@ -350,7 +352,8 @@ class LLMEngine:
               for r in ft_rows]
         return rows[:num_prefill] + ft + rows[num_prefill:]
 
-    def finish_step(self, sched: SchedulerOutput, logits: torch.Tensor, start: float) -> list[RequestOutput]:
+    def finish_step(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
+        """Sample, advance the scheduled sequences, and build the outputs of this step."""
         chunks = sched.chunks
         sampling = [c.seq for c in chunks if c.samples]
         tokens = self.sampler(
@@ -372,14 +375,6 @@ class LLMEngine:
                 outputs.append(self._finalize(seq))
             else:
                 outputs.append(self._output(seq))
-        self.last_step = StepStats(
-            duration_s=time.perf_counter() - start,
-            num_prefill_tokens=sum(c.num_tokens for c in sched.prefills),
-            num_decode_tokens=len(sched.decodes),
-            num_preempted=len(sched.preempted),
-            mode=self.runner.last_mode,
-            prefill_context_tokens=sum(c.context_len for c in sched.prefills),
-        )
         return outputs
 
     def _append_token(self, seq: Sequence, tok: SampledToken, now: float) -> None:
