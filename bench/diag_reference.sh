@@ -5,7 +5,7 @@
 #   GPU 1: inference, temporal, inference-last    (a trainer process in between; the latency
 #                                                  state comes from a file, so no calibration)
 # DIAG_FLAGS are added to both (e.g. "--stream-priority high"). DIAG_GPU=N runs both on GPU N,
-# one after the other. `b` loads the latency state of session 3's
+# one after the other; DIAG_RUNS=a (or b) runs that one alone. `b` loads the latency state of session 3's
 # evaluation (same model and engine settings); the trace comes from .traces (carry it).
 # Outputs packed into $OUT/$DIAG_NAME.tar.gz (default diag), so two can run side by side.
 set -uo pipefail
@@ -27,7 +27,9 @@ run_b() {
     --configs inference,temporal,inference-last --latency-state bench/results/eval_h200/azure2023_code/azure2023_code-latency-state.json \
     --out "$OUT/$name/b" > "$OUT/$name/b/log.txt" 2>&1
 }
-if [[ -n "${DIAG_GPU:-}" ]]; then  # one GPU: a, then b
+if [[ "${DIAG_RUNS:-ab}" != ab ]]; then  # DIAG_RUNS=a or b: that one alone, on DIAG_GPU (default 0)
+  "run_$DIAG_RUNS" "${DIAG_GPU:-0}"
+elif [[ -n "${DIAG_GPU:-}" ]]; then  # one GPU: a, then b
   run_a "$DIAG_GPU"; run_b "$DIAG_GPU"
 else
   run_a 0 & run_b 1 & wait

@@ -3,9 +3,9 @@
 Per configuration, in run order:
 
 - eager inference steps: count, median and p90 seconds; the medians of the time split
-  (``schedule_s``, ``forward_enqueue_s``, ``forward_gpu_s``) where the result has it; and the
-  median µs per token of steps whose token count (prefill + decode) the benchmark had not run
-  before against those it had (the warm-up's 1, 16, 17, 1,024 and 2,048 tokens count as run);
+  (``schedule_s``, ``forward_enqueue_s``, ``forward_cpu_s``, ``forward_gpu_s``) where the result
+  has it; and the median µs per token of steps whose token count (prefill + decode) the
+  benchmark had not run before against those it had (the warm-up's 1, 16, 17, 1,024 and 2,048 tokens count as run);
 - CUDA-graph inference steps, mixed steps and FT-only steps: count and median seconds (FT-only:
   also median FT tokens);
 - the backward tasks' breakdown, the CUDA allocator counters and the SM clock, as recorded.
@@ -62,7 +62,7 @@ def report(result: dict[str, Any]) -> dict[str, Any]:
                 "median_s": _median([col(r, "seconds") for r in eager]),
                 "p90_s": _p90([col(r, "seconds") for r in eager]),
                 **{f"median_{k}": _median([col(r, k) for r in eager if col(r, k) is not None])
-                   for k in ("schedule_s", "forward_enqueue_s", "forward_gpu_s")},
+                   for k in ("schedule_s", "forward_enqueue_s", "forward_cpu_s", "forward_gpu_s")},
                 "new_token_counts": {"steps": len(new), "median_us_per_token": _median(new)},
                 "seen_token_counts": {"steps": len(old), "median_us_per_token": _median(old)},
             },

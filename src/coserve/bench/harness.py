@@ -28,7 +28,7 @@ Result schema (``STEM.json``; times in ms unless named ``_s``, attainment as a f
   torch.profiler's operator tables over that window, by self CPU and self CUDA time),
   ``engine_steps`` (every inference, mixed or FT-only step that ran to its end: t_s, kind,
   mode, prefill and decode tokens, seconds, and of them schedule_s, forward_enqueue_s,
-  forward_gpu_s; prefill_context_tokens, ft_tokens), ``loss_first`` / ``loss_last``,
+  forward_gpu_s; prefill_context_tokens, ft_tokens; forward_cpu_s), ``loss_first`` / ``loss_last``,
   ``timeline`` (per second: t_s, inference and FT tokens/s, rolling attainment abs / rel, GPU
   utilization samples), ``per_request`` (arrival_s, ttft_ms, tpot_ms, output_tokens; null for a
   request that did not get there);

@@ -51,7 +51,7 @@ class ReplayResult:
 
 
 STEP_COLUMNS = ("t_s", "kind", "mode", "prefill_tokens", "decode_tokens", "seconds", "schedule_s",
-                "forward_enqueue_s", "forward_gpu_s", "prefill_context_tokens", "ft_tokens")
+                "forward_enqueue_s", "forward_gpu_s", "prefill_context_tokens", "ft_tokens", "forward_cpu_s")
 
 
 class InProcessDriver:
@@ -125,7 +125,7 @@ class InProcessDriver:
                     steps.append((now, kind, stats.mode, stats.num_prefill_tokens,
                                   stats.num_decode_tokens, spent, stats.schedule_s,
                                   stats.forward_enqueue_s, stats.forward_gpu_s,
-                                  stats.prefill_context_tokens, stats.ft_tokens))
+                                  stats.prefill_context_tokens, stats.ft_tokens, stats.forward_cpu_s))
                 for out in outs:
                     rid = out.request_id
                     inf_tokens += 1

@@ -54,6 +54,9 @@ class StepStats:
     schedule_s: float | None = None
     forward_enqueue_s: float | None = None
     forward_gpu_s: float | None = None
+    # the CPU time this thread used during the enqueue: well below forward_enqueue_s, the thread
+    # waited (for the GIL, a core, or a blocking CUDA call) rather than worked
+    forward_cpu_s: float | None = None
 
 
 class LLMEngine:
@@ -252,6 +255,7 @@ class LLMEngine:
         hook = co.on_layer if co is not None else None
         mlp_hook = co.on_mlp if co is not None and co.keeps_mlp else None
         began = time.perf_counter()
+        cpu_began = time.thread_time()
         events = None
         if self.runner.device.type == "cuda":
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -261,6 +265,7 @@ class LLMEngine:
             if events is not None:
                 events[1].record()
             enqueued = time.perf_counter()
+            cpu_used = time.thread_time() - cpu_began
         except Interrupted:
             assert self.coserver is not None and view is not None and sched.is_empty
             self.last_step_kind = "ft-only-interrupted"
@@ -279,6 +284,7 @@ class LLMEngine:
             ft_tokens=sum(ft_lens),
             schedule_s=began - start,
             forward_enqueue_s=enqueued - began,
+            forward_cpu_s=cpu_used,
             # sampling synchronized; a step without sampled rows may still run: no sync for it
             forward_gpu_s=events[0].elapsed_time(events[1]) / 1e3
             if events is not None and events[1].query()

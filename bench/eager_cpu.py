@@ -1,0 +1,141 @@
+"""How much of an eager step is CPU work, and how much does a busy CPU slow it?
+
+Eager (prefill-carrying) steps of the Llama-3-8B shape through ``ModelRunner.execute``: the CPU
+time until ``execute`` returns (``enqueue_s``: the host builds the batch and queues every kernel)
+and the time until the device is done (``step_s``), per batch shape, under three conditions:
+the machine idle; ``--hog`` processes spinning on the CPU (as a co-located job or the trainer's
+host threads would); and the same with this process limited to one intra-op thread. Then one
+step of each shape under ``torch.profiler``: the operators by self CPU time, to name what the
+host spends its time on.
+
+    PYTHONPATH=src python3 bench/eager_cpu.py --out bench/results/eager_cpu_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing as mp
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from engine_speed import build_runner
+from speed_common import LLAMA3_8B, TINY, provenance, write_model_dir
+
+from coserve.engine.model_runner import BatchRow, ModelRunner
+
+logger = logging.getLogger("bench")
+
+# (name, rows, tokens per row, cached context per row): the replay's eager steps are chunks of
+# ~2,000 tokens of one or a few prompts, often after a cached prefix of earlier chunks.
+SHAPES = (("1x2048_ctx0", 1, 2048, 0), ("1x2048_ctx2048", 1, 2048, 2048), ("4x512_ctx1024", 4, 512, 1024),
+          ("1x512_ctx0", 1, 512, 0))
+
+
+def _spin(stop: Any) -> None:
+    while not stop.is_set():
+        sum(range(10_000))
+
+
+def rows_for(runner: ModelRunner, rows: int, tokens: int, context: int, rng: random.Random) -> list[BatchRow]:
+    free = list(range(runner.num_blocks))
+    rng.shuffle(free)
+    vocab = runner.model.config.vocab_size
+    return [BatchRow([rng.randrange(vocab) for _ in range(tokens)], context,
+                     [free.pop() for _ in range(-(-(context + tokens) // 16))], samples=True)
+            for _ in range(rows)]
+
+
+def time_steps(runner: ModelRunner, batch: list[BatchRow], iters: int) -> dict[str, float]:
+    cuda = runner.device.type == "cuda"
+    enq, total = [], []
+    for i in range(iters + 2):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        runner.execute(batch)
+        t1 = time.perf_counter()
+        if cuda:
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        if i >= 2:
+            enq.append(t1 - t0)
+            total.append(t2 - t0)
+    return {"enqueue_s": statistics.median(enq), "step_s": statistics.median(total),
+            "enqueue_max_s": max(enq), "step_max_s": max(total)}
+
+
+def profile_table(runner: ModelRunner, batch: list[BatchRow], rows: int = 30) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda" else [])
+    runner.execute(batch)
+    with profile(activities=activities) as prof:
+        runner.execute(batch)
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize()
+    return str(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/eager_cpu_h200.json"))
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--hog", type=int, default=os.cpu_count() or 2, help="spinning processes")
+    parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU (a check of the script)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    model_cfg = TINY if args.smoke else LLAMA3_8B
+    device = "cpu" if args.smoke else "cuda"
+    shapes = [(n, r, t // 16 if args.smoke else t, c // 16 if args.smoke else c) for n, r, t, c in SHAPES]
+    result: dict[str, Any] = provenance()
+    result["config"] = {"model": "tiny (smoke)" if args.smoke else "Llama-3-8B shape, dummy weights",
+                        "device": device, "iters": args.iters, "hog_processes": args.hog,
+                        "shapes": [dict(zip(("name", "rows", "tokens", "context"), s, strict=True)) for s in shapes],
+                        "intra_op_threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
+    figures: dict[str, Any] = {"conditions": {}}
+    result["figures"] = figures
+    with tempfile.TemporaryDirectory() as tmp:
+        runner = build_runner(write_model_dir(Path(tmp), model_cfg), 4.0, (1,), device)
+    batches = {name: rows_for(runner, r, t, c, rng) for name, r, t, c in shapes}
+
+    def measure(condition: str) -> None:
+        figures["conditions"][condition] = res = {name: time_steps(runner, b, args.iters) for name, b in batches.items()}
+        logger.info("%s %s", condition, json.dumps({n: {k: round(v * 1e3, 2) for k, v in d.items()}
+                                                    for n, d in res.items()}))
+
+    threads = torch.get_num_threads()
+    measure("idle")
+    stop = mp.get_context("fork").Event()
+    hogs = [mp.get_context("fork").Process(target=_spin, args=(stop,), daemon=True) for _ in range(args.hog)]
+    for p in hogs:
+        p.start()
+    time.sleep(1.0)
+    try:
+        measure("hog")
+        torch.set_num_threads(1)
+        measure("hog_one_thread")
+    finally:
+        stop.set()
+        for p in hogs:
+            p.join(timeout=10)
+    measure("idle_one_thread")
+    torch.set_num_threads(threads)
+    figures["profile_self_cpu"] = {name: profile_table(runner, b) for name, b in batches.items()}
+    for name, table in figures["profile_self_cpu"].items():
+        logger.info("profile %s\n%s", name, table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
