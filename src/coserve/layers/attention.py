@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
+from coserve.layers.sdpa import sdpa
 from coserve.layers.triton_attention import TritonAttention
 
 
@@ -165,7 +165,7 @@ class TorchAttention:
                 qq = q[start : start + span].view(rows, n, *q.shape[1:]).transpose(1, 2)
                 kk = _repeat_heads(k[start : start + span], group).view(rows, n, *q.shape[1:]).transpose(1, 2)
                 vv = _repeat_heads(v[start : start + span], group).view(rows, n, *q.shape[1:]).transpose(1, 2)
-                o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=n > 1, scale=scale)
+                o = sdpa(qq, kk, vv, is_causal=n > 1, scale=scale)
                 out[start : start + span] = o.transpose(1, 2).reshape(span, *q.shape[1:])
                 start, r = start + span, end
                 continue
@@ -175,7 +175,7 @@ class TorchAttention:
                 k_pre, v_pre = gather_prefix(kv_layer, meta.block_tables_list[r], ctx)
                 k_row = torch.cat([k_pre.to(k.dtype), k_row])
                 v_row = torch.cat([v_pre.to(v.dtype), v_row])
-            o = F.scaled_dot_product_attention(
+            o = sdpa(
                 q[start : start + n].transpose(0, 1),
                 _repeat_heads(k_row, group).transpose(0, 1),
                 _repeat_heads(v_row, group).transpose(0, 1),
@@ -209,7 +209,7 @@ def _plain_rows(
         qq = qs.view(rows, n, heads, dim).transpose(1, 2)
         kk = _repeat_heads(ks, group).view(rows, n, heads, dim).transpose(1, 2)
         vv = _repeat_heads(vs, group).view(rows, n, heads, dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=n > 1, scale=scale)
+        o = sdpa(qq, kk, vv, is_causal=n > 1, scale=scale)
         outs.append(o.transpose(1, 2).reshape(rows * n, heads, dim))
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
@@ -243,7 +243,7 @@ def _decode_rows(
     qq = q.view(rows, 1, heads, dim).transpose(1, 2)  # [R, H, 1, D]
     kk = k.repeat_interleave(group, dim=2).transpose(1, 2) if group > 1 else k.transpose(1, 2)
     vv = v.repeat_interleave(group, dim=2).transpose(1, 2) if group > 1 else v.transpose(1, 2)
-    o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=valid[:, None, None, :], scale=scale)
+    o = sdpa(qq, kk, vv, attn_mask=valid[:, None, None, :], scale=scale)
     return o.transpose(1, 2).reshape(rows, heads, dim)
 
 

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
-import torch.nn.functional as F
+
+from coserve.layers.sdpa import sdpa
 
 if TYPE_CHECKING:
     import triton.language as tl
@@ -289,7 +290,7 @@ def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
     # NOTE: KV heads are expanded because SDPA's flash kernel does not take GQA on every build.
     # NOTE: 4-D inputs: with 3-D ones SDPA silently takes its math path (an n x n score matrix).
     kx, vx = (t.repeat_interleave(group, 1).transpose(0, 1)[None] for t in (k, v))
-    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kx, vx, is_causal=True, scale=scale)
+    o = sdpa(q.transpose(0, 1)[None], kx, vx, is_causal=True, scale=scale)
     out.copy_(o[0].transpose(0, 1))
 
 
