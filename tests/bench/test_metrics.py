@@ -79,6 +79,7 @@ def test_comparisons_ratios_and_percentage_points() -> None:
         "full": {"ft_tokens_per_s": 3000.0, "attainment_abs": 0.995, "attainment_rel": 0.99},
         "naive": {"ft_tokens_per_s": 1000.0, "attainment_abs": 0.9, "attainment_rel": None},
         "split": {"ft_tokens_per_s": 2000.0, "attainment_abs": 1.0, "attainment_rel": 0.98},
+        "inference-last": {"ft_tokens_per_s": 0.0, "attainment_abs": 1.0, "attainment_rel": 1.0},
     }
     comp = comparisons(figures)
     assert comp["ft_over_split"] == {"full": 1.5, "naive": 0.5}

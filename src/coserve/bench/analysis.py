@@ -6,7 +6,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from coserve.bench.configs import REFERENCE
+from coserve.bench.configs import CONFIGS, REFERENCE, RunKind
 from coserve.bench.metrics import (
     SLO,
     attainment,
@@ -119,8 +119,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def comparisons(figures: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    """``ft_over_<baseline>``: each configuration's FT tokens/s over the baseline's (for the
-    baselines of :data:`BASELINES` that ran); ``attainment_minus_reference_pp``: each
+    """``ft_over_<baseline>``: each fine-tuning configuration's FT tokens/s over the baseline's
+    (for the baselines of :data:`BASELINES` that ran); ``attainment_minus_reference_pp``: each
     configuration's attainment (abs and rel) minus the inference-only run's, in percentage
     points."""
     out: dict[str, Any] = {}
@@ -129,7 +129,7 @@ def comparisons(figures: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
             out[f"ft_over_{base}"] = {
                 name: _ratio(f["ft_tokens_per_s"], figures[base]["ft_tokens_per_s"])
                 for name, f in figures.items()
-                if name not in (base, REFERENCE)
+                if name != base and not _inference_only(name)
             }
     ref = figures.get(REFERENCE)
     if ref is not None:
@@ -142,6 +142,11 @@ def comparisons(figures: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
             if name != REFERENCE
         }
     return out
+
+
+def _inference_only(name: str) -> bool:
+    config = CONFIGS.get(name)
+    return name == REFERENCE or (config is not None and config.kind is RunKind.INFERENCE)
 
 
 def _pp(a: float | None, b: float | None) -> float | None:
