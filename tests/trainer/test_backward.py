@@ -368,6 +368,28 @@ def test_task_backward_matches_full_autograd(
     assert all(p.grad is None and not p.requires_grad for p in model.parameters())
 
 
+def test_loss_in_chunks_gives_the_same_loss_and_gradients(
+    models: dict[str, LlamaForCausalLM], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loss over the targets in chunks of LOSS_CHUNK, with a possible pause before each."""
+    import coserve.trainer.backward as backward
+
+    model = models["llama"]
+    samples = random_samples(5, seed=3)
+    lora = TrainableLoRA(perturbed_adapter(model, 8, QV, seed=5))
+    store, rows = capture_task(model, lora, samples)
+    whole = task_backward(model, lora, store, rows)
+    expected = lora.flat.grad.clone()
+    lora.flat.grad = None
+    monkeypatch.setattr(backward, "LOSS_CHUNK", 4)
+    seen: list[int] = []
+    chunked = task_backward(model, lora, store, rows, at_layer_boundary=seen.append)
+    assert seen.count(2) == -(-whole.num_targets // 4) > 1  # one boundary before each chunk
+    assert chunked.num_targets == whole.num_targets
+    assert chunked.loss_sum == pytest.approx(whole.loss_sum, rel=1e-6)
+    assert_close_scaled(lora.flat.grad, expected, rtol=1e-5)
+
+
 def test_gradients_accumulate_over_tasks(models: dict[str, LlamaForCausalLM]) -> None:
     model = models["llama"]
     samples = random_samples(6, seed=12)

@@ -27,7 +27,12 @@ from coserve.trainer.lora_params import TrainableLoRA
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
-LOSS_CHUNK = 2048  # target tokens per LM-head chunk of the loss
+# Target tokens per LM-head chunk of the loss. A pause can only come between chunks; at the
+# Llama-3 shape a chunk's logits and their input gradient are ~2.1 GFLOP per target token, so
+# 2,048 targets made a stretch of ~7–8 ms without a boundary on an H200 (estimated from the FLOPs,
+# not measured alone), a likely part of the trainer pause delay's p99 of 12.6 ms
+# (bench/results/coserve_latency_h200.json).
+LOSS_CHUNK = 512
 
 
 @dataclass(frozen=True)
