@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from coserve.bench.configs import CONFIGS, RunKind
-from coserve.bench.harness import BenchSpec, run_bench
+from coserve.bench.harness import BenchSpec, bracket_rate, run_bench
 from coserve.bench.plots import MISSING, write_plots
 from coserve.bench.runners import RUNNERS
 from coserve.server.cli import main
@@ -222,16 +222,53 @@ def test_auto_rate_lowers_the_rate_until_inference_alone_meets_the_slo(tmp_path:
     args[args.index("--rate-scale") + 1] = "4"  # far too many requests for a 1-layer-per-ms CPU
     args[args.index("--ttft-slo-ms") + 1] = "60"
     args += ["--auto-rate", "--probe-seconds", "1", "--probe-factor", "0.25", "--attainment-target", "0.9",
-             "--out", str(tmp_path)]
+             "--max-probes", "4", "--out", str(tmp_path)]
     assert main(args) == 0
     result = json.loads((tmp_path / "burst-light.json").read_text(), parse_constant=_no_nan)
     probes = result["config"]["rate_probes"]
     rates = [p["rate"] for p in probes]
-    assert rates == sorted(rates, reverse=True) and rates[0] == 4
-    assert result["config"]["workload"]["scaling"]["rate"] == rates[-1]
-    if len(probes) < 6:  # stopped because the last probe met the target
-        assert probes[-1]["attainment"] >= 0.9
-        assert all(p["attainment"] < 0.9 for p in probes[:-1])
+    assert rates[0] == 4 and probes[0]["attainment"] < 0.9 and 1 < len(probes) <= 4
+    met = [p["rate"] for p in probes if p["attainment"] >= 0.9]
+    chosen = result["config"]["workload"]["scaling"]["rate"]
+    assert chosen == (max(met) if met else min(rates))
+
+
+@pytest.mark.parametrize(
+    ("start", "threshold", "expected_probes", "expected"),
+    [
+        # met at once: step up until a rate fails, then bisect to within 1.2×
+        (1.0, 3.0, [1.0, 2.0, 4.0, 2.828, 3.364], 2.828),
+        # failed at once: step down until a rate meets, then bisect
+        (8.0, 3.0, [8.0, 4.0, 2.0, 2.828, 3.364], 2.828),
+        # never met within the probes
+        (8.0, 0.1, [8.0, 4.0, 2.0], None),
+        # always met: up until the probes run out
+        (1.0, 100.0, [1.0, 2.0, 4.0], 4.0),
+    ],
+)
+def test_bracket_rate_finds_the_highest_rate_that_meets(
+    start: float, threshold: float, expected_probes: list[float], expected: float | None
+) -> None:
+    probed: list[float] = []
+
+    def meets(rate: float) -> bool:
+        probed.append(rate)
+        return rate <= threshold
+
+    got = bracket_rate(start, 0.5, len(expected_probes), 1.2, meets)
+    assert probed == pytest.approx(expected_probes, rel=1e-3)
+    assert (got is None and expected is None) or got == pytest.approx(expected, rel=1e-3)
+
+
+def test_bracket_rate_stops_at_the_resolution() -> None:
+    probed: list[float] = []
+
+    def meets(rate: float) -> bool:
+        probed.append(rate)
+        return rate < 1.3
+
+    assert bracket_rate(1.0, 0.5, 10, 1.5, meets) == 1.0
+    assert probed == pytest.approx([1.0, 2.0, 1.414], rel=1e-3)  # 1.414 / 1.0 <= 1.5: done
 
 
 def test_a_saved_latency_state_replaces_the_calibration(

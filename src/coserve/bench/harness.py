@@ -128,9 +128,11 @@ class BenchSpec:
     engine_threads: int = 0
     plots: bool = True
     time_budget_s: float = 0.0
-    # Probe the rate first: inference-only runs of `probe_s` on the workload's busiest window,
-    # starting at `scaling.rate` and multiplying it by `probe_factor` until inference alone meets
-    # the absolute SLO for `attainment_target` of the requests (at most `max_probes` tries).
+    # Probe the rate first: inference-only runs of `probe_s` on the workload's busiest window
+    # find the highest rate at which inference alone meets the absolute SLO for
+    # `attainment_target` of the requests (see `bracket_rate`: from `scaling.rate`, down or up by
+    # `probe_factor`, then bisected until the bracket is within `probe_resolution`; at most
+    # `max_probes` runs).
     auto_rate: bool = False
     # A latency-model state (JSON) from an earlier run of the same model shape and engine
     # settings: loaded instead of calibrating again. Every run writes its own next to the result.
@@ -138,6 +140,7 @@ class BenchSpec:
     probe_s: float = 20.0
     probe_factor: float = 0.6
     max_probes: int = 6
+    probe_resolution: float = 1.2
 
     def __post_init__(self) -> None:
         if not self.configs or self.configs[0].name != REFERENCE:
@@ -153,8 +156,10 @@ class BenchSpec:
             raise ValueError("--warmup-requests, --burn-in, --drain and --time-budget must be >= 0")
         if self.profile_window is not None and not 0 <= self.profile_window[0] < self.profile_window[1]:
             raise ValueError(f"--profile-window must be START:END with 0 <= START < END, got {self.profile_window}")
-        if self.probe_s <= 0 or not 0 < self.probe_factor < 1 or self.max_probes < 1:
-            raise ValueError("--probe-seconds > 0, 0 < --probe-factor < 1 and --max-probes >= 1 needed")
+        if (self.probe_s <= 0 or not 0 < self.probe_factor < 1 or self.max_probes < 1
+                or not self.probe_resolution > 1):
+            raise ValueError("--probe-seconds > 0, 0 < --probe-factor < 1, --max-probes >= 1 and "
+                             "--probe-resolution > 1 needed")
 
 
 def _engine_config(spec: BenchSpec, work: Path) -> EngineConfig:
@@ -311,28 +316,58 @@ def _setup(
     return ctx, workload
 
 
+def bracket_rate(
+    start: float, factor: float, max_probes: int, resolution: float, meets: Callable[[float], bool]
+) -> float | None:
+    """The highest rate found at which ``meets(rate)``: probe ``start``; while nothing has met,
+    step down (× ``factor``), while everything has, step up (÷ ``factor``); once a met rate ``lo``
+    and a higher failed one ``hi`` bracket the answer, probe their geometric mean until
+    ``hi / lo <= resolution``. At most ``max_probes`` calls; None if no probed rate met."""
+    met: list[float] = []
+    failed: list[float] = []
+    rate = start
+    for _ in range(max_probes):
+        (met if meets(rate) else failed).append(rate)
+        lo = max(met, default=None)
+        if lo is None:
+            rate = min(failed) * factor
+            continue
+        hi = min((r for r in failed if r > lo), default=None)
+        if hi is None:
+            rate = lo / factor
+        elif hi / lo <= resolution:
+            break
+        else:
+            rate = math.sqrt(lo * hi)
+    return max(met, default=None)
+
+
 def _probe_rate(
     spec: BenchSpec, ctx: BenchContext, say: Callable[[str], None]
 ) -> tuple[BenchSpec, Workload, list[dict[str, float]]]:
-    """The largest probed rate at which inference alone meets the absolute SLO for
-    ``attainment_target`` of the requests on the busiest ``probe_s`` window; returns the spec and
-    the workload at that rate, and every probe (rate, attainment)."""
+    """The highest probed rate at which inference alone meets the absolute SLO for
+    ``attainment_target`` of the requests on the busiest ``probe_s`` window
+    (:func:`bracket_rate`); returns the spec and the workload at that rate, and every probe
+    (rate, attainment, requests)."""
     from coserve.bench.metrics import attainment
 
     probes: list[dict[str, float]] = []
-    rate = spec.scaling.rate
-    for _ in range(spec.max_probes):
+
+    def meets(rate: float) -> bool:
         scaling = replace(spec.scaling, rate=rate)
         window = load_workload(spec.workload, spec.probe_s, scaling, spec.seed)
         run = ctx.driver.run(window.arrivals, duration_s=spec.probe_s, drain_s=spec.drain_s)
         got = attainment(run.records, spec.slo.ttft_slo_s, spec.slo.tpot_slo_s)
         probes.append({"rate": rate, "attainment": got, "requests": float(len(run.records))})
         say(f"rate probe ×{rate:.3g}: inference-only attainment {_pct(got)} on {len(run.records)} requests")
-        if got >= spec.attainment_target:
-            break
-        rate *= spec.probe_factor
-    else:
+        return got >= spec.attainment_target
+
+    rate = bracket_rate(spec.scaling.rate, spec.probe_factor, spec.max_probes, spec.probe_resolution, meets)
+    if rate is None:
+        rate = min(p["rate"] for p in probes)
         say(f"rate probe: no probed rate met {_pct(spec.attainment_target)}; using ×{rate:.3g}")
+    else:
+        say(f"rate probe: using ×{rate:.3g}, the highest probed rate that met {_pct(spec.attainment_target)}")
     spec = replace(spec, scaling=replace(spec.scaling, rate=rate))
     return spec, load_workload(spec.workload, spec.duration_s, spec.scaling, spec.seed), probes
 

@@ -40,9 +40,14 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     )
     w.add_argument("--rate-scale", type=float, default=1.0, help="arrival rate multiplier")
     w.add_argument("--auto-rate", action="store_true",
-                   help="first probe inference-only runs, lowering the rate from --rate-scale until "
-                        "inference alone meets the SLO for --attainment-target of the requests")
+                   help="first find, with inference-only runs on the busiest --probe-seconds, the highest "
+                        "rate at which inference alone meets the SLO for --attainment-target of the "
+                        "requests: from --rate-scale, down or up by --probe-factor, then bisected until "
+                        "within --probe-resolution (at most --max-probes runs)")
     w.add_argument("--probe-seconds", type=float, default=20.0)
+    w.add_argument("--max-probes", type=int, default=6)
+    w.add_argument("--probe-resolution", type=float, default=1.2,
+                   help="stop bisecting once the failed rate is within this factor of the met one")
     w.add_argument("--latency-state", default=None,
                    help="JSON latency-model state of an earlier run (same model and engine settings): "
                         "skip the calibration")
@@ -241,6 +246,8 @@ def bench_spec(args: argparse.Namespace) -> BenchSpec:
         latency_state=Path(args.latency_state) if args.latency_state else None,
         probe_s=args.probe_seconds,
         probe_factor=args.probe_factor,
+        max_probes=args.max_probes,
+        probe_resolution=args.probe_resolution,
     )
 
 
