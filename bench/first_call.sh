@@ -1,18 +1,32 @@
 #!/usr/bin/env bash
-# The first device call of a session on two GPUs (nvidia-h200-x2, ~8 minutes): the verification
-# (bench/verify_device.sh: GPU tests, backward alone, FT-only throughput, LoRA overhead) on GPU 0,
-# beside the first-replay diagnosis (bench/diag_reference.sh, both benchmarks one after the other)
-# on GPU 1. Flags for the diagnosis come from $DIAG_FLAGS. Everything comes back in two archives:
-# $OUT/verify.tar.gz and $OUT/diag.tar.gz. Carry .traces.
+# The first device call of a session on four GPUs (nvidia-h200-x4, ~8 minutes), one job per GPU:
+#   GPU 0: bench/verify_device.sh (GPU tests, backward alone, FT-only vs peft at 512, LoRA
+#          overhead), then bench/coserve_latency.py (issue 5: latency-model error, pause delay);
+#   GPU 1: bench/trace_vs_hf.py --only coserve       (issue 3 item 4: azure2023_conv, 300 s)
+#   GPU 2: bench/trace_vs_hf.py --only transformers  (the peer, same arrivals, at the same time)
+#   GPU 3: bench/engine_speed.py, the full grid (issue 3).
+# Everything comes back in one archive, $OUT/first.tar.gz (folder first/, GPU 0's files in first/verify/).
+# Carry .traces.
 #
 #   export COSERVE_COMMIT=<sha> COSERVE_DIRTY=0; bench/first_call.sh
 set -uo pipefail
 : "${OUT:?OUT must name the output folder}"
-nvidia-cuda-mps-control -d 2>/dev/null || true  # before any CUDA client, for both jobs
-top=$OUT
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+nvidia-cuda-mps-control -d 2>/dev/null || true  # before any CUDA client, for every job
+top=$OUT/first
 mkdir -p "$top/verify"
-(OUT=$top/verify CUDA_VISIBLE_DEVICES=0 bench/verify_device.sh > "$top/verify/verify.txt" 2>&1) &
-DIAG_GPU=1 bench/diag_reference.sh
+(
+  OUT=$top/verify CUDA_VISIBLE_DEVICES=0 bench/verify_device.sh > "$top/verify/verify.txt" 2>&1
+  CUDA_VISIBLE_DEVICES=0 python3 bench/coserve_latency.py --trace .traces/azure2023_conv.csv --duration 60 \
+    --trainer-sm-share 50 --no-reference --out "$top/verify/coserve_latency.json" > "$top/verify/coserve_latency.log" 2>&1
+  echo "coserve_latency rc=$?" >> "$top/verify/verify.txt"
+) &
+for side in coserve:1 transformers:2; do
+  CUDA_VISIBLE_DEVICES=${side#*:} python3 bench/trace_vs_hf.py --trace .traces/azure2023_conv.csv --duration 300 \
+    --only "${side%%:*}" --out "$top/trace_vs_hf_${side%%:*}.json" > "$top/trace_vs_hf_${side%%:*}.log" 2>&1 &
+done
+CUDA_VISIBLE_DEVICES=3 python3 bench/engine_speed.py --out "$top/engine_speed.json" > "$top/engine_speed.log" 2>&1 &
 wait
 cat "$top/verify/verify.txt"
-tar -czf "$top/verify.tar.gz" -C "$top" verify && rm -rf "$top/verify"
+tail -n 4 "$top"/*.log
+tar -czf "$OUT/first.tar.gz" -C "$OUT" first && rm -rf "$top"

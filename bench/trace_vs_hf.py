@@ -129,8 +129,9 @@ def main() -> None:
     p.add_argument("--peer-batch", type=int, default=64)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--only", choices=["both", "coserve", "transformers"], default="both",
-                   help="run one side (a 5-minute replay each does not fit one 10-minute device call: "
-                        "run the sides in two calls on the same GPU kind and read the two files together)")
+                   help="run one side (two 5-minute replays do not fit one 10-minute device call: run "
+                        "the sides at once on two GPUs of one machine, as bench/first_call.sh does, and "
+                        "read the two files together)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     config = SHAPES[args.shape]
