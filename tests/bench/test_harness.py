@@ -103,12 +103,12 @@ def test_every_configuration_runs_on_the_same_arrivals(
     for name in ("inference", "inference-last"):
         assert figures[name]["ft_tokens"] == 0 and figures[name]["latency_model_error"] is None
     assert list(figures)[-1] == "inference-last"
-    for name in ("temporal", "full", "full-noint", "naive", "split"):
+    for name in ("temporal", "full", "full-noint", "full-overlap", "naive", "split"):
         assert figures[name]["ft_tokens"] > 0 and figures[name]["optimizer_steps"] > 0, name
         assert figures[name]["ft_tokens_per_s"] == pytest.approx(
             figures[name]["ft_tokens"] / figures[name]["duration_s"]
         )
-    for name in ("temporal", "full", "full-noint", "naive"):
+    for name in ("temporal", "full", "full-noint", "full-overlap", "naive"):
         assert figures[name]["latency_model_error"]["all"]["n"] > 0, name
         tasks = figures[name]["backward_tasks"]
         # two tasks per optimizer step, each of at least --backward-tokens tokens
@@ -151,6 +151,11 @@ def test_result_records_provenance_reference_and_comparisons(
         3,
     )
     assert cfg["ft"]["naive_tokens"] == 256 and cfg["ft"]["lengths"] == "spread:16-48"
+    assert {n: c["pause_prefill"] for n, c in cfg["configs"].items() if c["kind"] == "coserve"} == {
+        "temporal": "always", "full": "always", "full-noint": "always", "full-overlap": "model",
+        "naive": "always",
+    }
+    assert result["figures"]["full-overlap"]["pause_prefill"] == "model"
     ref = result["reference"]
     assert ref["relative_ttft_slo_ms"] == pytest.approx(3 * ref["mean_ttft_ms"])
     assert result["calibration"]["batches"] > 0

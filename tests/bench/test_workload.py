@@ -59,6 +59,29 @@ def test_parse_configs_puts_the_reference_first() -> None:
         parse_configs("full,fast")
 
 
+def test_full_overlap_carries_its_pause_policy_into_the_coserver_slo(tmp_path: Path) -> None:
+    """full-overlap is full with the backward paused by the latency model alone; the runner's
+    FinetuneSpec (what the co-server is built from) carries that, the other configurations keep
+    the default."""
+    from types import SimpleNamespace
+    from typing import cast
+
+    from coserve.bench.runners import BenchContext, TrainingSetup, _session_spec
+    from coserve.core.config import LoRAConfig, OptimConfig, SLOConfig
+
+    training = TrainingSetup(data=tmp_path / "ft.jsonl", max_seq_len=64, backward_tokens=64,
+                             lora=LoRAConfig(), optim=OptimConfig(), naive_tokens=256,
+                             split_mps_percentage=50)
+    ctx = cast(BenchContext, SimpleNamespace(training=training, work=tmp_path, seed=0,
+                                             slo=SLOConfig(ttft_slo_s=0.5, tpot_slo_s=0.05)))
+    overlap, full = CONFIGS["full-overlap"], CONFIGS["full"]
+    assert (overlap.kind, overlap.policy, overlap.interrupt_ft_only) == (full.kind, full.policy, True)
+    slo = _session_spec(ctx, overlap).slo
+    assert (slo.policy, slo.pause_prefill, slo.ttft_slo_s, slo.tpot_slo_s) == ("full", "model", 0.5, 0.05)
+    for name in ("temporal", "full", "full-noint", "naive"):
+        assert _session_spec(ctx, CONFIGS[name]).slo.pause_prefill == "always", name
+
+
 def test_ft_lengths_and_dataset(tmp_path: Path) -> None:
     fixed, spread = parse_lengths("fixed:512"), parse_lengths("spread:256-1024")
     assert (fixed.lo, fixed.hi, spread.lo, spread.hi) == (512, 512, 256, 1024)

@@ -1,7 +1,10 @@
-"""When the co-server pauses the backward: prefill steps always, decode steps when the latency
-model says the step would break its budget beside the backward."""
+"""When the co-server pauses the backward: under ``pause_prefill="always"`` prefill and mixed
+steps always, decode steps when the latency model says the step would break its budget beside the
+backward; under ``"model"`` every inference step on that prediction alone."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,7 +14,7 @@ from coserve.core.config import CoServeConfig, OptimConfig, SLOConfig
 from coserve.core.coserver import CoServer
 from coserve.core.finetune import FTSample
 from coserve.core.host import PrefillView, StepRecord, StepView
-from coserve.core.latency import LatencyModel
+from coserve.core.latency import LatencyModel, StepFeatures
 from coserve.core.messages import BackwardTask, TaskResult, TaskSample
 from coserve.core.sample_pool import SamplePool
 
@@ -53,13 +56,14 @@ def model(decode_c: float, busy: tuple[float, float]) -> LatencyModel:
     return m
 
 
-def coserver(latency: LatencyModel) -> tuple[CoServer, FakeTrainer]:
+def coserver(latency: LatencyModel, pause_prefill: str = "always") -> tuple[CoServer, FakeTrainer]:
     samples = [FTSample(i, tuple(range(8)), tuple(range(8))) for i in range(4)]
     trainer = FakeTrainer()
     co = CoServer(pool=SamplePool(samples), samples={s.sample_id: s for s in samples},
                   store=ActivationStore(2, 64, 8, torch.float32, "cpu"), trainer=trainer,
                   config=CoServeConfig(backward_tokens=16, max_seq_len=16), optim=OptimConfig(),
-                  slo=SLOConfig(ttft_slo_s=1.0, tpot_slo_s=0.1, margin=0.1), latency=latency)
+                  slo=SLOConfig(ttft_slo_s=1.0, tpot_slo_s=0.1, margin=0.1, pause_prefill=pause_prefill),
+                  latency=latency)
     co._in_flight = [(BackwardTask(0, 0, (TaskSample(0, 0, tuple(range(8))),), True), 0)]  # a backward runs
     return co, trainer
 
@@ -83,6 +87,53 @@ def test_pause_decision(view: StepView, decode_c: float, busy: tuple[float, floa
     assert trainer.paused is paused
     co.on_step_end(StepRecord(view=view, ft_tokens=0, duration_s=0.01, trainer_busy=True))
     assert trainer.paused is False, "the grant is set again after the step"
+
+
+def priced(prefill_busy: tuple[float, float], prefill_safety: float = 1.0, decode_c: float = 0.01,
+           busy: tuple[float, float] = (0.0, 0.0)) -> LatencyModel:
+    """:func:`model`, with busy prefill-form steps slowed by ``prefill_busy`` = (ρ, δ) and a safety
+    factor of ``prefill_safety``: one busy PREFILL step ran that many times its prediction."""
+    state = model(decode_c, busy).state_dict()
+    state["busy"]["prefill/eager"] = list(prefill_busy)
+    m = LatencyModel(safety_min_steps=1)
+    m.load_state_dict(state)
+    if prefill_safety != 1.0:
+        predicted = m.predict(StepFeatures.from_view(PREFILL, busy=True))
+        m.observe(StepRecord(view=PREFILL, ft_tokens=0, duration_s=prefill_safety * predicted, trainer_busy=True))
+    return m
+
+
+# PREFILL: 64 tokens, 16.4 ms idle; TTFT slack 1.0 - 0.1 s waited, budget 0.9 · 0.9 = 810 ms.
+# DECODE: 8 decodes, decode_c idle; budget 0.9 · TPOT 100 ms = 90 ms.
+@pytest.mark.parametrize(
+    "policy, view, latency, paused",
+    [
+        ("always", PREFILL, priced((0.0, 0.0)), True),  # prefill: always
+        ("always", PREFILL, priced((1.0, 0.2), 2.0), True),  # fits its budget (below): paused anyway
+        ("model", PREFILL, priced((0.0, 0.0)), False),  # 16.4 ms beside the backward: within
+        ("model", PREFILL, priced((0.0, 1.0)), True),  # 1016 ms: over 810 ms
+        ("model", PREFILL, priced((1.0, 0.2), 2.0), False),  # (32.8 + 200) ms × 2 = 466 ms: within
+        ("model", PREFILL, priced((1.0, 0.4), 1.0), False),  # 433 ms: within
+        ("model", PREFILL, priced((1.0, 0.4), 2.0), True),  # 433 ms × 2 = 866 ms: the safety factor
+        ("always", DECODE, priced((0.0, 0.0), decode_c=0.01), False),  # decode steps: as today
+        ("always", DECODE, priced((0.0, 0.0), decode_c=0.05, busy=(1.0, 0.0)), True),
+        ("model", DECODE, priced((0.0, 0.0), decode_c=0.01), False),
+        ("model", DECODE, priced((0.0, 0.0), decode_c=0.05, busy=(1.0, 0.0)), True),
+        ("model", DECODE, priced((0.0, 1.0), decode_c=0.05, busy=(0.5, 0.0)), False),  # decode form
+        ("model", StepView(now=1.0), priced((0.0, 1.0)), False),  # no inference: never
+    ],
+)
+def test_pause_decision_by_policy(policy: str, view: StepView, latency: LatencyModel, paused: bool) -> None:
+    co, trainer = coserver(latency, pause_prefill=policy)
+    assert co._must_pause(view) is paused
+    co.plan(view)
+    assert trainer.paused is paused and co.trainer_active is not paused
+
+
+def test_pause_policy_is_checked() -> None:
+    assert SLOConfig().pause_prefill == "always"
+    with pytest.raises(ValueError, match="--pause-prefill must be one of always, model, got 'sometimes'"):
+        SLOConfig(pause_prefill="sometimes")
 
 
 class QueueTrainer(FakeTrainer):
@@ -110,13 +161,15 @@ class QueueTrainer(FakeTrainer):
 IDLE = StepView(now=1.0, token_budget=64)
 
 
-def pipelined(accumulation: int) -> tuple[CoServer, QueueTrainer]:
+def pipelined(accumulation: int, slo: SLOConfig | None = None,
+              latency: LatencyModel | None = None) -> tuple[CoServer, QueueTrainer]:
     samples = [FTSample(i, tuple(range(8)), tuple(range(8))) for i in range(12)]
     trainer = QueueTrainer()
     co = CoServer(pool=SamplePool(samples, shuffle=False), samples={s.sample_id: s for s in samples},
                   store=ActivationStore(2, 16, 8, torch.float32, "cpu", regions=2), trainer=trainer,
                   config=CoServeConfig(backward_tokens=16, max_seq_len=8),
-                  optim=OptimConfig(accumulation_tasks=accumulation), latency=model(0.01, (0.0, 0.0)))
+                  optim=OptimConfig(accumulation_tasks=accumulation), slo=slo,
+                  latency=latency or model(0.01, (0.0, 0.0)))
     return co, trainer
 
 
@@ -191,3 +244,49 @@ def test_backward_pauses_for_a_step_with_inference_and_ft_rows() -> None:
     co, trainer = pipelined(accumulation=4)
     assert run_step(co) == 2 and run_step(co) == 2 and len(trainer.submitted) == 2
     assert trainer.pauses == 0, "FT-only steps never pause the backward"
+
+
+# A prefill chunk beside decodes: busy, the step with two FT rows of 8 predicts
+# (1 + 1)·(1e-4·(16 + 8 + 8 + 8) + 10 ms) + 20 ms = 48 ms, within 0.9 · TPOT 100 ms.
+MIXED = StepView(now=1.0, prefills=(PrefillView(16, 0, 0.95),), num_decodes=8, decode_kv_tokens=800,
+                 token_budget=64)
+
+
+@pytest.mark.parametrize(
+    "policy, view, priced_busy, paused",
+    [
+        ("always", DECODE, True, True),  # priced beside the backward, then paused for the FT rows
+        ("always", MIXED, False, True),  # paused for the prefill before admission: priced idle
+        ("model", DECODE, True, False),
+        ("model", MIXED, True, False),
+    ],
+)
+def test_a_mixed_step_admitted_beside_the_backward_is_not_paused_under_model(
+        policy: str, view: StepView, priced_busy: bool, paused: bool) -> None:
+    """Pipelined capture (the step's first task in flight): admission prices the FT rows of an
+    inference step beside the backward unless it was paused for the step already; "always" then
+    pauses it for the FT rows anyway, "model" lets the step it admitted run beside it."""
+    co, trainer = pipelined(2, SLOConfig(pause_prefill=policy), priced((1.0, 0.02), decode_c=0.01))
+    assert run_step(co) == 2 and len(trainer.submitted) == 1
+    rows = co.plan(view)
+    assert [len(r.token_ids) for r in rows] == [8, 8]
+    step = StepFeatures.from_view(view, (8, 8), busy=priced_busy)
+    assert co.last_decision is not None and co.last_decision.predicted_s == co.latency.predict(step)
+    assert co.latency.predict(replace(step, busy=True)) > co.latency.predict(replace(step, busy=False))
+    assert trainer.paused is paused and trainer.pauses == int(paused)
+    co.on_step_end(StepRecord(view=view, ft_tokens=sum(len(r.token_ids) for r in rows), duration_s=0.01,
+                              trainer_busy=co.trainer_active))
+    assert not trainer.paused
+
+
+def test_model_pauses_a_mixed_step_whose_rows_admission_did_not_price() -> None:
+    """The naive policy admits FT rows without the latency model: under "model" the step is paused
+    when, busy, it would break its budget (full admission, pricing them busy, admits none)."""
+    slow = priced((0.0, 1.0), decode_c=0.01)  # every busy prefill-form step: over 1 s
+    co, trainer = pipelined(2, SLOConfig(policy="naive", pause_prefill="model"), slow)
+    assert run_step(co) == 2 and len(trainer.submitted) == 1
+    assert co.plan(DECODE) and trainer.paused, "naive rows would break the budget beside the backward"
+    co, trainer = pipelined(2, SLOConfig(policy="full", pause_prefill="model"), slow)
+    assert run_step(co) == 2
+    assert co.plan(DECODE) == [] and not trainer.paused
+    assert co.last_decision is not None and co.last_decision.reason == "latency_budget"

@@ -55,6 +55,7 @@ def summarize(
         "kind": str(cfg.kind),
         "policy": cfg.policy,
         "interrupt_ft_only": cfg.interrupt_ft_only,
+        "pause_prefill": cfg.pause_prefill,
         "summary": cfg.summary,
         "requests": len(records),
         "finished": sum(r.finish_s is not None for r in records),

@@ -16,14 +16,16 @@ class RunKind(StrEnum):
 
 @dataclass(frozen=True)
 class RunConfig:
-    """One configuration: its kind and, for co-serving, the admission policy and whether an
-    arrival interrupts a running FT-only step."""
+    """One configuration: its kind and, for co-serving, the admission policy, whether an
+    arrival interrupts a running FT-only step and when a running backward is paused
+    (``SLOConfig.pause_prefill``)."""
 
     name: str
     kind: RunKind
     summary: str
     policy: str = "off"
     interrupt_ft_only: bool = True
+    pause_prefill: str = "always"
 
 
 CONFIGS: dict[str, RunConfig] = {
@@ -51,6 +53,14 @@ CONFIGS: dict[str, RunConfig] = {
             "coserve full, FT-only steps never interrupted",
             policy="full",
             interrupt_ft_only=False,
+        ),
+        RunConfig(
+            "full-overlap",
+            RunKind.COSERVE,
+            "coserve full, the backward paused only for steps the latency model says it would "
+            "slow past their budget (not for every prefill or mixed step)",
+            policy="full",
+            pause_prefill="model",
         ),
         RunConfig(
             "naive",

@@ -15,7 +15,8 @@ Result schema (``STEM.json``; times in ms unless named ``_s``, attainment as a f
 * ``config``: ``workload`` (name, source, window_start_s, duration_s, requests, seed, scaling),
   ``slo`` (ttft_ms, tpot_ms, margin, relative_factor, attainment_target), ``model``, ``engine``,
   ``ft`` (lengths, samples, backward_tokens, LoRA, lr, naive_tokens, split_mps_percentage),
-  ``configs`` (name → kind, policy, interrupt_ft_only, summary), ``rolling_window_s``, ``mps``;
+  ``configs`` (name → kind, policy, interrupt_ft_only, pause_prefill, summary),
+  ``rolling_window_s``, ``mps``;
 * ``reference``: the inference-only mean TTFT / TPOT and the relative SLOs derived from them;
 * ``calibration``: batches timed and seconds taken (null when no co-serving configuration ran);
 * ``figures``: configuration → ``attainment_abs``, ``attainment_rel``, ``ft_tokens_per_s``,
@@ -241,6 +242,7 @@ def _config_section(
                 "kind": str(c.kind),
                 "policy": c.policy,
                 "interrupt_ft_only": c.interrupt_ft_only,
+                "pause_prefill": c.pause_prefill,
                 "summary": c.summary,
             }
             for c in spec.configs

@@ -228,6 +228,7 @@ def _session_spec(ctx: BenchContext, config: RunConfig) -> FinetuneSpec:
             ctx.slo,
             policy=config.policy,
             interrupt_ft_only=config.interrupt_ft_only,
+            pause_prefill=config.pause_prefill,
             naive_tokens=t.naive_tokens,
         ),
         trainer_threads=t.trainer_threads,

@@ -109,6 +109,7 @@ class CoServeConfig:
 
 
 FT_POLICIES = ("off", "temporal", "full", "naive")
+PAUSE_POLICIES = ("always", "model")
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,12 @@ class SLOConfig:
     steps, never mixed into an inference step), ``full`` (FT-only steps and mixed steps),
     ``naive`` (a baseline: up to ``naive_tokens`` FT tokens in every step, shortest first, with
     no latency model). ``interrupt_ft_only``: an arriving request interrupts a running FT-only
-    step at the next layer boundary.
+    step at the next layer boundary. ``pause_prefill``: when a running backward is paused for an
+    inference step: ``always`` for every step that carries prefill or FT rows (DESIGN §7), and for
+    a decode-only step when the latency model predicts that running beside the backward would
+    break the step's latency budget; ``model`` for any inference step only on that prediction
+    (busy mode, times the model's safety factor), so that the backward keeps running beside the
+    prefill and mixed steps that fit their budget.
     """
 
     ttft_slo_s: float = 1.0
@@ -129,6 +135,7 @@ class SLOConfig:
     policy: str = "full"
     interrupt_ft_only: bool = True
     naive_tokens: int = 256
+    pause_prefill: str = "always"
 
     def __post_init__(self) -> None:
         if not self.ttft_slo_s > 0:
@@ -143,3 +150,7 @@ class SLOConfig:
             )
         if self.naive_tokens <= 0:
             raise ValueError(f"--naive-tokens must be positive, got {self.naive_tokens}")
+        if self.pause_prefill not in PAUSE_POLICIES:
+            raise ValueError(
+                f"--pause-prefill must be one of {', '.join(PAUSE_POLICIES)}, got {self.pause_prefill!r}"
+            )

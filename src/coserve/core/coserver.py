@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -212,10 +212,14 @@ class CoServer:
             task_tokens += sample.num_tokens
         if not picked or region is None:
             return []
-        if view.has_inference and self._in_flight and not self._paused:
+        ft_lens = [s.num_tokens for s in picked]
+        if self._in_flight and not self._paused and self._must_pause(view, ft_lens):
             # NOTE: a step that carries both inference and FT rows runs eager and has the
             # tightest budget of all; the backward beside it was the largest error of the
-            # latency model (H200, bench/results/diagnostic/): pause it for this step.
+            # latency model (H200, bench/results/diagnostic/): "always" pauses it for this step.
+            # Under "model" admission already priced these rows beside the running backward
+            # (trainer_busy) against the same budget, so this pauses only a step whose latency
+            # it did not check (the naive policy).
             self._pause()
         self.pool.claim([s.sample_id for s in picked])
         self._fill_region = region
@@ -240,15 +244,19 @@ class CoServer:
             return None
         return row_dropout_key(self._next_task_id, row)
 
-    def _must_pause(self, view: StepView) -> bool:
-        """Pause the backward for this step: always for a step that carries prefill (DESIGN §7);
-        for a decode-only step when the latency model says that running beside the backward
-        would break the step's latency budget."""
-        if view.num_prefill_tokens > 0:
-            return True
+    def _must_pause(self, view: StepView, ft_lens: Sequence[int] = ()) -> bool:
+        """Pause the backward for the step ``view`` with FT rows of ``ft_lens``? Never for an
+        FT-only step. Under ``pause_prefill="always"``, always for a step that carries prefill or
+        FT rows (DESIGN §7). Otherwise (a decode-only step, or any inference step under
+        ``"model"``) when the latency model, in busy mode and times its safety factor, says that
+        running beside the backward would break the step's latency budget. That is the test by
+        which admission prices FT rows while the trainer is active (``trainer_busy``), so under
+        ``"model"`` a step admitted beside the backward is not then paused."""
         if not view.has_inference:
             return False
-        features = StepFeatures.from_view(view, busy=True)
+        if self.slo.pause_prefill == "always" and (view.num_prefill_tokens > 0 or ft_lens):
+            return True
+        features = StepFeatures.from_view(view, ft_lens, busy=True)
         busy = self.latency.predict(features) * self.latency.safety(features)
         return busy > latency_budget(view, self.latency, self.slo)
 

@@ -63,9 +63,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     r.add_argument(
         "--configs",
         default="inference,temporal,full,full-noint,naive,split",
-        help="comma-separated: inference, temporal, full, full-noint, naive, split, inference-last "
-        "(inference always runs first: it is the reference; inference-last repeats it at the "
-        "end, to show whether the order of the runs biased it)",
+        help="comma-separated: inference, temporal, full, full-noint, full-overlap, naive, split, "
+        "inference-last (inference always runs first: it is the reference; full-overlap is full "
+        "with the backward paused only where the latency model says a step would break its "
+        "budget; inference-last repeats inference at the end, to show whether the order of the "
+        "runs biased it)",
     )
     r.add_argument("--ttft-slo-ms", type=float, default=1000.0)
     r.add_argument("--tpot-slo-ms", type=float, default=100.0)

@@ -20,7 +20,7 @@ import torch
 from coserve.bench.metrics import attainment, latency_summary
 from coserve.bench.replay import InProcessDriver, ReplayResult, Snapshot
 from coserve.bench.workload import BurstPattern, Scaling, synthetic
-from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig, SLOConfig
+from coserve.core.config import PAUSE_POLICIES, CoServeConfig, LoRAConfig, OptimConfig, SLOConfig
 from coserve.engine.config import EngineConfig
 from coserve.engine.llm_engine import LLMEngine
 from coserve.engine.sampling_params import SamplingParams
@@ -58,6 +58,10 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ft-policy", default="full", choices=["off", "temporal", "full"],
                    help="off: inference only; temporal: FT only in idle steps; full: FT also inside batches")
     p.add_argument("--no-interrupt", action="store_true", help="never interrupt an FT-only step")
+    p.add_argument("--pause-prefill", default="always", choices=PAUSE_POLICIES,
+                   help="when the running backward is paused for an inference step. always: every step "
+                        "with prefill or FT rows, and a decode step that the latency model says would break "
+                        "its budget beside the backward; model: any step only when the latency model says so")
     p.add_argument("--data", default=None, help="fine-tuning data (default: the built-in tiny_facts)")
     p.add_argument("--output", default=None, help="where the adapter and train_log.jsonl go (default: a temp dir)")
     p.add_argument("--seed", type=int, default=0)
@@ -102,7 +106,7 @@ def run_demo(args: argparse.Namespace) -> int:
         optim=OptimConfig(lr=2e-3, max_grad_norm=1.0),
         coserve=CoServeConfig(backward_tokens=128, max_seq_len=64, epochs=1000, seed=args.seed),
         slo=SLOConfig(ttft_slo_s=ttft, tpot_slo_s=tpot, margin=args.slo_margin, policy=args.ft_policy,
-                      interrupt_ft_only=not args.no_interrupt),
+                      interrupt_ft_only=not args.no_interrupt, pause_prefill=args.pause_prefill),
         trainer_threads=1, calibrate=True,
     )
     session = FinetuneSession(engine, spec)
