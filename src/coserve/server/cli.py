@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from coserve.core.config import SLOConfig
     from coserve.server.finetune import FinetuneSpec
 
 Command = Callable[[argparse.Namespace], int]
@@ -54,6 +55,33 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         max_lora_rank=args.max_lora_rank, warmup=args.warmup, stream_priority=args.stream_priority,
         warmup_gemms=args.warmup_gemms,
     )
+
+
+def add_slo_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, ttft_ms: float = 1000.0,
+                 tpot_ms: float = 100.0) -> None:
+    """The latency SLOs that admission keeps while fine-tuning, and the co-serving policy."""
+    from coserve.core.config import PAUSE_POLICIES
+
+    p.add_argument("--ttft-slo-ms", type=float, default=ttft_ms, help=f"time-to-first-token SLO (default {ttft_ms:g})")
+    p.add_argument("--tpot-slo-ms", type=float, default=tpot_ms,
+                   help=f"time-per-output-token SLO (default {tpot_ms:g})")
+    p.add_argument("--slo-margin", type=float, default=0.1, help="fraction of the latency budget kept free")
+    p.add_argument("--ft-policy", default="full", choices=["off", "temporal", "full"],
+                   help="off: inference only; temporal: FT only in idle steps; full: FT also inside batches")
+    p.add_argument("--no-interrupt", action="store_true", help="never interrupt an FT-only step")
+    p.add_argument("--pause-prefill", default="always", choices=PAUSE_POLICIES,
+                   help="when the running backward is paused for an inference step. always: every step "
+                        "with prefill or FT rows, and a decode step that the latency model says would break "
+                        "its budget beside the backward; model: any step only when the latency model says so")
+
+
+def slo_config(args: argparse.Namespace) -> SLOConfig:
+    """The :class:`SLOConfig` of :func:`add_slo_args`' flags (it checks them)."""
+    from coserve.core.config import SLOConfig
+
+    return SLOConfig(ttft_slo_s=args.ttft_slo_ms / 1e3, tpot_slo_s=args.tpot_slo_ms / 1e3, margin=args.slo_margin,
+                     policy=args.ft_policy, interrupt_ft_only=not args.no_interrupt,
+                     pause_prefill=args.pause_prefill)
 
 
 def _generate_args(p: argparse.ArgumentParser) -> None:

@@ -20,11 +20,12 @@ import torch
 from coserve.bench.metrics import attainment, latency_summary
 from coserve.bench.replay import InProcessDriver, ReplayResult, Snapshot
 from coserve.bench.workload import BurstPattern, Scaling, synthetic
-from coserve.core.config import PAUSE_POLICIES, CoServeConfig, LoRAConfig, OptimConfig, SLOConfig
+from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig
 from coserve.engine.config import EngineConfig
 from coserve.engine.llm_engine import LLMEngine
 from coserve.engine.sampling_params import SamplingParams
 from coserve.engine.sequence import LoRARequest
+from coserve.server.cli import add_slo_args, slo_config
 from coserve.server.finetune import FinetuneSession, FinetuneSpec
 
 logger = logging.getLogger(__name__)
@@ -52,16 +53,7 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny")
     p.add_argument("--device", default="cpu")
     p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run")
-    p.add_argument("--ttft-slo-ms", type=float, default=250.0)
-    p.add_argument("--tpot-slo-ms", type=float, default=25.0)
-    p.add_argument("--slo-margin", type=float, default=0.1, help="fraction of the latency budget kept free")
-    p.add_argument("--ft-policy", default="full", choices=["off", "temporal", "full"],
-                   help="off: inference only; temporal: FT only in idle steps; full: FT also inside batches")
-    p.add_argument("--no-interrupt", action="store_true", help="never interrupt an FT-only step")
-    p.add_argument("--pause-prefill", default="always", choices=PAUSE_POLICIES,
-                   help="when the running backward is paused for an inference step. always: every step "
-                        "with prefill or FT rows, and a decode step that the latency model says would break "
-                        "its budget beside the backward; model: any step only when the latency model says so")
+    add_slo_args(p, ttft_ms=250.0, tpot_ms=25.0)
     p.add_argument("--data", default=None, help="fine-tuning data (default: the built-in tiny_facts)")
     p.add_argument("--output", default=None, help="where the adapter and train_log.jsonl go (default: a temp dir)")
     p.add_argument("--seed", type=int, default=0)
@@ -105,8 +97,7 @@ def run_demo(args: argparse.Namespace) -> int:
                                                            "up_proj", "down_proj")),
         optim=OptimConfig(lr=2e-3, max_grad_norm=1.0),
         coserve=CoServeConfig(backward_tokens=128, max_seq_len=64, epochs=1000, seed=args.seed),
-        slo=SLOConfig(ttft_slo_s=ttft, tpot_slo_s=tpot, margin=args.slo_margin, policy=args.ft_policy,
-                      interrupt_ft_only=not args.no_interrupt, pause_prefill=args.pause_prefill),
+        slo=slo_config(args),
         trainer_threads=1, calibrate=True,
     )
     session = FinetuneSession(engine, spec)

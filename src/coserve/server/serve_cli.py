@@ -12,15 +12,21 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Any, cast
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, cast
 
 from coserve.server.cli import (
     add_engine_args,
     add_finetune_args,
+    add_slo_args,
     command,
     engine_kwargs,
     finetune_spec,
+    slo_config,
 )
+
+if TYPE_CHECKING:
+    from coserve.server.finetune import FinetuneSpec
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +53,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     group = p.add_argument_group("co-serving (fine-tuning while serving)")
     add_finetune_args(cast(argparse.ArgumentParser, _OptionalFinetuneFlags(group)))
+    add_slo_args(group)
+    group.add_argument("--no-calibrate", action="store_true",
+                       help="skip the latency model's calibration sweep at start-up (seconds of timed "
+                            "batches): admission then starts from default coefficients and learns online")
+
+
+def serve_spec(args: argparse.Namespace) -> FinetuneSpec | None:
+    """The co-serving run ``args`` ask for (None: inference only). Co-serving calibrates the
+    latency model at start-up unless ``--no-calibrate``: admission prices every step with it."""
+    if args.data is None:
+        return None
+    if args.output is None:
+        raise ValueError("--output is required with --finetune-data")
+    return replace(finetune_spec(args), slo=slo_config(args), calibrate=not args.no_calibrate)
 
 
 @command("serve", add_serve_args)
@@ -61,14 +81,11 @@ def serve(args: argparse.Namespace) -> int:
     from coserve.server.engine_thread import EngineThread
     from coserve.server.finetune import FinetuneSession
 
-    coserving = args.data is not None
-    if coserving and args.output is None:
-        raise ValueError("--output is required with --finetune-data")
+    spec = serve_spec(args)
     kwargs = engine_kwargs(args)
-    spec = finetune_spec(args) if coserving else None
     if spec is not None:
         kwargs["max_lora_rank"] = max(int(kwargs["max_lora_rank"]), spec.lora.rank)  # type: ignore[call-overload]
-    engine = LLMEngine(EngineConfig(model=args.model, num_training_slots=1 if coserving else 0,
+    engine = LLMEngine(EngineConfig(model=args.model, num_training_slots=1 if spec is not None else 0,
                                     **kwargs))  # type: ignore[arg-type]
     session = FinetuneSession(engine, spec) if spec is not None else None
     engine_thread = EngineThread(engine, session).start()
@@ -79,8 +96,10 @@ def serve(args: argparse.Namespace) -> int:
                                            log_level=str(args.log_level).lower(), access_log=False))
     url = f"http://{args.host}:{args.port}/v1"
     logger.info("serving %r at %s", name, url)
-    print(f"coserve: serving {name!r} at {url}" + (f", fine-tuning on {args.data}" if coserving else ""),
-          flush=True)
+    coserve_note = "" if spec is None else (
+        f", fine-tuning on {args.data} (policy {spec.slo.policy}, TTFT <= {spec.slo.ttft_slo_s * 1e3:g} ms, "
+        f"TPOT <= {spec.slo.tpot_slo_s * 1e3:g} ms)")
+    print(f"coserve: serving {name!r} at {url}{coserve_note}", flush=True)
     try:
         server.run()  # returns after uvicorn's own graceful shutdown on SIGINT/SIGTERM
     finally:

@@ -1,0 +1,51 @@
+"""``coserve serve``'s co-serving flags: the SLOs, the policy and the start-up calibration."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from coserve.server.cli import slo_config
+from coserve.server.demo import add_demo_args
+from coserve.server.serve_cli import add_serve_args, serve_spec
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    return p.parse_args(list(argv))
+
+
+def test_inference_only_without_finetune_data() -> None:
+    assert serve_spec(parse("--model", "tiny")) is None
+
+
+def test_coserving_takes_the_slo_flags_and_calibrates(tmp_path: Path) -> None:
+    args = parse("--finetune-data", "d.jsonl", "--output", str(tmp_path), "--ttft-slo-ms", "500",
+                 "--tpot-slo-ms", "40", "--slo-margin", "0.2", "--ft-policy", "temporal", "--no-interrupt",
+                 "--pause-prefill", "model", "--backward-tokens", "64")
+    spec = serve_spec(args)
+    assert spec is not None and spec.calibrate
+    assert spec.data == Path("d.jsonl") and spec.coserve.backward_tokens == 64
+    slo = spec.slo
+    assert (slo.ttft_slo_s, slo.tpot_slo_s, slo.margin) == pytest.approx((0.5, 0.04, 0.2))
+    assert (slo.policy, slo.interrupt_ft_only, slo.pause_prefill) == ("temporal", False, "model")
+    defaults = serve_spec(parse("--finetune-data", "d.jsonl", "--output", str(tmp_path), "--no-calibrate"))
+    assert defaults is not None and not defaults.calibrate
+    assert (defaults.slo.ttft_slo_s, defaults.slo.tpot_slo_s, defaults.slo.policy) == (1.0, 0.1, "full")
+
+
+def test_bad_coserving_flags_are_errors_that_say_why(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="--output is required"):
+        serve_spec(parse("--finetune-data", "d.jsonl"))
+    with pytest.raises(ValueError, match="tpot"):
+        serve_spec(parse("--finetune-data", "d.jsonl", "--output", str(tmp_path), "--tpot-slo-ms", "-5"))
+
+
+def test_the_demo_keeps_its_own_slos() -> None:
+    p = argparse.ArgumentParser()
+    add_demo_args(p)
+    slo = slo_config(p.parse_args([]))
+    assert (slo.ttft_slo_s, slo.tpot_slo_s, slo.policy, slo.pause_prefill) == pytest.approx((0.25, 0.025, "full", "always"))
