@@ -31,7 +31,7 @@ from speed_common import LLAMA3_8B, TINY, add_trace_args, provenance, trace_scal
 from coserve.bench.metrics import attainment, latency_summary, percentile
 from coserve.bench.replay import InProcessDriver
 from coserve.bench.runners import step_table
-from coserve.bench.workload import busiest_window, load_trace
+from coserve.bench.workload import Arrival, busiest_window, load_trace
 from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig, SLOConfig
 from coserve.core.latency import BatchSpec, error_summary
 from coserve.engine.config import EngineConfig
@@ -50,6 +50,17 @@ def ft_dataset(path: Path, n: int, lengths: tuple[int, int], vocab: int, seed: i
             ids = [rng.randrange(10, vocab) for _ in range(rng.randint(*lengths))]
             f.write(json.dumps({"input_ids": ids, "labels": [-100] * (len(ids) // 4) + ids[len(ids) // 4:]}) + "\n")
     return path
+
+
+def probe_arrivals(n: int, seed: int = 0, gap_s: float = 0.5) -> list[Arrival]:
+    """``n`` short requests (32-token prompt, 4 output tokens), one every ``gap_s`` ± 40%:
+    each finishes long before the next arrives, so that the engine is back in FT-only steps."""
+    rng = random.Random(seed)
+    t, out = 0.5, []
+    for _ in range(n):
+        out.append(Arrival(t, 32, 4))
+        t += gap_s * rng.uniform(0.6, 1.4)
+    return out
 
 
 def pause_delays(windows: list[tuple[float, float]], observed: list[float]) -> dict[str, Any]:
@@ -88,6 +99,9 @@ def main() -> None:
     p.add_argument("--trainer-sm-share", type=int, default=None,
                    help="CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of the trainer process")
     p.add_argument("--no-reference", action="store_true", help="skip the inference-only run")
+    p.add_argument("--probe-requests", type=int, default=40,
+                   help="after the replay, this many single short requests, one every ~0.5 s, each arriving "
+                        "while the engine runs FT-only steps: the interruption delay they see")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -127,6 +141,11 @@ def main() -> None:
     co.track = True
     result = driver.run(arrivals, duration_s=args.duration, ft_tokens=lambda: co.tokens_trained,
                         idle_wait=session.wait, drain_s=60.0)
+    # Sparse arrivals after the replay: with no other request in the engine it runs FT-only
+    # steps, so each of these arrives in one (a trace rarely leaves the engine that idle).
+    probes = probe_arrivals(args.probe_requests, seed=1)
+    probe_run = driver.run(probes, duration_s=probes[-1].time_s + 0.5 if probes else 0.0,
+                           ft_tokens=lambda: co.tokens_trained, idle_wait=session.wait, drain_s=10.0)
     session.close()
 
     errors: dict[str, Any] = {}
@@ -138,6 +157,7 @@ def main() -> None:
         stats = error_summary(rel)
         errors[key] = {"median_rel": stats.median_rel, "p99_rel": stats.p99_rel, "n": stats.n}
     ft_only = [d for kind, d in result.entry_delays if kind.startswith("ft-only")]
+    ft_only_probe = [d for kind, d in probe_run.entry_delays if kind.startswith("ft-only")]
     figures = {
         "mps": mps,
         "calibration": {"batches": n_cal, "seconds": calibration_s},
@@ -148,6 +168,11 @@ def main() -> None:
             "delay_p50_ms": percentile(ft_only, 50) * 1e3, "delay_p99_ms": percentile(ft_only, 99) * 1e3,
             "ft_only_step_1024_tokens_ms": ft_only_step * 1e3,
             "one_layer_ms": ft_only_step / num_layers * 1e3,
+            # the sparse requests after the replay: how many arrived during an FT-only step
+            "probe": {"requests": len(probes), "during_ft_only": len(ft_only_probe),
+                      "delay_p50_ms": percentile(ft_only_probe, 50) * 1e3,
+                      "delay_p99_ms": percentile(ft_only_probe, 99) * 1e3,
+                      "delay_max_ms": max(ft_only_probe, default=float("nan")) * 1e3},
         },
         "inference_only": None if reference is None else {
             "attainment": attainment(reference.records, slo.ttft_slo_s, slo.tpot_slo_s),
