@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,9 @@ def test_full_overlap_carries_its_pause_policy_into_the_coserver_slo(tmp_path: P
     assert (slo.policy, slo.pause_prefill, slo.ttft_slo_s, slo.tpot_slo_s) == ("full", "model", 0.5, 0.05)
     for name in ("temporal", "full", "full-noint", "naive"):
         assert _session_spec(ctx, CONFIGS[name]).slo.pause_prefill == "always", name
+    assert _session_spec(ctx, full).trainer_sm_share is None
+    ctx.training = replace(training, trainer_sm_share=70)
+    assert all(_session_spec(ctx, CONFIGS[name]).trainer_sm_share == 70 for name in ("full", "full-overlap"))
 
 
 def test_ft_lengths_and_dataset(tmp_path: Path) -> None:

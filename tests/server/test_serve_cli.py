@@ -25,15 +25,15 @@ def test_inference_only_without_finetune_data() -> None:
 def test_coserving_takes_the_slo_flags_and_calibrates(tmp_path: Path) -> None:
     args = parse("--finetune-data", "d.jsonl", "--output", str(tmp_path), "--ttft-slo-ms", "500",
                  "--tpot-slo-ms", "40", "--slo-margin", "0.2", "--ft-policy", "temporal", "--no-interrupt",
-                 "--pause-prefill", "model", "--backward-tokens", "64")
+                 "--pause-prefill", "model", "--backward-tokens", "64", "--trainer-sm-share", "60")
     spec = serve_spec(args)
-    assert spec is not None and spec.calibrate
+    assert spec is not None and spec.calibrate and spec.trainer_sm_share == 60
     assert spec.data == Path("d.jsonl") and spec.coserve.backward_tokens == 64
     slo = spec.slo
     assert (slo.ttft_slo_s, slo.tpot_slo_s, slo.margin) == pytest.approx((0.5, 0.04, 0.2))
     assert (slo.policy, slo.interrupt_ft_only, slo.pause_prefill) == ("temporal", False, "model")
     defaults = serve_spec(parse("--finetune-data", "d.jsonl", "--output", str(tmp_path), "--no-calibrate"))
-    assert defaults is not None and not defaults.calibrate
+    assert defaults is not None and not defaults.calibrate and defaults.trainer_sm_share is None
     assert (defaults.slo.ttft_slo_s, defaults.slo.tpot_slo_s, defaults.slo.policy) == (1.0, 0.1, "full")
 
 
@@ -42,6 +42,8 @@ def test_bad_coserving_flags_are_errors_that_say_why(tmp_path: Path) -> None:
         serve_spec(parse("--finetune-data", "d.jsonl"))
     with pytest.raises(ValueError, match="tpot"):
         serve_spec(parse("--finetune-data", "d.jsonl", "--output", str(tmp_path), "--tpot-slo-ms", "-5"))
+    with pytest.raises(ValueError, match="--trainer-sm-share"):
+        serve_spec(parse("--finetune-data", "d.jsonl", "--output", str(tmp_path), "--trainer-sm-share", "0"))
 
 
 def test_the_demo_keeps_its_own_slos() -> None:

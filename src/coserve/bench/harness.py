@@ -14,7 +14,8 @@ Result schema (``STEM.json``; times in ms unless named ``_s``, attainment as a f
 * ``commit``, ``dirty``, ``device``, ``versions``, ``command``: provenance;
 * ``config``: ``workload`` (name, source, window_start_s, duration_s, requests, seed, scaling),
   ``slo`` (ttft_ms, tpot_ms, margin, relative_factor, attainment_target), ``model``, ``engine``,
-  ``ft`` (lengths, samples, backward_tokens, LoRA, lr, naive_tokens, split_mps_percentage),
+  ``ft`` (lengths, samples, backward_tokens, LoRA, lr, naive_tokens, split_mps_percentage,
+  trainer_sm_share),
   ``configs`` (name → kind, policy, interrupt_ft_only, pause_prefill, summary),
   ``rolling_window_s``, ``mps``;
 * ``reference``: the inference-only mean TTFT / TPOT and the relative SLOs derived from them;
@@ -92,6 +93,8 @@ class FTSetup:
     optim: OptimConfig = OptimConfig()
     naive_tokens: int | None = None
     split_mps_percentage: int = 50
+    # the co-serving trainer's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (None: no limit)
+    trainer_sm_share: int | None = None
     trainer_threads: int = 0
     save_mlp_activations: bool = False
 
@@ -236,6 +239,7 @@ def _config_section(
             "save_mlp_activations": ft.save_mlp_activations,
             "naive_tokens": ft.naive_limit,
             "split_mps_percentage": ft.split_mps_percentage,
+            "trainer_sm_share": ft.trainer_sm_share,
         },
         "configs": {
             c.name: {
@@ -298,6 +302,7 @@ def _setup(
         optim=ft.optim,
         naive_tokens=ft.naive_limit,
         split_mps_percentage=ft.split_mps_percentage,
+        trainer_sm_share=ft.trainer_sm_share,
         trainer_threads=ft.trainer_threads,
         warmup_timeout_s=spec.trainer_warmup_timeout_s,
         save_mlp_activations=ft.save_mlp_activations,

@@ -42,6 +42,7 @@ class TrainingSetup:
     optim: OptimConfig
     naive_tokens: int
     split_mps_percentage: int
+    trainer_sm_share: int | None = None  # the co-serving trainer's MPS share of the SMs
     trainer_threads: int = 0
     warmup_timeout_s: float = 300.0
     save_mlp_activations: bool = False
@@ -232,6 +233,7 @@ def _session_spec(ctx: BenchContext, config: RunConfig) -> FinetuneSpec:
             naive_tokens=t.naive_tokens,
         ),
         trainer_threads=t.trainer_threads,
+        trainer_sm_share=t.trainer_sm_share,
         calibrate=False,
         save_every=0,
     )

@@ -130,6 +130,14 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     )
     f.add_argument("--no-mps", action="store_true", help="do not start the CUDA MPS daemon")
     f.add_argument(
+        "--trainer-sm-share",
+        type=int,
+        default=None,
+        help="the co-serving trainer's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, 1-100 (GPU with MPS only; "
+        "default: no limit). A share keeps decode steps beside the backward steadier, at some FT "
+        "throughput",
+    )
+    f.add_argument(
         "--trainer-threads",
         type=int,
         default=0,
@@ -228,6 +236,7 @@ def bench_spec(args: argparse.Namespace) -> BenchSpec:
             optim=OptimConfig(lr=args.lr, accumulation_tasks=args.grad_accum),
             naive_tokens=args.naive_tokens,
             split_mps_percentage=args.split_mps_percentage,
+            trainer_sm_share=args.trainer_sm_share,
             trainer_threads=args.trainer_threads,
             save_mlp_activations=args.save_mlp_activations,
         ),

@@ -54,6 +54,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     group = p.add_argument_group("co-serving (fine-tuning while serving)")
     add_finetune_args(cast(argparse.ArgumentParser, _OptionalFinetuneFlags(group)))
     add_slo_args(group)
+    group.add_argument("--trainer-sm-share", type=int, default=None,
+                       help="the trainer's share of the GPU's SMs under CUDA MPS, 1-100 (default: no limit): "
+                            "a share keeps decode steps beside the backward steadier, at some FT throughput")
     group.add_argument("--no-calibrate", action="store_true",
                        help="skip the latency model's calibration sweep at start-up (seconds of timed "
                             "batches): admission then starts from default coefficients and learns online")
@@ -66,7 +69,10 @@ def serve_spec(args: argparse.Namespace) -> FinetuneSpec | None:
         return None
     if args.output is None:
         raise ValueError("--output is required with --finetune-data")
-    return replace(finetune_spec(args), slo=slo_config(args), calibrate=not args.no_calibrate)
+    if args.trainer_sm_share is not None and not 0 < args.trainer_sm_share <= 100:
+        raise ValueError(f"--trainer-sm-share must be in (0, 100], got {args.trainer_sm_share}")
+    return replace(finetune_spec(args), slo=slo_config(args), calibrate=not args.no_calibrate,
+                   trainer_sm_share=args.trainer_sm_share)
 
 
 @command("serve", add_serve_args)

@@ -44,6 +44,8 @@ class TrainerProcess:
         mlp_store: torch.Tensor | None = None,
         below_normal: bool = False,
     ) -> None:
+        if sm_share is not None and not 0 < sm_share <= 100:
+            raise ValueError(f"--trainer-sm-share must be in (0, 100], got {sm_share}")
         device = store.device
         self._layout = TrainableLoRA(adapter, dropout=dropout, seed=seed, device="cpu")
         numel = self._layout.flat.numel()
