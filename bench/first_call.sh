@@ -4,7 +4,8 @@
 #          overhead), then bench/coserve_latency.py (issue 5: latency-model error, pause delay);
 #   GPU 1: bench/trace_vs_hf.py --only coserve       (issue 3 item 4: azure2023_conv, 300 s)
 #   GPU 2: bench/trace_vs_hf.py --only transformers  (the peer, same arrivals, at the same time)
-#   GPU 3: bench/engine_speed.py, the full grid (issue 3).
+#   GPU 3: bench/engine_speed.py, the full grid (issue 3), then its decode and LoRA sections
+#          with COSERVE_LORA_ONE_LAUNCH=1 (one launch per LoRA linear at decode, unmeasured).
 # Everything comes back in one archive, $OUT/first.tar.gz (folder first/, GPU 0's files in first/verify/).
 # Carry .traces.
 #
@@ -25,7 +26,12 @@ for side in coserve:1 transformers:2; do
   CUDA_VISIBLE_DEVICES=${side#*:} python3 bench/trace_vs_hf.py --trace .traces/azure2023_conv.csv --duration 300 \
     --only "${side%%:*}" --out "$top/trace_vs_hf_${side%%:*}.json" > "$top/trace_vs_hf_${side%%:*}.log" 2>&1 &
 done
-CUDA_VISIBLE_DEVICES=3 python3 bench/engine_speed.py --out "$top/engine_speed.json" > "$top/engine_speed.log" 2>&1 &
+(
+  CUDA_VISIBLE_DEVICES=3 python3 bench/engine_speed.py --out "$top/engine_speed.json" > "$top/engine_speed.log" 2>&1
+  # the one-launch LoRA kernel for decode-sized steps against engine_speed.json's two launches
+  CUDA_VISIBLE_DEVICES=3 COSERVE_LORA_ONE_LAUNCH=1 python3 bench/engine_speed.py --sections decode,lora \
+    --batches 1,16 --contexts 2048 --out "$top/engine_lora_one_launch.json" > "$top/engine_lora_one_launch.log" 2>&1
+) &
 wait
 cat "$top/verify/verify.txt"
 tail -n 4 "$top"/*.log
