@@ -90,6 +90,10 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--hog", type=int, default=os.cpu_count() or 2, help="spinning processes")
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU (a check of the script)")
+    parser.add_argument("--prefill-graphs", action="store_true",
+                        help="steps through the piecewise CUDA graphs (engine/prefill_graphs.py)")
+    parser.add_argument("--conditions", default="idle,hog,hog_one_thread,idle_one_thread",
+                        help="which of idle, hog, hog_one_thread, idle_one_thread to measure")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     rng = random.Random(0)
@@ -101,11 +105,15 @@ def main() -> None:
     result["config"] = {"model": "tiny (smoke)" if args.smoke else "Llama-3-8B shape, dummy weights",
                         "device": device, "iters": args.iters, "hog_processes": args.hog,
                         "shapes": [dict(zip(("name", "rows", "tokens", "context"), s, strict=True)) for s in shapes],
-                        "intra_op_threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
+                        "intra_op_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+                        "prefill_graphs": args.prefill_graphs}
     figures: dict[str, Any] = {"conditions": {}}
     result["figures"] = figures
     with tempfile.TemporaryDirectory() as tmp:
         runner = build_runner(write_model_dir(Path(tmp), model_cfg), 4.0, (1,), device)
+    if args.prefill_graphs:
+        runner.prefill_graphs = runner.make_prefill_graphs(capture=device == "cuda")
+        runner.prefill_graphs.capture_all()
     batches = {name: rows_for(runner, r, t, c, rng) for name, r, t, c in shapes}
 
     def measure(condition: str) -> None:
@@ -114,21 +122,29 @@ def main() -> None:
                                                     for n, d in res.items()}))
 
     threads = torch.get_num_threads()
-    measure("idle")
-    stop = mp.get_context("fork").Event()
-    hogs = [mp.get_context("fork").Process(target=_spin, args=(stop,), daemon=True) for _ in range(args.hog)]
-    for p in hogs:
-        p.start()
-    time.sleep(1.0)
-    try:
-        measure("hog")
-        torch.set_num_threads(1)
-        measure("hog_one_thread")
-    finally:
-        stop.set()
+    conditions = args.conditions.split(",")
+    if "idle" in conditions:
+        measure("idle")
+    if {"hog", "hog_one_thread"} & set(conditions):
+        stop = mp.get_context("fork").Event()
+        hogs = [mp.get_context("fork").Process(target=_spin, args=(stop,), daemon=True) for _ in range(args.hog)]
         for p in hogs:
-            p.join(timeout=10)
-    measure("idle_one_thread")
+            p.start()
+        time.sleep(1.0)
+        try:
+            if "hog" in conditions:
+                measure("hog")
+            if "hog_one_thread" in conditions:
+                torch.set_num_threads(1)
+                measure("hog_one_thread")
+                torch.set_num_threads(threads)
+        finally:
+            stop.set()
+            for p in hogs:
+                p.join(timeout=10)
+    if "idle_one_thread" in conditions:
+        torch.set_num_threads(1)
+        measure("idle_one_thread")
     torch.set_num_threads(threads)
     figures["profile_self_cpu"] = {name: profile_table(runner, b) for name, b in batches.items()}
     for name, table in figures["profile_self_cpu"].items():

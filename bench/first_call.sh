@@ -5,7 +5,8 @@
 #   GPU 1: bench/trace_vs_hf.py --only coserve       (issue 3 item 4: azure2023_conv, 300 s)
 #   GPU 2: bench/trace_vs_hf.py --only transformers  (the peer, same arrivals, at the same time)
 #   GPU 3: bench/engine_speed.py, the full grid (issue 3), then its decode and LoRA sections
-#          with COSERVE_LORA_ONE_LAUNCH=1 (one launch per LoRA linear at decode, unmeasured).
+#          with COSERVE_LORA_ONE_LAUNCH=1 (one launch per LoRA linear at decode, unmeasured), then
+#          bench/eager_cpu.py without and with --prefill-graphs (piecewise graphs, unmeasured).
 # Everything comes back in one archive, $OUT/first.tar.gz (folder first/, GPU 0's files in first/verify/).
 # Carry .traces.
 #
@@ -31,6 +32,12 @@ done
   # the one-launch LoRA kernel for decode-sized steps against engine_speed.json's two launches
   CUDA_VISIBLE_DEVICES=3 COSERVE_LORA_ONE_LAUNCH=1 python3 bench/engine_speed.py --sections decode,lora \
     --batches 1,16 --contexts 2048 --out "$top/engine_lora_one_launch.json" > "$top/engine_lora_one_launch.log" 2>&1
+  # eager steps' host and device time without and with the piecewise prefill graphs
+  for pg in off on; do
+    flags=(--conditions idle); [[ $pg == on ]] && flags+=(--prefill-graphs)
+    CUDA_VISIBLE_DEVICES=3 python3 bench/eager_cpu.py "${flags[@]}" --out "$top/eager_cpu_$pg.json" \
+      > "$top/eager_cpu_$pg.log" 2>&1
+  done
 ) &
 wait
 cat "$top/verify/verify.txt"

@@ -10,7 +10,7 @@ set -uo pipefail
 : "${OUT:?OUT must name the output folder}"
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/layers tests/trainer/test_backward.py \
-  tests/engine/test_cuda_graph.py tests/engine/test_stream_priority.py > "$OUT/gpu_tests.txt" 2>&1
+  tests/engine/test_cuda_graph.py tests/engine/test_prefill_graphs.py tests/engine/test_stream_priority.py > "$OUT/gpu_tests.txt" 2>&1
 echo "gpu tests rc=$?"; tail -n 3 "$OUT/gpu_tests.txt"
 for run in 2 8 8:--boundary-sync; do
   rows=${run%%:*}; flag=${run#"$rows"}; flag=${flag#:}

@@ -221,10 +221,13 @@ def test_time_budget_skips_what_would_not_finish_but_never_the_reference(tmp_pat
     assert result["calibration"] is None
 
 
-def test_auto_rate_lowers_the_rate_until_inference_alone_meets_the_slo(tmp_path: Path) -> None:
+def test_auto_rate_runs_the_probes_and_takes_the_highest_rate_that_met(tmp_path: Path) -> None:
+    """Whatever this machine's speed makes of each probe (bracket_rate's search itself is tested
+    below on fixed answers): the probes start at --rate-scale, stop within --max-probes, and the
+    run uses the highest probed rate that met the target, else the lowest probed."""
     args = list(ARGS)
     args[args.index("--configs") + 1] = "inference"
-    args[args.index("--rate-scale") + 1] = "4"  # far too many requests for a 1-layer-per-ms CPU
+    args[args.index("--rate-scale") + 1] = "4"  # likely too many requests for a 1-layer-per-ms CPU
     args[args.index("--ttft-slo-ms") + 1] = "60"
     args += ["--auto-rate", "--probe-seconds", "1", "--probe-factor", "0.25", "--attainment-target", "0.9",
              "--max-probes", "4", "--out", str(tmp_path)]
@@ -232,10 +235,12 @@ def test_auto_rate_lowers_the_rate_until_inference_alone_meets_the_slo(tmp_path:
     result = json.loads((tmp_path / "burst-light.json").read_text(), parse_constant=_no_nan)
     probes = result["config"]["rate_probes"]
     rates = [p["rate"] for p in probes]
-    assert rates[0] == 4 and probes[0]["attainment"] < 0.9 and 1 < len(probes) <= 4
+    assert rates[0] == 4 and 1 <= len(probes) <= 4
     met = [p["rate"] for p in probes if p["attainment"] >= 0.9]
     chosen = result["config"]["workload"]["scaling"]["rate"]
     assert chosen == (max(met) if met else min(rates))
+    if not met:
+        assert rates == sorted(rates, reverse=True)  # down all the way
 
 
 @pytest.mark.parametrize(

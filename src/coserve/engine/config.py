@@ -42,6 +42,11 @@ class EngineConfig:
     # With the warm-up: also run each base-weight GEMM at every token count an eager step can
     # have (engine/warmup.py gemm_sweep; ~2 s for the 8B shape at 2,048 tokens, by FLOPs).
     warmup_gemms: bool = False
+    # Piecewise CUDA graphs for eager inference steps (engine/prefill_graphs.py): everything
+    # between two attention calls replayed per token-count bucket, the attention eager. CUDA
+    # only, off by default until measured; buckets above max_num_batched_tokens are dropped.
+    prefill_graphs: bool = False
+    prefill_graph_buckets: tuple[int, ...] = (128, 256, 512, 768, 1024, 1536, 2048)
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_lora_rank")
@@ -62,9 +67,10 @@ class EngineConfig:
             raise ValueError(f"warmup must be auto, on or off, got {self.warmup!r}")
         if self.stream_priority not in ("default", "high"):
             raise ValueError(f"stream_priority must be default or high, got {self.stream_priority!r}")
-        sizes = self.cuda_graph_batch_sizes
-        if not all(isinstance(n, int) and n > 0 for n in sizes) or list(sizes) != sorted(set(sizes)):
-            raise ValueError(f"cuda_graph_batch_sizes must be increasing positive integers, got {sizes!r}")
+        for name in ("cuda_graph_batch_sizes", "prefill_graph_buckets"):
+            sizes = getattr(self, name)
+            if not all(isinstance(n, int) and n > 0 for n in sizes) or list(sizes) != sorted(set(sizes)):
+                raise ValueError(f"{name} must be increasing positive integers, got {sizes!r}")
 
     @property
     def torch_device(self) -> torch.device:

@@ -13,6 +13,7 @@ import torch
 
 from coserve.engine.config import EngineConfig
 from coserve.engine.cuda_graph import DecodeGraphs
+from coserve.engine.prefill_graphs import PrefillGraphs
 from coserve.layers.attention import AttentionMetadata, get_attention_backend
 from coserve.layers.lora import LoRABatch, LoRAContext, RowDropoutLoRA, get_lora_op
 from coserve.models.llama import ForwardContext, LayerHook, LlamaForCausalLM
@@ -80,7 +81,18 @@ class ModelRunner:
             self.graphs.capture_all(with_lora=False)
             if config.max_loras > 0:
                 self.graphs.capture_all(with_lora=True)
+        self.prefill_graphs: PrefillGraphs | None = None
+        if self.graphs is not None and config.prefill_graphs:
+            self.prefill_graphs = self.make_prefill_graphs(capture=True)
+            self.prefill_graphs.capture_all()
         self.last_mode = "eager"
+
+    def make_prefill_graphs(self, capture: bool) -> PrefillGraphs:
+        """Piecewise graphs of eager inference steps over this runner's model and cache
+        (``capture=False``: the same segments run eagerly, for CPU tests)."""
+        buckets = [b for b in self.config.prefill_graph_buckets if b <= self.config.max_num_batched_tokens]
+        return PrefillGraphs(self.model, self.kv_cache, self.backend,
+                             buckets or [self.config.max_num_batched_tokens], capture=capture)
 
     def decode_graphs(self, capture: bool) -> DecodeGraphs:
         """The decode-graph runner over this runner's model and cache (``capture=False``: eager replay)."""
@@ -166,6 +178,13 @@ class ModelRunner:
             p, seed = self.ft_dropout
             lora = RowDropoutLoRA(lora, dropped[0][3], [(s, n, k) for s, n, k, _ in dropped], seed, p,
                                   self.lora_scales)
+        pieces = self.prefill_graphs
+        if (pieces is not None and layer_hook is None and mlp_hook is None and not dropped
+                and pieces.accepts(inputs.input_ids.shape[0], lora_active=lora is not None)):
+            # NOTE: reported as an eager step: the latency model keeps one eager set, fitted
+            # (calibration and online) on whichever path the steps take.
+            hidden = pieces.run(inputs.input_ids, inputs.positions, inputs.attn)
+            return self.model.compute_logits(hidden[inputs.logits_indices])
         ctx = ForwardContext(
             attn=inputs.attn,
             kv_cache=self.kv_cache,

@@ -60,16 +60,26 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(x, ctx.lora)
+        q, k, v = self.project(x, positions, rotary, ctx.lora)
+        return self.o_proj(self.attend(q, k, v, ctx), ctx.lora)
+
+    def project(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, lora: LoRAContext | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token-wise: ``q [T, H, D], k, v [T, KVH, D]`` (RoPE applied) of ``x [T, d]``."""
+        qkv = self.qkv_proj(x, lora)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The step's attention (writes the rows' KV): ``[T, H·D]`` before ``o_proj``."""
         kv_layer = ctx.kv_cache[:, self.layer] if ctx.kv_cache is not None else None
         backend = ctx.backend or _DEFAULT_BACKEND
-        o = backend.forward(q, k, v, kv_layer, ctx.attn, self.scale, self.sliding_window)
-        return self.o_proj(o.reshape(-1, self.q_size), ctx.lora)
+        return backend.forward(q, k, v, kv_layer, ctx.attn, self.scale, self.sliding_window).reshape(-1, self.q_size)
 
 
 class MLP(nn.Module):
@@ -135,9 +145,16 @@ class DecoderLayer(nn.Module):
 
         hidden, normed: [T, d] -> hidden + attn [T, d], mlp delta [T, d].
         """
-        attn = self.self_attn(normed, positions, rotary, ctx)
+        q, k, v = self.self_attn.project(normed, positions, rotary, ctx.lora)
+        return self.finish(self.self_attn.attend(q, k, v, ctx), hidden, ctx.lora, ctx.mlp_hook)
+
+    def finish(self, o: torch.Tensor, hidden: torch.Tensor, lora: LoRAContext | None,
+               mlp_hook: LayerHook | None = None) -> LayerOutput:
+        """Token-wise, after the attention ``o [T, H·D]``: ``o_proj``, the residual add and norm,
+        the MLP (``hidden``: the layer's input)."""
+        attn = self.self_attn.o_proj(o, lora)
         hidden, normed = self.post_attention_layernorm.add_and_norm(attn, hidden)
-        return LayerOutput(hidden, self.mlp(normed, ctx.lora, ctx.mlp_hook))
+        return LayerOutput(hidden, self.mlp(normed, lora, mlp_hook))
 
 
 class DecoderModel(nn.Module):
@@ -185,11 +202,11 @@ class LlamaForCausalLM(nn.Module):
         delta: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
             assert isinstance(layer, DecoderLayer)
-            hidden, normed = _add_and_norm(layer.input_layernorm, hidden, delta)
+            hidden, normed = add_and_norm(layer.input_layernorm, hidden, delta)
             if hook is not None:
                 hook(i, hidden)
             hidden, delta = layer.forward_deferred(hidden, normed, positions, self.rotary, ctx)
-        hidden, normed = _add_and_norm(self.model.norm, hidden, delta)
+        hidden, normed = add_and_norm(self.model.norm, hidden, delta)
         if hook is not None:
             hook(len(self.model.layers), hidden)
         return normed
@@ -208,7 +225,7 @@ class LlamaForCausalLM(nn.Module):
         return lin.lora_stacks(target)
 
 
-def _add_and_norm(norm: RMSNorm, hidden: torch.Tensor, delta: torch.Tensor | None) -> AddNorm:
+def add_and_norm(norm: RMSNorm, hidden: torch.Tensor, delta: torch.Tensor | None) -> AddNorm:
     """The previous layer's last residual add ``h = hidden + delta`` (none for the embeddings)
     and ``norm(h)``, in one kernel where the fused kernels apply."""
     if delta is None:

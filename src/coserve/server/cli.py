@@ -41,6 +41,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-gemms", action="store_true",
                    help="with the warm-up, also run each base-weight GEMM at every token count an "
                         "eager step can have (the matmul library picks kernels per shape)")
+    p.add_argument("--prefill-graphs", action="store_true",
+                   help="replay everything but the attention of eager inference steps from CUDA graphs "
+                        "captured per token-count bucket (CUDA only; not yet measured)")
     p.add_argument("--stream-priority", default="default", choices=["default", "high"],
                    help="high: run the engine on the GPU's highest-priority stream and start the "
                         "trainer as a below-normal MPS client, so that inference is served first "
@@ -53,7 +56,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank, warmup=args.warmup, stream_priority=args.stream_priority,
-        warmup_gemms=args.warmup_gemms,
+        warmup_gemms=args.warmup_gemms, prefill_graphs=args.prefill_graphs,
     )
 
 

@@ -1,0 +1,88 @@
+"""Piecewise graphs of eager steps: the segments through static buffers equal the eager forward.
+
+Without a GPU the segments run eagerly through the same static buffers (``capture=False``); with
+one they are captured and replayed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from coserve import LLM, EngineConfig, LoRARequest, SamplingParams
+from coserve.engine.model_runner import BatchRow
+from coserve.engine.prefill_graphs import PrefillGraphs
+from coserve.models.llama import ForwardContext
+from tests.conftest import make_peft_adapter
+
+CUDA = torch.cuda.is_available()
+COMMON: dict = dict(skip_tokenizer_init=True, block_size=4, max_model_len=64, num_kv_blocks=64,
+                    max_num_batched_tokens=24, max_loras=1, max_lora_rank=8)
+PROMPTS = [[5, 17, 33, 2, 91, 14, 7], [100, 3, 44, 44, 12, 9, 150, 61, 70, 8, 1, 2, 3, 4, 5, 6, 7, 9, 9, 9], [42]]
+
+
+def test_buckets_are_checked() -> None:
+    with pytest.raises(ValueError, match="prefill_graph_buckets"):
+        EngineConfig(prefill_graph_buckets=(64, 32))
+
+
+def test_segments_equal_the_eager_forward(hf_models: dict[str, Path]) -> None:
+    llm = LLM(str(hf_models["llama"]), device="cuda" if CUDA else "cpu", **COMMON)
+    runner = llm.engine.runner
+    pieces = PrefillGraphs(runner.model, runner.kv_cache, runner.backend, (8, 16, 32), capture=CUDA)
+    assert [pieces.bucket(n) for n in (1, 8, 9, 32, 33)] == [8, 8, 16, 32, None]
+    assert pieces.accepts(32, lora_active=False)
+    assert not pieces.accepts(33, lora_active=False) and not pieces.accepts(4, lora_active=True)
+    rows = [BatchRow([7, 8, 9, 10, 11], 3, [0, 1], samples=True),  # a chunk after 3 cached tokens
+            BatchRow([20, 21, 22, 23, 24, 25], 0, [2, 3], samples=True),
+            BatchRow([30], 6, [4, 5], samples=True, is_prefill=False)]  # a decode row
+    inputs = runner.prepare(rows)
+    ctx = ForwardContext(attn=inputs.attn, kv_cache=runner.kv_cache, lora=None, backend=runner.backend)
+    with torch.inference_mode():
+        expected = runner.model(inputs.input_ids, inputs.positions, ctx).clone()
+        kv = runner.kv_cache.clone()
+        got = pieces.run(inputs.input_ids, inputs.positions, inputs.attn)
+    assert got.shape == expected.shape == (12, runner.model.config.hidden_size)
+    tol = 2e-2 if CUDA else 1e-5
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(runner.kv_cache, kv, rtol=tol, atol=tol)  # the same KV written again
+
+
+def generate(llm: LLM, loras: list[LoRARequest | None]) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1, ignore_eos=True)
+    out = []
+    for o in llm.generate(PROMPTS, params, lora_request=loras):
+        got = o.outputs[0]
+        assert got.logprobs is not None
+        out.append((got.token_ids, [lp[t] for lp, t in zip(got.logprobs, got.token_ids, strict=True)]))
+    return out
+
+
+def test_engine_with_prefill_graphs_generates_the_same(hf_models: dict[str, Path], tmp_path: Path) -> None:
+    """Greedy tokens and log-probs equal the eager engine's, without adapters (every step through
+    the prefill graphs) and with one (its steps stay eager: no step with adapter rows is taken)."""
+    base = hf_models["llama"]
+    adapter = make_peft_adapter(base, tmp_path / "a", ["q_proj", "down_proj"], rank=8, seed=1)
+    device = {"device": "cuda"} if CUDA else {}
+    for loras in ([None, None, None], [None, LoRARequest("a", str(adapter)), None]):
+        expected = generate(LLM(str(base), **device, **COMMON), loras)
+        llm = LLM(str(base), **device, **COMMON)
+        runner = llm.engine.runner
+        runner.prefill_graphs = runner.make_prefill_graphs(capture=CUDA)
+        pieces = runner.prefill_graphs
+        runs: list[int] = []
+        run = pieces.run
+
+        def counted(*args: object) -> torch.Tensor:
+            runs.append(1)
+            return run(*args)  # type: ignore[arg-type]
+
+        pieces.run = counted  # type: ignore[method-assign]
+        got = generate(llm, loras)
+        assert bool(runs) == (loras[1] is None), "steps without adapter rows go through the prefill graphs"
+        tol = 2e-2 if CUDA else 1e-4
+        for (tokens, lps), (ref_tokens, ref_lps) in zip(got, expected, strict=True):
+            assert tokens == ref_tokens
+            assert lps == pytest.approx(ref_lps, abs=tol)
