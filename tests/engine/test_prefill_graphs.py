@@ -73,9 +73,8 @@ def test_engine_with_prefill_graphs_generates_the_same(hf_models: dict[str, Path
         runner.prefill_graphs = runner.make_prefill_graphs(capture=CUDA)
         pieces = runner.prefill_graphs
         runs: list[int] = []
-        run = pieces.run
 
-        def counted(*args: object) -> torch.Tensor:
+        def counted(*args: object, run=pieces.run, runs: list[int] = runs) -> torch.Tensor:  # type: ignore[no-untyped-def]
             runs.append(1)
             return run(*args)  # type: ignore[arg-type]
 

@@ -90,6 +90,7 @@ class PrefillGraphs:
         self.k[:b].copy_(k)
         self.v[:b].copy_(v)
 
+    @torch.no_grad()
     def _capture(self, b: int) -> list[torch.cuda.CUDAGraph]:
         logger.info("capturing prefill graphs: %d tokens, %d segments", b, len(self.layers) + 1)
         device = self.kv_cache.device
