@@ -251,6 +251,22 @@ def test_predictions_never_fail_before_data() -> None:
     assert math.isfinite(model.predict(StepFeatures(ft_lens=(30,), busy=True)))
 
 
+def test_a_step_kind_never_seen_busy_is_priced_like_the_worst_that_was() -> None:
+    """Prefill steps never run beside the backward under the default pause policy: under
+    pause_prefill="model" their first busy predictions take the largest measured slowdown."""
+    rng = random.Random(3)
+    model = LatencyModel()
+    decode = [measure(BatchSpec(decode_kv=(k,) * b, mode="graph"), rng, busy=True, noise=0.0)
+              for b in (1, 4, 16, 64) for k in (16, 256, 1024)]
+    model.fit([measure(s, rng, noise=0.0) for s in calibration_plan(512, 16, 4096)] + decode)
+    assert model.busy_term("decode/graph") == pytest.approx(BUSY["decode/graph"], rel=0.05)
+    assert model.busy_term("prefill/eager") == model.busy_term("decode/graph")
+    f = StepFeatures(chunks=(Chunk(256),), busy=True)
+    idle = model.predict(StepFeatures(chunks=(Chunk(256),)))
+    rho, delta = BUSY["decode/graph"]
+    assert model.predict(f) == pytest.approx(idle * (1 + rho) + delta, rel=0.05)
+
+
 def test_interrupted_and_empty_records_are_ignored() -> None:
     model = LatencyModel(refit_every=1)
     spec = BatchSpec(decode_kv=(8,))

@@ -297,10 +297,18 @@ class LatencyModel:
         return coef if coef is not None else self._defaults[form]
 
     def busy_term(self, key: str) -> tuple[float, ...]:
-        """``(ρ, δ)`` of ``T_busy = (1 + ρ)·T + δ`` for ``key``; ``(0, 0)`` before any busy data."""
+        """``(ρ, δ)`` of ``T_busy = (1 + ρ)·T + δ`` for ``key``: its own, else the same form's
+        other mode's, else the largest slowdown of any set with busy data (a step kind that has
+        never run beside the backward — prefill steps are paused under the default policy — is
+        priced like the worst that has), else ``(0, 0)`` before any busy data."""
         form, mode = key.split("/")
         other = f"{form}/{'eager' if mode == 'graph' else 'graph'}"
-        return self._busy.get(key) or self._busy.get(other) or (0.0, 0.0)
+        own = self._busy.get(key) or self._busy.get(other)
+        if own is not None:
+            return own
+        if not self._busy:
+            return (0.0, 0.0)
+        return max(self._busy.values(), key=lambda term: term[0])
 
     def predict(self, features: StepFeatures) -> float:
         """Predicted step time in seconds."""
