@@ -1,0 +1,128 @@
+"""What `bench/first_call.sh` measured, in one page: the figures the issues' goals name.
+
+Reads the folder the call's archive unpacks to (``first/``) and prints, for each file it finds:
+the GPU tests' status, FT-only throughput against the peft loops (issue 4), the LoRA overhead
+with two launches and with one (issue 3), the decode and prefill grid against the hardware
+floors (issue 3), the trace replay against transformers (issue 3), the SLO machinery
+(issue 5), and eager steps' host and device time without and with the prefill graphs. Missing
+files are named, not fatal.
+
+    tar -xzf first.tar.gz -C /tmp && python bench/first_call_report.py /tmp/first [--out report.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def gpu_tests(verify: Path) -> dict[str, Any] | None:
+    text = (verify / "verify.txt").read_text() if (verify / "verify.txt").exists() else None
+    if text is None:
+        return None
+    rc = re.search(r"gpu tests rc=(\d+)", text)
+    dots = (verify / "gpu_tests.txt").read_text() if (verify / "gpu_tests.txt").exists() else ""
+    progress = "".join(line.split(" [")[0] for line in dots.splitlines() if re.match(r"^[.sFEx]+( |$)", line))
+    return {"rc": int(rc.group(1)) if rc else None, "passed": progress.count("."),
+            "failed": progress.count("F"), "errors": progress.count("E"), "skipped": progress.count("s")}
+
+
+def ft_throughput(result: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for row in result["figures"]["rows"]:
+        coserve = row.get("coserve", {}).get("tokens_per_s")
+        peft_gc = row.get("peft_gc", {}).get("tokens_per_s")
+        rows.append({"seq_len": row["seq_len"], "coserve": coserve, "peft_gc": peft_gc,
+                     "peft_no_gc": row.get("peft_no_gc", {}).get("tokens_per_s"),
+                     "coserve_over_peft_gc": coserve / peft_gc if coserve and peft_gc else None,
+                     "fraction_of_matmul_rate": row.get("coserve", {}).get("fraction_of_matmul_rate")})
+    return rows
+
+
+def engine_grid(result: dict[str, Any]) -> dict[str, Any]:
+    f = result["figures"]
+    return {
+        "decode_replay_over_floor": {f"b{r['batch']}_ctx{r['context']}": r["replay_over_floor"]
+                                     for r in f.get("decode", [])},
+        "prefill_fraction_of_matmul_rate": {str(r["tokens"]): r["fraction_of_matmul_rate"]
+                                            for r in f.get("prefill", [])},
+        "lora_overhead": f.get("lora_overhead"),
+    }
+
+
+def trace_vs_hf(ours: dict[str, Any] | None, peer: dict[str, Any] | None) -> dict[str, Any] | None:
+    if ours is None or peer is None:
+        return None
+    a, b = ours["figures"]["coserve"], peer["figures"]["transformers"]
+    keys = ("output_tokens_per_s", "ttft_p99_ms", "tpot_p99_ms", "finished", "requests")
+    return {"coserve": {k: a.get(k) for k in keys}, "transformers": {k: b.get(k) for k in keys},
+            "throughput_ratio": a["output_tokens_per_s"] / b["output_tokens_per_s"]
+            if b.get("output_tokens_per_s") else None,
+            "ttft_p99_lower": a["ttft_p99_ms"] < b["ttft_p99_ms"]}
+
+
+def slo_machinery(result: dict[str, Any]) -> dict[str, Any]:
+    f = result["figures"]
+    return {"latency_model_error": f["latency_model_error"], "trainer_pause": f["trainer_pause"],
+            "ft_only_interruption": f["ft_only_interruption"], "replay": f["replay"]}
+
+
+def eager_steps(off: dict[str, Any] | None, on: dict[str, Any] | None) -> dict[str, Any] | None:
+    if off is None or on is None:
+        return None
+    a, b = off["figures"]["conditions"]["idle"], on["figures"]["conditions"]["idle"]
+    return {shape: {"eager_step_ms": a[shape]["step_s"] * 1e3, "graphs_step_ms": b[shape]["step_s"] * 1e3,
+                    "eager_enqueue_ms": a[shape]["enqueue_s"] * 1e3, "graphs_enqueue_ms": b[shape]["enqueue_s"] * 1e3}
+            for shape in a if shape in b}
+
+
+def report(folder: Path) -> dict[str, Any]:
+    verify = folder / "verify"
+    out: dict[str, Any] = {"missing": []}
+
+    def need(path: Path) -> dict[str, Any] | None:
+        got = _load(path)
+        if got is None:
+            out["missing"].append(str(path.relative_to(folder)))
+        return got
+
+    out["gpu_tests"] = gpu_tests(verify)
+    ft = need(verify / "ft_throughput.json")
+    out["ft_throughput"] = ft_throughput(ft) if ft else None
+    grid = need(folder / "engine_speed.json")
+    out["engine_speed"] = engine_grid(grid) if grid else None
+    one = need(folder / "engine_lora_one_launch.json")
+    out["lora_overhead_one_launch"] = one["figures"].get("lora_overhead") if one else None
+    two = need(verify / "engine_lora.json")
+    out["lora_overhead_two_launches"] = two["figures"].get("lora_overhead") if two else None
+    out["trace_vs_hf"] = trace_vs_hf(need(folder / "trace_vs_hf_coserve.json"),
+                                     need(folder / "trace_vs_hf_transformers.json"))
+    slo = need(verify / "coserve_latency.json")
+    out["slo_machinery"] = slo_machinery(slo) if slo else None
+    out["eager_steps"] = eager_steps(need(folder / "eager_cpu_off.json"), need(folder / "eager_cpu_on.json"))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("folder", type=Path, help="the unpacked first/ folder")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    text = json.dumps(report(args.folder), indent=1)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
