@@ -15,7 +15,7 @@ from coserve import LLM, EngineConfig, LoRARequest, SamplingParams
 from coserve.engine.model_runner import BatchRow
 from coserve.engine.prefill_graphs import PrefillGraphs
 from coserve.models.llama import ForwardContext
-from tests.conftest import make_peft_adapter
+from tests.conftest import make_peft_adapter, triton_unavailable
 
 CUDA = torch.cuda.is_available()
 COMMON: dict = dict(skip_tokenizer_init=True, block_size=4, max_model_len=64, num_kv_blocks=64,
@@ -62,7 +62,7 @@ def generate(llm: LLM, loras: list[LoRARequest | None]) -> list[tuple[list[int],
 
 def test_engine_with_prefill_graphs_generates_the_same(hf_models: dict[str, Path], tmp_path: Path) -> None:
     """Greedy tokens and log-probs equal the eager engine's, without adapters (every step through
-    the prefill graphs) and with one (its steps stay eager: no step with adapter rows is taken)."""
+    the prefill graphs) and with one (its steps stay eager unless the LoRA backend is Triton)."""
     base = hf_models["llama"]
     adapter = make_peft_adapter(base, tmp_path / "a", ["q_proj", "down_proj"], rank=8, seed=1)
     device = {"device": "cuda"} if CUDA else {}
@@ -80,8 +80,49 @@ def test_engine_with_prefill_graphs_generates_the_same(hf_models: dict[str, Path
 
         pieces.run = counted  # type: ignore[method-assign]
         got = generate(llm, loras)
-        assert bool(runs) == (loras[1] is None), "steps without adapter rows go through the prefill graphs"
+        # steps with adapter rows too where the multi-LoRA is Triton's (static routing buffers)
+        assert bool(runs) == (loras[1] is None or pieces.lora_scales is not None)
         tol = 2e-2 if CUDA else 1e-4
         for (tokens, lps), (ref_tokens, ref_lps) in zip(got, expected, strict=True):
             assert tokens == ref_tokens
             assert lps == pytest.approx(ref_lps, abs=tol)
+
+
+def test_segments_with_adapters_and_the_capture_hook_equal_the_eager_forward(hf_models: dict[str, Path]) -> None:
+    """Rows of two adapter slots and none, through the static multi-LoRA routing; the layer hook
+    sees every layer's input h_i and h_L as in the eager forward."""
+    reason = triton_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    llm = LLM(str(hf_models["llama"]), device="cuda" if CUDA else "cpu",
+              **{**COMMON, "max_loras": 2, "lora_backend": "triton"})
+    runner = llm.engine.runner
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for lin in runner.model.lora_linears():
+            for name in lin.out_slices:
+                a, b = lin.lora_stacks(name)
+                a.normal_(0, lin.in_features**-0.5)
+                b.normal_(0, 0.05)
+        runner.lora_scales.fill_(2.0)
+    pieces = runner.make_prefill_graphs(capture=CUDA)
+    assert pieces.lora_scales is not None and pieces.accepts(8, lora_active=True)
+    rows = [BatchRow([7, 8, 9, 10, 11], 3, [0, 1], lora_slot=1, samples=True),
+            BatchRow([20, 21, 22, 23, 24, 25], 0, [2, 3], samples=True),
+            BatchRow([30, 31, 32], 0, [], lora_slot=0, writes_kv=False),  # an FT-like row
+            BatchRow([40], 6, [4, 5], lora_slot=0, samples=True, is_prefill=False)]
+    inputs = runner.prepare(rows)
+    assert inputs.lora.active
+    seen: dict[str, list[torch.Tensor]] = {"eager": [], "graphs": []}
+    lora = runner.lora_op(inputs.lora, runner.lora_scales)
+    ctx = ForwardContext(attn=inputs.attn, kv_cache=runner.kv_cache, lora=lora, backend=runner.backend,
+                         layer_hook=lambda i, h: seen["eager"].append(h.clone()))
+    with torch.inference_mode():
+        expected = runner.model(inputs.input_ids, inputs.positions, ctx).clone()
+        got = pieces.run(inputs.input_ids, inputs.positions, inputs.attn, inputs.lora,
+                         lambda i, h: seen["graphs"].append(h.clone())).clone()
+    tol = 2e-2 if CUDA else 1e-4
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+    assert len(seen["graphs"]) == len(seen["eager"]) == runner.model.config.num_layers + 1
+    for mine, theirs in zip(seen["graphs"], seen["eager"], strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=tol, atol=tol)

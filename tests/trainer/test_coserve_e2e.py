@@ -209,6 +209,49 @@ def test_trainer_killed_mid_task_recovers(model_dir: Path, tmp_path: Path) -> No
         torch.testing.assert_close(got[key][1], b, rtol=1e-4, atol=ATOL)
 
 
+def test_coserving_through_prefill_graphs_equals_the_peft_loop(model_dir: Path, tmp_path: Path) -> None:
+    """The same parity with the engine's steps through the piecewise prefill graphs (their
+    static-buffer path, run eagerly here): FT rows on the training slot, their capture between
+    segments, inference rows beside them."""
+    from tests.conftest import triton_unavailable
+
+    reason = triton_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    lora = LoRAConfig(rank=8, alpha=16, target_modules=("q_proj", "v_proj"))
+    optim = OptimConfig(lr=1e-2, max_grad_norm=0.0)
+    rows = write_dataset(tmp_path / "data.jsonl", 8, seed=3)
+    init = init_adapter(model_dir, tmp_path / "init", lora)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), num_training_slots=1, max_lora_rank=16,
+                                    max_num_batched_tokens=96, lora_backend="triton"))
+    runner = engine.runner
+    runner.prefill_graphs = pieces = runner.make_prefill_graphs(capture=False)
+    assert pieces.lora_scales is not None
+    hooked: list[bool] = []
+
+    def counted(*args, run=pieces.run):  # type: ignore[no-untyped-def]
+        hooked.append(len(args) > 4 and args[4] is not None)
+        return run(*args)
+
+    pieces.run = counted  # type: ignore[method-assign]
+    spec = FinetuneSpec(data=tmp_path / "data.jsonl", output=tmp_path / "out", lora=lora, optim=optim,
+                        coserve=CoServeConfig(backward_tokens=48, max_seq_len=64, epochs=1, seed=5),
+                        init_adapter=init, trainer_threads=1)
+    session = FinetuneSession(engine, spec)
+    prompts = [[random.Random(i).randrange(6, 1024) for _ in range(5 + i)] for i in range(4)]
+    outputs, mixed = drive(engine, session, prompts)
+    adapter_dir = session.export()
+    session.close()
+    assert mixed > 0 and any(hooked), "no fine-tuning step went through the prefill graphs"
+    log = [json.loads(line) for line in (tmp_path / "out" / "train_log.jsonl").read_text().splitlines()]
+    expected, ref_losses = peft_reference(model_dir, init, rows, log, session.optim)
+    assert [e["loss"] for e in log] == pytest.approx(ref_losses, rel=1e-5)
+    got = load_peft_adapter(adapter_dir).weights
+    for key, (a, b) in expected.items():
+        torch.testing.assert_close(got[key][0], a, rtol=1e-4, atol=ATOL)
+        torch.testing.assert_close(got[key][1], b, rtol=1e-4, atol=ATOL)
+
+
 def test_resume_from_checkpoint_continues_the_run(model_dir: Path, tmp_path: Path) -> None:
     lora = LoRAConfig(rank=8, alpha=16, target_modules=("q_proj", "v_proj"))
     optim = OptimConfig(lr=1e-2, max_grad_norm=0.0, lr_scheduler="linear", total_steps=12)

@@ -91,8 +91,10 @@ class ModelRunner:
         """Piecewise graphs of eager inference steps over this runner's model and cache
         (``capture=False``: the same segments run eagerly, for CPU tests)."""
         buckets = [b for b in self.config.prefill_graph_buckets if b <= self.config.max_num_batched_tokens]
+        triton_lora = self.config.kernel_backend(self.config.lora_backend) == "triton"
         return PrefillGraphs(self.model, self.kv_cache, self.backend,
-                             buckets or [self.config.max_num_batched_tokens], capture=capture)
+                             buckets or [self.config.max_num_batched_tokens], capture=capture,
+                             lora_scales=self.lora_scales if triton_lora and self.model.num_lora_slots else None)
 
     def decode_graphs(self, capture: bool) -> DecodeGraphs:
         """The decode-graph runner over this runner's model and cache (``capture=False``: eager replay)."""
@@ -179,11 +181,11 @@ class ModelRunner:
             lora = RowDropoutLoRA(lora, dropped[0][3], [(s, n, k) for s, n, k, _ in dropped], seed, p,
                                   self.lora_scales)
         pieces = self.prefill_graphs
-        if (pieces is not None and layer_hook is None and mlp_hook is None and not dropped
-                and pieces.accepts(inputs.input_ids.shape[0], lora_active=lora is not None)):
+        if (pieces is not None and mlp_hook is None and not dropped
+                and pieces.accepts(inputs.input_ids.shape[0], lora_active=inputs.lora.active)):
             # NOTE: reported as an eager step: the latency model keeps one eager set, fitted
             # (calibration and online) on whichever path the steps take.
-            hidden = pieces.run(inputs.input_ids, inputs.positions, inputs.attn)
+            hidden = pieces.run(inputs.input_ids, inputs.positions, inputs.attn, inputs.lora, layer_hook)
             return self.model.compute_logits(hidden[inputs.logits_indices])
         ctx = ForwardContext(
             attn=inputs.attn,

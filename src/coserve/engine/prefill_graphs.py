@@ -11,8 +11,11 @@ costs ``L + 1`` replays and ``L`` attention calls.
 Everything that flows between segments lives in static buffers (``[B_max, ...]``, each bucket
 uses the first ``B`` rows): input ids and positions, the residual stream, q/k/v, the attention
 output. Rows ``T..B`` are padding (token 0 at position 0): token-wise work on them is wasted but
-harmless, and the attention only ever sees the first ``T`` rows. Steps with LoRA rows, hooks
-(fine-tuning capture) or more than ``B_max`` tokens stay eager (see :meth:`accepts`).
+harmless, and the attention only ever sees the first ``T`` rows. Steps with adapter rows (the
+fine-tuning rows' training slot too) replay a second set of graphs whose multi-LoRA reads its
+routing (token slots, slot-grouped order) from static buffers, as the decode graphs do. The
+fine-tuning capture hook runs between segments on the residual buffer (eager). Steps with LoRA
+dropout rows, kept MLP activations or more than ``B_max`` tokens stay eager (:meth:`accepts`).
 
 ``capture=False`` runs the same segments eagerly through the same buffers (the CPU tests).
 """
@@ -25,7 +28,22 @@ from collections.abc import Sequence
 import torch
 
 from coserve.layers.attention import AttentionBackend, AttentionMetadata
-from coserve.models.llama import DecoderLayer, ForwardContext, LlamaForCausalLM, add_and_norm
+from coserve.layers.lora import LoRABatch
+from coserve.layers.triton_attention import num_sms
+from coserve.layers.triton_lora import (
+    LoRALaunch,
+    TritonLoRA,
+    block_m_for,
+    graph_order_length,
+    order_by_slot,
+)
+from coserve.models.llama import (
+    DecoderLayer,
+    ForwardContext,
+    LayerHook,
+    LlamaForCausalLM,
+    add_and_norm,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +51,7 @@ class PrefillGraphs:
     """Segment graphs per bucket; :meth:`run` is one eager-equivalent forward to the final norm."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, backend: AttentionBackend,
-                 buckets: Sequence[int], capture: bool = True) -> None:
+                 buckets: Sequence[int], capture: bool = True, lora_scales: torch.Tensor | None = None) -> None:
         if not buckets or any(b <= 0 for b in buckets):
             raise ValueError(f"prefill graph buckets must be positive token counts, got {list(buckets)}")
         self.model, self.kv_cache, self.backend = model, kv_cache, backend
@@ -53,8 +71,15 @@ class PrefillGraphs:
         self.k = buf(bmax, cfg.num_kv_heads, cfg.head_dim)
         self.v = buf(bmax, cfg.num_kv_heads, cfg.head_dim)
         self.o = buf(bmax, cfg.q_size)
+        self.final = buf(bmax, cfg.hidden_size)  # h_L
         self.out = buf(bmax, cfg.hidden_size)  # final_norm(h_L)
-        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        # Multi-LoRA routing (with lora_scales: steps with adapter rows run here too)
+        self.lora_scales = lora_scales
+        self.num_slots = model.num_lora_slots
+        order_max = max(graph_order_length(b, max(self.num_slots, 1)) for b in self.buckets)
+        self.token_slots = torch.full((bmax,), -1, dtype=torch.long, device=device)
+        self.lora_order = torch.full((order_max,), -1, dtype=torch.int32, device=device)
+        self.graphs: dict[tuple[int, bool], list[torch.cuda.CUDAGraph]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
 
     @property
@@ -65,12 +90,21 @@ class PrefillGraphs:
         return next((b for b in self.buckets if b >= num_tokens), None)
 
     def accepts(self, num_tokens: int, lora_active: bool) -> bool:
-        """Whether a step of ``num_tokens`` runs here (the caller has checked it has no hooks)."""
-        return 0 < num_tokens <= self.max_tokens and not lora_active
+        """Whether a step of ``num_tokens`` runs here (the caller has checked that it has no LoRA
+        dropout rows and no MLP hook); adapter rows only with ``lora_scales``."""
+        return 0 < num_tokens <= self.max_tokens and (not lora_active or self.lora_scales is not None)
+
+    def _lora(self, b: int, with_lora: bool) -> TritonLoRA | None:
+        if not with_lora:
+            return None
+        assert self.lora_scales is not None
+        length = graph_order_length(b, max(self.num_slots, 1))
+        launch = LoRALaunch.for_order(length, block_m_for(b), num_sms(self.kv_cache.device))
+        return TritonLoRA(self.token_slots[:b], self.lora_order[:length], self.lora_scales, launch)
 
     # ------------------------------------------------------------------ segments
 
-    def _segment(self, i: int, b: int) -> None:
+    def _segment(self, i: int, b: int, lora: TritonLoRA | None) -> None:
         """Segment ``i`` of bucket ``b``: ``finish`` of layer ``i−1`` (none for ``i = 0``: the
         embeddings), the residual add and norm, then ``project`` of layer ``i`` (the final norm
         into :attr:`out` for ``i = L``)."""
@@ -78,33 +112,36 @@ class PrefillGraphs:
         if i == 0:
             hidden, delta = model.embed(self.input_ids[:b]), None
         else:
-            hidden, delta = self.layers[i - 1].finish(self.o[:b], self.residual[:b], None)
+            hidden, delta = self.layers[i - 1].finish(self.o[:b], self.residual[:b], lora)
         if i == len(self.layers):
-            self.out[:b].copy_(add_and_norm(model.model.norm, hidden, delta).normed)
+            hidden, normed = add_and_norm(model.model.norm, hidden, delta)
+            self.final[:b].copy_(hidden)
+            self.out[:b].copy_(normed)
             return
         layer = self.layers[i]
         hidden, normed = add_and_norm(layer.input_layernorm, hidden, delta)
         self.residual[:b].copy_(hidden)
-        q, k, v = layer.self_attn.project(normed, self.positions[:b], rotary, None)
+        q, k, v = layer.self_attn.project(normed, self.positions[:b], rotary, lora)
         self.q[:b].copy_(q)
         self.k[:b].copy_(k)
         self.v[:b].copy_(v)
 
     @torch.no_grad()
-    def _capture(self, b: int) -> list[torch.cuda.CUDAGraph]:
-        logger.info("capturing prefill graphs: %d tokens, %d segments", b, len(self.layers) + 1)
+    def _capture(self, b: int, with_lora: bool) -> list[torch.cuda.CUDAGraph]:
+        logger.info("capturing prefill graphs: %d tokens, lora %s, %d segments", b, with_lora, len(self.layers) + 1)
+        lora = self._lora(b, with_lora)
         device = self.kv_cache.device
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):  # compile Triton kernels, create cuBLAS handles, outside the capture
             for i in range(len(self.layers) + 1):
-                self._segment(i, b)
+                self._segment(i, b, lora)
         torch.cuda.current_stream(device).wait_stream(stream)
         graphs = []
         for i in range(len(self.layers) + 1):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                self._segment(i, b)
+                self._segment(i, b, lora)
             graphs.append(graph)
         return graphs
 
@@ -112,32 +149,53 @@ class PrefillGraphs:
         """Capture every bucket up front (the engine's warm-up); largest first so memory is reused."""
         if not self.capture:
             return
-        for b in reversed(self.buckets):
-            if b not in self.graphs:
-                self.graphs[b] = self._capture(b)
+        for with_lora in (False, True) if self.lora_scales is not None else (False,):
+            for b in reversed(self.buckets):
+                if (b, with_lora) not in self.graphs:
+                    self.graphs[b, with_lora] = self._capture(b, with_lora)
 
     # ------------------------------------------------------------------ a step
 
     @torch.inference_mode()
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+            lora: LoRABatch | None = None, layer_hook: LayerHook | None = None) -> torch.Tensor:
         """``final_norm(h_L)`` ``[T, d]`` of the step (a view of a static buffer: read it before
-        the next step), equal to ``model(input_ids, positions, ctx)`` without LoRA or hooks."""
+        the next step), equal to ``model(input_ids, positions, ctx)`` with the multi-LoRA of
+        ``lora`` (None or inactive: none) and ``layer_hook(i, h_i)`` called for ``i = 0 … L``."""
         t = input_ids.shape[0]
         b = self.bucket(t)
         assert b is not None, f"{t} tokens exceed the largest prefill graph ({self.max_tokens})"
+        with_lora = lora is not None and lora.active
         self.input_ids[:t].copy_(input_ids)
         self.positions[:t].copy_(positions)
         self.input_ids[t:b].zero_()
         self.positions[t:b].zero_()
-        graphs = self.graphs.get(b) if self.capture else None
+        if with_lora:
+            assert lora is not None and self.lora_scales is not None
+            self._stage_lora(lora, t, b)
+        key = (b, with_lora)
+        graphs = self.graphs.get(key) if self.capture else None
         if self.capture and graphs is None:  # NOTE: capture_all() at start-up avoids this stall
-            graphs = self.graphs[b] = self._capture(b)
+            graphs = self.graphs[key] = self._capture(b, with_lora)  # reads the staged buffers only
+        step_lora = None if graphs is not None else self._lora(b, with_lora)
         ctx = ForwardContext(attn=attn, kv_cache=self.kv_cache, lora=None, backend=self.backend)
         for i in range(len(self.layers) + 1):
             if graphs is not None:
                 graphs[i].replay()
             else:
-                self._segment(i, b)
+                self._segment(i, b, step_lora)
+            if layer_hook is not None:
+                layer_hook(i, self.residual[:t] if i < len(self.layers) else self.final[:t])
             if i < len(self.layers):
                 self.o[:t].copy_(self.layers[i].self_attn.attend(self.q[:t], self.k[:t], self.v[:t], ctx))
         return self.out[:t]
+
+    def _stage_lora(self, lora: LoRABatch, t: int, b: int) -> None:
+        """This step's adapter routing into the static buffers (padding rows: no adapter)."""
+        self.token_slots[:t].copy_(lora.token_slots)
+        self.token_slots[t:b].fill_(-1)
+        lens = [e - s for s, e in zip(lora.seg_starts, lora.seg_starts[1:], strict=False)]
+        order = order_by_slot(lens, lora.seg_slots, block_m_for(b))
+        host = torch.full((self.lora_order.shape[0],), -1, dtype=torch.int32)
+        host[: len(order)] = torch.tensor(order, dtype=torch.int32)
+        self.lora_order.copy_(host)
