@@ -47,6 +47,7 @@ from coserve.models.llama import (
 
 logger = logging.getLogger(__name__)
 
+
 class PrefillGraphs:
     """Segment graphs per bucket; :meth:`run` is one eager-equivalent forward to the final norm."""
 
