@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,29 +55,6 @@ class PerTarget:
     def apply(self, layer: int, target: str, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor,
               b: torch.Tensor) -> None:
         self.inner.apply(layer, target, x, y, a, b)
-
-
-@pytest.fixture
-def launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
-    """Counts the LoRA kernels' launches by kernel name."""
-    counts: Counter[str] = Counter()
-    real = triton_lora.jit
-
-    class Counting:
-        def __init__(self, fn: Any) -> None:
-            self.name, self.kernel = fn.__name__, real(fn)
-
-        def __getitem__(self, grid: Any) -> Any:
-            launcher = self.kernel[grid]
-
-            def launch(*args: Any, **kwargs: Any) -> Any:
-                counts[self.name] += 1
-                return launcher(*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(triton_lora, "jit", Counting)
-    yield counts
 
 
 def make_linear(out_slices: dict[str, int], dtype: torch.dtype, seed: int) -> LoRALinear:

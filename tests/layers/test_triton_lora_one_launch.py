@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import random
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -42,29 +42,6 @@ SLOTS, D_IN = 4, 96  # 96: two BLOCK_K chunks, the second one masked
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     assert not out.isnan().any(), "NaN in the output"
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
-@pytest.fixture
-def launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
-    """Counts the LoRA kernels' launches by kernel name (as in ``test_triton_lora_fused.py``)."""
-    counts: Counter[str] = Counter()
-    real = triton_lora.jit
-
-    class Counting:
-        def __init__(self, fn: Any) -> None:
-            self.name, self.kernel = fn.__name__, real(fn)
-
-        def __getitem__(self, grid: Any) -> Any:
-            launcher = self.kernel[grid]
-
-            def launch(*args: Any, **kwargs: Any) -> Any:
-                counts[self.name] += 1
-                return launcher(*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(triton_lora, "jit", Counting)
-    yield counts
 
 
 class Case:
