@@ -220,7 +220,7 @@ def test_models_health_and_metrics(served: Served) -> None:
                  "coserve_time_to_first_token_seconds_count", "coserve_time_per_output_token_seconds_count",
                  "coserve_num_requests_running", "coserve_num_requests_waiting"):
         assert name in text, name
-    assert "coserve_finetune" not in text
+    assert "coserve_finetune" not in text and "coserve_slo_requests" not in text
 
 
 def test_coserving_trains_while_serving(tmp_path: Path) -> None:
@@ -240,6 +240,9 @@ def test_coserving_trains_while_serving(tmp_path: Path) -> None:
         assert served_requests >= 1
         _, text = http(s.url + "/metrics")
         assert "coserve_finetune_optimizer_steps_total" in text
+        for name in ("coserve_finetune_loss", "coserve_finetune_failed 0.0", "coserve_finetune_trainer_restarts_total",
+                     "coserve_slo_requests_total"):
+            assert name in text, name
         assert "coserve_finetune_tokens_trained_total" in text
     assert (tmp_path / "out" / "adapter" / "adapter_config.json").is_file(), "exported at shutdown"
     assert s.engine_thread.stats.adapter_path is not None

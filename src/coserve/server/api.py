@@ -57,6 +57,12 @@ class _EngineCollector(Collector):
                                       s.ft_tokens_trained)
             yield CounterMetricFamily("coserve_finetune_optimizer_steps", "Fine-tuning optimizer steps.",
                                       s.ft_optimizer_steps)
+            yield CounterMetricFamily("coserve_finetune_trainer_restarts", "Trainer processes restarted after "
+                                      "dying.", s.ft_trainer_restarts)
+            yield GaugeMetricFamily("coserve_finetune_failed", "1 when fine-tuning gave up (serving goes on).",
+                                    float(s.ft_failed))
+            if s.ft_loss is not None:
+                yield GaugeMetricFamily("coserve_finetune_loss", "Loss of the last optimizer step.", s.ft_loss)
 
 
 class ServerMetrics:
@@ -74,16 +80,27 @@ class ServerMetrics:
                               registry=r)
         self.tpot = Histogram("coserve_time_per_output_token_seconds", "Time per output token after the first.",
                               buckets=buckets, registry=r)
+        # While co-serving: finished requests by whether they met the SLOs fine-tuning must keep.
+        self.slo = engine_thread.slo
+        self.slo_requests = None if self.slo is None else Counter(
+            "coserve_slo_requests", "Finished requests by whether their TTFT and TPOT met the co-serving SLOs.",
+            ["result"], registry=r)
         r.register(_EngineCollector(engine_thread))
 
     def observe(self, out: RequestOutput) -> None:
         m, n = out.metrics, len(out.outputs[0].token_ids)
         self.prompt_tokens.inc(len(out.prompt_token_ids))
         self.generation_tokens.inc(n)
-        if m.first_token_time is not None:
-            self.ttft.observe(m.first_token_time - m.arrival_time)
-            if m.finish_time is not None and n > 1:
-                self.tpot.observe((m.finish_time - m.first_token_time) / (n - 1))
+        if m.first_token_time is None:
+            return
+        ttft = m.first_token_time - m.arrival_time
+        self.ttft.observe(ttft)
+        tpot = (m.finish_time - m.first_token_time) / (n - 1) if m.finish_time is not None and n > 1 else None
+        if tpot is not None:
+            self.tpot.observe(tpot)
+        if self.slo_requests is not None and self.slo is not None and m.finish_time is not None:
+            met = ttft <= self.slo.ttft_slo_s and (tpot is None or tpot <= self.slo.tpot_slo_s)
+            self.slo_requests.labels(result="met" if met else "missed").inc()
 
 
 # ---------------------------------------------------------------------- the app

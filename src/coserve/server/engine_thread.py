@@ -15,7 +15,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -89,6 +89,9 @@ class EngineStats:
     coserving: bool = False
     ft_tokens_trained: int = 0
     ft_optimizer_steps: int = 0
+    ft_loss: float | None = None  # of the last optimizer step
+    ft_trainer_restarts: int = 0
+    ft_failed: bool = False  # fine-tuning gave up (the trainer kept dying); serving goes on
     adapter_path: Path | None = None
 
 
@@ -113,6 +116,8 @@ class EngineThread:
         self.session = session
         self.idle_wait_s = idle_wait_s
         self.stats = EngineStats(coserving=session is not None)
+        # the SLOs that co-serving keeps (None: inference only), for the server's metrics
+        self.slo = session.spec.slo if session is not None else None
         self._inbox: deque[_Submission] = deque()
         self._aborts: deque[str] = deque()
         self._cond = threading.Condition()
@@ -255,18 +260,22 @@ class EngineThread:
         self.stats = EngineStats(
             num_running=self.stats.num_running, num_waiting=self.stats.num_waiting, coserving=True,
             ft_tokens_trained=coserver.tokens_trained, ft_optimizer_steps=coserver.steps_done,
-            adapter_path=path,
+            ft_loss=coserver.last_loss, ft_trainer_restarts=coserver.num_restarts,
+            ft_failed=coserver.failure is not None, adapter_path=path,
         )
 
     def _publish(self) -> None:
         sched = self.engine.scheduler
         old = self.stats
         coserver = self.session.coserver if self.session is not None else None
-        self.stats = EngineStats(
-            num_running=len(sched.running), num_waiting=len(sched.waiting), coserving=old.coserving,
-            ft_tokens_trained=coserver.tokens_trained if coserver else old.ft_tokens_trained,
-            ft_optimizer_steps=coserver.steps_done if coserver else old.ft_optimizer_steps,
-            adapter_path=old.adapter_path,
+        if coserver is None:
+            self.stats = replace(old, num_running=len(sched.running), num_waiting=len(sched.waiting))
+            return
+        self.stats = replace(
+            old, num_running=len(sched.running), num_waiting=len(sched.waiting),
+            ft_tokens_trained=coserver.tokens_trained, ft_optimizer_steps=coserver.steps_done,
+            ft_loss=coserver.last_loss, ft_trainer_restarts=coserver.num_restarts,
+            ft_failed=coserver.failure is not None,
         )
 
     def _close(self) -> None:
