@@ -34,6 +34,9 @@ def test_coserving_takes_the_slo_flags_and_calibrates(tmp_path: Path) -> None:
     assert (slo.policy, slo.interrupt_ft_only, slo.pause_prefill) == ("temporal", False, "model")
     defaults = serve_spec(parse("--finetune-data", "d.jsonl", "--output", str(tmp_path), "--no-calibrate"))
     assert defaults is not None and not defaults.calibrate and defaults.trainer_sm_share is None
+    assert defaults.latency_state is None
+    loaded = serve_spec(parse("--finetune-data", "d.jsonl", "--output", str(tmp_path), "--latency-state", "s.json"))
+    assert loaded is not None and loaded.latency_state == Path("s.json")
     assert (defaults.slo.ttft_slo_s, defaults.slo.tpot_slo_s, defaults.slo.policy) == (1.0, 0.1, "full")
 
 
@@ -51,3 +54,37 @@ def test_the_demo_keeps_its_own_slos() -> None:
     add_demo_args(p)
     slo = slo_config(p.parse_args([]))
     assert (slo.ttft_slo_s, slo.tpot_slo_s, slo.policy, slo.pause_prefill) == pytest.approx((0.25, 0.025, "full", "always"))
+
+
+def test_a_calibration_is_saved_and_a_saved_state_replaces_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from coserve import EngineConfig, LLMEngine
+    from coserve.core.config import CoServeConfig, LoRAConfig
+    from coserve.server.demo import builtin_dataset
+    from coserve.server.finetune import FinetuneSession, FinetuneSpec
+
+    def session(out: Path, **kw: object) -> FinetuneSession:
+        engine = LLMEngine(EngineConfig(model="tiny", device="cpu", num_training_slots=1, max_lora_rank=8,
+                                        max_num_batched_tokens=128))
+        spec = FinetuneSpec(data=builtin_dataset(), output=out, lora=LoRAConfig(rank=8, alpha=16),
+                            coserve=CoServeConfig(backward_tokens=32, max_seq_len=64), trainer_threads=1,
+                            save_every=0, **kw)  # type: ignore[arg-type]
+        return FinetuneSession(engine, spec)
+
+    first = session(tmp_path / "a", calibrate=True)
+    saved = tmp_path / "a" / "latency_state.json"
+    state = first.coserver.latency.state_dict()
+    first.close()
+    assert json.loads(saved.read_text()) == json.loads(json.dumps(state)) and state["coefficients"]
+
+    def no_calibration(self: object, *args: object, **kwargs: object) -> int:
+        raise AssertionError("calibrated although a state was given")
+
+    monkeypatch.setattr(LLMEngine, "calibrate", no_calibration)
+    second = session(tmp_path / "b", calibrate=True, latency_state=saved)
+    assert second.coserver.latency.state_dict() == state
+    second.close()
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="--latency-state"):
+        session(tmp_path / "c", latency_state=tmp_path / "bad.json")

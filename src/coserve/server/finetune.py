@@ -17,6 +17,7 @@ from coserve.core.activations import ActivationStore
 from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig, SLOConfig
 from coserve.core.coserver import CoServer, OptimizerStepLog
 from coserve.core.finetune import FTDataset, load_dataset
+from coserve.core.latency import LatencyModel
 from coserve.core.sample_pool import SamplePool
 from coserve.engine.llm_engine import LLMEngine
 from coserve.models.peft_adapter import (
@@ -47,6 +48,9 @@ class FinetuneSpec:
     init_adapter: Path | None = None
     trainer_threads: int = 0
     calibrate: bool = False
+    # A latency-model state (JSON, OUTPUT/latency_state.json of an earlier run of the same model
+    # and engine settings): loaded instead of calibrating. A calibration writes its own there.
+    latency_state: Path | None = None
     save_every: int = 100
     resume: bool = False
     trainer_sm_share: int | None = None
@@ -76,6 +80,12 @@ class FinetuneSession:
             logger.warning("%s: %d malformed rows skipped (first: line %d: %s)", spec.data, stats.num_skipped,
                            self.dataset.skipped[0].line, self.dataset.skipped[0].reason)
         checkpoint = self._read_checkpoint() if spec.resume else None
+        latency = LatencyModel()
+        if spec.latency_state is not None:  # checked before the trainer process starts
+            try:
+                latency.load_state_dict(json.loads(spec.latency_state.read_text()))
+            except (OSError, ValueError) as e:
+                raise ValueError(f"--latency-state {spec.latency_state}: {e}") from e
         optim = spec.optim
         if checkpoint is not None:
             optim = replace(optim, total_steps=checkpoint["optim"]["total_steps"])
@@ -100,7 +110,8 @@ class FinetuneSession:
         )
         self.coserver = CoServer(
             pool=self.pool, samples={s.sample_id: s for s in self.dataset.samples}, store=self.store,
-            trainer=self.trainer, config=cfg, optim=optim, slo=spec.slo, on_step_logged=self._log_step,
+            trainer=self.trainer, config=cfg, optim=optim, slo=spec.slo, latency=latency,
+            on_step_logged=self._log_step,
         )
         self.history: list[OptimizerStepLog] = []
         spec.output.mkdir(parents=True, exist_ok=True)
@@ -112,10 +123,13 @@ class FinetuneSession:
         self.coserver.lora_dropout = spec.lora.dropout
         self.coserver.dropout_seed = cfg.seed
         engine.attach(self.coserver, 0)
-        if spec.calibrate:
+        if spec.latency_state is not None:
+            logger.info("latency model loaded from %s", spec.latency_state)
+        elif spec.calibrate:
             t = time.perf_counter()
             n = engine.calibrate()
             logger.info("latency model calibrated on %d batches in %.1fs", n, time.perf_counter() - t)
+            (spec.output / "latency_state.json").write_text(json.dumps(self.coserver.latency.state_dict()))
         self._write_run_config()
         self.started = time.monotonic()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from coserve.server.cli import (
@@ -57,9 +58,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     group.add_argument("--trainer-sm-share", type=int, default=None,
                        help="the trainer's share of the GPU's SMs under CUDA MPS, 1-100 (default: no limit): "
                             "a share keeps decode steps beside the backward steadier, at some FT throughput")
+    group.add_argument("--latency-state", type=Path, default=None,
+                       help="load the latency model from this JSON (OUTPUT/latency_state.json of an earlier "
+                            "run of the same model and engine settings) instead of calibrating")
     group.add_argument("--no-calibrate", action="store_true",
                        help="skip the latency model's calibration sweep at start-up (seconds of timed "
-                            "batches): admission then starts from default coefficients and learns online")
+                            "batches; a calibration is saved to OUTPUT/latency_state.json): admission then "
+                            "starts from default coefficients and learns online")
 
 
 def serve_spec(args: argparse.Namespace) -> FinetuneSpec | None:
@@ -72,7 +77,7 @@ def serve_spec(args: argparse.Namespace) -> FinetuneSpec | None:
     if args.trainer_sm_share is not None and not 0 < args.trainer_sm_share <= 100:
         raise ValueError(f"--trainer-sm-share must be in (0, 100], got {args.trainer_sm_share}")
     return replace(finetune_spec(args), slo=slo_config(args), calibrate=not args.no_calibrate,
-                   trainer_sm_share=args.trainer_sm_share)
+                   latency_state=args.latency_state, trainer_sm_share=args.trainer_sm_share)
 
 
 @command("serve", add_serve_args)
