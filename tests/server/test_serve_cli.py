@@ -88,3 +88,33 @@ def test_a_calibration_is_saved_and_a_saved_state_replaces_it(tmp_path: Path, mo
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match="--latency-state"):
         session(tmp_path / "c", latency_state=tmp_path / "bad.json")
+
+
+def test_slo_counter_sorts_finished_requests_by_the_coserving_slos() -> None:
+    from types import SimpleNamespace
+    from typing import cast
+
+    from prometheus_client import generate_latest
+
+    from coserve.core.config import SLOConfig
+    from coserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from coserve.server.api import ServerMetrics
+    from coserve.server.engine_thread import EngineStats, EngineThread
+
+    def finished(ttft: float, total: float, tokens: int) -> RequestOutput:
+        return RequestOutput("r", None, [1, 2], [CompletionOutput(0, "", list(range(tokens)), finish_reason="length")],
+                             True, RequestMetrics(10.0, 10.0 + ttft, 10.0 + total))
+
+    thread = cast(EngineThread, SimpleNamespace(stats=EngineStats(coserving=True),
+                                                slo=SLOConfig(ttft_slo_s=0.5, tpot_slo_s=0.05)))
+    metrics = ServerMetrics(thread)
+    metrics.observe(finished(0.2, 0.2 + 9 * 0.04, 10))  # met
+    metrics.observe(finished(0.7, 0.7 + 9 * 0.01, 10))  # TTFT over
+    metrics.observe(finished(0.1, 0.1 + 9 * 0.06, 10))  # TPOT over
+    metrics.observe(finished(0.3, 0.3, 1))  # one token: no TPOT, met
+    unfinished = finished(0.1, 0.1, 3)
+    unfinished.metrics.finish_time = None  # aborted before its end: not counted
+    metrics.observe(unfinished)
+    text = generate_latest(metrics.registry).decode()
+    assert 'coserve_slo_requests_total{result="met"} 2.0' in text
+    assert 'coserve_slo_requests_total{result="missed"} 2.0' in text
