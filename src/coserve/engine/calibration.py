@@ -71,7 +71,8 @@ def run_synthetic_batch(
             def mlp_hook(layer: int, gate_up: torch.Tensor) -> None:
                 mlp_scratch.copy_(gate_up[ft_start : ft_start + ft_tokens])
 
-        # A layer hook makes the runner take its eager path, which an `eager` spec asks for.
+        # A layer hook keeps the runner off its decode graphs, which an `eager` spec asks for
+        # (with prefill graphs on, such a step replays those, as a real step of that mode would).
         hook = capture if ft_tokens else (_no_hook if spec.mode == "eager" else None)
         engine.sync()
         start = time.perf_counter()
