@@ -1,0 +1,88 @@
+"""Issue 6's table and goals from the `coserve bench` results of an evaluation folder.
+
+For each workload folder (``WORKLOAD/WORKLOAD.json``, as `bench/eval_device.sh` leaves them):
+absolute attainment and FT tokens/s of every configuration side by side, the relative
+attainment, and the goals — ``full`` within 0.1 percentage points of the reference's
+attainment, ``full`` ≥ 1.4× split and ≥ 2× naive in FT tokens/s, ≥ 5,000 FT tokens/s on
+azure2023_code — each with its measured value.
+
+    python bench/eval_table.py bench/results/eval_h200 [--config full-overlap]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+WORKLOADS = ("azure2023_code", "azure2023_conv", "burst-light", "burst-dense")
+ORDER = ("inference", "full", "full-overlap", "full-noint", "temporal", "naive", "split", "inference-last")
+
+
+def load(folder: Path) -> dict[str, dict[str, Any]]:
+    """``{workload: result}`` for the workload folders present (known ones first)."""
+    found = {p.parent.name: p for p in sorted(folder.glob("*/*.json")) if p.stem == p.parent.name}
+    names = [w for w in WORKLOADS if w in found] + sorted(set(found) - set(WORKLOADS))
+    return {w: json.loads(found[w].read_text()) for w in names}
+
+
+def _rate(result: dict[str, Any]) -> str:
+    return f"×{result['config']['workload']['scaling']['rate']:g}"
+
+
+def table(results: dict[str, dict[str, Any]]) -> str:
+    configs = [c for c in ORDER if any(c in r["figures"] for r in results.values())]
+    configs += sorted({c for r in results.values() for c in r["figures"]} - set(configs))
+    head = "| configuration | " + " | ".join(f"{w} {_rate(r)}" for w, r in results.items()) + " |"
+    lines = [head, "| --- |" + " --- |" * len(results)]
+    for c in configs:
+        cells = []
+        for r in results.values():
+            f = r["figures"].get(c)
+            if f is None:
+                cells.append("not run")
+                continue
+            cell = f"{f['attainment_abs'] * 100:.1f}%"
+            if f.get("ft_tokens_per_s"):
+                cell += f" · {f['ft_tokens_per_s']:,.0f}"
+            cells.append(cell)
+        lines.append(f"| `{c}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def goals(results: dict[str, dict[str, Any]], config: str = "full") -> dict[str, dict[str, Any]]:
+    """Per workload: each goal's measured value and whether it is met (None: not measurable)."""
+    out: dict[str, dict[str, Any]] = {}
+    for w, r in results.items():
+        f = r["figures"]
+        mine, ref = f.get(config), f.get("inference")
+        row: dict[str, Any] = {}
+        if mine is not None and ref is not None:
+            gap = (mine["attainment_abs"] - ref["attainment_abs"]) * 100
+            row["attainment_minus_reference_pp"] = {"value": gap, "met": gap >= -0.1}
+        for base, factor in (("split", 1.4), ("naive", 2.0)):
+            if mine is not None and base in f and f[base]["ft_tokens_per_s"] > 0:
+                ratio = mine["ft_tokens_per_s"] / f[base]["ft_tokens_per_s"]
+                row[f"ft_over_{base}"] = {"value": ratio, "met": ratio >= factor}
+        if w == "azure2023_code" and mine is not None:
+            row["ft_tokens_per_s"] = {"value": mine["ft_tokens_per_s"], "met": mine["ft_tokens_per_s"] >= 5000}
+        out[w] = row
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("folder", type=Path)
+    p.add_argument("--config", default="full", help="the co-serving configuration the goals are about")
+    args = p.parse_args()
+    results = load(args.folder)
+    if not results:
+        raise SystemExit(f"no WORKLOAD/WORKLOAD.json result under {args.folder}")
+    print(table(results))
+    print()
+    print(json.dumps(goals(results, args.config), indent=1))
+
+
+if __name__ == "__main__":
+    main()

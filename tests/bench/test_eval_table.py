@@ -1,0 +1,31 @@
+"""bench/eval_table.py on the committed session 4 evaluation (bench/results/eval_h200)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[2]
+spec = importlib.util.spec_from_file_location("eval_table", ROOT / "bench" / "eval_table.py")
+assert spec is not None and spec.loader is not None
+eval_table = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(eval_table)
+
+
+def test_table_and_goals_from_the_committed_evaluation() -> None:
+    results = eval_table.load(ROOT / "bench" / "results" / "eval_h200")
+    assert list(results) == ["azure2023_code", "azure2023_conv", "burst-light", "burst-dense"]
+    lines = eval_table.table(results).splitlines()
+    assert lines[0] == "| configuration | azure2023_code ×0.15 | azure2023_conv ×0.5 | burst-light ×0.3 | burst-dense ×0.3 |"
+    assert "| `full` | 100.0% · 4,216 | 100.0% · 2,458 | 100.0% · 7,103 | 100.0% · 4,753 |" in lines
+    assert "| `full-noint` | not run | not run | 100.0% · 8,160 | not run |" in lines
+    assert lines.index("| `inference` | 100.0% | 100.0% | 100.0% | 100.0% |") == 2
+    goals = eval_table.goals(results)
+    code = goals["azure2023_code"]
+    assert code["attainment_minus_reference_pp"] == {"value": 0.0, "met": True}
+    assert code["ft_over_split"]["value"] == pytest.approx(4216 / 8009, rel=1e-3) and not code["ft_over_split"]["met"]
+    assert code["ft_tokens_per_s"]["met"] is False
+    assert "ft_tokens_per_s" not in goals["burst-light"]
+    assert eval_table.goals(results, "full-overlap") == {w: {} for w in results}  # not run yet
