@@ -59,6 +59,7 @@ class InProcessDriver:
 
     def __init__(self, engine: LLMEngine, seed: int = 0, low_token: int = 10) -> None:
         self.engine = engine
+        engine.time_forward_on_gpu = True  # each recorded step splits its time (STEP_COLUMNS)
         self.seed = seed
         self.low_token = low_token
 

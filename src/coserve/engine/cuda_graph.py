@@ -16,9 +16,9 @@ before the replay starts), replays, and returns the first ``n`` rows of the stat
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -38,6 +38,27 @@ if TYPE_CHECKING:
     from coserve.engine.model_runner import BatchRow
 
 logger = logging.getLogger(__name__)
+
+
+def capture_graphs(steps: Sequence[Callable[[], None]], device: torch.device, pool: Any,
+                   warmups: int = 1) -> list[torch.cuda.CUDAGraph]:
+    """Run ``steps`` in order ``warmups`` times on a side stream (Triton compiles its kernels and
+    cuBLAS creates its handles there, outside any capture), then capture each step into its own
+    graph in the memory pool ``pool``."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
+            for step in steps:
+                step()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graphs = []
+    for step in steps:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            step()
+        graphs.append(graph)
+    return graphs
 
 
 @dataclass(frozen=True)
@@ -149,16 +170,7 @@ class DecodeGraphs:
     def _capture(self, key: GraphKey) -> torch.cuda.CUDAGraph:
         logger.info("capturing decode graph: batch %d, lora %s", key.batch_size, key.with_lora)
         self._reset_inputs()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compile Triton kernels, create cuBLAS handles, outside the capture
-                self._forward(key)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self._forward(key)
-        return graph
+        return capture_graphs([lambda: self._forward(key)], self.device, self._pool, warmups=2)[0]
 
     def capture_all(self, with_lora: bool) -> None:
         """Capture every bucket up front (the engine's warm-up); largest first so memory is reused."""

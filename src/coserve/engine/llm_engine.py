@@ -50,7 +50,8 @@ class StepStats:
     ft_tokens: int = 0  # fine-tuning tokens in the step
     # where the time went: scheduling and planning until the forward was called, the forward's
     # enqueue on the CPU, and (CUDA) the forward on the GPU between events recorded around it
-    # (it includes the GPU's idle gaps while the CPU still launches); None where unknown
+    # (it includes the GPU's idle gaps while the CPU still launches; only with
+    # LLMEngine.time_forward_on_gpu); None where unknown
     schedule_s: float | None = None
     forward_enqueue_s: float | None = None
     forward_gpu_s: float | None = None
@@ -113,6 +114,9 @@ class LLMEngine:
         # here whether one is due.
         self.external_arrivals: Callable[[], bool] | None = None
         self.last_step_kind = "idle"  # idle | inference | mixed | ft-only | ft-only-interrupted
+        # Time each step's forward on the GPU with CUDA events (StepStats.forward_gpu_s): off
+        # unless a benchmark asks, so that serving steps create no events.
+        self.time_forward_on_gpu = False
         if config.runs_warmup:
             self.warm_up()
         freeze_startup_objects("engine")
@@ -257,7 +261,7 @@ class LLMEngine:
         began = time.perf_counter()
         cpu_began = time.thread_time()
         events = None
-        if self.runner.device.type == "cuda":
+        if self.time_forward_on_gpu and self.runner.device.type == "cuda":
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
         try:

@@ -166,27 +166,26 @@ class ModelRunner:
         """Run one step; returns fp32 logits ``[n_sampling_rows, V]`` in row order.
 
         Sets ``last_mode``: ``graph`` (decode-only step replayed from a CUDA graph; ``layer_hook``
-        must be None then, a hook forces eager) or ``eager``.
+        must be None then, a hook forces eager) or ``eager`` (also for a step through the prefill
+        graphs: the latency model keeps one eager set, fitted on whichever path the steps take).
         """
         if layer_hook is None and mlp_hook is None and self.graphs is not None and self.graphs.accepts(rows):
             self.last_mode = "graph"
             return self.graphs.run(rows)
         self.last_mode = "eager"
         inputs = self.prepare(rows)
-        lora: LoRAContext | None = self.lora_op(inputs.lora, self.lora_scales) if inputs.lora.active else None
         dropped = [(start, len(r.token_ids), r.dropout_key, r.lora_slot)
                    for start, r in zip(_starts(rows), rows, strict=True) if r.dropout_key is not None]
+        pieces = self.prefill_graphs
+        if (pieces is not None and mlp_hook is None and not dropped
+                and pieces.accepts(inputs.input_ids.shape[0], lora_active=inputs.lora.active)):
+            hidden = pieces.run(inputs.input_ids, inputs.positions, inputs.attn, inputs.lora, layer_hook)
+            return self.model.compute_logits(hidden[inputs.logits_indices])
+        lora: LoRAContext | None = self.lora_op(inputs.lora, self.lora_scales) if inputs.lora.active else None
         if dropped:
             p, seed = self.ft_dropout
             lora = RowDropoutLoRA(lora, dropped[0][3], [(s, n, k) for s, n, k, _ in dropped], seed, p,
                                   self.lora_scales)
-        pieces = self.prefill_graphs
-        if (pieces is not None and mlp_hook is None and not dropped
-                and pieces.accepts(inputs.input_ids.shape[0], lora_active=inputs.lora.active)):
-            # NOTE: reported as an eager step: the latency model keeps one eager set, fitted
-            # (calibration and online) on whichever path the steps take.
-            hidden = pieces.run(inputs.input_ids, inputs.positions, inputs.attn, inputs.lora, layer_hook)
-            return self.model.compute_logits(hidden[inputs.logits_indices])
         ctx = ForwardContext(
             attn=inputs.attn,
             kv_cache=self.kv_cache,

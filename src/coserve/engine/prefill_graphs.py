@@ -22,11 +22,13 @@ dropout rows, kept MLP activations or more than ``B_max`` tokens stay eager (:me
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 
 import torch
 
+from coserve.engine.cuda_graph import capture_graphs
 from coserve.layers.attention import AttentionBackend, AttentionMetadata
 from coserve.layers.lora import LoRABatch
 from coserve.layers.triton_attention import num_sms
@@ -131,20 +133,8 @@ class PrefillGraphs:
     def _capture(self, b: int, with_lora: bool) -> list[torch.cuda.CUDAGraph]:
         logger.info("capturing prefill graphs: %d tokens, lora %s, %d segments", b, with_lora, len(self.layers) + 1)
         lora = self._lora(b, with_lora)
-        device = self.kv_cache.device
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):  # compile Triton kernels, create cuBLAS handles, outside the capture
-            for i in range(len(self.layers) + 1):
-                self._segment(i, b, lora)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graphs = []
-        for i in range(len(self.layers) + 1):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self._segment(i, b, lora)
-            graphs.append(graph)
-        return graphs
+        segments = [functools.partial(self._segment, i, b, lora) for i in range(len(self.layers) + 1)]
+        return capture_graphs(segments, self.kv_cache.device, self._pool)
 
     def capture_all(self) -> None:
         """Capture every bucket up front (the engine's warm-up); largest first so memory is reused."""
@@ -195,8 +185,7 @@ class PrefillGraphs:
         """This step's adapter routing into the static buffers (padding rows: no adapter)."""
         self.token_slots[:t].copy_(lora.token_slots)
         self.token_slots[t:b].fill_(-1)
-        lens = [e - s for s, e in zip(lora.seg_starts, lora.seg_starts[1:], strict=False)]
-        order = order_by_slot(lens, lora.seg_slots, block_m_for(b))
+        order = order_by_slot(lora.seg_lens, lora.seg_slots, block_m_for(b))
         host = torch.full((self.lora_order.shape[0],), -1, dtype=torch.int32)
         host[: len(order)] = torch.tensor(order, dtype=torch.int32)
         self.lora_order.copy_(host)

@@ -55,6 +55,10 @@ class LoRABatch:
     def active(self) -> bool:
         return any(s >= 0 for s in self.seg_slots)
 
+    @property
+    def seg_lens(self) -> list[int]:
+        return [e - s for s, e in zip(self.seg_starts, self.seg_starts[1:], strict=False)]
+
 
 def lora_segments_ref(
     y: torch.Tensor,

@@ -399,9 +399,8 @@ class TritonLoRA:
 
     @classmethod
     def from_batch(cls, batch: LoRABatch, scales: torch.Tensor) -> TritonLoRA:
-        lens = [e - s for s, e in zip(batch.seg_starts, batch.seg_starts[1:], strict=False)]
         block_m = block_m_for(batch.seg_starts[-1])
-        order = order_by_slot(lens, batch.seg_slots, block_m)
+        order = order_by_slot(batch.seg_lens, batch.seg_slots, block_m)
         device = batch.token_slots.device
         return cls(
             token_slots=batch.token_slots,
