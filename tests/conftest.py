@@ -18,6 +18,20 @@ if not torch.cuda.is_available():
 ARCHS = ("llama", "mistral", "qwen2")
 
 
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``‖out − ref‖ / ‖ref‖`` in fp64 (a kernel against its reference); NaN fails."""
+    assert not out.isnan().any(), "NaN in the output"
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+# The dtypes a Triton kernel is checked in, and the relative error each may show against its
+# reference. On the GPU fp32 products run as tf32 (two chained in LoRA: 1.5e-3 seen on the
+# H200); on the CPU the interpreter's bf16 products are wrong, so fp16 stands in for bf16.
+KERNEL_DTYPES = [torch.float32, torch.bfloat16] if torch.cuda.is_available() else [torch.float32, torch.float16]
+KERNEL_TOL = {torch.float32: 3e-3 if torch.cuda.is_available() else 1e-4, torch.float16: 3e-3,
+              torch.bfloat16: 1.5e-2}
+
+
 def triton_unavailable() -> str | None:
     """Why Triton kernels cannot run here (compiled on a GPU, in Triton's interpreter on the
     CPU), or None; without a GPU it makes sure the interpreter is on."""

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from tests.conftest import triton_unavailable
+from tests.conftest import KERNEL_DTYPES, KERNEL_TOL, rel_err, triton_unavailable
 
 CUDA = torch.cuda.is_available()
 _SKIP = triton_unavailable()
@@ -25,15 +25,8 @@ from coserve.layers.triton_attention import AttentionTuning, TritonAttention, st
 from coserve.layers.triton_lora import LoRALaunch, lora_shrink_expand, order_by_slot  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
-DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32, torch.float16]
-# ‖out − ref‖ / ‖ref‖ bounds. On the GPU fp32 products run as tf32 (two chained in LoRA: 1.5e-3
-# seen on the H200).
-TOL = {torch.float32: 3e-3 if CUDA else 1e-4, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not out.isnan().any(), "NaN in the output"
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+DTYPES = KERNEL_DTYPES
+TOL = KERNEL_TOL
 
 
 def random_batch(

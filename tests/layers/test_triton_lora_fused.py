@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import triton_unavailable
+from tests.conftest import KERNEL_DTYPES, KERNEL_TOL, rel_err, triton_unavailable
 
 CUDA = torch.cuda.is_available()
 _SKIP = triton_unavailable()
@@ -35,15 +35,10 @@ from coserve.layers.triton_lora import TritonLoRA, slice_stacks  # noqa: E402
 from tests.conftest import make_peft_adapter  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
-DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32, torch.float16]
-TOL = {torch.float32: 3e-3 if CUDA else 1e-4, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
+DTYPES = KERNEL_DTYPES
+TOL = KERNEL_TOL
 SLOTS, MAX_RANK, D_IN = 4, 16, 96
 ADAPTER_RANKS = {0: 8, 1: 16, 3: 8}  # slot 2 holds no adapter (all zero)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not out.isnan().any(), "NaN in the output"
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 class PerTarget:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import triton_unavailable
+from tests.conftest import KERNEL_DTYPES, KERNEL_TOL, rel_err, triton_unavailable
 
 CUDA = torch.cuda.is_available()
 _SKIP = triton_unavailable()
@@ -34,14 +34,9 @@ from coserve.layers.triton_lora import (  # noqa: E402
 )
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
-DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32, torch.float16]
-TOL = {torch.float32: 3e-3 if CUDA else 1e-4, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
+DTYPES = KERNEL_DTYPES
+TOL = KERNEL_TOL
 SLOTS, D_IN = 4, 96  # 96: two BLOCK_K chunks, the second one masked
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not out.isnan().any(), "NaN in the output"
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 class Case:

@@ -132,6 +132,21 @@ def drive(engine: LLMEngine, session: FinetuneSession, prompts: list[list[int]],
     return outputs, mixed
 
 
+def assert_trained_like_peft(model_dir: Path, init: Path, rows: list[dict], out: Path, adapter_dir: Path,
+                             optim: OptimConfig) -> list[dict]:
+    """The run's optimizer steps (``train_log.jsonl``), replayed by a plain transformers + peft
+    loop, give its per-step losses and its adapter; returns the log."""
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    expected, ref_losses = peft_reference(model_dir, init, rows, log, optim)
+    assert [e["loss"] for e in log] == pytest.approx(ref_losses, rel=1e-5)
+    got = load_peft_adapter(adapter_dir).weights
+    assert got.keys() == expected.keys()
+    for key, (a, b) in expected.items():
+        torch.testing.assert_close(got[key][0], a, rtol=1e-4, atol=ATOL, msg=lambda m, k=key: f"A {k}: {m}")
+        torch.testing.assert_close(got[key][1], b, rtol=1e-4, atol=ATOL, msg=lambda m, k=key: f"B {k}: {m}")
+    return log
+
+
 @pytest.mark.parametrize(
     "lora, optim, backward_tokens",
     [
@@ -160,16 +175,9 @@ def test_coserved_adapter_equals_peft_loop(model_dir: Path, tmp_path: Path, lora
     session.close()
     assert mixed > 0, "no step carried inference and fine-tuning rows together"
 
-    log = [json.loads(line) for line in (tmp_path / "out" / "train_log.jsonl").read_text().splitlines()]
+    log = assert_trained_like_peft(model_dir, init, rows, tmp_path / "out", adapter_dir, session.optim)
     trained = sorted(i for e in log for i in e["sample_ids"])
     assert trained == sorted(list(range(len(rows))) * 2), "every sample once per epoch"
-    expected, ref_losses = peft_reference(model_dir, init, rows, log, session.optim)
-    assert [e["loss"] for e in log] == pytest.approx(ref_losses, rel=1e-5)
-    got = load_peft_adapter(adapter_dir).weights
-    assert got.keys() == expected.keys()
-    for key, (a, b) in expected.items():
-        torch.testing.assert_close(got[key][0], a, rtol=1e-4, atol=ATOL, msg=lambda m, k=key: f"A {k}: {m}")
-        torch.testing.assert_close(got[key][1], b, rtol=1e-4, atol=ATOL, msg=lambda m, k=key: f"B {k}: {m}")
 
     # Inference rows are unaffected by the fine-tuning rows that shared their steps.
     plain = LLMEngine(EngineConfig(model=str(model_dir), max_num_batched_tokens=96))
@@ -243,13 +251,7 @@ def test_coserving_through_prefill_graphs_equals_the_peft_loop(model_dir: Path, 
     adapter_dir = session.export()
     session.close()
     assert mixed > 0 and any(hooked), "no fine-tuning step went through the prefill graphs"
-    log = [json.loads(line) for line in (tmp_path / "out" / "train_log.jsonl").read_text().splitlines()]
-    expected, ref_losses = peft_reference(model_dir, init, rows, log, session.optim)
-    assert [e["loss"] for e in log] == pytest.approx(ref_losses, rel=1e-5)
-    got = load_peft_adapter(adapter_dir).weights
-    for key, (a, b) in expected.items():
-        torch.testing.assert_close(got[key][0], a, rtol=1e-4, atol=ATOL)
-        torch.testing.assert_close(got[key][1], b, rtol=1e-4, atol=ATOL)
+    assert_trained_like_peft(model_dir, init, rows, tmp_path / "out", adapter_dir, session.optim)
 
 
 def test_resume_from_checkpoint_continues_the_run(model_dir: Path, tmp_path: Path) -> None:
