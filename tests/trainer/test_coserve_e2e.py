@@ -132,6 +132,22 @@ def drive(engine: LLMEngine, session: FinetuneSession, prompts: list[list[int]],
     return outputs, mixed
 
 
+def coserve_run(engine: LLMEngine, tmp_path: Path, lora: LoRAConfig, optim: OptimConfig, init: Path,
+                backward_tokens: int, *, epochs: int, num_prompts: int
+                ) -> tuple[FinetuneSession, list[list[int]], dict[str, list[int]], int, Path]:
+    """Fine-tune on ``tmp_path/data.jsonl`` while ``num_prompts`` requests are served; returns the
+    (closed) session, the prompts, their outputs, the count of mixed steps and the adapter."""
+    spec = FinetuneSpec(data=tmp_path / "data.jsonl", output=tmp_path / "out", lora=lora, optim=optim,
+                        coserve=CoServeConfig(backward_tokens=backward_tokens, max_seq_len=64, epochs=epochs, seed=5),
+                        init_adapter=init, trainer_threads=1)
+    session = FinetuneSession(engine, spec)
+    prompts = [[random.Random(i).randrange(6, 1024) for _ in range(5 + i)] for i in range(num_prompts)]
+    outputs, mixed = drive(engine, session, prompts)
+    adapter_dir = session.export()
+    session.close()
+    return session, prompts, outputs, mixed, adapter_dir
+
+
 def assert_trained_like_peft(model_dir: Path, init: Path, rows: list[dict], out: Path, adapter_dir: Path,
                              optim: OptimConfig) -> list[dict]:
     """The run's optimizer steps (``train_log.jsonl``), replayed by a plain transformers + peft
@@ -165,14 +181,8 @@ def test_coserved_adapter_equals_peft_loop(model_dir: Path, tmp_path: Path, lora
     init = init_adapter(model_dir, tmp_path / "init", lora)
     engine = LLMEngine(EngineConfig(model=str(model_dir), num_training_slots=1, max_lora_rank=16,
                                     max_num_batched_tokens=96))
-    spec = FinetuneSpec(data=tmp_path / "data.jsonl", output=tmp_path / "out", lora=lora, optim=optim,
-                        coserve=CoServeConfig(backward_tokens=backward_tokens, max_seq_len=64, epochs=2, seed=5),
-                        init_adapter=init, trainer_threads=1)
-    session = FinetuneSession(engine, spec)
-    prompts = [[random.Random(i).randrange(6, 1024) for _ in range(5 + i)] for i in range(8)]
-    outputs, mixed = drive(engine, session, prompts)
-    adapter_dir = session.export()
-    session.close()
+    session, prompts, outputs, mixed, adapter_dir = coserve_run(engine, tmp_path, lora, optim, init, backward_tokens,
+                                                                epochs=2, num_prompts=8)
     assert mixed > 0, "no step carried inference and fine-tuning rows together"
 
     log = assert_trained_like_peft(model_dir, init, rows, tmp_path / "out", adapter_dir, session.optim)
@@ -242,14 +252,7 @@ def test_coserving_through_prefill_graphs_equals_the_peft_loop(model_dir: Path, 
         return run(*args)
 
     pieces.run = counted  # type: ignore[method-assign]
-    spec = FinetuneSpec(data=tmp_path / "data.jsonl", output=tmp_path / "out", lora=lora, optim=optim,
-                        coserve=CoServeConfig(backward_tokens=48, max_seq_len=64, epochs=1, seed=5),
-                        init_adapter=init, trainer_threads=1)
-    session = FinetuneSession(engine, spec)
-    prompts = [[random.Random(i).randrange(6, 1024) for _ in range(5 + i)] for i in range(4)]
-    outputs, mixed = drive(engine, session, prompts)
-    adapter_dir = session.export()
-    session.close()
+    session, _, _, mixed, adapter_dir = coserve_run(engine, tmp_path, lora, optim, init, 48, epochs=1, num_prompts=4)
     assert mixed > 0 and any(hooked), "no fine-tuning step went through the prefill graphs"
     assert_trained_like_peft(model_dir, init, rows, tmp_path / "out", adapter_dir, session.optim)
 
