@@ -1,45 +1,96 @@
 #!/usr/bin/env bash
-# The first device call of a session on four GPUs (nvidia-h200-x4, ~8 minutes), one job per GPU:
-#   GPU 0: bench/verify_device.sh (GPU tests, backward alone, FT-only vs peft at 512, LoRA
-#          overhead), then bench/coserve_latency.py (issue 5: latency-model error, pause delay);
-#   GPU 1: bench/trace_vs_hf.py --only coserve       (issue 3 item 4: azure2023_conv, 300 s)
-#   GPU 2: bench/trace_vs_hf.py --only transformers  (the peer, same arrivals, at the same time)
-#   GPU 3: bench/engine_speed.py, the full grid (issue 3), then its decode and LoRA sections
-#          with COSERVE_LORA_ONE_LAUNCH=1 (one launch per LoRA linear at decode, unmeasured), then
-#          bench/eager_cpu.py without and with --prefill-graphs (piecewise graphs, unmeasured).
-# Everything comes back in one archive, $OUT/first.tar.gz (folder first/, GPU 0's files in first/verify/).
-# Carry .traces.
+# The first device calls of a session: named jobs, spread over the GPUs in lanes, one lane per
+# GPU (its jobs run one after the other), every job cut off at a common deadline so that the
+# archive is always written. Everything comes back in one archive, $OUT/first.tar.gz (folder
+# first/, laid out as bench/first_call_report.py reads it). Carry .traces.
 #
-#   export COSERVE_COMMIT=<sha> COSERVE_DIRTY=0; bench/first_call.sh
+#   export COSERVE_COMMIT=<sha> COSERVE_DIRTY=0; bench/first_call.sh "LANE0 JOBS" "LANE1 JOBS" ...
+#
+# Jobs:
+#   gpu_tests      the GPU tests (kernels against their CPU references, backward, graphs)
+#   verify         bench/verify_device.sh (GPU tests, backward alone, FT-only vs peft, LoRA overhead)
+#   ft512          FT-only vs the peft loops at 512-token sequences (issue 4)
+#   lora           decode and LoRA overhead at context 2048, two launches per LoRA linear (issue 3)
+#   lora_one       the same with COSERVE_LORA_ONE_LAUNCH=1 (one launch per LoRA linear)
+#   grid           the full bench/engine_speed.py grid (issue 3)
+#   trace_coserve  bench/trace_vs_hf.py, coserve's side (issue 3 item 4)
+#   trace_peer     bench/trace_vs_hf.py, the transformers peer's side (same arrivals)
+#   latency        bench/coserve_latency.py (issue 5: latency-model error, pause delay)
+#   eager          bench/eager_cpu.py without and with --prefill-graphs
+# With no lanes given, the four-GPU layout of session 4:
+#   "verify latency" "trace_coserve" "trace_peer" "grid lora_one eager"
+# Environment: DEADLINE (seconds from start, default 565), TRACE_RATE (trace replay rate
+# scale, default 3), TRACE_SECONDS (default 300), TRACE_DRAIN (default 60).
 set -uo pipefail
 : "${OUT:?OUT must name the output folder}"
 export PYTHONPATH=src PYTHONUNBUFFERED=1
+DEADLINE=${DEADLINE:-565}
+TRACE_RATE=${TRACE_RATE:-3}
+TRACE_SECONDS=${TRACE_SECONDS:-300}
+TRACE_DRAIN=${TRACE_DRAIN:-60}
+began=$SECONDS
 nvidia-cuda-mps-control -d 2>/dev/null || true  # before any CUDA client, for every job
 top=$OUT/first
 mkdir -p "$top/verify"
-(
-  OUT=$top/verify CUDA_VISIBLE_DEVICES=0 bench/verify_device.sh > "$top/verify/verify.txt" 2>&1
-  CUDA_VISIBLE_DEVICES=0 python3 bench/coserve_latency.py --trace .traces/azure2023_conv.csv --duration 60 \
-    --trainer-sm-share 50 --no-reference --out "$top/verify/coserve_latency.json" > "$top/verify/coserve_latency.log" 2>&1
-  echo "coserve_latency rc=$?" >> "$top/verify/verify.txt"
-) &
-for side in coserve:1 transformers:2; do
-  CUDA_VISIBLE_DEVICES=${side#*:} python3 bench/trace_vs_hf.py --trace .traces/azure2023_conv.csv --duration 300 \
-    --only "${side%%:*}" --out "$top/trace_vs_hf_${side%%:*}.json" > "$top/trace_vs_hf_${side%%:*}.log" 2>&1 &
+
+# run NAME LOG CMD...: the command with what is left of the deadline, its exit status logged
+run() {
+  local name=$1 log=$2; shift 2
+  local left=$(( DEADLINE - (SECONDS - began) ))
+  if (( left < 20 )); then echo "$name: skipped, deadline" | tee -a "$top/status.txt"; return; fi
+  timeout -k 5 "$left" "$@" > "$log" 2>&1
+  echo "$name rc=$? after $(( SECONDS - began )) s" | tee -a "$top/status.txt"
+}
+
+trace() {  # trace SIDE
+  run "trace_$1" "$top/trace_vs_hf_$1.log" python3 bench/trace_vs_hf.py --trace .traces/azure2023_conv.csv \
+    --duration "$TRACE_SECONDS" --rate-scale "$TRACE_RATE" --drain "$TRACE_DRAIN" --only "$1" \
+    --out "$top/trace_vs_hf_$1.json"
+}
+
+job() {
+  case $1 in
+    gpu_tests)
+      run gpu_tests "$top/verify/gpu_tests.txt" python3 -m pytest -q -p no:cacheprovider -p no:warnings \
+        tests/layers tests/trainer/test_backward.py tests/engine/test_cuda_graph.py \
+        tests/engine/test_prefill_graphs.py tests/engine/test_stream_priority.py
+      grep "^gpu_tests rc=" "$top/status.txt" | tail -n 1 | sed 's/gpu_tests/gpu tests/' >> "$top/verify/verify.txt" ;;
+    verify) OUT=$top/verify run verify "$top/verify/verify.txt" bench/verify_device.sh ;;
+    ft512)
+      run ft512 "$top/verify/ft_throughput.log" python3 bench/ft_throughput.py --lengths 512 \
+        --out "$top/verify/ft_throughput.json" ;;
+    lora)
+      run lora "$top/verify/engine_lora.log" python3 bench/engine_speed.py --sections decode,lora \
+        --batches 1,16 --contexts 2048 --out "$top/verify/engine_lora.json" ;;
+    lora_one)
+      COSERVE_LORA_ONE_LAUNCH=1 run lora_one "$top/engine_lora_one_launch.log" python3 bench/engine_speed.py \
+        --sections decode,lora --batches 1,16 --contexts 2048 --out "$top/engine_lora_one_launch.json" ;;
+    grid) run grid "$top/engine_speed.log" python3 bench/engine_speed.py --out "$top/engine_speed.json" ;;
+    trace_coserve) trace coserve ;;
+    trace_peer) trace transformers ;;
+    latency)
+      run latency "$top/verify/coserve_latency.log" python3 bench/coserve_latency.py \
+        --trace .traces/azure2023_conv.csv --duration 60 --trainer-sm-share 50 --no-reference \
+        --out "$top/verify/coserve_latency.json" ;;
+    eager)
+      run eager_off "$top/eager_cpu_off.log" python3 bench/eager_cpu.py --conditions idle \
+        --out "$top/eager_cpu_off.json"
+      run eager_on "$top/eager_cpu_on.log" python3 bench/eager_cpu.py --conditions idle --prefill-graphs \
+        --out "$top/eager_cpu_on.json" ;;
+    *) echo "unknown job $1" | tee -a "$top/status.txt" ;;
+  esac
+}
+
+(( $# )) || set -- "verify latency" "trace_coserve" "trace_peer" "grid lora_one eager"
+gpu=0
+for lane in "$@"; do
+  (
+    export CUDA_VISIBLE_DEVICES=$gpu
+    for name in $lane; do job "$name"; done
+  ) &
+  gpu=$(( gpu + 1 ))
 done
-(
-  CUDA_VISIBLE_DEVICES=3 python3 bench/engine_speed.py --out "$top/engine_speed.json" > "$top/engine_speed.log" 2>&1
-  # the one-launch LoRA kernel for decode-sized steps against engine_speed.json's two launches
-  CUDA_VISIBLE_DEVICES=3 COSERVE_LORA_ONE_LAUNCH=1 python3 bench/engine_speed.py --sections decode,lora \
-    --batches 1,16 --contexts 2048 --out "$top/engine_lora_one_launch.json" > "$top/engine_lora_one_launch.log" 2>&1
-  # eager steps' host and device time without and with the piecewise prefill graphs
-  for pg in off on; do
-    flags=(--conditions idle); [[ $pg == on ]] && flags+=(--prefill-graphs)
-    CUDA_VISIBLE_DEVICES=3 python3 bench/eager_cpu.py "${flags[@]}" --out "$top/eager_cpu_$pg.json" \
-      > "$top/eager_cpu_$pg.log" 2>&1
-  done
-) &
 wait
-cat "$top/verify/verify.txt"
-tail -n 4 "$top"/*.log
+cat "$top/status.txt"
+tail -n 4 "$top"/*.log "$top"/verify/*.log 2>/dev/null
 tar -czf "$OUT/first.tar.gz" -C "$OUT" first && rm -rf "$top"

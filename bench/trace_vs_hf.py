@@ -40,14 +40,15 @@ def prompt_ids(i: int, n: int, vocab: int, seed: int = 0) -> list[int]:
     return [rng.randrange(10, vocab) for _ in range(n)]
 
 
-def run_coserve(model_dir: Path, arrivals: list[Arrival], duration: float, device: str) -> dict[str, Any]:
+def run_coserve(model_dir: Path, arrivals: list[Arrival], duration: float, device: str,
+                drain_s: float = 120.0) -> dict[str, Any]:
     dtype = "bfloat16" if device == "cuda" else "float32"
     engine = LLMEngine(EngineConfig(model=str(model_dir), load_format="dummy", dtype=dtype, device=device,
                                     max_model_len=8192, max_num_batched_tokens=2048, max_loras=0,
                                     skip_tokenizer_init=True))
     driver = InProcessDriver(engine, seed=0)
     driver.run(arrivals[:8], duration_s=2.0, drain_s=30.0)  # warm-up
-    result = driver.run(arrivals, duration_s=duration, drain_s=120.0)
+    result = driver.run(arrivals, duration_s=duration, drain_s=drain_s)
     out = _summary(result.records, result.duration_s)
     del engine, driver
     gc.collect()
@@ -131,6 +132,8 @@ def main() -> None:
     p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     add_trace_args(p, duration=300.0)
     p.add_argument("--peer-batch", type=int, default=64)
+    p.add_argument("--drain", type=float, default=120.0,
+                   help="seconds after the window for either side to finish; requests left are unfinished")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--only", choices=["both", "coserve", "transformers"], default="both",
                    help="run one side (two 5-minute replays do not fit one 10-minute device call: run "
@@ -145,10 +148,11 @@ def main() -> None:
     model_dir = write_model_dir(Path(tempfile.mkdtemp(prefix="trace_vs_hf_")) / "model", config)
     figures: dict[str, Any] = {}
     if args.only in ("both", "coserve"):
-        figures["coserve"] = run_coserve(model_dir, arrivals, args.duration, args.device)
+        figures["coserve"] = run_coserve(model_dir, arrivals, args.duration, args.device, args.drain)
         print(json.dumps({"coserve": figures["coserve"]}), flush=True)
     if args.only in ("both", "transformers"):
-        figures["transformers"] = run_hf(config, arrivals, args.duration, args.device, args.peer_batch)
+        figures["transformers"] = run_hf(config, arrivals, args.duration, args.device, args.peer_batch,
+                                         args.drain)
         print(json.dumps({"transformers": figures["transformers"]}), flush=True)
     if args.only == "both":
         ours, peer = figures["coserve"], figures["transformers"]
@@ -157,7 +161,8 @@ def main() -> None:
         figures["ttft_p99_ratio"] = ours["ttft_p99_ms"] / peer["ttft_p99_ms"] if peer["ttft_p99_ms"] else None
     result = {**provenance(), "config": {"shape": args.shape, "trace": Path(args.trace).name,
                                           "window_start_s": workload.window_start_s, "duration_s": args.duration,
-                                          "scaling": vars(scaling), "peer_batch": args.peer_batch},
+                                          "scaling": vars(scaling), "peer_batch": args.peer_batch,
+                                          "drain_s": args.drain},
               "figures": figures}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
