@@ -17,6 +17,8 @@
 #   trace_peer     bench/trace_vs_hf.py, the transformers peer's side (same arrivals)
 #   latency        bench/coserve_latency.py (issue 5: latency-model error, pause delay)
 #   eager          bench/eager_cpu.py without and with --prefill-graphs
+#   eval=SPEC      bench/eval_device.sh SPEC on this lane's GPU (SPEC as there: WORKLOAD=RATE[=EXTRA],
+#                  with $BUDGET and $BENCH_FLAGS), its archive kept as first/eval.tar.gz
 # With no lanes given, the four-GPU layout of session 4:
 #   "verify latency" "trace_coserve" "trace_peer" "grid lora_one eager"
 # Environment: DEADLINE (seconds from start, default 565), TRACE_RATE (trace replay rate
@@ -77,6 +79,8 @@ job() {
         --out "$top/eager_cpu_off.json"
       run eager_on "$top/eager_cpu_on.log" python3 bench/eager_cpu.py --conditions idle --prefill-graphs \
         --out "$top/eager_cpu_on.json" ;;
+    eval=*)
+      GPUS=$CUDA_VISIBLE_DEVICES OUT=$top run "$1" "$top/eval_${1#eval=}.log" bench/eval_device.sh "${1#eval=}" ;;
     *) echo "unknown job $1" | tee -a "$top/status.txt" ;;
   esac
 }

@@ -25,7 +25,7 @@ import torch
 from speed_common import LLAMA3_8B, TINY, add_trace_args, provenance, trace_scaling, write_model_dir
 from torch.nn.attention import sdpa_kernel
 
-from coserve.bench.metrics import RequestRecord, latency_summary
+from coserve.bench.metrics import RequestRecord, latency_summary, percentile
 from coserve.bench.replay import InProcessDriver
 from coserve.bench.workload import Arrival, load_workload
 from coserve.engine.config import EngineConfig
@@ -71,6 +71,9 @@ def run_hf(config: dict[str, Any], arrivals: list[Arrival], duration: float, dev
     records: list[RequestRecord] = []
 
     class StepClock(transformers.StoppingCriteria):
+        """Records when each decode step's tokens existed; stops the batch at the deadline (the
+        window plus the drain), so that one long batch cannot run the replay past it."""
+
         def __init__(self) -> None:
             self.times: list[float] = []
 
@@ -78,7 +81,8 @@ def run_hf(config: dict[str, Any], arrivals: list[Arrival], duration: float, dev
             if input_ids.is_cuda:
                 torch.cuda.synchronize()
             self.times.append(time.monotonic() - t0)
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+            stop = self.times[-1] >= duration + drain_s
+            return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
     with torch.no_grad():  # warm-up
         model.generate(torch.randint(10, vocab, (1, 16), device=device), max_new_tokens=2, do_sample=False,
@@ -106,8 +110,11 @@ def run_hf(config: dict[str, Any], arrivals: list[Arrival], duration: float, dev
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                            do_sample=False, pad_token_id=0, stopping_criteria=[clock])
         for _, a in batch:  # clock.times[k] = when token k+1 of every row existed
+            if len(clock.times) < a.output_tokens:  # cut off at the deadline: unfinished
+                records.append(RequestRecord(a.time_s, clock.times[0], None, a.prompt_tokens, 0))
+                continue
             first = clock.times[0]
-            last = clock.times[min(a.output_tokens, len(clock.times)) - 1]
+            last = clock.times[a.output_tokens - 1]
             records.append(RequestRecord(a.time_s, first, last, a.prompt_tokens, a.output_tokens))
     for a in todo[nxt:]:
         records.append(RequestRecord(a.time_s, None, None, a.prompt_tokens, 0))
@@ -123,8 +130,13 @@ def _summary(records: list[RequestRecord], elapsed: float) -> dict[str, Any]:
     done = [r for r in records if r.finish_s is not None]
     tokens = sum(r.output_tokens for r in done)
     end = max((r.finish_s for r in done if r.finish_s is not None), default=elapsed)
+    # A request that never got its first token has no TTFT; counted with the time it waited until
+    # the replay ended, the p99 below is a lower bound that a side which left requests unserved
+    # cannot escape by leaving them out.
+    waited = [r.ttft if r.ttft is not None else elapsed - r.arrival_s for r in records]
     return {"requests": len(records), "finished": len(done), "output_tokens": tokens,
-            "output_tokens_per_s": tokens / end if end else 0.0, **latency_summary(records)}
+            "output_tokens_per_s": tokens / end if end else 0.0, **latency_summary(records),
+            "ttft_p99_with_unserved_ms": percentile(waited, 99) * 1e3}
 
 
 def main() -> None:
