@@ -6,7 +6,10 @@ attainment, and the goals — ``full`` within 0.1 percentage points of the refer
 attainment, ``full`` ≥ 1.4× split and ≥ 2× naive in FT tokens/s, ≥ 5,000 FT tokens/s on
 azure2023_code — each with its measured value.
 
-    python bench/eval_table.py bench/results/eval_h200 [--config full-overlap]
+    python bench/eval_table.py bench/results/eval_h200 [MORE_FOLDERS ...] [--config full-overlap]
+
+With several folders, a workload is taken from the first folder that has it (a newer evaluation
+first, an older one filling the workloads it did not rerun).
 """
 
 from __future__ import annotations
@@ -20,15 +23,20 @@ WORKLOADS = ("azure2023_code", "azure2023_conv", "burst-light", "burst-dense")
 ORDER = ("inference", "full", "full-overlap", "full-noint", "temporal", "naive", "split", "inference-last")
 
 
-def load(folder: Path) -> dict[str, dict[str, Any]]:
-    """``{workload: result}`` for the workload folders present (known ones first)."""
-    found = {p.parent.name: p for p in sorted(folder.glob("*/*.json")) if p.stem == p.parent.name}
+def load(*folders: Path) -> dict[str, dict[str, Any]]:
+    """``{workload: result}`` for the workload folders present (known ones first); a workload
+    found in several folders is taken from the first."""
+    found: dict[str, Path] = {}
+    for folder in folders:
+        for p in sorted(folder.glob("*/*.json")):
+            if p.stem == p.parent.name:
+                found.setdefault(p.parent.name, p)
     names = [w for w in WORKLOADS if w in found] + sorted(set(found) - set(WORKLOADS))
     return {w: json.loads(found[w].read_text()) for w in names}
 
 
 def _rate(result: dict[str, Any]) -> str:
-    return f"×{result['config']['workload']['scaling']['rate']:g}"
+    return f"×{result['config']['workload']['scaling']['rate']:.3g}"
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
@@ -64,7 +72,11 @@ def goals(results: dict[str, dict[str, Any]], config: str = "full") -> dict[str,
         for base, factor in (("split", 1.4), ("naive", 2.0)):
             if mine is not None and base in f and f[base]["ft_tokens_per_s"] > 0:
                 ratio = mine["ft_tokens_per_s"] / f[base]["ft_tokens_per_s"]
-                row[f"ft_over_{base}"] = {"value": ratio, "met": ratio >= factor}
+                # the goal compares at equal or better attainment: a baseline that trains more
+                # by missing the SLO is named, not counted as a win for either side
+                worse = (f[base]["attainment_abs"] - mine["attainment_abs"]) * 100 < -0.1
+                row[f"ft_over_{base}"] = {"value": ratio, "met": ratio >= factor,
+                                          "baseline_attainment_worse": worse}
         if w == "azure2023_code" and mine is not None:
             row["ft_tokens_per_s"] = {"value": mine["ft_tokens_per_s"], "met": mine["ft_tokens_per_s"] >= 5000}
         out[w] = row
@@ -73,12 +85,12 @@ def goals(results: dict[str, dict[str, Any]], config: str = "full") -> dict[str,
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("folder", type=Path)
+    p.add_argument("folders", type=Path, nargs="+")
     p.add_argument("--config", default="full", help="the co-serving configuration the goals are about")
     args = p.parse_args()
-    results = load(args.folder)
+    results = load(*args.folders)
     if not results:
-        raise SystemExit(f"no WORKLOAD/WORKLOAD.json result under {args.folder}")
+        raise SystemExit(f"no WORKLOAD/WORKLOAD.json result under {' '.join(map(str, args.folders))}")
     print(table(results))
     print()
     print(json.dumps(goals(results, args.config), indent=1))

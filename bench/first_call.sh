@@ -10,8 +10,8 @@
 #   gpu_tests      the GPU tests (kernels against their CPU references, backward, graphs)
 #   verify         bench/verify_device.sh (GPU tests, backward alone, FT-only vs peft, LoRA overhead)
 #   ft512          FT-only vs the peft loops at 512-token sequences (issue 4)
-#   lora           decode and LoRA overhead at context 2048, two launches per LoRA linear (issue 3)
-#   lora_one       the same with COSERVE_LORA_ONE_LAUNCH=1 (one launch per LoRA linear)
+#   lora           decode and LoRA overhead at context 2048 (issue 3)
+#   lora_fork      the same with COSERVE_LORA_FORK=1 (each LoRA shrink on a side stream in the graphs)
 #   grid           the full bench/engine_speed.py grid (issue 3)
 #   trace_coserve  bench/trace_vs_hf.py, coserve's side (issue 3 item 4)
 #   trace_peer     bench/trace_vs_hf.py, the transformers peer's side (same arrivals)
@@ -20,7 +20,7 @@
 #   eval=SPEC      bench/eval_device.sh SPEC on this lane's GPU (SPEC as there: WORKLOAD=RATE[=EXTRA],
 #                  with $BUDGET and $BENCH_FLAGS), its archive kept as first/eval.tar.gz
 # With no lanes given, the four-GPU layout of session 4:
-#   "verify latency" "trace_coserve" "trace_peer" "grid lora_one eager"
+#   "verify latency" "trace_coserve" "trace_peer" "grid eager"
 # Environment: DEADLINE (seconds from start, default 565), TRACE_RATE (trace replay rate
 # scale, default 3), TRACE_SECONDS (default 300), TRACE_DRAIN (default 60).
 set -uo pipefail
@@ -63,10 +63,10 @@ job() {
         --out "$top/verify/ft_throughput.json" ;;
     lora)
       run lora "$top/verify/engine_lora.log" python3 bench/engine_speed.py --sections decode,lora \
-        --batches 1,16 --contexts 2048 --out "$top/verify/engine_lora.json" ;;
-    lora_one)
-      COSERVE_LORA_ONE_LAUNCH=1 run lora_one "$top/engine_lora_one_launch.log" python3 bench/engine_speed.py \
-        --sections decode,lora --batches 1,16 --contexts 2048 --out "$top/engine_lora_one_launch.json" ;;
+        --batches 1,16,64 --contexts 2048 --out "$top/verify/engine_lora.json" ;;
+    lora_fork)
+      COSERVE_LORA_FORK=1 run lora_fork "$top/engine_lora_fork.log" python3 bench/engine_speed.py \
+        --sections decode,lora --batches 1,16,64 --contexts 2048 --out "$top/engine_lora_fork.json" ;;
     grid) run grid "$top/engine_speed.log" python3 bench/engine_speed.py --out "$top/engine_speed.json" ;;
     trace_coserve) trace coserve ;;
     trace_peer) trace transformers ;;
@@ -85,7 +85,7 @@ job() {
   esac
 }
 
-(( $# )) || set -- "verify latency" "trace_coserve" "trace_peer" "grid lora_one eager"
+(( $# )) || set -- "verify latency" "trace_coserve" "trace_peer" "grid eager"
 gpu=0
 for lane in "$@"; do
   (

@@ -2,7 +2,7 @@
 
 Reads the folder the call's archive unpacks to (``first/``) and prints, for each file it finds:
 the GPU tests' status, FT-only throughput against the peft loops (issue 4), the LoRA overhead
-with two launches and with one (issue 3), the decode and prefill grid against the hardware
+without and with the shrink forked onto a side stream (issue 3), the decode and prefill grid against the hardware
 floors (issue 3), the trace replay against transformers (issue 3), the SLO machinery
 (issue 5), and eager steps' host and device time without and with the prefill graphs. Missing
 files are named, not fatal.
@@ -101,10 +101,10 @@ def report(folder: Path) -> dict[str, Any]:
     out["ft_throughput"] = ft_throughput(ft) if ft else None
     grid = need(folder / "engine_speed.json")
     out["engine_speed"] = engine_grid(grid) if grid else None
-    one = need(folder / "engine_lora_one_launch.json")
-    out["lora_overhead_one_launch"] = one["figures"].get("lora_overhead") if one else None
-    two = need(verify / "engine_lora.json")
-    out["lora_overhead_two_launches"] = two["figures"].get("lora_overhead") if two else None
+    lora = need(verify / "engine_lora.json")
+    out["lora_overhead"] = lora["figures"].get("lora_overhead") if lora else None
+    fork = need(folder / "engine_lora_fork.json")
+    out["lora_overhead_fork"] = fork["figures"].get("lora_overhead") if fork else None
     out["trace_vs_hf"] = trace_vs_hf(need(folder / "trace_vs_hf_coserve.json"),
                                      need(folder / "trace_vs_hf_transformers.json"))
     slo = need(verify / "coserve_latency.json")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import shutil
 from pathlib import Path
 
@@ -26,20 +25,19 @@ def test_report_reads_every_part_and_names_what_is_missing(tmp_path: Path) -> No
     shutil.copy(RESULTS / "engine_speed_h200.json", tmp_path / "engine_speed.json")
     for side in ("off", "on"):
         shutil.copy(RESULTS / "diagnostic" / "cudnn-profile" / "eager_cpu.json", tmp_path / f"eager_cpu_{side}.json")
-    summary = {"output_tokens_per_s": 3000.0, "ttft_p99_ms": 200.0, "tpot_p99_ms": 20.0, "finished": 9, "requests": 9}
-    (tmp_path / "trace_vs_hf_coserve.json").write_text(json.dumps({"figures": {"coserve": summary}}))
-    (tmp_path / "trace_vs_hf_transformers.json").write_text(json.dumps(
-        {"figures": {"transformers": {**summary, "output_tokens_per_s": 600.0, "ttft_p99_ms": 9000.0}}}))
+    for side in ("coserve", "transformers"):
+        shutil.copy(RESULTS / "engine_h200" / f"trace_vs_hf_{side}.json", tmp_path / f"trace_vs_hf_{side}.json")
 
     got = first_call_report.report(tmp_path)
-    assert got["missing"] == ["engine_lora_one_launch.json"]
+    assert got["missing"] == ["engine_lora_fork.json"]
     assert got["gpu_tests"] == {"rc": 0, "passed": 287, "failed": 0, "errors": 0, "skipped": 0}
     (row,) = got["ft_throughput"]
     assert row["seq_len"] == 512 and row["coserve_over_peft_gc"] == pytest.approx(10994.8 / 9230.24, rel=1e-4)
     assert got["engine_speed"]["decode_replay_over_floor"]["b1_ctx512"] == pytest.approx(1.864, rel=1e-3)
-    assert got["lora_overhead_two_launches"]["decode"]["1"] == pytest.approx(0.303, rel=1e-2)
-    assert got["lora_overhead_one_launch"] is None
-    assert got["trace_vs_hf"]["throughput_ratio"] == 5.0 and got["trace_vs_hf"]["ttft_p99_lower"]
+    assert got["lora_overhead"]["decode"]["1"] == pytest.approx(0.303, rel=1e-2)
+    assert got["lora_overhead_fork"] is None
+    assert got["trace_vs_hf"]["throughput_ratio"] == pytest.approx(3203.08 / 59.064, rel=1e-4)
+    assert got["trace_vs_hf"]["ttft_p99_lower"]
     assert got["slo_machinery"]["trainer_pause"]["delay_p99_ms"] == pytest.approx(12.63, rel=1e-3)
     shape = got["eager_steps"]["1x2048_ctx0"]
     assert shape["eager_step_ms"] == shape["graphs_step_ms"] == pytest.approx(50.67, rel=1e-3)

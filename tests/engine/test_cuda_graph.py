@@ -104,3 +104,26 @@ def _close(got: list[tuple[list[int], list[float]]], expected: list[tuple[list[i
         assert tokens == ref_tokens
         assert lps == pytest.approx(ref_lps, abs=tol)
     return True
+
+
+@pytest.mark.skipif(not CUDA, reason="the fork is a second CUDA stream inside a captured graph")
+def test_forked_lora_shrink_in_graphs_matches_torch_engine(
+    hf_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode graphs captured with each LoRA shrink on a side stream (``COSERVE_LORA_FORK``)
+    give the torch reference engine's tokens and log-probs, and their replays ran."""
+    from coserve.engine import cuda_graph
+
+    base = hf_models["llama"]
+    a1 = make_peft_adapter(base, tmp_path / "a1", ["q_proj", "v_proj", "down_proj"], rank=8, seed=1)
+    a2 = make_peft_adapter(base, tmp_path / "a2", ["k_proj", "o_proj", "gate_proj", "up_proj"], rank=16, seed=2)
+    loras = [LoRARequest("a1", str(a1)), None, LoRARequest("a2", str(a2))]
+    common: dict = dict(skip_tokenizer_init=True, max_loras=2, max_lora_rank=16, block_size=4, device="cuda",
+                        max_model_len=64, num_kv_blocks=64, max_num_batched_tokens=16, cuda_graph_batch_sizes=(1, 2, 4))
+    expected = generate(LLM(str(base), **common), loras)
+    monkeypatch.setattr(cuda_graph, "LORA_FORK", True)
+    llm = LLM(str(base), attention_backend="triton", lora_backend="triton", **common)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and graphs._lora_stream is not None
+    assert _close(generate(llm, loras), expected)
+    assert any(key.with_lora for key in graphs.graphs)

@@ -16,6 +16,7 @@ before the replay starts), replays, and returns the first ``n`` rows of the stat
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -38,6 +39,11 @@ if TYPE_CHECKING:
     from coserve.engine.model_runner import BatchRow
 
 logger = logging.getLogger(__name__)
+
+LORA_FORK = os.environ.get("COSERVE_LORA_FORK", "0") == "1"
+"""Captured decode steps with adapters run each LoRA shrink on a side stream, beside the base
+GEMM (:meth:`coserve.layers.triton_lora.TritonLoRA.forked_linear`); off unless
+``COSERVE_LORA_FORK=1`` until measured on the GPU."""
 
 
 def capture_graphs(steps: Sequence[Callable[[], None]], device: torch.device, pool: Any,
@@ -118,6 +124,7 @@ class DecodeGraphs:
         self._copied: torch.cuda.Event | None = None
         self.logits = torch.empty(bmax, model.config.vocab_size, dtype=torch.float32, device=self.device)
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self._lora_stream = torch.cuda.Stream(self.device) if capture and LORA_FORK else None
         self._pool = torch.cuda.graph_pool_handle() if capture else None
 
     @property
@@ -162,7 +169,8 @@ class DecodeGraphs:
         if key.with_lora:
             length = graph_order_length(b, self.num_slots)
             launch = LoRALaunch.for_order(length, block_m_for(b), num_sms(self.device))
-            lora = TritonLoRA(self.token_slots[:b], self.lora_order[:length], self.lora_scales, launch)
+            lora = TritonLoRA(self.token_slots[:b], self.lora_order[:length], self.lora_scales, launch,
+                              side_stream=self._lora_stream)
         ctx = ForwardContext(attn=meta, kv_cache=self.kv_cache, lora=lora, backend=self.backend)
         hidden = self.model(self.input_ids[:b], self.positions[:b], ctx)
         self.logits[:b].copy_(self.model.compute_logits(hidden))

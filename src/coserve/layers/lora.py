@@ -203,6 +203,11 @@ class LoRALinear(nn.Module):
             # The trainer's recompute: base and LoRA in one autograd node (TrainableLoRA.context).
             out: torch.Tensor = fused(self.layer, self.out_slices, x, self.weight, self.bias)
             return out
+        forked = getattr(lora, "forked_linear", None) if self.has_lora else None
+        if forked is not None:
+            # The Triton context: base GEMM and LoRA, the shrink on a side stream when it has one.
+            out = forked(self.layer, x, self.weight, self.bias, self.lora_a_all, self.lora_b_all, self.out_slices)
+            return out
         y = F.linear(x, self.weight, self.bias)
         if lora is not None and self.has_lora:
             apply_fused = getattr(lora, "apply_fused", None)

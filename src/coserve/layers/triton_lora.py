@@ -14,12 +14,9 @@ A fused linear's output slices (q/k/v, gate/up) share ``x``, so they share both 
 (``[S, k·r, in]``), and each column block of the expand belongs to one slice, whose rank
 columns of ``v`` and rows of the stacked B (``[S, Σ out, r]``) it reads: two launches per linear.
 
-``COSERVE_LORA_ONE_LAUNCH=1`` (:data:`ONE_LAUNCH`, off by default) serves decode-sized steps
-(16-row tiles, see :func:`block_m_for`) in one launch per linear instead
-(:func:`lora_shrink_expand_one_launch`): grid (tiles, Σ out / BLOCK_N) like the expand, each
-program recomputing its slice's shrink for its tile before expanding its columns. At decode a
-launch costs a few microseconds however little it does, so halving the launches may pay for the
-repeated shrinks; it stays off until measured on the GPU.
+One launch per linear (each program repeating its slice's shrink before expanding its columns)
+was measured on the H200 in session 5 and lost: +105% / +92% on a decode step at batch 1 / 16
+against +33% / +25% with the two launches (``bench/results/engine_h200/README.md``); it was removed.
 
 The grid depends only on ``len(order)`` and the weight shapes, and the routing lives in device
 tensors, so the same kernels serve eager prefill segments and CUDA-graph-captured decode steps
@@ -35,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from coserve.layers.triton_attention import jit, num_sms, varying
 
@@ -118,62 +116,12 @@ def _expand_kernel(
         tl.store(ptrs, (y.to(tl.float32) + d).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@varying("n_order")
-def _shrink_expand_kernel(
-    y_ptr, x_ptr, a_ptr, b_ptr, order_ptr, slot_ptr, scale_ptr, n_order,
-    s_yt, s_xt, s_as, s_ar, s_bs, s_bo, d_in, blk1, blk2, blk3, col1, col2, col3, col4,
-    RANK: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    tok = tl.load(order_ptr + offs_m, mask=offs_m < n_order, other=-1).to(tl.int64)
-    slots = tl.load(slot_ptr + tl.maximum(tok, 0), mask=tok >= 0, other=-1)
-    valid = (tok >= 0) & (slots >= 0)
-    slot = tl.max(tl.where(valid, slots, -1), 0)
-    if slot >= 0:
-        # This column block's target i, as in _expand_kernel: output columns [col_i, col_i+1),
-        # column blocks [blk_i, blk_i+1), rows [i·RANK, (i+1)·RANK) of the stacked A.
-        i = (pid_n >= blk1).to(tl.int32) + (pid_n >= blk2).to(tl.int32) + (pid_n >= blk3).to(tl.int32)
-        blk_lo = tl.where(i == 0, 0, tl.where(i == 1, blk1, tl.where(i == 2, blk2, blk3)))
-        col_lo = tl.where(i == 0, 0, tl.where(i == 1, col1, tl.where(i == 2, col2, col3)))
-        col_hi = tl.where(i == 0, col1, tl.where(i == 1, col2, tl.where(i == 2, col3, col4)))
-        offs_r = tl.arange(0, R_PAD)
-        mask_r = offs_r < RANK
-        # Target i's shrink for this tile only, over the whole input dim (no split-K: the
-        # partials would need a second launch); every column block of the target repeats it.
-        v = tl.zeros([BLOCK_M, R_PAD], tl.float32)
-        for k0 in range(0, d_in, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < d_in
-            x = tl.load(x_ptr + tok[:, None] * s_xt + offs_k[None, :], mask=valid[:, None] & mask_k[None, :],
-                        other=0.0)
-            a = tl.load(a_ptr + slot * s_as + (i * RANK + offs_r)[:, None] * s_ar + offs_k[None, :],
-                        mask=mask_r[:, None] & mask_k[None, :], other=0.0)
-            v += tl.dot(x, tl.trans(a))
-        offs_n = col_lo + (pid_n - blk_lo) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < col_hi
-        b = tl.load(b_ptr + slot * s_bs + offs_n[:, None] * s_bo + offs_r[None, :],
-                    mask=mask_n[:, None] & mask_r[None, :], other=0.0)
-        scale = tl.load(scale_ptr + slot)
-        d = tl.dot(v.to(b.dtype), tl.trans(b)) * scale
-        ptrs = y_ptr + tok[:, None] * s_yt + offs_n[None, :]
-        mask = valid[:, None] & mask_n[None, :]
-        y = tl.load(ptrs, mask=mask, other=0.0)
-        tl.store(ptrs, (y.to(tl.float32) + d).to(y_ptr.dtype.element_ty), mask=mask)
-
-
 MAX_FUSED_TARGETS = 4
 """Most output slices one expand launch serves (the kernel's column-block boundaries)."""
 
 FUSED_SLICES = os.environ.get("COSERVE_FUSED_LORA", "1") != "0"
 """Serve a fused linear's slices in shared launches; ``COSERVE_FUSED_LORA=0`` launches per slice
 (the before/after switch of the benchmarks)."""
-
-ONE_LAUNCH = os.environ.get("COSERVE_LORA_ONE_LAUNCH", "0") == "1"
-"""Serve steps of 16-row tiles in one launch per linear (:func:`lora_shrink_expand_one_launch`);
-off unless ``COSERVE_LORA_ONE_LAUNCH=1``, until it is measured on the GPU."""
 
 
 def _pow2_at_least_16(n: int) -> int:
@@ -279,8 +227,7 @@ def lora_shrink_expand_fused(
 ) -> None:
     """:func:`lora_shrink_expand` for the ``k = len(out_sizes)`` output slices of a fused linear,
     which share ``x``, in two launches: one shrink over all ``k·r`` rows of ``a_all``, one expand
-    whose column blocks each belong to one slice. Steps of 16-row tiles go through
-    :func:`lora_shrink_expand_one_launch` instead when :data:`ONE_LAUNCH` is on.
+    whose column blocks each belong to one slice.
 
     Slice ``i`` (columns ``[off_i, off_i + out_i)`` of ``y``, ``off_i = Σ_{j<i} out_j``) gets
     ``y[t, off_i:off_i+out_i] += x[t] @ A_i[s].T @ B_i[s].T · scales[s]`` with
@@ -289,17 +236,25 @@ def lora_shrink_expand_fused(
     y: [T, Σ out] (unit column stride), x: [T, in], a_all: [S, k·r, in], b_all: [S, Σ out, r]
     (unit last strides), k <= :data:`MAX_FUSED_TARGETS`; the rest as :func:`lora_shrink_expand`.
     """
-    if ONE_LAUNCH and launch.block_m == 16:
-        lora_shrink_expand_one_launch(y, x, a_all, b_all, out_sizes, scales, token_slots, order, launch)
-        return
     _check_slices(y, x, a_all, b_all, out_sizes)
-    k = len(out_sizes)
-    t_rows, d_in = x.shape
-    rank = b_all.shape[2]
-    n_order = order.shape[0]
-    if n_order == 0 or t_rows == 0:
+    if order.shape[0] == 0 or x.shape[0] == 0:
         return
-    r_pad = _pow2_at_least_16(k * rank)
+    v = lora_shrink_fused(x, a_all, b_all.shape[2], token_slots, order, launch)
+    lora_expand_fused(y, b_all, v, out_sizes, scales, token_slots, order, launch)
+
+
+def lora_shrink_fused(
+    x: torch.Tensor, a_all: torch.Tensor, rank: int, token_slots: torch.Tensor, order: torch.Tensor,
+    launch: LoRALaunch,
+) -> torch.Tensor:
+    """The shrink half of :func:`lora_shrink_expand_fused`: fp32 partials ``v [split_k, T, R_PAD]``
+    with ``Σ_k v[k, t, :k·r] = x[t] @ a_all[slot(t)].T`` (rows of ``x`` without an adapter are
+    left unwritten; the expand never reads them). It reads only ``x`` and the A stacks, so it can
+    run beside the base linear that reads the same ``x`` (:meth:`TritonLoRA.forked_linear`)."""
+    t_rows, d_in = x.shape
+    k_rank = a_all.shape[1]
+    assert k_rank % rank == 0
+    r_pad = _pow2_at_least_16(k_rank)
     block_k = 64
     split_k = launch.max_split_k
     while split_k > 1 and d_in < split_k * 256:
@@ -307,52 +262,26 @@ def lora_shrink_expand_fused(
     k_per_split = -(-d_in // (split_k * block_k)) * block_k
     v = torch.empty(split_k, t_rows, r_pad, dtype=torch.float32, device=x.device)
     jit(_shrink_kernel)[(launch.num_tiles, split_k)](
-        x, a_all, v, order, token_slots, n_order,
+        x, a_all, v, order, token_slots, order.shape[0],
         x.stride(0), a_all.stride(0), a_all.stride(1), v.stride(0), v.stride(1), d_in, k_per_split,
-        RANK=k * rank, R_PAD=r_pad, BLOCK_M=launch.block_m, BLOCK_K=block_k, num_warps=4,
+        RANK=k_rank, R_PAD=r_pad, BLOCK_M=launch.block_m, BLOCK_K=block_k, num_warps=4,
     )
+    return v
+
+
+def lora_expand_fused(
+    y: torch.Tensor, b_all: torch.Tensor, v: torch.Tensor, out_sizes: Sequence[int], scales: torch.Tensor,
+    token_slots: torch.Tensor, order: torch.Tensor, launch: LoRALaunch,
+) -> None:
+    """The expand half of :func:`lora_shrink_expand_fused`: ``y[t, slice i] += (Σ_k v[k, t, i·r:(i+1)·r])
+    @ B_i[slot(t)].T · scales[slot(t)]`` for the partials ``v`` of :func:`lora_shrink_fused`."""
+    rank = b_all.shape[2]
     block_n, n_blocks, bounds = _column_blocks(out_sizes)
     jit(_expand_kernel)[(launch.num_tiles, n_blocks)](
-        y, b_all, v, order, token_slots, scales, n_order,
+        y, b_all, v, order, token_slots, scales, order.shape[0],
         y.stride(0), b_all.stride(0), b_all.stride(1), v.stride(0), v.stride(1), *bounds,
-        RANK=rank, R_PAD=_pow2_at_least_16(rank), SPLIT_K=split_k, BLOCK_M=launch.block_m,
+        RANK=rank, R_PAD=_pow2_at_least_16(rank), SPLIT_K=v.shape[0], BLOCK_M=launch.block_m,
         BLOCK_N=block_n, num_warps=4,
-    )
-
-
-def lora_shrink_expand_one_launch(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    a_all: torch.Tensor,
-    b_all: torch.Tensor,
-    out_sizes: Sequence[int],
-    scales: torch.Tensor,
-    token_slots: torch.Tensor,
-    order: torch.Tensor,
-    launch: LoRALaunch,
-) -> None:
-    """:func:`lora_shrink_expand_fused` (same arguments, same result up to fp32 rounding) in one
-    launch: grid (tiles, column blocks over Σ out) like the expand, each program computing its
-    tile's shrink for its own slice only (``[BLOCK_M, r]``, over the whole input dim) and then
-    its columns' expand.
-
-    NOTE: each slice's shrink is repeated in every column block of the slice, and never split
-    over ``in`` (``launch.max_split_k`` is ignored): cheap for decode-sized steps, where the
-    launch saved is worth more; larger steps want the two launches.
-    """
-    _check_slices(y, x, a_all, b_all, out_sizes)
-    t_rows, d_in = x.shape
-    rank = b_all.shape[2]
-    n_order = order.shape[0]
-    if n_order == 0 or t_rows == 0:
-        return
-    block_n, n_blocks, bounds = _column_blocks(out_sizes)
-    jit(_shrink_expand_kernel)[(launch.num_tiles, n_blocks)](
-        y, x, a_all, b_all, order, token_slots, scales, n_order,
-        y.stride(0), x.stride(0), a_all.stride(0), a_all.stride(1), b_all.stride(0), b_all.stride(1), d_in,
-        *bounds,
-        RANK=rank, R_PAD=_pow2_at_least_16(rank), BLOCK_M=launch.block_m, BLOCK_K=64, BLOCK_N=block_n,
-        num_warps=4,
     )
 
 
@@ -396,6 +325,9 @@ class TritonLoRA:
     order: torch.Tensor  # [N] int32
     scales: torch.Tensor  # [S] fp32
     launch: LoRALaunch
+    # Set (CUDA only): :meth:`forked_linear` runs each fused linear's shrink on this stream,
+    # beside the base GEMM (a fork and a join inside a captured graph).
+    side_stream: torch.cuda.Stream | None = None
 
     @classmethod
     def from_batch(cls, batch: LoRABatch, scales: torch.Tensor) -> TritonLoRA:
@@ -433,3 +365,37 @@ class TritonLoRA:
             return
         for name, off, a, b in slice_stacks(a_all, b_all, out_slices):
             self.apply(layer, name, x, y[:, off : off + out_slices[name]], a, b)
+
+    def forked_linear(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        a_all: torch.Tensor,
+        b_all: torch.Tensor,
+        out_slices: dict[str, int],
+    ) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` plus :meth:`apply_fused`, the same result; with a
+        :attr:`side_stream`, the shrink (which needs only ``x``) runs on it while the base GEMM
+        runs on the current stream, and the expand joins them. At decode a LoRA launch costs a
+        few microseconds however little it computes, so this hides the shrink's half of them.
+
+        NOTE: ``v`` is allocated on the side stream and last used on the current one; the next
+        fork makes the side stream wait for everything queued on the current one before it
+        reuses any memory, so no ``record_stream`` is needed.
+        """
+        side = self.side_stream
+        if side is None or not FUSED_SLICES or len(out_slices) > MAX_FUSED_TARGETS or self.order.shape[0] == 0:
+            y = F.linear(x, weight, bias)
+            self.apply_fused(layer, x, y, a_all, b_all, out_slices)
+            return y
+        main = torch.cuda.current_stream(x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            v = lora_shrink_fused(x, a_all, b_all.shape[2], self.token_slots, self.order, self.launch)
+        y = F.linear(x, weight, bias)
+        main.wait_stream(side)
+        lora_expand_fused(y, b_all, v, list(out_slices.values()), self.scales, self.token_slots, self.order,
+                          self.launch)
+        return y
