@@ -63,26 +63,39 @@ def probe_arrivals(n: int, seed: int = 0, gap_s: float = 0.5) -> list[Arrival]:
     return out
 
 
-def pause_delays(windows: list[tuple[float, float]], observed: list[float]) -> dict[str, Any]:
+def pause_delays(windows: list[tuple[float, float]], observed: list[float],
+                 layers: list[int] | None = None, num_layers: int | None = None) -> dict[str, Any]:
     """For each grant-cleared window, the delay to the first observed pause inside it; windows in
     which the trainer never paused (it reached no layer boundary before the step ended) are
-    counted apart with their full length."""
-    observed = sorted(observed)
-    delays, missed = [], []
+    counted apart with their full length. With ``layers`` (the boundary of each observed pause,
+    parallel to ``observed``) and ``num_layers``, the delays are also split by where the trainer
+    was: ``loss`` (boundary ``num_layers``), ``commit`` (-1) or ``layer``."""
+    pairs = sorted(zip(observed, layers if layers is not None else [None] * len(observed), strict=True))
+    delays: list[float] = []
+    missed: list[float] = []
+    kinds: dict[str, list[float]] = {}
     j = 0
     for start, end in windows:
-        while j < len(observed) and observed[j] < start:
+        while j < len(pairs) and pairs[j][0] < start:
             j += 1
-        if j < len(observed) and observed[j] <= end:
-            delays.append(observed[j] - start)
+        if j < len(pairs) and pairs[j][0] <= end:
+            delay, layer = pairs[j][0] - start, pairs[j][1]
+            delays.append(delay)
+            if layer is not None:
+                kind = "loss" if layer == num_layers else "commit" if layer < 0 else "layer"
+                kinds.setdefault(kind, []).append(delay)
         else:
             missed.append(end - start)
-    return {
+    out: dict[str, Any] = {
         "windows": len(windows), "paused": len(delays), "not_paused_within_step": len(missed),
         "delay_p50_ms": percentile(delays, 50) * 1e3, "delay_p99_ms": percentile(delays, 99) * 1e3,
         "delay_max_ms": max(delays) * 1e3 if delays else None,
         "unpaused_window_p99_ms": percentile(missed, 99) * 1e3 if missed else None,
     }
+    if kinds:
+        out["by_boundary"] = {k: {"paused": len(v), "delay_p50_ms": percentile(v, 50) * 1e3,
+                                  "delay_p99_ms": percentile(v, 99) * 1e3} for k, v in sorted(kinds.items())}
+    return out
 
 
 def main() -> None:
@@ -162,7 +175,8 @@ def main() -> None:
         "mps": mps,
         "calibration": {"batches": n_cal, "seconds": calibration_s},
         "latency_model_error": errors,
-        "trainer_pause": pause_delays(co.pause_windows, co.pause_observed),
+        "trainer_pause": pause_delays(co.pause_windows, co.pause_observed, co.pause_observed_layers,
+                                      num_layers),
         "ft_only_interruption": {
             "requests": len(ft_only), "interrupted_steps": co.num_interrupted,
             "delay_p50_ms": percentile(ft_only, 50) * 1e3, "delay_p99_ms": percentile(ft_only, 99) * 1e3,

@@ -390,6 +390,37 @@ def test_loss_in_chunks_gives_the_same_loss_and_gradients(
     assert_close_scaled(lora.flat.grad, expected, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kept_mlp", [False, True])
+def test_untrained_mlp_in_pieces_gives_the_same_gradients(
+    models: dict[str, LlamaForCausalLM], monkeypatch: pytest.MonkeyPatch, kept_mlp: bool
+) -> None:
+    """An MLP the adapter does not train is pulled back MLP_CHUNK tokens at a time (recomputed,
+    or from the kept gate/up outputs), with a possible pause after each piece; a trained MLP
+    stays whole. Same loss and gradient as one piece."""
+    import coserve.trainer.backward as backward
+
+    model = models["llama"]
+    samples = random_samples(5, seed=4)
+    for targets, pieced in ((QV, True), (LORA_TARGETS, False)):
+        lora = TrainableLoRA(perturbed_adapter(model, 8, targets, seed=5))
+        kept: list[torch.Tensor] | None = [] if kept_mlp else None
+        store, rows = capture_task(model, lora, samples, mlp_store=kept)
+        mlp = kept[0] if kept else None
+        whole = task_backward(model, lora, store, rows, mlp_store=mlp)
+        expected = lora.flat.grad.clone()
+        lora.flat.grad = None
+        monkeypatch.setattr(backward, "MLP_CHUNK", 4)
+        seen: list[int] = []
+        chunked = task_backward(model, lora, store, rows, at_layer_boundary=seen.append, mlp_store=mlp)
+        monkeypatch.undo()
+        tokens = sum(len(r.labels) for r in rows)
+        # per layer: before and after the attention recompute, before the attention backward, and
+        # one after each MLP piece (a trained MLP: after its recompute and after its backward)
+        assert seen.count(0) == (3 + -(-tokens // 4) if pieced else 4)
+        assert chunked.loss_sum == pytest.approx(whole.loss_sum, rel=1e-6)
+        assert_close_scaled(lora.flat.grad, expected, rtol=1e-5)
+
+
 def test_gradients_accumulate_over_tasks(models: dict[str, LlamaForCausalLM]) -> None:
     model = models["llama"]
     samples = random_samples(6, seed=12)

@@ -45,6 +45,9 @@ def test_paused_worker_stops_at_a_layer_boundary_until_granted() -> None:
     grant.set()
     thread.join(timeout=30)
     assert ran == list(range(model.config.num_layers - 1, -1, -1)) and result
+    # it paused once, at the first boundary: the loss's (boundary L)
+    assert result[0].pause_layers == (model.config.num_layers,)  # type: ignore[attr-defined]
+    assert len(result[0].pause_times) == 1  # type: ignore[attr-defined]
 
 
 def test_trainer_process_pause_resume_and_commit() -> None:

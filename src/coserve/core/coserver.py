@@ -141,6 +141,7 @@ class CoServer:
         self.track = False
         self.pause_windows: list[tuple[float, float]] = []
         self.pause_observed: list[float] = []
+        self.pause_observed_layers: list[int] = []  # the boundary of each (TaskResult.pause_layers)
         # per step: (key with /busy or /idle, the model's regressors, predicted s, measured s,
         # (prefill chunks, FT rows)), each predicted before the model observed it: its error, and
         # the data to refit and judge latency models offline
@@ -373,6 +374,7 @@ class CoServer:
         self.store.reset(region)
         if self.track:
             self.pause_observed.extend(result.pause_times)
+            self.pause_observed_layers.extend(result.pause_layers)
             sent = self._submitted.pop(result.task_id, None)
             if sent is not None:
                 self.task_timings.append((sent[0], time.monotonic(), result.duration_s, sent[1], result.paused_s,

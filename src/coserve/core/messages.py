@@ -53,6 +53,9 @@ class TaskResult:
     # for a CPU-bound backward (spin-waits on the GPU count too), far below it for one that
     # waits on a lock, the scheduler or I/O
     cpu_s: float = 0.0
+    # the boundary of each pause in pause_times: a layer index, L (the layer count) for the
+    # loss, -1 for the optimizer step's commit
+    pause_layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,12 @@ IGNORE_INDEX = -100
 # not measured alone), a likely part of the trainer pause delay's p99 of 12.6 ms
 # (bench/results/coserve_latency_h200.json).
 LOSS_CHUNK = 512
+# Tokens per piece of an untrained MLP's backward (recomputed, or from the kept gate/up output).
+# An MLP is per token, so its input gradient can be pulled back a piece at a time with a pause
+# point between pieces: at the Llama-3 shape a whole 4,096-token MLP half is ~7 ms of GPU work
+# on an H200 (recompute + input gradient), longer beside the engine's prefill; 512 tokens are
+# under 1 ms alone. Trained MLPs keep one piece (their LoRA context routes rows as a whole).
+MLP_CHUNK = 512
 
 
 @dataclass(frozen=True)
@@ -79,9 +85,10 @@ def task_backward(
     (each row causal within itself, positions from 0, no KV cache, LoRA from
     ``lora.context(dropout_key, row_lens)``) and ``∂loss/∂h_{l+1}`` is pulled back to
     ``∂loss/∂h_l`` and the layer's LoRA parameters, the attention half and the MLP half of the
-    layer each on its own. ``at_layer_boundary(l)`` runs four times per layer: before the
-    attention recompute, the MLP recompute, the MLP backward and the attention backward (and
-    with ``l = L`` before each chunk of the loss). The loss is NOT normalized: the caller
+    layer each on its own. ``at_layer_boundary(l)`` runs before the attention recompute, after
+    it, within the MLP half (a trained MLP: after its recompute and after its backward; an
+    untrained one: after each :data:`MLP_CHUNK`-token piece), and before the attention backward
+    (and with ``l = L`` before each chunk of the loss). The loss is NOT normalized: the caller
     divides by the step's target count.
 
     With ``mlp_store`` ``[L, capacity, 2·intermediate]`` (the gate/up outputs the engine kept,
@@ -147,10 +154,10 @@ def task_backward(
             h = layer.attention_half(x, batch.positions, model.rotary, ctx)
             boundary(layer_idx)
             dh: torch.Tensor | None
-            if mlp_store is not None and not any(lora.trains(layer_idx, t) for t in MLP_TARGETS):
-                with torch.no_grad():
-                    dh = grad + _mlp_input_grad(layer, h.detach(), mlp_store[layer_idx, batch.tokens], grad)
-                boundary(layer_idx)
+            trains_mlp = any(lora.trains(layer_idx, t) for t in MLP_TARGETS)
+            if not trains_mlp:
+                dh = _untrained_mlp_input_grad(layer, h.detach(), grad, mlp_store, layer_idx, batch.tokens,
+                                               boundary)
             else:
                 h_in = h.detach().requires_grad_(h.requires_grad)
                 y = layer.mlp_half(h_in, ctx)
@@ -169,6 +176,39 @@ def task_backward(
 
 
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _untrained_mlp_input_grad(
+    layer: DecoderLayer,
+    h: torch.Tensor,
+    grad: torch.Tensor,
+    mlp_store: torch.Tensor | None,
+    layer_idx: int,
+    tokens: torch.Tensor,
+    boundary: Callable[[int], None],
+) -> torch.Tensor:
+    """``∂loss/∂h`` through ``mlp_half(h) = h + mlp(norm(h))`` of a layer whose MLP the adapter
+    does not train, :data:`MLP_CHUNK` tokens at a time with ``boundary(layer_idx)`` after each piece: from
+    the kept gate/up outputs when ``mlp_store`` is given (no forward matmul), else by recomputing
+    the piece with autograd (the MLP's linears then run without LoRA: no trained slice is in them).
+    """
+    parts = []
+    for start in range(0, h.shape[0], MLP_CHUNK):
+        piece = slice(start, start + MLP_CHUNK)
+        if mlp_store is not None:
+            with torch.no_grad():
+                parts.append(grad[piece] + _mlp_input_grad(layer, h[piece], mlp_store[layer_idx, tokens[piece]],
+                                                           grad[piece]))
+        else:
+            h_in = h[piece].detach().requires_grad_(True)
+            with torch.enable_grad():
+                y = h_in + layer.mlp(layer.post_attention_layernorm(h_in), None, None)
+                torch.autograd.backward(y, grad[piece])
+            assert h_in.grad is not None
+            parts.append(h_in.grad)
+            del y
+        boundary(layer_idx)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _mlp_input_grad(layer: DecoderLayer, h: torch.Tensor, gate_up: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:

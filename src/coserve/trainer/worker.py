@@ -75,7 +75,7 @@ class _Worker:
         self.loss_sum = 0.0
         self.num_targets = 0
         self._events: list[torch.cuda.Event] = []
-        self._pauses: list[float] = []
+        self._pauses: list[tuple[float, int]] = []  # (time.monotonic(), boundary layer)
         self._paused_s = 0.0
         self._gpu_wait_s = 0.0
         bank = int(spec.meta[0])
@@ -97,11 +97,12 @@ class _Worker:
             self.loss_sum, self.num_targets = 0.0, 0
             self._commit()
             info = StepInfo(task.step, res.lr, res.grad_norm, res.skipped)
-        pauses, self._pauses = tuple(self._pauses), []
+        pauses, self._pauses = self._pauses, []
         paused, self._paused_s = self._paused_s, 0.0
         gpu_wait, self._gpu_wait_s = self._gpu_wait_s, 0.0
-        return TaskResult(task.task_id, loss.loss_sum, loss.num_targets, time.perf_counter() - start, info, pauses,
-                          paused, gpu_wait, time.thread_time() - cpu_start)
+        return TaskResult(task.task_id, loss.loss_sum, loss.num_targets, time.perf_counter() - start, info,
+                          tuple(t for t, _ in pauses), paused, gpu_wait, time.thread_time() - cpu_start,
+                          tuple(layer for _, layer in pauses))
 
     def _layer_boundary(self, layer: int) -> None:
         """Pause here while the engine runs a prefill; keep GPU work queued ahead of the CPU to
@@ -119,7 +120,7 @@ class _Worker:
             began = time.perf_counter()
             if self.spec.store.is_cuda:
                 torch.cuda.current_stream().synchronize()
-            self._pauses.append(time.monotonic())
+            self._pauses.append((time.monotonic(), layer))
             grant.wait()
             self._paused_s += time.perf_counter() - began
 

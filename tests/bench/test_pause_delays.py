@@ -1,0 +1,35 @@
+"""bench/coserve_latency.py's pause-delay summary: first pause in each grant-cleared window, split
+by the boundary the trainer paused at."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).parents[2] / "bench"
+sys.path.insert(0, str(BENCH))  # coserve_latency imports speed_common from its folder
+spec = importlib.util.spec_from_file_location("coserve_latency", BENCH / "coserve_latency.py")
+assert spec is not None and spec.loader is not None
+coserve_latency = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(coserve_latency)
+
+
+def test_first_pause_per_window_and_split_by_boundary() -> None:
+    windows = [(1.0, 1.1), (2.0, 2.1), (3.0, 3.1), (4.0, 4.1)]
+    # window 1: paused at a layer after 2 ms (a later pause in it is ignored); window 2: at the
+    # loss after 8 ms; window 3: never (the pause at 3.2 is after it); window 4: at the commit
+    observed = [1.05, 1.002, 2.008, 3.2, 4.004]
+    layers = [3, 5, 32, 7, -1]
+    got = coserve_latency.pause_delays(windows, observed, layers, num_layers=32)
+    assert (got["windows"], got["paused"], got["not_paused_within_step"]) == (4, 3, 1)
+    assert got["delay_max_ms"] == pytest.approx(8.0)
+    assert got["unpaused_window_p99_ms"] == pytest.approx(100.0)
+    by = got["by_boundary"]
+    assert set(by) == {"layer", "loss", "commit"}
+    assert by["layer"]["delay_p50_ms"] == pytest.approx(2.0)
+    assert by["loss"]["delay_p99_ms"] == pytest.approx(8.0)
+    assert by["commit"]["paused"] == 1 and by["commit"]["delay_p50_ms"] == pytest.approx(4.0)
+    assert "by_boundary" not in coserve_latency.pause_delays(windows, observed)
