@@ -15,7 +15,8 @@
 #   grid           the full bench/engine_speed.py grid (issue 3)
 #   trace_coserve  bench/trace_vs_hf.py, coserve's side (issue 3 item 4)
 #   trace_peer     bench/trace_vs_hf.py, the transformers peer's side (same arrivals)
-#   latency        bench/coserve_latency.py (issue 5: latency-model error, pause delay)
+#   latency        bench/coserve_latency.py (issue 5: latency-model error, pause delay), the trainer
+#                  at a 50% MPS share; latency=N: at N% (latency=100: no share)
 #   eager          bench/eager_cpu.py without and with --prefill-graphs
 #   eval=SPEC      bench/eval_device.sh SPEC on this lane's GPU (SPEC as there: WORKLOAD=RATE[=EXTRA],
 #                  with $BUDGET and $BENCH_FLAGS), its archive kept as first/eval.tar.gz
@@ -74,6 +75,11 @@ job() {
       run latency "$top/verify/coserve_latency.log" python3 bench/coserve_latency.py \
         --trace .traces/azure2023_conv.csv --duration 60 --trainer-sm-share 50 --no-reference \
         --out "$top/verify/coserve_latency.json" ;;
+    latency=*)
+      share=${1#latency=}; share_flags=(); (( share < 100 )) && share_flags=(--trainer-sm-share "$share")
+      run "$1" "$top/coserve_latency_share$share.log" python3 bench/coserve_latency.py \
+        --trace .traces/azure2023_conv.csv --duration 60 "${share_flags[@]}" --no-reference \
+        --out "$top/coserve_latency_share$share.json" ;;
     eager)
       run eager_off "$top/eager_cpu_off.log" python3 bench/eager_cpu.py --conditions idle \
         --out "$top/eager_cpu_off.json"
