@@ -33,11 +33,12 @@ IGNORE_INDEX = -100
 # not measured alone), a likely part of the trainer pause delay's p99 of 12.6 ms
 # (bench/results/coserve_latency_h200.json).
 LOSS_CHUNK = 512
-# Tokens per piece of an untrained MLP's backward (recomputed, or from the kept gate/up output).
+# Tokens per piece of an untrained MLP's backward (gate/up recomputed, or from the kept output).
 # An MLP is per token, so its input gradient can be pulled back a piece at a time with a pause
-# point between pieces: at the Llama-3 shape a whole 4,096-token MLP half is ~7 ms of GPU work
-# on an H200 (recompute + input gradient), longer beside the engine's prefill; 512 tokens are
-# under 1 ms alone. Trained MLPs keep one piece (their LoRA context routes rows as a whole).
+# point between pieces: at the Llama-3 shape a whole 4,096-token MLP half is ~2.4 TFLOP (gate/up
+# recompute + input gradient), ~3 ms on an H200 alone and longer beside the engine's prefill; a
+# 512-token piece is well under 1 ms. Trained MLPs keep one piece (their LoRA context routes rows
+# as a whole) and autograd.
 MLP_CHUNK = 512
 
 
@@ -188,26 +189,23 @@ def _untrained_mlp_input_grad(
     boundary: Callable[[int], None],
 ) -> torch.Tensor:
     """``∂loss/∂h`` through ``mlp_half(h) = h + mlp(norm(h))`` of a layer whose MLP the adapter
-    does not train, :data:`MLP_CHUNK` tokens at a time with ``boundary(layer_idx)`` after each piece: from
-    the kept gate/up outputs when ``mlp_store`` is given (no forward matmul), else by recomputing
-    the piece with autograd (the MLP's linears then run without LoRA: no trained slice is in them).
+    does not train, by hand (:func:`_mlp_input_grad`, no autograd), :data:`MLP_CHUNK` tokens at a
+    time with ``boundary(layer_idx)`` after each piece. The gate/up output it needs comes from
+    ``mlp_store`` when the engine kept it, else it is recomputed (one matmul; the MLP's linears
+    run without LoRA: no trained slice is in them). The down projection's forward is never
+    needed: the input gradient only reads its weight.
     """
     parts = []
-    for start in range(0, h.shape[0], MLP_CHUNK):
-        piece = slice(start, start + MLP_CHUNK)
-        if mlp_store is not None:
-            with torch.no_grad():
-                parts.append(grad[piece] + _mlp_input_grad(layer, h[piece], mlp_store[layer_idx, tokens[piece]],
-                                                           grad[piece]))
-        else:
-            h_in = h[piece].detach().requires_grad_(True)
-            with torch.enable_grad():
-                y = h_in + layer.mlp(layer.post_attention_layernorm(h_in), None, None)
-                torch.autograd.backward(y, grad[piece])
-            assert h_in.grad is not None
-            parts.append(h_in.grad)
-            del y
-        boundary(layer_idx)
+    with torch.no_grad():
+        for start in range(0, h.shape[0], MLP_CHUNK):
+            piece = slice(start, start + MLP_CHUNK)
+            if mlp_store is not None:
+                gate_up = mlp_store[layer_idx, tokens[piece]]
+            else:
+                gate_up = layer.mlp.gate_up_proj(layer.post_attention_layernorm(h[piece]), None)
+            parts.append(grad[piece] + _mlp_input_grad(layer, h[piece], gate_up, grad[piece]))
+            del gate_up
+            boundary(layer_idx)
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
