@@ -75,7 +75,8 @@ def report(result: dict[str, Any]) -> dict[str, Any]:
             if label == "ft_only" and "ft_tokens" in cols:
                 entry["median_ft_tokens"] = _median([col(r, "ft_tokens") for r in chosen])
             summary[label] = entry
-        for key in ("backward_tasks", "cuda_allocator", "gpu_clock_mhz", "attainment_abs", "ft_tokens_per_s"):
+        for key in ("backward_tasks", "admission", "cuda_allocator", "gpu_clock_mhz", "attainment_abs",
+                    "ft_tokens_per_s"):
             summary[key] = fig.get(key)
         out[name] = summary
     return out

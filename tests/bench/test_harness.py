@@ -17,6 +17,7 @@ from coserve.bench.configs import CONFIGS, RunKind
 from coserve.bench.harness import BenchSpec, bracket_rate, run_bench
 from coserve.bench.plots import MISSING, write_plots
 from coserve.bench.runners import RUNNERS
+from coserve.core.admission import Reason
 from coserve.server.cli import main
 
 ARGS = [
@@ -123,6 +124,15 @@ def test_every_configuration_runs_on_the_same_arrivals(
         # prefill chunks and FT rows: FT-only steps have FT rows and no chunk
         assert all(len(r[4]) == 2 and min(r[4]) >= 0 for r in rows)
         assert any(r[4][1] > 0 for r in rows), name
+        # why each planned step did or did not take FT rows: every step that ran FT rows was
+        # "added"; the reasons are admission's own labels
+        admission = figures[name]["admission"]
+        kinds = {k.split(":")[0] for k in admission}
+        assert kinds <= {"inference", "ft-only"} and all(n > 0 for n in admission.values()), name
+        added = admission.get("inference:added", 0) + admission.get("ft-only:added", 0)
+        assert added >= sum(1 for r in figures[name]["steps"]["rows"] if r[4][1] > 0), name
+        labels = {str(r) for r in Reason} | {"added", "task_full"}
+        assert {k.split(":")[1] for k in admission} <= labels, name
     assert result["config"]["ft"]["grad_accum"] == 2 and result["config"]["burn_in_s"] == 1.0
     for name, f in figures.items():
         spent = f["step_seconds"]

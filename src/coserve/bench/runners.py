@@ -269,6 +269,7 @@ def run_coserve(ctx: BenchContext, config: RunConfig) -> RunOutcome:
         co.latency.load_state_dict(ctx.latency_state)
         co.task_timings.clear()
         co.step_log.clear()
+        co.admission_counts.clear()
         co.track = True
         steps, interrupted, logged = co.steps_done, co.num_interrupted, len(session.history)
         r = _replay(ctx, ft_tokens=lambda: co.tokens_trained, idle_wait=session.wait)
@@ -286,6 +287,7 @@ def run_coserve(ctx: BenchContext, config: RunConfig) -> RunOutcome:
                 "interrupted_steps": co.num_interrupted - interrupted,
                 "trainer_restarts": co.num_restarts,
                 "backward_tasks": task_breakdown(co.task_timings, replay.duration_s),
+                "admission": dict(sorted(co.admission_counts.items())),
                 "steps": step_table(co.step_log),
             },
         )

@@ -142,6 +142,10 @@ class CoServer:
         self.pause_windows: list[tuple[float, float]] = []
         self.pause_observed: list[float] = []
         self.pause_observed_layers: list[int] = []  # the boundary of each (TaskResult.pause_layers)
+        # per planned step while tracking: "inference:<reason>" or "ft-only:<reason>" -> steps, the
+        # reason being why admission added no more FT rows (admission.Reason), "task_full" when
+        # the task being filled was full, "added" when it added some: why FT rows did or did not ride
+        self.admission_counts: dict[str, int] = {}
         # per step: (key with /busy or /idle, the model's regressors, predicted s, measured s,
         # (prefill chunks, FT rows)), each predicted before the model observed it: its error, and
         # the data to refit and judge latency models offline
@@ -193,10 +197,11 @@ class CoServer:
             return []
         if self._in_flight and self._must_pause(view):
             self._pause()
+        ft_only = not view.has_inference
         if self._task_full():
+            self._count(ft_only, "task_full")
             return []
         region = None if self._admission_closed() else self._free_region()
-        ft_only = not view.has_inference
         decision = admit(
             view, self.pool.candidates(), model=self.latency, slo=self.slo,
             backward_running=region is None, capacity_tokens=self.store.free(region or 0),
@@ -211,6 +216,8 @@ class CoServer:
                 break
             picked.append(sample)
             task_tokens += sample.num_tokens
+        self._count(ft_only, "added" if picked and region is not None
+                    else "task_full" if decision.samples else str(decision.reason))
         if not picked or region is None:
             return []
         ft_lens = [s.num_tokens for s in picked]
@@ -232,6 +239,11 @@ class CoServer:
             offset += s.num_tokens
         first_row = len(self._task_rows)
         return [FTRow(s.sample_id, s.input_ids, self._dropout_key(first_row + j)) for j, s in enumerate(picked)]
+
+    def _count(self, ft_only: bool, what: str) -> None:
+        if self.track:
+            key = f"{'ft-only' if ft_only else 'inference'}:{what}"
+            self.admission_counts[key] = self.admission_counts.get(key, 0) + 1
 
     def _pause(self) -> None:
         self.trainer.pause()  # NOTE: set again in on_step_end, whatever happens in between
