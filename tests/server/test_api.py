@@ -244,6 +244,8 @@ def test_coserving_trains_while_serving(tmp_path: Path) -> None:
                      "coserve_slo_requests_total"):
             assert name in text, name
         assert "coserve_finetune_tokens_trained_total" in text
+        # why steps did or did not carry FT rows: at least some had rows added
+        assert 'coserve_finetune_admission_steps_total{outcome="added",step=' in text
     assert (tmp_path / "out" / "adapter" / "adapter_config.json").is_file(), "exported at shutdown"
     assert s.engine_thread.stats.adapter_path is not None
     assert engine.coserver is None, "the session was closed"

@@ -142,9 +142,9 @@ class CoServer:
         self.pause_windows: list[tuple[float, float]] = []
         self.pause_observed: list[float] = []
         self.pause_observed_layers: list[int] = []  # the boundary of each (TaskResult.pause_layers)
-        # per planned step while tracking: "inference:<reason>" or "ft-only:<reason>" -> steps, the
-        # reason being why admission added no more FT rows (admission.Reason), "task_full" when
-        # the task being filled was full, "added" when it added some: why FT rows did or did not ride
+        # per planned step: "inference:<outcome>" or "ft-only:<outcome>" -> steps, the outcome
+        # being "added" (FT rows added), "task_full" (the task being filled was full) or why
+        # admission added none (admission.Reason): why FT rows did or did not ride (/metrics, bench)
         self.admission_counts: dict[str, int] = {}
         # per step: (key with /busy or /idle, the model's regressors, predicted s, measured s,
         # (prefill chunks, FT rows)), each predicted before the model observed it: its error, and
@@ -241,9 +241,8 @@ class CoServer:
         return [FTRow(s.sample_id, s.input_ids, self._dropout_key(first_row + j)) for j, s in enumerate(picked)]
 
     def _count(self, ft_only: bool, what: str) -> None:
-        if self.track:
-            key = f"{'ft-only' if ft_only else 'inference'}:{what}"
-            self.admission_counts[key] = self.admission_counts.get(key, 0) + 1
+        key = f"{'ft-only' if ft_only else 'inference'}:{what}"
+        self.admission_counts[key] = self.admission_counts.get(key, 0) + 1
 
     def _pause(self) -> None:
         self.trainer.pause()  # NOTE: set again in on_step_end, whatever happens in between

@@ -63,6 +63,13 @@ class _EngineCollector(Collector):
                                     float(s.ft_failed))
             if s.ft_loss is not None:
                 yield GaugeMetricFamily("coserve_finetune_loss", "Loss of the last optimizer step.", s.ft_loss)
+            admission = CounterMetricFamily(
+                "coserve_finetune_admission_steps", "Steps planned while fine-tuning, by step kind (inference, "
+                "ft-only) and outcome: FT rows added, the task full, or why admission added none.",
+                labels=["step", "outcome"])
+            for (kind, outcome), n in s.ft_admission:
+                admission.add_metric([kind, outcome], n)
+            yield admission
 
 
 class ServerMetrics:
