@@ -204,11 +204,14 @@ def _plain_rows(
             runs.append((1, n))
     sizes = [rows * n for rows, n in runs]
     heads, dim = q.shape[1:]
+    # K/V heads repeated once for every run (one copy and, in the backward, one reduction each,
+    # instead of one per run: the trainer's rows come in many lengths)
+    k, v = _repeat_heads(k, group), _repeat_heads(v, group)
     outs = []
     for (rows, n), qs, ks, vs in zip(runs, q.split(sizes), k.split(sizes), v.split(sizes), strict=True):
         qq = qs.view(rows, n, heads, dim).transpose(1, 2)
-        kk = _repeat_heads(ks, group).view(rows, n, heads, dim).transpose(1, 2)
-        vv = _repeat_heads(vs, group).view(rows, n, heads, dim).transpose(1, 2)
+        kk = ks.view(rows, n, heads, dim).transpose(1, 2)
+        vv = vs.view(rows, n, heads, dim).transpose(1, 2)
         o = sdpa(qq, kk, vv, is_causal=n > 1, scale=scale)
         outs.append(o.transpose(1, 2).reshape(rows * n, heads, dim))
     return torch.cat(outs) if len(outs) > 1 else outs[0]
