@@ -90,6 +90,7 @@ def test_every_configuration_runs_on_the_same_arrivals(
         tl = f["timeline"]
         assert len(tl["t_s"]) == len(tl["ft_tokens_per_s"]) == len(tl["attainment_abs"]) >= 1
         assert f["gpu_utilization"] is None and f["gpu_clock_mhz"] is None  # CPU
+        assert tl["gpu_utilization"] == [] and tl["gpu_clock_mhz"] == []  # no samples either
         assert f["cuda_allocator"] is None
         assert f["profile"] is None
         steps = f["engine_steps"]

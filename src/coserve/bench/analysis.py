@@ -98,6 +98,9 @@ def summarize(
             if relative
             else None,
             "gpu_utilization": [list(s) for s in outcome.gpu_utilization],
+            # the SM clock read with each utilization sample (same order; empty where the device
+            # does not report it): a step's time scales with it, which the latency model cannot see
+            "gpu_clock_mhz": list(outcome.gpu_clock_mhz),
         },
         "per_request": {
             "arrival_s": [r.arrival_s for r in records],
