@@ -32,6 +32,22 @@ KERNEL_TOL = {torch.float32: 3e-3 if torch.cuda.is_available() else 1e-4, torch.
               torch.bfloat16: 1.5e-2}
 
 
+def greedy_with_logprobs(
+    llm: Any, prompts: list[list[int]], loras: list[Any], max_tokens: int
+) -> list[tuple[list[int], list[float]]]:
+    """``(token ids, log-prob of each)`` of greedy generation (EOS ignored) for each prompt, with
+    ``loras[i]`` (a ``LoRARequest`` or None) on prompt ``i``: what engine-path tests compare."""
+    from coserve import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1, ignore_eos=True)
+    result = []
+    for o in llm.generate(prompts, params, lora_request=loras):
+        got = o.outputs[0]
+        assert got.logprobs is not None
+        result.append((got.token_ids, [lp[t] for lp, t in zip(got.logprobs, got.token_ids, strict=True)]))
+    return result
+
+
 def triton_unavailable() -> str | None:
     """Why Triton kernels cannot run here (compiled on a GPU, in Triton's interpreter on the
     CPU), or None; without a GPU it makes sure the interpreter is on."""

@@ -7,13 +7,14 @@ static buffers eagerly (``capture=False``); with one, graphs are captured and re
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from coserve import LLM, EngineConfig, LoRARequest, SamplingParams
+from coserve import LLM, EngineConfig, LoRARequest
 from coserve.engine.model_runner import BatchRow
-from tests.conftest import make_peft_adapter, triton_unavailable
+from tests.conftest import greedy_with_logprobs, make_peft_adapter, triton_unavailable
 
 CUDA = torch.cuda.is_available()
 
@@ -52,14 +53,18 @@ def test_graph_buckets_and_acceptance(hf_models: dict[str, Path]) -> None:
 
 
 def generate(llm: LLM, loras: list[LoRARequest | None]) -> list[tuple[list[int], list[float]]]:
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, logprobs=1, ignore_eos=True)
-    outs = llm.generate(PROMPTS, params, lora_request=loras)
-    result = []
-    for o in outs:
-        got = o.outputs[0]
-        assert got.logprobs is not None
-        result.append((got.token_ids, [lp[t] for lp, t in zip(got.logprobs, got.token_ids, strict=True)]))
-    return result
+    return greedy_with_logprobs(llm, PROMPTS, loras, NEW_TOKENS)
+
+
+def _two_adapters(base: Path, tmp_path: Path) -> tuple[list[LoRARequest | None], dict[str, Any]]:
+    """Two adapters on different targets and ranks plus a row without one, and the engine
+    settings (small graphs, on the GPU where there is one) the graph tests run them with."""
+    a1 = make_peft_adapter(base, tmp_path / "a1", ["q_proj", "v_proj", "down_proj"], rank=8, seed=1)
+    a2 = make_peft_adapter(base, tmp_path / "a2", ["k_proj", "o_proj", "gate_proj", "up_proj"], rank=16, seed=2)
+    common: dict[str, Any] = dict(skip_tokenizer_init=True, max_loras=2, max_lora_rank=16, block_size=4,
+                                  max_model_len=64, num_kv_blocks=64, max_num_batched_tokens=16,
+                                  cuda_graph_batch_sizes=(1, 2, 4), **({"device": "cuda"} if CUDA else {}))
+    return [LoRARequest("a1", str(a1)), None, LoRARequest("a2", str(a2))], common
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
@@ -68,13 +73,7 @@ def test_triton_engine_matches_torch_engine(arch: str, hf_models: dict[str, Path
     path) equal the torch reference engine's, with two adapters and no adapter in one batch."""
     triton_or_skip()
     base = hf_models[arch]
-    a1 = make_peft_adapter(base, tmp_path / "a1", ["q_proj", "v_proj", "down_proj"], rank=8, seed=1)
-    a2 = make_peft_adapter(base, tmp_path / "a2", ["k_proj", "o_proj", "gate_proj", "up_proj"], rank=16, seed=2)
-    loras = [LoRARequest("a1", str(a1)), None, LoRARequest("a2", str(a2))]
-    common: dict = dict(skip_tokenizer_init=True, max_loras=2, max_lora_rank=16, block_size=4,
-                        max_model_len=64, num_kv_blocks=64, max_num_batched_tokens=16, cuda_graph_batch_sizes=(1, 2, 4))
-    if CUDA:
-        common["device"] = "cuda"
+    loras, common = _two_adapters(base, tmp_path)
     expected = generate(LLM(str(base), **common), loras)
 
     llm = LLM(str(base), attention_backend="triton", lora_backend="triton", enforce_eager=True, **common)
@@ -115,11 +114,7 @@ def test_forked_lora_shrink_in_graphs_matches_torch_engine(
     from coserve.engine import cuda_graph
 
     base = hf_models["llama"]
-    a1 = make_peft_adapter(base, tmp_path / "a1", ["q_proj", "v_proj", "down_proj"], rank=8, seed=1)
-    a2 = make_peft_adapter(base, tmp_path / "a2", ["k_proj", "o_proj", "gate_proj", "up_proj"], rank=16, seed=2)
-    loras = [LoRARequest("a1", str(a1)), None, LoRARequest("a2", str(a2))]
-    common: dict = dict(skip_tokenizer_init=True, max_loras=2, max_lora_rank=16, block_size=4, device="cuda",
-                        max_model_len=64, num_kv_blocks=64, max_num_batched_tokens=16, cuda_graph_batch_sizes=(1, 2, 4))
+    loras, common = _two_adapters(base, tmp_path)
     expected = generate(LLM(str(base), **common), loras)
     monkeypatch.setattr(cuda_graph, "LORA_FORK", True)
     llm = LLM(str(base), attention_backend="triton", lora_backend="triton", **common)

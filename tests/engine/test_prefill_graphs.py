@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from coserve import LLM, EngineConfig, LoRARequest, SamplingParams
+from coserve import LLM, EngineConfig, LoRARequest
 from coserve.engine.model_runner import BatchRow
 from coserve.engine.prefill_graphs import PrefillGraphs
 from coserve.models.llama import ForwardContext
-from tests.conftest import make_peft_adapter, triton_unavailable
+from tests.conftest import greedy_with_logprobs, make_peft_adapter, triton_unavailable
 
 CUDA = torch.cuda.is_available()
 COMMON: dict = dict(skip_tokenizer_init=True, block_size=4, max_model_len=64, num_kv_blocks=64,
@@ -51,13 +51,7 @@ def test_segments_equal_the_eager_forward(hf_models: dict[str, Path]) -> None:
 
 
 def generate(llm: LLM, loras: list[LoRARequest | None]) -> list[tuple[list[int], list[float]]]:
-    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1, ignore_eos=True)
-    out = []
-    for o in llm.generate(PROMPTS, params, lora_request=loras):
-        got = o.outputs[0]
-        assert got.logprobs is not None
-        out.append((got.token_ids, [lp[t] for lp, t in zip(got.logprobs, got.token_ids, strict=True)]))
-    return out
+    return greedy_with_logprobs(llm, PROMPTS, loras, 6)
 
 
 def test_engine_with_prefill_graphs_generates_the_same(hf_models: dict[str, Path], tmp_path: Path) -> None:

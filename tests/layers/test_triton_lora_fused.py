@@ -22,7 +22,7 @@ _SKIP = triton_unavailable()
 if _SKIP is not None:
     pytest.skip(_SKIP, allow_module_level=True)
 
-from coserve import LLM, LoRARequest, SamplingParams  # noqa: E402
+from coserve import LLM, LoRARequest  # noqa: E402
 from coserve.layers import triton_lora  # noqa: E402
 from coserve.layers.lora import (  # noqa: E402
     LoRABatch,
@@ -32,7 +32,7 @@ from coserve.layers.lora import (  # noqa: E402
     lora_segments_ref,
 )
 from coserve.layers.triton_lora import TritonLoRA, slice_stacks  # noqa: E402
-from tests.conftest import make_peft_adapter  # noqa: E402
+from tests.conftest import greedy_with_logprobs, make_peft_adapter  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 DTYPES = KERNEL_DTYPES
@@ -186,13 +186,7 @@ def test_row_dropout_fused_equals_per_target() -> None:
 
 
 def _generate(llm: LLM, prompts: list[list[int]], loras: list[LoRARequest | None]) -> list[tuple[list[int], list[float]]]:
-    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1, ignore_eos=True)
-    result = []
-    for o in llm.generate(prompts, params, lora_request=loras):
-        got = o.outputs[0]
-        assert got.logprobs is not None
-        result.append((got.token_ids, [lp[t] for lp, t in zip(got.logprobs, got.token_ids, strict=True)]))
-    return result
+    return greedy_with_logprobs(llm, prompts, loras, 6)
 
 
 def test_engine_two_launches_per_linear_and_same_tokens(

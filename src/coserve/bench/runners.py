@@ -287,7 +287,7 @@ def run_coserve(ctx: BenchContext, config: RunConfig) -> RunOutcome:
                 "interrupted_steps": co.num_interrupted - interrupted,
                 "trainer_restarts": co.num_restarts,
                 "backward_tasks": task_breakdown(co.task_timings, replay.duration_s),
-                "admission": dict(sorted(co.admission_counts.items())),
+                "admission": {f"{kind}:{outcome}": n for (kind, outcome), n in sorted(co.admission_counts.items())},
                 "steps": step_table(co.step_log),
             },
         )

@@ -142,10 +142,10 @@ class CoServer:
         self.pause_windows: list[tuple[float, float]] = []
         self.pause_observed: list[float] = []
         self.pause_observed_layers: list[int] = []  # the boundary of each (TaskResult.pause_layers)
-        # per planned step: "inference:<outcome>" or "ft-only:<outcome>" -> steps, the outcome
-        # being "added" (FT rows added), "task_full" (the task being filled was full) or why
-        # admission added none (admission.Reason): why FT rows did or did not ride (/metrics, bench)
-        self.admission_counts: dict[str, int] = {}
+        # planned steps by (step kind: "inference" | "ft-only", outcome: "added" (FT rows added),
+        # "task_full" (the task being filled was full) or why admission added none
+        # (admission.Reason)): why FT rows did or did not ride (/metrics, bench)
+        self.admission_counts: dict[tuple[str, str], int] = {}
         # per step: (key with /busy or /idle, the model's regressors, predicted s, measured s,
         # (prefill chunks, FT rows)), each predicted before the model observed it: its error, and
         # the data to refit and judge latency models offline
@@ -240,8 +240,8 @@ class CoServer:
         first_row = len(self._task_rows)
         return [FTRow(s.sample_id, s.input_ids, self._dropout_key(first_row + j)) for j, s in enumerate(picked)]
 
-    def _count(self, ft_only: bool, what: str) -> None:
-        key = f"{'ft-only' if ft_only else 'inference'}:{what}"
+    def _count(self, ft_only: bool, outcome: str) -> None:
+        key = ("ft-only" if ft_only else "inference", outcome)
         self.admission_counts[key] = self.admission_counts.get(key, 0) + 1
 
     def _pause(self) -> None:

@@ -25,9 +25,8 @@ import numpy as np
 import torch
 
 from coserve.layers.attention import AttentionBackend, AttentionMetadata
-from coserve.layers.triton_attention import num_sms
 from coserve.layers.triton_lora import (
-    LoRALaunch,
+    ForkedTritonLoRA,
     TritonLoRA,
     block_m_for,
     graph_order_length,
@@ -165,12 +164,12 @@ class DecodeGraphs:
             context_lens_list=[self.max_model_len] * b,
             block_tables_list=[],
         )
-        lora = None
-        if key.with_lora:
-            length = graph_order_length(b, self.num_slots)
-            launch = LoRALaunch.for_order(length, block_m_for(b), num_sms(self.device))
-            lora = TritonLoRA(self.token_slots[:b], self.lora_order[:length], self.lora_scales, launch,
-                              side_stream=self._lora_stream)
+        lora: TritonLoRA | None = None
+        if key.with_lora and self._lora_stream is not None:
+            lora = ForkedTritonLoRA.for_graph(self.token_slots, self.lora_order, self.lora_scales, b,
+                                              self.num_slots, side_stream=self._lora_stream)
+        elif key.with_lora:
+            lora = TritonLoRA.for_graph(self.token_slots, self.lora_order, self.lora_scales, b, self.num_slots)
         ctx = ForwardContext(attn=meta, kv_cache=self.kv_cache, lora=lora, backend=self.backend)
         hidden = self.model(self.input_ids[:b], self.positions[:b], ctx)
         self.logits[:b].copy_(self.model.compute_logits(hidden))

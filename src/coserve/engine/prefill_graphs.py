@@ -31,9 +31,7 @@ import torch
 from coserve.engine.cuda_graph import capture_graphs
 from coserve.layers.attention import AttentionBackend, AttentionMetadata
 from coserve.layers.lora import LoRABatch
-from coserve.layers.triton_attention import num_sms
 from coserve.layers.triton_lora import (
-    LoRALaunch,
     TritonLoRA,
     block_m_for,
     graph_order_length,
@@ -101,9 +99,7 @@ class PrefillGraphs:
         if not with_lora:
             return None
         assert self.lora_scales is not None
-        length = graph_order_length(b, max(self.num_slots, 1))
-        launch = LoRALaunch.for_order(length, block_m_for(b), num_sms(self.kv_cache.device))
-        return TritonLoRA(self.token_slots[:b], self.lora_order[:length], self.lora_scales, launch)
+        return TritonLoRA.for_graph(self.token_slots, self.lora_order, self.lora_scales, b, self.num_slots)
 
     # ------------------------------------------------------------------ segments
 

@@ -205,7 +205,7 @@ class LoRALinear(nn.Module):
             return out
         forked = getattr(lora, "forked_linear", None) if self.has_lora else None
         if forked is not None:
-            # The Triton context: base GEMM and LoRA, the shrink on a side stream when it has one.
+            # Captured decode graphs (ForkedTritonLoRA): the LoRA shrink beside the base GEMM.
             out = forked(self.layer, x, self.weight, self.bias, self.lora_a_all, self.lora_b_all, self.out_slices)
             return out
         y = F.linear(x, self.weight, self.bias)

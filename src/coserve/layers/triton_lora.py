@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 import torch.nn.functional as F
@@ -325,9 +325,16 @@ class TritonLoRA:
     order: torch.Tensor  # [N] int32
     scales: torch.Tensor  # [S] fp32
     launch: LoRALaunch
-    # Set (CUDA only): :meth:`forked_linear` runs each fused linear's shrink on this stream,
-    # beside the base GEMM (a fork and a join inside a captured graph).
-    side_stream: torch.cuda.Stream | None = None
+
+    @classmethod
+    def for_graph(cls, token_slots: torch.Tensor, order: torch.Tensor, scales: torch.Tensor, batch_size: int,
+                  num_slots: int, **extra: Any) -> Self:
+        """The context of a CUDA graph of ``batch_size`` tokens over the static routing buffers
+        ``token_slots`` and ``order`` (long enough for the largest graph; see
+        :func:`graph_order_length`), which the runner refills before each replay."""
+        length = graph_order_length(batch_size, max(num_slots, 1))
+        launch = LoRALaunch.for_order(length, block_m_for(batch_size), num_sms(token_slots.device))
+        return cls(token_slots[:batch_size], order[:length], scales, launch, **extra)
 
     @classmethod
     def from_batch(cls, batch: LoRABatch, scales: torch.Tensor) -> TritonLoRA:
@@ -366,6 +373,17 @@ class TritonLoRA:
         for name, off, a, b in slice_stacks(a_all, b_all, out_slices):
             self.apply(layer, name, x, y[:, off : off + out_slices[name]], a, b)
 
+
+@dataclass
+class ForkedTritonLoRA(TritonLoRA):
+    """:class:`TritonLoRA` for captured decode graphs whose fused linears run their LoRA shrink
+    on ``side_stream``, beside the base GEMM (a fork and a join inside the graph): at decode a
+    LoRA launch costs a few microseconds however little it computes, so this hides the shrink's
+    half of them. :class:`coserve.layers.lora.LoRALinear` calls :meth:`forked_linear` instead of
+    its own GEMM and :meth:`apply_fused`."""
+
+    side_stream: torch.cuda.Stream
+
     def forked_linear(
         self,
         layer: int,
@@ -376,21 +394,19 @@ class TritonLoRA:
         b_all: torch.Tensor,
         out_slices: dict[str, int],
     ) -> torch.Tensor:
-        """``F.linear(x, weight, bias)`` plus :meth:`apply_fused`, the same result; with a
-        :attr:`side_stream`, the shrink (which needs only ``x``) runs on it while the base GEMM
-        runs on the current stream, and the expand joins them. At decode a LoRA launch costs a
-        few microseconds however little it computes, so this hides the shrink's half of them.
+        """``F.linear(x, weight, bias)`` plus :meth:`apply_fused`, the same result, with the
+        shrink (which needs only ``x``) on :attr:`side_stream` while the GEMM runs on the current
+        stream, and the expand after both.
 
         NOTE: ``v`` is allocated on the side stream and last used on the current one; the next
         fork makes the side stream wait for everything queued on the current one before it
         reuses any memory, so no ``record_stream`` is needed.
         """
-        side = self.side_stream
-        if side is None or not FUSED_SLICES or len(out_slices) > MAX_FUSED_TARGETS or self.order.shape[0] == 0:
-            y = F.linear(x, weight, bias)
+        if not FUSED_SLICES or len(out_slices) > MAX_FUSED_TARGETS or self.order.shape[0] == 0:
+            y = F.linear(x, weight, bias)  # no single shrink to fork
             self.apply_fused(layer, x, y, a_all, b_all, out_slices)
             return y
-        main = torch.cuda.current_stream(x.device)
+        main, side = torch.cuda.current_stream(x.device), self.side_stream
         side.wait_stream(main)
         with torch.cuda.stream(side):
             v = lora_shrink_fused(x, a_all, b_all.shape[2], self.token_slots, self.order, self.launch)

@@ -67,7 +67,7 @@ class _EngineCollector(Collector):
                 "coserve_finetune_admission_steps", "Steps planned while fine-tuning, by step kind (inference, "
                 "ft-only) and outcome: FT rows added, the task full, or why admission added none.",
                 labels=["step", "outcome"])
-            for (kind, outcome), n in s.ft_admission:
+            for (kind, outcome), n in sorted(s.ft_admission.items()):
                 admission.add_metric([kind, outcome], n)
             yield admission
 

@@ -14,8 +14,8 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,7 +25,6 @@ from coserve.engine.sampling_params import SamplingParams
 from coserve.engine.sequence import LoRARequest
 
 if TYPE_CHECKING:
-    from coserve.core.coserver import CoServer
     from coserve.server.finetune import FinetuneSession
 
 logger = logging.getLogger(__name__)
@@ -93,8 +92,9 @@ class EngineStats:
     ft_loss: float | None = None  # of the last optimizer step
     ft_trainer_restarts: int = 0
     ft_failed: bool = False  # fine-tuning gave up (the trainer kept dying); serving goes on
-    # ((step kind, outcome), planned steps): whether FT rows were added to a step, or why not
-    ft_admission: tuple[tuple[tuple[str, str], int], ...] = ()
+    # planned steps by (step kind, outcome): whether FT rows were added to a step, or why not
+    # (a copy of CoServer.admission_counts)
+    ft_admission: Mapping[tuple[str, str], int] = field(default_factory=dict)
     adapter_path: Path | None = None
 
 
@@ -264,7 +264,7 @@ class EngineThread:
             num_running=self.stats.num_running, num_waiting=self.stats.num_waiting, coserving=True,
             ft_tokens_trained=coserver.tokens_trained, ft_optimizer_steps=coserver.steps_done,
             ft_loss=coserver.last_loss, ft_trainer_restarts=coserver.num_restarts,
-            ft_failed=coserver.failure is not None, adapter_path=path, ft_admission=_admission(coserver),
+            ft_failed=coserver.failure is not None, adapter_path=path, ft_admission=dict(coserver.admission_counts),
         )
 
     def _publish(self) -> None:
@@ -278,7 +278,7 @@ class EngineThread:
             old, num_running=len(sched.running), num_waiting=len(sched.waiting),
             ft_tokens_trained=coserver.tokens_trained, ft_optimizer_steps=coserver.steps_done,
             ft_loss=coserver.last_loss, ft_trainer_restarts=coserver.num_restarts,
-            ft_failed=coserver.failure is not None, ft_admission=_admission(coserver),
+            ft_failed=coserver.failure is not None, ft_admission=dict(coserver.admission_counts),
         )
 
     def _close(self) -> None:
@@ -299,12 +299,3 @@ class EngineThread:
         if self.session is not None:
             self._finish_session(self.session)
         self._publish()
-
-
-def _admission(coserver: CoServer) -> tuple[tuple[tuple[str, str], int], ...]:
-    """The co-server's admission outcomes as ``((step kind, outcome), steps)``, sorted."""
-    out = []
-    for key, n in coserver.admission_counts.items():
-        kind, outcome = key.split(":", 1)
-        out.append(((kind, outcome), n))
-    return tuple(sorted(out))
