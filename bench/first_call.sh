@@ -11,7 +11,7 @@
 #   verify         bench/verify_device.sh (GPU tests, backward alone, FT-only vs peft, LoRA overhead)
 #   ft512          FT-only vs the peft loops at 512-token sequences (issue 4)
 #   lora           decode and LoRA overhead at context 2048 (issue 3)
-#   lora_fork      the same with COSERVE_LORA_FORK=1 (each LoRA shrink on a side stream in the graphs)
+#   lora_nofork    the same with COSERVE_LORA_FORK=0 (no LoRA shrink on a side stream in the graphs)
 #   grid           the full bench/engine_speed.py grid (issue 3)
 #   trace_coserve  bench/trace_vs_hf.py, coserve's side (issue 3 item 4)
 #   trace_peer     bench/trace_vs_hf.py, the transformers peer's side (same arrivals)
@@ -65,9 +65,9 @@ job() {
     lora)
       run lora "$top/verify/engine_lora.log" python3 bench/engine_speed.py --sections decode,lora \
         --batches 1,16,64 --contexts 2048 --out "$top/verify/engine_lora.json" ;;
-    lora_fork)
-      COSERVE_LORA_FORK=1 run lora_fork "$top/engine_lora_fork.log" python3 bench/engine_speed.py \
-        --sections decode,lora --batches 1,16,64 --contexts 2048 --out "$top/engine_lora_fork.json" ;;
+    lora_nofork)
+      COSERVE_LORA_FORK=0 run lora_nofork "$top/engine_lora_nofork.log" python3 bench/engine_speed.py \
+        --sections decode,lora --batches 1,16,64 --contexts 2048 --out "$top/engine_lora_nofork.json" ;;
     grid) run grid "$top/engine_speed.log" python3 bench/engine_speed.py --out "$top/engine_speed.json" ;;
     trace_coserve) trace coserve ;;
     trace_peer) trace transformers ;;

@@ -103,8 +103,8 @@ def report(folder: Path) -> dict[str, Any]:
     out["engine_speed"] = engine_grid(grid) if grid else None
     lora = need(verify / "engine_lora.json")
     out["lora_overhead"] = lora["figures"].get("lora_overhead") if lora else None
-    fork = need(folder / "engine_lora_fork.json")
-    out["lora_overhead_fork"] = fork["figures"].get("lora_overhead") if fork else None
+    nofork = need(folder / "engine_lora_nofork.json")
+    out["lora_overhead_nofork"] = nofork["figures"].get("lora_overhead") if nofork else None
     out["trace_vs_hf"] = trace_vs_hf(need(folder / "trace_vs_hf_coserve.json"),
                                      need(folder / "trace_vs_hf_transformers.json"))
     slo = need(verify / "coserve_latency.json")

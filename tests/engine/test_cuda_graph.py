@@ -106,19 +106,21 @@ def _close(got: list[tuple[list[int], list[float]]], expected: list[tuple[list[i
 
 
 @pytest.mark.skipif(not CUDA, reason="the fork is a second CUDA stream inside a captured graph")
-def test_forked_lora_shrink_in_graphs_matches_torch_engine(
-    hf_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("fork", [True, False])
+def test_lora_graphs_with_and_without_fork_match_torch_engine(
+    hf_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fork: bool
 ) -> None:
-    """Decode graphs captured with each LoRA shrink on a side stream (``COSERVE_LORA_FORK``)
-    give the torch reference engine's tokens and log-probs, and their replays ran."""
+    """Decode graphs captured with each LoRA shrink on a side stream (``COSERVE_LORA_FORK``, the
+    default) and without give the torch reference engine's tokens and log-probs, and their
+    replays ran."""
     from coserve.engine import cuda_graph
 
     base = hf_models["llama"]
     loras, common = _two_adapters(base, tmp_path)
     expected = generate(LLM(str(base), **common), loras)
-    monkeypatch.setattr(cuda_graph, "LORA_FORK", True)
+    monkeypatch.setattr(cuda_graph, "LORA_FORK", fork)
     llm = LLM(str(base), attention_backend="triton", lora_backend="triton", **common)
     graphs = llm.engine.runner.graphs
-    assert graphs is not None and graphs._lora_stream is not None
+    assert graphs is not None and (graphs._lora_stream is not None) == fork
     assert _close(generate(llm, loras), expected)
     assert any(key.with_lora for key in graphs.graphs)
