@@ -33,14 +33,19 @@ def test_table_and_goals_from_the_committed_evaluation() -> None:
     assert eval_table.goals(results, "full-overlap") == {w: {} for w in results}  # not run yet
 
 
-def test_newer_folder_first_older_fills_the_rest() -> None:
+def test_newer_folder_first_older_fills_the_rest(tmp_path: Path) -> None:
     top = ROOT / "bench" / "results" / "eval_h200"
     results = eval_table.load(top, top / "session4")
     assert list(results) == ["azure2023_code", "azure2023_conv", "burst-light", "burst-dense"]
     assert results["azure2023_code"]["commit"].startswith("7ba9ce6")  # session 5's rerun
-    assert results["azure2023_conv"]["commit"].startswith("a7716e0")  # session 4's
+    assert results["azure2023_conv"]["commit"].startswith("da18e05")  # session 6's
     head = eval_table.table(results).splitlines()[0]
-    assert head == "| configuration | azure2023_code ×0.25 | azure2023_conv ×0.5 | burst-light ×0.833 | burst-dense ×0.3 |"
+    assert head == "| configuration | azure2023_code ×0.25 | azure2023_conv ×1.39 | burst-light ×0.833 | burst-dense ×0.5 |"
+    # a newer folder with one workload: the older one fills in the other three
+    (tmp_path / "azure2023_code").symlink_to(top / "azure2023_code", target_is_directory=True)
+    mixed = eval_table.load(tmp_path, top / "session4")
+    assert mixed["azure2023_code"]["commit"].startswith("7ba9ce6")
+    assert mixed["azure2023_conv"]["commit"].startswith("a7716e0")  # session 4's
     overlap = eval_table.goals(results, "full-overlap")["azure2023_code"]
     assert overlap["ft_tokens_per_s"]["met"] and overlap["ft_tokens_per_s"]["value"] == pytest.approx(5474, abs=1)
     assert overlap["ft_over_split"]["baseline_attainment_worse"]  # split 44.0%
