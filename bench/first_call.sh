@@ -10,6 +10,8 @@
 #   gpu_tests      the GPU tests (kernels against their CPU references, backward, graphs)
 #   verify         bench/verify_device.sh (GPU tests, backward alone, FT-only vs peft, LoRA overhead)
 #   ft512          FT-only vs the peft loops at 512-token sequences (issue 4)
+#   ftab           FT-only at 512, coserve alone, by trainer variant: default, no GPU-side pause gate
+#                  (COSERVE_GPU_GATE=0), untrained-MLP pieces of 512 and of 4,096 tokens
 #   lora           decode and LoRA overhead at context 2048 (issue 3)
 #   lora_nofork    the same with COSERVE_LORA_FORK=0 (no LoRA shrink on a side stream in the graphs)
 #   grid           the full bench/engine_speed.py grid (issue 3)
@@ -55,13 +57,20 @@ job() {
   case $1 in
     gpu_tests)
       run gpu_tests "$top/verify/gpu_tests.txt" python3 -m pytest -q -p no:cacheprovider -p no:warnings \
-        tests/layers tests/trainer/test_backward.py tests/engine/test_cuda_graph.py \
+        tests/layers tests/trainer/test_backward.py tests/trainer/test_stream_gate.py tests/engine/test_cuda_graph.py \
         tests/engine/test_prefill_graphs.py tests/engine/test_stream_priority.py
       grep "^gpu_tests rc=" "$top/status.txt" | tail -n 1 | sed 's/gpu_tests/gpu tests/' >> "$top/verify/verify.txt" ;;
     verify) OUT=$top/verify run verify "$top/verify/verify.txt" bench/verify_device.sh ;;
     ft512)
       run ft512 "$top/verify/ft_throughput.log" python3 bench/ft_throughput.py --lengths 512 \
         --out "$top/verify/ft_throughput.json" ;;
+    ftab)  # FT-only at 512, coserve alone, by trainer variant (ft_<variant>.json)
+      for v in "default:" "nogate:COSERVE_GPU_GATE=0" "mlp512:COSERVE_MLP_CHUNK=512" "mlp4096:COSERVE_MLP_CHUNK=4096"; do
+        name=ft_${v%%:*}
+        # shellcheck disable=SC2086  # the variant's assignments, none for the default
+        run "$name" "$top/$name.log" env ${v#*:} python3 bench/ft_throughput.py --lengths 512 --skip-peft \
+          --out "$top/$name.json"
+      done ;;
     lora)
       run lora "$top/verify/engine_lora.log" python3 bench/engine_speed.py --sections decode,lora \
         --batches 1,16,64 --contexts 2048 --out "$top/verify/engine_lora.json" ;;

@@ -29,13 +29,13 @@ def test_report_reads_every_part_and_names_what_is_missing(tmp_path: Path) -> No
         shutil.copy(RESULTS / "engine_h200" / f"trace_vs_hf_{side}.json", tmp_path / f"trace_vs_hf_{side}.json")
 
     got = first_call_report.report(tmp_path)
-    assert got["missing"] == ["engine_lora_fork.json"]
+    assert got["missing"] == ["engine_lora_nofork.json"]
     assert got["gpu_tests"] == {"rc": 0, "passed": 287, "failed": 0, "errors": 0, "skipped": 0}
     (row,) = got["ft_throughput"]
     assert row["seq_len"] == 512 and row["coserve_over_peft_gc"] == pytest.approx(10994.8 / 9230.24, rel=1e-4)
     assert got["engine_speed"]["decode_replay_over_floor"]["b1_ctx512"] == pytest.approx(1.864, rel=1e-3)
     assert got["lora_overhead"]["decode"]["1"] == pytest.approx(0.303, rel=1e-2)
-    assert got["lora_overhead_fork"] is None
+    assert got["lora_overhead_nofork"] is None
     assert got["trace_vs_hf"]["throughput_ratio"] == pytest.approx(3203.08 / 59.064, rel=1e-4)
     assert got["trace_vs_hf"]["ttft_p99_lower"]
     assert got["slo_machinery"]["trainer_pause"]["delay_p99_ms"] == pytest.approx(12.63, rel=1e-3)

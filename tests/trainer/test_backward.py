@@ -359,8 +359,11 @@ def test_task_backward_matches_full_autograd(
     seen: list[int] = []
     out = task_backward(model, lora, store, rows, dropout_key=key, at_layer_boundary=seen.append)
 
-    # before the loss; per layer: attention recompute, MLP recompute, MLP and attention backward
-    assert seen == [2, 1, 1, 1, 1, 0, 0, 0, 0]
+    # before the loss; per layer: before and after the attention recompute, before the attention
+    # backward, and within the MLP half two (trained: after its recompute and its backward) or
+    # three (untrained, one piece: after each of its three matmuls)
+    per_layer = 4 if targets == LORA_TARGETS else 6
+    assert seen == [2] + [1] * per_layer + [0] * per_layer
     assert out.num_targets == sum(s.num_targets for s in samples)
     assert out.loss_sum == pytest.approx(loss.item(), rel=1e-5)
     assert ref.flat.grad is not None and lora.flat.grad is not None
@@ -395,8 +398,8 @@ def test_untrained_mlp_in_pieces_gives_the_same_gradients(
     models: dict[str, LlamaForCausalLM], monkeypatch: pytest.MonkeyPatch, kept_mlp: bool
 ) -> None:
     """An MLP the adapter does not train is pulled back MLP_CHUNK tokens at a time (recomputed,
-    or from the kept gate/up outputs), with a possible pause after each piece; a trained MLP
-    stays whole. Same loss and gradient as one piece."""
+    or from the kept gate/up outputs), with a possible pause after each of a piece's matmuls; a
+    trained MLP stays whole. Same loss and gradient as one piece."""
     import coserve.trainer.backward as backward
 
     model = models["llama"]
@@ -415,8 +418,10 @@ def test_untrained_mlp_in_pieces_gives_the_same_gradients(
         monkeypatch.undo()
         tokens = sum(len(r.labels) for r in rows)
         # per layer: before and after the attention recompute, before the attention backward, and
-        # one after each MLP piece (a trained MLP: after its recompute and after its backward)
-        assert seen.count(0) == (3 + -(-tokens // 4) if pieced else 4)
+        # per MLP piece one after each matmul: the gate/up recompute (unless kept), down's and
+        # gate_up's input gradients (a trained MLP: after its recompute and after its backward)
+        per_piece = 2 if kept_mlp else 3
+        assert seen.count(0) == (3 + per_piece * -(-tokens // 4) if pieced else 4)
         assert chunked.loss_sum == pytest.approx(whole.loss_sum, rel=1e-6)
         assert_close_scaled(lora.flat.grad, expected, rtol=1e-5)
 
@@ -523,7 +528,10 @@ def test_saved_mlp_activations_give_the_same_gradients(
     store, rows = capture_task(model, lora, samples, mlp_store=kept)
     seen: list[int] = []
     out = task_backward(model, lora, store, rows, at_layer_boundary=seen.append, mlp_store=kept[0])
-    assert seen == [2, 1, 1, 1, 1, 0, 0, 0, 0]
+    # the loss (L = 2), then per layer 4 boundaries with a trained MLP, 5 without: two after the
+    # two matmuls of the hand-written MLP backward (no recompute) in place of the trained MLP's two
+    per_layer = 4 if targets == LORA_TARGETS else 5
+    assert seen == [2] + [1] * per_layer + [0] * per_layer
     assert out.loss_sum == pytest.approx(loss.item(), rel=1e-5)
     assert ref.flat.grad is not None and lora.flat.grad is not None
     assert_close_scaled(lora.flat.grad, ref.flat.grad, rtol=1e-5)

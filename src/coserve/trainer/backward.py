@@ -11,6 +11,7 @@ a time.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, cast
@@ -28,18 +29,19 @@ logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
 # Target tokens per LM-head chunk of the loss. A pause can only come between chunks; at the
-# Llama-3 shape a chunk's logits and their input gradient are ~2.1 GFLOP per target token, so
-# 2,048 targets made a stretch of ~7–8 ms without a boundary on an H200 (estimated from the FLOPs,
-# not measured alone), a likely part of the trainer pause delay's p99 of 12.6 ms
-# (bench/results/coserve_latency_h200.json).
-LOSS_CHUNK = 512
-# Tokens per piece of an untrained MLP's backward (gate/up recomputed, or from the kept output).
-# An MLP is per token, so its input gradient can be pulled back a piece at a time with a pause
-# point between pieces: at the Llama-3 shape a whole 4,096-token MLP half is ~2.4 TFLOP (gate/up
-# recompute + input gradient), ~3 ms on an H200 alone and longer beside the engine's prefill; a
-# 512-token piece is well under 1 ms. Trained MLPs keep one piece (their LoRA context routes rows
-# as a whole) and autograd.
-MLP_CHUNK = 512
+# Llama-3 shape a chunk's logits and their input gradient are ~2.1 GFLOP per target token, so a
+# 512-target chunk is ~1.1 TFLOP, ~1.5 ms on an H200 alone. ``COSERVE_LOSS_CHUNK`` overrides it
+# (for measurements).
+LOSS_CHUNK = int(os.environ.get("COSERVE_LOSS_CHUNK", "512"))
+# Tokens per piece of an untrained MLP's backward, which has a pause boundary after each of its
+# three matmuls (gate/up recompute, ``down``'s input gradient, ``gate_up``'s input gradient): at
+# the Llama-3 shape and 2,048 tokens they are ~0.5, 0.25 and 0.5 TFLOP, each under 1 ms on an H200
+# alone. Smaller pieces bound the work between boundaries no further than the matmuls do and
+# run the ``[T, 28672] x [28672, 4096]`` input-gradient GEMM on too few output tiles to fill the
+# GPU (512 tokens: 64 tiles of 128 x 256 for 132 SMs). ``COSERVE_MLP_CHUNK`` overrides it (for
+# measurements). Trained MLPs keep one piece (their LoRA context routes rows as a whole) and
+# autograd.
+MLP_CHUNK = int(os.environ.get("COSERVE_MLP_CHUNK", "2048"))
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,7 @@ def task_backward(
     ``∂loss/∂h_l`` and the layer's LoRA parameters, the attention half and the MLP half of the
     layer each on its own. ``at_layer_boundary(l)`` runs before the attention recompute, after
     it, within the MLP half (a trained MLP: after its recompute and after its backward; an
-    untrained one: after each :data:`MLP_CHUNK`-token piece), and before the attention backward
+    untrained one: after each matmul of each :data:`MLP_CHUNK`-token piece), and before the attention backward
     (and with ``l = L`` before each chunk of the loss). The loss is NOT normalized: the caller
     divides by the step's target count.
 
@@ -189,35 +191,33 @@ def _untrained_mlp_input_grad(
     boundary: Callable[[int], None],
 ) -> torch.Tensor:
     """``∂loss/∂h`` through ``mlp_half(h) = h + mlp(norm(h))`` of a layer whose MLP the adapter
-    does not train, by hand (:func:`_mlp_input_grad`, no autograd), :data:`MLP_CHUNK` tokens at a
-    time with ``boundary(layer_idx)`` after each piece. The gate/up output it needs comes from
+    does not train, by hand (no autograd), :data:`MLP_CHUNK` tokens at a time with
+    ``boundary(layer_idx)`` after each of a piece's matmuls. The gate/up output it needs comes from
     ``mlp_store`` when the engine kept it, else it is recomputed (one matmul; the MLP's linears
     run without LoRA: no trained slice is in them). The down projection's forward is never
     needed: the input gradient only reads its weight.
     """
     parts = []
+    mlp = layer.mlp
     with torch.no_grad():
         for start in range(0, h.shape[0], MLP_CHUNK):
             piece = slice(start, start + MLP_CHUNK)
             if mlp_store is not None:
                 gate_up = mlp_store[layer_idx, tokens[piece]]
             else:
-                gate_up = layer.mlp.gate_up_proj(layer.post_attention_layernorm(h[piece]), None)
-            parts.append(grad[piece] + _mlp_input_grad(layer, h[piece], gate_up, grad[piece]))
+                gate_up = mlp.gate_up_proj(layer.post_attention_layernorm(h[piece]), None)
+                boundary(layer_idx)
+            # ∂loss/∂h through mlp(post_attention_layernorm(h)): down and gate_up transposed,
+            # the SwiGLU and RMSNorm backwards; no other forward matmul is needed.
+            d_gate_up = silu_and_mul_backward(gate_up, grad[piece] @ mlp.down_proj.weight)
             del gate_up
             boundary(layer_idx)
+            d_normed = d_gate_up @ mlp.gate_up_proj.weight
+            del d_gate_up
+            parts.append(grad[piece] + rms_norm_backward(h[piece], layer.post_attention_layernorm, d_normed))
+            del d_normed
+            boundary(layer_idx)
     return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _mlp_input_grad(layer: DecoderLayer, h: torch.Tensor, gate_up: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """``∂loss/∂h`` through ``mlp(post_attention_layernorm(h))`` (no LoRA on the MLP) given
-    ``grad = ∂loss/∂mlp(...)`` and the saved gate/up output: ``down`` and ``gate_up`` transposed,
-    the SwiGLU and RMSNorm backwards; no forward matmul is recomputed."""
-    mlp = layer.mlp
-    d_act = grad @ mlp.down_proj.weight
-    d_gate_up = silu_and_mul_backward(gate_up, d_act)
-    d_normed = d_gate_up @ mlp.gate_up_proj.weight
-    return rms_norm_backward(h, layer.post_attention_layernorm, d_normed)
 
 
 def _task_batch(rows: Sequence[TaskRow], capacity: int, device: torch.device) -> _TaskBatch:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import queue
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -16,6 +17,7 @@ from coserve.models.llama import LlamaForCausalLM
 from coserve.models.peft_adapter import LoraAdapter, save_peft_adapter
 from coserve.trainer.lora_params import TrainableLoRA
 from coserve.trainer.mps import mps_active, mps_share
+from coserve.trainer.stream_gate import new_flag, set_open
 from coserve.trainer.worker import WorkerSpec, run_worker
 
 logger = logging.getLogger(__name__)
@@ -64,8 +66,13 @@ class TrainerProcess:
         self._ctx = mp.get_context("spawn")
         self.grant = self._ctx.Event()
         self.grant.set()
+        # On CUDA the worker's GPU stream pauses itself on this flag (stream_gate); the grant
+        # is what its CPU waits on when that is not possible (or with COSERVE_GPU_GATE=0).
+        use_gate = device.type == "cuda" and os.environ.get("COSERVE_GPU_GATE", "1") == "1"
+        self.gate_flag = new_flag() if use_gate else None
         self.spec = WorkerSpec(model, store, scales, self.banks, self.meta, adapter, slot, dropout, seed,
-                               optim, grant=self.grant, num_threads=num_threads, mlp_store=mlp_store)
+                               optim, grant=self.grant, num_threads=num_threads, mlp_store=mlp_store,
+                               gate_flag=self.gate_flag)
         self._proc: BaseProcess | None = None
         if device.type == "cuda" and not mps_active():
             logger.warning("CUDA MPS daemon not running: the trainer's kernels time-slice with the engine's "
@@ -93,10 +100,15 @@ class TrainerProcess:
             out.append(msg)
 
     def pause(self) -> None:
-        """Clear the grant flag: the worker stops at its next layer boundary."""
+        """Close the gate and clear the grant flag: the worker stops at its next layer boundary
+        (on its GPU stream, or on its CPU without the gate)."""
+        if self.gate_flag is not None:
+            set_open(self.gate_flag, False)
         self.grant.clear()
 
     def resume(self) -> None:
+        if self.gate_flag is not None:
+            set_open(self.gate_flag, True)
         self.grant.set()
 
     def alive(self) -> bool:
@@ -165,6 +177,7 @@ class TrainerProcess:
         proc = self._proc
         if proc is None:
             return
+        self.resume()  # a worker stopped at a boundary must get to the end of its task
         if proc.is_alive() and not kill:
             self._tasks.put(None)
             proc.join(timeout=30)

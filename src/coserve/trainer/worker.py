@@ -19,6 +19,7 @@ from coserve.models.peft_adapter import LoraAdapter
 from coserve.trainer.backward import TaskRow, task_backward
 from coserve.trainer.lora_params import TrainableLoRA
 from coserve.trainer.optim import LoRAOptimizer
+from coserve.trainer.stream_gate import StreamGate, WaitMark, pauses_from_marks, read_marks
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +44,15 @@ class WorkerSpec:
     optim: OptimConfig
     grant: Any = None  # multiprocessing Event: set = the trainer may run, cleared = pause
     num_threads: int = 0
+    # Without the GPU-side gate: the CPU waits at each boundary until the GPU has reached the
+    # boundary before the previous one, so that a pause found by the CPU takes effect soon.
     max_layers_ahead: int = 1
     mlp_store: torch.Tensor | None = None  # the store's MLP planes, when it keeps them
+    # The GPU-side gate's shared flag (coserve.trainer.stream_gate); the grant stays the CPU's.
+    gate_flag: torch.Tensor | None = None
+    # With the gate: how many boundaries the CPU may queue ahead of the GPU (a bound on memory
+    # and on work queued behind a pause, not on the pause delay).
+    gated_boundaries_ahead: int = 16
 
 
 def run_worker(spec: WorkerSpec, tasks: Any, results: Any) -> None:
@@ -78,6 +86,11 @@ class _Worker:
         self._pauses: list[tuple[float, int]] = []  # (time.monotonic(), boundary layer)
         self._paused_s = 0.0
         self._gpu_wait_s = 0.0
+        self._gate: StreamGate | None = None
+        if spec.gate_flag is not None and device.type == "cuda":
+            self._gate = StreamGate.open(spec.gate_flag, device)
+        self._anchor: tuple[torch.cuda.Event, float] | None = None
+        self._marks: list[WaitMark] = []
         bank = int(spec.meta[0])
         if bank >= 0:
             self.optim.import_state(spec.banks[bank], int(spec.meta[1 + bank]))
@@ -86,6 +99,8 @@ class _Worker:
         start = time.perf_counter()
         cpu_start = time.thread_time()
         rows = [TaskRow(s.offset, s.labels) for s in task.samples]
+        if self._gate is not None:
+            self._set_anchor()
         loss = task_backward(self.spec.model, self.lora, self.spec.store, rows, dropout_key=task.task_id,
                              at_layer_boundary=self._layer_boundary, mlp_store=self.spec.mlp_store)
         self._events.clear()
@@ -97,6 +112,8 @@ class _Worker:
             self.loss_sum, self.num_targets = 0.0, 0
             self._commit()
             info = StepInfo(task.step, res.lr, res.grad_norm, res.skipped)
+        if self._gate is not None:
+            self._read_gate_pauses()
         pauses, self._pauses = self._pauses, []
         paused, self._paused_s = self._paused_s, 0.0
         gpu_wait, self._gpu_wait_s = self._gpu_wait_s, 0.0
@@ -106,7 +123,11 @@ class _Worker:
 
     def _layer_boundary(self, layer: int) -> None:
         """Pause here while the engine runs a prefill; keep GPU work queued ahead of the CPU to
-        at most ``max_layers_ahead`` layers, so that a pause takes effect within about a layer."""
+        at most ``max_layers_ahead`` layers, so that a pause takes effect within about a layer.
+        With the GPU-side gate, the pause is the GPU's (:meth:`_gated_boundary`)."""
+        if self._gate is not None:
+            self._gated_boundary(layer)
+            return
         if self.spec.store.is_cuda:
             event = torch.cuda.Event()
             event.record()
@@ -123,6 +144,44 @@ class _Worker:
             self._pauses.append((time.monotonic(), layer))
             grant.wait()
             self._paused_s += time.perf_counter() - began
+
+    def _gated_boundary(self, layer: int) -> None:
+        """Enqueue the gate's wait between two timed events; keep the CPU at most
+        ``gated_boundaries_ahead`` boundaries ahead of the GPU."""
+        assert self._gate is not None
+        before = torch.cuda.Event(enable_timing=True)
+        after = torch.cuda.Event(enable_timing=True)
+        before.record()
+        self._gate.wait(torch.cuda.current_stream())
+        after.record()
+        self._marks.append(WaitMark(before, after, layer))
+        ahead = self.spec.gated_boundaries_ahead
+        if len(self._marks) > ahead:
+            began = time.perf_counter()
+            self._marks[-1 - ahead].after.synchronize()
+            self._gpu_wait_s += time.perf_counter() - began
+
+    def _set_anchor(self) -> None:
+        """A timed event on the idle stream, and the monotonic time it completed at."""
+        anchor = torch.cuda.Event(enable_timing=True)
+        torch.cuda.current_stream().synchronize()
+        anchor.record()
+        anchor.synchronize()
+        self._anchor = (anchor, time.monotonic())
+
+    def _read_gate_pauses(self) -> None:
+        """The pauses the gate's waits made in this task, from their events (after the last
+        completed), as ``(monotonic time, layer)`` like the CPU path's."""
+        marks, self._marks = self._marks, []
+        if not marks or self._anchor is None:
+            return
+        marks[-1].after.synchronize()
+        anchor, anchor_s = self._anchor
+        pauses, paused_s = pauses_from_marks(anchor_s, *read_marks(anchor, marks))
+        self._pauses.extend(pauses)
+        self._paused_s += paused_s
+        # NOTE: the CPU's waits for marks held by a closed gate were pauses, not GPU work.
+        self._gpu_wait_s = max(0.0, self._gpu_wait_s - paused_s)
 
     def _commit(self) -> None:
         """Save the new state into the other bank, flip the bank index, then update serving."""

@@ -1,0 +1,139 @@
+"""A pause the trainer's GPU stream takes by itself.
+
+At each boundary of a backward task the trainer enqueues, on its CUDA stream, a wait on a 32-bit
+flag in host memory that the engine process writes (``cuStreamWaitValue32`` on pinned, mapped
+memory): ``1`` open, ``0`` closed. The engine closes the gate before a step that carries prefill
+tokens and opens it after. The GPU then stops the trainer's work at the first boundary it reaches
+while the gate is closed, whatever the trainer's CPU is doing: no host round trip (finding the
+flag cleared, draining the stream) stands between the engine's clear and the trainer's pause, and
+the CPU may queue work ahead of the GPU without delaying a pause.
+
+The flag lives in a shared CPU tensor both processes map (:func:`new_flag`); the engine writes it
+with an ordinary store (:func:`set_open`); the trainer registers its pages with the driver
+(:meth:`StreamGate.open`). When this path is unavailable (no CUDA driver, a CPU store, a driver
+error) the trainer falls back to pausing on its CPU at the same boundaries.
+
+Timing: the trainer records a timed CUDA event just before and just after each wait. A wait that
+held the stream (``after − before`` ≥ :data:`BLOCKED_MS`) is a pause that began when the GPU
+reached ``before``; :func:`pauses_from_marks` turns the events into ``time.monotonic()`` times
+through an anchor event recorded on an idle stream at the start of the task.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+OPEN, CLOSED = 1, 0
+FLAG_BYTES = 4096  # one page: cuMemHostRegister pins whole pages
+CU_MEMHOSTREGISTER_PORTABLE = 0x01
+CU_MEMHOSTREGISTER_DEVICEMAP = 0x02
+CU_STREAM_WAIT_VALUE_EQ = 0x1
+# A wait whose events are this far apart held the stream (an open gate passes in a few µs).
+BLOCKED_MS = 0.02
+
+
+def new_flag() -> torch.Tensor:
+    """A page of shared memory for the gate, open: pass it to the trainer process."""
+    flag = torch.zeros(FLAG_BYTES // 4, dtype=torch.int32).share_memory_()
+    flag[0] = OPEN
+    return flag
+
+
+def set_open(flag: torch.Tensor, is_open: bool) -> None:
+    """The engine side: open or close the gate (a plain store into the shared page)."""
+    flag[0] = OPEN if is_open else CLOSED
+
+
+def _driver() -> ctypes.CDLL:
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+    lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
+    lib.cuMemHostGetDevicePointer_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p,
+                                                 ctypes.c_uint]
+    lib.cuStreamWaitValue32_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+    for name in ("cuMemHostRegister_v2", "cuMemHostUnregister", "cuMemHostGetDevicePointer_v2",
+                 "cuStreamWaitValue32_v2"):
+        getattr(lib, name).restype = ctypes.c_int
+    return lib
+
+
+class StreamGate:
+    """The trainer side of the gate: :meth:`wait` enqueues "wait until open" on a stream."""
+
+    def __init__(self, lib: ctypes.CDLL, flag: torch.Tensor, device_ptr: int) -> None:
+        self._lib = lib
+        self._flag = flag  # keeps the shared page mapped
+        self._device_ptr = device_ptr
+
+    @classmethod
+    def open(cls, flag: torch.Tensor, device: torch.device) -> StreamGate | None:
+        """Register ``flag``'s page with the CUDA driver for ``device``'s context; ``None`` (and a
+        logged warning) when that is not possible: the caller pauses on its CPU instead."""
+        if device.type != "cuda":
+            return None
+        try:
+            if device.index is not None:
+                torch.cuda.set_device(device)
+            torch.zeros(1, device=device)  # the runtime makes its primary context current
+            lib = _driver()
+            ptr = flag.data_ptr()
+            err = lib.cuMemHostRegister_v2(ptr, flag.numel() * flag.element_size(),
+                                           CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP)
+            if err != 0:
+                raise RuntimeError(f"cuMemHostRegister failed (CUresult {err})")
+            dptr = ctypes.c_uint64()
+            err = lib.cuMemHostGetDevicePointer_v2(ctypes.byref(dptr), ptr, 0)
+            if err != 0:
+                lib.cuMemHostUnregister(ptr)
+                raise RuntimeError(f"cuMemHostGetDevicePointer failed (CUresult {err})")
+        except (OSError, AttributeError, RuntimeError) as exc:
+            logger.warning("the trainer pauses on its CPU at layer boundaries (no GPU-side gate: %s)", exc)
+            return None
+        return cls(lib, flag, int(dptr.value))
+
+    def wait(self, stream: torch.cuda.Stream) -> None:
+        """Work queued on ``stream`` after this runs only once the gate is open."""
+        err = self._lib.cuStreamWaitValue32_v2(ctypes.c_void_p(stream.cuda_stream), self._device_ptr, OPEN,
+                                               CU_STREAM_WAIT_VALUE_EQ)
+        if err != 0:
+            raise RuntimeError(f"cuStreamWaitValue32 failed (CUresult {err})")
+
+    def close(self) -> None:
+        self._lib.cuMemHostUnregister(self._flag.data_ptr())
+
+
+class WaitMark(NamedTuple):
+    """The timed events around one gate wait and the boundary it was at."""
+
+    before: torch.cuda.Event
+    after: torch.cuda.Event
+    layer: int
+
+
+def pauses_from_marks(anchor_s: float, anchor_to_before_ms: Sequence[float], held_ms: Sequence[float],
+                      layers: Sequence[int], blocked_ms: float = BLOCKED_MS) -> tuple[list[tuple[float, int]], float]:
+    """The pauses a task's gate waits made: ``([(time.monotonic() the pause began, layer)], paused
+    seconds)``. ``anchor_s`` is the monotonic time of the anchor event; for each wait,
+    ``anchor_to_before_ms`` is the GPU time from the anchor to the event before it and ``held_ms``
+    the time between its two events."""
+    pauses = []
+    paused_s = 0.0
+    for offset, held, layer in zip(anchor_to_before_ms, held_ms, layers, strict=True):
+        if held >= blocked_ms:
+            pauses.append((anchor_s + offset / 1e3, layer))
+            paused_s += held / 1e3
+    return pauses, paused_s
+
+
+def read_marks(anchor: torch.cuda.Event, marks: Sequence[WaitMark]) -> tuple[list[float], list[float], list[int]]:
+    """The GPU timings of ``marks`` (every event must have completed)."""
+    offsets = [anchor.elapsed_time(m.before) for m in marks]
+    held = [m.before.elapsed_time(m.after) for m in marks]
+    return offsets, held, [m.layer for m in marks]

@@ -1,0 +1,112 @@
+"""The GPU-side pause gate: the flag, the pause bookkeeping, and on CUDA the stream wait itself
+and a worker whose GPU stream stops at a layer boundary while the engine holds the gate closed."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from coserve.core.config import OptimConfig
+from coserve.core.messages import BackwardTask, TaskResult, TaskSample
+from coserve.models.loader import load_model
+from coserve.models.peft_adapter import new_lora_adapter
+from coserve.trainer.stream_gate import (
+    CLOSED,
+    OPEN,
+    StreamGate,
+    new_flag,
+    pauses_from_marks,
+    set_open,
+)
+from coserve.trainer.worker import WorkerSpec, _Worker
+
+CUDA = torch.cuda.is_available()
+
+
+def test_flag_is_shared_and_opens_and_closes() -> None:
+    flag = new_flag()
+    assert flag.is_shared() and int(flag[0]) == OPEN
+    set_open(flag, False)
+    assert int(flag[0]) == CLOSED
+    set_open(flag, True)
+    assert int(flag[0]) == OPEN
+
+
+def test_pauses_are_the_waits_that_held_the_stream() -> None:
+    # three waits: passed at once, held 5 ms, held below the threshold
+    pauses, paused_s = pauses_from_marks(100.0, [1.0, 4.0, 30.0], [0.003, 5.0, 0.01], [2, 1, 0],
+                                         blocked_ms=0.02)
+    assert pauses == [(pytest.approx(100.004), 1)]
+    assert paused_s == pytest.approx(0.005)
+    with pytest.raises(ValueError):
+        pauses_from_marks(0.0, [1.0], [1.0, 2.0], [0])
+
+
+def test_no_gate_without_cuda() -> None:
+    assert StreamGate.open(new_flag(), torch.device("cpu")) is None
+
+
+@pytest.mark.skipif(not CUDA, reason="a CUDA stream waits on the flag")
+def test_gate_holds_a_stream_until_opened() -> None:
+    flag = new_flag()
+    gate = StreamGate.open(flag, torch.device("cuda"))
+    assert gate is not None
+    try:
+        x = torch.zeros(4, device="cuda")
+        torch.cuda.synchronize()
+        set_open(flag, False)
+        stream = torch.cuda.current_stream()
+        gate.wait(stream)
+        x.fill_(1.0)
+        done = torch.cuda.Event()
+        done.record()
+        time.sleep(0.2)
+        assert not done.query(), "work behind a closed gate ran"
+        set_open(flag, True)
+        done.synchronize()
+        assert float(x.sum()) == 4.0
+    finally:
+        set_open(flag, True)
+        gate.close()
+
+
+def _worker_spec(device: str) -> tuple[WorkerSpec, BackwardTask, int]:
+    model = load_model("tiny", num_lora_slots=1, max_lora_rank=8, device=device)
+    cfg = model.config
+    adapter = new_lora_adapter(num_layers=cfg.num_layers, shapes=cfg.linear_shapes(), rank=4, alpha=8,
+                               target_modules=("q_proj", "v_proj"), seed=0)
+    store = torch.randn(cfg.num_layers + 1, 32, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    numel = sum(a.numel() + b.numel() for a, b in adapter.weights.values())
+    spec = WorkerSpec(model, store.to(device), torch.zeros(1, device=device), torch.zeros(2, 3, numel, device=device),
+                      torch.tensor([-1, 0, 0]), adapter, 0, 0.0, 0, OptimConfig(lr=1e-3))
+    task = BackwardTask(0, 0, (TaskSample(0, 0, tuple(range(10, 30))),), ends_step=True)
+    return spec, task, cfg.num_layers
+
+
+@pytest.mark.skipif(not CUDA, reason="the gate is a CUDA stream wait")
+def test_gated_worker_pauses_on_its_gpu_stream_and_computes_the_same_loss() -> None:
+    spec, task, num_layers = _worker_spec("cuda")
+    expected = _Worker(spec).run(task)  # no gate: the CPU path (no grant either)
+
+    spec.gate_flag = new_flag()
+    worker = _Worker(spec)
+    assert worker._gate is not None
+    set_open(spec.gate_flag, False)
+    result: list[TaskResult] = []
+    thread = threading.Thread(target=lambda: result.append(worker.run(task)))
+    thread.start()
+    time.sleep(0.5)
+    assert not result, "the task finished behind a closed gate"
+    opened = time.monotonic()
+    set_open(spec.gate_flag, True)
+    thread.join(timeout=60)
+    assert result
+    got = result[0]
+    assert got.loss_sum == pytest.approx(expected.loss_sum, rel=1e-4)
+    # the GPU stopped at the first boundary (the loss's, boundary L) until the gate opened
+    assert got.pause_layers == (num_layers,)
+    assert got.pause_times[0] < opened
+    assert got.paused_s >= 0.3
