@@ -8,10 +8,13 @@
 #
 # Jobs:
 #   gpu_tests      the GPU tests (kernels against their CPU references, backward, graphs)
+#   gate_tests     the trainer's GPU-side pause gate and process tests alone
 #   verify         bench/verify_device.sh (GPU tests, backward alone, FT-only vs peft, LoRA overhead)
 #   ft512          FT-only vs the peft loops at 512-token sequences (issue 4)
 #   ftab           FT-only at 512, coserve alone, by trainer variant: default, no GPU-side pause gate
-#                  (COSERVE_GPU_GATE=0), untrained-MLP pieces of 512 and of 4,096 tokens
+#                  (COSERVE_GPU_GATE=0), untrained-MLP pieces of 512 and of 4,096 tokens; or the
+#                  variants in $FT_VARIANTS ("NAME:VAR=VALUE ...", e.g. "default: loss256:COSERVE_LOSS_CHUNK=256")
+#   latency_loss256  bench/coserve_latency.py as `latency` with COSERVE_LOSS_CHUNK=256
 #   lora           decode and LoRA overhead at context 2048 (issue 3)
 #   lora_nofork    the same with COSERVE_LORA_FORK=0 (no LoRA shrink on a side stream in the graphs)
 #   grid           the full bench/engine_speed.py grid (issue 3)
@@ -60,12 +63,16 @@ job() {
         tests/layers tests/trainer/test_backward.py tests/trainer/test_stream_gate.py tests/engine/test_cuda_graph.py \
         tests/engine/test_prefill_graphs.py tests/engine/test_stream_priority.py
       grep "^gpu_tests rc=" "$top/status.txt" | tail -n 1 | sed 's/gpu_tests/gpu tests/' >> "$top/verify/verify.txt" ;;
+    gate_tests)
+      run gate_tests "$top/verify/gate_tests.txt" python3 -m pytest -q -p no:cacheprovider -p no:warnings \
+        tests/trainer/test_stream_gate.py tests/trainer/test_process.py ;;
     verify) OUT=$top/verify run verify "$top/verify/verify.txt" bench/verify_device.sh ;;
     ft512)
       run ft512 "$top/verify/ft_throughput.log" python3 bench/ft_throughput.py --lengths 512 \
         --out "$top/verify/ft_throughput.json" ;;
     ftab)  # FT-only at 512, coserve alone, by trainer variant (ft_<variant>.json)
-      for v in "default:" "nogate:COSERVE_GPU_GATE=0" "mlp512:COSERVE_MLP_CHUNK=512" "mlp4096:COSERVE_MLP_CHUNK=4096"; do
+      read -r -a variants <<< "${FT_VARIANTS:-default: nogate:COSERVE_GPU_GATE=0 mlp512:COSERVE_MLP_CHUNK=512 mlp4096:COSERVE_MLP_CHUNK=4096}"
+      for v in "${variants[@]}"; do
         name=ft_${v%%:*}
         # shellcheck disable=SC2086  # the variant's assignments, none for the default
         run "$name" "$top/$name.log" env ${v#*:} python3 bench/ft_throughput.py --lengths 512 --skip-peft \
@@ -84,6 +91,10 @@ job() {
       run latency "$top/verify/coserve_latency.log" python3 bench/coserve_latency.py \
         --trace .traces/azure2023_conv.csv --duration 60 --trainer-sm-share 50 --no-reference \
         --out "$top/verify/coserve_latency.json" ;;
+    latency_loss256)
+      COSERVE_LOSS_CHUNK=256 run latency_loss256 "$top/coserve_latency_loss256.log" python3 bench/coserve_latency.py \
+        --trace .traces/azure2023_conv.csv --duration 60 --trainer-sm-share 50 --no-reference \
+        --out "$top/coserve_latency_loss256.json" ;;
     latency=*)
       share=${1#latency=}; share_flags=(); (( share < 100 )) && share_flags=(--trainer-sm-share "$share")
       run "$1" "$top/coserve_latency_share$share.log" python3 bench/coserve_latency.py \

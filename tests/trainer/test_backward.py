@@ -359,11 +359,11 @@ def test_task_backward_matches_full_autograd(
     seen: list[int] = []
     out = task_backward(model, lora, store, rows, dropout_key=key, at_layer_boundary=seen.append)
 
-    # before the loss; per layer: before and after the attention recompute, before the attention
+    # before the loss's forward and its backward; per layer: before and after the attention recompute, before the attention
     # backward, and within the MLP half two (trained: after its recompute and its backward) or
     # three (untrained, one piece: after each of its three matmuls)
     per_layer = 4 if targets == LORA_TARGETS else 6
-    assert seen == [2] + [1] * per_layer + [0] * per_layer
+    assert seen == [2, 2] + [1] * per_layer + [0] * per_layer
     assert out.num_targets == sum(s.num_targets for s in samples)
     assert out.loss_sum == pytest.approx(loss.item(), rel=1e-5)
     assert ref.flat.grad is not None and lora.flat.grad is not None
@@ -374,7 +374,8 @@ def test_task_backward_matches_full_autograd(
 def test_loss_in_chunks_gives_the_same_loss_and_gradients(
     models: dict[str, LlamaForCausalLM], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The loss over the targets in chunks of LOSS_CHUNK, with a possible pause before each."""
+    """The loss over the targets in chunks of LOSS_CHUNK, with a possible pause before each
+    chunk's forward and before its backward."""
     import coserve.trainer.backward as backward
 
     model = models["llama"]
@@ -387,7 +388,7 @@ def test_loss_in_chunks_gives_the_same_loss_and_gradients(
     monkeypatch.setattr(backward, "LOSS_CHUNK", 4)
     seen: list[int] = []
     chunked = task_backward(model, lora, store, rows, at_layer_boundary=seen.append)
-    assert seen.count(2) == -(-whole.num_targets // 4) > 1  # one boundary before each chunk
+    assert seen.count(2) == 2 * -(-whole.num_targets // 4) > 2  # two boundaries per chunk
     assert chunked.num_targets == whole.num_targets
     assert chunked.loss_sum == pytest.approx(whole.loss_sum, rel=1e-6)
     assert_close_scaled(lora.flat.grad, expected, rtol=1e-5)
@@ -528,10 +529,10 @@ def test_saved_mlp_activations_give_the_same_gradients(
     store, rows = capture_task(model, lora, samples, mlp_store=kept)
     seen: list[int] = []
     out = task_backward(model, lora, store, rows, at_layer_boundary=seen.append, mlp_store=kept[0])
-    # the loss (L = 2), then per layer 4 boundaries with a trained MLP, 5 without: two after the
+    # the loss (L = 2: before its forward and its backward), then per layer 4 boundaries with a trained MLP, 5 without: two after the
     # two matmuls of the hand-written MLP backward (no recompute) in place of the trained MLP's two
     per_layer = 4 if targets == LORA_TARGETS else 5
-    assert seen == [2] + [1] * per_layer + [0] * per_layer
+    assert seen == [2, 2] + [1] * per_layer + [0] * per_layer
     assert out.loss_sum == pytest.approx(loss.item(), rel=1e-5)
     assert ref.flat.grad is not None and lora.flat.grad is not None
     assert_close_scaled(lora.flat.grad, ref.flat.grad, rtol=1e-5)

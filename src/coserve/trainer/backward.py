@@ -28,10 +28,10 @@ from coserve.trainer.lora_params import TrainableLoRA
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
-# Target tokens per LM-head chunk of the loss. A pause can only come between chunks; at the
-# Llama-3 shape a chunk's logits and their input gradient are ~2.1 GFLOP per target token, so a
-# 512-target chunk is ~1.1 TFLOP, ~1.5 ms on an H200 alone. ``COSERVE_LOSS_CHUNK`` overrides it
-# (for measurements).
+# Target tokens per LM-head chunk of the loss. A pause can come before a chunk's forward and
+# before its backward; at the Llama-3 shape each is ~1.1 GFLOP per target token, so ~0.54 TFLOP
+# for 512 targets, under 1 ms on an H200 alone. ``COSERVE_LOSS_CHUNK`` overrides it (for
+# measurements).
 LOSS_CHUNK = int(os.environ.get("COSERVE_LOSS_CHUNK", "512"))
 # Tokens per piece of an untrained MLP's backward, which has a pause boundary after each of its
 # three matmuls (gate/up recompute, ``down``'s input gradient, ``gate_up``'s input gradient): at
@@ -91,7 +91,7 @@ def task_backward(
     layer each on its own. ``at_layer_boundary(l)`` runs before the attention recompute, after
     it, within the MLP half (a trained MLP: after its recompute and after its backward; an
     untrained one: after each matmul of each :data:`MLP_CHUNK`-token piece), and before the attention backward
-    (and with ``l = L`` before each chunk of the loss). The loss is NOT normalized: the caller
+    (and with ``l = L`` before each chunk of the loss and before its backward). The loss is NOT normalized: the caller
     divides by the step's target count.
 
     With ``mlp_store`` ``[L, capacity, 2·intermediate]`` (the gate/up outputs the engine kept,
@@ -135,9 +135,12 @@ def task_backward(
         # make the CPU wait for the GPU before it queues the layers' work.
         loss_total = torch.zeros((), dtype=torch.float64, device=store.device)
         for chunk in picked.split(LOSS_CHUNK):
-            boundary(num_layers)  # the loss over the vocabulary is a layer's worth of work too
+            # the loss over the vocabulary is a layer's worth of work too: a boundary before each
+            # chunk's forward and one before its backward
+            boundary(num_layers)
             logits = model.compute_logits(model.model.norm(final[chunk]))
             loss = F.cross_entropy(logits.float(), batch.targets[chunk], reduction="sum")
+            boundary(num_layers)
             loss.backward()
             loss_total += loss.detach()
             del logits, loss

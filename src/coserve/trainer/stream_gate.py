@@ -14,9 +14,11 @@ with an ordinary store (:func:`set_open`); the trainer registers its pages with 
 error) the trainer falls back to pausing on its CPU at the same boundaries.
 
 Timing: the trainer records a timed CUDA event just before and just after each wait. A wait that
-held the stream (``after − before`` ≥ :data:`BLOCKED_MS`) is a pause that began when the GPU
-reached ``before``; :func:`pauses_from_marks` turns the events into ``time.monotonic()`` times
-through an anchor event recorded on an idle stream at the start of the task.
+held the stream is a pause that began when the GPU reached ``before``: ``after − before`` exceeds
+the CPU's own gap between recording the two (on an idle GPU each event completes as soon as it is
+recorded, so that gap alone shows between them) by :data:`BLOCKED_MS`.
+:func:`pauses_from_marks` turns the events into ``time.monotonic()`` times through an anchor event
+recorded on an idle stream at the start of the task.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ FLAG_BYTES = 4096  # one page: cuMemHostRegister pins whole pages
 CU_MEMHOSTREGISTER_PORTABLE = 0x01
 CU_MEMHOSTREGISTER_DEVICEMAP = 0x02
 CU_STREAM_WAIT_VALUE_EQ = 0x1
-# A wait whose events are this far apart held the stream (an open gate passes in a few µs).
-BLOCKED_MS = 0.02
+# A wait whose events are this much further apart on the GPU than their recording on the CPU held
+# the stream (an open gate passes in a few µs; the engine pauses for whole prefill steps).
+BLOCKED_MS = 0.1
 
 
 def new_flag() -> torch.Tensor:
@@ -110,11 +113,13 @@ class StreamGate:
 
 
 class WaitMark(NamedTuple):
-    """The timed events around one gate wait and the boundary it was at."""
+    """The timed events around one gate wait, the boundary it was at, and the CPU time between
+    recording the two events."""
 
     before: torch.cuda.Event
     after: torch.cuda.Event
     layer: int
+    record_gap_ms: float
 
 
 def pauses_from_marks(anchor_s: float, anchor_to_before_ms: Sequence[float], held_ms: Sequence[float],
@@ -122,7 +127,7 @@ def pauses_from_marks(anchor_s: float, anchor_to_before_ms: Sequence[float], hel
     """The pauses a task's gate waits made: ``([(time.monotonic() the pause began, layer)], paused
     seconds)``. ``anchor_s`` is the monotonic time of the anchor event; for each wait,
     ``anchor_to_before_ms`` is the GPU time from the anchor to the event before it and ``held_ms``
-    the time between its two events."""
+    the GPU time between its two events less the CPU time between recording them."""
     pauses = []
     paused_s = 0.0
     for offset, held, layer in zip(anchor_to_before_ms, held_ms, layers, strict=True):
@@ -135,5 +140,5 @@ def pauses_from_marks(anchor_s: float, anchor_to_before_ms: Sequence[float], hel
 def read_marks(anchor: torch.cuda.Event, marks: Sequence[WaitMark]) -> tuple[list[float], list[float], list[int]]:
     """The GPU timings of ``marks`` (every event must have completed)."""
     offsets = [anchor.elapsed_time(m.before) for m in marks]
-    held = [m.before.elapsed_time(m.after) for m in marks]
+    held = [m.before.elapsed_time(m.after) - m.record_gap_ms for m in marks]
     return offsets, held, [m.layer for m in marks]

@@ -151,10 +151,12 @@ class _Worker:
         assert self._gate is not None
         before = torch.cuda.Event(enable_timing=True)
         after = torch.cuda.Event(enable_timing=True)
-        before.record()
-        self._gate.wait(torch.cuda.current_stream())
-        after.record()
-        self._marks.append(WaitMark(before, after, layer))
+        stream = torch.cuda.current_stream()
+        began = time.perf_counter()
+        before.record(stream)
+        self._gate.wait(stream)
+        after.record(stream)
+        self._marks.append(WaitMark(before, after, layer, (time.perf_counter() - began) * 1e3))
         ahead = self.spec.gated_boundaries_ahead
         if len(self._marks) > ahead:
             began = time.perf_counter()
