@@ -98,6 +98,24 @@ def pause_delays(windows: list[tuple[float, float]], observed: list[float],
     return out
 
 
+def span_summary(spans: list[tuple[int, int, float]], num_layers: int) -> dict[str, Any]:
+    """The GPU stretches between the trainer's boundaries (``TaskResult.spans``, GPU-side gate
+    only), by where they start: ``loss``, ``commit`` or ``layer#k`` (the k-th boundary of a
+    layer: 0 the attention recompute, then the MLP's pieces, the last the attention backward);
+    a pause that comes during a stretch waits for the rest of it."""
+    groups: dict[str, list[float]] = {}
+    for layer, ordinal, ms in spans:
+        kind = "loss" if layer == num_layers else "commit" if layer < 0 else f"layer#{ordinal}"
+        groups.setdefault(kind, []).append(ms)
+    everything = [ms for _, _, ms in spans]
+    return {
+        "n": len(everything),
+        "over_2ms": sum(ms > 2.0 for ms in everything),
+        "by_start": {k: {"n": len(v), "p50_ms": percentile(v, 50), "p99_ms": percentile(v, 99), "max_ms": max(v)}
+                     for k, v in sorted(groups.items())},
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
@@ -177,6 +195,7 @@ def main() -> None:
         "latency_model_error": errors,
         "trainer_pause": pause_delays(co.pause_windows, co.pause_observed, co.pause_observed_layers,
                                       num_layers),
+        "trainer_spans": span_summary(co.trainer_spans, num_layers) if co.trainer_spans else None,
         "ft_only_interruption": {
             "requests": len(ft_only), "interrupted_steps": co.num_interrupted,
             "delay_p50_ms": percentile(ft_only, 50) * 1e3, "delay_p99_ms": percentile(ft_only, 99) * 1e3,

@@ -56,6 +56,10 @@ class TaskResult:
     # the boundary of each pause in pause_times: a layer index, L (the layer count) for the
     # loss, -1 for the optimizer step's commit
     pause_layers: tuple[int, ...] = ()
+    # with the GPU-side gate: the GPU time from passing each boundary to reaching the next, as
+    # (boundary layer, its ordinal among the boundaries of that layer, ms) — the stretch a pause
+    # that comes during it waits for (GPU idle time waiting for the CPU included)
+    spans: tuple[tuple[int, int, float], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -119,6 +119,7 @@ class WaitMark(NamedTuple):
     before: torch.cuda.Event
     after: torch.cuda.Event
     layer: int
+    ordinal: int  # among the boundaries of ``layer`` in the task (0: the first)
     record_gap_ms: float
 
 
@@ -138,7 +139,14 @@ def pauses_from_marks(anchor_s: float, anchor_to_before_ms: Sequence[float], hel
 
 
 def read_marks(anchor: torch.cuda.Event, marks: Sequence[WaitMark]) -> tuple[list[float], list[float], list[int]]:
-    """The GPU timings of ``marks`` (every event must have completed)."""
+    """The GPU timings of ``marks`` for :func:`pauses_from_marks` (every event must have
+    completed)."""
     offsets = [anchor.elapsed_time(m.before) for m in marks]
     held = [m.before.elapsed_time(m.after) - m.record_gap_ms for m in marks]
     return offsets, held, [m.layer for m in marks]
+
+
+def read_spans(marks: Sequence[WaitMark]) -> list[tuple[int, int, float]]:
+    """``(layer, ordinal, ms)`` of the GPU time from each wait's end to the next wait's start,
+    labelled by the boundary it starts at (every event must have completed)."""
+    return [(a.layer, a.ordinal, a.after.elapsed_time(b.before)) for a, b in zip(marks[:-1], marks[1:], strict=True)]

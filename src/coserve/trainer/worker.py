@@ -19,7 +19,13 @@ from coserve.models.peft_adapter import LoraAdapter
 from coserve.trainer.backward import TaskRow, task_backward
 from coserve.trainer.lora_params import TrainableLoRA
 from coserve.trainer.optim import LoRAOptimizer
-from coserve.trainer.stream_gate import StreamGate, WaitMark, pauses_from_marks, read_marks
+from coserve.trainer.stream_gate import (
+    StreamGate,
+    WaitMark,
+    pauses_from_marks,
+    read_marks,
+    read_spans,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +97,7 @@ class _Worker:
             self._gate = StreamGate.open(spec.gate_flag, device)
         self._anchor: tuple[torch.cuda.Event, float] | None = None
         self._marks: list[WaitMark] = []
+        self._spans: list[tuple[int, int, float]] = []
         bank = int(spec.meta[0])
         if bank >= 0:
             self.optim.import_state(spec.banks[bank], int(spec.meta[1 + bank]))
@@ -115,11 +122,12 @@ class _Worker:
         if self._gate is not None:
             self._read_gate_pauses()
         pauses, self._pauses = self._pauses, []
+        spans, self._spans = self._spans, []
         paused, self._paused_s = self._paused_s, 0.0
         gpu_wait, self._gpu_wait_s = self._gpu_wait_s, 0.0
         return TaskResult(task.task_id, loss.loss_sum, loss.num_targets, time.perf_counter() - start, info,
                           tuple(t for t, _ in pauses), paused, gpu_wait, time.thread_time() - cpu_start,
-                          tuple(layer for _, layer in pauses))
+                          tuple(layer for _, layer in pauses), tuple(spans))
 
     def _layer_boundary(self, layer: int) -> None:
         """Pause here while the engine runs a prefill; keep GPU work queued ahead of the CPU to
@@ -156,7 +164,10 @@ class _Worker:
         before.record(stream)
         self._gate.wait(stream)
         after.record(stream)
-        self._marks.append(WaitMark(before, after, layer, (time.perf_counter() - began) * 1e3))
+        gap_ms = (time.perf_counter() - began) * 1e3
+        last = self._marks[-1] if self._marks else None
+        ordinal = last.ordinal + 1 if last is not None and last.layer == layer else 0
+        self._marks.append(WaitMark(before, after, layer, ordinal, gap_ms))
         ahead = self.spec.gated_boundaries_ahead
         if len(self._marks) > ahead:
             began = time.perf_counter()
@@ -180,6 +191,7 @@ class _Worker:
         marks[-1].after.synchronize()
         anchor, anchor_s = self._anchor
         pauses, paused_s = pauses_from_marks(anchor_s, *read_marks(anchor, marks))
+        self._spans = read_spans(marks)
         self._pauses.extend(pauses)
         self._paused_s += paused_s
         # NOTE: the CPU's waits for marks held by a closed gate were pauses, not GPU work.
