@@ -31,10 +31,20 @@ def gpu_tests(verify: Path) -> dict[str, Any] | None:
     if text is None:
         return None
     rc = re.search(r"gpu tests rc=(\d+)", text)
-    dots = (verify / "gpu_tests.txt").read_text() if (verify / "gpu_tests.txt").exists() else ""
-    progress = "".join(line.split(" [")[0] for line in dots.splitlines() if re.match(r"^[.sFEx]+( |$)", line))
-    return {"rc": int(rc.group(1)) if rc else None, "passed": progress.count("."),
-            "failed": progress.count("F"), "errors": progress.count("E"), "skipped": progress.count("s")}
+    log = (verify / "gpu_tests.txt").read_text() if (verify / "gpu_tests.txt").exists() else ""
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    # pytest's closing line ("1 failed, 302 passed, 2 skipped in 60.1s"), else its progress lines
+    # (result letters followed by their "[ 42%]": an assertion's "E   ..." line is not one)
+    summary = re.search(r"^=*\s*(\d+ (?:passed|failed|errors?|skipped)[^\n]*) in [\d.]+s", log, re.MULTILINE)
+    if summary:
+        for n, word in re.findall(r"(\d+) (passed|failed|errors?|skipped)", summary.group(1)):
+            counts["errors" if word.startswith("error") else word] = int(n)
+    else:
+        progress = "".join(line.split("[")[0].strip() for line in log.splitlines()
+                           if re.fullmatch(r"[.sFEx]+\s*\[\s*\d+%\]", line.strip()))
+        counts = {"passed": progress.count("."), "failed": progress.count("F"), "errors": progress.count("E"),
+                  "skipped": progress.count("s")}
+    return {"rc": int(rc.group(1)) if rc else None, **counts}
 
 
 def ft_throughput(result: dict[str, Any]) -> list[dict[str, Any]]:

@@ -41,3 +41,13 @@ def test_report_reads_every_part_and_names_what_is_missing(tmp_path: Path) -> No
     assert got["slo_machinery"]["trainer_pause"]["delay_p99_ms"] == pytest.approx(12.63, rel=1e-3)
     shape = got["eager_steps"]["1x2048_ctx0"]
     assert shape["eager_step_ms"] == shape["graphs_step_ms"] == pytest.approx(50.67, rel=1e-3)
+
+
+def test_gpu_test_counts_ignore_assertion_lines(tmp_path: Path) -> None:
+    """A failed run's log holds "E   ..." lines of the assertion: they are no test results."""
+    shutil.copy(RESULTS / "verify_h200" / "session6" / "gpu_tests_11fd828.txt", tmp_path / "gpu_tests.txt")
+    (tmp_path / "verify.txt").write_text("gpu tests rc=1 after 60 s\n")
+    got = first_call_report.gpu_tests(tmp_path)
+    assert got == {"rc": 1, "passed": 302, "failed": 1, "errors": 0, "skipped": 0}
+    (tmp_path / "gpu_tests.txt").write_text("1 failed, 302 passed, 2 skipped in 60.12s\n")
+    assert first_call_report.gpu_tests(tmp_path) == {"rc": 1, "passed": 302, "failed": 1, "errors": 0, "skipped": 2}
