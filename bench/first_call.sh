@@ -17,6 +17,7 @@
 #   latency_loss256  bench/coserve_latency.py as `latency` with COSERVE_LOSS_CHUNK=256
 #   lora           decode and LoRA overhead at context 2048 (issue 3)
 #   lora_nofork    the same with COSERVE_LORA_FORK=0 (no LoRA shrink on a side stream in the graphs)
+#   lora_split=N   the same with COSERVE_LORA_SPLIT_WAVES=N (prefill LoRA shrinks split-K to N waves)
 #   grid           the full bench/engine_speed.py grid (issue 3)
 #   trace_coserve  bench/trace_vs_hf.py, coserve's side (issue 3 item 4)
 #   trace_peer     bench/trace_vs_hf.py, the transformers peer's side (same arrivals)
@@ -81,6 +82,10 @@ job() {
     lora)
       run lora "$top/verify/engine_lora.log" python3 bench/engine_speed.py --sections decode,lora \
         --batches 1,16,64 --contexts 2048 --out "$top/verify/engine_lora.json" ;;
+    lora_split=*)  # COSERVE_LORA_SPLIT_WAVES=N: split-K LoRA shrinks in large steps too
+      waves=${1#lora_split=}
+      COSERVE_LORA_SPLIT_WAVES=$waves run "$1" "$top/engine_lora_split$waves.log" python3 bench/engine_speed.py \
+        --sections decode,lora --batches 1,16,64 --contexts 2048 --out "$top/engine_lora_split$waves.json" ;;
     lora_nofork)
       COSERVE_LORA_FORK=0 run lora_nofork "$top/engine_lora_nofork.log" python3 bench/engine_speed.py \
         --sections decode,lora --batches 1,16,64 --contexts 2048 --out "$top/engine_lora_nofork.json" ;;

@@ -125,3 +125,37 @@ def test_lora_matches_reference(dtype: torch.dtype, rank: int, padded: bool) -> 
 
 def test_order_groups_tokens_by_slot_one_slot_per_tile() -> None:
     assert order_by_slot([2, 1, 3, 1], [1, -1, 0, 1], 4) == [3, 4, 5, -1, 0, 1, 6, -1]
+
+
+def test_split_k_for_large_steps_only_with_waves() -> None:
+    # 68 tiles of 64 rows (a 4,096-token prefill over 4 adapters) on 132 SMs: no split by default
+    assert LoRALaunch.for_order(68 * 64, 64, sms=132).max_split_k == 1
+    # asked for 2 waves: 68 · 4 = 272 ≥ 264 programs
+    assert LoRALaunch.for_order(68 * 64, 64, sms=132, waves=2).max_split_k == 4
+    # few tiles split up to 8 as before, and with waves on to 16 at most
+    assert LoRALaunch.for_order(16, 16, sms=132).max_split_k == 8
+    assert LoRALaunch.for_order(16, 16, sms=132, waves=4).max_split_k == 16
+
+
+def test_lora_with_sixteen_way_split_matches_reference() -> None:
+    """The largest split (16 partials summed by the expand) over a 4,096-wide input."""
+    dtype = torch.float32
+    rng = random.Random(7)
+    slots_n, d_in, d_out, rank = 2, 4096, 64, 16
+    row_lens, row_slots = [3, 5], [0, 1]
+    batch = LoRABatch.from_rows(row_lens, row_slots, DEVICE)
+    t = sum(row_lens)
+    gen = torch.Generator().manual_seed(rng.randint(0, 1 << 30))
+    x = torch.randn(t, d_in, generator=gen).to(DEVICE, dtype)
+    a = (torch.randn(slots_n, rank, d_in, generator=gen) / d_in**0.5).to(DEVICE, dtype)
+    b = torch.randn(slots_n, d_out, rank, generator=gen).to(DEVICE, dtype)
+    scales = torch.ones(slots_n, device=DEVICE)
+    ref = torch.zeros(t, d_out)
+    lora_segments_ref(ref, x.float().cpu(), a.float().cpu(), b.float().cpu(), scales.cpu(),
+                      LoRABatch.from_rows(row_lens, row_slots, torch.device("cpu")))
+    order = torch.tensor(order_by_slot(row_lens, row_slots, 16), dtype=torch.int32, device=DEVICE)
+    launch = LoRALaunch.for_order(len(order), 16, sms=132, waves=4)
+    assert launch.max_split_k == 16
+    y = torch.zeros(t, d_out, dtype=dtype, device=DEVICE)
+    lora_shrink_expand(y, x, a, b, scales, batch.token_slots, order, launch)
+    assert rel_err(y.cpu(), ref) < TOL[dtype]

@@ -128,6 +128,10 @@ def _pow2_at_least_16(n: int) -> int:
     return max(16, 1 << max(n - 1, 0).bit_length())
 
 
+SPLIT_WAVES = int(os.environ.get("COSERVE_LORA_SPLIT_WAVES", "0"))
+"""Split-K programs per SM that :meth:`LoRALaunch.for_order` aims for in large steps; 0 (the
+default until it is measured on the GPU): split only while the tiles leave SMs idle."""
+
 SMALL_STEP_TOKENS = 256
 """Steps of up to this many tokens get 16-row tiles, larger ones 64-row tiles."""
 
@@ -153,10 +157,18 @@ class LoRALaunch:
     max_split_k: int  # a power of two
 
     @classmethod
-    def for_order(cls, order_length: int, block_m: int, sms: int) -> LoRALaunch:
+    def for_order(cls, order_length: int, block_m: int, sms: int, waves: int | None = None) -> LoRALaunch:
+        """Split K while the tiles alone would leave SMs idle (up to 8 ways). With ``waves``
+        (default :data:`SPLIT_WAVES`), a step whose tiles fill the SMs splits further, up to
+        16 ways, until ``tiles · split`` reaches ``waves`` per SM: a 4,096-token prefill has
+        68 tiles of 64 rows for 132 SMs, and each of its shrink programs walks the whole input
+        dimension (224 steps of 64 for ``down_proj``) with nothing beside it."""
         tiles = max(1, -(-order_length // block_m))
         split = 1
         while split < 8 and tiles * split * 2 <= sms:
+            split *= 2
+        waves = SPLIT_WAVES if waves is None else waves
+        while waves and split < 16 and tiles * split < waves * sms:
             split *= 2
         return cls(block_m, tiles, split)
 
