@@ -30,7 +30,7 @@ from speed_common import LLAMA3_8B, TINY, add_trace_args, provenance, trace_scal
 
 from coserve.bench.metrics import attainment, latency_summary, percentile
 from coserve.bench.replay import InProcessDriver
-from coserve.bench.runners import step_table
+from coserve.bench.runners import step_table, task_breakdown
 from coserve.bench.workload import Arrival, busiest_window, load_trace
 from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig, SLOConfig
 from coserve.core.latency import BatchSpec, error_summary
@@ -172,6 +172,7 @@ def main() -> None:
     co.track = True
     result = driver.run(arrivals, duration_s=args.duration, ft_tokens=lambda: co.tokens_trained,
                         idle_wait=session.wait, drain_s=60.0)
+    replay_tasks = task_breakdown(list(co.task_timings), result.duration_s)
     # Sparse arrivals after the replay: with no other request in the engine it runs FT-only
     # steps, so each of these arrives in one (a trace rarely leaves the engine that idle).
     probes = probe_arrivals(args.probe_requests, seed=1)
@@ -218,6 +219,8 @@ def main() -> None:
             **latency_summary(result.records),
             "ft_tokens_per_s": result.ft_tokens / result.duration_s,
             "optimizer_steps": co.steps_done,
+            # where the trainer's time per task went during the replay (trainer CPU time among it)
+            "backward_tasks": replay_tasks,
         },
     }
     out = {
