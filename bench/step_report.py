@@ -8,7 +8,8 @@ Per configuration, in run order:
   benchmark had not run before against those it had (the warm-up's 1, 16, 17, 1,024 and 2,048 tokens count as run);
 - CUDA-graph inference steps, mixed steps and FT-only steps: count and median seconds (FT-only:
   also median FT tokens);
-- the backward tasks' breakdown, the CUDA allocator counters and the SM clock, as recorded.
+- the backward tasks' breakdown, the CUDA allocator counters, the SM clock and the host's CPU load
+  (mean / max share busy, with the replay's wall-clock start to line up runs), as recorded.
 
     python bench/step_report.py bench/results/eval_h200/azure2023_code/azure2023_code.json [--out report.json]
 """
@@ -78,6 +79,11 @@ def report(result: dict[str, Any]) -> dict[str, Any]:
         for key in ("backward_tasks", "admission", "cuda_allocator", "gpu_clock_mhz", "attainment_abs",
                     "ft_tokens_per_s"):
             summary[key] = fig.get(key)
+        timeline = fig.get("timeline") or {}
+        busy = timeline.get("host_cpu_busy") or []
+        summary["host_cpu_busy"] = ({"mean": sum(busy) / len(busy), "max": max(busy), "samples": len(busy)}
+                                    if busy else None)
+        summary["started_unix_s"] = timeline.get("started_unix_s")
         out[name] = summary
     return out
 

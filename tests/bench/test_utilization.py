@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,6 +35,7 @@ def test_sampler_reads_utilization_and_clock_until_the_clock_fails(
     assert sampler.clocks_mhz == [1980.0, 1755.0]  # sampling goes on without the clock
     sampler.start()
     assert sampler.clocks_mhz == []
+    sampler.stop()
 
 
 def test_sampler_without_a_probe_samples_nothing() -> None:
@@ -52,3 +54,32 @@ def test_allocator_counters_read_the_cuda_allocator(monkeypatch: pytest.MonkeyPa
     assert runners._allocator_counters(torch.device("cuda")) == {
         "device_allocs": 7.0, "device_frees": 2.0, "alloc_retries": 1.0, "reserved_gib": 3.0}
     assert runners._allocator_counters(torch.device("cpu")) is None
+
+
+def test_host_cpu_busy_from_proc_stat(tmp_path: Path) -> None:
+    stat = tmp_path / "stat"
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    stat.write_text("cpu  100 0 50 800 50 0 0 0 0 0\ncpu0 1 2 3 4\n")
+    before = utilization.host_cpu_times(stat)
+    assert before == (1000, 850)
+    stat.write_text("cpu  400 0 150 1200 50 0 0 0 0 0\n")
+    after = utilization.host_cpu_times(stat)
+    assert after == (1800, 1250)
+    assert utilization.busy_fraction(before, after) == pytest.approx(0.5)  # 400 of 800 busy
+    assert utilization.busy_fraction(after, after) is None
+    assert utilization.host_cpu_times(tmp_path / "missing") is None
+
+
+def test_sampler_records_host_load_and_start_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    ticks = iter([(1000, 900), (1100, 950), (1200, 1000), (1300, 1050)])
+    monkeypatch.setattr(utilization, "PROBES", (lambda device: 10.0,))
+    monkeypatch.setattr(utilization, "host_cpu_times", lambda: next(ticks, (1300, 1050)))
+    monkeypatch.setattr(utilization, "_clock_probe", lambda device: 1980.0)
+    sampler = UtilizationSampler(torch.device("cuda"), every_s=0.01)
+    before = time.time()
+    sampler.start()
+    time.sleep(0.3)
+    sampler.stop()
+    assert sampler.started_unix_s is not None and before <= sampler.started_unix_s <= time.time()
+    # three deltas of half-busy ticks, then none (no time passed on the fake host: no sample)
+    assert sampler.host_cpu_busy == [0.5, 0.5, 0.5]

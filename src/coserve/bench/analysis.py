@@ -101,6 +101,10 @@ def summarize(
             # the SM clock read with each utilization sample (same order; empty where the device
             # does not report it): a step's time scales with it, which the latency model cannot see
             "gpu_clock_mhz": list(outcome.gpu_clock_mhz),
+            # the share of the host's CPUs busy over each sample's second (same order; empty
+            # where /proc/stat cannot be read): another process's load on the host shows here
+            "host_cpu_busy": [round(b, 4) for b in outcome.host_cpu_busy],
+            "started_unix_s": outcome.started_unix_s,
         },
         "per_request": {
             "arrival_s": [r.arrival_s for r in records],

@@ -32,7 +32,8 @@ Result schema (``STEM.json``; times in ms unless named ``_s``, attainment as a f
   mode, prefill and decode tokens, seconds, and of them schedule_s, forward_enqueue_s,
   forward_gpu_s; prefill_context_tokens, ft_tokens; forward_cpu_s), ``loss_first`` / ``loss_last``,
   ``timeline`` (per second: t_s, inference and FT tokens/s, rolling attainment abs / rel, GPU
-  utilization samples), ``per_request`` (arrival_s, ttft_ms, tpot_ms, output_tokens; null for a
+  utilization samples with the SM clock and the share of the host's CPUs busy, and the
+  replay's wall-clock start ``started_unix_s``), ``per_request`` (arrival_s, ttft_ms, tpot_ms, output_tokens; null for a
   request that did not get there);
 * ``comparisons``: ``ft_over_split`` / ``ft_over_naive`` / ``ft_over_temporal`` (configuration →
   ratio of FT tokens/s), ``attainment_minus_reference_pp`` (configuration → abs / rel);

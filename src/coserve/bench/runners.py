@@ -83,6 +83,8 @@ class RunOutcome:
     prediction_errors: tuple[tuple[str, float, float], ...] = ()
     gpu_utilization: tuple[tuple[float, float], ...] = ()
     gpu_clock_mhz: tuple[float, ...] = ()
+    host_cpu_busy: tuple[float, ...] = ()  # with each utilization sample (UtilizationSampler)
+    started_unix_s: float | None = None
     cuda_allocator: dict[str, float] | None = None
     profile: dict[str, str] | None = None
     loss_first: float | None = None
@@ -101,11 +103,13 @@ class Replayed(NamedTuple):
     clocks: tuple[float, ...]
     allocator: dict[str, float] | None
     profile: dict[str, str] | None = None
+    host_cpu_busy: tuple[float, ...] = ()
+    started_unix_s: float | None = None
 
     def measures(self) -> dict[str, Any]:
         """The :class:`RunOutcome` fields sampled around the replay."""
-        return {"gpu_utilization": self.util, "gpu_clock_mhz": self.clocks,
-                "cuda_allocator": self.allocator, "profile": self.profile}
+        return {"gpu_utilization": self.util, "gpu_clock_mhz": self.clocks, "host_cpu_busy": self.host_cpu_busy,
+                "started_unix_s": self.started_unix_s, "cuda_allocator": self.allocator, "profile": self.profile}
 
 
 class WindowProfiler:
@@ -205,7 +209,8 @@ def _replay(
     profile = None
     if profiler is not None and profiler.tables is not None and profiler.span is not None:
         profile = {"window_s": f"{profiler.span[0]:.1f}-{profiler.span[1]:.1f}", **profiler.tables}
-    return Replayed(result, util, tuple(ctx.sampler.clocks_mhz), allocator, profile)
+    return Replayed(result, util, tuple(ctx.sampler.clocks_mhz), allocator, profile,
+                    tuple(ctx.sampler.host_cpu_busy), ctx.sampler.started_unix_s)
 
 
 def run_inference(ctx: BenchContext, config: RunConfig) -> RunOutcome:

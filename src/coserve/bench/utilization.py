@@ -1,5 +1,5 @@
-"""GPU utilization (and the SM clock) sampled once a second in a background thread while a
-replay runs."""
+"""GPU utilization (and the SM clock, and how busy the host's CPUs are) sampled once a second in
+a background thread while a replay runs."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -23,6 +24,26 @@ def _torch_probe(device: torch.device) -> float:
 def _clock_probe(device: torch.device) -> float:
     # the SM clock in MHz: an idle GPU clocks down, which slows the steps after an idle gap
     return float(torch.cuda.clock_rate(device))
+
+
+def host_cpu_times(stat: Path = Path("/proc/stat")) -> tuple[int, int] | None:
+    """``(total, idle)`` jiffies of all the host's CPUs since boot (idle counts iowait), or None
+    where ``/proc/stat`` cannot be read (not Linux)."""
+    try:
+        fields = stat.read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    ticks = [int(v) for v in fields[1:]]
+    # user nice system idle iowait irq softirq steal (guest time is already in user / nice)
+    return sum(ticks[:8]), ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
+
+
+def busy_fraction(before: tuple[int, int], after: tuple[int, int]) -> float | None:
+    """The share of the host's CPU time that was not idle between two :func:`host_cpu_times`."""
+    total, idle = after[0] - before[0], after[1] - before[1]
+    return None if total <= 0 else 1.0 - idle / total
 
 
 # Tried in order; the first that answers on the device is used for the whole run.
@@ -49,7 +70,10 @@ def find_probe(device: torch.device) -> Probe | None:
 
 class UtilizationSampler:
     """``start()``, then ``stop() -> [(t, percent), …]`` with ``t`` in seconds since ``start``;
-    ``clocks_mhz`` then holds the SM clock read with each sample (where the device reports it).
+    ``clocks_mhz`` then holds the SM clock read with each sample (where the device reports it),
+    ``host_cpu_busy`` the share of all the host's CPUs busy since the previous sample (where
+    ``/proc/stat`` can be read: a replay on another GPU of the same host shows up there) and
+    ``started_unix_s`` the wall-clock time of ``start`` (to line up runs of two processes).
 
     Samples every ``every_s`` seconds; with no probe it samples nothing and ``stop`` returns ``[]``.
     """
@@ -60,6 +84,8 @@ class UtilizationSampler:
         self.every_s = every_s
         self._samples: list[tuple[float, float]] = []
         self.clocks_mhz: list[float] = []
+        self.host_cpu_busy: list[float] = []
+        self.started_unix_s: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -70,6 +96,8 @@ class UtilizationSampler:
     def start(self) -> None:
         self._samples = []
         self.clocks_mhz = []
+        self.host_cpu_busy = []
+        self.started_unix_s = time.time()
         self._stop.clear()
         if self.probe is None:
             return
@@ -83,6 +111,7 @@ class UtilizationSampler:
 
     def _run(self, probe: Probe, t0: float) -> None:
         clock: Probe | None = _clock_probe
+        host = host_cpu_times()
         while not self._stop.wait(self.every_s):
             try:
                 self._samples.append((time.monotonic() - t0, probe(self.device)))
@@ -95,6 +124,12 @@ class UtilizationSampler:
                 except Exception as e:
                     logger.info("SM clock unavailable: %s", e)
                     clock = None
+            if host is not None:
+                now = host_cpu_times()
+                busy = busy_fraction(host, now) if now is not None else None
+                if busy is not None:
+                    self.host_cpu_busy.append(busy)
+                host = now
 
     def stop(self) -> list[tuple[float, float]]:
         self._stop.set()
