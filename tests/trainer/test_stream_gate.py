@@ -113,3 +113,35 @@ def test_gated_worker_pauses_on_its_gpu_stream_and_computes_the_same_loss() -> N
     # the GPU stretches between boundaries: the loss's first, each at or after the previous
     assert got.spans and got.spans[0][:2] == (num_layers, 0)
     assert all(ms >= 0.0 for _, _, ms in got.spans)
+
+
+def test_a_failing_gate_falls_back_to_the_cpu_pause(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A driver error at a gate wait does not fail the task: the worker pauses on its CPU from
+    then on, and the loss is the same."""
+    spec, task, _ = _worker_spec("cpu")
+    expected = _Worker(spec).run(task)
+
+    class FailingGate:
+        calls = 0
+
+        def wait(self, stream: object) -> None:
+            FailingGate.calls += 1
+            raise RuntimeError("cuStreamWaitValue32 failed (CUresult 1)")
+
+    class FakeEvent:  # the CPU build of torch has no CUDA events or streams
+        def __init__(self, **kwargs: object) -> None:
+            pass
+
+        def record(self, stream: object = None) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: FakeEvent())
+    worker = _Worker(spec)
+    worker._gate = FailingGate()  # type: ignore[assignment]
+    got = worker.run(task)
+    assert FailingGate.calls == 1 and worker._gate is None
+    assert got.loss_sum == pytest.approx(expected.loss_sum, rel=1e-6)

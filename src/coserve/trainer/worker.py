@@ -119,7 +119,7 @@ class _Worker:
             self.loss_sum, self.num_targets = 0.0, 0
             self._commit()
             info = StepInfo(task.step, res.lr, res.grad_norm, res.skipped)
-        if self._gate is not None:
+        if self._marks:
             self._read_gate_pauses()
         pauses, self._pauses = self._pauses, []
         spans, self._spans = self._spans, []
@@ -134,8 +134,12 @@ class _Worker:
         at most ``max_layers_ahead`` layers, so that a pause takes effect within about a layer.
         With the GPU-side gate, the pause is the GPU's (:meth:`_gated_boundary`)."""
         if self._gate is not None:
-            self._gated_boundary(layer)
-            return
+            try:
+                self._gated_boundary(layer)
+                return
+            except RuntimeError as exc:  # a driver error: pause on the CPU from here on
+                logger.warning("the trainer's GPU-side pause failed (%s): pausing on the CPU from now on", exc)
+                self._gate = None
         if self.spec.store.is_cuda:
             event = torch.cuda.Event()
             event.record()
