@@ -63,27 +63,40 @@ def probe_arrivals(n: int, seed: int = 0, gap_s: float = 0.5) -> list[Arrival]:
     return out
 
 
+DRY_LAG_MS = 0.2
+"""A paused boundary the GPU reached within this long of the CPU queuing it: the GPU had run dry."""
+
+
 def pause_delays(windows: list[tuple[float, float]], observed: list[float],
-                 layers: list[int] | None = None, num_layers: int | None = None) -> dict[str, Any]:
+                 layers: list[int] | None = None, num_layers: int | None = None,
+                 lags_ms: list[float] | None = None) -> dict[str, Any]:
     """For each grant-cleared window, the delay to the first observed pause inside it; windows in
     which the trainer never paused (it reached no layer boundary before the step ended) are
     counted apart with their full length. With ``layers`` (the boundary of each observed pause,
     parallel to ``observed``) and ``num_layers``, the delays are also split by where the trainer
-    was: ``loss`` (boundary ``num_layers``), ``commit`` (-1) or ``layer``."""
-    pairs = sorted(zip(observed, layers if layers is not None else [None] * len(observed), strict=True))
+    was: ``loss`` (boundary ``num_layers``), ``commit`` (-1) or ``layer``. With ``lags_ms``
+    (GPU-side gate: how far the GPU was behind the CPU at each pause) they are split into
+    ``gpu_behind`` (the trainer's kernels ran up to the pause) and ``gpu_dry`` (lag under
+    :data:`DRY_LAG_MS`: the GPU had run out of work first, so the delay was the trainer's CPU)."""
+    n = len(observed)
+    pairs = sorted(zip(observed, layers if layers is not None else [None] * n,
+                       lags_ms if lags_ms is not None else [None] * n, strict=True))
     delays: list[float] = []
     missed: list[float] = []
     kinds: dict[str, list[float]] = {}
+    by_lag: dict[str, list[float]] = {}
     j = 0
     for start, end in windows:
         while j < len(pairs) and pairs[j][0] < start:
             j += 1
         if j < len(pairs) and pairs[j][0] <= end:
-            delay, layer = pairs[j][0] - start, pairs[j][1]
+            delay, layer, lag = pairs[j][0] - start, pairs[j][1], pairs[j][2]
             delays.append(delay)
             if layer is not None:
                 kind = "loss" if layer == num_layers else "commit" if layer < 0 else "layer"
                 kinds.setdefault(kind, []).append(delay)
+            if lag is not None:
+                by_lag.setdefault("gpu_dry" if lag < DRY_LAG_MS else "gpu_behind", []).append(delay)
         else:
             missed.append(end - start)
     out: dict[str, Any] = {
@@ -92,9 +105,10 @@ def pause_delays(windows: list[tuple[float, float]], observed: list[float],
         "delay_max_ms": max(delays) * 1e3 if delays else None,
         "unpaused_window_p99_ms": percentile(missed, 99) * 1e3 if missed else None,
     }
-    if kinds:
-        out["by_boundary"] = {k: {"paused": len(v), "delay_p50_ms": percentile(v, 50) * 1e3,
-                                  "delay_p99_ms": percentile(v, 99) * 1e3} for k, v in sorted(kinds.items())}
+    for name, groups in (("by_boundary", kinds), ("by_gpu_lag", by_lag)):
+        if groups:
+            out[name] = {k: {"paused": len(v), "delay_p50_ms": percentile(v, 50) * 1e3,
+                             "delay_p99_ms": percentile(v, 99) * 1e3} for k, v in sorted(groups.items())}
     return out
 
 
@@ -195,7 +209,7 @@ def main() -> None:
         "calibration": {"batches": n_cal, "seconds": calibration_s},
         "latency_model_error": errors,
         "trainer_pause": pause_delays(co.pause_windows, co.pause_observed, co.pause_observed_layers,
-                                      num_layers),
+                                      num_layers, co.pause_observed_lags or None),
         "trainer_spans": span_summary(co.trainer_spans, num_layers) if co.trainer_spans else None,
         "ft_only_interruption": {
             "requests": len(ft_only), "interrupted_steps": co.num_interrupted,

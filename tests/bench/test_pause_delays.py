@@ -45,3 +45,14 @@ def test_spans_grouped_by_where_they_start() -> None:
     assert set(by) == {"loss", "layer#0", "layer#3", "commit"}
     assert by["loss"]["n"] == 2 and by["loss"]["max_ms"] == pytest.approx(3.0)
     assert by["layer#0"]["n"] == 2 and by["layer#0"]["max_ms"] == pytest.approx(0.7)
+
+
+def test_delays_split_by_whether_the_gpu_had_run_dry() -> None:
+    windows = [(1.0, 1.1), (2.0, 2.1)]
+    # window 1: paused after 2 ms with the GPU 1.5 ms behind the CPU; window 2: after 9 ms at a
+    # boundary the GPU reached as soon as the CPU queued it (its kernels had finished before)
+    got = coserve_latency.pause_delays(windows, [1.002, 2.009], [3, -1], num_layers=32, lags_ms=[1.5, 0.05])
+    by = got["by_gpu_lag"]
+    assert by["gpu_behind"]["delay_p99_ms"] == pytest.approx(2.0)
+    assert by["gpu_dry"]["paused"] == 1 and by["gpu_dry"]["delay_p50_ms"] == pytest.approx(9.0)
+    assert "by_gpu_lag" not in coserve_latency.pause_delays(windows, [1.002, 2.009])

@@ -37,12 +37,15 @@ def test_flag_is_shared_and_opens_and_closes() -> None:
 
 def test_pauses_are_the_waits_that_held_the_stream() -> None:
     # three waits: passed at once, held 5 ms, held below the threshold
+    # the held one's event was recorded by the CPU 1.5 ms before the GPU reached it
     pauses, paused_s = pauses_from_marks(100.0, [1.0, 4.0, 30.0], [0.003, 5.0, 0.01], [2, 1, 0],
-                                         blocked_ms=0.02)
-    assert pauses == [(pytest.approx(100.004), 1)]
+                                         [99.0, 100.0025, 100.02], blocked_ms=0.02)
+    assert len(pauses) == 1
+    assert pauses[0].t == pytest.approx(100.004) and pauses[0].layer == 1
+    assert pauses[0].lag_ms == pytest.approx(1.5)
     assert paused_s == pytest.approx(0.005)
     with pytest.raises(ValueError):
-        pauses_from_marks(0.0, [1.0], [1.0, 2.0], [0])
+        pauses_from_marks(0.0, [1.0], [1.0, 2.0], [0], [0.0])
 
 
 def test_no_gate_without_cuda() -> None:
@@ -111,6 +114,7 @@ def test_gated_worker_pauses_on_its_gpu_stream_and_computes_the_same_loss() -> N
     assert got.pause_times[0] < opened
     assert got.paused_s >= 0.3
     # the GPU stretches between boundaries: the loss's first, each at or after the previous
+    assert len(got.pause_lags_ms) == 1
     assert got.spans and got.spans[0][:2] == (num_layers, 0)
     assert all(ms >= 0.0 for _, _, ms in got.spans)
 

@@ -143,6 +143,7 @@ class CoServer:
         self.pause_observed: list[float] = []
         self.pause_observed_layers: list[int] = []  # the boundary of each (TaskResult.pause_layers)
         self.trainer_spans: list[tuple[int, int, float]] = []  # TaskResult.spans of every task
+        self.pause_observed_lags: list[float] = []  # TaskResult.pause_lags_ms (GPU-side gate only)
         # planned steps by (step kind: "inference" | "ft-only", outcome: "added" (FT rows added),
         # "task_full" (the task being filled was full) or why admission added none
         # (admission.Reason)): why FT rows did or did not ride (/metrics, bench)
@@ -388,6 +389,7 @@ class CoServer:
             self.pause_observed.extend(result.pause_times)
             self.pause_observed_layers.extend(result.pause_layers)
             self.trainer_spans.extend(result.spans)
+            self.pause_observed_lags.extend(result.pause_lags_ms)
             sent = self._submitted.pop(result.task_id, None)
             if sent is not None:
                 self.task_timings.append((sent[0], time.monotonic(), result.duration_s, sent[1], result.paused_s,

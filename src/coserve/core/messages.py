@@ -60,6 +60,10 @@ class TaskResult:
     # (boundary layer, its ordinal among the boundaries of that layer, ms) — the stretch a pause
     # that comes during it waits for (GPU idle time waiting for the CPU included)
     spans: tuple[tuple[int, int, float], ...] = ()
+    # with the GPU-side gate, for each pause in pause_times: how far (ms) the GPU was behind the
+    # CPU at that boundary; near 0, the GPU had run dry before the CPU reached it, so the time to
+    # the pause was the trainer's CPU (task set-up, optimizer step), not kernels beside the engine's
+    pause_lags_ms: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -113,37 +113,53 @@ class StreamGate:
 
 
 class WaitMark(NamedTuple):
-    """The timed events around one gate wait, the boundary it was at, and the CPU time between
-    recording the two events."""
+    """The timed events around one gate wait, the boundary it was at, the CPU time between
+    recording the two events and the monotonic time the first was recorded at."""
 
     before: torch.cuda.Event
     after: torch.cuda.Event
     layer: int
     ordinal: int  # among the boundaries of ``layer`` in the task (0: the first)
     record_gap_ms: float
+    recorded_s: float
+
+
+class GatePause(NamedTuple):
+    """A pause at a gate: when the GPU reached it (``time.monotonic()``), the boundary, and how
+    far the GPU was behind the CPU there (``lag_ms``: the GPU reached the wait that long after
+    the CPU queued it; near 0, the GPU had run out of work before the CPU got to the boundary,
+    so the time up to the pause was the trainer's CPU, not its kernels)."""
+
+    t: float
+    layer: int
+    lag_ms: float
 
 
 def pauses_from_marks(anchor_s: float, anchor_to_before_ms: Sequence[float], held_ms: Sequence[float],
-                      layers: Sequence[int], blocked_ms: float = BLOCKED_MS) -> tuple[list[tuple[float, int]], float]:
-    """The pauses a task's gate waits made: ``([(time.monotonic() the pause began, layer)], paused
-    seconds)``. ``anchor_s`` is the monotonic time of the anchor event; for each wait,
-    ``anchor_to_before_ms`` is the GPU time from the anchor to the event before it and ``held_ms``
-    the GPU time between its two events less the CPU time between recording them."""
+                      layers: Sequence[int], recorded_s: Sequence[float],
+                      blocked_ms: float = BLOCKED_MS) -> tuple[list[GatePause], float]:
+    """The pauses a task's gate waits made and the seconds they held the stream. ``anchor_s`` is
+    the monotonic time of the anchor event; for each wait, ``anchor_to_before_ms`` is the GPU time
+    from the anchor to the event before it, ``held_ms`` the GPU time between its two events less
+    the CPU time between recording them, ``recorded_s`` the monotonic time the CPU recorded the
+    event before it."""
     pauses = []
     paused_s = 0.0
-    for offset, held, layer in zip(anchor_to_before_ms, held_ms, layers, strict=True):
+    for offset, held, layer, recorded in zip(anchor_to_before_ms, held_ms, layers, recorded_s, strict=True):
         if held >= blocked_ms:
-            pauses.append((anchor_s + offset / 1e3, layer))
+            t = anchor_s + offset / 1e3
+            pauses.append(GatePause(t, layer, (t - recorded) * 1e3))
             paused_s += held / 1e3
     return pauses, paused_s
 
 
-def read_marks(anchor: torch.cuda.Event, marks: Sequence[WaitMark]) -> tuple[list[float], list[float], list[int]]:
+def read_marks(anchor: torch.cuda.Event, marks: Sequence[WaitMark]
+               ) -> tuple[list[float], list[float], list[int], list[float]]:
     """The GPU timings of ``marks`` for :func:`pauses_from_marks` (every event must have
     completed)."""
     offsets = [anchor.elapsed_time(m.before) for m in marks]
     held = [m.before.elapsed_time(m.after) - m.record_gap_ms for m in marks]
-    return offsets, held, [m.layer for m in marks]
+    return offsets, held, [m.layer for m in marks], [m.recorded_s for m in marks]
 
 
 def read_spans(marks: Sequence[WaitMark]) -> list[tuple[int, int, float]]:

@@ -98,6 +98,7 @@ class _Worker:
         self._anchor: tuple[torch.cuda.Event, float] | None = None
         self._marks: list[WaitMark] = []
         self._spans: list[tuple[int, int, float]] = []
+        self._pause_lags: list[float] = []
         bank = int(spec.meta[0])
         if bank >= 0:
             self.optim.import_state(spec.banks[bank], int(spec.meta[1 + bank]))
@@ -123,11 +124,12 @@ class _Worker:
             self._read_gate_pauses()
         pauses, self._pauses = self._pauses, []
         spans, self._spans = self._spans, []
+        lags, self._pause_lags = self._pause_lags, []
         paused, self._paused_s = self._paused_s, 0.0
         gpu_wait, self._gpu_wait_s = self._gpu_wait_s, 0.0
         return TaskResult(task.task_id, loss.loss_sum, loss.num_targets, time.perf_counter() - start, info,
                           tuple(t for t, _ in pauses), paused, gpu_wait, time.thread_time() - cpu_start,
-                          tuple(layer for _, layer in pauses), tuple(spans))
+                          tuple(layer for _, layer in pauses), tuple(spans), tuple(lags))
 
     def _layer_boundary(self, layer: int) -> None:
         """Pause here while the engine runs a prefill; keep GPU work queued ahead of the CPU to
@@ -170,6 +172,7 @@ class _Worker:
         before = torch.cuda.Event(enable_timing=True, blocking=True)
         after = torch.cuda.Event(enable_timing=True, blocking=True)
         stream = torch.cuda.current_stream()
+        recorded_s = time.monotonic()
         began = time.perf_counter()
         before.record(stream)
         self._gate.wait(stream)
@@ -177,7 +180,7 @@ class _Worker:
         gap_ms = (time.perf_counter() - began) * 1e3
         last = self._marks[-1] if self._marks else None
         ordinal = last.ordinal + 1 if last is not None and last.layer == layer else 0
-        self._marks.append(WaitMark(before, after, layer, ordinal, gap_ms))
+        self._marks.append(WaitMark(before, after, layer, ordinal, gap_ms, recorded_s))
         ahead = self.spec.gated_boundaries_ahead
         if len(self._marks) > ahead:
             began = time.perf_counter()
@@ -205,7 +208,8 @@ class _Worker:
         anchor, anchor_s = self._anchor
         pauses, paused_s = pauses_from_marks(anchor_s, *read_marks(anchor, marks))
         self._spans = read_spans(marks)
-        self._pauses.extend(pauses)
+        self._pauses.extend((p.t, p.layer) for p in pauses)
+        self._pause_lags.extend(p.lag_ms for p in pauses)
         self._paused_s += paused_s
         # NOTE: the CPU's waits for marks held by a closed gate were pauses, not GPU work.
         self._gpu_wait_s = max(0.0, self._gpu_wait_s - paused_s)
