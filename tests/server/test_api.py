@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import threading
 import time
@@ -246,6 +247,10 @@ def test_coserving_trains_while_serving(tmp_path: Path) -> None:
         assert "coserve_finetune_tokens_trained_total" in text
         # why steps did or did not carry FT rows: at least some had rows added
         assert 'coserve_finetune_admission_steps_total{outcome="added",step=' in text
+        # the trainer worked on tasks (and its paused time is reported too)
+        working = re.search(r'coserve_finetune_trainer_seconds_total\{state="working"\} ([0-9.e+-]+)', text)
+        assert working is not None and float(working.group(1)) > 0.0
+        assert 'coserve_finetune_trainer_seconds_total{state="paused"}' in text
     assert (tmp_path / "out" / "adapter" / "adapter_config.json").is_file(), "exported at shutdown"
     assert s.engine_thread.stats.adapter_path is not None
     assert engine.coserver is None, "the session was closed"

@@ -134,6 +134,9 @@ class CoServer:
         # Set by the host: True when an inference request is waiting to be scheduled.
         self.arrival_probe: Callable[[], bool] | None = None
         self.num_interrupted = 0
+        # the trainer's own time over every task so far: working on it, and paused for inference
+        # steps (/metrics coserve_finetune_trainer_seconds{state})
+        self.trainer_seconds: dict[str, float] = {"working": 0.0, "paused": 0.0}
         self._ft_only = False
         self._paused = False
         # Measurements for benchmarks (bounded by the run): grant-flag clears and the worker's
@@ -385,6 +388,8 @@ class CoServer:
             return
         _, region = self._in_flight.pop(0)  # the trainer works through tasks in order
         self.store.reset(region)
+        self.trainer_seconds["working"] += max(0.0, result.duration_s - result.paused_s)
+        self.trainer_seconds["paused"] += result.paused_s
         if self.track:
             self.pause_observed.extend(result.pause_times)
             self.pause_observed_layers.extend(result.pause_layers)

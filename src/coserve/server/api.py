@@ -70,6 +70,12 @@ class _EngineCollector(Collector):
             for (kind, outcome), n in sorted(s.ft_admission.items()):
                 admission.add_metric([kind, outcome], n)
             yield admission
+            trainer = CounterMetricFamily(
+                "coserve_finetune_trainer_seconds", "The trainer's time on backward tasks: working, or paused "
+                "while the engine ran steps that carry prefill.", labels=["state"])
+            for state, seconds in sorted(s.ft_trainer_seconds.items()):
+                trainer.add_metric([state], seconds)
+            yield trainer
 
 
 class ServerMetrics:

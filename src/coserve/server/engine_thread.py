@@ -95,6 +95,8 @@ class EngineStats:
     # planned steps by (step kind, outcome): whether FT rows were added to a step, or why not
     # (a copy of CoServer.admission_counts)
     ft_admission: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    # the trainer's seconds working on tasks and paused for inference (CoServer.trainer_seconds)
+    ft_trainer_seconds: Mapping[str, float] = field(default_factory=dict)
     adapter_path: Path | None = None
 
 
@@ -265,6 +267,7 @@ class EngineThread:
             ft_tokens_trained=coserver.tokens_trained, ft_optimizer_steps=coserver.steps_done,
             ft_loss=coserver.last_loss, ft_trainer_restarts=coserver.num_restarts,
             ft_failed=coserver.failure is not None, adapter_path=path, ft_admission=dict(coserver.admission_counts),
+            ft_trainer_seconds=dict(coserver.trainer_seconds),
         )
 
     def _publish(self) -> None:
@@ -279,6 +282,7 @@ class EngineThread:
             ft_tokens_trained=coserver.tokens_trained, ft_optimizer_steps=coserver.steps_done,
             ft_loss=coserver.last_loss, ft_trainer_restarts=coserver.num_restarts,
             ft_failed=coserver.failure is not None, ft_admission=dict(coserver.admission_counts),
+            ft_trainer_seconds=dict(coserver.trainer_seconds),
         )
 
     def _close(self) -> None:
