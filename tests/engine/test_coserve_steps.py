@@ -44,6 +44,33 @@ def test_ft_only_step_is_interrupted_by_an_arrival(session) -> None:  # type: ig
     assert [o.request_id for o in out] == ["r"], "the request ran in the very next step"
 
 
+def test_ft_only_step_checks_for_arrivals_twice_per_layer(session) -> None:  # type: ignore[no-untyped-def]
+    """Each layer of an FT-only step has two interruption points: its start, and after its MLP's
+    gate/up projection; an arrival seen at the second stops the step within the first layer."""
+    engine, s = session
+    calls = 0
+
+    def arrival_after_the_first_point() -> bool:
+        nonlocal calls
+        calls += 1
+        return calls >= 2
+
+    engine.external_arrivals = arrival_after_the_first_point
+    engine.step()
+    assert engine.last_step_kind == "ft-only-interrupted" and calls == 2
+    calls = 0
+
+    def no_arrival() -> bool:
+        nonlocal calls
+        calls += 1
+        return False
+
+    engine.external_arrivals = no_arrival
+    assert engine.step() == [] and engine.last_step_kind == "ft-only"
+    # at each layer's input and at the final hidden state (L + 1), and within each layer's MLP (L)
+    assert calls == 2 * engine.model_config.num_layers + 1
+
+
 def test_uninterrupted_ft_only_step_captures_samples(session) -> None:  # type: ignore[no-untyped-def]
     engine, s = session
     assert engine.step() == []

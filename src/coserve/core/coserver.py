@@ -281,31 +281,53 @@ class CoServer:
         """Copy the fine-tuning rows' residual stream into the store (hook 2)."""
         if not self._step_rows:
             return
-        if self._ft_only and self.arrival_probe is not None and should_interrupt(
-                self.slo, ft_only_step=True, num_arrived=1):
-            if hidden.is_cuda:
-                self._bound_lookahead()
-            if self.arrival_probe():
-                raise Interrupted(f"inference work arrived before layer {layer}")
+        self._interruption_point(hidden, f"before layer {layer}")
         n = self._step_tokens()
         start = self._step_ft_start
         self.store.capture(layer, self._step_rows[0].offset, hidden[start : start + n])
 
     @property
     def keeps_mlp(self) -> bool:
-        """Whether the store keeps the MLP activations too (the host then calls :meth:`on_mlp`)."""
+        """Whether the store keeps the MLP activations too."""
         return self.store.mlp is not None
 
+    @property
+    def wants_mlp_hook(self) -> bool:
+        """Whether the host should call :meth:`on_mlp` in this step: the store keeps the MLP
+        activations, or the step is an FT-only one that an arrival may interrupt (a second
+        interruption point per layer)."""
+        return self.keeps_mlp or (self._ft_only and self._interruptible())
+
     def on_mlp(self, layer: int, gate_up: torch.Tensor) -> None:
-        """Copy the fine-tuning rows' gate/up projection output into the store."""
+        """Inside layer ``layer``'s MLP, after its gate/up projection: an interruption point of
+        an FT-only step, and the copy of the fine-tuning rows' gate/up output into the store."""
         if not self._step_rows:
+            return
+        self._interruption_point(gate_up, f"within layer {layer}")
+        if not self.keeps_mlp:
             return
         start = self._step_ft_start
         self.store.capture_mlp(layer, self._step_rows[0].offset, gate_up[start : start + self._step_tokens()])
 
+    def _interruptible(self) -> bool:
+        return self.arrival_probe is not None and should_interrupt(self.slo, ft_only_step=True, num_arrived=1)
+
+    def _interruption_point(self, activation: torch.Tensor, where: str) -> None:
+        """In an FT-only step: raise :class:`Interrupted` if inference work has arrived. Two points
+        per layer (its start, and after the MLP's gate/up projection: ~3/4 and ~1/4 of the
+        layer's work), with the GPU kept at most one point behind the CPU, so that at any moment
+        at most about one layer of the step's work is queued ahead of the request."""
+        if not (self._ft_only and self._interruptible()):
+            return
+        if activation.is_cuda:
+            self._bound_lookahead()
+        assert self.arrival_probe is not None
+        if self.arrival_probe():
+            raise Interrupted(f"inference work arrived {where}")
+
     def _bound_lookahead(self) -> None:
-        """Keep the GPU at most one layer behind the CPU in an FT-only step, so that checking
-        for arrivals at a layer boundary means something."""
+        """Keep the GPU at most one interruption point behind the CPU in an FT-only step, so that
+        checking for arrivals there means something."""
         event = torch.cuda.Event()
         event.record()
         self._layer_events.append(event)

@@ -257,7 +257,9 @@ class LLMEngine:
             rows = self.with_ft_rows(rows, len(sched.prefills), ft_rows)
         co = self.coserver if ft_rows else None
         hook = co.on_layer if co is not None else None
-        mlp_hook = co.on_mlp if co is not None and co.keeps_mlp else None
+        # NOTE: an MLP hook keeps the step eager (no prefill graphs): FT-only steps, which have
+        # no request to serve, trade that for a second interruption point per layer
+        mlp_hook = co.on_mlp if co is not None and co.wants_mlp_hook else None
         began = time.perf_counter()
         cpu_began = time.thread_time()
         events = None
