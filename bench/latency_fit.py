@@ -12,7 +12,10 @@ relative error on the rest for:
   training steps' times) under a linear GPU term fitted on the training steps above 1.5 × floor:
   the form to expect when eager steps are bound by kernel launches until their work is large;
 - ``rows`` (tables that record each step's prefill chunks and FT rows): the linear form plus one
-  term per chunk and one per FT row — per-row launches and copies that the token sums miss.
+  term per chunk and one per FT row — per-row launches and copies that the token sums miss;
+- ``bucket`` (decode steps in graph mode): the linear form with the decode rows replaced by the
+  CUDA-graph bucket that ran them (``--graph-sizes``, the engine's default buckets): a replay
+  computes the padded batch, not the rows it carries.
 
     python bench/latency_fit.py bench/results/.../burst-light.json [--config full] [--out fit.json]
 """
@@ -45,8 +48,17 @@ def _errors(pred: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
     return {"median_rel": stats.median_rel, "p99_rel": stats.p99_rel, "n": stats.n}
 
 
-def evaluate(rows: list[list[Any]], train: float, floor_q: float) -> dict[str, Any]:
-    """Held-out errors per key of the three forms (see the module docstring)."""
+GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+"""``EngineConfig.cuda_graph_batch_sizes``' default."""
+
+
+def _bucket(rows: float, sizes: tuple[int, ...]) -> float:
+    return float(next((b for b in sizes if b >= rows), rows))
+
+
+def evaluate(rows: list[list[Any]], train: float, floor_q: float,
+             graph_sizes: tuple[int, ...] = GRAPH_SIZES) -> dict[str, Any]:
+    """Held-out errors per key of the forms in the module docstring."""
     by_key: dict[str, list[list[Any]]] = {}
     for key, predicted, measured, vec, *extra in rows:
         if measured > 0:
@@ -77,6 +89,11 @@ def evaluate(rows: list[list[Any]], train: float, floor_q: float) -> dict[str, A
             "measured_s": {"p10": float(y.quantile(0.1)), "p50": float(y.quantile(0.5)),
                            "p90": float(y.quantile(0.9))},
         }
+        if key.startswith("decode/graph"):
+            xb = x.clone()
+            xb[:, 0] = torch.tensor([_bucket(float(v), graph_sizes) for v in x[:, 0]], dtype=torch.float64)
+            theta_b = torch.tensor(fit_relative(xb[:n_train], yt, 1.0 / yt), dtype=torch.float64)
+            out[key]["bucket"] = _errors(xb[n_train:] @ theta_b, yh)
         if all(s[3] is not None for s in steps):
             xr = torch.cat([x, torch.tensor([s[3] for s in steps], dtype=torch.float64)], 1)
             theta_r = torch.tensor(fit_relative(xr[:n_train], yt, 1.0 / yt), dtype=torch.float64)
@@ -91,6 +108,8 @@ def main() -> None:
     p.add_argument("--config", default=None, help="only this configuration of a bench result")
     p.add_argument("--train", type=float, default=0.5, help="share of each key's steps to fit on")
     p.add_argument("--floor-quantile", type=float, default=0.1)
+    p.add_argument("--graph-sizes", default=",".join(map(str, GRAPH_SIZES)),
+                   help="the engine's CUDA-graph batch sizes (for the bucket form)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not 0 < args.train < 1 or not 0 <= args.floor_quantile <= 1:
@@ -101,7 +120,8 @@ def main() -> None:
         if not tables:
             p.error(f"{path}: no step table (a result of this commit's `coserve bench` or coserve_latency.py)")
         for name, rows in tables.items():
-            report[f"{Path(path).name}:{name}"] = evaluate(rows, args.train, args.floor_quantile)
+            report[f"{Path(path).name}:{name}"] = evaluate(rows, args.train, args.floor_quantile,
+                                                           tuple(int(v) for v in args.graph_sizes.split(",")))
     text = json.dumps(report, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)
     if args.out:
         Path(args.out).write_text(text)

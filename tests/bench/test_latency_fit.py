@@ -47,3 +47,19 @@ def test_rows_form_finds_a_per_row_cost_the_token_sums_miss() -> None:
     assert abs(got["rows"]["per_chunk_s"] - 2e-3) < 2e-4 and abs(got["rows"]["per_ft_row_s"] - 3e-3) < 3e-4
     old = latency_fit.evaluate([r[:4] for r in rows], 0.5, 0.1)["prefill/eager/idle"]
     assert "rows" not in old  # tables written before the rows column
+
+
+def test_bucket_form_prices_the_padded_graph_batch() -> None:
+    """Graph decode steps whose time follows the bucket they replay (rows padded up to 1, 2, 4,
+    8, 16, 24, 32, ...): the bucket form predicts them, the linear form in the rows cannot."""
+    rng = random.Random(2)
+    rows: list[list[object]] = []
+    for _ in range(400):
+        b, kv = rng.randint(1, 40), rng.randint(100, 100_000)
+        padded = latency_fit._bucket(float(b), latency_fit.GRAPH_SIZES)
+        t = (1e-4 * padded + 3e-8 * kv + 5e-3) * rng.uniform(0.995, 1.005)
+        rows.append(["decode/graph/idle", 0.01, t, [float(b), float(kv), 1.0]])
+    got = latency_fit.evaluate(rows, 0.5, 0.1)["decode/graph/idle"]
+    assert got["bucket"]["p99_rel"] < 0.02 < got["linear"]["p99_rel"]
+    eager = latency_fit.evaluate(_rows(0.0), 0.5, 0.1)["decode/eager/idle"]
+    assert "bucket" not in eager  # eager steps run the rows they carry
