@@ -4,6 +4,7 @@ import itertools
 import json
 import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -340,3 +341,37 @@ def test_safety_is_the_overrun_quantile_of_recent_steps_per_set() -> None:
     assert model.safety(f) == 1.0
     with pytest.raises(ValueError, match="safety_quantile"):
         LatencyModel(safety_quantile=1.5)
+
+
+def test_graph_decode_steps_priced_by_the_bucket_they_replay() -> None:
+    """A host whose decode graphs pad the batch to a bucket: with ``graph_bucket`` the model
+    fits and predicts such steps from the padded rows; without it, the rows mislead it."""
+    sizes = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+    def bucket(n: int) -> int:
+        return next(b for b in sizes if b >= n)
+
+    def padded_time(spec: BatchSpec) -> float:
+        f = spec.features()
+        coef = TRUE["decode/graph"]
+        return coef[0] * bucket(f.num_decodes) + coef[1] * f.kv_tokens + coef[2]
+
+    rng = random.Random(5)
+    specs = [BatchSpec(decode_kv=tuple(rng.randint(16, 700) for _ in range(rng.randint(1, 256))), mode="graph")
+             for _ in range(600)]
+    records = [s.record(padded_time(s)) for s in specs]
+    errors = {}
+    for with_bucket in (True, False):
+        model = LatencyModel()
+        model.graph_bucket = bucket if with_bucket else None
+        model.fit(records[:300])
+        errors[with_bucket] = model.error_stats(records[300:])["decode/graph/idle"].p99_rel
+        if with_bucket:
+            assert model.coefficients("decode/graph") == pytest.approx(TRUE["decode/graph"], rel=1e-3)
+    assert errors[True] < 1e-3 < 0.05 < errors[False]
+    # eager decode steps keep their own rows
+    model = LatencyModel()
+    model.graph_bucket = bucket
+    eager = BatchSpec(decode_kv=(100,) * 17, mode="eager").features()
+    assert model.regressors(eager)[0] == 17.0
+    assert model.regressors(replace(eager, mode="graph"))[0] == 24.0

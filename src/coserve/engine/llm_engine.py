@@ -127,6 +127,9 @@ class LLMEngine:
         self.training_slot = self.lora_manager.training_slot(training_slot)
         coserver.arrival_probe = self.arrival_pending
         self.runner.ft_dropout = (coserver.lora_dropout, coserver.dropout_seed)
+        graphs = self.runner.graphs
+        if graphs is not None:  # a decode step's graph replay computes its whole bucket
+            coserver.latency.graph_bucket = lambda n: graphs.bucket(n) or n
 
     def detach(self) -> None:
         """Stop co-serving: later steps carry inference rows only."""
