@@ -196,7 +196,7 @@ def main() -> None:
 
     errors: dict[str, Any] = {}
     groups: dict[str, list[float]] = {}
-    for key, _, predicted, measured, _ in co.step_log:
+    for key, _, predicted, measured, *_ in co.step_log:
         groups.setdefault(key, []).append(abs(predicted - measured) / measured)
         groups.setdefault("all", []).append(abs(predicted - measured) / measured)
     for key, rel in sorted(groups.items()):

@@ -13,6 +13,10 @@ relative error on the rest for:
   the form to expect when eager steps are bound by kernel launches until their work is large;
 - ``rows`` (tables that record each step's prefill chunks and FT rows): the linear form plus one
   term per chunk and one per FT row — per-row launches and copies that the token sums miss;
+- ``by_trainer_at`` (busy sets, tables with a ``trainer_at`` column): the online model's error
+  and the measured / predicted ratio grouped by what the trainer's GPU was running when the step
+  began (``loss``, ``commit``, ``layer#k`` — the k-th stretch of a layer — or ``between_tasks``):
+  whether a busy step's slowdown follows the trainer's kernels;
 - ``bucket`` (decode steps in graph mode): the linear form with the decode rows replaced by the
   CUDA-graph bucket that ran them (``--graph-sizes``, the engine's default buckets): a replay
   computes the padded batch, not the rows it carries.
@@ -56,13 +60,33 @@ def _bucket(rows: float, sizes: tuple[int, ...]) -> float:
     return float(next((b for b in sizes if b >= rows), rows))
 
 
+def _by_trainer_at(steps: list[list[Any]]) -> dict[str, Any]:
+    """Online error and measured / predicted ratio of busy steps by the trainer's position."""
+    top = max((a[0] for *_, a in steps if a is not None), default=0)
+    groups: dict[str, list[tuple[float, float]]] = {}
+    for predicted, measured, _, _, at in steps:
+        if predicted <= 0:
+            continue
+        kind = ("between_tasks" if at is None else "commit" if at[0] < 0 else "loss" if at[0] == top
+                else f"layer#{at[1]}")
+        groups.setdefault(kind, []).append((predicted, measured))
+    out = {}
+    for kind, pairs in sorted(groups.items()):
+        ratios = torch.tensor([m / p for p, m in pairs], dtype=torch.float64)
+        errors = error_summary([abs(p - m) / m for p, m in pairs])
+        out[kind] = {"n": len(pairs), "ratio_median": float(ratios.median()),
+                     "online_median_rel": errors.median_rel, "online_p99_rel": errors.p99_rel}
+    return out
+
+
 def evaluate(rows: list[list[Any]], train: float, floor_q: float,
              graph_sizes: tuple[int, ...] = GRAPH_SIZES) -> dict[str, Any]:
     """Held-out errors per key of the forms in the module docstring."""
     by_key: dict[str, list[list[Any]]] = {}
     for key, predicted, measured, vec, *extra in rows:
         if measured > 0:
-            by_key.setdefault(key, []).append([predicted, measured, vec, extra[0] if extra else None])
+            by_key.setdefault(key, []).append([predicted, measured, vec, extra[0] if extra else None,
+                                               extra[1] if len(extra) > 1 else None])
     out: dict[str, Any] = {}
     for key, steps in sorted(by_key.items()):
         n_train = int(len(steps) * train)
@@ -94,6 +118,9 @@ def evaluate(rows: list[list[Any]], train: float, floor_q: float,
             xb[:, 0] = torch.tensor([_bucket(float(v), graph_sizes) for v in x[:, 0]], dtype=torch.float64)
             theta_b = torch.tensor(fit_relative(xb[:n_train], yt, 1.0 / yt), dtype=torch.float64)
             out[key]["bucket"] = _errors(xb[n_train:] @ theta_b, yh)
+        ats = [s[4] for s in steps]
+        if key.endswith("/busy") and any(a is not None for a in ats):
+            out[key]["by_trainer_at"] = _by_trainer_at(steps)
         if all(s[3] is not None for s in steps):
             xr = torch.cat([x, torch.tensor([s[3] for s in steps], dtype=torch.float64)], 1)
             theta_r = torch.tensor(fit_relative(xr[:n_train], yt, 1.0 / yt), dtype=torch.float64)

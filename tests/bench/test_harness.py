@@ -125,6 +125,8 @@ def test_every_configuration_runs_on_the_same_arrivals(
         # prefill chunks and FT rows: FT-only steps have FT rows and no chunk
         assert all(len(r[4]) == 2 and min(r[4]) >= 0 for r in rows)
         assert any(r[4][1] > 0 for r in rows), name
+        # where the trainer's GPU was: only the GPU-side gate reports it
+        assert figures[name]["steps"]["columns"][5] == "trainer_at" and all(r[5] is None for r in rows)
         # why each planned step did or did not take FT rows: every step that ran FT rows was
         # "added"; the reasons are admission's own labels
         admission = figures[name]["admission"]

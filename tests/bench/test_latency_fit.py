@@ -6,6 +6,8 @@ import importlib.util
 import random
 from pathlib import Path
 
+import pytest
+
 spec = importlib.util.spec_from_file_location("latency_fit", Path(__file__).parents[2] / "bench" / "latency_fit.py")
 assert spec is not None and spec.loader is not None
 latency_fit = importlib.util.module_from_spec(spec)
@@ -63,3 +65,18 @@ def test_bucket_form_prices_the_padded_graph_batch() -> None:
     assert got["bucket"]["p99_rel"] < 0.02 < got["linear"]["p99_rel"]
     eager = latency_fit.evaluate(_rows(0.0), 0.5, 0.1)["decode/eager/idle"]
     assert "bucket" not in eager  # eager steps run the rows they carry
+
+
+def test_busy_steps_grouped_by_what_the_trainer_ran() -> None:
+    """Busy decode steps that ran 30% slow beside the trainer's MLP stretch (ordinal 1) and on
+    time beside its attention (ordinal 0): the grouping shows it."""
+    rng = random.Random(3)
+    rows: list[list[object]] = []
+    for i in range(200):
+        at = [rng.randint(0, 31), i % 2]
+        t = 0.01 * (1.3 if at[1] == 1 else 1.0)
+        rows.append(["decode/graph/busy", 0.01, t, [8.0, 1000.0, 1.0], [0, 0], at])
+    rows.append(["decode/graph/busy", 0.01, 0.011, [8.0, 1000.0, 1.0], [0, 0], None])
+    got = latency_fit.evaluate(rows, 0.5, 0.1)["decode/graph/busy"]["by_trainer_at"]
+    assert got["layer#1"]["ratio_median"] == pytest.approx(1.3) and got["layer#0"]["ratio_median"] == pytest.approx(1.0)
+    assert got["between_tasks"]["n"] == 1

@@ -17,8 +17,10 @@ from coserve.trainer.stream_gate import (
     CLOSED,
     OPEN,
     StreamGate,
+    encode_progress,
     new_flag,
     pauses_from_marks,
+    read_progress,
     set_open,
 )
 from coserve.trainer.worker import WorkerSpec, _Worker
@@ -33,6 +35,18 @@ def test_flag_is_shared_and_opens_and_closes() -> None:
     assert int(flag[0]) == CLOSED
     set_open(flag, True)
     assert int(flag[0]) == OPEN
+
+
+def test_progress_codes_round_trip() -> None:
+    flag = new_flag()
+    assert read_progress(flag) is None  # between tasks
+    for layer, ordinal in ((-1, 0), (0, 0), (31, 5), (32, 1), (4000, 255)):
+        flag[1] = encode_progress(layer, ordinal)
+        assert read_progress(flag) == (layer, ordinal)
+    with pytest.raises(ValueError):
+        encode_progress(-2, 0)
+    with pytest.raises(ValueError):
+        encode_progress(0, 256)
 
 
 def test_pauses_are_the_waits_that_held_the_stream() -> None:
@@ -71,6 +85,10 @@ def test_gate_holds_a_stream_until_opened() -> None:
         set_open(flag, True)
         done.synchronize()
         assert float(x.sum()) == 4.0
+        # the stream writes its progress word when it gets there
+        gate.mark(stream, encode_progress(3, 2))
+        stream.synchronize()
+        assert read_progress(flag) == (3, 2)
     finally:
         set_open(flag, True)
         gate.close()
@@ -115,6 +133,7 @@ def test_gated_worker_pauses_on_its_gpu_stream_and_computes_the_same_loss() -> N
     assert got.paused_s >= 0.3
     # the GPU stretches between boundaries: the loss's first, each at or after the previous
     assert len(got.pause_lags_ms) == 1
+    assert read_progress(spec.gate_flag) is None  # the GPU wrote "between tasks" at the end
     assert got.spans and got.spans[0][:2] == (num_layers, 0)
     assert all(ms >= 0.0 for _, _, ms in got.spans)
 

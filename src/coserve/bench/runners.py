@@ -284,7 +284,7 @@ def run_coserve(ctx: BenchContext, config: RunConfig) -> RunOutcome:
             config,
             replay,
             optimizer_steps=co.steps_done - steps,
-            prediction_errors=tuple((key, p, m) for key, _, p, m, _ in co.step_log),
+            prediction_errors=tuple((key, p, m) for key, _, p, m, *_ in co.step_log),
             **r.measures(),
             loss_first=losses[0] if losses else None,
             loss_last=losses[-1] if losses else None,
@@ -324,17 +324,19 @@ def task_breakdown(
 
 
 def step_table(
-    log: Sequence[tuple[str, tuple[float, ...], float, float, tuple[int, int]]],
+    log: Sequence[tuple[str, tuple[float, ...], float, float, tuple[int, int], tuple[int, int] | None]],
 ) -> dict[str, Any]:
-    """The replay's steps as rows ``[key, predicted s, measured s, regressors, rows]``
+    """The replay's steps as rows ``[key, predicted s, measured s, regressors, rows, trainer_at]``
     (regressors in ``coserve.core.latency.TERMS[form]`` order; rows: the step's prefill chunks
-    and FT rows), 6 significant digits: enough to refit the latency model offline, and to try
-    forms with a per-row term."""
+    and FT rows; trainer_at: the boundary ``[layer, ordinal]`` the trainer's GPU had passed last
+    when the step began, null between tasks or without the GPU-side gate), 6 significant digits:
+    enough to refit the latency model offline, to try forms with a per-row term, and to see
+    whether a busy step's time follows what the trainer's kernels were doing."""
     return {
-        "columns": ["key", "predicted_s", "measured_s", "regressors", "rows"],
+        "columns": ["key", "predicted_s", "measured_s", "regressors", "rows", "trainer_at"],
         "rows": [[key, float(f"{p:.6g}"), float(f"{m:.6g}"), [float(f"{v:.6g}") for v in vec],
-                  list(rows)]
-                 for key, vec, p, m, rows in log],
+                  list(rows), list(at) if at is not None else None]
+                 for key, vec, p, m, rows, at in log],
     }
 
 

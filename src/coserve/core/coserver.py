@@ -154,7 +154,11 @@ class CoServer:
         # per step: (key with /busy or /idle, the model's regressors, predicted s, measured s,
         # (prefill chunks, FT rows)), each predicted before the model observed it: its error, and
         # the data to refit and judge latency models offline
-        self.step_log: list[tuple[str, tuple[float, ...], float, float, tuple[int, int]]] = []
+        # ..., and where the trainer's GPU was at the step's start (TrainerProcess.progress:
+        # (layer, ordinal) of the boundary it passed last; None between tasks or unknown)
+        self.step_log: list[tuple[str, tuple[float, ...], float, float, tuple[int, int],
+                                  tuple[int, int] | None]] = []
+        self._trainer_at: tuple[int, int] | None = None
         # per backward task: (submitted, result received: time.monotonic; trainer-side seconds;
         # tokens; of the trainer's seconds: paused, waiting on the GPU; its thread's CPU seconds)
         # — where a co-serving run's fine-tuning time goes
@@ -197,6 +201,9 @@ class CoServer:
     def plan(self, view: StepView) -> list[FTRow]:
         """Choose the fine-tuning rows of the next step (hook 1)."""
         self.poll()
+        if self.track:
+            progress = getattr(self.trainer, "progress", None)
+            self._trainer_at = progress() if progress is not None and self._in_flight else None
         self._step_rows = []
         if self.failure is not None:
             return []
@@ -348,7 +355,7 @@ class CoServer:
                 features = StepFeatures.from_record(record)
                 key = features.key + ("/busy" if record.trainer_busy else "/idle")
                 self.step_log.append((key, features.vector(), predicted, record.duration_s,
-                                      (len(features.chunks), len(features.ft_lens))))
+                                      (len(features.chunks), len(features.ft_lens)), self._trainer_at))
         rows, self._step_rows = self._step_rows, []
         if not rows:
             return

@@ -17,7 +17,7 @@ from coserve.models.llama import LlamaForCausalLM
 from coserve.models.peft_adapter import LoraAdapter, save_peft_adapter
 from coserve.trainer.lora_params import TrainableLoRA
 from coserve.trainer.mps import mps_active, mps_share
-from coserve.trainer.stream_gate import new_flag, set_open
+from coserve.trainer.stream_gate import new_flag, read_progress, set_open
 from coserve.trainer.worker import WorkerSpec, run_worker
 
 logger = logging.getLogger(__name__)
@@ -110,6 +110,11 @@ class TrainerProcess:
         if self.gate_flag is not None:
             set_open(self.gate_flag, True)
         self.grant.set()
+
+    def progress(self) -> tuple[int, int] | None:
+        """The boundary ``(layer, ordinal)`` the worker's GPU stream passed last (so: what its
+        kernels run now), None between tasks or without the GPU-side gate."""
+        return read_progress(self.gate_flag) if self.gate_flag is not None else None
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.is_alive()

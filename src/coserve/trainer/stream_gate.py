@@ -33,6 +33,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 OPEN, CLOSED = 1, 0
+# flag[PROGRESS]: written by the trainer's GPU stream as it passes each boundary (the boundary's
+# encode_progress code), and NOT_IN_TASK when it has finished a task's work: the engine can read,
+# at no cost, what the trainer's kernels are doing beside its step
+PROGRESS = 1
+NOT_IN_TASK = 0
 FLAG_BYTES = 4096  # one page: cuMemHostRegister pins whole pages
 CU_MEMHOSTREGISTER_PORTABLE = 0x01
 CU_MEMHOSTREGISTER_DEVICEMAP = 0x02
@@ -46,7 +51,22 @@ def new_flag() -> torch.Tensor:
     """A page of shared memory for the gate, open: pass it to the trainer process."""
     flag = torch.zeros(FLAG_BYTES // 4, dtype=torch.int32).share_memory_()
     flag[0] = OPEN
+    flag[PROGRESS] = NOT_IN_TASK
     return flag
+
+
+def encode_progress(layer: int, ordinal: int) -> int:
+    """The 32-bit code of boundary ``(layer, ordinal)`` (layer ≥ -1, 0 ≤ ordinal < 256), never
+    :data:`NOT_IN_TASK`."""
+    if layer < -1 or not 0 <= ordinal < 256:
+        raise ValueError(f"boundary ({layer}, {ordinal}) out of range")
+    return (layer + 2) << 8 | ordinal
+
+
+def read_progress(flag: torch.Tensor) -> tuple[int, int] | None:
+    """The boundary ``(layer, ordinal)`` the trainer's GPU passed last, None between tasks."""
+    code = int(flag[PROGRESS])
+    return None if code == NOT_IN_TASK else ((code >> 8) - 2, code & 0xFF)
 
 
 def set_open(flag: torch.Tensor, is_open: bool) -> None:
@@ -61,8 +81,9 @@ def _driver() -> ctypes.CDLL:
     lib.cuMemHostGetDevicePointer_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p,
                                                  ctypes.c_uint]
     lib.cuStreamWaitValue32_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+    lib.cuStreamWriteValue32_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
     for name in ("cuMemHostRegister_v2", "cuMemHostUnregister", "cuMemHostGetDevicePointer_v2",
-                 "cuStreamWaitValue32_v2"):
+                 "cuStreamWaitValue32_v2", "cuStreamWriteValue32_v2"):
         getattr(lib, name).restype = ctypes.c_int
     return lib
 
@@ -107,6 +128,13 @@ class StreamGate:
                                                CU_STREAM_WAIT_VALUE_EQ)
         if err != 0:
             raise RuntimeError(f"cuStreamWaitValue32 failed (CUresult {err})")
+
+    def mark(self, stream: torch.cuda.Stream, code: int) -> None:
+        """When ``stream`` gets here, it writes ``code`` into the flag page's progress word."""
+        err = self._lib.cuStreamWriteValue32_v2(ctypes.c_void_p(stream.cuda_stream), self._device_ptr + 4 * PROGRESS,
+                                                code, 0)
+        if err != 0:
+            raise RuntimeError(f"cuStreamWriteValue32 failed (CUresult {err})")
 
     def close(self) -> None:
         self._lib.cuMemHostUnregister(self._flag.data_ptr())

@@ -20,8 +20,10 @@ from coserve.trainer.backward import TaskRow, task_backward
 from coserve.trainer.lora_params import TrainableLoRA
 from coserve.trainer.optim import LoRAOptimizer
 from coserve.trainer.stream_gate import (
+    NOT_IN_TASK,
     StreamGate,
     WaitMark,
+    encode_progress,
     pauses_from_marks,
     read_marks,
     read_spans,
@@ -120,6 +122,12 @@ class _Worker:
             self.loss_sum, self.num_targets = 0.0, 0
             self._commit()
             info = StepInfo(task.step, res.lr, res.grad_norm, res.skipped)
+        if self._gate is not None:
+            try:
+                self._gate.mark(torch.cuda.current_stream(), NOT_IN_TASK)
+            except RuntimeError as exc:
+                logger.warning("the trainer's GPU-side pause failed (%s): pausing on the CPU from now on", exc)
+                self._gate = None
         if self._marks:
             self._read_gate_pauses()
         pauses, self._pauses = self._pauses, []
@@ -172,14 +180,15 @@ class _Worker:
         before = torch.cuda.Event(enable_timing=True, blocking=True)
         after = torch.cuda.Event(enable_timing=True, blocking=True)
         stream = torch.cuda.current_stream()
+        last = self._marks[-1] if self._marks else None
+        ordinal = last.ordinal + 1 if last is not None and last.layer == layer else 0
         recorded_s = time.monotonic()
         began = time.perf_counter()
         before.record(stream)
         self._gate.wait(stream)
         after.record(stream)
         gap_ms = (time.perf_counter() - began) * 1e3
-        last = self._marks[-1] if self._marks else None
-        ordinal = last.ordinal + 1 if last is not None and last.layer == layer else 0
+        self._gate.mark(stream, encode_progress(layer, min(ordinal, 255)))
         self._marks.append(WaitMark(before, after, layer, ordinal, gap_ms, recorded_s))
         ahead = self.spec.gated_boundaries_ahead
         if len(self._marks) > ahead:
