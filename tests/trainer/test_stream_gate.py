@@ -133,6 +133,7 @@ def test_gated_worker_pauses_on_its_gpu_stream_and_computes_the_same_loss() -> N
     assert got.paused_s >= 0.3
     # the GPU stretches between boundaries: the loss's first, each at or after the previous
     assert len(got.pause_lags_ms) == 1
+    torch.cuda.synchronize()
     assert read_progress(spec.gate_flag) is None  # the GPU wrote "between tasks" at the end
     assert got.spans and got.spans[0][:2] == (num_layers, 0)
     assert all(ms >= 0.0 for _, _, ms in got.spans)
