@@ -192,10 +192,16 @@ LIMITS = [
 ]
 
 
+@pytest.mark.parametrize("waves", [0, 2, 4])
 @pytest.mark.parametrize("lim", LIMITS)
-def test_plan_covers_launcher_choices_on_any_gpu(lim: WarmupLimits) -> None:
+def test_plan_covers_launcher_choices_on_any_gpu(lim: WarmupLimits, waves: int,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """For GPUs of 4 to 132 multiprocessors and GQA groups of 1 to 8 KV heads: every LoRA launch
-    (tile height, split-K) and decode launch (split or not) of random steps is one the plan makes."""
+    (tile height, split-K) and decode launch (split or not) of random steps is one the plan makes
+    — also with the LoRA split-K of large steps on (``COSERVE_LORA_SPLIT_WAVES``)."""
+    from coserve.layers import triton_lora
+
+    monkeypatch.setattr(triton_lora, "SPLIT_WAVES", waves)
 
     def launches(spec: BatchSpec, slots: tuple[int, ...], sms: int, kvh: int) -> set[tuple[Any, ...]]:
         inference = list(slots) + [-1] * (len(spec.chunks) + len(spec.decode_kv) - len(slots))
