@@ -14,7 +14,6 @@
 #   ftab           FT-only at 512, coserve alone, by trainer variant: default, no GPU-side pause gate
 #                  (COSERVE_GPU_GATE=0), untrained-MLP pieces of 512 and of 4,096 tokens; or the
 #                  variants in $FT_VARIANTS ("NAME:VAR=VALUE ...", e.g. "default: loss256:COSERVE_LOSS_CHUNK=256")
-#   latency_loss256  bench/coserve_latency.py as `latency` with COSERVE_LOSS_CHUNK=256
 #   lora           decode and LoRA overhead at context 2048 (issue 3)
 #   lora_nofork    the same with COSERVE_LORA_FORK=0 (no LoRA shrink on a side stream in the graphs)
 #   lora_split=N   the same with COSERVE_LORA_SPLIT_WAVES=N (prefill LoRA shrinks split-K to N waves)
@@ -57,6 +56,17 @@ trace() {  # trace SIDE
     --out "$top/trace_vs_hf_$1.json"
 }
 
+lora_bench() {  # lora_bench NAME PATH_STEM: decode and LoRA overhead at context 2048
+  run "$1" "$2.log" python3 bench/engine_speed.py --sections decode,lora --batches 1,16,64 --contexts 2048 \
+    --out "$2.json"
+}
+
+latency_bench() {  # latency_bench NAME PATH_STEM [FLAGS...]
+  local name=$1 stem=$2; shift 2
+  run "$name" "$stem.log" python3 bench/coserve_latency.py --trace .traces/azure2023_conv.csv --duration 60 \
+    "$@" --no-reference --out "$stem.json"
+}
+
 job() {
   case $1 in
     gpu_tests)
@@ -79,32 +89,17 @@ job() {
         run "$name" "$top/$name.log" env ${v#*:} python3 bench/ft_throughput.py --lengths 512 --skip-peft \
           --out "$top/$name.json"
       done ;;
-    lora)
-      run lora "$top/verify/engine_lora.log" python3 bench/engine_speed.py --sections decode,lora \
-        --batches 1,16,64 --contexts 2048 --out "$top/verify/engine_lora.json" ;;
+    lora) lora_bench lora "$top/verify/engine_lora" ;;
     lora_split=*)  # COSERVE_LORA_SPLIT_WAVES=N: split-K LoRA shrinks in large steps too
-      waves=${1#lora_split=}
-      COSERVE_LORA_SPLIT_WAVES=$waves run "$1" "$top/engine_lora_split$waves.log" python3 bench/engine_speed.py \
-        --sections decode,lora --batches 1,16,64 --contexts 2048 --out "$top/engine_lora_split$waves.json" ;;
-    lora_nofork)
-      COSERVE_LORA_FORK=0 run lora_nofork "$top/engine_lora_nofork.log" python3 bench/engine_speed.py \
-        --sections decode,lora --batches 1,16,64 --contexts 2048 --out "$top/engine_lora_nofork.json" ;;
+      COSERVE_LORA_SPLIT_WAVES=${1#lora_split=} lora_bench "$1" "$top/engine_lora_split${1#lora_split=}" ;;
+    lora_nofork) COSERVE_LORA_FORK=0 lora_bench lora_nofork "$top/engine_lora_nofork" ;;
     grid) run grid "$top/engine_speed.log" python3 bench/engine_speed.py --out "$top/engine_speed.json" ;;
     trace_coserve) trace coserve ;;
     trace_peer) trace transformers ;;
-    latency)
-      run latency "$top/verify/coserve_latency.log" python3 bench/coserve_latency.py \
-        --trace .traces/azure2023_conv.csv --duration 60 --trainer-sm-share 50 --no-reference \
-        --out "$top/verify/coserve_latency.json" ;;
-    latency_loss256)
-      COSERVE_LOSS_CHUNK=256 run latency_loss256 "$top/coserve_latency_loss256.log" python3 bench/coserve_latency.py \
-        --trace .traces/azure2023_conv.csv --duration 60 --trainer-sm-share 50 --no-reference \
-        --out "$top/coserve_latency_loss256.json" ;;
+    latency) latency_bench latency "$top/verify/coserve_latency" --trainer-sm-share 50 ;;
     latency=*)
       share=${1#latency=}; share_flags=(); (( share < 100 )) && share_flags=(--trainer-sm-share "$share")
-      run "$1" "$top/coserve_latency_share$share.log" python3 bench/coserve_latency.py \
-        --trace .traces/azure2023_conv.csv --duration 60 "${share_flags[@]}" --no-reference \
-        --out "$top/coserve_latency_share$share.json" ;;
+      latency_bench "$1" "$top/coserve_latency_share$share" "${share_flags[@]}" ;;
     eager)
       run eager_off "$top/eager_cpu_off.log" python3 bench/eager_cpu.py --conditions idle \
         --out "$top/eager_cpu_off.json"

@@ -291,13 +291,15 @@ class LatencyModel:
 
     # -- prediction
 
-    def regressors(self, features: StepFeatures) -> tuple[float, ...]:
+    def regressors(self, features: StepFeatures, key: str | None = None) -> tuple[float, ...]:
         """``features.vector()``, with a graph decode step's rows replaced by the bucket its
         replay computes (:attr:`graph_bucket`): a padded replay costs what its bucket costs.
         Offline, on recorded H200 steps, that cut the idle decode error's median from 4.0% to
-        1.8% and from 10.3% to 1.6% in two runs (``bench/latency_fit.py``, ``bucket`` form)."""
+        1.8% and from 10.3% to 1.6% in two runs (``bench/latency_fit.py``, ``bucket`` form).
+        ``key``: ``features.key`` where the caller has it already."""
         v = features.vector()
-        if self.graph_bucket is not None and features.key == "decode/graph" and features.num_decodes > 0:
+        if (self.graph_bucket is not None and features.num_decodes > 0
+                and (key or features.key) == "decode/graph"):
             v = (float(self.graph_bucket(features.num_decodes)), *v[1:])
         return v
 
@@ -326,7 +328,7 @@ class LatencyModel:
     def predict(self, features: StepFeatures) -> float:
         """Predicted step time in seconds."""
         key = features.key
-        t = sum(c * v for c, v in zip(self.coefficients(key), self.regressors(features), strict=True))
+        t = sum(c * v for c, v in zip(self.coefficients(key), self.regressors(features, key), strict=True))
         if features.busy:
             rho, delta = self.busy_term(key)
             t = t * (1.0 + rho) + delta
@@ -373,7 +375,7 @@ class LatencyModel:
                 q = torch.tensor(list(ratios), dtype=torch.float64).quantile(self.safety_quantile)
                 self._safety[(key, busy)] = max(1.0, float(q))
         win = self._windows.setdefault((key, busy), deque(maxlen=self.window))
-        win.append((self.regressors(f), record.duration_s))
+        win.append((self.regressors(f, key), record.duration_s))
         n = self._unfitted.get((key, busy), 0) + 1
         self._unfitted[(key, busy)] = n
         # Refit early while a set has few observations (a rare step kind would otherwise keep its

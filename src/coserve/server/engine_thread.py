@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from coserve.engine.llm_engine import LLMEngine
 from coserve.engine.outputs import RequestOutput
@@ -25,6 +25,7 @@ from coserve.engine.sampling_params import SamplingParams
 from coserve.engine.sequence import LoRARequest
 
 if TYPE_CHECKING:
+    from coserve.core.coserver import CoServer
     from coserve.server.finetune import FinetuneSession
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,16 @@ class EngineStats:
     # the trainer's seconds working on tasks and paused for inference (CoServer.trainer_seconds)
     ft_trainer_seconds: Mapping[str, float] = field(default_factory=dict)
     adapter_path: Path | None = None
+
+
+def _finetune_stats(coserver: CoServer) -> dict[str, Any]:
+    """The :class:`EngineStats` fields read from the co-server (copies: safe to publish)."""
+    return {
+        "ft_tokens_trained": coserver.tokens_trained, "ft_optimizer_steps": coserver.steps_done,
+        "ft_loss": coserver.last_loss, "ft_trainer_restarts": coserver.num_restarts,
+        "ft_failed": coserver.failure is not None, "ft_admission": dict(coserver.admission_counts),
+        "ft_trainer_seconds": dict(coserver.trainer_seconds),
+    }
 
 
 class EngineThread:
@@ -262,13 +273,7 @@ class EngineThread:
         finally:
             session.close()
             self.session = None
-        self.stats = EngineStats(
-            num_running=self.stats.num_running, num_waiting=self.stats.num_waiting, coserving=True,
-            ft_tokens_trained=coserver.tokens_trained, ft_optimizer_steps=coserver.steps_done,
-            ft_loss=coserver.last_loss, ft_trainer_restarts=coserver.num_restarts,
-            ft_failed=coserver.failure is not None, adapter_path=path, ft_admission=dict(coserver.admission_counts),
-            ft_trainer_seconds=dict(coserver.trainer_seconds),
-        )
+        self.stats = replace(self.stats, coserving=True, adapter_path=path, **_finetune_stats(coserver))
 
     def _publish(self) -> None:
         sched = self.engine.scheduler
@@ -277,13 +282,8 @@ class EngineThread:
         if coserver is None:
             self.stats = replace(old, num_running=len(sched.running), num_waiting=len(sched.waiting))
             return
-        self.stats = replace(
-            old, num_running=len(sched.running), num_waiting=len(sched.waiting),
-            ft_tokens_trained=coserver.tokens_trained, ft_optimizer_steps=coserver.steps_done,
-            ft_loss=coserver.last_loss, ft_trainer_restarts=coserver.num_restarts,
-            ft_failed=coserver.failure is not None, ft_admission=dict(coserver.admission_counts),
-            ft_trainer_seconds=dict(coserver.trainer_seconds),
-        )
+        self.stats = replace(old, num_running=len(sched.running), num_waiting=len(sched.waiting),
+                             **_finetune_stats(coserver))
 
     def _close(self) -> None:
         dead = EngineDeadError("the engine shut down before the request finished")

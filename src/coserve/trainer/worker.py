@@ -99,8 +99,6 @@ class _Worker:
             self._gate = StreamGate.open(spec.gate_flag, device)
         self._anchor: tuple[torch.cuda.Event, float] | None = None
         self._marks: list[WaitMark] = []
-        self._spans: list[tuple[int, int, float]] = []
-        self._pause_lags: list[float] = []
         bank = int(spec.meta[0])
         if bank >= 0:
             self.optim.import_state(spec.banks[bank], int(spec.meta[1 + bank]))
@@ -126,13 +124,9 @@ class _Worker:
             try:
                 self._gate.mark(torch.cuda.current_stream(), NOT_IN_TASK)
             except RuntimeError as exc:
-                logger.warning("the trainer's GPU-side pause failed (%s): pausing on the CPU from now on", exc)
-                self._gate = None
-        if self._marks:
-            self._read_gate_pauses()
+                self._drop_gate(exc)
+        spans, lags = self._read_gate_pauses()
         pauses, self._pauses = self._pauses, []
-        spans, self._spans = self._spans, []
-        lags, self._pause_lags = self._pause_lags, []
         paused, self._paused_s = self._paused_s, 0.0
         gpu_wait, self._gpu_wait_s = self._gpu_wait_s, 0.0
         return TaskResult(task.task_id, loss.loss_sum, loss.num_targets, time.perf_counter() - start, info,
@@ -147,9 +141,8 @@ class _Worker:
             try:
                 self._gated_boundary(layer)
                 return
-            except RuntimeError as exc:  # a driver error: pause on the CPU from here on
-                logger.warning("the trainer's GPU-side pause failed (%s): pausing on the CPU from now on", exc)
-                self._gate = None
+            except RuntimeError as exc:
+                self._drop_gate(exc)
         if self.spec.store.is_cuda:
             event = torch.cuda.Event()
             event.record()
@@ -207,21 +200,26 @@ class _Worker:
         anchor.synchronize()
         self._anchor = (anchor, time.monotonic())
 
-    def _read_gate_pauses(self) -> None:
-        """The pauses the gate's waits made in this task, from their events (after the last
-        completed), as ``(monotonic time, layer)`` like the CPU path's."""
+    def _drop_gate(self, exc: RuntimeError) -> None:
+        """A driver error at the gate: pause on the CPU from here on."""
+        logger.warning("the trainer's GPU-side pause failed (%s): pausing on the CPU from now on", exc)
+        self._gate = None
+
+    def _read_gate_pauses(self) -> tuple[list[tuple[int, int, float]], list[float]]:
+        """Add the pauses the gate's waits made in this task, from their events (after the last
+        completed), as ``(monotonic time, layer)`` like the CPU path's; returns the task's
+        :attr:`TaskResult.spans` and its pauses' ``pause_lags_ms``."""
         marks, self._marks = self._marks, []
         if not marks or self._anchor is None:
-            return
+            return [], []
         marks[-1].after.synchronize()
         anchor, anchor_s = self._anchor
         pauses, paused_s = pauses_from_marks(anchor_s, *read_marks(anchor, marks))
-        self._spans = read_spans(marks)
         self._pauses.extend((p.t, p.layer) for p in pauses)
-        self._pause_lags.extend(p.lag_ms for p in pauses)
         self._paused_s += paused_s
         # NOTE: the CPU's waits for marks held by a closed gate were pauses, not GPU work.
         self._gpu_wait_s = max(0.0, self._gpu_wait_s - paused_s)
+        return read_spans(marks), [p.lag_ms for p in pauses]
 
     def _commit(self) -> None:
         """Save the new state into the other bank, flip the bank index, then update serving."""
