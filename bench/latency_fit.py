@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from coserve.bench.provenance import provenance
 from coserve.core.latency import error_summary
 from coserve.core.nnls import fit_relative
 
@@ -151,7 +152,13 @@ def main() -> None:
                                                            tuple(int(v) for v in args.graph_sizes.split(",")))
     text = json.dumps(report, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)
     if args.out:
-        Path(args.out).write_text(text)
+        # the analysis runs here on the CPU: its device is this machine's, its inputs the files
+        record = {**provenance(), "config": {"results": args.results, "train": args.train,
+                                             "floor_quantile": args.floor_quantile,
+                                             "graph_sizes": args.graph_sizes},
+                  "figures": report}
+        Path(args.out).write_text(json.dumps(record, indent=1, default=lambda v: None
+                                             if isinstance(v, float) and math.isnan(v) else v))
     print(text)
 
 

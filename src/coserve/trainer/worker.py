@@ -167,7 +167,7 @@ class _Worker:
         The CPU waits without spinning: while the engine holds the gate closed it sleeps on the
         grant (the GPU is stopped anyway), and the events are blocking-sync ones — a thread
         spinning in ``cudaEventSynchronize`` through every pause took a core beside the engine's
-        host thread (session 6: the trainer's CPU time per task rose from 0.22 s to 0.38–0.76 s
+        host thread (session 6: the trainer's CPU time per task rose from 0.22 s to 0.27–0.76 s
         with the gate)."""
         assert self._gate is not None
         before = torch.cuda.Event(enable_timing=True, blocking=True)
