@@ -39,6 +39,7 @@ from coserve.engine.llm_engine import LLMEngine
 from coserve.models.presets import preset_path
 from coserve.server.finetune import FinetuneSession, FinetuneSpec
 from coserve.trainer.mps import start_mps_daemon
+from coserve.trainer.stream_gate import boundary_kind
 
 SHAPES = {"llama3-8b": LLAMA3_8B, "tiny": TINY}
 
@@ -69,7 +70,8 @@ DRY_LAG_MS = 0.2
 
 def pause_delays(windows: list[tuple[float, float]], observed: list[float],
                  layers: list[int] | None = None, num_layers: int | None = None,
-                 lags_ms: list[float] | None = None) -> dict[str, Any]:
+                 lags_ms: list[float] | None = None,
+                 window_at: list[tuple[int, int] | None] | None = None) -> dict[str, Any]:
     """For each grant-cleared window, the delay to the first observed pause inside it; windows in
     which the trainer never paused (it reached no layer boundary before the step ended) are
     counted apart with their full length. With ``layers`` (the boundary of each observed pause,
@@ -77,7 +79,12 @@ def pause_delays(windows: list[tuple[float, float]], observed: list[float],
     was: ``loss`` (boundary ``num_layers``), ``commit`` (-1) or ``layer``. With ``lags_ms``
     (GPU-side gate: how far the GPU was behind the CPU at each pause) they are split into
     ``gpu_behind`` (the trainer's kernels ran up to the pause) and ``gpu_dry`` (lag under
-    :data:`DRY_LAG_MS`: the GPU had run out of work first, so the delay was the trainer's CPU)."""
+    :data:`DRY_LAG_MS`: the GPU had run out of work first, so the delay was the trainer's CPU).
+    With ``window_at`` (parallel to ``windows``: the boundary the trainer's GPU had passed last
+    when the window began, None between tasks) they are split into ``in_task`` (the trainer's
+    kernels could be running when the prefill started: the pause delay proper) and
+    ``between_tasks`` (its GPU had finished its task; the next task queues no GPU work before its
+    start boundary, so the time until that boundary is not a delay the prefill saw)."""
     n = len(observed)
     pairs = sorted(zip(observed, layers if layers is not None else [None] * n,
                        lags_ms if lags_ms is not None else [None] * n, strict=True))
@@ -85,18 +92,22 @@ def pause_delays(windows: list[tuple[float, float]], observed: list[float],
     missed: list[float] = []
     kinds: dict[str, list[float]] = {}
     by_lag: dict[str, list[float]] = {}
+    by_at: dict[str, list[float]] = {}
+    ats: list[tuple[int, int] | None | bool] = list(window_at) if window_at is not None else [False] * len(windows)
     j = 0
-    for start, end in windows:
+    for (start, end), at in zip(windows, ats, strict=True):
         while j < len(pairs) and pairs[j][0] < start:
             j += 1
         if j < len(pairs) and pairs[j][0] <= end:
             delay, layer, lag = pairs[j][0] - start, pairs[j][1], pairs[j][2]
             delays.append(delay)
             if layer is not None:
-                kind = "loss" if layer == num_layers else "commit" if layer < 0 else "layer"
+                kind = boundary_kind(layer, None, num_layers)
                 kinds.setdefault(kind, []).append(delay)
             if lag is not None:
                 by_lag.setdefault("gpu_dry" if lag < DRY_LAG_MS else "gpu_behind", []).append(delay)
+            if at is not False:
+                by_at.setdefault("between_tasks" if at is None else "in_task", []).append(delay)
         else:
             missed.append(end - start)
     out: dict[str, Any] = {
@@ -105,7 +116,7 @@ def pause_delays(windows: list[tuple[float, float]], observed: list[float],
         "delay_max_ms": max(delays) * 1e3 if delays else None,
         "unpaused_window_p99_ms": percentile(missed, 99) * 1e3 if missed else None,
     }
-    for name, groups in (("by_boundary", kinds), ("by_gpu_lag", by_lag)):
+    for name, groups in (("by_boundary", kinds), ("by_gpu_lag", by_lag), ("by_trainer_at_start", by_at)):
         if groups:
             out[name] = {k: {"paused": len(v), "delay_p50_ms": percentile(v, 50) * 1e3,
                              "delay_p99_ms": percentile(v, 99) * 1e3} for k, v in sorted(groups.items())}
@@ -119,7 +130,7 @@ def span_summary(spans: list[tuple[int, int, float]], num_layers: int) -> dict[s
     a pause that comes during a stretch waits for the rest of it."""
     groups: dict[str, list[float]] = {}
     for layer, ordinal, ms in spans:
-        kind = "loss" if layer == num_layers else "commit" if layer < 0 else f"layer#{ordinal}"
+        kind = boundary_kind(layer, ordinal, num_layers)
         groups.setdefault(kind, []).append(ms)
     everything = [ms for _, _, ms in spans]
     return {
@@ -209,7 +220,8 @@ def main() -> None:
         "calibration": {"batches": n_cal, "seconds": calibration_s},
         "latency_model_error": errors,
         "trainer_pause": pause_delays(co.pause_windows, co.pause_observed, co.pause_observed_layers,
-                                      num_layers, co.pause_observed_lags or None),
+                                      num_layers, co.pause_observed_lags or None,
+                                      co.pause_window_at if co.pause_observed_lags else None),
         "trainer_spans": span_summary(co.trainer_spans, num_layers) if co.trainer_spans else None,
         "ft_only_interruption": {
             "requests": len(ft_only), "interrupted_steps": co.num_interrupted,

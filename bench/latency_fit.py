@@ -37,6 +37,7 @@ import torch
 from coserve.bench.provenance import provenance
 from coserve.core.latency import error_summary
 from coserve.core.nnls import fit_relative
+from coserve.trainer.stream_gate import boundary_kind
 
 
 def step_tables(result: dict[str, Any], config: str | None) -> dict[str, list[list[Any]]]:
@@ -68,8 +69,7 @@ def _by_trainer_at(steps: list[list[Any]]) -> dict[str, Any]:
     for predicted, measured, _, _, at in steps:
         if predicted <= 0:
             continue
-        kind = ("between_tasks" if at is None else "commit" if at[0] < 0 else "loss" if at[0] == top
-                else f"layer#{at[1]}")
+        kind = "between_tasks" if at is None else boundary_kind(at[0], at[1], top)
         groups.setdefault(kind, []).append((predicted, measured))
     out = {}
     for kind, pairs in sorted(groups.items()):

@@ -56,3 +56,18 @@ def test_delays_split_by_whether_the_gpu_had_run_dry() -> None:
     assert by["gpu_behind"]["delay_p99_ms"] == pytest.approx(2.0)
     assert by["gpu_dry"]["paused"] == 1 and by["gpu_dry"]["delay_p50_ms"] == pytest.approx(9.0)
     assert "by_gpu_lag" not in coserve_latency.pause_delays(windows, [1.002, 2.009])
+
+
+def test_delays_split_by_where_the_trainer_was_when_the_window_began() -> None:
+    windows = [(1.0, 1.1), (2.0, 2.1), (3.0, 3.1)]
+    # window 1 found the trainer's GPU in layer 3 and it paused 1.5 ms later; window 2 found it
+    # between tasks and its next task reached its start boundary 20 ms later; window 3 found it
+    # in the loss and it never paused within the step
+    got = coserve_latency.pause_delays(windows, [1.0015, 2.02], [3, -2], num_layers=32, lags_ms=[1.0, 0.01],
+                                       window_at=[(3, 1), None, (32, 0)])
+    by = got["by_trainer_at_start"]
+    assert by["in_task"]["paused"] == 1 and by["in_task"]["delay_p99_ms"] == pytest.approx(1.5)
+    assert by["between_tasks"]["paused"] == 1 and by["between_tasks"]["delay_p50_ms"] == pytest.approx(20.0)
+    assert got["by_boundary"]["start"]["paused"] == 1
+    assert got["not_paused_within_step"] == 1
+    assert "by_trainer_at_start" not in coserve_latency.pause_delays(windows, [1.0015, 2.02])

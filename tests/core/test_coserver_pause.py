@@ -89,6 +89,18 @@ def test_pause_decision(view: StepView, decode_c: float, busy: tuple[float, floa
     assert trainer.paused is False, "the grant is set again after the step"
 
 
+def test_pause_windows_record_where_the_trainer_was() -> None:
+    co, trainer = coserver(model(0.01, (0.0, 0.0)))
+    co.track = True
+    at = [(3, 1), None]
+    trainer.progress = lambda: at[0]  # type: ignore[attr-defined]
+    for where in ((3, 1), None):
+        at[0] = where
+        co.plan(PREFILL)
+        co.on_step_end(StepRecord(view=PREFILL, ft_tokens=0, duration_s=0.01, trainer_busy=True))
+    assert len(co.pause_windows) == 2 and co.pause_window_at == [(3, 1), None]
+
+
 def priced(prefill_busy: tuple[float, float], prefill_safety: float = 1.0, decode_c: float = 0.01,
            busy: tuple[float, float] = (0.0, 0.0)) -> LatencyModel:
     """:func:`model`, with busy prefill-form steps slowed by ``prefill_busy`` = (ρ, δ) and a safety

@@ -12,6 +12,7 @@ from coserve.core.messages import BackwardTask, TaskSample
 from coserve.models.loader import load_model
 from coserve.models.peft_adapter import new_lora_adapter
 from coserve.trainer.process import TrainerProcess
+from coserve.trainer.stream_gate import TASK_START
 from coserve.trainer.worker import WorkerSpec, _Worker
 
 
@@ -37,16 +38,18 @@ def test_paused_worker_stops_at_a_layer_boundary_until_granted() -> None:
     for i, layer in enumerate(model.model.layers):  # the recompute starts with a layer's attention
         original = layer.self_attn.forward
         layer.self_attn.forward = lambda *a, _i=i, _f=original, **k: (ran.append(_i), _f(*a, **k))[1]  # type: ignore[method-assign]
+    logits = model.compute_logits
+    model.compute_logits = lambda *a, **k: (ran.append(-1), logits(*a, **k))[1]  # type: ignore[method-assign]
     result: list[object] = []
     thread = threading.Thread(target=lambda: result.append(worker.run(task)))
     thread.start()
     time.sleep(0.5)
-    assert ran == [] and not result, "the worker recomputed a layer while paused"
+    assert ran == [] and not result, "the worker computed the loss or a layer while paused"
     grant.set()
     thread.join(timeout=30)
-    assert ran == list(range(model.config.num_layers - 1, -1, -1)) and result
-    # it paused once, at the first boundary: the loss's (boundary L)
-    assert result[0].pause_layers == (model.config.num_layers,)  # type: ignore[attr-defined]
+    assert ran == [-1, *range(model.config.num_layers - 1, -1, -1)] and result
+    # it paused once, at the first boundary: the task's start, before any of its work
+    assert result[0].pause_layers == (TASK_START,)  # type: ignore[attr-defined]
     assert len(result[0].pause_times) == 1  # type: ignore[attr-defined]
 
 

@@ -15,8 +15,11 @@ from coserve.models.loader import load_model
 from coserve.models.peft_adapter import new_lora_adapter
 from coserve.trainer.stream_gate import (
     CLOSED,
+    COMMIT,
     OPEN,
+    TASK_START,
     StreamGate,
+    boundary_kind,
     encode_progress,
     new_flag,
     pauses_from_marks,
@@ -40,13 +43,19 @@ def test_flag_is_shared_and_opens_and_closes() -> None:
 def test_progress_codes_round_trip() -> None:
     flag = new_flag()
     assert read_progress(flag) is None  # between tasks
-    for layer, ordinal in ((-1, 0), (0, 0), (31, 5), (32, 1), (4000, 255)):
+    for layer, ordinal in ((TASK_START, 0), (COMMIT, 0), (0, 0), (31, 5), (32, 1), (4000, 255)):
         flag[1] = encode_progress(layer, ordinal)
         assert read_progress(flag) == (layer, ordinal)
     with pytest.raises(ValueError):
-        encode_progress(-2, 0)
+        encode_progress(TASK_START - 1, 0)
     with pytest.raises(ValueError):
         encode_progress(0, 256)
+
+
+def test_boundary_names() -> None:
+    names = [boundary_kind(layer, ordinal, 32) for layer, ordinal in ((TASK_START, 0), (COMMIT, 0), (32, 1), (5, 2))]
+    assert names == ["start", "commit", "loss", "layer#2"]
+    assert boundary_kind(5, None, 32) == "layer"
 
 
 def test_pauses_are_the_waits_that_held_the_stream() -> None:

@@ -143,6 +143,8 @@ class CoServer:
         # observed pauses (time.monotonic, comparable across processes), latency predictions.
         self.track = False
         self.pause_windows: list[tuple[float, float]] = []
+        # where the trainer's GPU was when each window began (as step_log's; GPU-side gate only)
+        self.pause_window_at: list[tuple[int, int] | None] = []
         self.pause_observed: list[float] = []
         self.pause_observed_layers: list[int] = []  # the boundary of each (TaskResult.pause_layers)
         self.trainer_spans: list[tuple[int, int, float]] = []  # TaskResult.spans of every task
@@ -348,6 +350,7 @@ class CoServer:
             self._paused = False
             if self.track:
                 self.pause_windows.append((self._pause_start, time.monotonic()))
+                self.pause_window_at.append(self._trainer_at)
         self._layer_events.clear()
         if not record.interrupted:
             predicted = self.latency.observe(record)

@@ -68,6 +68,7 @@ class _TaskBatch(NamedTuple):
     positions: torch.Tensor  # [T] int64: position within its row
     targets: torch.Tensor  # [T] int64: the label that position t predicts, -100 if none
     row_lens: list[int]
+    picked: torch.Tensor  # [N] int64: the positions that have a target
 
 
 def task_backward(
@@ -108,7 +109,7 @@ def task_backward(
             f"store must be [L + 1 = {num_layers + 1}, capacity, d], got {list(store.shape)}"
         )
     batch = _task_batch(rows, store.shape[1], store.device)
-    picked = (batch.targets != IGNORE_INDEX).nonzero().squeeze(1)
+    picked = batch.picked
     num_targets = int(picked.numel())
     if num_targets == 0:
         return TaskLoss(0.0, 0)
@@ -244,9 +245,13 @@ def _task_batch(rows: Sequence[TaskRow], capacity: int, device: torch.device) ->
         targets.extend(row.labels[1:])
         targets.append(IGNORE_INDEX)
         row_lens.append(n)
+    # NOTE: the target positions are found here, on the CPU: a nonzero() on the device would
+    # make the CPU wait for the GPU before it queues any of the task's work.
+    target_cpu = torch.tensor(targets, dtype=torch.int64)
     return _TaskBatch(
         tokens=torch.cat(index).to(device),
         positions=torch.cat(positions).to(device),
-        targets=torch.tensor(targets, dtype=torch.int64, device=device),
+        targets=target_cpu.to(device),
         row_lens=row_lens,
+        picked=(target_cpu != IGNORE_INDEX).nonzero().squeeze(1).to(device),
     )

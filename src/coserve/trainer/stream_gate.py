@@ -38,6 +38,9 @@ OPEN, CLOSED = 1, 0
 # at no cost, what the trainer's kernels are doing beside its step
 PROGRESS = 1
 NOT_IN_TASK = 0
+# The boundaries' layer labels besides a layer's index (its own boundaries) and L (the loss's):
+COMMIT = -1  # before the optimizer step's commit
+TASK_START = -2  # at a task's start, before any of its GPU work
 FLAG_BYTES = 4096  # one page: cuMemHostRegister pins whole pages
 CU_MEMHOSTREGISTER_PORTABLE = 0x01
 CU_MEMHOSTREGISTER_DEVICEMAP = 0x02
@@ -56,17 +59,30 @@ def new_flag() -> torch.Tensor:
 
 
 def encode_progress(layer: int, ordinal: int) -> int:
-    """The 32-bit code of boundary ``(layer, ordinal)`` (layer ≥ -1, 0 ≤ ordinal < 256), never
-    :data:`NOT_IN_TASK`."""
-    if layer < -1 or not 0 <= ordinal < 256:
+    """The 32-bit code of boundary ``(layer, ordinal)`` (layer ≥ :data:`TASK_START`,
+    0 ≤ ordinal < 256), never :data:`NOT_IN_TASK`."""
+    if layer < TASK_START or not 0 <= ordinal < 256:
         raise ValueError(f"boundary ({layer}, {ordinal}) out of range")
-    return (layer + 2) << 8 | ordinal
+    return (layer + 3) << 8 | ordinal
+
+
+def boundary_kind(layer: int, ordinal: int | None, num_layers: int) -> str:
+    """A boundary's name in reports: ``start``, ``commit``, ``loss``, or ``layer#k`` (the k-th
+    boundary of a layer: 0 its attention recompute, the last its attention backward; ``layer``
+    when ``ordinal`` is None)."""
+    if layer == TASK_START:
+        return "start"
+    if layer == COMMIT:
+        return "commit"
+    if layer == num_layers:
+        return "loss"
+    return "layer" if ordinal is None else f"layer#{ordinal}"
 
 
 def read_progress(flag: torch.Tensor) -> tuple[int, int] | None:
     """The boundary ``(layer, ordinal)`` the trainer's GPU passed last, None between tasks."""
     code = int(flag[PROGRESS])
-    return None if code == NOT_IN_TASK else ((code >> 8) - 2, code & 0xFF)
+    return None if code == NOT_IN_TASK else ((code >> 8) - 3, code & 0xFF)
 
 
 def set_open(flag: torch.Tensor, is_open: bool) -> None:

@@ -20,7 +20,9 @@ from coserve.trainer.backward import TaskRow, task_backward
 from coserve.trainer.lora_params import TrainableLoRA
 from coserve.trainer.optim import LoRAOptimizer
 from coserve.trainer.stream_gate import (
+    COMMIT,
     NOT_IN_TASK,
+    TASK_START,
     StreamGate,
     WaitMark,
     encode_progress,
@@ -109,6 +111,9 @@ class _Worker:
         rows = [TaskRow(s.offset, s.labels) for s in task.samples]
         if self._gate is not None:
             self._set_anchor()
+        # NOTE: a task that starts while the engine runs a prefill queues no GPU work until the
+        # pause ends, so a prefill that finds the trainer between tasks is never slowed by it.
+        self._boundary_then_sleep(TASK_START)
         loss = task_backward(self.spec.model, self.lora, self.spec.store, rows, dropout_key=task.task_id,
                              at_layer_boundary=self._layer_boundary, mlp_store=self.spec.mlp_store)
         self._events.clear()
@@ -116,6 +121,9 @@ class _Worker:
         self.num_targets += loss.num_targets
         info = None
         if task.ends_step:
+            # the optimizer step (which reads the gradient norm back) and the commit yield to a
+            # prefill too
+            self._boundary_then_sleep(COMMIT)
             res = self.optim.step(self.num_targets, self.loss_sum)
             self.loss_sum, self.num_targets = 0.0, 0
             self._commit()
@@ -159,6 +167,15 @@ class _Worker:
             self._pauses.append((time.monotonic(), layer))
             grant.wait()
             self._paused_s += time.perf_counter() - began
+
+    def _boundary_then_sleep(self, layer: int) -> None:
+        """A boundary that CPU work waiting on the GPU follows (the task's set-up, the optimizer
+        step's norm): with the GPU-side gate closed, sleep on the grant rather than in a CUDA
+        synchronization (which may spin) until the engine reopens it."""
+        self._layer_boundary(layer)
+        grant = self.spec.grant
+        if self._gate is not None and grant is not None and not grant.is_set():
+            grant.wait()
 
     def _gated_boundary(self, layer: int) -> None:
         """Enqueue the gate's wait between two timed events; keep the CPU at most
@@ -224,7 +241,6 @@ class _Worker:
     def _commit(self) -> None:
         """Save the new state into the other bank, flip the bank index, then update serving."""
         spec = self.spec
-        self._layer_boundary(-1)  # the optimizer step and the serving write yield to a prefill too
         bank = 1 - int(spec.meta[0]) if int(spec.meta[0]) >= 0 else 0
         self.optim.export_state(spec.banks[bank])
         spec.meta[1 + bank] = self.optim.step_count
