@@ -3,7 +3,8 @@
 1. decode step time at batch x context, next to the HBM floor (weight bytes + KV bytes read over
    the measured copy bandwidth), as CUDA-graph replay and, for some points, eager;
 2. prefill throughput from 512 to 16k tokens, next to the FLOP floor at the measured matmul rate;
-3. LoRA overhead: 4 different rank-16 adapters in the batch vs none.
+3. LoRA overhead: 4 different rank-16 adapters in the batch vs none; for prefill, base and adapter
+   steps alternate (:func:`bench_prefill_ab`), so that clock drift does not bias the ratio.
 
 The step time is ``ModelRunner.execute`` wall time (host preparation + device work + logits),
 which is what the engine pays per step (scheduling and sampling excluded). KV blocks are random
@@ -15,9 +16,11 @@ draws from a pool of ``--pool-gib`` (rows may share blocks: 256 x 8192 tokens ex
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -32,6 +35,7 @@ from speed_common import (
     cuda_time,
     matmul_rate,
     provenance,
+    sync,
     wall_time,
     write_model_dir,
 )
@@ -142,6 +146,11 @@ def prefill_rows(runner: ModelRunner, tokens: int, rows: int, adapters: bool, rn
             for i in range(rows)]
 
 
+def with_adapters(rows: list[BatchRow]) -> list[BatchRow]:
+    """The same rows, row ``i`` on adapter slot ``i % NUM_ADAPTERS``."""
+    return [dataclasses.replace(r, lora_slot=i % NUM_ADAPTERS) for i, r in enumerate(rows)]
+
+
 def bench_prefill(runner: ModelRunner, cfg: dict[str, Any], lengths: list[int], mm_rate: float,
                   rng: random.Random, rows: int = 1, adapters: bool = False) -> list[dict[str, Any]]:
     out = []
@@ -156,6 +165,61 @@ def bench_prefill(runner: ModelRunner, cfg: dict[str, Any], lengths: list[int], 
                                               for k, v in rec.items()}))
         out.append(rec)
     return out
+
+
+def ab_rounds(tokens: int) -> int:
+    """Base/LoRA rounds of :func:`bench_prefill_ab` at a step of ``tokens`` tokens."""
+    return 4 if tokens >= 8192 else 7
+
+
+def bench_prefill_ab(runner: ModelRunner, cfg: dict[str, Any], lengths: list[int], mm_rate: float,
+                     rng: random.Random, rows: int = 4, warmup: int = 2) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """LoRA prefill overhead, interleaved: at each length, ``warmup`` steps of each batch, then
+    :func:`ab_rounds` rounds of one base step and one step of the same rows with the adapters
+    (ABAB…), each step timed alone (synchronized before and after). Timing all base steps and then
+    all adapter steps let a clock drift between the two blocks pass for overhead (+10.8% to +16.5%
+    on the H200 across runs of one build).
+
+    Returns ``(records, rounds)``: :func:`bench_prefill`'s records from the medians (every base
+    length, then every adapter length), and per length the per-round times and ratios, the
+    overhead ``median(lora) / median(base) - 1`` and the ratios' median, min and max.
+    """
+
+    def once(batch: list[BatchRow]) -> float:
+        sync()
+        t0 = time.perf_counter()
+        runner.execute(batch)
+        sync()
+        return time.perf_counter() - t0
+
+    records: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+    rounds = []
+    for tokens in lengths:
+        base = prefill_rows(runner, tokens, rows, False, rng)
+        lora = with_adapters(base)
+        for _ in range(warmup):
+            once(base)
+            once(lora)
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(ab_rounds(tokens)):
+            times[False].append(once(base))
+            times[True].append(once(lora))
+        flops = prefill_flops(cfg, tokens, rows)
+        for adapters, ts in times.items():
+            t = statistics.median(ts)
+            records[adapters].append({
+                "tokens": tokens, "rows": rows, "adapters": NUM_ADAPTERS if adapters else 0, "step_s": t,
+                "tokens_per_s": tokens / t, "tflops": flops / t / 1e12, "flop_floor_s": flops / mm_rate,
+                "fraction_of_matmul_rate": flops / t / mm_rate})
+        ratios = [b / a for a, b in zip(times[False], times[True], strict=True)]
+        rec: dict[str, Any] = {
+            "tokens": tokens, "rows": rows, "base_s": times[False], "lora_s": times[True], "ratio": ratios,
+            "overhead": statistics.median(times[True]) / statistics.median(times[False]) - 1,
+            "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
+        logger.info("lora prefill A/B T=%d: overhead %+.4f, round ratios %s", tokens, rec["overhead"],
+                    [round(r, 4) for r in ratios])
+        rounds.append(rec)
+    return records[False] + records[True], rounds
 
 
 def main() -> None:
@@ -222,15 +286,13 @@ def main() -> None:
     if "lora" in sections:
         figures["lora_decode"] = bench_decode(runner, batches, [2048], bw, rng, adapters=True)
         lora_lengths = [n for n in (4096, 16384) if n <= max(lengths)]
-        figures["lora_prefill"] = (bench_prefill(runner, model_cfg, lora_lengths, mm, rng, rows=4)
-                                   + bench_prefill(runner, model_cfg, lora_lengths, mm, rng, rows=4, adapters=True))
+        figures["lora_prefill"], figures["lora_prefill_ab"] = bench_prefill_ab(runner, model_cfg, lora_lengths,
+                                                                               mm, rng, rows=4)
         base = {r["batch"]: r["step_s"] for r in figures["decode"] if r["context"] == 2048}
         figures["lora_overhead"] = {
             "decode": {str(r["batch"]): r["step_s"] / base[r["batch"]] - 1
                        for r in figures["lora_decode"] if r["batch"] in base},
-            "prefill": {str(a["tokens"]): b["step_s"] / a["step_s"] - 1
-                        for a, b in zip(figures["lora_prefill"][: len(lora_lengths)],
-                                        figures["lora_prefill"][len(lora_lengths) :], strict=True)},
+            "prefill": {str(r["tokens"]): r["overhead"] for r in figures["lora_prefill_ab"]},
         }
         logger.info("lora overhead %s", figures["lora_overhead"])
     save()
@@ -250,6 +312,9 @@ def summarize(figures: dict[str, Any]) -> None:
                      f"{r['tflops']:5.0f} TFLOP/s -> {r['fraction_of_matmul_rate']:.2f}")
     if "lora_overhead" in figures:
         lines.append(f"lora overhead: {json.dumps({k: {b: round(v, 3) for b, v in d.items()} for k, d in figures['lora_overhead'].items()})}")
+    for r in figures.get("lora_prefill_ab", []):
+        lines.append(f"  prefill T={r['tokens']:>5}, {len(r['ratio'])} A/B rounds: overhead {r['overhead']:+.3f}, "
+                     f"round ratios median {r['ratio_median']:.3f} (min {r['ratio_min']:.3f}, max {r['ratio_max']:.3f})")
     logger.info("\n".join(lines))
 
 

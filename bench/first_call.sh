@@ -17,6 +17,10 @@
 #   lora           decode and LoRA overhead at context 2048 (issue 3)
 #   lora_nofork    the same with COSERVE_LORA_FORK=0 (no LoRA shrink on a side stream in the graphs)
 #   lora_split=N   the same with COSERVE_LORA_SPLIT_WAVES=N (prefill LoRA shrinks split-K to N waves)
+#   lora_expand_first  the same with COSERVE_LORA_EXPAND_FIRST=1 (large eager steps: LoRA delta
+#                  stored first, the base GEMM accumulating onto it)
+#   lora_profile   bench/profile_lora.py (a 4,096-token prefill's GPU time by kernel, without and
+#                  with 4 adapters), with COSERVE_LORA_EXPAND_FIRST off, then on
 #   grid           the full bench/engine_speed.py grid (issue 3)
 #   trace_coserve  bench/trace_vs_hf.py, coserve's side (issue 3 item 4)
 #   trace_peer     bench/trace_vs_hf.py, the transformers peer's side (same arrivals)
@@ -93,6 +97,12 @@ job() {
     lora_split=*)  # COSERVE_LORA_SPLIT_WAVES=N: split-K LoRA shrinks in large steps too
       COSERVE_LORA_SPLIT_WAVES=${1#lora_split=} lora_bench "$1" "$top/engine_lora_split${1#lora_split=}" ;;
     lora_nofork) COSERVE_LORA_FORK=0 lora_bench lora_nofork "$top/engine_lora_nofork" ;;
+    lora_expand_first) COSERVE_LORA_EXPAND_FIRST=1 lora_bench lora_expand_first "$top/engine_lora_expand_first" ;;
+    lora_profile)
+      run lora_profile_off "$top/profile_lora_off.log" env COSERVE_LORA_EXPAND_FIRST=0 python3 bench/profile_lora.py \
+        --out "$top/profile_lora_off.json"
+      run lora_profile_on "$top/profile_lora_on.log" env COSERVE_LORA_EXPAND_FIRST=1 python3 bench/profile_lora.py \
+        --out "$top/profile_lora_on.json" ;;
     grid) run grid "$top/engine_speed.log" python3 bench/engine_speed.py --out "$top/engine_speed.json" ;;
     trace_coserve) trace coserve ;;
     trace_peer) trace transformers ;;

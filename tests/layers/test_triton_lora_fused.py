@@ -52,14 +52,14 @@ class PerTarget:
         self.inner.apply(layer, target, x, y, a, b)
 
 
-def make_linear(out_slices: dict[str, int], dtype: torch.dtype, seed: int) -> LoRALinear:
+def make_linear(out_slices: dict[str, int], dtype: torch.dtype, seed: int, bias: bool = True) -> LoRALinear:
     """A fused linear with adapters of mixed ranks written through its per-slice stack views."""
     gen = torch.Generator().manual_seed(seed)
-    lin = LoRALinear(0, D_IN, out_slices, bias=True, num_slots=SLOTS, max_rank=MAX_RANK, dtype=dtype)
+    lin = LoRALinear(0, D_IN, out_slices, bias=bias, num_slots=SLOTS, max_rank=MAX_RANK, dtype=dtype)
     with torch.no_grad():
         lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen) / D_IN**0.5)
-        assert lin.bias is not None
-        lin.bias.copy_(torch.randn(lin.bias.shape, generator=gen))
+        if lin.bias is not None:
+            lin.bias.copy_(torch.randn(lin.bias.shape, generator=gen))
         for name in out_slices:
             a, b = lin.lora_stacks(name)
             for slot, r in ADAPTER_RANKS.items():
@@ -251,3 +251,78 @@ def test_fused_slices_can_be_switched_off(launches: Counter[str], monkeypatch: p
         per_slice = lin(x, ctx)
     assert launches == {"_shrink_kernel": 3, "_expand_kernel": 3}
     torch.testing.assert_close(per_slice, fused, rtol=1e-5, atol=1e-5)
+
+
+def _nan_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.empty`` of floats filled with NaN, so that an output row no kernel writes shows."""
+    real = torch.empty
+
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        t = real(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+@pytest.mark.parametrize("expand_first", [False, True], ids=["old-order", "expand-first"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("out_slices", SLICES[:4], ids=lambda s: "-".join(map(str, s.values())))
+def test_expand_first_equals_reference(
+    dtype: torch.dtype, out_slices: dict[str, int], bias: bool, expand_first: bool, launches: Counter[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``COSERVE_LORA_EXPAND_FIRST`` (EXPAND_FIRST) in a step of more than SMALL_STEP_TOKENS tokens:
+    the shrink, an expand that stores Δ (+ bias) into an uninitialized output, zeros (+ bias) on
+    the rows without adapter, then the base GEMM onto it: the fp32 reference's result, still one
+    shrink and one expand launch; off, the old order, bit for bit."""
+    monkeypatch.setattr(triton_lora, "EXPAND_FIRST", expand_first)
+    lin = make_linear(out_slices, dtype, seed=len(out_slices), bias=bias)
+    rng = random.Random(len(out_slices))
+    row_lens = [rng.randint(45, 70) for _ in range(6)] + [1] * 8
+    row_slots = [0, -1, 1, 3, -1, 2] + [rng.choice([-1, 0, 1, 2, 3]) for _ in range(8)]
+    row_slots[-2:] = [-1, 1]
+    batch = LoRABatch.from_rows(row_lens, row_slots, DEVICE)
+    t = sum(row_lens)
+    assert t > triton_lora.SMALL_STEP_TOKENS
+    x = torch.randn(t, D_IN, dtype=dtype, device=DEVICE)
+    scales = torch.rand(SLOTS, device=DEVICE) + 0.5
+    ctx = TritonLoRA.from_batch(batch, scales)
+    assert (ctx.store is not None) == expand_first
+    if expand_first:
+        assert ctx.store is not None and torch.equal(ctx.store.order[: ctx.order.shape[0]], ctx.order)
+        _nan_empty(monkeypatch)
+    with torch.no_grad():
+        got = lin(x, ctx)
+        assert launches == {"_shrink_kernel": 1, "_expand_kernel": 1}
+        old = F.linear(x, lin.weight, lin.bias)
+        ctx.apply_fused(0, x, old, lin.lora_a_all, lin.lora_b_all, out_slices)
+    ref = F.linear(x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float())
+    base = ref.clone()
+    for name, off, a, b in slice_stacks(lin.lora_a_all.float(), lin.lora_b_all.float(), out_slices):
+        lora_segments_ref(ref[:, off : off + out_slices[name]], x.float(), a, b, scales, batch)
+    assert rel_err(got.float() - base, ref - base) < TOL[dtype]
+    assert rel_err(got.float(), ref) < TOL[dtype]
+    # Rows without an adapter (slot -1) and of the empty slot 2: the base output.
+    untouched = (batch.token_slots < 0) | (batch.token_slots == 2)
+    assert untouched.any() and (batch.token_slots >= 0).any()
+    assert rel_err(got[untouched].float(), base[untouched]) < TOL[dtype]
+    if not expand_first:
+        assert torch.equal(got, old)
+
+
+def test_expand_first_only_in_large_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps of up to SMALL_STEP_TOKENS tokens keep the old order even with the flag; the
+    store routing covers every token once: the adapter tiles, then those without adapter."""
+    monkeypatch.setattr(triton_lora, "EXPAND_FIRST", True)
+    scales = torch.ones(SLOTS, device=DEVICE)
+    small = LoRABatch.from_rows([200, 56], [0, -1], DEVICE)
+    assert TritonLoRA.from_batch(small, scales).store is None
+    large = LoRABatch.from_rows([200, 57, 3], [0, -1, 1], DEVICE)
+    ctx = TritonLoRA.from_batch(large, scales)
+    assert ctx.store is not None
+    order = ctx.store.order.tolist()
+    assert len(order) == ctx.store.launch.num_tiles * 64 == (4 + 1 + 1) * 64
+    assert sorted(i for i in order if i >= 0) == list(range(260))
+    assert order[ctx.order.shape[0] :] == list(range(200, 257)) + [-1] * 7
+    assert triton_lora.unrouted_order([3, 2, 4], [-1, 0, -1], 4) == [0, 1, 2, 5, 6, 7, 8, -1]

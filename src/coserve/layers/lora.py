@@ -208,6 +208,12 @@ class LoRALinear(nn.Module):
             # Captured decode graphs (ForkedTritonLoRA): the LoRA shrink beside the base GEMM.
             out = forked(self.layer, x, self.weight, self.bias, self.lora_a_all, self.lora_b_all, self.out_slices)
             return out
+        first = getattr(lora, "expand_first_linear", None) if self.has_lora else None
+        if first is not None:
+            # TritonLoRA: in large eager steps with COSERVE_LORA_EXPAND_FIRST, the LoRA delta first
+            # and the base GEMM accumulating onto it; otherwise the context runs the order below.
+            out = first(self.layer, x, self.weight, self.bias, self.lora_a_all, self.lora_b_all, self.out_slices)
+            return out
         y = F.linear(x, self.weight, self.bias)
         if lora is not None and self.has_lora:
             apply_fused = getattr(lora, "apply_fused", None)

@@ -7,7 +7,9 @@ each group starting at a multiple of ``BLOCK_M`` and padded with -1, so every ti
 
 - shrink, grid (tiles, SPLIT_K): ``v[k, t] = x[t, K_k] @ A[slot][:, K_k].T`` (fp32 partials over
   ``SPLIT_K`` slices of ``in``, so one tile can still spread over many multiprocessors);
-- expand, grid (tiles, out / BLOCK_N): ``y[t] += (Σ_k v[k, t]) @ B[slot].T · scale[slot]``.
+- expand, grid (tiles, out / BLOCK_N): ``y[t] += (Σ_k v[k, t]) @ B[slot].T · scale[slot]``, or,
+  not accumulating, ``y[t] = … (+ bias)``, with zeros (plus bias) in the tiles of tokens without
+  an adapter (the expand-first path of large eager steps, :meth:`TritonLoRA.expand_first_linear`).
 
 A fused linear's output slices (q/k/v, gate/up) share ``x``, so they share both launches
 (:func:`lora_shrink_expand_fused`): the shrink runs over the slices' stacked A rows
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Self
 
 import torch
@@ -76,10 +78,10 @@ def _shrink_kernel(
 
 @varying("n_order")
 def _expand_kernel(
-    y_ptr, b_ptr, v_ptr, order_ptr, slot_ptr, scale_ptr, n_order,
+    y_ptr, b_ptr, v_ptr, order_ptr, slot_ptr, scale_ptr, bias_ptr, n_order,
     s_yt, s_bs, s_bo, s_vk, s_vt, blk1, blk2, blk3, col1, col2, col3, col4,
     RANK: tl.constexpr, R_PAD: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -88,7 +90,12 @@ def _expand_kernel(
     slots = tl.load(slot_ptr + tl.maximum(tok, 0), mask=tok >= 0, other=-1)
     valid = (tok >= 0) & (slots >= 0)
     slot = tl.max(tl.where(valid, slots, -1), 0)
-    if slot >= 0:
+    run = slot >= 0
+    if not ACCUMULATE:
+        # Storing, a tile of tokens without an adapter still writes their rows (zeros, plus bias):
+        # the output was never initialized.
+        run = tl.max(tok, 0) >= 0
+    if run:
         # This column block's target i: target i owns the output columns [col_i, col_i+1)
         # (col_0 = 0), tiled by the column blocks [blk_i, blk_i+1) (blk_0 = 0), and the ranks
         # [i·RANK, (i+1)·RANK) of v.
@@ -106,14 +113,21 @@ def _expand_kernel(
                     + (i * RANK + offs_r)[None, None, :],
                     mask=valid[None, :, None] & mask_r[None, None, :], other=0.0)
         v = tl.sum(v, 0)
-        b = tl.load(b_ptr + slot * s_bs + offs_n[:, None] * s_bo + offs_r[None, :],
+        w_slot = tl.maximum(slot, 0)  # a tile without adapter (storing): any slot's B, times v = 0
+        b = tl.load(b_ptr + w_slot * s_bs + offs_n[:, None] * s_bo + offs_r[None, :],
                     mask=mask_n[:, None] & mask_r[None, :], other=0.0)
-        scale = tl.load(scale_ptr + slot)
+        scale = tl.load(scale_ptr + w_slot)
         d = tl.dot(v.to(b.dtype), tl.trans(b)) * scale
         ptrs = y_ptr + tok[:, None] * s_yt + offs_n[None, :]
-        mask = valid[:, None] & mask_n[None, :]
-        y = tl.load(ptrs, mask=mask, other=0.0)
-        tl.store(ptrs, (y.to(tl.float32) + d).to(y_ptr.dtype.element_ty), mask=mask)
+        if ACCUMULATE:
+            mask = valid[:, None] & mask_n[None, :]
+            y = tl.load(ptrs, mask=mask, other=0.0)
+            tl.store(ptrs, (y.to(tl.float32) + d).to(y_ptr.dtype.element_ty), mask=mask)
+        else:
+            d = tl.where(valid[:, None], d, 0.0)
+            if HAS_BIAS:
+                d += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            tl.store(ptrs, d.to(y_ptr.dtype.element_ty), mask=(tok >= 0)[:, None] & mask_n[None, :])
 
 
 MAX_FUSED_TARGETS = 4
@@ -134,6 +148,11 @@ default until it is measured on the GPU): split only while the tiles leave SMs i
 
 SMALL_STEP_TOKENS = 256
 """Steps of up to this many tokens get 16-row tiles, larger ones 64-row tiles."""
+
+EXPAND_FIRST = os.environ.get("COSERVE_LORA_EXPAND_FIRST", "0") == "1"
+"""Eager steps of more than :data:`SMALL_STEP_TOKENS` tokens run each fused linear LoRA first
+(:meth:`TritonLoRA.expand_first_linear`); ``COSERVE_LORA_EXPAND_FIRST=1`` turns it on (off until
+it is measured on the GPU)."""
 
 
 def block_m_for(num_tokens: int) -> int:
@@ -283,17 +302,27 @@ def lora_shrink_fused(
 
 def lora_expand_fused(
     y: torch.Tensor, b_all: torch.Tensor, v: torch.Tensor, out_sizes: Sequence[int], scales: torch.Tensor,
-    token_slots: torch.Tensor, order: torch.Tensor, launch: LoRALaunch,
+    token_slots: torch.Tensor, order: torch.Tensor, launch: LoRALaunch, accumulate: bool = True,
+    bias: torch.Tensor | None = None,
 ) -> None:
     """The expand half of :func:`lora_shrink_expand_fused`: ``y[t, slice i] += (Σ_k v[k, t, i·r:(i+1)·r])
-    @ B_i[slot(t)].T · scales[slot(t)]`` for the partials ``v`` of :func:`lora_shrink_fused`."""
+    @ B_i[slot(t)].T · scales[slot(t)]`` for the partials ``v`` of :func:`lora_shrink_fused`.
+
+    Not ``accumulate``: ``y[t] = … + bias`` (``y`` is not read), for every token ``t`` listed in
+    ``order``, whose tokens without an adapter (slot -1, in tiles of their own) get ``y[t] = bias``
+    (zeros without ``bias [Σ out]``); ``launch.num_tiles`` must cover ``order``.
+    """
+    assert bias is None or (not accumulate and bias.shape == (y.shape[1],) and bias.stride(0) == 1), (
+        "a bias only with a storing expand (whoever writes y first adds it), one per column"
+    )
+    assert accumulate or launch.num_tiles * launch.block_m >= order.shape[0]
     rank = b_all.shape[2]
     block_n, n_blocks, bounds = _column_blocks(out_sizes)
     jit(_expand_kernel)[(launch.num_tiles, n_blocks)](
-        y, b_all, v, order, token_slots, scales, order.shape[0],
+        y, b_all, v, order, token_slots, scales, y if bias is None else bias, order.shape[0],
         y.stride(0), b_all.stride(0), b_all.stride(1), v.stride(0), v.stride(1), *bounds,
         RANK=rank, R_PAD=_pow2_at_least_16(rank), SPLIT_K=v.shape[0], BLOCK_M=launch.block_m,
-        BLOCK_N=block_n, num_warps=4,
+        BLOCK_N=block_n, ACCUMULATE=accumulate, HAS_BIAS=bias is not None, num_warps=4,
     )
 
 
@@ -326,6 +355,28 @@ def order_by_slot(row_lens: list[int], row_slots: list[int], block_m: int) -> li
     return order
 
 
+def unrouted_order(row_lens: list[int], row_slots: list[int], block_m: int) -> list[int]:
+    """Token indices of the rows without an adapter (slot -1), -1 padded to a multiple of
+    ``block_m``: appended to :func:`order_by_slot`'s, the tiles in which a storing expand
+    (:func:`lora_expand_fused`, not ``accumulate``) writes zeros, so that every token is written."""
+    tokens: list[int] = []
+    start = 0
+    for n, s in zip(row_lens, row_slots, strict=True):
+        if s < 0:
+            tokens.extend(range(start, start + n))
+        start += n
+    return tokens + [-1] * (-len(tokens) % block_m)
+
+
+@dataclass(frozen=True)
+class StoreRouting:
+    """The routing of a storing expand (:meth:`TritonLoRA.expand_first_linear`): the step's
+    ``order`` followed by :func:`unrouted_order`, so its tiles cover every token once."""
+
+    order: torch.Tensor  # [N'] int32
+    launch: LoRALaunch  # the step's, with tiles enough for ``order``
+
+
 @dataclass
 class TritonLoRA:
     """LoRA context (:class:`coserve.layers.lora.LoRAContext`) running :func:`lora_shrink_expand`.
@@ -337,6 +388,8 @@ class TritonLoRA:
     order: torch.Tensor  # [N] int32
     scales: torch.Tensor  # [S] fp32
     launch: LoRALaunch
+    # Set by from_batch for large steps with EXPAND_FIRST; None: expand_first_linear falls back.
+    store: StoreRouting | None = field(default=None, kw_only=True)
 
     @classmethod
     def for_graph(cls, token_slots: torch.Tensor, order: torch.Tensor, scales: torch.Tensor, batch_size: int,
@@ -350,15 +403,21 @@ class TritonLoRA:
 
     @classmethod
     def from_batch(cls, batch: LoRABatch, scales: torch.Tensor) -> TritonLoRA:
-        block_m = block_m_for(batch.seg_starts[-1])
+        """The context of an eager step; with :data:`EXPAND_FIRST` and more than
+        :data:`SMALL_STEP_TOKENS` tokens, also the routing of :meth:`expand_first_linear`."""
+        tokens = batch.seg_starts[-1]
+        block_m = block_m_for(tokens)
         order = order_by_slot(batch.seg_lens, batch.seg_slots, block_m)
         device = batch.token_slots.device
-        return cls(
-            token_slots=batch.token_slots,
-            order=torch.tensor(order, dtype=torch.int32).to(device),
-            scales=scales,
-            launch=LoRALaunch.for_order(len(order), block_m, num_sms(device)),
-        )
+        launch = LoRALaunch.for_order(len(order), block_m, num_sms(device))
+        first = EXPAND_FIRST and tokens > SMALL_STEP_TOKENS and len(order) > 0
+        rest = unrouted_order(batch.seg_lens, batch.seg_slots, block_m) if first else []
+        routing = torch.tensor(order + rest, dtype=torch.int32).to(device)  # one copy for both
+        store = None
+        if first:
+            store = StoreRouting(routing, replace(launch, num_tiles=len(routing) // block_m))
+        return cls(token_slots=batch.token_slots, order=routing[: len(order)], scales=scales, launch=launch,
+                   store=store)
 
     def apply(
         self, layer: int, target: str, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor
@@ -384,6 +443,42 @@ class TritonLoRA:
             return
         for name, off, a, b in slice_stacks(a_all, b_all, out_slices):
             self.apply(layer, name, x, y[:, off : off + out_slices[name]], a, b)
+
+    def expand_first_linear(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        a_all: torch.Tensor,
+        b_all: torch.Tensor,
+        out_slices: dict[str, int],
+    ) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` plus :meth:`apply_fused`, the same result, LoRA first
+        when the step was routed for it (:attr:`store`): the shrink, then an expand that stores
+        ``y[t] = Δ[t] + bias`` into a fresh output (``bias`` alone on the rows without adapter),
+        then ``y.addmm_(x, weight.T)``, whose GEMM reads ``y`` in its epilogue. The usual order
+        writes ``y`` in the GEMM and then reads and rewrites it in the expand; this one saves a
+        whole read of ``y`` per linear (4,096 × 28,672 bf16, 235 MB, for gate/up at a 4,096-token
+        prefill), the epilogue's read overlapping the GEMM's compute. Anything else (small steps,
+        per-slice launches, no routing): the usual order.
+
+        NOTE: the stored Δ is rounded to ``y``'s dtype before the GEMM adds to it, where the usual
+        order rounds the base output before the expand adds Δ in fp32: the same error, not the
+        same bits.
+        """
+        store = self.store
+        if store is None or not FUSED_SLICES or len(out_slices) > MAX_FUSED_TARGETS:
+            y = F.linear(x, weight, bias)
+            self.apply_fused(layer, x, y, a_all, b_all, out_slices)
+            return y
+        sizes = list(out_slices.values())
+        y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+        _check_slices(y, x, a_all, b_all, sizes)
+        v = lora_shrink_fused(x, a_all, b_all.shape[2], self.token_slots, self.order, self.launch)
+        lora_expand_fused(y, b_all, v, sizes, self.scales, self.token_slots, store.order, store.launch,
+                          accumulate=False, bias=bias)
+        return y.addmm_(x, weight.t())
 
 
 @dataclass
