@@ -47,9 +47,34 @@ class KernelTime(NamedTuple):
     total_ms: float
 
 
-def profile_steps(runner: ModelRunner, batch: list[BatchRow], iters: int, warmup: int) -> dict[str, KernelTime]:
+def idle_gaps(spans: list[tuple[float, float, str]], iters: int, top: int) -> dict[str, Any]:
+    """Where the GPU sat idle between activities (``(start µs, end µs, name)``, one stream's worth):
+    the span from the first start to the last end and the idle time in it, per step, and the
+    ``top`` pairs (activity before, activity after) by summed idle time before the second — a
+    step whose wall time exceeds its kernels' sum waited there for the host."""
+    spans = sorted(spans)
+    idle_us = 0.0
+    by_pair: dict[tuple[str, str], list[float]] = {}
+    end, before = spans[0][1] if spans else 0.0, spans[0][2] if spans else ""
+    for start, stop, name in spans[1:]:
+        if start > end:
+            gap = start - end
+            idle_us += gap
+            by_pair.setdefault((before[:60], name[:60]), []).append(gap)
+        if stop > end:
+            end, before = stop, name
+    span_us = (end - spans[0][0]) if spans else 0.0
+    ranked = sorted(by_pair.items(), key=lambda kv: -sum(kv[1]))
+    return {"span_ms_per_step": span_us / 1e3 / iters, "idle_ms_per_step": idle_us / 1e3 / iters,
+            "top_idle": [{"before": a, "after": b, "gaps": len(g), "idle_ms_per_step": sum(g) / 1e3 / iters,
+                          "max_ms": max(g) / 1e3} for (a, b), g in ranked[:top]]}
+
+
+def profile_steps(runner: ModelRunner, batch: list[BatchRow], iters: int, warmup: int,
+                  gaps: dict[str, Any] | None = None) -> dict[str, KernelTime]:
     """``runner.execute(batch)`` ``warmup`` times, then ``iters`` times under the profiler: the GPU
-    activities' time by name on CUDA; on the CPU, the ops' self CPU time by name."""
+    activities' time by name on CUDA; on the CPU, the ops' self CPU time by name. On CUDA,
+    ``gaps`` (when given) receives :func:`idle_gaps` over every profiled step."""
     for _ in range(warmup):
         runner.execute(batch)
     sync()
@@ -62,10 +87,16 @@ def profile_steps(runner: ModelRunner, batch: list[BatchRow], iters: int, warmup
     counts: dict[str, int] = {}
     us: dict[str, float] = {}
     if cuda:
+        spans = []
         for evt in prof.events():
             if evt.device_type == DeviceType.CUDA:
                 counts[evt.name] = counts.get(evt.name, 0) + 1
                 us[evt.name] = us.get(evt.name, 0.0) + evt.time_range.elapsed_us()
+                spans.append((float(evt.time_range.start), float(evt.time_range.end), evt.name))
+        if gaps is not None:
+            # NOTE: the idle time includes the gaps between the profiled steps (the host's own
+            # work between two runner.execute calls), as the wall time of a step does.
+            gaps.update(idle_gaps(spans, iters, 12))
     else:
         for avg in prof.key_averages():
             counts[avg.key], us[avg.key] = avg.count, avg.self_cpu_time_total
@@ -131,9 +162,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         runner = build_runner(write_model_dir(Path(tmp), model_cfg), args.pool_gib, (1,), device)
     base = prefill_rows(runner, args.tokens, args.rows, False, random.Random(0))
-    times = {"base": profile_steps(runner, base, args.iters, args.warmup),
-             "lora": profile_steps(runner, with_adapters(base), args.iters, args.warmup)}
-    figures: dict[str, Any] = {name: case_figures(t, args.iters, args.top) for name, t in times.items()}
+    gaps: dict[str, dict[str, Any]] = {"base": {}, "lora": {}}
+    times = {"base": profile_steps(runner, base, args.iters, args.warmup, gaps["base"]),
+             "lora": profile_steps(runner, with_adapters(base), args.iters, args.warmup, gaps["lora"])}
+    figures: dict[str, Any] = {name: case_figures(t, args.iters, args.top) | {"gpu_idle": gaps[name]}
+                               for name, t in times.items()}
     figures["lora_minus_base"] = difference(times["base"], times["lora"], args.iters, args.top)
     figures["bench_wall_s"] = time.time() - t0
     result["figures"] = figures
@@ -146,6 +179,13 @@ def main() -> None:
                 ", ".join(f"{k} {v:+.3f}" for k, v in d["by_lora_kernel_ms_per_step"].items()), d["other_ms_per_step"])
     for c in d["top_other_changes"][:5]:
         logger.info("  %+.3f ms  %s", c["diff_ms_per_step"], c["name"][:100])
+    for name in ("base", "lora"):
+        idle = figures[name]["gpu_idle"]
+        if idle:
+            logger.info("%s: GPU span %.3f ms per step, idle %.3f ms; most idle before: %s", name,
+                        idle["span_ms_per_step"], idle["idle_ms_per_step"],
+                        "; ".join(f"{g['after'][:40]} after {g['before'][:40]} {g['idle_ms_per_step']:.3f} ms"
+                                  for g in idle["top_idle"][:4]))
 
 
 if __name__ == "__main__":

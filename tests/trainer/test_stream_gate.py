@@ -136,15 +136,17 @@ def test_gated_worker_pauses_on_its_gpu_stream_and_computes_the_same_loss() -> N
     assert result
     got = result[0]
     assert got.loss_sum == pytest.approx(expected.loss_sum, rel=1e-4)
-    # the GPU stopped at the first boundary (the loss's, boundary L) until the gate opened
-    assert got.pause_layers == (num_layers,)
+    # the GPU stopped at the first boundary (the task's start, before any of its work) until the
+    # gate opened
+    assert got.pause_layers == (TASK_START,)
     assert got.pause_times[0] < opened
     assert got.paused_s >= 0.3
-    # the GPU stretches between boundaries: the loss's first, each at or after the previous
+    # the GPU stretches between boundaries: the set-up's from the start, then the loss's, each
+    # at or after the previous
     assert len(got.pause_lags_ms) == 1
     torch.cuda.synchronize()
     assert read_progress(spec.gate_flag) is None  # the GPU wrote "between tasks" at the end
-    assert got.spans and got.spans[0][:2] == (num_layers, 0)
+    assert got.spans and got.spans[0][:2] == (TASK_START, 0) and got.spans[1][:2] == (num_layers, 0)
     assert all(ms >= 0.0 for _, _, ms in got.spans)
 
 

@@ -1,0 +1,28 @@
+"""bench/profile_lora.py's idle-gap summary: where the GPU waited between activities."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).parents[2] / "bench"
+sys.path.insert(0, str(BENCH))  # profile_lora imports engine_speed and speed_common from its folder
+spec = importlib.util.spec_from_file_location("profile_lora", BENCH / "profile_lora.py")
+assert spec is not None and spec.loader is not None
+profile_lora = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(profile_lora)
+
+
+def test_idle_time_is_the_span_less_the_union_of_activities() -> None:
+    # a 0-10, b 12-20 with c 15-18 inside it (another stream), d 25-30: idle 2 µs before b, 5 before d
+    spans = [(25.0, 30.0, "d"), (0.0, 10.0, "a"), (12.0, 20.0, "b"), (15.0, 18.0, "c")]
+    got = profile_lora.idle_gaps(spans, iters=1, top=5)
+    assert got["span_ms_per_step"] == pytest.approx(0.030)
+    assert got["idle_ms_per_step"] == pytest.approx(0.007)
+    first = got["top_idle"][0]
+    assert (first["before"], first["after"], first["gaps"]) == ("b", "d", 1)
+    assert first["idle_ms_per_step"] == pytest.approx(0.005)
+    assert profile_lora.idle_gaps(spans, iters=2, top=5)["idle_ms_per_step"] == pytest.approx(0.0035)
