@@ -123,21 +123,29 @@ def pause_delays(windows: list[tuple[float, float]], observed: list[float],
     return out
 
 
-def span_summary(spans: list[tuple[int, int, float]], num_layers: int) -> dict[str, Any]:
-    """The GPU stretches between the trainer's boundaries (``TaskResult.spans``, GPU-side gate
-    only), by where they start: ``loss``, ``commit`` or ``layer#k`` (the k-th boundary of a
-    layer: 0 the attention recompute, then the MLP's pieces, the last the attention backward);
-    a pause that comes during a stretch waits for the rest of it."""
-    groups: dict[str, list[float]] = {}
-    for layer, ordinal, ms in spans:
-        kind = boundary_kind(layer, ordinal, num_layers)
-        groups.setdefault(kind, []).append(ms)
-    everything = [ms for _, _, ms in spans]
+def span_summary(spans: list[tuple[int, int, float, float]], num_layers: int) -> dict[str, Any]:
+    """The stretches between the trainer's boundaries (``TaskResult.spans``, GPU-side gate
+    only), by where they start: ``start``, ``loss``, ``commit`` or ``layer#k`` (the k-th boundary
+    of a layer: 0 the attention recompute, then the MLP's pieces, the last the attention
+    backward): their GPU time (what a pause that comes during a stretch waits for) and their CPU
+    time (``cpu_over_gpu``: the stretches whose queuing took longer than their GPU time, which left
+    the GPU dry — their kernels trickle out as the CPU queues them)."""
+    groups: dict[str, list[tuple[float, float]]] = {}
+    for layer, ordinal, ms, cpu_ms in spans:
+        groups.setdefault(boundary_kind(layer, ordinal, num_layers), []).append((ms, cpu_ms))
+    everything = [ms for _, _, ms, _ in spans]
+
+    def stats(pairs: list[tuple[float, float]]) -> dict[str, Any]:
+        gpu, cpu = [g for g, _ in pairs], [c for _, c in pairs]
+        return {"n": len(pairs), "p50_ms": percentile(gpu, 50), "p99_ms": percentile(gpu, 99), "max_ms": max(gpu),
+                "cpu_p50_ms": percentile(cpu, 50), "cpu_p99_ms": percentile(cpu, 99),
+                "cpu_over_gpu": sum(c > g for g, c in pairs)}
+
     return {
         "n": len(everything),
         "over_2ms": sum(ms > 2.0 for ms in everything),
-        "by_start": {k: {"n": len(v), "p50_ms": percentile(v, 50), "p99_ms": percentile(v, 99), "max_ms": max(v)}
-                     for k, v in sorted(groups.items())},
+        "cpu_over_gpu": sum(c > g for _, _, g, c in spans),
+        "by_start": {k: stats(v) for k, v in sorted(groups.items())},
     }
 
 

@@ -17,6 +17,7 @@
 #   lora           decode and LoRA overhead at context 2048 (issue 3)
 #   lora_nofork    the same with COSERVE_LORA_FORK=0 (no LoRA shrink on a side stream in the graphs)
 #   lora_split=N   the same with COSERVE_LORA_SPLIT_WAVES=N (prefill LoRA shrinks split-K to N waves)
+#   lora_tile=N    the same with COSERVE_LORA_SHRINK_TILE=N (rows per prefill shrink program; 32 default)
 #   lora_expand_first  the same with COSERVE_LORA_EXPAND_FIRST=1 (large eager steps: LoRA delta
 #                  stored first, the base GEMM accumulating onto it)
 #   lora_profile   bench/profile_lora.py (a 4,096-token prefill's GPU time by kernel, without and
@@ -97,6 +98,8 @@ job() {
     lora_split=*)  # COSERVE_LORA_SPLIT_WAVES=N: split-K LoRA shrinks in large steps too
       COSERVE_LORA_SPLIT_WAVES=${1#lora_split=} lora_bench "$1" "$top/engine_lora_split${1#lora_split=}" ;;
     lora_nofork) COSERVE_LORA_FORK=0 lora_bench lora_nofork "$top/engine_lora_nofork" ;;
+    lora_tile=*)  # COSERVE_LORA_SHRINK_TILE=N: the prefill shrink's rows per program
+      COSERVE_LORA_SHRINK_TILE=${1#lora_tile=} lora_bench "$1" "$top/engine_lora_tile${1#lora_tile=}" ;;
     lora_expand_first) COSERVE_LORA_EXPAND_FIRST=1 lora_bench lora_expand_first "$top/engine_lora_expand_first" ;;
     lora_profile)
       run lora_profile_off "$top/profile_lora_off.log" env COSERVE_LORA_EXPAND_FIRST=0 python3 bench/profile_lora.py \

@@ -38,13 +38,17 @@ def test_first_pause_per_window_and_split_by_boundary() -> None:
 def test_spans_grouped_by_where_they_start() -> None:
     # (layer, ordinal among that layer's boundaries, ms): two loss chunks, layer 1's attention
     # recompute and attention backward, layer 0's attention recompute, the commit
-    spans = [(2, 0, 1.0), (2, 1, 3.0), (1, 0, 0.5), (1, 3, 2.5), (0, 0, 0.7), (-1, 0, 0.1)]
+    # (and the CPU ms each took to queue: layer 1's attention recompute and the commit left the
+    # GPU dry)
+    spans = [(2, 0, 1.0, 0.2), (2, 1, 3.0, 0.4), (1, 0, 0.5, 4.0), (1, 3, 2.5, 0.3), (0, 0, 0.7, 0.1),
+             (-1, 0, 0.1, 2.0)]
     got = coserve_latency.span_summary(spans, num_layers=2)
-    assert got["n"] == 6 and got["over_2ms"] == 2
+    assert got["n"] == 6 and got["over_2ms"] == 2 and got["cpu_over_gpu"] == 2
     by = got["by_start"]
     assert set(by) == {"loss", "layer#0", "layer#3", "commit"}
     assert by["loss"]["n"] == 2 and by["loss"]["max_ms"] == pytest.approx(3.0)
     assert by["layer#0"]["n"] == 2 and by["layer#0"]["max_ms"] == pytest.approx(0.7)
+    assert by["layer#0"]["cpu_over_gpu"] == 1 and by["commit"]["cpu_p50_ms"] == pytest.approx(2.0)
 
 
 def test_delays_split_by_whether_the_gpu_had_run_dry() -> None:

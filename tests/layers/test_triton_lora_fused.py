@@ -326,3 +326,30 @@ def test_expand_first_only_in_large_steps(monkeypatch: pytest.MonkeyPatch) -> No
     assert sorted(i for i in order if i >= 0) == list(range(260))
     assert order[ctx.order.shape[0] :] == list(range(200, 257)) + [-1] * 7
     assert triton_lora.unrouted_order([3, 2, 4], [-1, 0, -1], 4) == [0, 1, 2, 5, 6, 7, 8, -1]
+
+
+@pytest.mark.parametrize("tile", [16, 32, 64])
+def test_prefill_shrink_tiles_equal_reference(tile: int, launches: Counter[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step of 64-row tiles runs its shrink in tiles of ``PREFILL_SHRINK_TILE`` rows (32 by
+    default: twice the programs), each inside one expand tile, so one slot's tokens: the
+    reference's result whatever the tile, still one launch each."""
+    monkeypatch.setattr(triton_lora, "PREFILL_SHRINK_TILE", tile)
+    out_slices = SLICES[3]
+    dtype = DTYPES[0]
+    lin = make_linear(out_slices, dtype, seed=7)
+    row_lens, row_slots = [70, 41, 66, 90, 33], [0, -1, 3, 1, 3]
+    batch = LoRABatch.from_rows(row_lens, row_slots, DEVICE)
+    t = sum(row_lens)
+    assert t > triton_lora.SMALL_STEP_TOKENS and triton_lora.shrink_block_m(64) == tile
+    x = torch.randn(t, D_IN, dtype=dtype, device=DEVICE)
+    scales = torch.rand(SLOTS, device=DEVICE) + 0.5
+    ctx = TritonLoRA.from_batch(batch, scales)
+    assert ctx.launch.block_m == 64
+    with torch.no_grad():
+        got = lin(x, ctx)
+    assert launches == {"_shrink_kernel": 1, "_expand_kernel": 1}
+    ref = F.linear(x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float())
+    base = ref.clone()
+    for name, off, a, b in slice_stacks(lin.lora_a_all.float(), lin.lora_b_all.float(), out_slices):
+        lora_segments_ref(ref[:, off : off + out_slices[name]], x.float(), a, b, scales, batch)
+    assert rel_err(got.float() - base, ref - base) < TOL[dtype]

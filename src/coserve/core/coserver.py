@@ -147,7 +147,7 @@ class CoServer:
         self.pause_window_at: list[tuple[int, int] | None] = []
         self.pause_observed: list[float] = []
         self.pause_observed_layers: list[int] = []  # the boundary of each (TaskResult.pause_layers)
-        self.trainer_spans: list[tuple[int, int, float]] = []  # TaskResult.spans of every task
+        self.trainer_spans: list[tuple[int, int, float, float]] = []  # TaskResult.spans of every task
         self.pause_observed_lags: list[float] = []  # TaskResult.pause_lags_ms (GPU-side gate only)
         # planned steps by (step kind: "inference" | "ft-only", outcome: "added" (FT rows added),
         # "task_full" (the task being filled was full) or why admission added none

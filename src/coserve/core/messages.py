@@ -54,12 +54,13 @@ class TaskResult:
     # waits on a lock, the scheduler or I/O
     cpu_s: float = 0.0
     # the boundary of each pause in pause_times: a layer index, L (the layer count) for the
-    # loss, -1 for the optimizer step's commit
+    # loss, -1 for the optimizer step's commit, -2 for the task's start
     pause_layers: tuple[int, ...] = ()
-    # with the GPU-side gate: the GPU time from passing each boundary to reaching the next, as
-    # (boundary layer, its ordinal among the boundaries of that layer, ms) — the stretch a pause
-    # that comes during it waits for (GPU idle time waiting for the CPU included)
-    spans: tuple[tuple[int, int, float], ...] = ()
+    # with the GPU-side gate: each stretch from passing a boundary to reaching the next, as
+    # (boundary layer, its ordinal among the boundaries of that layer, GPU ms, CPU ms) — the GPU
+    # time a pause that comes during it waits for (GPU idle time waiting for the CPU included),
+    # and the CPU's time queuing it (its sleeps and waits on the GPU excluded)
+    spans: tuple[tuple[int, int, float, float], ...] = ()
     # with the GPU-side gate, for each pause in pause_times: how far (ms) the GPU was behind the
     # CPU at that boundary; near 0, the GPU had run dry before the CPU reached it, so the time to
     # the pause was the trainer's CPU (task set-up, optimizer step), not kernels beside the engine's

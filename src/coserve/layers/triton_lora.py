@@ -155,9 +155,24 @@ EXPAND_FIRST = os.environ.get("COSERVE_LORA_EXPAND_FIRST", "0") == "1"
 it is measured on the GPU)."""
 
 
+PREFILL_SHRINK_TILE = int(os.environ.get("COSERVE_LORA_SHRINK_TILE", "32"))
+"""Rows per shrink program in steps of 64-row tiles (``COSERVE_LORA_SHRINK_TILE``; 64: the expand's
+tiles). A 4,096-token prefill has 68 tiles of 64 rows for 132 multiprocessors: each shrink program
+reads its rows' whole input alone, so half the SMs idle through a read-bound kernel; tiles of 32
+rows run 136 programs. Any 32-row tile of an order padded to 64 holds one slot's tokens."""
+
+
 def block_m_for(num_tokens: int) -> int:
     """Tile height: small tiles for decode-sized batches, larger ones for prefill."""
     return 16 if num_tokens <= SMALL_STEP_TOKENS else 64
+
+
+def shrink_block_m(block_m: int) -> int:
+    """The shrink's tile height in a step of ``block_m``-row tiles (:data:`PREFILL_SHRINK_TILE` for
+    64-row tiles; it divides ``block_m``, so every shrink tile lies inside one expand tile)."""
+    if block_m == 64 and PREFILL_SHRINK_TILE in (16, 32, 64):
+        return PREFILL_SHRINK_TILE
+    return block_m
 
 
 def graph_order_length(batch_size: int, num_slots: int) -> int:
@@ -292,10 +307,11 @@ def lora_shrink_fused(
         split_k //= 2
     k_per_split = -(-d_in // (split_k * block_k)) * block_k
     v = torch.empty(split_k, t_rows, r_pad, dtype=torch.float32, device=x.device)
-    jit(_shrink_kernel)[(launch.num_tiles, split_k)](
+    block_m = shrink_block_m(launch.block_m)
+    jit(_shrink_kernel)[(launch.num_tiles * (launch.block_m // block_m), split_k)](
         x, a_all, v, order, token_slots, order.shape[0],
         x.stride(0), a_all.stride(0), a_all.stride(1), v.stride(0), v.stride(1), d_in, k_per_split,
-        RANK=k_rank, R_PAD=r_pad, BLOCK_M=launch.block_m, BLOCK_K=block_k, num_warps=4,
+        RANK=k_rank, R_PAD=r_pad, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4,
     )
     return v
 

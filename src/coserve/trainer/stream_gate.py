@@ -166,6 +166,7 @@ class WaitMark(NamedTuple):
     ordinal: int  # among the boundaries of ``layer`` in the task (0: the first)
     record_gap_ms: float
     recorded_s: float
+    waited_ms: float = 0.0  # the CPU's sleep or wait on the GPU after queuing this wait
 
 
 class GatePause(NamedTuple):
@@ -206,7 +207,10 @@ def read_marks(anchor: torch.cuda.Event, marks: Sequence[WaitMark]
     return offsets, held, [m.layer for m in marks], [m.recorded_s for m in marks]
 
 
-def read_spans(marks: Sequence[WaitMark]) -> list[tuple[int, int, float]]:
-    """``(layer, ordinal, ms)`` of the GPU time from each wait's end to the next wait's start,
-    labelled by the boundary it starts at (every event must have completed)."""
-    return [(a.layer, a.ordinal, a.after.elapsed_time(b.before)) for a, b in zip(marks[:-1], marks[1:], strict=True)]
+def read_spans(marks: Sequence[WaitMark]) -> list[tuple[int, int, float, float]]:
+    """``(layer, ordinal, gpu ms, cpu ms)`` of each stretch between two waits, labelled by the
+    boundary it starts at: the GPU time from the first wait's end to the second's start, and the
+    CPU time between queuing the two, less the CPU's sleeps and waits on the GPU in between (every
+    event must have completed). A stretch whose CPU time exceeds its GPU time left the GPU dry."""
+    return [(a.layer, a.ordinal, a.after.elapsed_time(b.before), (b.recorded_s - a.recorded_s) * 1e3 - a.waited_ms)
+            for a, b in zip(marks[:-1], marks[1:], strict=True)]

@@ -175,7 +175,9 @@ class _Worker:
         self._layer_boundary(layer)
         grant = self.spec.grant
         if self._gate is not None and grant is not None and not grant.is_set():
+            began = time.perf_counter()
             grant.wait()
+            self._note_wait(time.perf_counter() - began)
 
     def _gated_boundary(self, layer: int) -> None:
         """Enqueue the gate's wait between two timed events; keep the CPU at most
@@ -207,7 +209,16 @@ class _Worker:
             if grant is not None:
                 grant.wait()
             self._marks[-1 - ahead].after.synchronize()
-            self._gpu_wait_s += time.perf_counter() - began
+            waited = time.perf_counter() - began
+            self._gpu_wait_s += waited
+            self._note_wait(waited)
+
+    def _note_wait(self, seconds: float) -> None:
+        """The CPU slept or waited on the GPU after queuing the last mark (not part of the next
+        stretch's CPU time)."""
+        if self._marks:
+            last = self._marks[-1]
+            self._marks[-1] = last._replace(waited_ms=last.waited_ms + seconds * 1e3)
 
     def _set_anchor(self) -> None:
         """A timed event on the idle stream, and the monotonic time it completed at."""
@@ -222,7 +233,7 @@ class _Worker:
         logger.warning("the trainer's GPU-side pause failed (%s): pausing on the CPU from now on", exc)
         self._gate = None
 
-    def _read_gate_pauses(self) -> tuple[list[tuple[int, int, float]], list[float]]:
+    def _read_gate_pauses(self) -> tuple[list[tuple[int, int, float, float]], list[float]]:
         """Add the pauses the gate's waits made in this task, from their events (after the last
         completed), as ``(monotonic time, layer)`` like the CPU path's; returns the task's
         :attr:`TaskResult.spans` and its pauses' ``pause_lags_ms``."""
