@@ -9,6 +9,7 @@
 # Jobs:
 #   gpu_tests      the GPU tests (kernels against their CPU references, backward, graphs)
 #   gate_tests     the trainer's GPU-side pause gate and process tests alone
+#   varlen_tests   the trainer's varlen recompute attention, SDPA's backends, the backward (GPU)
 #   verify         bench/verify_device.sh (GPU tests, backward alone, FT-only vs peft, LoRA overhead)
 #   ft512          FT-only vs the peft loops at 512-token sequences (issue 4)
 #   ftab           FT-only at 512, coserve alone, by trainer variant: default, no GPU-side pause gate
@@ -17,7 +18,7 @@
 #   lora           decode and LoRA overhead at context 2048 (issue 3)
 #   lora_nofork    the same with COSERVE_LORA_FORK=0 (no LoRA shrink on a side stream in the graphs)
 #   lora_split=N   the same with COSERVE_LORA_SPLIT_WAVES=N (prefill LoRA shrinks split-K to N waves)
-#   lora_tile=N    the same with COSERVE_LORA_SHRINK_TILE=N (rows per prefill shrink program; 32 default)
+#   lora_tile=N    the same with COSERVE_LORA_SHRINK_TILE=N (rows per prefill shrink program; 64 default)
 #   lora_expand_first  the same with COSERVE_LORA_EXPAND_FIRST=1 (large eager steps: LoRA delta
 #                  stored first, the base GEMM accumulating onto it)
 #   lora_profile   bench/profile_lora.py (a 4,096-token prefill's GPU time by kernel, without and
@@ -79,6 +80,9 @@ job() {
         tests/layers tests/trainer/test_backward.py tests/trainer/test_stream_gate.py tests/engine/test_cuda_graph.py \
         tests/engine/test_prefill_graphs.py tests/engine/test_stream_priority.py
       grep "^gpu_tests rc=" "$top/status.txt" | tail -n 1 | sed 's/gpu_tests/gpu tests/' >> "$top/verify/verify.txt" ;;
+    varlen_tests)
+      run varlen_tests "$top/verify/varlen_tests.txt" python3 -m pytest -q -p no:cacheprovider -p no:warnings \
+        tests/layers/test_varlen_attention.py tests/layers/test_sdpa.py tests/trainer/test_backward.py ;;
     gate_tests)
       run gate_tests "$top/verify/gate_tests.txt" python3 -m pytest -q -p no:cacheprovider -p no:warnings \
         tests/trainer/test_stream_gate.py tests/trainer/test_process.py ;;

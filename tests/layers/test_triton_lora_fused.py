@@ -330,8 +330,8 @@ def test_expand_first_only_in_large_steps(monkeypatch: pytest.MonkeyPatch) -> No
 
 @pytest.mark.parametrize("tile", [16, 32, 64])
 def test_prefill_shrink_tiles_equal_reference(tile: int, launches: Counter[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """A step of 64-row tiles runs its shrink in tiles of ``PREFILL_SHRINK_TILE`` rows (32 by
-    default: twice the programs), each inside one expand tile, so one slot's tokens: the
+    """A step of 64-row tiles runs its shrink in tiles of ``PREFILL_SHRINK_TILE`` rows
+    (``COSERVE_LORA_SHRINK_TILE``), each inside one expand tile, so one slot's tokens: the
     reference's result whatever the tile, still one launch each."""
     monkeypatch.setattr(triton_lora, "PREFILL_SHRINK_TILE", tile)
     out_slices = SLICES[3]

@@ -12,8 +12,12 @@ so that a block is contiguous across all layers; each layer works on the view ``
 
 from __future__ import annotations
 
+import functools
+import inspect
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -145,6 +149,8 @@ class TorchAttention:
         group = q.shape[1] // k.shape[1]
         lens, ctxs = meta.q_lens, meta.context_lens_list
         if kv_layer is None and not any(ctxs) and (sliding_window is None or max(lens) <= sliding_window):
+            if len(lens) > 1 and q.is_cuda and VARLEN:
+                return _varlen_rows(q, k, v, lens, meta.cu_seqlens_q, scale)
             return _plain_rows(q, k, v, lens, scale, group)
         out = torch.empty_like(q)
         start, r = 0, 0
@@ -185,6 +191,54 @@ class TorchAttention:
             out[start : start + n] = o.transpose(0, 1)
             start, r = start + n, r + 1
         return out
+
+
+@functools.cache
+def _varlen_attn() -> functools.partial[torch.Tensor] | None:
+    """torch's varlen flash attention (``torch.nn.attention.varlen.varlen_attn``, with autograd),
+    called causal (with GQA where it takes ``enable_gqa``), or None where this torch lacks it or
+    takes other arguments (its signature changed between releases)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    kwargs: dict[str, Any]
+    if "window_size" in params:
+        kwargs = {"window_size": (-1, 0)}
+    elif "is_causal" in params:
+        kwargs = {"is_causal": True}
+    else:
+        return None
+    if "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+    return functools.partial(cast(Callable[..., torch.Tensor], varlen_attn), **kwargs)
+
+
+VARLEN = os.environ.get("COSERVE_VARLEN_ATTN", "1") != "0"
+"""On CUDA, the trainer's recompute (rows with no cached prefix, in several lengths) runs its
+attention as one varlen flash call instead of one SDPA call per row length
+(``COSERVE_VARLEN_ATTN=0``: per row). Session 7 measured the per-row calls' CPU time above the
+attention's GPU time: the trainer's GPU ran dry there, waiting for its CPU."""
+
+
+def _varlen_rows(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], cu_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """:func:`_plain_rows` in one varlen flash call (CUDA; :data:`VARLEN`): causal within each
+    row, K/V heads shared by their query-head groups. Falls back to the per-row calls where this
+    torch has no usable varlen attention.
+
+    q: [T, H, D], k, v: [T, KVH, D], ``cu_seqlens``: [R+1] int32 row starts on q's device."""
+    attn = _varlen_attn()
+    group = q.shape[1] // k.shape[1]
+    if attn is None:
+        return _plain_rows(q, k, v, lens, scale, group)
+    n = max(lens)
+    if "enable_gqa" not in attn.keywords:
+        k, v = _repeat_heads(k, group), _repeat_heads(v, group)
+    out: torch.Tensor = attn(q, k, v, cu_seqlens, cu_seqlens, n, n, scale=scale)
+    return out
 
 
 def _plain_rows(

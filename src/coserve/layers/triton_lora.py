@@ -155,11 +155,12 @@ EXPAND_FIRST = os.environ.get("COSERVE_LORA_EXPAND_FIRST", "0") == "1"
 it is measured on the GPU)."""
 
 
-PREFILL_SHRINK_TILE = int(os.environ.get("COSERVE_LORA_SHRINK_TILE", "32"))
-"""Rows per shrink program in steps of 64-row tiles (``COSERVE_LORA_SHRINK_TILE``; 64: the expand's
-tiles). A 4,096-token prefill has 68 tiles of 64 rows for 132 multiprocessors: each shrink program
-reads its rows' whole input alone, so half the SMs idle through a read-bound kernel; tiles of 32
-rows run 136 programs. Any 32-row tile of an order padded to 64 holds one slot's tokens."""
+PREFILL_SHRINK_TILE = int(os.environ.get("COSERVE_LORA_SHRINK_TILE", "64"))
+"""Rows per shrink program in steps of 64-row tiles (``COSERVE_LORA_SHRINK_TILE``: 16, 32 or 64, the
+expand's tiles). A 4,096-token prefill has 68 tiles of 64 rows for 132 multiprocessors; tiles of
+32 rows run 136 programs (any 32-row tile of an order padded to 64 holds one slot's tokens). On
+the H200 that did not make the shrink faster (3.59 ms per 4k step against 3.5 ms, session 7's
+``profile_lora``): it stays at 64."""
 
 
 def block_m_for(num_tokens: int) -> int:
