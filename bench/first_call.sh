@@ -19,6 +19,8 @@
 #   lora_nofork    the same with COSERVE_LORA_FORK=0 (no LoRA shrink on a side stream in the graphs)
 #   lora_split=N   the same with COSERVE_LORA_SPLIT_WAVES=N (prefill LoRA shrinks split-K to N waves)
 #   lora_tile=N    the same with COSERVE_LORA_SHRINK_TILE=N (rows per prefill shrink program; 64 default)
+#   lora_mid       the LoRA overhead at 512/1,024/2,048-token prefills (co-serving's mixed-step sizes,
+#                  where the shrink splits K); lora_mid_loop: the same with COSERVE_LORA_EXPAND_LOOP=1
 #   lora_expand_first  the same with COSERVE_LORA_EXPAND_FIRST=1 (large eager steps: LoRA delta
 #                  stored first, the base GEMM accumulating onto it)
 #   lora_profile   bench/profile_lora.py (a 4,096-token prefill's GPU time by kernel, without and
@@ -62,9 +64,10 @@ trace() {  # trace SIDE
     --out "$top/trace_vs_hf_$1.json"
 }
 
-lora_bench() {  # lora_bench NAME PATH_STEM: decode and LoRA overhead at context 2048
-  run "$1" "$2.log" python3 bench/engine_speed.py --sections decode,lora --batches 1,16,64 --contexts 2048 \
-    --out "$2.json"
+lora_bench() {  # lora_bench NAME PATH_STEM [FLAGS...]: decode and LoRA overhead at context 2048
+  local name=$1 stem=$2; shift 2
+  run "$name" "$stem.log" python3 bench/engine_speed.py --sections decode,lora --batches 1,16,64 --contexts 2048 \
+    "$@" --out "$stem.json"
 }
 
 latency_bench() {  # latency_bench NAME PATH_STEM [FLAGS...]
@@ -102,6 +105,9 @@ job() {
     lora_split=*)  # COSERVE_LORA_SPLIT_WAVES=N: split-K LoRA shrinks in large steps too
       COSERVE_LORA_SPLIT_WAVES=${1#lora_split=} lora_bench "$1" "$top/engine_lora_split${1#lora_split=}" ;;
     lora_nofork) COSERVE_LORA_FORK=0 lora_bench lora_nofork "$top/engine_lora_nofork" ;;
+    lora_mid) lora_bench lora_mid "$top/engine_lora_mid" --lora-prefill 512,1024,2048 ;;
+    lora_mid_loop) COSERVE_LORA_EXPAND_LOOP=1 lora_bench lora_mid_loop "$top/engine_lora_mid_loop" \
+      --lora-prefill 512,1024,2048 ;;
     lora_tile=*)  # COSERVE_LORA_SHRINK_TILE=N: the prefill shrink's rows per program
       COSERVE_LORA_SHRINK_TILE=${1#lora_tile=} lora_bench "$1" "$top/engine_lora_tile${1#lora_tile=}" ;;
     lora_expand_first) COSERVE_LORA_EXPAND_FIRST=1 lora_bench lora_expand_first "$top/engine_lora_expand_first" ;;

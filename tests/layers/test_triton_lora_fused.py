@@ -52,18 +52,19 @@ class PerTarget:
         self.inner.apply(layer, target, x, y, a, b)
 
 
-def make_linear(out_slices: dict[str, int], dtype: torch.dtype, seed: int, bias: bool = True) -> LoRALinear:
+def make_linear(out_slices: dict[str, int], dtype: torch.dtype, seed: int, bias: bool = True,
+                d_in: int = D_IN) -> LoRALinear:
     """A fused linear with adapters of mixed ranks written through its per-slice stack views."""
     gen = torch.Generator().manual_seed(seed)
-    lin = LoRALinear(0, D_IN, out_slices, bias=bias, num_slots=SLOTS, max_rank=MAX_RANK, dtype=dtype)
+    lin = LoRALinear(0, d_in, out_slices, bias=bias, num_slots=SLOTS, max_rank=MAX_RANK, dtype=dtype)
     with torch.no_grad():
-        lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen) / D_IN**0.5)
+        lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen) / d_in**0.5)
         if lin.bias is not None:
             lin.bias.copy_(torch.randn(lin.bias.shape, generator=gen))
         for name in out_slices:
             a, b = lin.lora_stacks(name)
             for slot, r in ADAPTER_RANKS.items():
-                a[slot, :r].copy_(torch.randn(r, D_IN, generator=gen) / D_IN**0.5)
+                a[slot, :r].copy_(torch.randn(r, d_in, generator=gen) / d_in**0.5)
                 b[slot, :, :r].copy_(torch.randn(b.shape[1], r, generator=gen))
     return lin.to(DEVICE)
 
@@ -345,6 +346,33 @@ def test_prefill_shrink_tiles_equal_reference(tile: int, launches: Counter[str],
     scales = torch.rand(SLOTS, device=DEVICE) + 0.5
     ctx = TritonLoRA.from_batch(batch, scales)
     assert ctx.launch.block_m == 64
+    with torch.no_grad():
+        got = lin(x, ctx)
+    assert launches == {"_shrink_kernel": 1, "_expand_kernel": 1}
+    ref = F.linear(x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float())
+    base = ref.clone()
+    for name, off, a, b in slice_stacks(lin.lora_a_all.float(), lin.lora_b_all.float(), out_slices):
+        lora_segments_ref(ref[:, off : off + out_slices[name]], x.float(), a, b, scales, batch)
+    assert rel_err(got.float() - base, ref - base) < TOL[dtype]
+
+
+@pytest.mark.parametrize("loop", [False, True], ids=["one-load", "loop"])
+def test_split_partials_summed_either_way(loop: bool, launches: Counter[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step of 64-row tiles with its shrink split 4 ways (a 512-token step gets up to 8 on a large GPU):
+    the expand sums the partials in one load or one at a time (``COSERVE_LORA_EXPAND_LOOP``), the
+    reference's result either way."""
+    monkeypatch.setattr(triton_lora, "EXPAND_SPLIT_LOOP", loop)
+    out_slices = SLICES[2]
+    dtype = DTYPES[0]
+    d_in = 1024  # the shrink splits K only into slices of at least 256
+    lin = make_linear(out_slices, dtype, seed=11, d_in=d_in)
+    row_lens, row_slots = [150, 60, 90], [1, -1, 0]
+    batch = LoRABatch.from_rows(row_lens, row_slots, DEVICE)
+    x = torch.randn(sum(row_lens), d_in, dtype=dtype, device=DEVICE)
+    scales = torch.rand(SLOTS, device=DEVICE) + 0.5
+    ctx = TritonLoRA.from_batch(batch, scales)
+    ctx.launch = triton_lora.LoRALaunch.for_order(ctx.order.shape[0], 64, sms=1000)
+    assert ctx.launch.block_m == 64 and ctx.launch.max_split_k == 8
     with torch.no_grad():
         got = lin(x, ctx)
     assert launches == {"_shrink_kernel": 1, "_expand_kernel": 1}

@@ -81,7 +81,7 @@ def _expand_kernel(
     y_ptr, b_ptr, v_ptr, order_ptr, slot_ptr, scale_ptr, bias_ptr, n_order,
     s_yt, s_bs, s_bo, s_vk, s_vt, blk1, blk2, blk3, col1, col2, col3, col4,
     RANK: tl.constexpr, R_PAD: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_LOOP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -108,11 +108,19 @@ def _expand_kernel(
         offs_n = col_lo + (pid_n - blk_lo) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < col_hi
         mask_r = offs_r < RANK
-        # All split-K partials in one load (no chain of dependent loads), summed in registers.
-        v = tl.load(v_ptr + offs_k[:, None, None] * s_vk + tok[None, :, None] * s_vt
-                    + (i * RANK + offs_r)[None, None, :],
-                    mask=valid[None, :, None] & mask_r[None, None, :], other=0.0)
-        v = tl.sum(v, 0)
+        if SPLIT_LOOP:
+            # One partial at a time: a [SPLIT_K, BLOCK_M, R_PAD] fp32 load of 64-row tiles takes
+            # too many registers (EXPAND_SPLIT_LOOP).
+            v = tl.zeros([BLOCK_M, R_PAD], tl.float32)
+            for k in tl.static_range(SPLIT_K):
+                v += tl.load(v_ptr + k * s_vk + tok[:, None] * s_vt + (i * RANK + offs_r)[None, :],
+                             mask=valid[:, None] & mask_r[None, :], other=0.0)
+        else:
+            # All split-K partials in one load (no chain of dependent loads), summed in registers.
+            v = tl.load(v_ptr + offs_k[:, None, None] * s_vk + tok[None, :, None] * s_vt
+                        + (i * RANK + offs_r)[None, None, :],
+                        mask=valid[None, :, None] & mask_r[None, None, :], other=0.0)
+            v = tl.sum(v, 0)
         w_slot = tl.maximum(slot, 0)  # a tile without adapter (storing): any slot's B, times v = 0
         b = tl.load(b_ptr + w_slot * s_bs + offs_n[:, None] * s_bo + offs_r[None, :],
                     mask=mask_n[:, None] & mask_r[None, :], other=0.0)
@@ -161,6 +169,13 @@ expand's tiles). A 4,096-token prefill has 68 tiles of 64 rows for 132 multiproc
 32 rows run 136 programs (any 32-row tile of an order padded to 64 holds one slot's tokens). On
 the H200 that did not make the shrink faster (3.59 ms per 4k step against 3.5 ms, session 7's
 ``profile_lora``): it stays at 64."""
+
+
+EXPAND_SPLIT_LOOP = os.environ.get("COSERVE_LORA_EXPAND_LOOP", "0") == "1"
+"""In steps of 64-row tiles whose shrink was split (a 256–2,048-token step: up to 8 ways), the
+expand sums the split partials one load at a time instead of in one [split, 64, R_PAD] fp32 load
+(``COSERVE_LORA_EXPAND_LOOP=1``). Session 7 measured split-K at a 4k prefill +21.7% (4 ways) and
++41% (8 ways) slower, likely those loads' registers; the loop is not measured yet: off."""
 
 
 def block_m_for(num_tokens: int) -> int:
@@ -339,7 +354,8 @@ def lora_expand_fused(
         y, b_all, v, order, token_slots, scales, y if bias is None else bias, order.shape[0],
         y.stride(0), b_all.stride(0), b_all.stride(1), v.stride(0), v.stride(1), *bounds,
         RANK=rank, R_PAD=_pow2_at_least_16(rank), SPLIT_K=v.shape[0], BLOCK_M=launch.block_m,
-        BLOCK_N=block_n, ACCUMULATE=accumulate, HAS_BIAS=bias is not None, num_warps=4,
+        BLOCK_N=block_n, ACCUMULATE=accumulate, HAS_BIAS=bias is not None,
+        SPLIT_LOOP=EXPAND_SPLIT_LOOP and launch.block_m >= 64 and v.shape[0] > 1, num_warps=4,
     )
 
 
