@@ -69,6 +69,16 @@ def make_linear(out_slices: dict[str, int], dtype: torch.dtype, seed: int, bias:
     return lin.to(DEVICE)
 
 
+def fp32_reference(lin: LoRALinear, x: torch.Tensor, scales: torch.Tensor, batch: LoRABatch,
+                   out_slices: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(base, base + LoRA)`` of ``lin`` on ``x`` in fp32 (``F.linear`` and ``lora_segments_ref``)."""
+    ref = F.linear(x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float())
+    base = ref.clone()
+    for name, off, a, b in slice_stacks(lin.lora_a_all.float(), lin.lora_b_all.float(), out_slices):
+        lora_segments_ref(ref[:, off : off + out_slices[name]], x.float(), a, b, scales, batch)
+    return base, ref
+
+
 def make_batch(seed: int) -> tuple[LoRABatch, list[int], list[int]]:
     rng = random.Random(seed)
     row_lens = [rng.randint(1, 20) for _ in range(7)] + [1] * 6  # prefill chunks, then decodes
@@ -298,10 +308,7 @@ def test_expand_first_equals_reference(
         assert launches == {"_shrink_kernel": 1, "_expand_kernel": 1}
         old = F.linear(x, lin.weight, lin.bias)
         ctx.apply_fused(0, x, old, lin.lora_a_all, lin.lora_b_all, out_slices)
-    ref = F.linear(x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float())
-    base = ref.clone()
-    for name, off, a, b in slice_stacks(lin.lora_a_all.float(), lin.lora_b_all.float(), out_slices):
-        lora_segments_ref(ref[:, off : off + out_slices[name]], x.float(), a, b, scales, batch)
+    base, ref = fp32_reference(lin, x, scales, batch, out_slices)
     assert rel_err(got.float() - base, ref - base) < TOL[dtype]
     assert rel_err(got.float(), ref) < TOL[dtype]
     # Rows without an adapter (slot -1) and of the empty slot 2: the base output.
@@ -349,10 +356,7 @@ def test_prefill_shrink_tiles_equal_reference(tile: int, launches: Counter[str],
     with torch.no_grad():
         got = lin(x, ctx)
     assert launches == {"_shrink_kernel": 1, "_expand_kernel": 1}
-    ref = F.linear(x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float())
-    base = ref.clone()
-    for name, off, a, b in slice_stacks(lin.lora_a_all.float(), lin.lora_b_all.float(), out_slices):
-        lora_segments_ref(ref[:, off : off + out_slices[name]], x.float(), a, b, scales, batch)
+    base, ref = fp32_reference(lin, x, scales, batch, out_slices)
     assert rel_err(got.float() - base, ref - base) < TOL[dtype]
 
 
@@ -376,8 +380,5 @@ def test_split_partials_summed_either_way(loop: bool, launches: Counter[str], mo
     with torch.no_grad():
         got = lin(x, ctx)
     assert launches == {"_shrink_kernel": 1, "_expand_kernel": 1}
-    ref = F.linear(x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float())
-    base = ref.clone()
-    for name, off, a, b in slice_stacks(lin.lora_a_all.float(), lin.lora_b_all.float(), out_slices):
-        lora_segments_ref(ref[:, off : off + out_slices[name]], x.float(), a, b, scales, batch)
+    base, ref = fp32_reference(lin, x, scales, batch, out_slices)
     assert rel_err(got.float() - base, ref - base) < TOL[dtype]
