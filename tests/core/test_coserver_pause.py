@@ -101,6 +101,24 @@ def test_pause_windows_record_where_the_trainer_was() -> None:
     assert len(co.pause_windows) == 2 and co.pause_window_at == [(3, 1), None]
 
 
+def test_an_untimed_step_is_learned_from_when_the_host_dates_it() -> None:
+    """A step the host did not wait for (``timed`` False) teaches the latency model nothing at its
+    end; its real duration, handed over later, goes into the model and the step table (with
+    where the trainer was when it began)."""
+    co, trainer = coserver(model(0.01, (0.0, 0.0)))
+    co.track = True
+    trainer.progress = lambda: (2, 1)  # type: ignore[attr-defined]
+    co.plan(PREFILL)
+    untimed = StepRecord(view=PREFILL, ft_tokens=0, duration_s=0.004, trainer_busy=True, timed=False)
+    co.on_step_end(untimed)
+    assert co.step_log == [] and not trainer.paused
+    co.observe_late(untimed, 0.050)
+    assert len(co.step_log) == 1
+    key, _, _, measured, _, at = co.step_log[0]
+    assert key == "prefill/eager/busy" and measured == pytest.approx(0.050) and at == (2, 1)
+    co.drop_untimed()
+
+
 def priced(prefill_busy: tuple[float, float], prefill_safety: float = 1.0, decode_c: float = 0.01,
            busy: tuple[float, float] = (0.0, 0.0)) -> LatencyModel:
     """:func:`model`, with busy prefill-form steps slowed by ``prefill_busy`` = (ρ, δ) and a safety

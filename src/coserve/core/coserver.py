@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -161,6 +161,9 @@ class CoServer:
         self.step_log: list[tuple[str, tuple[float, ...], float, float, tuple[int, int],
                                   tuple[int, int] | None]] = []
         self._trainer_at: tuple[int, int] | None = None
+        # untimed steps (StepRecord.timed False) until the host dates them: id(record) -> where
+        # the trainer was when the step began
+        self._untimed: dict[int, tuple[int, int] | None] = {}
         # per backward task: (submitted, result received: time.monotonic; trainer-side seconds;
         # tokens; of the trainer's seconds: paused, waiting on the GPU; its thread's CPU seconds)
         # — where a co-serving run's fine-tuning time goes
@@ -334,6 +337,24 @@ class CoServer:
         if self.arrival_probe():
             raise Interrupted(f"inference work arrived {where}")
 
+    def observe_late(self, record: StepRecord, duration_s: float) -> None:
+        """The duration of a step whose record came untimed (``record.timed`` False): the latency
+        model learns from it now, and the step table gets it."""
+        at = self._untimed.pop(id(record), None)
+        self._observe(replace(record, duration_s=duration_s, timed=True), at)
+
+    def drop_untimed(self) -> None:
+        """The host will not date its untimed steps (it dropped them)."""
+        self._untimed.clear()
+
+    def _observe(self, record: StepRecord, trainer_at: tuple[int, int] | None) -> None:
+        predicted = self.latency.observe(record)
+        if self.track and predicted is not None:
+            features = StepFeatures.from_record(record)
+            key = features.key + ("/busy" if record.trainer_busy else "/idle")
+            self.step_log.append((key, features.vector(), predicted, record.duration_s,
+                                  (len(features.chunks), len(features.ft_lens)), trainer_at))
+
     def _bound_lookahead(self) -> None:
         """Keep the GPU at most one interruption point behind the CPU in an FT-only step, so that
         checking for arrivals there means something."""
@@ -353,12 +374,10 @@ class CoServer:
                 self.pause_window_at.append(self._trainer_at)
         self._layer_events.clear()
         if not record.interrupted:
-            predicted = self.latency.observe(record)
-            if self.track and predicted is not None:
-                features = StepFeatures.from_record(record)
-                key = features.key + ("/busy" if record.trainer_busy else "/idle")
-                self.step_log.append((key, features.vector(), predicted, record.duration_s,
-                                      (len(features.chunks), len(features.ft_lens)), self._trainer_at))
+            if record.timed:
+                self._observe(record, self._trainer_at)
+            else:
+                self._untimed[id(record)] = self._trainer_at
         rows, self._step_rows = self._step_rows, []
         if not rows:
             return

@@ -95,7 +95,10 @@ class StepRecord:
     """What a step was and how long it took (latency-model training data).
 
     ``ft_lens`` holds the token count of each FT row in ``ft_rows`` order (it sums to
-    ``ft_tokens``); ``trainer_busy`` says a backward task ran beside the step.
+    ``ft_tokens``); ``trainer_busy`` says a backward task ran beside the step. ``timed`` False:
+    the host returned before the step's GPU work ended, so ``duration_s`` is only its host time;
+    the host hands the real duration to :meth:`coserve.core.coserver.CoServer.observe_late` once
+    it knows it (:mod:`coserve.engine.step_clock`).
     """
 
     view: StepView
@@ -106,3 +109,4 @@ class StepRecord:
     ft_rows: tuple[int, ...] = field(default_factory=tuple)
     ft_lens: tuple[int, ...] = ()
     trainer_busy: bool = False
+    timed: bool = True

@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -23,6 +23,7 @@ from coserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutp
 from coserve.engine.sampling_params import SampledToken, SamplingParams
 from coserve.engine.scheduler import Scheduler, SchedulerOutput
 from coserve.engine.sequence import LoRARequest, Sequence
+from coserve.engine.step_clock import StepClock
 from coserve.engine.warmup import WarmupReport, warm_up
 from coserve.gc_freeze import freeze_startup_objects
 from coserve.layers.sampler import Sampler
@@ -117,6 +118,9 @@ class LLMEngine:
         # Time each step's forward on the GPU with CUDA events (StepStats.forward_gpu_s): off
         # unless a benchmark asks, so that serving steps create no events.
         self.time_forward_on_gpu = False
+        # With a co-server on CUDA: the real durations of the steps that sample nothing (the host
+        # does not wait for them), for the latency model
+        self.step_clock = StepClock()
         if config.runs_warmup:
             self.warm_up()
         freeze_startup_objects("engine")
@@ -278,6 +282,8 @@ class LLMEngine:
         except Interrupted:
             assert self.coserver is not None and view is not None and sched.is_empty
             self.last_step_kind = "ft-only-interrupted"
+            self.step_clock.drop()  # NOTE: an interrupted step's kernels cannot date the ones before
+            self.coserver.drop_untimed()
             self.coserver.on_step_end(StepRecord(view=view, ft_tokens=0, duration_s=time.perf_counter() - start,
                                                  interrupted=True, trainer_busy=busy))
             return []
@@ -300,11 +306,33 @@ class LLMEngine:
             else None,
         )
         if self.coserver is not None and view is not None:
-            self.coserver.on_step_end(StepRecord(
-                view=view, ft_tokens=stats.ft_tokens, duration_s=stats.duration_s, mode=stats.mode,
-                ft_rows=tuple(r.sample_id for r in ft_rows), ft_lens=ft_lens, trainer_busy=busy,
-            ))
+            self._report_step(view, stats, start, ft_rows, ft_lens, busy,
+                              waited=any(c.samples for c in sched.chunks))
         return outputs
+
+    def _report_step(self, view: StepView, stats: StepStats, start: float, ft_rows: list[FTRow],
+                     ft_lens: tuple[int, ...], busy: bool, waited: bool) -> None:
+        """Hand the co-server the step's record; on CUDA a step that sampled nothing (the host did
+        not wait for its kernels) goes untimed and gets its duration once a later step waits
+        (:class:`coserve.engine.step_clock.StepClock`)."""
+        assert self.coserver is not None
+        end = start + stats.duration_s
+        event = None
+        if self.runner.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        record = StepRecord(
+            view=view, ft_tokens=stats.ft_tokens, duration_s=stats.duration_s, mode=stats.mode,
+            ft_rows=tuple(r.sample_id for r in ft_rows), ft_lens=ft_lens, trainer_busy=busy,
+            timed=waited or event is None,
+        )
+        dated = self.step_clock.step(record, start, end, waited, event)
+        if not record.timed:
+            self.coserver.on_step_end(record)
+            return
+        for earlier, duration in dated[:-1]:
+            self.coserver.observe_late(earlier, duration)
+        self.coserver.on_step_end(replace(record, duration_s=dated[-1][1]))
 
     def _view(self, sched: SchedulerOutput, rows: list[BatchRow]) -> StepView:
         waiting = self.scheduler.waiting
