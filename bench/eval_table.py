@@ -19,6 +19,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from coserve.bench.result_file import read_result
+
 WORKLOADS = ("azure2023_code", "azure2023_conv", "burst-light", "burst-dense")
 ORDER = ("inference", "full", "full-overlap", "full-noint", "temporal", "naive", "split", "inference-last")
 
@@ -28,11 +30,11 @@ def load(*folders: Path) -> dict[str, dict[str, Any]]:
     found in several folders is taken from the first."""
     found: dict[str, Path] = {}
     for folder in folders:
-        for p in sorted(folder.glob("*/*.json")):
-            if p.stem == p.parent.name:
+        for p in sorted([*folder.glob("*/*.json"), *folder.glob("*/*.json.gz")]):
+            if p.name in (f"{p.parent.name}.json", f"{p.parent.name}.json.gz"):
                 found.setdefault(p.parent.name, p)
     names = [w for w in WORKLOADS if w in found] + sorted(set(found) - set(WORKLOADS))
-    return {w: json.loads(found[w].read_text()) for w in names}
+    return {w: read_result(found[w]) for w in names}
 
 
 def _rate(result: dict[str, Any]) -> str:

@@ -18,10 +18,12 @@ import re
 from pathlib import Path
 from typing import Any
 
+from coserve.bench.result_file import read_result
+
 
 def _load(path: Path) -> dict[str, Any] | None:
     try:
-        return json.loads(path.read_text())
+        return read_result(path)
     except (OSError, ValueError):
         return None
 

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from coserve.bench.provenance import provenance
+from coserve.bench.result_file import read_result
 from coserve.core.latency import error_summary
 from coserve.core.nnls import fit_relative
 from coserve.trainer.stream_gate import boundary_kind
@@ -144,7 +145,7 @@ def main() -> None:
         p.error("--train must be in (0, 1) and --floor-quantile in [0, 1]")
     report: dict[str, Any] = {}
     for path in args.results:
-        tables = step_tables(json.loads(Path(path).read_text()), args.config)
+        tables = step_tables(read_result(path), args.config)
         if not tables:
             p.error(f"{path}: no step table (a result of this commit's `coserve bench` or coserve_latency.py)")
         for name, rows in tables.items():

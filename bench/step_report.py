@@ -22,6 +22,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from coserve.bench.result_file import read_result
+
 WARMUP_TOKENS = (1, 16, 17, 1024, 2048)
 
 
@@ -93,7 +95,7 @@ def main() -> None:
     p.add_argument("results", nargs="+", help="`coserve bench` result JSON files")
     p.add_argument("--out", default=None, help="also write the report here (JSON)")
     args = p.parse_args()
-    full = {path: report(json.loads(Path(path).read_text())) for path in args.results}
+    full = {path: report(read_result(path)) for path in args.results}
     text = json.dumps(full, indent=1)
     if args.out:
         Path(args.out).write_text(text)
