@@ -32,6 +32,9 @@ from coserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
 
+MAX_UNTIMED_STEPS = 64
+"""Steps the engine leaves undated (:class:`StepClock`) before it waits for one."""
+
 
 class InvalidRequestError(ValueError):
     """A request the engine refuses; the message says what is wrong. The engine keeps running."""
@@ -321,6 +324,10 @@ class LLMEngine:
         if self.runner.device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
             event.record()
+            if not waited and self.step_clock.pending >= MAX_UNTIMED_STEPS:
+                # a long run of FT-only steps: wait for this one rather than keep every event
+                event.synchronize()
+                waited, end = True, time.perf_counter()
         record = StepRecord(
             view=view, ft_tokens=stats.ft_tokens, duration_s=stats.duration_s, mode=stats.mode,
             ft_rows=tuple(r.sample_id for r in ft_rows), ft_lens=ft_lens, trainer_busy=busy,

@@ -25,6 +25,8 @@ class TimedEvent(Protocol):
 
     def elapsed_time(self, end_event: Any) -> float: ...  # milliseconds
 
+    def synchronize(self) -> None: ...
+
 
 @dataclass
 class _Pending:
@@ -56,6 +58,10 @@ class StepClock:
         if not waited and event is not None:
             self._pending.append(_Pending(key, start_s, event))
             return []
+        if event is not None and self._pending:
+            # NOTE: recorded after the step's last kernels, it may not have been reached yet even
+            # though the host waited for them; elapsed_time needs it reached
+            event.synchronize()
         ends = [end_s]
         for later, earlier in zip([event, *[p.event for p in reversed(self._pending)]],
                                   reversed(self._pending), strict=False):
