@@ -2,7 +2,8 @@
 
 Reads the folder the call's archive unpacks to (``first/``) and prints, for each file it finds:
 the GPU tests' status, FT-only throughput against the peft loops (issue 4), the LoRA overhead
-without and with the shrink forked onto a side stream (issue 3), the decode and prefill grid against the hardware
+without and with the shrink forked onto a side stream and of every other LoRA job, with the LoRA
+profiles (issue 3), the decode and prefill grid against the hardware
 floors (issue 3), the trace replay against transformers (issue 3), the SLO machinery
 (issue 5), and eager steps' host and device time without and with the prefill graphs. Missing
 files are named, not fatal.
@@ -86,7 +87,25 @@ def trace_vs_hf(ours: dict[str, Any] | None, peer: dict[str, Any] | None) -> dic
 def slo_machinery(result: dict[str, Any]) -> dict[str, Any]:
     f = result["figures"]
     return {"latency_model_error": f["latency_model_error"], "trainer_pause": f["trainer_pause"],
-            "ft_only_interruption": f["ft_only_interruption"], "replay": f["replay"]}
+            "trainer_spans": f.get("trainer_spans"), "ft_only_interruption": f["ft_only_interruption"],
+            "replay": f["replay"]}
+
+
+def lora_variant(result: dict[str, Any]) -> dict[str, Any]:
+    """One LoRA job's overhead and, where the prefill was interleaved, its per-round ratios."""
+    f = result["figures"]
+    return {"lora_overhead": f.get("lora_overhead"),
+            "prefill_round_ratios": {str(r["tokens"]): {k: r[k] for k in ("ratio_median", "ratio_min", "ratio_max")}
+                                     for r in f.get("lora_prefill_ab", [])}}
+
+
+def lora_profile(result: dict[str, Any]) -> dict[str, Any]:
+    """bench/profile_lora.py: per step, base and LoRA GPU time, the LoRA kernels', the GPU's idle."""
+    f = result["figures"]
+    return {"base_ms": f["base"]["ms_per_step"], "lora_ms": f["lora"]["ms_per_step"],
+            "lora_kernels_ms": f["lora_minus_base"]["by_lora_kernel_ms_per_step"],
+            "idle_ms": {c: (f[c].get("gpu_idle") or {}).get("idle_ms_per_step") for c in ("base", "lora")},
+            "expand_first": result.get("config", {}).get("expand_first")}
 
 
 def eager_steps(off: dict[str, Any] | None, on: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -119,8 +138,16 @@ def report(folder: Path) -> dict[str, Any]:
     out["lora_overhead_nofork"] = nofork["figures"].get("lora_overhead") if nofork else None
     out["trace_vs_hf"] = trace_vs_hf(need(folder / "trace_vs_hf_coserve.json"),
                                      need(folder / "trace_vs_hf_transformers.json"))
+    # the other LoRA jobs (lora_split=N, lora_expand_first, lora_tile=N, lora_mid...), when run
+    out["lora_variants"] = {p.stem: lora_variant(r) for p in sorted(folder.glob("engine_lora_*.json"))
+                            if p.stem != "engine_lora_nofork" and (r := _load(p)) is not None}
+    out["lora_profile"] = {p.stem: lora_profile(r) for p in sorted(folder.glob("profile_lora_*.json"))
+                           if (r := _load(p)) is not None}
     slo = need(verify / "coserve_latency.json")
     out["slo_machinery"] = slo_machinery(slo) if slo else None
+    # latency=N jobs (another SM share)
+    out["slo_machinery_other"] = {p.stem: slo_machinery(r) for p in sorted(folder.glob("coserve_latency_*.json"))
+                                  if (r := _load(p)) is not None}
     out["eager_steps"] = eager_steps(need(folder / "eager_cpu_off.json"), need(folder / "eager_cpu_on.json"))
     return out
 

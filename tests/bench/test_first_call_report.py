@@ -51,3 +51,27 @@ def test_gpu_test_counts_ignore_assertion_lines(tmp_path: Path) -> None:
     assert got == {"rc": 1, "passed": 302, "failed": 1, "errors": 0, "skipped": 0}
     (tmp_path / "gpu_tests.txt").write_text("1 failed, 302 passed, 2 skipped in 60.12s\n")
     assert first_call_report.gpu_tests(tmp_path) == {"rc": 1, "passed": 302, "failed": 1, "errors": 0, "skipped": 2}
+
+
+def test_report_reads_the_lora_jobs_profiles_and_other_latency_runs(tmp_path: Path) -> None:
+    """Session 7's files laid out as its calls left them: LoRA variants, profiles, latency=100."""
+    verify = tmp_path / "verify"
+    verify.mkdir()
+    s7 = RESULTS / "engine_h200" / "session7"
+    shutil.copy(s7 / "engine_lora_ab_1accf8d.json", verify / "engine_lora.json")
+    shutil.copy(s7 / "engine_lora_ab_expand_first_1accf8d.json", tmp_path / "engine_lora_expand_first.json")
+    shutil.copy(s7 / "profile_lora_off_1accf8d.json", tmp_path / "profile_lora_off.json")
+    latency = RESULTS / "latency_h200" / "session7"
+    shutil.copy(latency / "coserve_latency_share50_8ca1c10.json", verify / "coserve_latency.json")
+    shutil.copy(latency / "coserve_latency_share100_2522fa0.json", tmp_path / "coserve_latency_share100.json")
+
+    got = first_call_report.report(tmp_path)
+    assert got["lora_overhead"]["prefill"]["4096"] == pytest.approx(0.120, abs=1e-3)
+    variant = got["lora_variants"]["engine_lora_expand_first"]
+    assert variant["prefill_round_ratios"]["4096"]["ratio_median"] == pytest.approx(1.153, abs=1e-3)
+    profile = got["lora_profile"]["profile_lora_off"]
+    assert profile["lora_kernels_ms"]["_expand_kernel"] == pytest.approx(7.33, abs=0.01)
+    assert profile["idle_ms"]["lora"] == pytest.approx(9.44, abs=0.01) and profile["expand_first"] is False
+    assert got["slo_machinery"]["trainer_spans"]["cpu_over_gpu"] > 0
+    other = got["slo_machinery_other"]["coserve_latency_share100"]
+    assert other["trainer_pause"]["delay_p99_ms"] == pytest.approx(7.64, abs=0.01)
