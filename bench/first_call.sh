@@ -19,6 +19,7 @@
 #   lora_nofork    the same with COSERVE_LORA_FORK=0 (no LoRA shrink on a side stream in the graphs)
 #   lora_split=N   the same with COSERVE_LORA_SPLIT_WAVES=N (prefill LoRA shrinks split-K to N waves)
 #   lora_tile=N    the same with COSERVE_LORA_SHRINK_TILE=N (rows per prefill shrink program; 64 default)
+#   lora_pinned    the lora job with COSERVE_PINNED_INPUTS=1 (step inputs through pinned memory, no wait)
 #   lora_mid       the LoRA overhead at 512/1,024/2,048-token prefills (co-serving's mixed-step sizes,
 #                  where the shrink splits K); lora_mid_loop: the same with COSERVE_LORA_EXPAND_LOOP=1
 #   lora_expand_first  the same with COSERVE_LORA_EXPAND_FIRST=1 (large eager steps: LoRA delta
@@ -81,7 +82,8 @@ job() {
     gpu_tests)
       run gpu_tests "$top/verify/gpu_tests.txt" python3 -m pytest -q -p no:cacheprovider -p no:warnings \
         tests/layers tests/trainer/test_backward.py tests/trainer/test_stream_gate.py tests/engine/test_cuda_graph.py \
-        tests/engine/test_prefill_graphs.py tests/engine/test_stream_priority.py
+        tests/engine/test_prefill_graphs.py tests/engine/test_stream_priority.py tests/engine/test_host_copy.py \
+        tests/engine/test_step_clock.py
       grep "^gpu_tests rc=" "$top/status.txt" | tail -n 1 | sed 's/gpu_tests/gpu tests/' >> "$top/verify/verify.txt" ;;
     varlen_tests)
       run varlen_tests "$top/verify/varlen_tests.txt" python3 -m pytest -q -p no:cacheprovider -p no:warnings \
@@ -106,6 +108,7 @@ job() {
       COSERVE_LORA_SPLIT_WAVES=${1#lora_split=} lora_bench "$1" "$top/engine_lora_split${1#lora_split=}" ;;
     lora_nofork) COSERVE_LORA_FORK=0 lora_bench lora_nofork "$top/engine_lora_nofork" ;;
     lora_mid) lora_bench lora_mid "$top/engine_lora_mid" --lora-prefill 512,1024,2048 ;;
+    lora_pinned) COSERVE_PINNED_INPUTS=1 lora_bench lora_pinned "$top/engine_lora_pinned" ;;
     lora_mid_loop) COSERVE_LORA_EXPAND_LOOP=1 lora_bench lora_mid_loop "$top/engine_lora_mid_loop" \
       --lora-prefill 512,1024,2048 ;;
     lora_tile=*)  # COSERVE_LORA_SHRINK_TILE=N: the prefill shrink's rows per program

@@ -14,6 +14,7 @@ import torch
 from coserve.engine.config import EngineConfig
 from coserve.engine.cuda_graph import DecodeGraphs
 from coserve.engine.prefill_graphs import PrefillGraphs
+from coserve.host_copy import device_tensor
 from coserve.layers.attention import AttentionMetadata, get_attention_backend
 from coserve.layers.lora import LoRABatch, LoRAContext, RowDropoutLoRA, get_lora_op
 from coserve.models.llama import ForwardContext, LayerHook, LlamaForCausalLM
@@ -153,11 +154,11 @@ class ModelRunner:
         slots = [-1 if r.dropout_key is not None else r.lora_slot for r in rows]
         lora = LoRABatch.from_rows([len(r.token_ids) for r in rows], slots, self.device)
         return BatchInputs(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-            positions=torch.tensor(pos, dtype=torch.long, device=self.device),
+            input_ids=device_tensor(ids, torch.long, self.device),
+            positions=device_tensor(pos, torch.long, self.device),
             attn=attn,
             lora=lora,
-            logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=self.device),
+            logits_indices=device_tensor(logits_idx, torch.long, self.device),
         )
 
     @torch.inference_mode()

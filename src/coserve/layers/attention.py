@@ -21,6 +21,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
+from coserve.host_copy import device_tensor
 from coserve.layers.sdpa import sdpa
 from coserve.layers.triton_attention import TritonAttention
 
@@ -77,16 +78,16 @@ class AttentionMetadata:
         padded = [t + [-1] * (width - len(t)) for t in block_tables]
         writers = [i for i, slot in enumerate(slots) if slot >= 0]
         return cls(
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(padded), width),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            cu_seqlens_q=device_tensor(cu, torch.int32, device),
+            context_lens=device_tensor(context_lens, torch.int32, device),
+            block_tables=device_tensor(padded, torch.int32, device).reshape(len(padded), width),
+            slot_mapping=device_tensor(slots, torch.int64, device),
             num_prefill_rows=num_prefill_rows,
             num_prefill_tokens=cu[num_prefill_rows],
             q_lens=list(q_lens),
             context_lens_list=list(context_lens),
             block_tables_list=[list(t) for t in block_tables],
-            write_index=torch.tensor(writers, dtype=torch.int64, device=device),
+            write_index=device_tensor(writers, torch.int64, device),
             num_kv_writes=len(writers),
         )
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from coserve.core.messages import row_dropout_key as row_dropout_key  # re-exported for the trainer
+from coserve.host_copy import to_device
 from coserve.layers.triton_lora import TritonLoRA, slice_stacks
 
 
@@ -49,7 +50,7 @@ class LoRABatch:
                 starts.append(starts[-1] + n)
         lengths = torch.tensor([b - a for a, b in zip(starts, starts[1:], strict=False)], dtype=torch.int64)
         tokens = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int64), lengths)
-        return cls(seg_starts=starts, seg_slots=slots, token_slots=tokens.to(device))
+        return cls(seg_starts=starts, seg_slots=slots, token_slots=to_device(tokens, device))
 
     @property
     def active(self) -> bool:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Self
 import torch
 import torch.nn.functional as F
 
+from coserve.host_copy import device_tensor
 from coserve.layers.triton_attention import jit, num_sms, varying
 
 if TYPE_CHECKING:
@@ -445,7 +446,7 @@ class TritonLoRA:
         launch = LoRALaunch.for_order(len(order), block_m, num_sms(device))
         first = EXPAND_FIRST and tokens > SMALL_STEP_TOKENS and len(order) > 0
         rest = unrouted_order(batch.seg_lens, batch.seg_slots, block_m) if first else []
-        routing = torch.tensor(order + rest, dtype=torch.int32).to(device)  # one copy for both
+        routing = device_tensor(order + rest, torch.int32, device)  # one copy for both
         store = None
         if first:
             store = StoreRouting(routing, replace(launch, num_tiles=len(routing) // block_m))
