@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from coserve.layers import attention
-from coserve.layers.attention import AttentionMetadata, TorchAttention, _plain_rows, _varlen_attn
+from coserve.layers.attention import (
+    AttentionMetadata,
+    TorchAttention,
+    _plain_rows,
+    _varlen_attn,
+    _varlen_fits,
+)
 from tests.conftest import rel_err
 
 CUDA = torch.cuda.is_available()
@@ -20,6 +26,14 @@ def test_varlen_attention_is_called_causal() -> None:
     if attn is None:
         pytest.skip("this torch has no usable torch.nn.attention.varlen")
     assert attn.keywords.get("window_size") == (-1, 0) or attn.keywords.get("is_causal") is True
+
+
+def test_only_half_precision_cuda_rows_take_the_varlen_call() -> None:
+    assert not _varlen_fits(torch.zeros(4, 2, 64, dtype=torch.bfloat16))  # CPU
+    if CUDA:
+        assert _varlen_fits(torch.zeros(4, 2, 128, dtype=torch.bfloat16, device="cuda"))
+        assert not _varlen_fits(torch.zeros(4, 2, 128, dtype=torch.float32, device="cuda"))
+        assert not _varlen_fits(torch.zeros(4, 2, 260, dtype=torch.float16, device="cuda"))
 
 
 @pytest.mark.skipif(not CUDA, reason="varlen flash attention runs on CUDA")

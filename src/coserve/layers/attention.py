@@ -150,7 +150,7 @@ class TorchAttention:
         group = q.shape[1] // k.shape[1]
         lens, ctxs = meta.q_lens, meta.context_lens_list
         if kv_layer is None and not any(ctxs) and (sliding_window is None or max(lens) <= sliding_window):
-            if len(lens) > 1 and q.is_cuda and VARLEN:
+            if len(lens) > 1 and _varlen_fits(q):
                 return _varlen_rows(q, k, v, lens, meta.cu_seqlens_q, scale)
             return _plain_rows(q, k, v, lens, scale, group)
         out = torch.empty_like(q)
@@ -221,6 +221,13 @@ VARLEN = os.environ.get("COSERVE_VARLEN_ATTN", "1") != "0"
 attention as one varlen flash call instead of one SDPA call per row length
 (``COSERVE_VARLEN_ATTN=0``: per row). Session 7 measured the per-row calls' CPU time above the
 attention's GPU time: the trainer's GPU ran dry there, waiting for its CPU."""
+
+
+def _varlen_fits(q: torch.Tensor) -> bool:
+    """Whether flash attention takes ``q`` (CUDA, half precision, a head size it has kernels for);
+    fp32 models and odd head sizes keep the per-row SDPA calls."""
+    return (VARLEN and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256)
 
 
 def _varlen_rows(
