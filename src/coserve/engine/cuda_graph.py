@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 LORA_FORK = os.environ.get("COSERVE_LORA_FORK", "1") == "1"
 """Captured decode steps with adapters run each LoRA shrink on a side stream, beside the base
-GEMM (:meth:`coserve.layers.triton_lora.TritonLoRA.forked_linear`). On by default: on the H200 it
+GEMM (:meth:`coserve.layers.triton_lora.ForkedTritonLoRA.whole_linear`). On by default: on the H200 it
 cut the LoRA overhead of decode steps at batch 1/16/64 from +29/24/16% to +13/14/8%
 (``bench/results/engine_h200/session6/``); ``COSERVE_LORA_FORK=0`` turns it off."""
 

@@ -321,7 +321,9 @@ class LLMEngine:
         assert self.coserver is not None
         end = start + stats.duration_s
         event = None
-        if self.runner.device.type == "cuda":
+        # NOTE: an event only where the clock needs one: to date this step later, or the untimed
+        # ones before it from this one; a decode step after decode steps records none
+        if self.runner.device.type == "cuda" and (not waited or self.step_clock.pending):
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             if not waited and self.step_clock.pending >= MAX_UNTIMED_STEPS:

@@ -227,21 +227,19 @@ def _varlen_fits(q: torch.Tensor) -> bool:
     """Whether flash attention takes ``q`` (CUDA, half precision, a head size it has kernels for);
     fp32 models and odd head sizes keep the per-row SDPA calls."""
     return (VARLEN and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256)
+            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256 and _varlen_attn() is not None)
 
 
 def _varlen_rows(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], cu_seqlens: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """:func:`_plain_rows` in one varlen flash call (CUDA; :data:`VARLEN`): causal within each
-    row, K/V heads shared by their query-head groups. Falls back to the per-row calls where this
-    torch has no usable varlen attention.
+    """:func:`_plain_rows` in one varlen flash call (where :func:`_varlen_fits`): causal within
+    each row, K/V heads shared by their query-head groups.
 
     q: [T, H, D], k, v: [T, KVH, D], ``cu_seqlens``: [R+1] int32 row starts on q's device."""
     attn = _varlen_attn()
+    assert attn is not None
     group = q.shape[1] // k.shape[1]
-    if attn is None:
-        return _plain_rows(q, k, v, lens, scale, group)
     n = max(lens)
     if "enable_gqa" not in attn.keywords:
         k, v = _repeat_heads(k, group), _repeat_heads(v, group)

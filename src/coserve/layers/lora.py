@@ -204,16 +204,12 @@ class LoRALinear(nn.Module):
             # The trainer's recompute: base and LoRA in one autograd node (TrainableLoRA.context).
             out: torch.Tensor = fused(self.layer, self.out_slices, x, self.weight, self.bias)
             return out
-        forked = getattr(lora, "forked_linear", None) if self.has_lora else None
-        if forked is not None:
-            # Captured decode graphs (ForkedTritonLoRA): the LoRA shrink beside the base GEMM.
-            out = forked(self.layer, x, self.weight, self.bias, self.lora_a_all, self.lora_b_all, self.out_slices)
-            return out
-        first = getattr(lora, "expand_first_linear", None) if self.has_lora else None
-        if first is not None:
-            # TritonLoRA: in large eager steps with COSERVE_LORA_EXPAND_FIRST, the LoRA delta first
-            # and the base GEMM accumulating onto it; otherwise the context runs the order below.
-            out = first(self.layer, x, self.weight, self.bias, self.lora_a_all, self.lora_b_all, self.out_slices)
+        whole = getattr(lora, "whole_linear", None) if self.has_lora else None
+        if whole is not None:
+            # A context that orders base GEMM and LoRA its own way: the shrink beside the GEMM in
+            # captured decode graphs (ForkedTritonLoRA), the LoRA delta first in large eager steps
+            # with COSERVE_LORA_EXPAND_FIRST (ExpandFirstTritonLoRA).
+            out = whole(self.layer, x, self.weight, self.bias, self.lora_a_all, self.lora_b_all, self.out_slices)
             return out
         y = F.linear(x, self.weight, self.bias)
         if lora is not None and self.has_lora:

@@ -9,7 +9,7 @@ each group starting at a multiple of ``BLOCK_M`` and padded with -1, so every ti
   ``SPLIT_K`` slices of ``in``, so one tile can still spread over many multiprocessors);
 - expand, grid (tiles, out / BLOCK_N): ``y[t] += (Σ_k v[k, t]) @ B[slot].T · scale[slot]``, or,
   not accumulating, ``y[t] = … (+ bias)``, with zeros (plus bias) in the tiles of tokens without
-  an adapter (the expand-first path of large eager steps, :meth:`TritonLoRA.expand_first_linear`).
+  an adapter (the expand-first path of large eager steps, :meth:`ExpandFirstTritonLoRA.whole_linear`).
 
 A fused linear's output slices (q/k/v, gate/up) share ``x``, so they share both launches
 (:func:`lora_shrink_expand_fused`): the shrink runs over the slices' stacked A rows
@@ -160,7 +160,7 @@ SMALL_STEP_TOKENS = 256
 
 EXPAND_FIRST = os.environ.get("COSERVE_LORA_EXPAND_FIRST", "0") == "1"
 """Eager steps of more than :data:`SMALL_STEP_TOKENS` tokens run each fused linear LoRA first
-(:meth:`TritonLoRA.expand_first_linear`); ``COSERVE_LORA_EXPAND_FIRST=1`` turns it on (off until
+(:meth:`ExpandFirstTritonLoRA.whole_linear`); ``COSERVE_LORA_EXPAND_FIRST=1`` turns it on (off until
 it is measured on the GPU)."""
 
 
@@ -313,7 +313,7 @@ def lora_shrink_fused(
     """The shrink half of :func:`lora_shrink_expand_fused`: fp32 partials ``v [split_k, T, R_PAD]``
     with ``Σ_k v[k, t, :k·r] = x[t] @ a_all[slot(t)].T`` (rows of ``x`` without an adapter are
     left unwritten; the expand never reads them). It reads only ``x`` and the A stacks, so it can
-    run beside the base linear that reads the same ``x`` (:meth:`TritonLoRA.forked_linear`)."""
+    run beside the base linear that reads the same ``x`` (:meth:`ForkedTritonLoRA.whole_linear`)."""
     t_rows, d_in = x.shape
     k_rank = a_all.shape[1]
     assert k_rank % rank == 0
@@ -404,7 +404,7 @@ def unrouted_order(row_lens: list[int], row_slots: list[int], block_m: int) -> l
 
 @dataclass(frozen=True)
 class StoreRouting:
-    """The routing of a storing expand (:meth:`TritonLoRA.expand_first_linear`): the step's
+    """The routing of a storing expand (:meth:`ExpandFirstTritonLoRA.whole_linear`): the step's
     ``order`` followed by :func:`unrouted_order`, so its tiles cover every token once."""
 
     order: torch.Tensor  # [N'] int32
@@ -422,7 +422,7 @@ class TritonLoRA:
     order: torch.Tensor  # [N] int32
     scales: torch.Tensor  # [S] fp32
     launch: LoRALaunch
-    # Set by from_batch for large steps with EXPAND_FIRST; None: expand_first_linear falls back.
+    # The routing of an ExpandFirstTritonLoRA (from_batch: large steps with EXPAND_FIRST); None otherwise.
     store: StoreRouting | None = field(default=None, kw_only=True)
 
     @classmethod
@@ -438,7 +438,7 @@ class TritonLoRA:
     @classmethod
     def from_batch(cls, batch: LoRABatch, scales: torch.Tensor) -> TritonLoRA:
         """The context of an eager step; with :data:`EXPAND_FIRST` and more than
-        :data:`SMALL_STEP_TOKENS` tokens, also the routing of :meth:`expand_first_linear`."""
+        :data:`SMALL_STEP_TOKENS` tokens, an :class:`ExpandFirstTritonLoRA` with its routing."""
         tokens = batch.seg_starts[-1]
         block_m = block_m_for(tokens)
         order = order_by_slot(batch.seg_lens, batch.seg_slots, block_m)
@@ -447,11 +447,11 @@ class TritonLoRA:
         first = EXPAND_FIRST and tokens > SMALL_STEP_TOKENS and len(order) > 0
         rest = unrouted_order(batch.seg_lens, batch.seg_slots, block_m) if first else []
         routing = device_tensor(order + rest, torch.int32, device)  # one copy for both
-        store = None
         if first:
             store = StoreRouting(routing, replace(launch, num_tiles=len(routing) // block_m))
-        return cls(token_slots=batch.token_slots, order=routing[: len(order)], scales=scales, launch=launch,
-                   store=store)
+            return ExpandFirstTritonLoRA(token_slots=batch.token_slots, order=routing[: len(order)], scales=scales,
+                                         launch=launch, store=store)
+        return cls(token_slots=batch.token_slots, order=routing, scales=scales, launch=launch)
 
     def apply(
         self, layer: int, target: str, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor
@@ -478,7 +478,30 @@ class TritonLoRA:
         for name, off, a, b in slice_stacks(a_all, b_all, out_slices):
             self.apply(layer, name, x, y[:, off : off + out_slices[name]], a, b)
 
-    def expand_first_linear(
+    def linear_then_lora(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        a_all: torch.Tensor,
+        b_all: torch.Tensor,
+        out_slices: dict[str, int],
+    ) -> torch.Tensor:
+        """``F.linear(x, weight, bias)``, then :meth:`apply_fused` on it: the usual order, which the
+        subclasses' :meth:`whole_linear` fall back to where their own order does not apply."""
+        y = F.linear(x, weight, bias)
+        self.apply_fused(layer, x, y, a_all, b_all, out_slices)
+        return y
+
+
+@dataclass
+class ExpandFirstTritonLoRA(TritonLoRA):
+    """:class:`TritonLoRA` of a large eager step routed for :data:`EXPAND_FIRST` (built by
+    :meth:`TritonLoRA.from_batch`): :class:`coserve.layers.lora.LoRALinear` calls
+    :meth:`whole_linear` instead of its own GEMM and :meth:`apply_fused`."""
+
+    def whole_linear(
         self,
         layer: int,
         x: torch.Tensor,
@@ -489,7 +512,7 @@ class TritonLoRA:
         out_slices: dict[str, int],
     ) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` plus :meth:`apply_fused`, the same result, LoRA first
-        when the step was routed for it (:attr:`store`): the shrink, then an expand that stores
+        (with the step's routing, :attr:`store`): the shrink, then an expand that stores
         ``y[t] = Δ[t] + bias`` into a fresh output (``bias`` alone on the rows without adapter),
         then ``y.addmm_(x, weight.T)``, whose GEMM reads ``y`` in its epilogue. The usual order
         writes ``y`` in the GEMM and then reads and rewrites it in the expand; this one saves a
@@ -503,9 +526,7 @@ class TritonLoRA:
         """
         store = self.store
         if store is None or not FUSED_SLICES or len(out_slices) > MAX_FUSED_TARGETS:
-            y = F.linear(x, weight, bias)
-            self.apply_fused(layer, x, y, a_all, b_all, out_slices)
-            return y
+            return self.linear_then_lora(layer, x, weight, bias, a_all, b_all, out_slices)
         sizes = list(out_slices.values())
         y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
         _check_slices(y, x, a_all, b_all, sizes)
@@ -520,12 +541,12 @@ class ForkedTritonLoRA(TritonLoRA):
     """:class:`TritonLoRA` for captured decode graphs whose fused linears run their LoRA shrink
     on ``side_stream``, beside the base GEMM (a fork and a join inside the graph): at decode a
     LoRA launch costs a few microseconds however little it computes, so this hides the shrink's
-    half of them. :class:`coserve.layers.lora.LoRALinear` calls :meth:`forked_linear` instead of
+    half of them. :class:`coserve.layers.lora.LoRALinear` calls :meth:`whole_linear` instead of
     its own GEMM and :meth:`apply_fused`."""
 
     side_stream: torch.cuda.Stream
 
-    def forked_linear(
+    def whole_linear(
         self,
         layer: int,
         x: torch.Tensor,
@@ -544,9 +565,7 @@ class ForkedTritonLoRA(TritonLoRA):
         reuses any memory, so no ``record_stream`` is needed.
         """
         if not FUSED_SLICES or len(out_slices) > MAX_FUSED_TARGETS or self.order.shape[0] == 0:
-            y = F.linear(x, weight, bias)  # no single shrink to fork
-            self.apply_fused(layer, x, y, a_all, b_all, out_slices)
-            return y
+            return self.linear_then_lora(layer, x, weight, bias, a_all, b_all, out_slices)  # no single shrink to fork
         main, side = torch.cuda.current_stream(x.device), self.side_stream
         side.wait_stream(main)
         with torch.cuda.stream(side):
