@@ -50,7 +50,8 @@ def _device() -> dict[str, Any]:
 def provenance(argv: list[str] | None = None) -> dict[str, Any]:
     """``commit`` (``git``, or ``COSERVE_COMMIT`` / ``COSERVE_DIRTY`` where the tree has no
     ``.git``), ``dirty``, ``device``, ``versions`` and ``command`` (``argv``, default
-    ``sys.argv``, behind the interpreter)."""
+    ``sys.argv``, behind the interpreter, after the ``COSERVE_*`` switches set in the
+    environment: the A/B runs differ only there)."""
     # NOTE: the variables win over git: a copied tree (the device machine) may carry a .git whose
     # status differs from the checkout it was copied from.
     commit = os.environ.get("COSERVE_COMMIT") or _git("rev-parse", "HEAD") or "unknown"
@@ -76,6 +77,12 @@ def provenance(argv: list[str] | None = None) -> dict[str, Any]:
             "python": sys.version.split()[0],
         },
         "command": " ".join(
-            shlex.quote(a) for a in [sys.executable, *(sys.argv if argv is None else argv)]
+            [*_switches(), *(shlex.quote(a) for a in [sys.executable, *(sys.argv if argv is None else argv)])]
         ),
     }
+
+
+def _switches() -> list[str]:
+    """``NAME=value`` of every ``COSERVE_*`` variable set, except the provenance's own."""
+    return [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
+            if k.startswith("COSERVE_") and k not in ("COSERVE_COMMIT", "COSERVE_DIRTY")]
