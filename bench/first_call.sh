@@ -21,7 +21,10 @@
 #   lora_tile=N    the same with COSERVE_LORA_SHRINK_TILE=N (rows per prefill shrink program; 64 default)
 #   lora_pinned    the lora job with COSERVE_PINNED_INPUTS=1 (step inputs through pinned memory, no wait)
 #   lora_mid       the LoRA overhead at 512/1,024/2,048-token prefills (co-serving's mixed-step sizes,
-#                  where the shrink splits K); lora_mid_loop: the same with COSERVE_LORA_EXPAND_LOOP=1
+#                  where the shrink splits K)
+#   lora_waves=N   the lora job with COSERVE_LORA_EXPAND_WAVES=N (0: one column block per expand program)
+#   lora_kernels   bench/lora_kernels.py: the LoRA kernels alone at the 8B linears, by launch setting,
+#                  beside .baseline/triton_lora.py when it is there (carry .baseline)
 #   lora_expand_first  the same with COSERVE_LORA_EXPAND_FIRST=1 (large eager steps: LoRA delta
 #                  stored first, the base GEMM accumulating onto it)
 #   lora_profile   bench/profile_lora.py (a 4,096-token prefill's GPU time by kernel, without and
@@ -109,8 +112,12 @@ job() {
     lora_nofork) COSERVE_LORA_FORK=0 lora_bench lora_nofork "$top/engine_lora_nofork" ;;
     lora_mid) lora_bench lora_mid "$top/engine_lora_mid" --lora-prefill 512,1024,2048 ;;
     lora_pinned) COSERVE_PINNED_INPUTS=1 lora_bench lora_pinned "$top/engine_lora_pinned" ;;
-    lora_mid_loop) COSERVE_LORA_EXPAND_LOOP=1 lora_bench lora_mid_loop "$top/engine_lora_mid_loop" \
-      --lora-prefill 512,1024,2048 ;;
+    lora_waves=*)  # COSERVE_LORA_EXPAND_WAVES=N: expand programs per SM aimed for
+      COSERVE_LORA_EXPAND_WAVES=${1#lora_waves=} lora_bench "$1" "$top/engine_lora_waves${1#lora_waves=}" ;;
+    lora_kernels)
+      baseline=(); [[ -f .baseline/triton_lora.py ]] && baseline=(--baseline .baseline/triton_lora.py)
+      run lora_kernels "$top/lora_kernels.log" python3 bench/lora_kernels.py "${baseline[@]}" \
+        --out "$top/lora_kernels.json" ;;
     lora_tile=*)  # COSERVE_LORA_SHRINK_TILE=N: the prefill shrink's rows per program
       COSERVE_LORA_SHRINK_TILE=${1#lora_tile=} lora_bench "$1" "$top/engine_lora_tile${1#lora_tile=}" ;;
     lora_expand_first) COSERVE_LORA_EXPAND_FIRST=1 lora_bench lora_expand_first "$top/engine_lora_expand_first" ;;

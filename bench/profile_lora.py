@@ -30,7 +30,7 @@ import torch
 from engine_speed import NUM_ADAPTERS, RANK, build_runner, prefill_rows, with_adapters
 from speed_common import LLAMA3_8B, TINY, provenance, sync, write_model_dir
 from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from coserve.engine.model_runner import BatchRow, ModelRunner
 from coserve.layers import triton_lora
@@ -70,6 +70,49 @@ def idle_gaps(spans: list[tuple[float, float, str]], iters: int, top: int) -> di
                           "max_ms": max(g) / 1e3} for (a, b), g in ranked[:top]]}
 
 
+def host_in_gaps(gpu: list[tuple[float, float, str]], host: list[tuple[float, float, str]],
+                 top: int) -> list[dict[str, Any]]:
+    """The ``top`` longest GPU idle gaps and what the host ran meanwhile: per gap, its length, the
+    GPU activities on either side, and the host ops (``(start µs, end µs, name)``, every profiled
+    CPU op and ``record_function`` range) by the time they overlap it, longest first."""
+    gpu = sorted(gpu)
+    found: list[tuple[float, float, str, str]] = []
+    end, before = (gpu[0][1], gpu[0][2]) if gpu else (0.0, "")
+    for start, stop, name in gpu[1:]:
+        if start > end:
+            found.append((end, start, before, name))
+        if stop > end:
+            end, before = stop, name
+    out = []
+    for lo, hi, before, after in sorted(found, key=lambda g: g[0] - g[1])[:top]:
+        overlap: dict[str, float] = {}
+        for h_lo, h_hi, name in host:
+            us = min(hi, h_hi) - max(lo, h_lo)
+            if us > 0:
+                overlap[name] = overlap.get(name, 0.0) + us
+        ranked = sorted(overlap.items(), key=lambda kv: -kv[1])[:12]
+        out.append({"gap_ms": (hi - lo) / 1e3, "before": before[:60], "after": after[:60],
+                    "host_ms": [{"op": n[:80], "ms": us / 1e3} for n, us in ranked]})
+    return out
+
+
+PHASES = ("prepare", "lora_op")
+"""The runner's methods :func:`label_phases` names in the profile, beside its ``execute``."""
+
+
+def label_phases(runner: ModelRunner) -> None:
+    """Wrap the runner's step phases in ``record_function`` ranges (``runner.<phase>``), so the
+    host side of the idle gaps names them (this script only; the runner itself adds none)."""
+    for phase in ("execute", *PHASES):
+        real = getattr(runner, phase)
+
+        def labeled(*args: Any, _real: Any = real, _name: str = f"runner.{phase}", **kwargs: Any) -> Any:
+            with record_function(_name):
+                return _real(*args, **kwargs)
+
+        setattr(runner, phase, labeled)
+
+
 def profile_steps(runner: ModelRunner, batch: list[BatchRow], iters: int, warmup: int,
                   gaps: dict[str, Any] | None = None) -> dict[str, KernelTime]:
     """``runner.execute(batch)`` ``warmup`` times, then ``iters`` times under the profiler: the GPU
@@ -87,16 +130,20 @@ def profile_steps(runner: ModelRunner, batch: list[BatchRow], iters: int, warmup
     counts: dict[str, int] = {}
     us: dict[str, float] = {}
     if cuda:
-        spans = []
+        spans, host = [], []
         for evt in prof.events():
+            span = (float(evt.time_range.start), float(evt.time_range.end), evt.name)
             if evt.device_type == DeviceType.CUDA:
                 counts[evt.name] = counts.get(evt.name, 0) + 1
                 us[evt.name] = us.get(evt.name, 0.0) + evt.time_range.elapsed_us()
-                spans.append((float(evt.time_range.start), float(evt.time_range.end), evt.name))
+                spans.append(span)
+            else:
+                host.append(span)
         if gaps is not None:
             # NOTE: the idle time includes the gaps between the profiled steps (the host's own
             # work between two runner.execute calls), as the wall time of a step does.
             gaps.update(idle_gaps(spans, iters, 12))
+            gaps["longest"] = host_in_gaps(spans, host, 6)
     else:
         for avg in prof.key_averages():
             counts[avg.key], us[avg.key] = avg.count, avg.self_cpu_time_total
@@ -161,6 +208,7 @@ def main() -> None:
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         runner = build_runner(write_model_dir(Path(tmp), model_cfg), args.pool_gib, (1,), device)
+    label_phases(runner)
     base = prefill_rows(runner, args.tokens, args.rows, False, random.Random(0))
     gaps: dict[str, dict[str, Any]] = {"base": {}, "lora": {}}
     times = {"base": profile_steps(runner, base, args.iters, args.warmup, gaps["base"]),
@@ -186,6 +234,9 @@ def main() -> None:
                         idle["span_ms_per_step"], idle["idle_ms_per_step"],
                         "; ".join(f"{g['after'][:40]} after {g['before'][:40]} {g['idle_ms_per_step']:.3f} ms"
                                   for g in idle["top_idle"][:4]))
+            for g in idle["longest"][:3]:
+                logger.info("  gap %.3f ms (%s -> %s), host: %s", g["gap_ms"], g["before"][:30], g["after"][:30],
+                            "; ".join(f"{h['op'][:50]} {h['ms']:.3f}" for h in g["host_ms"][:6]))
 
 
 if __name__ == "__main__":

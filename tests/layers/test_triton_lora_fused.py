@@ -31,7 +31,8 @@ from coserve.layers.lora import (  # noqa: E402
     StackedLoRA,
     lora_segments_ref,
 )
-from coserve.layers.triton_lora import TritonLoRA, slice_stacks  # noqa: E402
+from coserve.layers.triton_attention import num_sms  # noqa: E402
+from coserve.layers.triton_lora import TritonLoRA, _column_blocks, slice_stacks  # noqa: E402
 from tests.conftest import greedy_with_logprobs, make_peft_adapter  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -360,12 +361,12 @@ def test_prefill_shrink_tiles_equal_reference(tile: int, launches: Counter[str],
     assert rel_err(got.float() - base, ref - base) < TOL[dtype]
 
 
-@pytest.mark.parametrize("loop", [False, True], ids=["one-load", "loop"])
-def test_split_partials_summed_either_way(loop: bool, launches: Counter[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """A step of 64-row tiles with its shrink split 4 ways (a 512-token step gets up to 8 on a large GPU):
-    the expand sums the partials in one load or one at a time (``COSERVE_LORA_EXPAND_LOOP``), the
-    reference's result either way."""
-    monkeypatch.setattr(triton_lora, "EXPAND_SPLIT_LOOP", loop)
+@pytest.mark.parametrize("waves", [0, 1, 2], ids=["block-per-program", "all-blocks", "groups"])
+def test_split_partials_and_column_groups(waves: int, launches: Counter[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step of 64-row tiles with its shrink split 8 ways (a 512-token step gets up to 8 on a large
+    GPU): the expand sums the partials once per program, whether a program walks one column block,
+    a group of them, or all (``COSERVE_LORA_EXPAND_WAVES``), the reference's result every way."""
+    monkeypatch.setattr(triton_lora, "EXPAND_WAVES", waves)
     out_slices = SLICES[2]
     dtype = DTYPES[0]
     d_in = 1024  # the shrink splits K only into slices of at least 256
@@ -377,6 +378,10 @@ def test_split_partials_summed_either_way(loop: bool, launches: Counter[str], mo
     ctx = TritonLoRA.from_batch(batch, scales)
     ctx.launch = triton_lora.LoRALaunch.for_order(ctx.order.shape[0], 64, sms=1000)
     assert ctx.launch.block_m == 64 and ctx.launch.max_split_k == 8
+    n_blocks = _column_blocks(list(out_slices.values()))[1]
+    per_program = triton_lora.expand_blocks_per_program(ctx.launch.num_tiles, n_blocks, num_sms(x.device))
+    assert per_program == {0: 1, 1: n_blocks}.get(waves, per_program)
+    assert waves != 2 or 1 < per_program < n_blocks
     with torch.no_grad():
         got = lin(x, ctx)
     assert launches == {"_shrink_kernel": 1, "_expand_kernel": 1}

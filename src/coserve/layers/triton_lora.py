@@ -7,9 +7,11 @@ each group starting at a multiple of ``BLOCK_M`` and padded with -1, so every ti
 
 - shrink, grid (tiles, SPLIT_K): ``v[k, t] = x[t, K_k] @ A[slot][:, K_k].T`` (fp32 partials over
   ``SPLIT_K`` slices of ``in``, so one tile can still spread over many multiprocessors);
-- expand, grid (tiles, out / BLOCK_N): ``y[t] += (Σ_k v[k, t]) @ B[slot].T · scale[slot]``, or,
-  not accumulating, ``y[t] = … (+ bias)``, with zeros (plus bias) in the tiles of tokens without
-  an adapter (the expand-first path of large eager steps, :meth:`ExpandFirstTritonLoRA.whole_linear`).
+- expand, grid (tiles, groups of column blocks): ``y[t] += (Σ_k v[k, t]) @ B[slot].T · scale[slot]``,
+  or, not accumulating, ``y[t] = … (+ bias)``, with zeros (plus bias) in the tiles of tokens
+  without an adapter (the expand-first path of large eager steps,
+  :meth:`ExpandFirstTritonLoRA.whole_linear`). Each program sums its tile's partials once and
+  walks a group of ``BLOCK_N``-column blocks (:func:`expand_blocks_per_program`).
 
 A fused linear's output slices (q/k/v, gate/up) share ``x``, so they share both launches
 (:func:`lora_shrink_expand_fused`): the shrink runs over the slices' stacked A rows
@@ -79,13 +81,13 @@ def _shrink_kernel(
 
 @varying("n_order")
 def _expand_kernel(
-    y_ptr, b_ptr, v_ptr, order_ptr, slot_ptr, scale_ptr, bias_ptr, n_order,
+    y_ptr, b_ptr, v_ptr, order_ptr, slot_ptr, scale_ptr, bias_ptr, n_order, n_blocks, blocks_per_program,
     s_yt, s_bs, s_bo, s_vk, s_vt, blk1, blk2, blk3, col1, col2, col3, col4,
-    RANK: tl.constexpr, R_PAD: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_LOOP: tl.constexpr,
+    RANK: tl.constexpr, K_RANK: tl.constexpr, R_PAD: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_g = tl.program_id(1)
     offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     tok = tl.load(order_ptr + offs_m, mask=offs_m < n_order, other=-1).to(tl.int64)
     slots = tl.load(slot_ptr + tl.maximum(tok, 0), mask=tok >= 0, other=-1)
@@ -97,46 +99,40 @@ def _expand_kernel(
         # the output was never initialized.
         run = tl.max(tok, 0) >= 0
     if run:
-        # This column block's target i: target i owns the output columns [col_i, col_i+1)
-        # (col_0 = 0), tiled by the column blocks [blk_i, blk_i+1) (blk_0 = 0), and the ranks
-        # [i·RANK, (i+1)·RANK) of v.
-        i = (pid_n >= blk1).to(tl.int32) + (pid_n >= blk2).to(tl.int32) + (pid_n >= blk3).to(tl.int32)
-        blk_lo = tl.where(i == 0, 0, tl.where(i == 1, blk1, tl.where(i == 2, blk2, blk3)))
-        col_lo = tl.where(i == 0, 0, tl.where(i == 1, col1, tl.where(i == 2, col2, col3)))
-        col_hi = tl.where(i == 0, col1, tl.where(i == 1, col2, tl.where(i == 2, col3, col4)))
+        # The tile's v, all K_RANK ranks of every slice, split-K partials summed: read once for
+        # all of the program's column blocks.
         offs_r = tl.arange(0, R_PAD)
-        offs_k = tl.arange(0, SPLIT_K)
-        offs_n = col_lo + (pid_n - blk_lo) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < col_hi
-        mask_r = offs_r < RANK
-        if SPLIT_LOOP:
-            # One partial at a time: a [SPLIT_K, BLOCK_M, R_PAD] fp32 load of 64-row tiles takes
-            # too many registers (EXPAND_SPLIT_LOOP).
-            v = tl.zeros([BLOCK_M, R_PAD], tl.float32)
-            for k in tl.static_range(SPLIT_K):
-                v += tl.load(v_ptr + k * s_vk + tok[:, None] * s_vt + (i * RANK + offs_r)[None, :],
-                             mask=valid[:, None] & mask_r[None, :], other=0.0)
-        else:
-            # All split-K partials in one load (no chain of dependent loads), summed in registers.
-            v = tl.load(v_ptr + offs_k[:, None, None] * s_vk + tok[None, :, None] * s_vt
-                        + (i * RANK + offs_r)[None, None, :],
-                        mask=valid[None, :, None] & mask_r[None, None, :], other=0.0)
-            v = tl.sum(v, 0)
+        v = tl.zeros([BLOCK_M, R_PAD], tl.float32)
+        for k in tl.static_range(SPLIT_K):
+            v += tl.load(v_ptr + k * s_vk + tok[:, None] * s_vt + offs_r[None, :],
+                         mask=valid[:, None] & (offs_r < K_RANK)[None, :], other=0.0)
         w_slot = tl.maximum(slot, 0)  # a tile without adapter (storing): any slot's B, times v = 0
-        b = tl.load(b_ptr + w_slot * s_bs + offs_n[:, None] * s_bo + offs_r[None, :],
-                    mask=mask_n[:, None] & mask_r[None, :], other=0.0)
-        scale = tl.load(scale_ptr + w_slot)
-        d = tl.dot(v.to(b.dtype), tl.trans(b)) * scale
-        ptrs = y_ptr + tok[:, None] * s_yt + offs_n[None, :]
-        if ACCUMULATE:
-            mask = valid[:, None] & mask_n[None, :]
-            y = tl.load(ptrs, mask=mask, other=0.0)
-            tl.store(ptrs, (y.to(tl.float32) + d).to(y_ptr.dtype.element_ty), mask=mask)
-        else:
-            d = tl.where(valid[:, None], d, 0.0)
-            if HAS_BIAS:
-                d += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            tl.store(ptrs, d.to(y_ptr.dtype.element_ty), mask=(tok >= 0)[:, None] & mask_n[None, :])
+        v = (v * tl.load(scale_ptr + w_slot)).to(b_ptr.dtype.element_ty)
+        blk_first = pid_g * blocks_per_program
+        for pid_n in range(blk_first, tl.minimum(blk_first + blocks_per_program, n_blocks)):
+            # This column block's target i: target i owns the output columns [col_i, col_i+1)
+            # (col_0 = 0), tiled by the column blocks [blk_i, blk_i+1) (blk_0 = 0), and the ranks
+            # [i·RANK, (i+1)·RANK) of v; B's other rank columns load as zeros.
+            i = (pid_n >= blk1).to(tl.int32) + (pid_n >= blk2).to(tl.int32) + (pid_n >= blk3).to(tl.int32)
+            blk_lo = tl.where(i == 0, 0, tl.where(i == 1, blk1, tl.where(i == 2, blk2, blk3)))
+            col_lo = tl.where(i == 0, 0, tl.where(i == 1, col1, tl.where(i == 2, col2, col3)))
+            col_hi = tl.where(i == 0, col1, tl.where(i == 1, col2, tl.where(i == 2, col3, col4)))
+            offs_n = col_lo + (pid_n - blk_lo) * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < col_hi
+            r_in = offs_r - i * RANK
+            b = tl.load(b_ptr + w_slot * s_bs + offs_n[:, None] * s_bo + r_in[None, :],
+                        mask=mask_n[:, None] & ((r_in >= 0) & (r_in < RANK))[None, :], other=0.0)
+            d = tl.dot(v, tl.trans(b))
+            ptrs = y_ptr + tok[:, None] * s_yt + offs_n[None, :]
+            if ACCUMULATE:
+                mask = valid[:, None] & mask_n[None, :]
+                y = tl.load(ptrs, mask=mask, other=0.0)
+                tl.store(ptrs, (y.to(tl.float32) + d).to(y_ptr.dtype.element_ty), mask=mask)
+            else:
+                d = tl.where(valid[:, None], d, 0.0)
+                if HAS_BIAS:
+                    d += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+                tl.store(ptrs, d.to(y_ptr.dtype.element_ty), mask=(tok >= 0)[:, None] & mask_n[None, :])
 
 
 MAX_FUSED_TARGETS = 4
@@ -172,11 +168,12 @@ the H200 that did not make the shrink faster (3.59 ms per 4k step against 3.5 ms
 ``profile_lora``): it stays at 64."""
 
 
-EXPAND_SPLIT_LOOP = os.environ.get("COSERVE_LORA_EXPAND_LOOP", "0") == "1"
-"""In steps of 64-row tiles whose shrink was split (a 256–2,048-token step: up to 8 ways), the
-expand sums the split partials one load at a time instead of in one [split, 64, R_PAD] fp32 load
-(``COSERVE_LORA_EXPAND_LOOP=1``). Session 7 measured split-K at a 4k prefill +21.7% (4 ways) and
-+41% (8 ways) slower, likely those loads' registers; the loop is not measured yet: off."""
+EXPAND_WAVES = int(os.environ.get("COSERVE_LORA_EXPAND_WAVES", "4"))
+"""Expand programs per SM that :func:`expand_blocks_per_program` aims for: each program keeps its
+tile's ``v`` and walks several column blocks, so a large step's expand is not ~3,000 programs
+(4,096 tokens × 6,144 q/k/v columns in 64 × 128 tiles) that each reload ``v``, gather their rows
+and store one tile. ``COSERVE_LORA_EXPAND_WAVES=0``: one column block per program (session 7's
+launch geometry)."""
 
 
 def block_m_for(num_tokens: int) -> int:
@@ -222,6 +219,18 @@ class LoRALaunch:
         while waves and split < 16 and tiles * split < waves * sms:
             split *= 2
         return cls(block_m, tiles, split)
+
+
+def expand_blocks_per_program(num_tiles: int, n_blocks: int, sms: int, waves: int | None = None) -> int:
+    """Column blocks each expand program walks: as many as keep ``num_tiles · groups`` programs at
+    ``waves`` per SM or more (default :data:`EXPAND_WAVES`; 0: one block each). Decode-sized steps
+    have few tiles and keep one block per program; a 4,096-token prefill (68 tiles of 64 rows on
+    132 SMs, ``waves`` 4) gets 8 groups of column blocks."""
+    waves = EXPAND_WAVES if waves is None else waves
+    if waves <= 0:
+        return 1
+    groups = max(1, min(n_blocks, -(-waves * sms // max(num_tiles, 1))))
+    return -(-n_blocks // groups)
 
 
 def lora_shrink_expand(
@@ -308,17 +317,19 @@ def lora_shrink_expand_fused(
 
 def lora_shrink_fused(
     x: torch.Tensor, a_all: torch.Tensor, rank: int, token_slots: torch.Tensor, order: torch.Tensor,
-    launch: LoRALaunch,
+    launch: LoRALaunch, *, block_k: int = 64, num_warps: int = 4,
 ) -> torch.Tensor:
     """The shrink half of :func:`lora_shrink_expand_fused`: fp32 partials ``v [split_k, T, R_PAD]``
     with ``Σ_k v[k, t, :k·r] = x[t] @ a_all[slot(t)].T`` (rows of ``x`` without an adapter are
     left unwritten; the expand never reads them). It reads only ``x`` and the A stacks, so it can
-    run beside the base linear that reads the same ``x`` (:meth:`ForkedTritonLoRA.whole_linear`)."""
+    run beside the base linear that reads the same ``x`` (:meth:`ForkedTritonLoRA.whole_linear`).
+
+    ``block_k`` / ``num_warps``: the kernel's K step and warps (``bench/lora_kernels.py`` compares
+    settings; the engine keeps the defaults)."""
     t_rows, d_in = x.shape
     k_rank = a_all.shape[1]
     assert k_rank % rank == 0
     r_pad = _pow2_at_least_16(k_rank)
-    block_k = 64
     split_k = launch.max_split_k
     while split_k > 1 and d_in < split_k * 256:
         split_k //= 2
@@ -328,7 +339,7 @@ def lora_shrink_fused(
     jit(_shrink_kernel)[(launch.num_tiles * (launch.block_m // block_m), split_k)](
         x, a_all, v, order, token_slots, order.shape[0],
         x.stride(0), a_all.stride(0), a_all.stride(1), v.stride(0), v.stride(1), d_in, k_per_split,
-        RANK=k_rank, R_PAD=r_pad, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4,
+        RANK=k_rank, R_PAD=r_pad, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps,
     )
     return v
 
@@ -336,7 +347,7 @@ def lora_shrink_fused(
 def lora_expand_fused(
     y: torch.Tensor, b_all: torch.Tensor, v: torch.Tensor, out_sizes: Sequence[int], scales: torch.Tensor,
     token_slots: torch.Tensor, order: torch.Tensor, launch: LoRALaunch, accumulate: bool = True,
-    bias: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None, *, waves: int | None = None, num_warps: int = 4,
 ) -> None:
     """The expand half of :func:`lora_shrink_expand_fused`: ``y[t, slice i] += (Σ_k v[k, t, i·r:(i+1)·r])
     @ B_i[slot(t)].T · scales[slot(t)]`` for the partials ``v`` of :func:`lora_shrink_fused`.
@@ -344,19 +355,24 @@ def lora_expand_fused(
     Not ``accumulate``: ``y[t] = … + bias`` (``y`` is not read), for every token ``t`` listed in
     ``order``, whose tokens without an adapter (slot -1, in tiles of their own) get ``y[t] = bias``
     (zeros without ``bias [Σ out]``); ``launch.num_tiles`` must cover ``order``.
+
+    ``waves`` (default :data:`EXPAND_WAVES`, see :func:`expand_blocks_per_program`) and
+    ``num_warps``: the launch geometry (``bench/lora_kernels.py`` compares settings).
     """
     assert bias is None or (not accumulate and bias.shape == (y.shape[1],) and bias.stride(0) == 1), (
         "a bias only with a storing expand (whoever writes y first adds it), one per column"
     )
     assert accumulate or launch.num_tiles * launch.block_m >= order.shape[0]
     rank = b_all.shape[2]
+    k_rank = rank * len(out_sizes)
+    assert v.shape[2] >= k_rank
     block_n, n_blocks, bounds = _column_blocks(out_sizes)
-    jit(_expand_kernel)[(launch.num_tiles, n_blocks)](
-        y, b_all, v, order, token_slots, scales, y if bias is None else bias, order.shape[0],
+    per_program = expand_blocks_per_program(launch.num_tiles, n_blocks, num_sms(y.device), waves)
+    jit(_expand_kernel)[(launch.num_tiles, -(-n_blocks // per_program))](
+        y, b_all, v, order, token_slots, scales, y if bias is None else bias, order.shape[0], n_blocks, per_program,
         y.stride(0), b_all.stride(0), b_all.stride(1), v.stride(0), v.stride(1), *bounds,
-        RANK=rank, R_PAD=_pow2_at_least_16(rank), SPLIT_K=v.shape[0], BLOCK_M=launch.block_m,
-        BLOCK_N=block_n, ACCUMULATE=accumulate, HAS_BIAS=bias is not None,
-        SPLIT_LOOP=EXPAND_SPLIT_LOOP and launch.block_m >= 64 and v.shape[0] > 1, num_warps=4,
+        RANK=rank, K_RANK=k_rank, R_PAD=v.shape[2], SPLIT_K=v.shape[0], BLOCK_M=launch.block_m,
+        BLOCK_N=block_n, ACCUMULATE=accumulate, HAS_BIAS=bias is not None, num_warps=num_warps,
     )
 
 
