@@ -4,6 +4,8 @@ For each step size ``--tokens`` (the tokens split evenly over 4 rank-16 adapters
 contiguous row, as in a prefill step) and each fused linear of a decoder layer (q/k/v, o,
 gate/up, down), the GPU time (CUDA events, median) of:
 
+(GPU time: each timed in a CUDA graph of several launches, see :func:`gpu_time`)
+
 - the base GEMM (``F.linear``), for scale;
 - the shrink at each ``--shrink`` setting ``split:block_k:warps`` (``split`` 0: the engine's own
   choice, :meth:`LoRALaunch.for_order`);
@@ -31,13 +33,14 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from speed_common import LLAMA3_8B, copy_bandwidth, cuda_time, provenance, rel_err
+from speed_common import LLAMA3_8B, copy_bandwidth, cuda_time, provenance, rel_err, sync
 
 from coserve.layers import triton_lora
 from coserve.layers.lora import LoRABatch, lora_segments_ref
@@ -60,6 +63,41 @@ def linears(cfg: dict[str, Any]) -> dict[str, tuple[int, dict[str, int]]]:
     kv = d // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
     return {"qkv": (d, {"q_proj": d, "k_proj": kv, "v_proj": kv}), "o": (d, {"o_proj": d}),
             "gate_up": (d, {"gate_proj": inter, "up_proj": inter}), "down": (inter, {"down_proj": d})}
+
+
+REPS = 10
+"""Launches per CUDA graph in :func:`gpu_time`."""
+
+
+def gpu_time(fn: Callable[[], object], iters: int) -> float:
+    """Seconds of GPU time per call of ``fn``: :data:`REPS` calls captured in one CUDA graph, its
+    replay timed (median of ``iters``). Timed as launched from Python, a kernel of tens of
+    microseconds measures its launch: the GPU waits for the host between two launches."""
+    if not torch.cuda.is_available():
+        return cuda_time(fn, iters=iters)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # warm-up (compilation) off the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(REPS):
+            fn()
+    return cuda_time(graph.replay, iters=iters) / REPS
+
+
+def host_time(fn: Callable[[], object], n: int = 50) -> float:
+    """Host seconds per call of ``fn`` launched ``n`` times back to back (the Python launch cost
+    where the GPU keeps up, as in an eager step's small kernels)."""
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t = time.perf_counter() - t0
+    sync()
+    return t / n
 
 
 def load_baseline(path: Path) -> ModuleType:
@@ -95,8 +133,8 @@ def case(tokens: int, d_in: int, out_slices: dict[str, int], dtype: torch.dtype,
         lora_segments_ref(ref[:, off : off + out_slices[name]], x.float(), a, b, scales, batch)
     delta_ref = ref - y0.float()
     y_bytes = tokens * d_out * y0.element_size()
-    rec: dict[str, Any] = {"tokens": tokens, "d_in": d_in, "out": sizes, "base_gemm_ms": 1e3 * cuda_time(
-        lambda: F.linear(x, weight), iters=iters), "floor_accumulate_ms": 1e3 * 2 * y_bytes / bandwidth,
+    rec: dict[str, Any] = {"tokens": tokens, "d_in": d_in, "out": sizes, "base_gemm_ms": 1e3 * gpu_time(
+        lambda: F.linear(x, weight), iters), "floor_accumulate_ms": 1e3 * 2 * y_bytes / bandwidth,
         "floor_store_ms": 1e3 * y_bytes / bandwidth, "shrink": [], "expand": []}
     v_default = None
     for split, block_k, warps in shrink_settings:
@@ -109,12 +147,19 @@ def case(tokens: int, d_in: int, out_slices: dict[str, int], dtype: torch.dtype,
                                                  num_warps=warps)
 
         v = shrink()
-        ms = 1e3 * cuda_time(shrink, iters=iters)
+        ms = 1e3 * gpu_time(shrink, iters)
         rec["shrink"].append({"split": split, "split_used": v.shape[0], "block_k": block_k, "warps": warps, "ms": ms})
         if v_default is None:
             v_default = (v, launch)
     assert v_default is not None
     v, launch = v_default
+    rec["host_launch_us"] = {
+        "shrink": 1e6 * host_time(lambda: triton_lora.lora_shrink_fused(x, a_all, RANK, batch.token_slots, order,
+                                                                         launch)),
+        "expand": 1e6 * host_time(lambda: triton_lora.lora_expand_fused(y0.clone(), b_all, v, sizes, scales,
+                                                                        batch.token_slots, order, launch)),
+        "clone_only": 1e6 * host_time(lambda: y0.clone()),
+        "gemm": 1e6 * host_time(lambda: F.linear(x, weight))}
     store_launch = LoRALaunch(launch.block_m, store_order.shape[0] // launch.block_m, launch.max_split_k)
     for waves in waves_settings:
         for accumulate in (True, False):
@@ -129,7 +174,7 @@ def case(tokens: int, d_in: int, out_slices: dict[str, int], dtype: torch.dtype,
             expand()
             got = (y.float() - y0.float()) if accumulate else y.float()
             err = rel_err(got, delta_ref)
-            ms = 1e3 * cuda_time(expand, iters=iters)
+            ms = 1e3 * gpu_time(expand, iters)
             floor = rec["floor_accumulate_ms" if accumulate else "floor_store_ms"]
             rec["expand"].append({"waves": waves, "accumulate": accumulate, "ms": ms, "rel_err": err,
                                   "of_floor": ms / floor})
@@ -150,9 +195,9 @@ def case(tokens: int, d_in: int, out_slices: dict[str, int], dtype: torch.dtype,
         def old_expand() -> None:
             baseline.lora_expand_fused(y_old, b_all, old_v, sizes, scales, batch.token_slots, order, old_launch)
 
-        rec["baseline"] = {"shrink_ms": 1e3 * cuda_time(old_shrink, iters=iters),
-                           "expand_accumulate_ms": 1e3 * cuda_time(old_expand, iters=iters),
-                           "pair_ms": 1e3 * cuda_time(old_pair, iters=iters), "split": old_launch.max_split_k}
+        rec["baseline"] = {"shrink_ms": 1e3 * gpu_time(old_shrink, iters),
+                           "expand_accumulate_ms": 1e3 * gpu_time(old_expand, iters),
+                           "pair_ms": 1e3 * gpu_time(old_pair, iters), "split": old_launch.max_split_k}
     best_shrink = min(rec["shrink"], key=lambda r: r["ms"])
     best_acc = min((e for e in rec["expand"] if e["accumulate"]), key=lambda r: r["ms"])
     logger.info("T=%d %s: gemm %.3f ms; shrink best %.3f (split %d, bk %d, w %d); expand acc best %.3f "
@@ -196,7 +241,8 @@ def main() -> None:
     result["config"] = {"model": "tiny (smoke)" if args.smoke else "Llama-3-8B linears", "dtype": str(dtype),
                         "adapters": ADAPTERS, "rank": RANK, "tokens": args.tokens, "shrink": args.shrink,
                         "waves": args.waves, "iters": args.iters, "baseline": str(args.baseline or ""),
-                        "time": "CUDA events, median" if device == "cuda" else "host clock (smoke)"}
+                        "time": f"CUDA graph of {REPS} launches, replay timed by CUDA events, median"
+                        if device == "cuda" else "host clock (smoke)"}
     t0 = time.time()
     cases = []
     for tokens in (int(t) for t in args.tokens.split(",")):

@@ -96,6 +96,7 @@ def host_in_gaps(gpu: list[tuple[float, float, str]], host: list[tuple[float, fl
     return out
 
 
+LABEL = "runner."
 PHASES = ("prepare", "lora_op")
 """The runner's methods :func:`label_phases` names in the profile, beside its ``execute``."""
 
@@ -106,7 +107,7 @@ def label_phases(runner: ModelRunner) -> None:
     for phase in ("execute", *PHASES):
         real = getattr(runner, phase)
 
-        def labeled(*args: Any, _real: Any = real, _name: str = f"runner.{phase}", **kwargs: Any) -> Any:
+        def labeled(*args: Any, _real: Any = real, _name: str = f"{LABEL}{phase}", **kwargs: Any) -> Any:
             with record_function(_name):
                 return _real(*args, **kwargs)
 
@@ -133,7 +134,12 @@ def profile_steps(runner: ModelRunner, batch: list[BatchRow], iters: int, warmup
         spans, host = [], []
         for evt in prof.events():
             span = (float(evt.time_range.start), float(evt.time_range.end), evt.name)
-            if evt.device_type == DeviceType.CUDA:
+            if evt.name.startswith(LABEL):
+                # NOTE: a record_function range also appears on the GPU's timeline, as an annotation
+                # over the kernels it launched: not an activity, it would hide the gaps inside it.
+                if evt.device_type != DeviceType.CUDA:
+                    host.append(span)
+            elif evt.device_type == DeviceType.CUDA:
                 counts[evt.name] = counts.get(evt.name, 0) + 1
                 us[evt.name] = us.get(evt.name, 0.0) + evt.time_range.elapsed_us()
                 spans.append(span)
