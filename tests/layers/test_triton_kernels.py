@@ -128,13 +128,18 @@ def test_order_groups_tokens_by_slot_one_slot_per_tile() -> None:
 
 
 def test_split_k_for_large_steps_only_with_waves() -> None:
-    # 68 tiles of 64 rows (a 4,096-token prefill over 4 adapters) on 132 SMs: no split by default
-    assert LoRALaunch.for_order(68 * 64, 64, sms=132).max_split_k == 1
+    # 68 tiles of 64 rows (a 4,096-token prefill over 4 adapters) on 132 SMs: no split without
+    # waves; 2 ways with the default 1 wave (68 · 2 = 136 ≥ 132 programs)
+    assert LoRALaunch.for_order(68 * 64, 64, sms=132, waves=0).max_split_k == 1
+    assert LoRALaunch.for_order(68 * 64, 64, sms=132, waves=1).max_split_k == 2
+    # 64 tiles (4 × 1,024 tokens): 4 ways (64 · 2 = 128 < 132)
+    assert LoRALaunch.for_order(64 * 64, 64, sms=132, waves=1).max_split_k == 4
     # asked for 2 waves: 68 · 4 = 272 ≥ 264 programs
     assert LoRALaunch.for_order(68 * 64, 64, sms=132, waves=2).max_split_k == 4
-    # few tiles split up to 8 as before, and with waves on to 16 at most
+    # few tiles split up to 8 as before; waves apply to 64-row tiles only, up to 16 ways
     assert LoRALaunch.for_order(16, 16, sms=132).max_split_k == 8
-    assert LoRALaunch.for_order(16, 16, sms=132, waves=4).max_split_k == 16
+    assert LoRALaunch.for_order(16, 16, sms=132, waves=4).max_split_k == 8
+    assert LoRALaunch.for_order(64, 64, sms=132, waves=4).max_split_k == 16
 
 
 def test_lora_with_sixteen_way_split_matches_reference() -> None:
@@ -154,8 +159,8 @@ def test_lora_with_sixteen_way_split_matches_reference() -> None:
     lora_segments_ref(ref, x.float().cpu(), a.float().cpu(), b.float().cpu(), scales.cpu(),
                       LoRABatch.from_rows(row_lens, row_slots, torch.device("cpu")))
     order = torch.tensor(order_by_slot(row_lens, row_slots, 16), dtype=torch.int32, device=DEVICE)
-    launch = LoRALaunch.for_order(len(order), 16, sms=132, waves=4)
-    assert launch.max_split_k == 16
+    launch = LoRALaunch(16, 2, 16)  # what for_order gives 64-row tiles with waves (above), on 16-row tiles
+    assert -(-len(order) // 16) == launch.num_tiles
     y = torch.zeros(t, d_out, dtype=dtype, device=DEVICE)
     lora_shrink_expand(y, x, a, b, scales, batch.token_slots, order, launch)
     assert rel_err(y.cpu(), ref) < TOL[dtype]

@@ -376,7 +376,7 @@ def test_split_partials_and_column_groups(waves: int, launches: Counter[str], mo
     x = torch.randn(sum(row_lens), d_in, dtype=dtype, device=DEVICE)
     scales = torch.rand(SLOTS, device=DEVICE) + 0.5
     ctx = TritonLoRA.from_batch(batch, scales)
-    ctx.launch = triton_lora.LoRALaunch.for_order(ctx.order.shape[0], 64, sms=1000)
+    ctx.launch = triton_lora.LoRALaunch.for_order(ctx.order.shape[0], 64, sms=1000, waves=0)
     assert ctx.launch.block_m == 64 and ctx.launch.max_split_k == 8
     n_blocks = _column_blocks(list(out_slices.values()))[1]
     per_program = triton_lora.expand_blocks_per_program(ctx.launch.num_tiles, n_blocks, 4)

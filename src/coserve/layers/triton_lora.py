@@ -147,17 +147,21 @@ def _pow2_at_least_16(n: int) -> int:
     return max(16, 1 << max(n - 1, 0).bit_length())
 
 
-SPLIT_WAVES = int(os.environ.get("COSERVE_LORA_SPLIT_WAVES", "0"))
-"""Split-K programs per SM that :meth:`LoRALaunch.for_order` aims for in large steps; 0 (the
-default until it is measured on the GPU): split only while the tiles leave SMs idle."""
+SPLIT_WAVES = int(os.environ.get("COSERVE_LORA_SPLIT_WAVES", "1"))
+"""Split-K programs per SM that :meth:`LoRALaunch.for_order` aims for in large steps (0: split only
+while the tiles leave SMs idle). 1 since session 8: a 4,096-token prefill's shrinks split 4 ways
+instead of 2, 63 µs per layer's four instead of 88 on the H200 (``bench/lora_kernels.py``), now that
+the expand sums the partials once per program (session 7's split-K loss was the expand's)."""
 
 SMALL_STEP_TOKENS = 256
 """Steps of up to this many tokens get 16-row tiles, larger ones 64-row tiles."""
 
-EXPAND_FIRST = os.environ.get("COSERVE_LORA_EXPAND_FIRST", "0") == "1"
+EXPAND_FIRST = os.environ.get("COSERVE_LORA_EXPAND_FIRST", "1") == "1"
 """Eager steps of more than :data:`SMALL_STEP_TOKENS` tokens run each fused linear LoRA first
-(:meth:`ExpandFirstTritonLoRA.whole_linear`); ``COSERVE_LORA_EXPAND_FIRST=1`` turns it on (off until
-it is measured on the GPU)."""
+(:meth:`ExpandFirstTritonLoRA.whole_linear`): the expand stores the delta, which the base GEMM reads
+in its epilogue, instead of reading and rewriting the GEMM's output. On since session 8: with the
+grouped expand, a 4,096-token prefill's expand takes 4.3 ms instead of 8.4 ms
+(``bench/profile_lora.py``). ``COSERVE_LORA_EXPAND_FIRST=0`` turns it off."""
 
 
 PREFILL_SHRINK_TILE = int(os.environ.get("COSERVE_LORA_SHRINK_TILE", "64"))
@@ -168,12 +172,14 @@ the H200 that did not make the shrink faster (3.59 ms per 4k step against 3.5 ms
 ``profile_lora``): it stays at 64."""
 
 
-EXPAND_WAVES = int(os.environ.get("COSERVE_LORA_EXPAND_WAVES", "4"))
+EXPAND_WAVES = int(os.environ.get("COSERVE_LORA_EXPAND_WAVES", "8"))
 """Expand programs per SM that :func:`expand_blocks_per_program` aims for: each program keeps its
 tile's ``v`` and walks several column blocks, so a large step's expand is not ~3,000 programs
 (4,096 tokens × 6,144 q/k/v columns in 64 × 128 tiles) that each reload ``v``, gather their rows
 and store one tile. ``COSERVE_LORA_EXPAND_WAVES=0``: one column block per program (session 7's
-launch geometry)."""
+launch geometry). On the H200 at 4,096 tokens (``bench/lora_kernels.py``, the storing expand of
+expand-first), 8 per SM took 125 µs for a layer's four linears, 4 per SM 131 µs, one block per
+program 192 µs."""
 
 
 def block_m_for(num_tokens: int) -> int:
@@ -207,7 +213,8 @@ class LoRALaunch:
     @classmethod
     def for_order(cls, order_length: int, block_m: int, sms: int, waves: int | None = None) -> LoRALaunch:
         """Split K while the tiles alone would leave SMs idle (up to 8 ways). With ``waves``
-        (default :data:`SPLIT_WAVES`), a step whose tiles fill the SMs splits further, up to
+        (default :data:`SPLIT_WAVES`), a step of 64-row tiles (a prefill; decode-sized steps keep
+        the split above) whose tiles fill the SMs splits further, up to
         16 ways, until ``tiles · split`` reaches ``waves`` per SM: a 4,096-token prefill has
         68 tiles of 64 rows for 132 SMs, and each of its shrink programs walks the whole input
         dimension (224 steps of 64 for ``down_proj``) with nothing beside it."""
@@ -216,7 +223,7 @@ class LoRALaunch:
         while split < 8 and tiles * split * 2 <= sms:
             split *= 2
         waves = SPLIT_WAVES if waves is None else waves
-        while waves and split < 16 and tiles * split < waves * sms:
+        while waves and block_m >= 64 and split < 16 and tiles * split < waves * sms:
             split *= 2
         return cls(block_m, tiles, split)
 
@@ -317,16 +324,21 @@ def lora_shrink_expand_fused(
 
 def lora_shrink_fused(
     x: torch.Tensor, a_all: torch.Tensor, rank: int, token_slots: torch.Tensor, order: torch.Tensor,
-    launch: LoRALaunch, *, block_k: int = 64, num_warps: int = 4,
+    launch: LoRALaunch, *, block_k: int | None = None, num_warps: int | None = None,
 ) -> torch.Tensor:
     """The shrink half of :func:`lora_shrink_expand_fused`: fp32 partials ``v [split_k, T, R_PAD]``
     with ``Σ_k v[k, t, :k·r] = x[t] @ a_all[slot(t)].T`` (rows of ``x`` without an adapter are
     left unwritten; the expand never reads them). It reads only ``x`` and the A stacks, so it can
     run beside the base linear that reads the same ``x`` (:meth:`ForkedTritonLoRA.whole_linear`).
 
-    ``block_k`` / ``num_warps``: the kernel's K step and warps (``bench/lora_kernels.py`` compares
-    settings; the engine keeps the defaults)."""
+    ``block_k`` / ``num_warps``: the kernel's K step and warps; by default 64 and 4, and 128 and 8
+    for inputs of 8,192 features or more in steps of 64-row tiles (``down_proj`` at a prefill: on
+    the H200 31 µs instead of 36 at 4,096 tokens, 21 instead of 30 at 2,048;
+    ``bench/lora_kernels.py`` compares settings)."""
     t_rows, d_in = x.shape
+    wide = launch.block_m >= 64 and x.shape[1] >= 8192
+    block_k = block_k or (128 if wide else 64)
+    num_warps = num_warps or (8 if wide else 4)
     k_rank = a_all.shape[1]
     assert k_rank % rank == 0
     r_pad = _pow2_at_least_16(k_rank)
