@@ -22,7 +22,7 @@ from typing import Any, Protocol, cast
 import torch
 
 from coserve.host_copy import device_tensor
-from coserve.layers.sdpa import sdpa
+from coserve.layers.sdpa import sdpa, sdpa_calls
 from coserve.layers.triton_attention import TritonAttention
 
 
@@ -268,12 +268,17 @@ def _plain_rows(
     # instead of one per run: the trainer's rows come in many lengths)
     k, v = _repeat_heads(k, group), _repeat_heads(v, group)
     outs = []
-    for (rows, n), qs, ks, vs in zip(runs, q.split(sizes), k.split(sizes), v.split(sizes), strict=True):
-        qq = qs.view(rows, n, heads, dim).transpose(1, 2)
-        kk = ks.view(rows, n, heads, dim).transpose(1, 2)
-        vv = vs.view(rows, n, heads, dim).transpose(1, 2)
-        o = sdpa(qq, kk, vv, is_causal=n > 1, scale=scale)
-        outs.append(o.transpose(1, 2).reshape(rows * n, heads, dim))
+    # one backend context for all the runs (see sdpa_calls)
+    with sdpa_calls() as attend:
+        # (one run, rows of one length: no split, whose backward would copy each gradient whole)
+        pieces = ([(runs[0], q, k, v)] if len(runs) == 1 else
+                  zip(runs, q.split_with_sizes(sizes), k.split_with_sizes(sizes), v.split_with_sizes(sizes), strict=True))
+        for (rows, n), qs, ks, vs in pieces:
+            qq = qs.view(rows, n, heads, dim).transpose(1, 2)
+            kk = ks.view(rows, n, heads, dim).transpose(1, 2)
+            vv = vs.view(rows, n, heads, dim).transpose(1, 2)
+            o = attend(qq, kk, vv, is_causal=n > 1, scale=scale)
+            outs.append(o.transpose(1, 2).reshape(rows * n, heads, dim))
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 

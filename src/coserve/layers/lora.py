@@ -240,8 +240,20 @@ def dropout_mask(
     """
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout p must be in [0, 1), got {p}")
+    return keep_mask(dropout_uniform(seed, key, layer, target, shape, device), p)
+
+
+def dropout_uniform(
+    seed: int, key: int, layer: int, target: str, shape: tuple[int, int], device: torch.device | str
+) -> torch.Tensor:
+    """The ``u`` of :func:`dropout_mask`: fp32 ``[T, in]`` on ``device``."""
     gen = torch.Generator(device=device).manual_seed(_hash64("dropout", seed, key, layer, target))
-    u = torch.rand(shape, generator=gen, device=device, dtype=torch.float32)
+    return torch.rand(shape, generator=gen, device=device, dtype=torch.float32)
+
+
+def keep_mask(u: torch.Tensor, p: float) -> torch.Tensor:
+    """:func:`dropout_mask`'s mask from its ``u`` (elementwise: the masks of several rows come
+    from their ``u`` concatenated, in three ops instead of three per row)."""
     return (u >= p).to(torch.float32).mul_(1.0 / (1.0 - p))
 
 

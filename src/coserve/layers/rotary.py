@@ -54,6 +54,32 @@ class RotaryEmbedding(nn.Module):
             return _RotaryFn.apply(q, k, positions, self)  # type: ignore[no-any-return]
         return self.rotate(positions, q, k, self.sin_cache)
 
+    def split_qkv(
+        self, positions: torch.Tensor, qkv: torch.Tensor, heads: tuple[int, int, int],
+        tables: RopeTables | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q [T, H, D], k [T, KVH, D]`` (RoPE applied) and ``v [T, KVH, D]`` (a view) of the fused
+        projection output ``qkv [T, (H + 2·KVH)·D]``; ``heads = (H, KVH, D)``.
+
+        Without autograd: the views and :meth:`rotate` (the ops the engine always ran). With it:
+        one autograd node
+        (:class:`_QKVRotaryFn`) for the split, the three reshapes and the rotation, whose
+        backward writes ``dq``/``dk`` (rotated back) and ``dv`` straight into one ``dqkv``
+        instead of concatenating them. ``tables`` (:meth:`tables` of these positions) lets the
+        torch rotation skip its per-call gathers.
+        """
+        if tables is not None and tables.positions is not positions:
+            raise ValueError("rope tables of other positions")
+        if torch.is_grad_enabled() and qkv.requires_grad:
+            return _QKVRotaryFn.apply(qkv, positions, self, heads, tables)  # type: ignore[no-any-return]
+        q, k, v = split_heads(qkv, heads)
+        q, k = self.rotate(positions, q, k, self.sin_cache)
+        return q, k, v
+
+    def tables(self, positions: torch.Tensor) -> RopeTables:
+        """:class:`RopeTables` of ``positions``, made on first use."""
+        return RopeTables(self, positions)
+
     def neg_sin_cache(self) -> torch.Tensor:
         """``−sin`` (made on first use): RoPE's backward is RoPE by the opposite angle."""
         cache = getattr(self, "_neg_sin", None)
@@ -78,6 +104,63 @@ class RotaryEmbedding(nn.Module):
         sin = sin_cache[positions].unsqueeze(1)
         return _apply(q, cos, sin), _apply(k, cos, sin)
 
+    def _rotate_into(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor,
+        k_out: torch.Tensor, tables: RopeTables, backward: bool,
+    ) -> None:
+        """:meth:`rotate` by the angle (``backward``: by minus the angle) written into ``q_out``,
+        ``k_out`` (views of a larger tensor allowed: unit last stride), the kernel's rotation
+        where it applies, else the torch one with the gathered ``tables``."""
+        if triton_fused.use_fused_kernels(q, k) and q.dim() == k.dim() == 3:
+            q, k = _unit_last_stride(q), _unit_last_stride(k)
+            sin_cache = self.neg_sin_cache() if backward else self.sin_cache
+            triton_fused.rotary(q_out, k_out, q, k, positions, self.cos_cache, sin_cache)
+            return
+        cos, sin_f, sin_b = tables.reference()
+        sin = sin_b if backward else sin_f
+        _apply_rolled(q, cos, sin, q_out)
+        _apply_rolled(k, cos, sin, k_out)
+
+
+class RopeTables:
+    """``cos``/``sin`` rows of one batch's positions for the torch rotation, gathered once for
+    every layer: the trainer's recompute rotates 32 layers' q/k at the same positions, and each
+    rotation otherwise gathers them anew (twice: forward and backward).
+
+    ``reference() -> (cos, sin_f, sin_b)``, each ``[T, 1, D]`` fp32: ``cos`` as gathered; ``sin_f``
+    the forward's ``sin`` with its first half negated, so that ``rotate_half(x)·sin`` is
+    ``roll(x, D/2)·sin_f`` (the same products: ``(−a)·b = a·(−b)`` exactly); ``sin_b`` the same
+    for the backward's ``−sin``. Made on first use (the fused kernel gathers on its own).
+    """
+
+    def __init__(self, rope: RotaryEmbedding, positions: torch.Tensor) -> None:
+        self.positions = positions
+        self._rope = rope
+        self._reference: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def reference(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self._reference is None:
+            rope = self._rope
+            cos = rope.cos_cache[self.positions].unsqueeze(1)
+            sin = rope.sin_cache[self.positions].unsqueeze(1)
+            half = sin.shape[-1] // 2
+            sin_f = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+            self._reference = (cos, sin_f, -sin_f)
+        return self._reference
+
+
+def split_heads(qkv: torch.Tensor, heads: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views ``q [T, H, D], k [T, KVH, D], v [T, KVH, D]`` of ``qkv [T, (H + 2·KVH)·D]``."""
+    num_heads, num_kv_heads, head_dim = heads
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split_with_sizes([q_size, kv_size, kv_size], dim=-1)
+    return (q.reshape(-1, num_heads, head_dim), k.reshape(-1, num_kv_heads, head_dim),
+            v.reshape(-1, num_kv_heads, head_dim))
+
+
+def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
 
 def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     dtype = x.dtype
@@ -85,6 +168,18 @@ def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     half = xf.shape[-1] // 2
     rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
     return (xf * cos + rotated * sin).to(dtype)
+
+
+def _apply_rolled(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, out: torch.Tensor) -> None:
+    """:func:`_apply` into ``out`` with ``sin_signed`` (:class:`RopeTables`): the same products
+    and sums, so the same values bit for bit, in fewer ops (a ``roll`` for the slices, negation
+    and ``cat``; the last add written into ``out`` where the dtypes let it)."""
+    xf = x.float()
+    rotated = xf.roll(xf.shape[-1] // 2, dims=-1)
+    if out.dtype == torch.float32:
+        torch.add(xf * cos, rotated * sin_signed, out=out)
+    else:
+        out.copy_(xf * cos + rotated * sin_signed)
 
 
 class _RotaryFn(torch.autograd.Function):
@@ -114,3 +209,45 @@ class _RotaryFn(torch.autograd.Function):
             gk = torch.zeros(k_shape, dtype=k_dtype, device=device)
         dq, dk = rope.rotate(positions, gq.contiguous(), gk.contiguous(), rope.neg_sin_cache())
         return dq, dk, None, None
+
+
+class _QKVRotaryFn(torch.autograd.Function):
+    """:meth:`RotaryEmbedding.split_qkv` with autograd: ``qkv -> (rope(q), rope(k), v)`` in one
+    node instead of five (a split, three reshapes, :class:`_RotaryFn`), and a backward that
+    rotates ``dq``/``dk`` back straight into their columns of ``dqkv`` and copies ``dv`` beside
+    them: the split's backward would concatenate the three into a new tensor. ``v`` is returned
+    as a view of ``qkv`` (nothing downstream writes to it)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+        heads: tuple[int, int, int], tables: RopeTables | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = split_heads(qkv, heads)
+        q_out, k_out = q.new_empty(q.shape), k.new_empty(k.shape)
+        # (no tables given: this call's own, gathered on first use and kept for the backward)
+        tables = tables if tables is not None else rope.tables(positions)
+        rope._rotate_into(positions, q, k, q_out, k_out, tables, backward=False)
+        ctx.save_for_backward(positions)
+        ctx.rope, ctx.heads, ctx.tables = rope, heads, tables
+        ctx.qkv_meta = (qkv.shape, qkv.dtype, qkv.device)
+        return q_out, k_out, v
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx, gq: torch.Tensor | None, gk: torch.Tensor | None, gv: torch.Tensor | None
+    ) -> tuple[torch.Tensor, None, None, None, None]:
+        (positions,) = ctx.saved_tensors
+        shape, dtype, device = ctx.qkv_meta
+        dqkv = torch.empty(shape, dtype=dtype, device=device)
+        dq, dk, dv = split_heads(dqkv, ctx.heads)
+        if gq is None:
+            gq = torch.zeros(dq.shape, dtype=dtype, device=device)
+        if gk is None:
+            gk = torch.zeros(dk.shape, dtype=dtype, device=device)
+        ctx.rope._rotate_into(positions, gq, gk, dq, dk, ctx.tables, backward=True)
+        if gv is None:
+            dv.zero_()
+        else:
+            dv.copy_(gv)
+        return dqkv, None, None, None, None

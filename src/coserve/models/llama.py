@@ -18,7 +18,7 @@ from coserve.layers.activation import silu_and_mul
 from coserve.layers.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from coserve.layers.lora import LoRAContext, LoRALinear
 from coserve.layers.norm import AddNorm, RMSNorm
-from coserve.layers.rotary import RotaryEmbedding
+from coserve.layers.rotary import RopeTables, RotaryEmbedding
 from coserve.models.config import ModelConfig
 
 LayerHook = Callable[[int, torch.Tensor], None]
@@ -40,6 +40,9 @@ class ForwardContext:
     layer_hook: LayerHook | None = None
     # ``mlp_hook(i, gate_up)``: layer ``i``'s gate/up projection output [T, 2·intermediate]
     mlp_hook: LayerHook | None = None
+    # RoPE's cos/sin rows at this batch's positions, gathered once for every layer (the trainer's
+    # recompute; ``rotary.tables(positions)``); None: each layer gathers its own
+    rope: RopeTables | None = None
 
 
 class Attention(nn.Module):
@@ -60,20 +63,17 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
     ) -> torch.Tensor:
-        q, k, v = self.project(x, positions, rotary, ctx.lora)
+        q, k, v = self.project(x, positions, rotary, ctx.lora, ctx.rope)
         return self.o_proj(self.attend(q, k, v, ctx), ctx.lora)
 
     def project(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, lora: LoRAContext | None
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, lora: LoRAContext | None,
+        rope: RopeTables | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Token-wise: ``q [T, H, D], k, v [T, KVH, D]`` (RoPE applied) of ``x [T, d]``."""
+        """Token-wise: ``q [T, H, D], k, v [T, KVH, D]`` (RoPE applied) of ``x [T, d]``
+        (``rope``: see :attr:`ForwardContext.rope`)."""
         qkv = self.qkv_proj(x, lora)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(-1, self.num_heads, self.head_dim)
-        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
-        return q, k, v
+        return rotary.split_qkv(positions, qkv, (self.num_heads, self.num_kv_heads, self.head_dim), rope)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The step's attention (writes the rows' KV): ``[T, H·D]`` before ``o_proj``."""
@@ -145,7 +145,7 @@ class DecoderLayer(nn.Module):
 
         hidden, normed: [T, d] -> hidden + attn [T, d], mlp delta [T, d].
         """
-        q, k, v = self.self_attn.project(normed, positions, rotary, ctx.lora)
+        q, k, v = self.self_attn.project(normed, positions, rotary, ctx.lora, ctx.rope)
         return self.finish(self.self_attn.attend(q, k, v, ctx), hidden, ctx.lora, ctx.mlp_hook)
 
     def finish(self, o: torch.Tensor, hidden: torch.Tensor, lora: LoRAContext | None,

@@ -108,6 +108,8 @@ def task_backward(
         raise ValueError(
             f"store must be [L + 1 = {num_layers + 1}, capacity, d], got {list(store.shape)}"
         )
+    # (read only: a store that required grad would pull every gather into the graphs)
+    store = store.detach()
     batch = _task_batch(rows, store.shape[1], store.device)
     picked = batch.picked
     num_targets = int(picked.numel())
@@ -122,7 +124,10 @@ def task_backward(
         block_size=1,
         device=store.device,
     )
-    ctx = ForwardContext(attn=meta, kv_cache=None, lora=lora.context(dropout_key, batch.row_lens))
+    # NOTE: what depends only on the rows (attention layout, LoRA routing, RoPE's cos/sin rows) is
+    # worked out here or on first use, once for the task, and shared by every layer's recompute.
+    ctx = ForwardContext(attn=meta, kv_cache=None, lora=lora.context(dropout_key, batch.row_lens),
+                         rope=model.rotary.tables(batch.positions))
 
     def boundary(layer: int) -> None:
         if at_layer_boundary is not None:
@@ -131,7 +136,7 @@ def task_backward(
     with torch.enable_grad():
         # Only the target positions reach the LM head, LOSS_CHUNK of them at a time: a pause
         # can come between chunks, and the logits never exceed [LOSS_CHUNK, V].
-        final = store[num_layers, batch.tokens].detach().requires_grad_(True)
+        final = store[num_layers].index_select(0, batch.tokens).requires_grad_(True)
         # NOTE: summed on the device and read once at the end: reading each chunk's loss would
         # make the CPU wait for the GPU before it queues the layers' work.
         loss_total = torch.zeros((), dtype=torch.float64, device=store.device)
@@ -155,7 +160,7 @@ def task_backward(
             layer = cast(DecoderLayer, model.model.layers[layer_idx])
             assert grad is not None
             boundary(layer_idx)
-            x = store[layer_idx, batch.tokens].detach()
+            x = store[layer_idx].index_select(0, batch.tokens)
             if layer_idx > 0:
                 x.requires_grad_(True)
             h = layer.attention_half(x, batch.positions, model.rotary, ctx)
@@ -203,22 +208,25 @@ def _untrained_mlp_input_grad(
     """
     parts = []
     mlp = layer.mlp
+    norm, down_w, gate_up_w = layer.post_attention_layernorm, mlp.down_proj.weight, mlp.gate_up_proj.weight
+    # (one piece, the usual case: the tensors themselves, no slicing per use)
+    pieces = ([(h, grad, tokens)] if h.shape[0] <= MLP_CHUNK else
+              list(zip(h.split(MLP_CHUNK), grad.split(MLP_CHUNK), tokens.split(MLP_CHUNK), strict=True)))
     with torch.no_grad():
-        for start in range(0, h.shape[0], MLP_CHUNK):
-            piece = slice(start, start + MLP_CHUNK)
+        for h_p, grad_p, tokens_p in pieces:
             if mlp_store is not None:
-                gate_up = mlp_store[layer_idx, tokens[piece]]
+                gate_up = mlp_store[layer_idx].index_select(0, tokens_p)
             else:
-                gate_up = mlp.gate_up_proj(layer.post_attention_layernorm(h[piece]), None)
+                gate_up = mlp.gate_up_proj(norm(h_p), None)
                 boundary(layer_idx)
             # ∂loss/∂h through mlp(post_attention_layernorm(h)): down and gate_up transposed,
             # the SwiGLU and RMSNorm backwards; no other forward matmul is needed.
-            d_gate_up = silu_and_mul_backward(gate_up, grad[piece] @ mlp.down_proj.weight)
+            d_gate_up = silu_and_mul_backward(gate_up, grad_p @ down_w)
             del gate_up
             boundary(layer_idx)
-            d_normed = d_gate_up @ mlp.gate_up_proj.weight
+            d_normed = d_gate_up @ gate_up_w
             del d_gate_up
-            parts.append(grad[piece] + rms_norm_backward(h[piece], layer.post_attention_layernorm, d_normed))
+            parts.append(grad_p + rms_norm_backward(h_p, norm, d_normed))
             del d_normed
             boundary(layer_idx)
     return parts[0] if len(parts) == 1 else torch.cat(parts)

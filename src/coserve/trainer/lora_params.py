@@ -16,11 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from coserve.layers.lora import LoRAContext, dropout_mask, row_dropout_key
+from coserve.layers.lora import LoRAContext, dropout_uniform, keep_mask, row_dropout_key
 from coserve.models.peft_adapter import LORA_TARGETS, LoraAdapter
 
 StacksFn = Callable[[int, str], tuple[torch.Tensor, torch.Tensor]]
@@ -35,6 +36,20 @@ class _Slice:
     a_shape: tuple[int, int]  # [r, in]
     b_off: int
     b_shape: tuple[int, int]  # [out, r]
+
+
+@dataclass(frozen=True)
+class LinearGroup:
+    """The trained targets of one linear of one layer: ``flat[start:end]`` holds their A/B back
+    to back. ``leaf`` is a leaf view of that span (its ``.grad`` a view of ``flat.grad``), so
+    the linear's autograd node takes ONE weight input, unpacks it without autograd and returns
+    its gradient whole; ``layout[i] = (a_off, a_shape, b_off, b_shape)`` of target ``i``,
+    offsets from ``start``."""
+
+    start: int
+    end: int
+    leaf: torch.Tensor
+    layout: tuple[tuple[int, tuple[int, int], int, tuple[int, int]], ...]
 
 
 class TrainableLoRA:
@@ -75,10 +90,11 @@ class TrainableLoRA:
         self.flat = torch.zeros(off, dtype=torch.float32, device=device)
         self.load_adapter(adapter)
         self.flat.requires_grad_(True)
-        # NOTE: autograd runs through one leaf per layer (a view of `flat`'s storage) whose
-        # `.grad` is a view of `flat.grad`: every layer's gradient lands in place in the flat
-        # buffer. Differentiating through slices of `flat` itself would make each slice's
-        # backward allocate, zero and add a full-size [P] gradient (8 per layer for q/k/v/o).
+        # NOTE: autograd runs through leaves that are views of `flat`'s storage, whose `.grad`
+        # is a view of `flat.grad`: every layer's gradient lands in place in the flat buffer.
+        # Differentiating through slices of `flat` itself would make each slice's backward
+        # allocate, zero and add a full-size [P] gradient (8 per layer for q/k/v/o). One leaf per
+        # layer here (the dropout path's); the linears' own leaves in `linear_group`.
         self._layer_spans: list[tuple[int, int]] = []
         for layer in range(self.num_layers):
             pairs = [self._slices[(layer, t)] for t in self.target_modules if (layer, t) in self._slices]
@@ -87,6 +103,8 @@ class TrainableLoRA:
             self._layer_spans.append((start, end))
         storage = self.flat.detach()
         self._leaves = [storage[s:e].requires_grad_(True) for s, e in self._layer_spans]
+        # The same per linear (its trained targets' span), made on first use: see `linear_group`.
+        self._groups: dict[tuple[int, tuple[str, ...]], LinearGroup | None] = {}
         self._bound_grad: torch.Tensor | None = None
 
     @property
@@ -118,6 +136,9 @@ class TrainableLoRA:
         if grad is not self._bound_grad:
             for (s, e), leaf in zip(self._layer_spans, self._leaves, strict=True):
                 leaf.grad = grad[s:e]
+            for group in self._groups.values():
+                if group is not None:
+                    group.leaf.grad = grad[group.start : group.end]
             self._bound_grad = grad
 
     def layer_weights(self, layer: int, dtype: torch.dtype) -> torch.Tensor:
@@ -134,6 +155,28 @@ class TrainableLoRA:
             t: (parts[2 * i].view(s.a_shape), parts[2 * i + 1].view(s.b_shape))
             for i, (t, s) in enumerate(pairs)
         }
+
+    def linear_group(self, layer: int, names: tuple[str, ...]) -> LinearGroup | None:
+        """The targets ``names`` of ``layer`` (one linear's trained slices, in its order) as a
+        :class:`LinearGroup`: their own leaf over their span of ``flat``, or None when their
+        A/B do not sit back to back there in that order (made once, then cached)."""
+        key = (layer, names)
+        if key not in self._groups:
+            slices = [self._slices[(layer, n)] for n in names]
+            start, off, layout = slices[0].a_off, slices[0].a_off, []
+            for sl in slices:
+                a_size, b_size = sl.a_shape[0] * sl.a_shape[1], sl.b_shape[0] * sl.b_shape[1]
+                if sl.a_off != off or sl.b_off != off + a_size:
+                    self._groups[key] = None
+                    break
+                layout.append((sl.a_off - start, sl.a_shape, sl.b_off - start, sl.b_shape))
+                off += a_size + b_size
+            else:
+                leaf = self.flat.detach()[start:off].requires_grad_(True)
+                if self._bound_grad is not None:
+                    leaf.grad = self._bound_grad[start:off]
+                self._groups[key] = LinearGroup(start, off, leaf, tuple(layout))
+        return self._groups[key]
 
     def to_adapter(self, base_model_name_or_path: str | None = None) -> LoraAdapter:
         """An fp32 CPU copy of the current weights (for ``save_peft_adapter``)."""
@@ -226,6 +269,14 @@ class TrainableLoRA:
         return _TrainingLoRA(self, key, None if row_lens is None else tuple(row_lens))
 
 
+class _Route(NamedTuple):
+    """How :meth:`_TrainingLoRA.linear` serves one linear (see :meth:`_TrainingLoRA._route`)."""
+
+    names: list[str]
+    spans: tuple[tuple[int, int], ...]
+    group: LinearGroup | None
+
+
 class _TrainingLoRA:
     """:meth:`TrainableLoRA.context`'s LoRA context."""
 
@@ -234,6 +285,10 @@ class _TrainingLoRA:
         self.key = key
         self.row_lens = row_lens
         self._cast: tuple[int, torch.dtype, dict[str, tuple[torch.Tensor, torch.Tensor]]] | None = None
+        # (layer, first output slice) -> the trained targets among the linear's slices, their
+        # column spans and their LinearGroup: the routing of a linear, worked out on its first call
+        # of the task (keyed by the first slice: a layer's linears have distinct ones)
+        self._routes: dict[tuple[int, str], _Route] = {}
 
     def _weights(self, layer: int, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """The layer's A/B, cast and split once per layer (q/k/v/o share one cast node)."""
@@ -265,26 +320,44 @@ class _TrainingLoRA:
     ) -> torch.Tensor:
         """``x @ weight.T + bias`` plus the LoRA output of every trained target among
         ``out_slices`` (name -> output size, in order): one autograd node
-        (:class:`_LoRALinearFn`, the targets sharing one shrink matmul) without dropout; the
-        base plus a per-target delta with it (each target masks its input differently)."""
-        names = [n for n in out_slices if self.lora.trains(layer, n)]
+        (:class:`_LoRAGroupLinearFn` over the linear's :class:`LinearGroup` leaf, else
+        :class:`_LoRALinearFn`; the targets sharing one shrink matmul) without dropout; the base
+        plus a per-target delta with it (each target masks its input differently)."""
+        names, spans, group = self._route(layer, out_slices)
         if not names:
             return F.linear(x, weight, bias)
         if self.key is not None:
             delta = self._delta(layer, out_slices, x)
             y = F.linear(x, weight, bias)
             return y if delta is None else y + delta
+        out: torch.Tensor
+        if group is not None:
+            # NOTE: the linear's own fp32 leaf, cast and unpacked inside the node: the per-layer
+            # cast, split, eight views and A concatenation cost eleven autograd nodes per layer
+            # (bf16), more than the rest of the attention half's graph on CUDA.
+            out = _LoRAGroupLinearFn.apply(x, weight, bias, group.leaf, self.lora.scaling, spans, group.layout)
+            return out
         ab = self._weights(layer, x.dtype)
         a_all = torch.cat([ab[n][0] for n in names]) if len(names) > 1 else ab[names[0]][0]
-        spans, off = [], 0
-        for n, size in out_slices.items():
-            if n in names:
-                spans.append((off, size))
-            off += size
-        out: torch.Tensor = _LoRALinearFn.apply(
-            x, weight, bias, a_all, self.lora.scaling, tuple(spans), *[ab[n][1] for n in names]
-        )
+        out = _LoRALinearFn.apply(x, weight, bias, a_all, self.lora.scaling, spans, *[ab[n][1] for n in names])
         return out
+
+    def _route(self, layer: int, out_slices: dict[str, int]) -> _Route:
+        """The trained targets among ``out_slices`` (in order), their ``(offset, size)`` column
+        spans in the linear's output and their :class:`LinearGroup` (None if none or not one
+        span); worked out once per linear and task."""
+        key = (layer, next(iter(out_slices)))
+        route = self._routes.get(key)
+        if route is None:
+            names = [n for n in out_slices if self.lora.trains(layer, n)]
+            spans, off = [], 0
+            for n, size in out_slices.items():
+                if n in names:
+                    spans.append((off, size))
+                off += size
+            group = self.lora.linear_group(layer, tuple(names)) if names else None
+            route = self._routes[key] = _Route(names, tuple(spans), group)
+        return route
 
     def _delta(self, layer: int, out_slices: dict[str, int], x: torch.Tensor) -> torch.Tensor | None:
         """The LoRA output ``(drop(x) @ A.T) @ B.T · scaling`` of the targets ``out_slices``
@@ -310,19 +383,12 @@ class _TrainingLoRA:
         if sum(lens) != x.shape[0]:
             raise ValueError(f"row_lens sum to {sum(lens)} but the batch has {x.shape[0]} tokens")
         lora = self.lora
-        masks = [
-            dropout_mask(
-                lora.seed,
-                row_dropout_key(self.key, i),
-                layer,
-                target,
-                (n, x.shape[1]),
-                lora.dropout,
-                x.device,
-            )
+        # = cat(dropout_mask(...) of each row), the keep test and scaling done once for all rows
+        u = [
+            dropout_uniform(lora.seed, row_dropout_key(self.key, i), layer, target, (n, x.shape[1]), x.device)
             for i, n in enumerate(lens)
         ]
-        return torch.cat(masks) if len(masks) != 1 else masks[0]
+        return keep_mask(torch.cat(u) if len(u) != 1 else u[0], lora.dropout)
 
 
 class _LoRALinearFn(torch.autograd.Function):
@@ -332,6 +398,7 @@ class _LoRALinearFn(torch.autograd.Function):
     ``dx = dy W + s · t A``, ``dA = s · tᵀ x``, ``dB_i = s · dy_iᵀ (x A_iᵀ)``.
 
     x: [T, in]; weight: [out, in]; a_all: [k·r, in] (the targets' A stacked); bs: k × [out_i, r].
+    (:class:`_LoRAGroupLinearFn` is the same with A/B taken from one tensor.)
     """
 
     @staticmethod
@@ -345,10 +412,7 @@ class _LoRALinearFn(torch.autograd.Function):
         spans: tuple[tuple[int, int], ...],
         *bs: torch.Tensor,
     ) -> torch.Tensor:
-        y = F.linear(x, weight, bias)
-        xa = x @ a_all.T
-        for (off, size), part, b in zip(spans, xa.split(a_all.shape[0] // len(bs), dim=1), bs, strict=True):
-            y[:, off : off + size] += (part @ b.T) * scaling
+        y, xa = _lora_linear(x, weight, bias, a_all, bs, scaling, spans)
         ctx.save_for_backward(x, weight, a_all, xa, *bs)
         ctx.scaling = scaling
         ctx.spans = spans
@@ -358,13 +422,116 @@ class _LoRALinearFn(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         x, weight, a_all, xa, *bs = ctx.saved_tensors
         s: float = ctx.scaling
-        spans: tuple[tuple[int, int], ...] = ctx.spans
-        dys = [dy[:, off : off + size] for off, size in spans]
-        t = torch.cat([g @ b for g, b in zip(dys, bs, strict=True)], dim=1)
-        dx = dy @ weight if ctx.needs_input_grad[0] else None
-        if dx is not None:
-            dx.addmm_(t, a_all, alpha=s)
-        da = (t.T @ x) * s
-        parts = xa.split(a_all.shape[0] // len(bs), dim=1)
-        dbs = [(g.T @ part) * s for g, part in zip(dys, parts, strict=True)]
+        dx, t, dys = _lora_linear_dx(dy, weight, a_all, bs, s, ctx.spans, ctx.needs_input_grad[0])
+        da = torch.mm(t.t(), x).mul_(s)
+        parts = xa.chunk(len(bs), dim=1) if len(bs) > 1 else (xa,)
+        dbs = [torch.mm(g.t(), part).mul_(s) for g, part in zip(dys, parts, strict=True)]
         return (dx, None, None, da, None, None, *dbs)
+
+
+class _LoRAGroupLinearFn(torch.autograd.Function):
+    """:class:`_LoRALinearFn` with the targets' A/B in one fp32 tensor ``leaf`` (a
+    :class:`LinearGroup`'s, ``layout`` as there): it is cast to ``x``'s dtype and unpacked
+    inside the node, and its gradient comes back whole, one ``cat`` of the pieces in ``flat``'s
+    order (what the split's backward did), one scaling for all of them, one cast to fp32.
+
+    NOTE: every value is rounded where :class:`_LoRALinearFn` rounds it (the scaling applies to
+    each product elementwise, wherever it happens), so the gradients are the same bit for bit.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        leaf: torch.Tensor,
+        scaling: float,
+        spans: tuple[tuple[int, int], ...],
+        layout: tuple[tuple[int, tuple[int, int], int, tuple[int, int]], ...],
+    ) -> torch.Tensor:
+        w = leaf.to(x.dtype)
+        a_all, bs = _unpack_group(w, layout)
+        y, xa = _lora_linear(x, weight, bias, a_all, bs, scaling, spans)
+        ctx.save_for_backward(x, weight, w, a_all, xa)
+        ctx.scaling = scaling
+        ctx.spans = spans
+        ctx.layout = layout
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        x, weight, w, a_all, xa = ctx.saved_tensors
+        s: float = ctx.scaling
+        layout = ctx.layout
+        _, bs = _unpack_group(w, layout, stack_a=False)
+        dx, t, dys = _lora_linear_dx(dy, weight, a_all, bs, s, ctx.spans, ctx.needs_input_grad[0])
+        da = torch.mm(t.t(), x).view(-1)  # [k·r·in]: A_i's gradient is its i-th chunk
+        das = da.chunk(len(bs)) if len(bs) > 1 else (da,)
+        parts = xa.chunk(len(bs), dim=1) if len(bs) > 1 else (xa,)
+        pieces = []
+        for da_i, g, part in zip(das, dys, parts, strict=True):
+            pieces += [da_i, torch.mm(g.t(), part).view(-1)]
+        dw = torch.cat(pieces).mul_(s).to(torch.float32)
+        return (dx, None, None, dw, None, None, None)
+
+
+def _unpack_group(
+    w: torch.Tensor, layout: tuple[tuple[int, tuple[int, int], int, tuple[int, int]], ...], stack_a: bool = True
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``(A stacked [k·r, in], [B_i [out_i, r]])`` of a :class:`LinearGroup`'s span ``w`` (1-D,
+    contiguous; ``stack_a=False``: the A stack is not made, the first value is ``w``).
+
+    NOTE: each piece is one ``as_strided`` view (a slice and a ``view`` would be two ops)."""
+    base = w.storage_offset()
+    bs = [w.as_strided(b_shape, (b_shape[1], 1), base + b_off) for _, _, b_off, b_shape in layout]
+    if not stack_a:
+        return w, bs
+    a_s = [w.as_strided(a_shape, (a_shape[1], 1), base + a_off) for a_off, a_shape, _, _ in layout]
+    return (torch.cat(a_s) if len(a_s) > 1 else a_s[0]), bs
+
+
+def _lora_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a_all: torch.Tensor,
+    bs: Sequence[torch.Tensor], scaling: float, spans: tuple[tuple[int, int], ...],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward of :class:`_LoRALinearFn`: ``(y, x A_allᵀ)``.
+
+    NOTE: every product is rounded where the plain formula rounds it (the matmul, then its
+    scaling, then the add), so the values are those of the per-op version bit for bit; the host
+    cost is cut elsewhere: targets whose columns sit side by side (q/k/v all trained) are scaled
+    and added as one ``cat`` (three kernels instead of six, nine ops instead of fifteen), the
+    others added in place into ``narrow`` views (a slice assignment is an extra slice and a
+    self-``copy_``); no one-piece ``split`` for a single target (``o_proj``); scalings in place.
+    """
+    y = F.linear(x, weight, bias)
+    xa = torch.mm(x, a_all.t())
+    if len(bs) == 1:
+        (off, size), b = spans[0], bs[0]
+        (y if size == y.shape[1] else y.narrow(1, off, size)).add_(torch.mm(xa, b.t()).mul_(scaling))
+        return y, xa
+    parts = xa.chunk(len(bs), dim=1)
+    first, (last, last_size) = spans[0][0], spans[-1]
+    if last + last_size - first == sum(size for _, size in spans):  # side by side
+        delta = torch.cat([torch.mm(part, b.t()) for part, b in zip(parts, bs, strict=True)], dim=1)
+        out = y if delta.shape[1] == y.shape[1] else y.narrow(1, first, delta.shape[1])
+        out.add_(delta.mul_(scaling))
+        return y, xa
+    for (off, size), part, b in zip(spans, parts, bs, strict=True):
+        y.narrow(1, off, size).add_(torch.mm(part, b.t()).mul_(scaling))
+    return y, xa
+
+
+def _lora_linear_dx(
+    dy: torch.Tensor, weight: torch.Tensor, a_all: torch.Tensor, bs: Sequence[torch.Tensor], s: float,
+    spans: tuple[tuple[int, int], ...], needs_dx: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor, list[torch.Tensor]]:
+    """The backward's shared part: ``(dx or None, t = [dy_i B_i]_i, [dy_i])`` (no one-piece
+    ``cat`` for a single target)."""
+    dys = [dy if size == dy.shape[1] else dy.narrow(1, off, size) for off, size in spans]
+    ts = [torch.mm(g, b) for g, b in zip(dys, bs, strict=True)]
+    t = torch.cat(ts, dim=1) if len(ts) > 1 else ts[0]
+    dx = torch.mm(dy, weight) if needs_dx else None
+    if dx is not None:
+        dx.addmm_(t, a_all, alpha=s)
+    return dx, t, dys

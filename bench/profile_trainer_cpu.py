@@ -1,0 +1,274 @@
+"""Host (CPU) cost of the trainer's layer-wise recompute backward, per decoder layer.
+
+``task_backward`` on a tiny Llama on the CPU (hidden 64 by default: the matmuls cost next to
+nothing, so the time measured is dispatch and Python overhead, what the host spends per layer on
+the H200 as well). The layer boundaries that ``task_backward`` already calls
+(``at_layer_boundary``) cut each layer into its parts without touching the code under test:
+
+* ``attn_fwd``: before the attention recompute -> after it (the layer input's gather included);
+* ``mlp``: after the attention recompute -> before the attention backward (a trained MLP's
+  recompute and backward, or an untrained one's hand-written backward);
+* ``attn_bwd``: before the attention backward -> the next layer's first boundary (or the end).
+
+Per part: the median host time over ``--reps`` runs (CPU time of the calling thread, one
+intra-op thread: the VM's scheduling noise stays out), the aten ops dispatched (counted with a
+``TorchDispatchMode`` in a separate run: the ops below autograd, each one dispatch and, for the
+non-view ones, about one kernel launch on the GPU) and the autograd nodes of the graph each
+``torch.autograd.backward`` walks. Last, the loss and a hash of the gradient of one task: a
+change meant to keep the results bit for bit must keep both.
+
+NOTE: on the CPU the attention runs one SDPA call per row length and the torch RMSNorm/RoPE
+ops; on CUDA (bf16) one varlen flash call and the fused kernels. ``--same-len`` (one SDPA call)
+comes closer to the CUDA path's op count.
+
+    .venv/bin/python bench/profile_trainer_cpu.py [--same-len] [--dtype bfloat16] [--ops] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import statistics
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from coserve.bench.provenance import provenance
+from coserve.models.config import ModelConfig
+from coserve.models.llama import LlamaForCausalLM
+from coserve.models.loader import init_dummy_weights
+from coserve.models.peft_adapter import new_lora_adapter
+from coserve.trainer.backward import TaskRow, task_backward
+from coserve.trainer.lora_params import TrainableLoRA
+
+PARTS = ("attn_fwd", "mlp", "attn_bwd")
+CLOCK = time.thread_time_ns
+
+
+def build(args: argparse.Namespace) -> tuple[LlamaForCausalLM, TrainableLoRA, torch.Tensor, list[TaskRow], torch.Tensor | None]:
+    cfg = ModelConfig.from_hf({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": args.hidden, "intermediate_size": 2 * args.hidden,
+        "num_hidden_layers": args.layers, "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads,
+        "vocab_size": 256, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+    })
+    dtype = getattr(torch, args.dtype)
+    model = LlamaForCausalLM(cfg, num_lora_slots=1, max_lora_rank=args.rank, dtype=dtype)
+    init_dummy_weights(model, 0)
+    targets = tuple(args.targets.split(","))
+    adapter = new_lora_adapter(num_layers=cfg.num_layers, shapes=cfg.linear_shapes(), rank=args.rank,
+                               alpha=2 * args.rank, target_modules=targets, seed=0)
+    with torch.no_grad():  # B != 0, as after the first optimizer steps
+        gen = torch.Generator().manual_seed(1)
+        for _, b in adapter.weights.values():
+            b.copy_(torch.randn(b.shape, generator=gen) * 0.05)
+    lora = TrainableLoRA(adapter, dropout=args.dropout, seed=0)
+    rng = random.Random(args.seed)
+    # NOTE: rows of one length run the CPU's attention as one SDPA call, as the varlen flash call
+    # does on CUDA for rows of any lengths; rows of many lengths add a call per length here.
+    lens = [args.max_len if args.same_len else rng.randint(args.min_len, args.max_len) for _ in range(args.rows)]
+    rows, off = [], 0
+    for n in lens:
+        ids = [rng.randrange(256) for _ in range(n)]
+        rows.append(TaskRow(off, tuple([-100] * (n // 4) + ids[n // 4 :])))
+        off += n
+    gen = torch.Generator().manual_seed(2)
+    store = torch.randn((cfg.num_layers + 1, off, cfg.hidden_size), generator=gen).to(dtype)
+    mlp_store = None
+    if args.mlp_store:
+        mlp_store = torch.randn((cfg.num_layers, off, 2 * cfg.intermediate_size), generator=gen).to(dtype)
+    return model, lora, store, rows, mlp_store
+
+
+class Segments:
+    """``at_layer_boundary`` that names the part of the backward running since the last call."""
+
+    def __init__(self, num_layers: int, on_switch: Callable[[tuple[int, str]], None] | None = None) -> None:
+        self.num_layers = num_layers
+        self.on_switch = on_switch
+        self.marks: list[tuple[int, int]] = []  # (layer, CLOCK())
+        self.current: tuple[int, str] = (num_layers, "loss")
+
+    def __call__(self, layer: int) -> None:
+        self.marks.append((layer, CLOCK()))
+        if layer == self.num_layers:
+            self.current = (layer, "loss")
+        else:
+            seen = sum(1 for m, _ in self.marks if m == layer)  # boundaries of this layer so far
+            # 1: before the attention recompute; 2: after it; the last one (not known yet) comes
+            # before the attention backward and is re-labelled by `switch_to_backward`
+            self.current = (layer, "attn_fwd" if seen == 1 else "mlp")
+        if self.on_switch is not None:
+            self.on_switch(self.current)
+
+    def switch_to_backward(self) -> None:
+        layer = self.current[0]
+        self.current = (layer, "attn_bwd")
+        if self.on_switch is not None:
+            self.on_switch(self.current)
+
+    def split(self, end_ns: int) -> dict[tuple[int, str], float]:
+        """Seconds per (layer, part) from the recorded marks."""
+        by_layer: dict[int, list[int]] = defaultdict(list)
+        for layer, t in self.marks:
+            by_layer[layer].append(t)
+        out: dict[tuple[int, str], float] = {}
+        for layer in range(self.num_layers):
+            marks = by_layer[layer]
+            nxt = by_layer[layer - 1][0] if layer > 0 else end_ns
+            out[(layer, "attn_fwd")] = (marks[1] - marks[0]) / 1e9
+            out[(layer, "mlp")] = (marks[-1] - marks[1]) / 1e9
+            out[(layer, "attn_bwd")] = (nxt - marks[-1]) / 1e9
+        return out
+
+
+def time_parts(model: LlamaForCausalLM, lora: TrainableLoRA, store: torch.Tensor, rows: list[TaskRow],
+               mlp_store: torch.Tensor | None, args: argparse.Namespace) -> dict[tuple[int, str], float]:
+    samples: dict[tuple[int, str], list[float]] = defaultdict(list)
+    for rep in range(args.warmup + args.reps):
+        seg = Segments(len(model.model.layers))
+        task_backward(model, lora, store, rows, dropout_key=7, at_layer_boundary=seg, mlp_store=mlp_store)
+        end = CLOCK()
+        if rep >= args.warmup:
+            for key, s in seg.split(end).items():
+                samples[key].append(s)
+    return {key: statistics.median(v) for key, v in samples.items()}
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.where: tuple[int, str] = (-1, "")
+        self.counts: dict[tuple[int, str], Counter[str]] = defaultdict(Counter)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.counts[self.where][str(func.overloadpacket.__name__)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _graph_nodes(roots: Any) -> int:
+    """Autograd nodes reachable from ``roots``' ``grad_fn`` (AccumulateGrad leaves included)."""
+    tensors = [roots] if isinstance(roots, torch.Tensor) else list(roots)
+    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack.extend(n for n, _ in node.next_functions)
+    return len(seen)
+
+
+def count_parts(model: LlamaForCausalLM, lora: TrainableLoRA, store: torch.Tensor, rows: list[TaskRow],
+                mlp_store: torch.Tensor | None) -> tuple[dict[tuple[int, str], Counter[str]], dict[tuple[int, str], int]]:
+    counter = _OpCounter()
+    nodes: dict[tuple[int, str], int] = Counter()
+    seg = Segments(len(model.model.layers), on_switch=lambda w: setattr(counter, "where", w))
+    original = torch.autograd.backward
+
+    def backward(tensors: Any, grad_tensors: Any = None, *a: Any, **kw: Any) -> None:
+        layer, part = seg.current
+        if part == "mlp" and lora_trains_mlp(layer) and nodes.get((layer, "mlp"), 0) == 0:
+            nodes[(layer, "mlp")] += _graph_nodes(tensors)
+        elif part == "mlp" or part == "attn_bwd":
+            # the attention backward: the last boundary of the layer came before it
+            seg.switch_to_backward()
+            nodes[(layer, "attn_bwd")] += _graph_nodes(tensors)
+        original(tensors, grad_tensors, *a, **kw)
+
+    def lora_trains_mlp(layer: int) -> bool:
+        return any(lora.trains(layer, t) for t in ("gate_proj", "up_proj", "down_proj"))
+
+    torch.autograd.backward = backward  # type: ignore[assignment]
+    try:
+        with counter:
+            task_backward(model, lora, store, rows, dropout_key=7, at_layer_boundary=seg, mlp_store=mlp_store)
+    finally:
+        torch.autograd.backward = original
+    return counter.counts, dict(nodes)
+
+
+def result_digest(model: LlamaForCausalLM, lora: TrainableLoRA, store: torch.Tensor, rows: list[TaskRow],
+                  mlp_store: torch.Tensor | None) -> tuple[float, str]:
+    """The loss and a hash of the gradient bytes of one task from a zero gradient: a change that
+    keeps the results bit for bit keeps both (same machine, same thread count)."""
+    assert lora.flat.grad is not None
+    lora.flat.grad.zero_()
+    out = task_backward(model, lora, store, rows, dropout_key=7, mlp_store=mlp_store)
+    return out.loss_sum, hashlib.sha256(lora.flat.grad.numpy().tobytes()).hexdigest()[:16]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's dtype")
+    p.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj")
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--rows", type=int, default=8)
+    p.add_argument("--min-len", type=int, default=4)
+    p.add_argument("--max-len", type=int, default=24)
+    p.add_argument("--same-len", action="store_true",
+                   help="every row --max-len tokens long: one SDPA call per layer, like CUDA's varlen call")
+    p.add_argument("--mlp-store", action="store_true", help="pass the saved gate/up outputs (as the engine keeps)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steadier host timings)")
+    p.add_argument("--ops", action="store_true", help="also list the aten ops of each part of one layer")
+    p.add_argument("--json", default=None, help="write the figures with provenance as JSON here")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+
+    model, lora, store, rows, mlp_store = build(args)
+    num_layers = len(model.model.layers)
+    times = time_parts(model, lora, store, rows, mlp_store, args)
+    counts, nodes = count_parts(model, lora, store, rows, mlp_store)
+    loss, digest = result_digest(model, lora, store, rows, mlp_store)
+
+    lens = [len(r.labels) for r in rows]
+    print(f"{num_layers} layers, {args.dtype}, hidden {args.hidden}, heads {args.heads}/{args.kv_heads}, rank {args.rank}, "
+          f"targets {args.targets}, dropout {args.dropout}, rows {lens} ({sum(lens)} tokens, "
+          f"{len(set(lens))} lengths), median of {args.reps}")
+    print(f"{'layer':>5} {'part':>9} {'host ms':>8} {'aten ops':>9} {'ag nodes':>9}")
+    per_layer: list[dict[str, Any]] = []
+    for layer in range(num_layers - 1, -1, -1):
+        for part in PARTS:
+            key = (layer, part)
+            ops = sum(counts.get(key, Counter()).values())
+            print(f"{layer:>5} {part:>9} {times[key] * 1e3:8.3f} {ops:9d} {nodes.get(key, 0):9d}")
+            per_layer.append({"layer": layer, "part": part, "host_ms": times[key] * 1e3, "aten_ops": ops,
+                              "autograd_nodes": nodes.get(key, 0)})
+    layers = range(num_layers)
+    mean = {part: statistics.fmean(times[(layer, part)] for layer in layers) * 1e3 for part in PARTS}
+    mean_ops = {part: statistics.fmean(sum(counts.get((layer, part), Counter()).values()) for layer in layers)
+                for part in PARTS}
+    mean_nodes = {part: statistics.fmean(nodes.get((layer, part), 0) for layer in layers) for part in PARTS}
+    print("mean per layer: " + ", ".join(f"{part} {mean[part]:.3f} ms / {mean_ops[part]:.1f} ops" for part in PARTS)
+          + f"; layer total {sum(mean.values()):.3f} ms; attn_bwd autograd nodes {mean_nodes['attn_bwd']:.1f}")
+    print(f"loss {loss!r}, gradient sha256 {digest}")
+    # the ops of a layer past the first one processed (that one also makes the task's one-off tables)
+    shown = max(num_layers - 2, 0)
+    if args.ops:
+        for part in PARTS:
+            print(f"-- layer {shown} {part}: " + ", ".join(f"{n} {c}" for n, c in counts[(shown, part)].most_common()))
+    if args.json:
+        figures = {"row_lens": lens, "parts": per_layer, "mean_host_ms": mean, "mean_aten_ops": mean_ops,
+                   "mean_autograd_nodes": mean_nodes, "loss_sum": loss, "grad_sha256": digest, "ops_layer": shown,
+                   "ops": {part: dict(counts[(shown, part)]) for part in PARTS}}
+        with open(args.json, "w") as f:
+            json.dump({**provenance(), "config": vars(args), "figures": figures}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
