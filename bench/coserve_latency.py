@@ -29,7 +29,7 @@ from typing import Any
 from speed_common import LLAMA3_8B, TINY, add_trace_args, provenance, trace_scaling, write_model_dir
 
 from coserve.bench.metrics import attainment, latency_summary, percentile
-from coserve.bench.replay import InProcessDriver
+from coserve.bench.replay import STEP_COLUMNS, InProcessDriver
 from coserve.bench.runners import step_table, task_breakdown
 from coserve.bench.workload import Arrival, busiest_window, load_trace
 from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig, SLOConfig
@@ -149,6 +149,16 @@ def span_summary(spans: list[tuple[int, int, float, float]], num_layers: int) ->
     }
 
 
+def longest_steps(steps: list[tuple[Any, ...]], top: int) -> dict[str, list[dict[str, Any]]]:
+    """The ``top`` longest replay steps of each kind, as dicts of :data:`STEP_COLUMNS`."""
+    by_kind: dict[str, list[tuple[Any, ...]]] = {}
+    for step in steps:
+        by_kind.setdefault(str(step[STEP_COLUMNS.index("kind")]), []).append(step)
+    col = STEP_COLUMNS.index("seconds")
+    return {kind: [dict(zip(STEP_COLUMNS, s, strict=True)) for s in sorted(rows, key=lambda r: -r[col])[:top]]
+            for kind, rows in by_kind.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
@@ -235,6 +245,10 @@ def main() -> None:
             "requests": len(ft_only), "interrupted_steps": co.num_interrupted,
             "delay_p50_ms": percentile(ft_only, 50) * 1e3, "delay_p99_ms": percentile(ft_only, 99) * 1e3,
             "ft_only_step_1024_tokens_ms": ft_only_step * 1e3,
+            # where an arrival's wait to enter can come from: the replay's longest steps by kind
+            # (STEP_COLUMNS) and its seconds per step kind and in idle waits
+            "longest_steps": longest_steps(result.steps, 5),
+            "step_seconds": result.step_seconds, "step_counts": result.step_counts,
             "one_layer_ms": ft_only_step / num_layers * 1e3,
             # the sparse requests after the replay: how many arrived during an FT-only step
             "probe": {"requests": len(probes), "during_ft_only": len(ft_only_probe),
