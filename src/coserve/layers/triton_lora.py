@@ -79,11 +79,13 @@ def _shrink_kernel(
         tl.store(v_ptr + ks * s_vk + tok[:, None] * s_vt + offs_r[None, :], acc, mask=valid[:, None])
 
 
-@varying("n_order")
+# NOTE: ``blocks_per_program`` and ``split_k`` follow the step's size (a power of two, or 1, for
+# some sizes but not others): specialized, they would compile new variants in the middle of serving.
+@varying("n_order", "blocks_per_program", "split_k")
 def _expand_kernel(
-    y_ptr, b_ptr, v_ptr, order_ptr, slot_ptr, scale_ptr, bias_ptr, n_order, n_blocks, blocks_per_program,
+    y_ptr, b_ptr, v_ptr, order_ptr, slot_ptr, scale_ptr, bias_ptr, n_order, n_blocks, blocks_per_program, split_k,
     s_yt, s_bs, s_bo, s_vk, s_vt, blk1, blk2, blk3, col1, col2, col3, col4,
-    RANK: tl.constexpr, K_RANK: tl.constexpr, R_PAD: tl.constexpr, SPLIT_K: tl.constexpr,
+    RANK: tl.constexpr, K_RANK: tl.constexpr, R_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -103,7 +105,7 @@ def _expand_kernel(
         # all of the program's column blocks.
         offs_r = tl.arange(0, R_PAD)
         v = tl.zeros([BLOCK_M, R_PAD], tl.float32)
-        for k in tl.static_range(SPLIT_K):
+        for k in range(split_k):
             v += tl.load(v_ptr + k * s_vk + tok[:, None] * s_vt + offs_r[None, :],
                          mask=valid[:, None] & (offs_r < K_RANK)[None, :], other=0.0)
         w_slot = tl.maximum(slot, 0)  # a tile without adapter (storing): any slot's B, times v = 0
@@ -382,8 +384,8 @@ def lora_expand_fused(
     per_program = expand_blocks_per_program(launch.num_tiles, n_blocks, num_sms(y.device), waves)
     jit(_expand_kernel)[(launch.num_tiles, -(-n_blocks // per_program))](
         y, b_all, v, order, token_slots, scales, y if bias is None else bias, order.shape[0], n_blocks, per_program,
-        y.stride(0), b_all.stride(0), b_all.stride(1), v.stride(0), v.stride(1), *bounds,
-        RANK=rank, K_RANK=k_rank, R_PAD=v.shape[2], SPLIT_K=v.shape[0], BLOCK_M=launch.block_m,
+        v.shape[0], y.stride(0), b_all.stride(0), b_all.stride(1), v.stride(0), v.stride(1), *bounds,
+        RANK=rank, K_RANK=k_rank, R_PAD=v.shape[2], BLOCK_M=launch.block_m,
         BLOCK_N=block_n, ACCUMULATE=accumulate, HAS_BIAS=bias is not None, num_warps=num_warps,
     )
 
