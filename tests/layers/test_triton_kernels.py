@@ -22,7 +22,13 @@ if _SKIP is not None:
 from coserve.layers.attention import AttentionMetadata, TorchAttention, write_kv  # noqa: E402
 from coserve.layers.lora import LoRABatch, lora_segments_ref  # noqa: E402
 from coserve.layers.triton_attention import AttentionTuning, TritonAttention, store_kv  # noqa: E402
-from coserve.layers.triton_lora import LoRALaunch, lora_shrink_expand, order_by_slot  # noqa: E402
+from coserve.layers.triton_lora import (  # noqa: E402
+    LoRALaunch,
+    lora_shrink_expand,
+    order_by_slot,
+    routing_tensor,
+    unrouted_order,
+)
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 DTYPES = KERNEL_DTYPES
@@ -125,6 +131,22 @@ def test_lora_matches_reference(dtype: torch.dtype, rank: int, padded: bool) -> 
 
 def test_order_groups_tokens_by_slot_one_slot_per_tile() -> None:
     assert order_by_slot([2, 1, 3, 1], [1, -1, 0, 1], 4) == [3, 4, 5, -1, 0, 1, 6, -1]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_routing_tensor_equals_the_lists(seed: int) -> None:
+    """The tensor the eager steps build equals order_by_slot (+ unrouted_order), rows of length 0,
+    steps without adapters and without unrouted rows included."""
+    rng = random.Random(seed)
+    rows = rng.randint(0, 9)
+    lens = [rng.choice([0, 1, 3, 16, 40]) for _ in range(rows)]
+    slots = [rng.choice([-1, 0, 1, 3]) for _ in range(rows)]
+    for block_m in (4, 16):
+        order = order_by_slot(lens, slots, block_m)
+        got, routed = routing_tensor(lens, slots, block_m)
+        assert got.dtype == torch.int32 and got.tolist() == order and routed == len(order)
+        got, routed = routing_tensor(lens, slots, block_m, unrouted=True)
+        assert got.tolist() == order + unrouted_order(lens, slots, block_m) and routed == len(order)
 
 
 def test_split_k_for_large_steps_only_with_waves() -> None:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Self
 import torch
 import torch.nn.functional as F
 
-from coserve.host_copy import device_tensor
+from coserve.host_copy import to_device
 from coserve.layers.triton_attention import jit, num_sms, varying
 
 if TYPE_CHECKING:
@@ -432,6 +432,37 @@ def unrouted_order(row_lens: list[int], row_slots: list[int], block_m: int) -> l
     return tokens + [-1] * (-len(tokens) % block_m)
 
 
+def routing_tensor(row_lens: Sequence[int], row_slots: Sequence[int], block_m: int,
+                   unrouted: bool = False) -> tuple[torch.Tensor, int]:
+    """``(order, n)``: :func:`order_by_slot` as a host int32 tensor of length ``n``, followed with
+    ``unrouted`` by :func:`unrouted_order`, made from one ``arange`` per row instead of a Python
+    list of every token (a 4,096-token step's list and its copy took 0.44–0.80 ms of host time on
+    the H200's host, with the GPU idle)."""
+    groups: dict[int, list[tuple[int, int]]] = {}
+    start = 0
+    for n, s in zip(row_lens, row_slots, strict=True):
+        if n and (s >= 0 or unrouted):
+            groups.setdefault(s, []).append((start, start + n))
+        start += n
+    pieces: list[torch.Tensor] = []
+
+    def add(spans: list[tuple[int, int]]) -> int:
+        size = 0
+        for lo, hi in spans:
+            pieces.append(torch.arange(lo, hi, dtype=torch.int32))
+            size += hi - lo
+        pad = -size % block_m
+        if pad:
+            pieces.append(torch.full((pad,), -1, dtype=torch.int32))
+        return size + pad
+
+    routed = sum(add(groups[s]) for s in sorted(groups) if s >= 0)
+    if unrouted:
+        add(groups.get(-1, []))
+    order = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int32)
+    return order, routed
+
+
 @dataclass(frozen=True)
 class StoreRouting:
     """The routing of a storing expand (:meth:`ExpandFirstTritonLoRA.whole_linear`): the step's
@@ -471,15 +502,16 @@ class TritonLoRA:
         :data:`SMALL_STEP_TOKENS` tokens, an :class:`ExpandFirstTritonLoRA` with its routing."""
         tokens = batch.seg_starts[-1]
         block_m = block_m_for(tokens)
-        order = order_by_slot(batch.seg_lens, batch.seg_slots, block_m)
         device = batch.token_slots.device
-        launch = LoRALaunch.for_order(len(order), block_m, num_sms(device))
-        first = EXPAND_FIRST and tokens > SMALL_STEP_TOKENS and len(order) > 0
-        rest = unrouted_order(batch.seg_lens, batch.seg_slots, block_m) if first else []
-        routing = device_tensor(order + rest, torch.int32, device)  # one copy for both
+        # (the unrouted tail too when the step may run expand-first: one copy for both)
+        maybe_first = EXPAND_FIRST and tokens > SMALL_STEP_TOKENS
+        host, routed = routing_tensor(batch.seg_lens, batch.seg_slots, block_m, unrouted=maybe_first)
+        launch = LoRALaunch.for_order(routed, block_m, num_sms(device))
+        first = maybe_first and routed > 0
+        routing = to_device(host if first else host[:routed], device)
         if first:
-            store = StoreRouting(routing, replace(launch, num_tiles=len(routing) // block_m))
-            return ExpandFirstTritonLoRA(token_slots=batch.token_slots, order=routing[: len(order)], scales=scales,
+            store = StoreRouting(routing, replace(launch, num_tiles=routing.shape[0] // block_m))
+            return ExpandFirstTritonLoRA(token_slots=batch.token_slots, order=routing[:routed], scales=scales,
                                          launch=launch, store=store)
         return cls(token_slots=batch.token_slots, order=routing, scales=scales, launch=launch)
 
