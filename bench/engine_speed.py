@@ -167,6 +167,10 @@ def bench_prefill(runner: ModelRunner, cfg: dict[str, Any], lengths: list[int], 
     return out
 
 
+PIECE_RUNS = [0]
+"""Steps that ran through the prefill graphs (``--prefill-graphs``), counted for the A/B records."""
+
+
 def ab_rounds(tokens: int) -> int:
     """Base/LoRA rounds of :func:`bench_prefill_ab` at a step of ``tokens`` tokens."""
     return 4 if tokens >= 8192 else 7
@@ -201,9 +205,12 @@ def bench_prefill_ab(runner: ModelRunner, cfg: dict[str, Any], lengths: list[int
             once(base)
             once(lora)
         times: dict[bool, list[float]] = {False: [], True: []}
+        modes: dict[bool, str] = {}
         for _ in range(ab_rounds(tokens)):
-            times[False].append(once(base))
-            times[True].append(once(lora))
+            for adapters, batch in ((False, base), (True, lora)):
+                replays = PIECE_RUNS[0]
+                times[adapters].append(once(batch))
+                modes[adapters] = "prefill graphs" if PIECE_RUNS[0] > replays else "eager"
         flops = prefill_flops(cfg, tokens, rows)
         for adapters, ts in times.items():
             t = statistics.median(ts)
@@ -214,6 +221,7 @@ def bench_prefill_ab(runner: ModelRunner, cfg: dict[str, Any], lengths: list[int
         ratios = [b / a for a, b in zip(times[False], times[True], strict=True)]
         rec: dict[str, Any] = {
             "tokens": tokens, "rows": rows, "base_s": times[False], "lora_s": times[True], "ratio": ratios,
+            "modes": {"base": modes[False], "lora": modes[True]},  # how each kind of step ran
             "overhead": statistics.median(times[True]) / statistics.median(times[False]) - 1,
             "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
         logger.info("lora prefill A/B T=%d: overhead %+.4f, round ratios %s", tokens, rec["overhead"],
@@ -234,6 +242,9 @@ def main() -> None:
     parser.add_argument("--pool-gib", type=float, default=48.0)
     parser.add_argument("--sections", default="check,kernels,decode,prefill,lora")
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU (Triton interpreter)")
+    parser.add_argument("--prefill-graphs", action="store_true",
+                        help="eager steps of up to 2,048 tokens through the piecewise CUDA graphs "
+                             "(engine/prefill_graphs.py; the LoRA section's mid sizes then replay their kernels)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     sections = set(args.sections.split(","))
@@ -249,7 +260,8 @@ def main() -> None:
                         "model_config": model_cfg, "dtype": "float32" if args.smoke else "bfloat16",
                         "block_size": 16, "kv_pool_gib": args.pool_gib, "batches": batches, "contexts": contexts,
                         "prefill_lengths": lengths, "adapters": NUM_ADAPTERS, "rank": RANK,
-                        "attention_backend": "triton", "lora_backend": "triton"}
+                        "attention_backend": "triton", "lora_backend": "triton",
+                        "prefill_graphs": args.prefill_graphs}
     figures: dict[str, Any] = {}
     result["figures"] = figures
     t0 = time.time()
@@ -279,6 +291,16 @@ def main() -> None:
         runner = build_runner(write_model_dir(Path(tmp), model_cfg), args.pool_gib, tuple(batches), device)
     if tuning is not None:
         runner.backend.tuning = tuning  # type: ignore[attr-defined]
+    if args.prefill_graphs:
+        pieces = runner.prefill_graphs = runner.make_prefill_graphs(capture=device == "cuda")
+        pieces.capture_all()
+        real_run = pieces.run
+
+        def counted_run(*a: Any, **k: Any) -> Any:
+            PIECE_RUNS[0] += 1
+            return real_run(*a, **k)
+
+        pieces.run = counted_run  # type: ignore[method-assign]
     figures["weight_bytes"] = weight_bytes(runner)
     if "decode" in sections:
         figures["decode"] = bench_decode(runner, batches, contexts, bw, rng, eager_at=(2048,))

@@ -22,6 +22,8 @@
 #   lora_pinned    the lora job with COSERVE_PINNED_INPUTS=1 (step inputs through pinned memory, no wait)
 #   lora_mid       the LoRA overhead at 512/1,024/2,048-token prefills (co-serving's mixed-step sizes,
 #                  where the shrink splits K)
+#   lora_mid_graphs  lora_mid through the piecewise prefill graphs (--prefill-graphs: the mid-size
+#                  steps replay their LoRA kernels instead of launching them from Python)
 #   lora_waves=N   the lora job with COSERVE_LORA_EXPAND_WAVES=N (0: one column block per expand program)
 #   lora_kernels   bench/lora_kernels.py: the LoRA kernels alone at the 8B linears, by launch setting,
 #                  beside .baseline/triton_lora.py when it is there (carry .baseline)
@@ -111,6 +113,8 @@ job() {
       COSERVE_LORA_SPLIT_WAVES=${1#lora_split=} lora_bench "$1" "$top/engine_lora_split${1#lora_split=}" ;;
     lora_nofork) COSERVE_LORA_FORK=0 lora_bench lora_nofork "$top/engine_lora_nofork" ;;
     lora_mid) lora_bench lora_mid "$top/engine_lora_mid" --lora-prefill 512,1024,2048 ;;
+    lora_mid_graphs) lora_bench lora_mid_graphs "$top/engine_lora_mid_graphs" --lora-prefill 512,1024,2048 \
+      --prefill-graphs ;;
     lora_pinned) COSERVE_PINNED_INPUTS=1 lora_bench lora_pinned "$top/engine_lora_pinned" ;;
     lora_waves=*)  # COSERVE_LORA_EXPAND_WAVES=N: expand programs per SM aimed for
       COSERVE_LORA_EXPAND_WAVES=${1#lora_waves=} lora_bench "$1" "$top/engine_lora_waves${1#lora_waves=}" ;;
