@@ -143,8 +143,8 @@ def case(tokens: int, d_in: int, out_slices: dict[str, int], dtype: torch.dtype,
             launch = LoRALaunch(launch.block_m, launch.num_tiles, split)
 
         def shrink(launch: LoRALaunch = launch, block_k: int = block_k, warps: int = warps) -> torch.Tensor:
-            return triton_lora.lora_shrink_fused(x, a_all, RANK, batch.token_slots, order, launch, block_k=block_k,
-                                                 num_warps=warps)
+            return triton_lora.lora_shrink_fused(x, a_all, RANK, batch.token_slots, order, launch,
+                                                 block_k=block_k or None, num_warps=warps or None)
 
         v = shrink()
         ms = 1e3 * gpu_time(shrink, iters)
@@ -221,9 +221,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="JSON result file")
     parser.add_argument("--tokens", default="16,64,512,2048,4096")
-    parser.add_argument("--shrink", default="0:64:4,1:64:4,2:64:4,4:64:4,2:128:4,2:64:8,4:128:8",
-                        help="shrink settings split:block_k:warps (split 0: the engine's choice; the first is "
-                             "the one the expands read)")
+    parser.add_argument("--shrink", default="0:0:0,1:64:4,2:64:4,4:64:4,2:128:4,2:64:8,4:128:8",
+                        help="shrink settings split:block_k:warps (0: the engine's choice of that value; the "
+                             "first is the one the expands read)")
     parser.add_argument("--waves", default="0,1,2,4,8", help="expand settings (programs per SM aimed for)")
     parser.add_argument("--baseline", type=Path, help="an older triton_lora.py to time beside")
     parser.add_argument("--iters", type=int, default=30)
