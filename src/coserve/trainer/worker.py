@@ -84,6 +84,14 @@ def run_worker(spec: WorkerSpec, tasks: Any, results: Any) -> None:
         raise
 
 
+def _alloc_retries(device: torch.device) -> int:
+    """How often the CUDA caching allocator of ``device`` has freed its cache to retry an
+    allocation so far (0 off CUDA)."""
+    if device.type != "cuda":
+        return 0
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+
+
 class _Worker:
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
@@ -97,6 +105,7 @@ class _Worker:
         self._paused_s = 0.0
         self._gpu_wait_s = 0.0
         self._gate: StreamGate | None = None
+        self._alloc_retries = _alloc_retries(device)
         if spec.gate_flag is not None and device.type == "cuda":
             self._gate = StreamGate.open(spec.gate_flag, device)
         self._anchor: tuple[torch.cuda.Event, float] | None = None
@@ -133,6 +142,15 @@ class _Worker:
                 self._gate.mark(torch.cuda.current_stream(), NOT_IN_TASK)
             except RuntimeError as exc:
                 self._drop_gate(exc)
+        retries = _alloc_retries(self.spec.store.device)
+        if retries > self._alloc_retries:
+            # NOTE: a retry frees the allocator's cached blocks, and freeing device memory waits
+            # for the whole device: for the engine's queued steps, and for a gate that holds this
+            # stream paused until the engine's prefill ends. The trainer's CPU stalls there.
+            logger.warning("trainer: the CUDA caching allocator ran out of cached memory %d time(s) in task %d "
+                           "and freed its cache (each time the device synchronizes); give the trainer more "
+                           "memory or shorter tasks", retries - self._alloc_retries, task.task_id)
+            self._alloc_retries = retries
         spans, lags = self._read_gate_pauses()
         pauses, self._pauses = self._pauses, []
         paused, self._paused_s = self._paused_s, 0.0
