@@ -95,7 +95,7 @@ def test_every_configuration_runs_on_the_same_arrivals(
         assert f["profile"] is None
         steps = f["engine_steps"]
         assert steps["columns"][1:3] == ["kind", "mode"] and steps["rows"], name
-        assert all(r[1] in ("inference", "mixed", "ft-only") and r[3] + r[4] + r[10] > 0 and r[5] > 0
+        assert all(r[1] in ("inference", "mixed", "ft-only", "ft-only-interrupted") and r[3] + r[4] + r[10] > 0 and r[5] > 0
                    for r in steps["rows"])
         assert all((r[10] > 0) == (r[1] != "inference") for r in steps["rows"]), name
         # the parts of a step: scheduling and the forward's enqueue within it; no GPU time on CPU

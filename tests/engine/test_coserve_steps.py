@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -34,8 +35,15 @@ def test_ft_only_step_is_interrupted_by_an_arrival(session) -> None:  # type: ig
         return calls > 2
 
     engine.external_arrivals = arrival_at_layer_two
+    began = time.perf_counter()
     assert engine.step() == []
+    took = time.perf_counter() - began
     assert s.coserver.num_interrupted == 1
+    # the interrupted step reports its time split: planning, then the forward up to the interruption
+    stats = engine.last_step
+    assert stats is not None and stats.ft_tokens > 0 and stats.num_prefill_tokens == 0
+    assert stats.schedule_s is not None and stats.forward_enqueue_s is not None
+    assert 0 < stats.schedule_s + stats.forward_enqueue_s <= stats.duration_s <= took
     assert s.pool.num_in_flight == 0, "the interrupted step's samples went back to the pool"
     assert s.store.used() == 0
     engine.external_arrivals = None

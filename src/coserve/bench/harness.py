@@ -28,7 +28,7 @@ Result schema (``STEM.json``; times in ms unless named ``_s``, attainment as a f
   ``cuda_allocator`` (the replay's cudaMalloc / cudaFree calls and allocation retries, reserved
   GiB at its start and end; null off CUDA), ``profile`` (with ``--profile-window``:
   torch.profiler's operator tables over that window, by self CPU and self CUDA time),
-  ``engine_steps`` (every inference, mixed or FT-only step that ran to its end: t_s, kind,
+  ``engine_steps`` (every inference, mixed or FT-only step, interrupted FT-only ones too: t_s, kind,
   mode, prefill and decode tokens, seconds, and of them schedule_s, forward_enqueue_s,
   forward_gpu_s; prefill_context_tokens, ft_tokens; forward_cpu_s), ``loss_first`` / ``loss_last``,
   ``timeline`` (per second: t_s, inference and FT tokens/s, rolling attainment abs / rel, GPU

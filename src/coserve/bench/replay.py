@@ -122,7 +122,7 @@ class InProcessDriver:
                 step_seconds[kind] = step_seconds.get(kind, 0.0) + spent
                 step_counts[kind] = step_counts.get(kind, 0) + 1
                 stats = engine.last_step
-                if kind in ("inference", "mixed", "ft-only") and stats is not None:
+                if kind in ("inference", "mixed", "ft-only", "ft-only-interrupted") and stats is not None:
                     steps.append((now, kind, stats.mode, stats.num_prefill_tokens,
                                   stats.num_decode_tokens, spent, stats.schedule_s,
                                   stats.forward_enqueue_s, stats.forward_gpu_s,

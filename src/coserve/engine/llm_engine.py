@@ -285,9 +285,16 @@ class LLMEngine:
         except Interrupted:
             assert self.coserver is not None and view is not None and sched.is_empty
             self.last_step_kind = "ft-only-interrupted"
+            # (its time split too: planning before the forward is not interruptible)
+            now = time.perf_counter()
+            self.last_step = StepStats(
+                duration_s=now - start, num_prefill_tokens=0, num_decode_tokens=0,
+                num_preempted=len(sched.preempted), mode=self.runner.last_mode,
+                ft_tokens=sum(len(r.token_ids) for r in ft_rows), schedule_s=began - start,
+                forward_enqueue_s=now - began, forward_cpu_s=time.thread_time() - cpu_began)
             self.step_clock.drop()  # NOTE: an interrupted step's kernels cannot date the ones before
             self.coserver.drop_untimed()
-            self.coserver.on_step_end(StepRecord(view=view, ft_tokens=0, duration_s=time.perf_counter() - start,
+            self.coserver.on_step_end(StepRecord(view=view, ft_tokens=0, duration_s=now - start,
                                                  interrupted=True, trainer_busy=busy))
             return []
         outputs = self.finish_step(sched, logits)
