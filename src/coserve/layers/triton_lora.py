@@ -234,7 +234,7 @@ def expand_blocks_per_program(num_tiles: int, n_blocks: int, sms: int, waves: in
     """Column blocks each expand program walks: as many as keep ``num_tiles · groups`` programs at
     ``waves`` per SM or more (default :data:`EXPAND_WAVES`; 0: one block each). Decode-sized steps
     have few tiles and keep one block per program; a 4,096-token prefill (68 tiles of 64 rows on
-    132 SMs, ``waves`` 4) gets 8 groups of column blocks."""
+    132 SMs, ``waves`` 8) gets 16 groups of column blocks: 3 blocks per program for q/k/v's 48."""
     waves = EXPAND_WAVES if waves is None else waves
     if waves <= 0:
         return 1
