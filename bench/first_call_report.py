@@ -95,8 +95,29 @@ def lora_variant(result: dict[str, Any]) -> dict[str, Any]:
     """One LoRA job's overhead and, where the prefill was interleaved, its per-round ratios."""
     f = result["figures"]
     return {"lora_overhead": f.get("lora_overhead"),
-            "prefill_round_ratios": {str(r["tokens"]): {k: r[k] for k in ("ratio_median", "ratio_min", "ratio_max")}
+            "prefill_round_ratios": {str(r["tokens"]): {k: r[k] for k in ("ratio_median", "ratio_min", "ratio_max",
+                                                                           "modes") if k in r}
                                      for r in f.get("lora_prefill_ab", [])}}
+
+
+def lora_kernels(result: dict[str, Any]) -> dict[str, Any]:
+    """bench/lora_kernels.py: per step size, µs of GPU time for one decoder layer's four linears
+    summed: the base GEMMs, each shrink setting (``split:block_k:warps`` as asked, 0 = the
+    engine's), each expand setting (``waves``, accumulating or storing), and the baseline's."""
+    out: dict[str, Any] = {}
+    for case in result["figures"]["cases"]:
+        t = out.setdefault(str(case["tokens"]), {"gemm": 0.0, "shrink": {}, "expand": {}, "baseline": {}})
+        t["gemm"] += case["base_gemm_ms"] * 1e3
+        for sh in case["shrink"]:
+            key = f"{sh['split']}:{sh['block_k']}:{sh['warps']}"
+            t["shrink"][key] = t["shrink"].get(key, 0.0) + sh["ms"] * 1e3
+        for ex in case["expand"]:
+            key = f"waves{ex['waves']}/{'accumulate' if ex['accumulate'] else 'store'}"
+            t["expand"][key] = t["expand"].get(key, 0.0) + ex["ms"] * 1e3
+        for key in ("shrink_ms", "expand_accumulate_ms"):
+            if key in case.get("baseline", {}):
+                t["baseline"][key[:-3]] = t["baseline"].get(key[:-3], 0.0) + case["baseline"][key] * 1e3
+    return out
 
 
 def lora_profile(result: dict[str, Any]) -> dict[str, Any]:
@@ -143,6 +164,8 @@ def report(folder: Path) -> dict[str, Any]:
                             if p.stem != "engine_lora_nofork" and (r := _load(p)) is not None}
     out["lora_profile"] = {p.stem: lora_profile(r) for p in sorted(folder.glob("profile_lora_*.json"))
                            if (r := _load(p)) is not None}
+    kernels = _load(folder / "lora_kernels.json")
+    out["lora_kernels_us_per_layer"] = lora_kernels(kernels) if kernels else None
     slo = need(verify / "coserve_latency.json")
     out["slo_machinery"] = slo_machinery(slo) if slo else None
     # latency=N jobs (another SM share)

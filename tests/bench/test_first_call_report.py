@@ -75,3 +75,16 @@ def test_report_reads_the_lora_jobs_profiles_and_other_latency_runs(tmp_path: Pa
     assert got["slo_machinery"]["trainer_spans"]["cpu_over_gpu"] > 0
     other = got["slo_machinery_other"]["coserve_latency_share100"]
     assert other["trainer_pause"]["delay_p99_ms"] == pytest.approx(7.64, abs=0.01)
+    assert got["lora_kernels_us_per_layer"] is None  # no lora_kernels job in that call
+
+
+def test_report_sums_the_lora_kernels_per_layer(tmp_path: Path) -> None:
+    """Session 8's kernel file: the four linears of a layer summed per setting (its README's table)."""
+    (tmp_path / "verify").mkdir()
+    shutil.copy(RESULTS / "engine_h200" / "session8" / "lora_kernels_6d3ed83.json", tmp_path / "lora_kernels.json")
+    got = first_call_report.report(tmp_path)["lora_kernels_us_per_layer"]["4096"]
+    assert got["gemm"] == pytest.approx(2591.2, abs=0.1)
+    assert got["shrink"]["4:64:4"] == pytest.approx(62.9, abs=0.1)
+    assert got["expand"]["waves8/store"] == pytest.approx(124.9, abs=0.1)
+    assert got["expand"]["waves0/store"] == pytest.approx(191.4, abs=0.1)
+    assert got["baseline"]["expand_accumulate"] == pytest.approx(215.9, abs=0.1)
