@@ -155,3 +155,19 @@ def test_saved_mlp_activations_train_the_same_adapter(tmp_path: Path) -> None:
     for key, (a, b) in adapters[0].weights.items():
         torch.testing.assert_close(adapters[1].weights[key][0], a, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(adapters[1].weights[key][1], b, rtol=1e-4, atol=1e-6)
+
+
+def test_ft_rows_run_lora_only_on_the_trained_linears(session) -> None:  # type: ignore[no-untyped-def]
+    """The training slot is declared with the adapter's targets (q/k/v/o by default), so a step
+    with FT rows skips the MLP linears' LoRA kernels."""
+    engine, s = session
+    slot = engine.lora_manager.training_slot(0)
+    layers = engine.model_config.num_layers
+    assert engine.lora_manager.live_targets([slot]) == {
+        (layer, t) for layer in range(layers) for t in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    engine.step()
+    assert engine.last_step_kind.startswith("ft-only")
+    live = {tuple(lin.out_slices): lin.lora_live for lin in engine.model.lora_linears() if lin.layer == 0}
+    assert live == {("q_proj", "k_proj", "v_proj"): True, ("o_proj",): True,
+                    ("gate_proj", "up_proj"): False, ("down_proj",): False}
+    assert engine.lora_manager.live_targets([slot, 0]) is None  # slot 0 holds nothing declared

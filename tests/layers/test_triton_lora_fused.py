@@ -227,8 +227,10 @@ def test_engine_two_launches_per_linear_and_same_tokens(
     forward = LoRALinear.forward
 
     def counting_forward(self: LoRALinear, x: torch.Tensor, lora: Any = None) -> torch.Tensor:
-        if isinstance(lora, TritonLoRA) and lora.order.numel() > 0:
+        if isinstance(lora, TritonLoRA) and lora.order.numel() > 0 and self.lora_live:
             linear_calls["with_lora"] += 1
+        if isinstance(lora, TritonLoRA) and not self.lora_live:
+            linear_calls["skipped"] += 1
         return forward(self, x, lora)
 
     monkeypatch.setattr(LoRALinear, "forward", counting_forward)
@@ -387,3 +389,35 @@ def test_split_partials_and_column_groups(waves: int, launches: Counter[str], mo
     assert launches == {"_shrink_kernel": 1, "_expand_kernel": 1}
     base, ref = fp32_reference(lin, x, scales, batch, out_slices)
     assert rel_err(got.float() - base, ref - base) < TOL[dtype]
+
+
+def test_engine_skips_the_linears_no_adapter_targets(hf_models: dict[str, Path], tmp_path: Path) -> None:
+    """A step runs LoRA only on the linears that an adapter of its rows targets (q/v/down: not
+    o_proj nor gate/up), with the tokens and log-probs of the engine that runs every linear's
+    kernels; a step with another adapter too makes its targets' linears live again."""
+    base = hf_models["llama"]
+    a1 = make_peft_adapter(base, tmp_path / "a1", ["q_proj", "v_proj", "down_proj"], rank=8, seed=4)
+    a3 = make_peft_adapter(base, tmp_path / "a3", ["k_proj", "gate_proj", "up_proj"], rank=4, seed=5)
+    prompts = [[5, 17, 33, 2, 91, 14, 7], [100, 3, 44, 44, 12, 9, 150, 61]]
+    common: dict = dict(skip_tokenizer_init=True, max_loras=2, max_lora_rank=16, block_size=4,
+                        max_model_len=64, num_kv_blocks=64, max_num_batched_tokens=16, enforce_eager=True)
+    if CUDA:
+        common["device"] = "cuda"
+    only_a1: list[LoRARequest | None] = [LoRARequest("a1", str(a1)), None]
+    llm = LLM(str(base), lora_backend="triton", **common)
+    runner = llm.engine.runner
+    got = _generate(llm, prompts, only_a1)
+    live = {tuple(lin.out_slices): lin.lora_live for lin in runner.model.lora_linears() if lin.layer == 0}
+    assert live == {("q_proj", "k_proj", "v_proj"): True, ("o_proj",): False,
+                    ("gate_proj", "up_proj"): False, ("down_proj",): True}
+
+    every = LLM(str(base), lora_backend="triton", **common)
+    every.engine.runner.slot_targets = None  # every linear's kernels, as before the skip
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(got, _generate(every, prompts, only_a1), strict=True):
+        assert tokens == ref_tokens
+        assert lps == pytest.approx(ref_lps, abs=2e-2 if CUDA else 1e-6)
+
+    both: list[LoRARequest | None] = [LoRARequest("a1", str(a1)), LoRARequest("a3", str(a3))]
+    _generate(llm, prompts, both)
+    assert all(lin.lora_live for lin in runner.model.lora_linears() if lin.out_slices.keys() != {"o_proj"})
+    assert not any(lin.lora_live for lin in runner.model.lora_linears() if "o_proj" in lin.out_slices)

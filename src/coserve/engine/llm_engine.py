@@ -91,6 +91,7 @@ class LLMEngine:
         )
         self.lora_manager = LoRAManager(self.model, config.max_loras, config.num_training_slots)
         self.runner = ModelRunner(config, self.model, self.lora_manager.scales)
+        self.runner.slot_targets = self.lora_manager.live_targets
         # the stream every step, warm-up and calibration batch runs on (EngineConfig.stream_priority)
         self.stream: torch.cuda.Stream | None = None
         if self.runner.device.type == "cuda" and config.stream_priority == "high":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -39,6 +40,9 @@ class LoRAManager:
         self._linears = {
             (lin.layer, target): lin for lin in model.lora_linears() for target in lin.out_slices
         }
+        # slot -> the (layer, target) pairs its adapter has (written or declared); a slot missing
+        # here holds weights nobody declared
+        self._targets: dict[int, frozenset[tuple[int, str]]] = {}
 
     def register(self, name: str, path: str | Path) -> None:
         """Read and validate the adapter at ``path`` under ``name``; raises AdapterError/ValueError."""
@@ -107,6 +111,23 @@ class LoRAManager:
                     a[slot, : adapter.rank].copy_(w[0])
                     b[slot, :, : adapter.rank].copy_(w[1])
             self.scales[slot] = adapter.scaling
+        self._targets[slot] = frozenset(adapter.weights)
+
+    def declare(self, slot: int, targets: Iterable[tuple[int, str]]) -> None:
+        """Record the ``(layer, target)`` pairs of the adapter someone else writes into ``slot``
+        (the trainer, into its training slot); the other pairs of that slot stay zero."""
+        self._targets[slot] = frozenset(targets)
+
+    def live_targets(self, slots: Iterable[int]) -> frozenset[tuple[int, str]] | None:
+        """The ``(layer, target)`` pairs that the adapters in ``slots`` have, None if a slot's
+        adapter was never written or declared (then every pair counts)."""
+        live: set[tuple[int, str]] = set()
+        for slot in slots:
+            targets = self._targets.get(slot)
+            if targets is None:
+                return None
+            live |= targets
+        return frozenset(live)
 
     def stacks(self, layer: int, target: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``(A [S, r, in], B [S, out, r])`` stacks of one linear (what the trainer updates)."""

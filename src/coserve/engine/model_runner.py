@@ -7,6 +7,7 @@ Decode-only steps replay a CUDA graph when the device and the attention backend 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,7 @@ from coserve.engine.cuda_graph import DecodeGraphs
 from coserve.engine.prefill_graphs import PrefillGraphs
 from coserve.host_copy import device_tensor
 from coserve.layers.attention import AttentionMetadata, get_attention_backend
-from coserve.layers.lora import LoRABatch, LoRAContext, RowDropoutLoRA, get_lora_op
+from coserve.layers.lora import LoRABatch, LoRAContext, LoRALinear, RowDropoutLoRA, get_lora_op
 from coserve.models.llama import ForwardContext, LayerHook, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,14 @@ class ModelRunner:
         self.lora_op = get_lora_op(config.kernel_backend(config.lora_backend))
         # (p, seed) of the LoRA dropout that rows with a dropout_key get (set by the host).
         self.ft_dropout: tuple[float, int] = (0.0, 0)
+        # The (layer, target) pairs the adapters of some slots have, None if one is unknown (set by
+        # the host: LoRAManager.live_targets); None here: every LoRA linear runs its kernels.
+        self.slot_targets: Callable[[Iterable[int]], frozenset[tuple[int, str]] | None] | None = None
+        self._lora_linears = model.lora_linears()
+        self._live: frozenset[tuple[int, str]] | None = None  # what the linears' lora_live reflect
+        # (NOTE: co-serving alternates graph decode steps, every linear live, and eager steps with
+        # FT rows, the trained ones only: the flags of each target set are worked out once)
+        self._live_cache: dict[frozenset[tuple[int, str]] | None, list[bool]] = {}
         self.num_blocks = self._num_kv_blocks()
         cfg = model.config
         self.kv_cache = torch.zeros(
@@ -161,6 +170,27 @@ class ModelRunner:
             logits_indices=device_tensor(logits_idx, torch.long, self.device),
         )
 
+    def _mark_live_linears(self, rows: list[BatchRow] | None) -> None:
+        """Skip, in this eager step, the LoRA kernels of the linears that no adapter of ``rows``
+        targets (q/k/v/o adapters leave the MLP's three linears without any: fewer launches and
+        no zero deltas computed). ``rows`` None: every linear live, as a graph must be captured
+        (a graph captured later, on first use, bakes in the flags of that moment)."""
+        live = None
+        if rows is not None and self.slot_targets is not None:
+            slots = {r.lora_slot for r in rows if r.lora_slot >= 0}
+            if not slots:
+                return  # no LoRA context this step: the flags are not read
+            live = self.slot_targets(slots)
+        if live != self._live:
+            self._live = live
+            flags = self._live_cache.get(live)
+            if flags is None:
+                if len(self._live_cache) >= 64:  # many adapters' combinations: keep it bounded
+                    self._live_cache.clear()
+                flags = self._live_cache[live] = _live_flags(self._lora_linears, live)
+            for lin, flag in zip(self._lora_linears, flags, strict=True):
+                lin.lora_live = flag
+
     @torch.inference_mode()
     def execute(self, rows: list[BatchRow], layer_hook: LayerHook | None = None,
                 mlp_hook: LayerHook | None = None) -> torch.Tensor:
@@ -172,6 +202,7 @@ class ModelRunner:
         """
         if layer_hook is None and mlp_hook is None and self.graphs is not None and self.graphs.accepts(rows):
             self.last_mode = "graph"
+            self._mark_live_linears(None)
             return self.graphs.run(rows)
         self.last_mode = "eager"
         inputs = self.prepare(rows)
@@ -180,8 +211,10 @@ class ModelRunner:
         pieces = self.prefill_graphs
         if (pieces is not None and mlp_hook is None and not dropped
                 and pieces.accepts(inputs.input_ids.shape[0], lora_active=inputs.lora.active)):
+            self._mark_live_linears(None)
             hidden = pieces.run(inputs.input_ids, inputs.positions, inputs.attn, inputs.lora, layer_hook)
             return self.model.compute_logits(hidden[inputs.logits_indices])
+        self._mark_live_linears(rows)
         lora: LoRAContext | None = self.lora_op(inputs.lora, self.lora_scales) if inputs.lora.active else None
         if dropped:
             p, seed = self.ft_dropout
@@ -197,6 +230,11 @@ class ModelRunner:
         )
         hidden = self.model(inputs.input_ids, inputs.positions, ctx)
         return self.model.compute_logits(hidden[inputs.logits_indices])
+
+
+def _live_flags(linears: list[LoRALinear], live: frozenset[tuple[int, str]] | None) -> list[bool]:
+    """Each linear's ``lora_live`` under the targets ``live`` (None: all)."""
+    return [live is None or any((lin.layer, t) in live for t in lin.out_slices) for lin in linears]
 
 
 def _starts(rows: list[BatchRow]) -> list[int]:

@@ -184,6 +184,10 @@ class LoRALinear(nn.Module):
         self.max_rank = max_rank
         self._index = {name: i for i, name in enumerate(out_slices)}
         self.has_lora = num_slots > 0
+        # Whether an adapter of the step's rows targets one of this linear's slices: an inference
+        # step skips the LoRA kernels of the linears none targets (their slots' weights there are
+        # zero). Set per step by ModelRunner from the adapters' declared targets; True when unknown.
+        self.lora_live = True
         if self.has_lora:
             # Every slice's stacks in one buffer each (see the module docstring): A_all, B_all.
             k = len(out_slices)
@@ -204,6 +208,8 @@ class LoRALinear(nn.Module):
             # The trainer's recompute: base and LoRA in one autograd node (TrainableLoRA.context).
             out: torch.Tensor = fused(self.layer, self.out_slices, x, self.weight, self.bias)
             return out
+        if not self.lora_live:
+            return F.linear(x, self.weight, self.bias)
         whole = getattr(lora, "whole_linear", None) if self.has_lora else None
         if whole is not None:
             # A context that orders base GEMM and LoRA its own way: the shrink beside the GEMM in

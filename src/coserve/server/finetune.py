@@ -108,6 +108,8 @@ class FinetuneSession:
             num_threads=spec.trainer_threads, sm_share=spec.trainer_sm_share, mlp_store=self.store.mlp,
             below_normal=engine.stream is not None,
         )
+        # the trainer writes the adapter's targets into its slot, and nothing else
+        engine.lora_manager.declare(engine.lora_manager.training_slot(0), adapter.weights)
         self.coserver = CoServer(
             pool=self.pool, samples={s.sample_id: s for s in self.dataset.samples}, store=self.store,
             trainer=self.trainer, config=cfg, optim=optim, slo=spec.slo, latency=latency,
