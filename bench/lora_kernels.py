@@ -45,13 +45,7 @@ from speed_common import LLAMA3_8B, copy_bandwidth, cuda_time, provenance, rel_e
 from coserve.layers import triton_lora
 from coserve.layers.lora import LoRABatch, lora_segments_ref
 from coserve.layers.triton_attention import num_sms
-from coserve.layers.triton_lora import (
-    LoRALaunch,
-    block_m_for,
-    order_by_slot,
-    slice_stacks,
-    unrouted_order,
-)
+from coserve.layers.triton_lora import LoRALaunch, block_m_for, routing_tensor, slice_stacks
 
 logger = logging.getLogger("bench")
 ADAPTERS, RANK = 4, 16
@@ -122,9 +116,9 @@ def case(tokens: int, d_in: int, out_slices: dict[str, int], dtype: torch.dtype,
     row_lens = [tokens // ADAPTERS] * (ADAPTERS - 1) + [tokens - tokens // ADAPTERS * (ADAPTERS - 1)]
     batch = LoRABatch.from_rows(row_lens, list(range(ADAPTERS)), device)
     block_m = block_m_for(tokens)
-    order = torch.tensor(order_by_slot(batch.seg_lens, batch.seg_slots, block_m), dtype=torch.int32, device=device)
-    store_order = torch.cat([order, torch.tensor(unrouted_order(batch.seg_lens, batch.seg_slots, block_m),
-                                                 dtype=torch.int32, device=device)])
+    routing, routed = routing_tensor(batch.seg_lens, batch.seg_slots, block_m, unrouted=True)  # the engine's
+    store_order = routing.to(device)
+    order = store_order[:routed]
     sms = num_sms(torch.device(device))
     sizes = list(out_slices.values())
     y0 = F.linear(x, weight)

@@ -133,6 +133,18 @@ def test_order_groups_tokens_by_slot_one_slot_per_tile() -> None:
     assert order_by_slot([2, 1, 3, 1], [1, -1, 0, 1], 4) == [3, 4, 5, -1, 0, 1, 6, -1]
 
 
+def _reference_order(lens: list[int], slots: list[int], block_m: int, routed: bool) -> list[int]:
+    """Token by token: those of each slot in turn (ascending; routed False: slot -1's), each
+    group padded with -1."""
+    token_slots = [s for n, s in zip(lens, slots, strict=True) for _ in range(n)]
+    groups = sorted({s for s in token_slots if s >= 0}) if routed else [-1]
+    out: list[int] = []
+    for g in groups:
+        tokens = [t for t, s in enumerate(token_slots) if max(s, -1) == g]
+        out += tokens + [-1] * (-len(tokens) % block_m)
+    return out
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_routing_tensor_equals_the_lists(seed: int) -> None:
     """The tensor the eager steps build equals order_by_slot (+ unrouted_order), rows of length 0,
@@ -143,6 +155,8 @@ def test_routing_tensor_equals_the_lists(seed: int) -> None:
     slots = [rng.choice([-1, 0, 1, 3]) for _ in range(rows)]
     for block_m in (4, 16):
         order = order_by_slot(lens, slots, block_m)
+        assert order == _reference_order(lens, slots, block_m, routed=True)
+        assert unrouted_order(lens, slots, block_m) == _reference_order(lens, slots, block_m, routed=False)
         got, routed = routing_tensor(lens, slots, block_m)
         assert got.dtype == torch.int32 and got.tolist() == order and routed == len(order)
         got, routed = routing_tensor(lens, slots, block_m, unrouted=True)

@@ -43,6 +43,7 @@ class LoRAManager:
         # slot -> the (layer, target) pairs its adapter has (written or declared); a slot missing
         # here holds weights nobody declared
         self._targets: dict[int, frozenset[tuple[int, str]]] = {}
+        self._unions: dict[frozenset[int], frozenset[tuple[int, str]] | None] = {}  # live_targets
 
     def register(self, name: str, path: str | Path) -> None:
         """Read and validate the adapter at ``path`` under ``name``; raises AdapterError/ValueError."""
@@ -111,23 +112,23 @@ class LoRAManager:
                     a[slot, : adapter.rank].copy_(w[0])
                     b[slot, :, : adapter.rank].copy_(w[1])
             self.scales[slot] = adapter.scaling
-        self._targets[slot] = frozenset(adapter.weights)
+        self.declare(slot, adapter.weights)
 
     def declare(self, slot: int, targets: Iterable[tuple[int, str]]) -> None:
         """Record the ``(layer, target)`` pairs of the adapter someone else writes into ``slot``
         (the trainer, into its training slot); the other pairs of that slot stay zero."""
         self._targets[slot] = frozenset(targets)
+        self._unions.clear()
 
     def live_targets(self, slots: Iterable[int]) -> frozenset[tuple[int, str]] | None:
         """The ``(layer, target)`` pairs that the adapters in ``slots`` have, None if a slot's
-        adapter was never written or declared (then every pair counts)."""
-        live: set[tuple[int, str]] = set()
-        for slot in slots:
-            targets = self._targets.get(slot)
-            if targets is None:
-                return None
-            live |= targets
-        return frozenset(live)
+        adapter was never written or declared (then every pair counts). Kept per set of slots
+        until a slot changes: every eager step with adapters asks."""
+        key = frozenset(slots)
+        if key not in self._unions:
+            known = [self._targets[slot] for slot in key if slot in self._targets]
+            self._unions[key] = frozenset().union(*known) if len(known) == len(key) else None
+        return self._unions[key]
 
     def stacks(self, layer: int, target: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``(A [S, r, in], B [S, out, r])`` stacks of one linear (what the trainer updates)."""

@@ -177,11 +177,11 @@ class ModelRunner:
         (a graph captured later, on first use, bakes in the flags of that moment)."""
         live = None
         if rows is not None and self.slot_targets is not None:
-            slots = {r.lora_slot for r in rows if r.lora_slot >= 0}
+            slots = frozenset(r.lora_slot for r in rows if r.lora_slot >= 0)
             if not slots:
                 return  # no LoRA context this step: the flags are not read
             live = self.slot_targets(slots)
-        if live != self._live:
+        if live is not self._live and live != self._live:
             self._live = live
             flags = self._live_cache.get(live)
             if flags is None:

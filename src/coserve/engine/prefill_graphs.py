@@ -35,7 +35,7 @@ from coserve.layers.triton_lora import (
     TritonLoRA,
     block_m_for,
     graph_order_length,
-    order_by_slot,
+    routing_tensor,
 )
 from coserve.models.llama import (
     DecoderLayer,
@@ -181,7 +181,7 @@ class PrefillGraphs:
         """This step's adapter routing into the static buffers (padding rows: no adapter)."""
         self.token_slots[:t].copy_(lora.token_slots)
         self.token_slots[t:b].fill_(-1)
-        order = order_by_slot(lora.seg_lens, lora.seg_slots, block_m_for(b))
+        order, n = routing_tensor(lora.seg_lens, lora.seg_slots, block_m_for(b))
         host = torch.full((self.lora_order.shape[0],), -1, dtype=torch.int32)
-        host[: len(order)] = torch.tensor(order, dtype=torch.int32)
+        host[:n] = order
         self.lora_order.copy_(host)
