@@ -205,7 +205,8 @@ def test_engine_two_launches_per_linear_and_same_tokens(
 ) -> None:
     """Three adapters (ranks 8, 16, 4; different targets) and no adapter in one batch: the Triton
     engine's greedy tokens and log-probs equal the torch engine's, with exactly one shrink and one
-    expand launch per LoRA linear per step (8 per decoder layer; the per-slice path took 14)."""
+    expand launch per LoRA linear that an adapter of the step targets (at most 8 per decoder layer;
+    the per-slice path took 14)."""
     base = hf_models["llama"]
     adapters = [
         make_peft_adapter(base, tmp_path / "a1", ["q_proj", "v_proj", "down_proj"], rank=8, seed=1),
