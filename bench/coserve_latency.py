@@ -173,6 +173,8 @@ def main() -> None:
     p.add_argument("--trainer-sm-share", type=int, default=None,
                    help="CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of the trainer process")
     p.add_argument("--no-reference", action="store_true", help="skip the inference-only run")
+    p.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="steps with prefill or FT rows through the piecewise CUDA graphs (the engine's default)")
     p.add_argument("--probe-requests", type=int, default=40,
                    help="after the replay, this many single short requests, one every ~0.5 s, each arriving "
                         "while the engine runs FT-only steps: the interruption delay they see")
@@ -189,7 +191,8 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(model=str(model_dir), load_format="dummy", dtype=dtype, device=args.device,
                                     num_training_slots=1, max_lora_rank=16, max_model_len=8192,
                                     max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256,
-                                    attention_backend=args.attention_backend, lora_backend=args.attention_backend))
+                                    attention_backend=args.attention_backend, lora_backend=args.attention_backend,
+                                    prefill_graphs=args.prefill_graphs))
     scaling = trace_scaling(args)
     every = load_trace(args.trace, scaling)
     start = busiest_window(every, args.duration)
@@ -276,7 +279,7 @@ def main() -> None:
         "config": {"shape": args.shape, "trace": Path(args.trace).name, "window_start_s": start,
                    "duration_s": args.duration, "scaling": vars(scaling), "slo": vars(slo),
                    "backward_tokens": args.backward_tokens, "max_num_batched_tokens": args.max_num_batched_tokens,
-                   "trainer_sm_share": args.trainer_sm_share,
+                   "trainer_sm_share": args.trainer_sm_share, "prefill_graphs": args.prefill_graphs,
                    "lora": {"rank": 16, "targets": list(LoRAConfig().target_modules)}},
         "figures": figures,
     }

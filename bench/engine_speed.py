@@ -66,6 +66,7 @@ def build_runner(model_dir: Path, pool_gib: float, batch_sizes: tuple[int, ...],
         num_kv_blocks=int(pool_gib * 2**30 // block_bytes), max_model_len=16384 + 64,
         max_num_seqs=max(batch_sizes), max_loras=NUM_ADAPTERS, max_lora_rank=RANK,
         cuda_graph_batch_sizes=batch_sizes, max_num_batched_tokens=16384,
+        prefill_graphs=False,  # (the callers build the piecewise graphs themselves where asked)
     )
     scales = torch.full((NUM_ADAPTERS,), 2.0, dtype=torch.float32, device=device)
     runner = ModelRunner(config, model, scales)

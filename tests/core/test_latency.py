@@ -168,8 +168,33 @@ def test_features_from_view_and_record() -> None:
     assert StepFeatures.from_record(legacy).ft_lens == (9,)
     spec = BatchSpec((Chunk(8, 2),), (10, 30), (4,), "eager")
     assert StepFeatures.from_record(spec.record(0.1, busy=True)) == spec.features(busy=True)
-    graph = BatchSpec((Chunk(8, 2),), (10, 30), (4,), "graph")  # FT rows run it eagerly
-    assert StepFeatures.from_record(graph.record(0.1)).key == "prefill/eager"
+    graph = BatchSpec((Chunk(8, 2),), (10, 30), (4,), "graph")  # ran through the prefill graphs
+    assert StepFeatures.from_record(graph.record(0.1)).key == "prefill/graph"
+    assert StepFeatures.from_record(replace(rec, mode="graph")).key == "prefill/graph"
+
+
+def test_ft_rows_keep_graph_mode_only_within_the_hosts_graph_tokens() -> None:
+    # 8 prefill + 3 decode tokens; the host's piecewise graphs take steps of up to 20 tokens
+    view = StepView(now=1.0, prefills=(PrefillView(8, 2, 0.5),), num_decodes=3,
+                    decode_kv_tokens=40, mode="graph", ft_graph_tokens=20)
+    base = StepFeatures.from_view(view)
+    assert base.key == "prefill/graph" and base.num_tokens == 11
+    assert base.with_ft((9,)).key == "prefill/graph"  # 20 tokens: still a replay
+    assert base.with_ft((9, 1)).key == "prefill/eager"  # 21: past the largest bucket
+    eager_host = StepFeatures.from_view(replace(view, ft_graph_tokens=0))
+    assert eager_host.key == "prefill/graph" and eager_host.with_ft((1,)).key == "prefill/eager"
+    decode = StepFeatures.from_view(replace(view, prefills=()))
+    assert decode.key == "decode/graph" and decode.with_ft((4,)).key == "prefill/graph"
+
+
+def test_prefill_graph_steps_are_priced_by_their_token_bucket() -> None:
+    model = LatencyModel()
+    step = StepFeatures((Chunk(100),), (), mode="graph")
+    plain = model.regressors(step)
+    model.prefill_bucket = lambda n: 128 if n <= 128 else n
+    padded = model.regressors(step)
+    assert plain[1] == 100.0 and padded == (plain[0], 128.0, *plain[2:])
+    assert model.regressors(replace(step, mode="eager")) == plain  # eager steps compute their own
 
 
 # ---------------------------------------------------------------------------------- plan

@@ -171,3 +171,75 @@ def test_ft_rows_run_lora_only_on_the_trained_linears(session) -> None:  # type:
     assert live == {("q_proj", "k_proj", "v_proj"): True, ("o_proj",): True,
                     ("gate_proj", "up_proj"): False, ("down_proj",): False}
     assert engine.lora_manager.live_targets([slot, 0]) is None  # slot 0 holds nothing declared
+
+
+@pytest.fixture
+def graph_session(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A session whose engine runs steps with prefill or FT rows through the piecewise prefill
+    graphs (their static-buffer path, run eagerly on the CPU; the Triton multi-LoRA in the
+    interpreter), as a CUDA engine does by default."""
+    from tests.conftest import triton_unavailable
+
+    reason = triton_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    engine = LLMEngine(EngineConfig(model="tiny", num_training_slots=1, max_lora_rank=8, lora_backend="triton",
+                                    max_num_batched_tokens=128, warmup="off"))
+    engine.runner.prefill_graphs = engine.runner.make_prefill_graphs(capture=False)
+    spec = FinetuneSpec(data=DATA, output=tmp_path / "out", lora=LoRAConfig(rank=8, alpha=16),
+                        optim=OptimConfig(lr=1e-3), coserve=CoServeConfig(backward_tokens=64, max_seq_len=64),
+                        trainer_threads=1)
+    s = FinetuneSession(engine, spec)
+    yield engine, s
+    s.close()
+
+
+def test_steps_with_ft_rows_run_and_are_priced_through_the_prefill_graphs(graph_session) -> None:  # type: ignore[no-untyped-def]
+    """A mixed step (a request's prompt and FT rows) replays the prefill graphs, reports ``graph``
+    and is priced by the prefill/graph set; an interruptible FT-only step (an MLP hook) stays
+    eager, and the co-server prices it so."""
+    from coserve.core.latency import StepFeatures
+
+    engine, s = graph_session
+    co = s.coserver
+    co.track = True
+    assert engine.runner.ft_graph_tokens == 128
+    assert co.ft_rows_force_eager(ft_only=True) and not co.ft_rows_force_eager(ft_only=False)
+    engine.add_request("r", list(range(1, 20)), SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()
+    assert engine.last_step_kind == "mixed" and engine.last_step is not None
+    assert engine.last_step.mode == "graph"
+    assert co.step_log[-1][0] == "prefill/graph/idle"
+    while engine.has_unfinished_requests():
+        engine.step()
+    # nothing to serve: an FT-only step (once the trainer has taken the task in flight, if any),
+    # interruptible, so through the eager path
+    deadline = time.monotonic() + 60
+    engine.step()
+    while engine.last_step_kind == "idle" and time.monotonic() < deadline:
+        co.poll(0.05)
+        engine.step()
+    assert engine.last_step_kind == "ft-only" and engine.last_step.mode == "eager"
+    assert co.step_log[-1][0].startswith("prefill/eager/")
+    # the host offers its graphs to FT rows of any step; the co-server withdraws them where its
+    # rows keep the step eager (ft_rows_force_eager, above) before admission prices the rows
+    view = engine._view(engine.scheduler.schedule(), [])
+    assert view.ft_graph_tokens == 128
+    assert StepFeatures.from_view(view, (8,)).key == "prefill/graph"
+
+
+def test_calibration_fits_the_prefill_graph_set_with_ft_rows(graph_session) -> None:  # type: ignore[no-untyped-def]
+    engine, s = graph_session
+    calls: list[bool] = []
+    run = engine.runner.execute
+
+    def execute(*args, eager: bool = False, **kwargs):  # type: ignore[no-untyped-def]
+        out = run(*args, eager=eager, **kwargs)
+        calls.append(engine.runner.last_mode == "graph")
+        return out
+
+    engine.runner.execute = execute  # type: ignore[method-assign]
+    engine.calibrate(repeats=1)
+    latency = s.coserver.latency
+    assert "prefill/graph" in latency._coef and "prefill/eager" in latency._coef
+    assert any(calls) and not all(calls), "calibration ran both the graphs and the eager path"

@@ -212,6 +212,8 @@ class CoServer:
         self._step_rows = []
         if self.failure is not None:
             return []
+        if view.ft_graph_tokens and self.ft_rows_force_eager(ft_only=not view.has_inference):
+            view = replace(view, ft_graph_tokens=0)  # (priced as the eager step it will be)
         if self._in_flight and self._must_pause(view):
             self._pause()
         ft_only = not view.has_inference
@@ -320,6 +322,12 @@ class CoServer:
             return
         start = self._step_ft_start
         self.store.capture_mlp(layer, self._step_rows[0].offset, gate_up[start : start + self._step_tokens()])
+
+    def ft_rows_force_eager(self, *, ft_only: bool) -> bool:
+        """Whether this co-server's FT rows keep a step off the host's graphs (hook contract:
+        rows with a dropout key, and a step with an MLP hook, run eagerly): LoRA dropout, MLP
+        activations kept, or an FT-only step that an arrival may interrupt."""
+        return self.lora_dropout > 0 or self.keeps_mlp or (ft_only and self._interruptible())
 
     def _interruptible(self) -> bool:
         return self.arrival_probe is not None and should_interrupt(self.slo, ft_only_step=True, num_arrived=1)
@@ -516,12 +524,17 @@ class CoServer:
 
     def calibrate(self, run_batch: Callable[[BatchSpec], float], *, max_tokens: int, max_decodes: int,
                   max_kv: int, max_context: int | None = None, modes: tuple[str, ...] = ("eager",),
-                  repeats: int = 2) -> int:
+                  ft_modes: tuple[str, ...] = ("eager",), repeats: int = 2) -> int:
         """Hook 5: time the calibration batches through the host's real path and fit the latency
         model; returns the number of batches timed. ``run_batch`` runs one batch and returns its
-        duration in seconds; the fastest of ``repeats`` runs counts (the first warms up)."""
+        duration in seconds; the fastest of ``repeats`` runs counts (the first warms up).
+        ``modes``: the host's modes; ``ft_modes``: those in which it can run steps with FT rows
+        (``graph`` is dropped where this co-server's FT rows keep steps eager)."""
+        if self.ft_rows_force_eager(ft_only=False):
+            ft_modes = tuple(m for m in ft_modes if m != "graph") or ("eager",)
         records = []
-        for spec in calibration_plan(max_tokens, max_decodes, max_kv, modes=modes, max_context=max_context):
+        for spec in calibration_plan(max_tokens, max_decodes, max_kv, modes=modes, max_context=max_context,
+                                     ft_modes=ft_modes):
             duration = min(run_batch(spec) for _ in range(repeats))
             records.append(spec.record(duration))
         self.latency.fit(records)

@@ -54,6 +54,11 @@ class StepView:
     after this step (chunked prefill); empty means every chunk finishes its prompt, so its first
     token comes at the end of this step. Admission uses both to price the work ahead of a first
     token (DESIGN §7).
+
+    ``mode`` is how the host will run the inference batch as it is (``graph`` or ``eager``);
+    ``ft_graph_tokens`` the most tokens (inference and FT rows together) a step with FT rows may
+    carry and still run in ``graph`` mode, provided none of its FT rows has a ``dropout_key`` and
+    the step needs no MLP hook (0: FT rows make the step ``eager``).
     """
 
     now: float
@@ -66,6 +71,7 @@ class StepView:
     oldest_waiting_arrival: float | None = None
     waiting_prefill_tokens: int = 0
     prefill_remaining: tuple[int, ...] = ()
+    ft_graph_tokens: int = 0
 
     @property
     def has_inference(self) -> bool:

@@ -10,8 +10,10 @@ A step is priced by one of two linear forms over its batch composition:
 the decode rows, ``T_ft`` the FT tokens (extra cost of capturing their activations), ``K`` the
 KV tokens read by decode rows and ``ctx_i`` the cached context a chunk attends to (0 for FT rows).
 
-Each form has one coefficient set per mode (``graph``, ``eager``; a step with FT rows is always
-``eager``). A backward task running beside the step (``busy``) slows it by a fitted
+Each form has one coefficient set per mode (``graph``: a decode step replayed from a CUDA graph,
+or a prefill-carrying step through the host's piecewise graphs; ``eager``). A step with FT rows
+is ``graph`` only where the host says that one of its size still runs through its graphs
+(:attr:`StepFeatures.ft_graph_tokens`). A backward task running beside the step (``busy``) slows it by a fitted
 ``T_busy = (1 + ρ)·T + δ`` per form and mode, so the idle coefficients stay those of a quiet GPU.
 All coefficients are fitted by non-negative least squares on relative error.
 """
@@ -45,6 +47,7 @@ DEFAULT_COEFFICIENTS: Final[dict[str, tuple[float, ...]]] = {
     "decode": (2e-4, 1e-7, 0.02),
 }
 _STATE_VERSION: Final = 1
+_ANY_SIZE: Final = 2**62  # ft_graph_tokens of a step known to have run in graph mode
 
 
 class Chunk(NamedTuple):
@@ -59,8 +62,10 @@ class StepFeatures:
     """One step's composition, as the latency model prices it.
 
     ``chunks``: inference prefill chunks; ``ft_lens``: FT row lengths; ``kv_tokens``: KV tokens
-    read by the ``num_decodes`` decode rows; ``mode``: the host's mode for the inference part
-    (FT rows force ``eager``: see :attr:`exec_mode`); ``busy``: a backward task runs beside it.
+    read by the ``num_decodes`` decode rows; ``mode``: the host's mode for the inference part;
+    ``busy``: a backward task runs beside it; ``ft_graph_tokens``: the most tokens a step with FT
+    rows may have and still run in ``graph`` mode (0: FT rows make it ``eager``; see
+    :attr:`exec_mode`).
     """
 
     chunks: tuple[Chunk, ...] = ()
@@ -69,6 +74,7 @@ class StepFeatures:
     kv_tokens: int = 0
     mode: str = "eager"
     busy: bool = False
+    ft_graph_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -79,15 +85,21 @@ class StepFeatures:
         cls, view: StepView, ft_lens: Sequence[int] = (), *, busy: bool = False
     ) -> StepFeatures:
         chunks = tuple(Chunk(p.num_tokens, p.context_len) for p in view.prefills)
-        return cls(chunks, tuple(ft_lens), view.num_decodes, view.decode_kv_tokens, view.mode, busy)
+        return cls(chunks, tuple(ft_lens), view.num_decodes, view.decode_kv_tokens, view.mode, busy,
+                   view.ft_graph_tokens)
 
     @classmethod
     def from_record(cls, record: StepRecord) -> StepFeatures:
-        """A host that leaves ``ft_lens`` empty is taken to have run one FT row of all tokens."""
+        """The step as it ran: ``record.mode`` is its mode, FT rows or not. A host that leaves
+        ``ft_lens`` empty is taken to have run one FT row of all tokens."""
         lens = record.ft_lens or ((record.ft_tokens,) if record.ft_tokens > 0 else ())
-        return replace(
-            cls.from_view(record.view, lens, busy=record.trainer_busy), mode=record.mode
-        )
+        return cls.of_mode(cls.from_view(record.view, lens, busy=record.trainer_busy), record.mode)
+
+    @staticmethod
+    def of_mode(features: StepFeatures, mode: str) -> StepFeatures:
+        """``features`` run in ``mode``, with or without FT rows (a recorded or synthetic step,
+        whose mode is known rather than planned)."""
+        return replace(features, mode=mode, ft_graph_tokens=_ANY_SIZE if mode == "graph" else 0)
 
     def with_ft(self, lens: Sequence[int]) -> StepFeatures:
         """The same step with FT rows of ``lens`` appended."""
@@ -98,8 +110,16 @@ class StepFeatures:
         return "prefill" if self.chunks or self.ft_lens else "decode"
 
     @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks) + sum(self.ft_lens) + self.num_decodes
+
+    @property
     def exec_mode(self) -> str:
-        return "eager" if self.ft_lens else self.mode
+        """How the host runs the step: the inference part's mode; with FT rows ``graph`` only
+        while the step's tokens fit :attr:`ft_graph_tokens`."""
+        if not self.ft_lens:
+            return self.mode
+        return "graph" if self.num_tokens <= self.ft_graph_tokens else "eager"
 
     @property
     def key(self) -> str:
@@ -135,8 +155,9 @@ class BatchSpec:
         return sum(c.num_tokens for c in self.chunks) + sum(self.ft_lens) + len(self.decode_kv)
 
     def features(self, *, busy: bool = False) -> StepFeatures:
-        return StepFeatures(
-            self.chunks, self.ft_lens, len(self.decode_kv), sum(self.decode_kv), self.mode, busy
+        return StepFeatures.of_mode(
+            StepFeatures(self.chunks, self.ft_lens, len(self.decode_kv), sum(self.decode_kv), busy=busy),
+            self.mode,
         )
 
     def record(self, duration_s: float, *, busy: bool = False, now: float = 0.0) -> StepRecord:
@@ -170,20 +191,22 @@ def _split(total: int, parts: int) -> tuple[Chunk, ...]:
 
 def calibration_plan(
     max_tokens: int, max_decodes: int, max_kv: int, *, modes: Sequence[str] = MODES,
-    max_context: int | None = None,
+    max_context: int | None = None, ft_modes: Sequence[str] = ("eager",),
 ) -> list[BatchSpec]:
     """The synthetic batches that make every coefficient identifiable (DESIGN §6).
 
     ``max_tokens``: tokens per step; ``max_decodes``: decode rows per step; ``max_kv``: KV tokens
     a batch may read in total. Per mode: a sweep of one chunk's length (a, b, c); fixed lengths
     split over more chunks (a vs b); chunks over cached context (h); a decode batch × KV grid
-    (b', e', c'); prefill chunks with decodes (B_d inside the square, e). Eager only: FT rows
-    added to fixed batches, alone and beside inference (g). ``max_context`` caps one row's cached
-    context plus its new tokens (the model's context length).
+    (b', e', c'); prefill chunks with decodes (B_d inside the square, e). Per mode of
+    ``ft_modes`` (the modes in which the host runs steps with FT rows): FT rows added to fixed
+    batches, alone and beside inference (g). ``max_context`` caps one row's cached context plus
+    its new tokens (the model's context length).
     """
-    if max_tokens < 1 or max_decodes < 0 or max_kv < 0 or not set(modes) <= set(MODES):
+    if (max_tokens < 1 or max_decodes < 0 or max_kv < 0 or not set(modes) <= set(MODES)
+            or not set(ft_modes) <= set(MODES)):
         raise ValueError(f"calibration_plan needs max_tokens >= 1, max_decodes >= 0, "
-                         f"max_kv >= 0 and modes among {MODES}")
+                         f"max_kv >= 0 and modes and ft_modes among {MODES}")
     t, d, kv = max_tokens, max_decodes, max_kv
     row_cap = max_context if max_context is not None else t + kv + 1
     specs: list[BatchSpec] = []
@@ -206,12 +229,13 @@ def calibration_plan(
     b = min(d, t - quarter, max(1, t // 8))
     if b > 0:
         bases.append(BatchSpec((Chunk(quarter),), (max(1, min(kv // (2 * b), row_cap - 1)),) * b))
-    for base in bases:
-        for total in _levels(1, t - base.num_tokens, 5):
-            specs.append(replace(base, ft_lens=(total,), mode="eager"))
-            if total >= 4:
-                rows = tuple(c.num_tokens for c in _split(total, 4))
-                specs.append(replace(base, ft_lens=rows, mode="eager"))
+    for mode in ft_modes:
+        for base in bases:
+            for total in _levels(1, t - base.num_tokens, 5):
+                specs.append(replace(base, ft_lens=(total,), mode=mode))
+                if total >= 4:
+                    rows = tuple(c.num_tokens for c in _split(total, 4))
+                    specs.append(replace(base, ft_lens=rows, mode=mode))
     return specs
 
 
@@ -288,19 +312,26 @@ class LatencyModel:
         # Set by a host that replays decode steps as CUDA graphs padded to a bucket: rows -> the
         # rows the replay computes (decode/graph steps are priced by those).
         self.graph_bucket: Callable[[int], int] | None = None
+        # Set by a host that runs prefill-carrying steps through piecewise CUDA graphs padded to a
+        # token bucket: tokens -> the tokens the replays compute (prefill/graph steps' token term).
+        self.prefill_bucket: Callable[[int], int] | None = None
 
     # -- prediction
 
     def regressors(self, features: StepFeatures, key: str | None = None) -> tuple[float, ...]:
         """``features.vector()``, with a graph decode step's rows replaced by the bucket its
-        replay computes (:attr:`graph_bucket`): a padded replay costs what its bucket costs.
+        replay computes (:attr:`graph_bucket`): a padded replay costs what its bucket costs
+        (and a piecewise prefill step's tokens by :attr:`prefill_bucket`).
         Offline, on recorded H200 steps, that cut the idle decode error's median from 4.0% to
         1.8% and from 10.3% to 1.6% in two runs (``bench/latency_fit.py``, ``bucket`` form).
         ``key``: ``features.key`` where the caller has it already."""
         v = features.vector()
-        if (self.graph_bucket is not None and features.num_decodes > 0
-                and (key or features.key) == "decode/graph"):
+        key = key or features.key
+        if self.graph_bucket is not None and features.num_decodes > 0 and key == "decode/graph":
             v = (float(self.graph_bucket(features.num_decodes)), *v[1:])
+        elif self.prefill_bucket is not None and key == "prefill/graph":
+            # the token-wise work (everything but the attention) runs over the whole bucket
+            v = (v[0], float(self.prefill_bucket(int(v[1]))), *v[2:])
         return v
 
     def coefficients(self, key: str) -> tuple[float, ...]:

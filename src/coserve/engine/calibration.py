@@ -71,12 +71,13 @@ def run_synthetic_batch(
             def mlp_hook(layer: int, gate_up: torch.Tensor) -> None:
                 mlp_scratch.copy_(gate_up[ft_start : ft_start + ft_tokens])
 
-        # A layer hook keeps the runner off its decode graphs, which an `eager` spec asks for
-        # (with prefill graphs on, such a step replays those, as a real step of that mode would).
-        hook = capture if ft_tokens else (_no_hook if spec.mode == "eager" else None)
+        # An `eager` spec runs eagerly (no decode graph, no piecewise prefill graphs); a `graph`
+        # one takes whichever graphs a real step of its rows would (FT rows: with their capture
+        # hook, between the segments of the prefill graphs).
+        hook = capture if ft_tokens else None
         engine.sync()
         start = time.perf_counter()
-        logits = engine.runner.execute(rows, hook, mlp_hook)
+        logits = engine.runner.execute(rows, hook, mlp_hook, eager=spec.mode == "eager")
         if logits.shape[0]:  # sample like a real step does (greedy; the sampler syncs)
             n = logits.shape[0]
             engine.sampler(logits, [_GREEDY] * n, [None] * n, [0] * n, engine.eos_token_ids)
@@ -85,6 +86,3 @@ def run_synthetic_batch(
     finally:
         engine.block_manager.give_back(borrowed)
 
-
-def _no_hook(layer: int, hidden: torch.Tensor) -> None:
-    return None

@@ -42,11 +42,11 @@ class EngineConfig:
     # With the warm-up: also run each base-weight GEMM at every token count an eager step can
     # have (engine/warmup.py gemm_sweep; ~2 s for the 8B shape at 2,048 tokens, by FLOPs).
     warmup_gemms: bool = False
-    # Piecewise CUDA graphs for the steps that would run eagerly (engine/prefill_graphs.py):
-    # everything between two attention calls replayed per token-count bucket, the attention
-    # eager. CUDA only, off by default until measured; buckets above max_num_batched_tokens are
-    # dropped.
-    prefill_graphs: bool = False
+    # Piecewise CUDA graphs for the steps that carry prefill or fine-tuning rows
+    # (engine/prefill_graphs.py): everything between two attention calls replayed per token-count
+    # bucket, the attention eager. CUDA only (with the decode graphs); buckets above
+    # max_num_batched_tokens are dropped.
+    prefill_graphs: bool = True
     prefill_graph_buckets: tuple[int, ...] = (128, 256, 512, 768, 1024, 1536, 2048)
 
     def __post_init__(self) -> None:

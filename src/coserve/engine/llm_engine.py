@@ -138,6 +138,9 @@ class LLMEngine:
         graphs = self.runner.graphs
         if graphs is not None:  # a decode step's graph replay computes its whole bucket
             coserver.latency.graph_bucket = lambda n: graphs.bucket(n) or n
+        pieces = self.runner.prefill_graphs
+        if pieces is not None:  # and a piecewise prefill step's token-wise work its own
+            coserver.latency.prefill_bucket = lambda n: pieces.bucket(n) or n
 
     def detach(self) -> None:
         """Stop co-serving: later steps carry inference rows only."""
@@ -358,7 +361,8 @@ class LLMEngine:
             prefills=tuple(PrefillView(c.num_tokens, c.context_len, c.seq.arrival_time) for c in sched.prefills),
             num_decodes=len(sched.decodes),
             decode_kv_tokens=sum(c.context_len + 1 for c in sched.decodes),
-            mode=self.runner.planned_mode(rows) if not sched.prefills else "eager",
+            mode=self.runner.planned_mode(rows) if rows else "eager",
+            ft_graph_tokens=self.runner.ft_graph_tokens,
             token_budget=self.config.max_num_batched_tokens - sched.num_tokens,
             num_waiting=len(waiting),
             oldest_waiting_arrival=waiting[0].arrival_time if waiting else None,
@@ -385,7 +389,8 @@ class LLMEngine:
         return self.coserver.calibrate(
             self.run_batch, max_tokens=cfg.max_num_batched_tokens, max_decodes=min(cfg.max_num_seqs, 64),
             max_kv=max_kv, max_context=self.max_model_len - 1, repeats=repeats,
-            modes=("graph", "eager") if self.runner.graphs is not None else ("eager",))
+            modes=("graph", "eager") if self.runner.graphs is not None else ("eager",),
+            ft_modes=("graph", "eager") if self.runner.ft_graph_tokens else ("eager",))
 
     def sync(self) -> None:
         if self.runner.device.type == "cuda":

@@ -115,8 +115,29 @@ class ModelRunner:
         )
 
     def planned_mode(self, rows: list[BatchRow]) -> str:
-        """``graph`` when :meth:`execute` would replay a CUDA graph for ``rows``, else ``eager``."""
-        return "graph" if self.graphs is not None and self.graphs.accepts(rows) else "eager"
+        """``graph`` when :meth:`execute` (without hooks) would replay CUDA graphs for ``rows``:
+        the decode graphs, or the piecewise prefill graphs; else ``eager``."""
+        if self.graphs is not None and self.graphs.accepts(rows):
+            return "graph"
+        return "graph" if self._pieces_accept(rows, sum(len(r.token_ids) for r in rows)) else "eager"
+
+    @property
+    def ft_graph_tokens(self) -> int:
+        """The most tokens a step with fine-tuning rows (the training adapter's slot) may have
+        and still replay the piecewise prefill graphs (0: none; see ``StepView.ft_graph_tokens``)."""
+        pieces = self.prefill_graphs
+        return pieces.max_tokens if pieces is not None and pieces.accepts(1, lora_active=True) else 0
+
+    def _pieces_accept(self, rows: list[BatchRow], num_tokens: int, lora_active: bool | None = None) -> bool:
+        """Whether a step of ``rows`` runs through the piecewise prefill graphs (given no MLP
+        hook): one that carries prefill or FT rows (decode-only steps have graphs of their own),
+        none with LoRA dropout, and a size and adapter use they take."""
+        pieces = self.prefill_graphs
+        if pieces is None or not any(r.is_prefill for r in rows) or any(r.dropout_key is not None for r in rows):
+            return False
+        if lora_active is None:
+            lora_active = any(r.lora_slot >= 0 for r in rows)
+        return pieces.accepts(num_tokens, lora_active=lora_active)
 
     @property
     def block_bytes(self) -> int:
@@ -193,27 +214,32 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, rows: list[BatchRow], layer_hook: LayerHook | None = None,
-                mlp_hook: LayerHook | None = None) -> torch.Tensor:
+                mlp_hook: LayerHook | None = None, *, eager: bool = False) -> torch.Tensor:
         """Run one step; returns fp32 logits ``[n_sampling_rows, V]`` in row order.
 
-        Sets ``last_mode``: ``graph`` (decode-only step replayed from a CUDA graph; ``layer_hook``
-        must be None then, a hook forces eager) or ``eager`` (also for a step through the prefill
-        graphs: the latency model keeps one eager set, fitted on whichever path the steps take).
+        Sets ``last_mode``: ``graph`` for a decode-only step replayed from a decode graph (no
+        hook: a layer hook keeps a decode step off them) or a step that carries prefill or FT
+        rows through the piecewise prefill graphs (a layer hook runs between their segments; an
+        MLP hook or LoRA dropout rows keep a step off them), else ``eager``. ``eager``: run
+        eagerly whatever the graphs take (calibration and warm-up of the eager path).
         """
-        if layer_hook is None and mlp_hook is None and self.graphs is not None and self.graphs.accepts(rows):
+        if (not eager and layer_hook is None and mlp_hook is None and self.graphs is not None
+                and self.graphs.accepts(rows)):
             self.last_mode = "graph"
             self._mark_live_linears(None)
             return self.graphs.run(rows)
-        self.last_mode = "eager"
         inputs = self.prepare(rows)
+        if not eager and mlp_hook is None and self._pieces_accept(rows, inputs.input_ids.shape[0],
+                                                                 inputs.lora.active):
+            assert self.prefill_graphs is not None
+            self.last_mode = "graph"
+            self._mark_live_linears(None)
+            hidden = self.prefill_graphs.run(inputs.input_ids, inputs.positions, inputs.attn, inputs.lora,
+                                             layer_hook)
+            return self.model.compute_logits(hidden[inputs.logits_indices])
+        self.last_mode = "eager"
         dropped = [(start, len(r.token_ids), r.dropout_key, r.lora_slot)
                    for start, r in zip(_starts(rows), rows, strict=True) if r.dropout_key is not None]
-        pieces = self.prefill_graphs
-        if (pieces is not None and mlp_hook is None and not dropped
-                and pieces.accepts(inputs.input_ids.shape[0], lora_active=inputs.lora.active)):
-            self._mark_live_linears(None)
-            hidden = pieces.run(inputs.input_ids, inputs.positions, inputs.attn, inputs.lora, layer_hook)
-            return self.model.compute_logits(hidden[inputs.logits_indices])
         self._mark_live_linears(rows)
         lora: LoRAContext | None = self.lora_op(inputs.lora, self.lora_scales) if inputs.lora.active else None
         if dropped:
