@@ -173,8 +173,8 @@ def main() -> None:
     p.add_argument("--trainer-sm-share", type=int, default=None,
                    help="CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of the trainer process")
     p.add_argument("--no-reference", action="store_true", help="skip the inference-only run")
-    p.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=True,
-                   help="steps with prefill or FT rows through the piecewise CUDA graphs (the engine's default)")
+    p.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=False,
+                   help="steps with prefill or FT rows through the piecewise CUDA graphs")
     p.add_argument("--probe-requests", type=int, default=40,
                    help="after the replay, this many single short requests, one every ~0.5 s, each arriving "
                         "while the engine runs FT-only steps: the interruption delay they see")

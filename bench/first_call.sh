@@ -36,6 +36,8 @@
 #   trace_peer     bench/trace_vs_hf.py, the transformers peer's side (same arrivals)
 #   latency        bench/coserve_latency.py (issue 5: latency-model error, pause delay), the trainer
 #                  at a 50% MPS share; latency=N: at N% (latency=100: no share)
+#   latency_graphs the latency job with --prefill-graphs (steps with prefill or FT rows through the
+#                  piecewise CUDA graphs, priced by their own prefill/graph set)
 #   eager          bench/eager_cpu.py without and with --prefill-graphs
 #   eval=SPEC      bench/eval_device.sh SPEC on this lane's GPU (SPEC as there: WORKLOAD=RATE[=EXTRA],
 #                  with $BUDGET and $BENCH_FLAGS), its archive kept as first/eval.tar.gz
@@ -134,6 +136,7 @@ job() {
     trace_coserve) trace coserve ;;
     trace_peer) trace transformers ;;
     latency) latency_bench latency "$top/verify/coserve_latency" --trainer-sm-share 50 ;;
+    latency_graphs) latency_bench latency_graphs "$top/coserve_latency_graphs" --trainer-sm-share 50 --prefill-graphs ;;
     latency=*)
       share=${1#latency=}; share_flags=(); (( share < 100 )) && share_flags=(--trainer-sm-share "$share")
       latency_bench "$1" "$top/coserve_latency_share$share" "${share_flags[@]}" ;;

@@ -19,7 +19,9 @@ relative error on the rest for:
   whether a busy step's slowdown follows the trainer's kernels;
 - ``bucket`` (decode steps in graph mode): the linear form with the decode rows replaced by the
   CUDA-graph bucket that ran them (``--graph-sizes``, the engine's default buckets): a replay
-  computes the padded batch, not the rows it carries.
+  computes the padded batch, not the rows it carries;
+- ``by_size`` (prefill sets): the online model's error over all the set's steps, by the step's
+  tokens (:data:`SIZE_BINS`) and whether it carried FT rows: where in the set the error is.
 
     python bench/latency_fit.py bench/results/.../burst-light.json [--config full] [--out fit.json]
 """
@@ -81,6 +83,28 @@ def _by_trainer_at(steps: list[list[Any]]) -> dict[str, Any]:
     return out
 
 
+SIZE_BINS = (512, 1024, 1800)
+"""Upper ends of ``by_size``'s token bins (then one bin for the rest)."""
+
+
+def _by_size(steps: list[list[Any]]) -> dict[str, Any]:
+    """Online error and median signed error of prefill-form steps by tokens and FT rows
+    (regressors 1 and 2 of ``TERMS["prefill"]``: ``T_in + B_d`` and ``T_ft``)."""
+    groups: dict[str, list[tuple[float, float]]] = {}
+    for predicted, measured, vec, *_ in steps:
+        tokens = vec[1]
+        size = next((f"<{b}" for b in SIZE_BINS if tokens < b), f">={SIZE_BINS[-1]}")
+        groups.setdefault(f"{'ft' if vec[2] > 0 else 'no_ft'}/{size}", []).append((predicted, measured))
+    out = {}
+    for name, pairs in sorted(groups.items()):
+        errors = error_summary([abs(p - m) / m for p, m in pairs])
+        signed = torch.tensor([(p - m) / m for p, m in pairs], dtype=torch.float64)
+        out[name] = {"n": len(pairs), "online_median_rel": errors.median_rel, "online_p99_rel": errors.p99_rel,
+                     "signed_median_rel": float(signed.median()),
+                     "measured_p50_s": float(torch.tensor([m for _, m in pairs]).median())}
+    return out
+
+
 def evaluate(rows: list[list[Any]], train: float, floor_q: float,
              graph_sizes: tuple[int, ...] = GRAPH_SIZES) -> dict[str, Any]:
     """Held-out errors per key of the forms in the module docstring."""
@@ -120,6 +144,8 @@ def evaluate(rows: list[list[Any]], train: float, floor_q: float,
             xb[:, 0] = torch.tensor([_bucket(float(v), graph_sizes) for v in x[:, 0]], dtype=torch.float64)
             theta_b = torch.tensor(fit_relative(xb[:n_train], yt, 1.0 / yt), dtype=torch.float64)
             out[key]["bucket"] = _errors(xb[n_train:] @ theta_b, yh)
+        if key.startswith("prefill/"):
+            out[key]["by_size"] = _by_size(steps)
         ats = [s[4] for s in steps]
         if key.endswith("/busy") and any(a is not None for a in ats):
             out[key]["by_trainer_at"] = _by_trainer_at(steps)

@@ -45,8 +45,8 @@ class EngineConfig:
     # Piecewise CUDA graphs for the steps that carry prefill or fine-tuning rows
     # (engine/prefill_graphs.py): everything between two attention calls replayed per token-count
     # bucket, the attention eager. CUDA only (with the decode graphs); buckets above
-    # max_num_batched_tokens are dropped.
-    prefill_graphs: bool = True
+    # max_num_batched_tokens are dropped. Off until measured end to end (DEVELOPERS.md).
+    prefill_graphs: bool = False
     prefill_graph_buckets: tuple[int, ...] = (128, 256, 512, 768, 1024, 1536, 2048)
 
     def __post_init__(self) -> None:
