@@ -48,8 +48,12 @@ class LoRABatch:
             else:
                 slots.append(s)
                 starts.append(starts[-1] + n)
-        lengths = torch.tensor([b - a for a, b in zip(starts, starts[1:], strict=False)], dtype=torch.int64)
-        tokens = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int64), lengths)
+        # NOTE: one fill per segment, not torch.repeat_interleave, whose CPU kernel runs a parallel
+        # loop with a grain of one repeat: waking the OpenMP threads took 0.65–7.6 ms per step on
+        # the H200's host (bench/results/engine_h200/session9: profile_lora's gaps in runner.prepare)
+        tokens = torch.cat([torch.full((b - a,), slot, dtype=torch.int64)
+                            for slot, a, b in zip(slots, starts, starts[1:], strict=False)]
+                           ) if slots else torch.empty(0, dtype=torch.int64)
         return cls(seg_starts=starts, seg_slots=slots, token_slots=to_device(tokens, device))
 
     @property
