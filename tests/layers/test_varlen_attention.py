@@ -1,6 +1,7 @@
 """The trainer's recompute attention in one varlen flash call (CUDA) against per-row SDPA: the
 same output and the same gradients for q, k and v, through each implementation
-(``COSERVE_VARLEN_ATTN``: the trainer's own flash node, torch's varlen custom op)."""
+(``COSERVE_VARLEN_ATTN``: aten's flash op with its own derivative, the same two aten ops in the
+trainer's autograd function, torch's varlen custom op)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from coserve.layers.attention import AttentionMetadata, TorchAttention, _plain_r
 from coserve.layers.varlen_attention import (
     VARLEN_IMPLS,
     _flash_ops,
+    _native_backward,
     _schema_fits,
     _torch_varlen_attn,
     varlen_fits,
@@ -70,9 +72,14 @@ def test_flash_signature_check_takes_this_torch_and_refuses_other_signatures() -
         assert not _schema_fits(Op(schema), varlen_attention._FWD_ARGS, 5), schema
 
 
+def test_flash_forward_differentiates_itself_on_this_torch() -> None:
+    assert _native_backward(), f"torch {torch.__version__}: no derivative for aten._flash_attention_forward"
+    assert VARLEN_IMPLS["flash"]() is not None
+
+
 def test_switch_values() -> None:
     assert VARLEN_IMPLS["0"]() is None
-    assert set(VARLEN_IMPLS) >= {"flash", "torch", "0", "1"}
+    assert set(VARLEN_IMPLS) >= {"flash", "flash_fn", "torch", "0", "1"}
     env = {**os.environ, "COSERVE_VARLEN_ATTN": "bogus", "PYTHONPATH": os.pathsep.join(sys.path)}
     run = subprocess.run([sys.executable, "-c", "import coserve.layers.varlen_attention"], env=env,
                          capture_output=True, text=True)
@@ -95,7 +102,7 @@ def _forward_backward(fn, q0, k0, v0, grad_out):  # type: ignore[no-untyped-def]
     return o.float(), [x.grad.float() for x in (q, k, v)]
 
 
-IMPLS = ["flash", "torch"]
+IMPLS = ["flash", "flash_fn", "torch"]
 
 
 @pytest.mark.skipif(not CUDA, reason="varlen flash attention runs on CUDA")
@@ -134,12 +141,13 @@ class _Ops(TorchDispatchMode):
 
 
 @pytest.mark.skipif(not CUDA, reason="varlen flash attention runs on CUDA")
-def test_flash_node_dispatches_one_op_each_way() -> None:
-    """The host cost the flash node exists for: no ``zeros``/``empty`` or K/V head repeats beside
+@pytest.mark.parametrize("impl", ["flash", "flash_fn"])
+def test_flash_dispatches_one_op_each_way(impl: str) -> None:
+    """The host cost the flash paths exist for: no ``zeros``/``empty`` or K/V head repeats beside
     the flash op, forward (GQA) and backward."""
-    picked = VARLEN_IMPLS["flash"]()
-    if picked is None or picked[0] != "flash":
-        pytest.skip(f"flash: not available on torch {torch.__version__}")
+    picked = VARLEN_IMPLS[impl]()
+    if picked is None or picked[0] != impl:
+        pytest.skip(f"{impl}: not available on torch {torch.__version__}")
     lens = [100, 37, 1]
     q0, k0, v0, grad_out = _rows(lens, 8, 2, 128, torch.bfloat16, seed=3)
     cu = torch.tensor([0, 100, 137, 138], dtype=torch.int32, device="cuda")

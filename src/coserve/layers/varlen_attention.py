@@ -12,11 +12,14 @@ torch's varlen op the attention recompute stayed CPU-bound after session 8 (H200
 
 Implementations, chosen by ``COSERVE_VARLEN_ATTN`` (read at import; see :data:`VARLEN_IMPLS`):
 
-* ``flash`` (default, ``1`` too): :class:`FlashVarlenFn`, the trainer's own autograd node over
-  ``aten._flash_attention_forward`` / ``_flash_attention_backward``: one dispatch each way, K/V
-  with their own head count (flash shares each K/V head with its query-head group), the
-  forward's RNG outputs handed to the backward as they are. Falls back to ``torch`` when this
-  torch's aten signatures are not the ones it calls (checked once, :func:`_flash_ops`).
+* ``flash`` (default, ``1`` too): ``aten._flash_attention_forward`` called directly, its own
+  derivative for the backward (a C++ autograd node that calls ``_flash_attention_backward``):
+  one dispatch each way and no Python in the backward, K/V with their own head count (flash
+  shares each K/V head with its query-head group). Where that derivative is missing (checked
+  once on meta tensors, :func:`_native_backward`) it is ``flash_fn``; where aten's signatures
+  are not the ones called (checked once, :func:`_flash_ops`), ``torch``.
+* ``flash_fn``: :class:`FlashVarlenFn`, the same two aten ops in a Python autograd function (one
+  Python node; ~8 µs more host time each way than ``flash`` on the dev VM, on meta tensors).
 * ``torch``: ``torch.nn.attention.varlen.varlen_attn`` (session 7's path): a Python
   ``custom_op`` on both passes (two Python dispatches and a ``zeros`` launch per forward, a Python
   dispatch and an ``empty`` per backward), K/V heads repeated where it takes no ``enable_gqa``.
@@ -85,6 +88,35 @@ def _flash_ops() -> tuple[Any, Any] | None:
     return fwd, bwd
 
 
+@functools.cache
+def _native_backward() -> bool:
+    """Whether aten's flash forward differentiates itself (its derivative: the flash backward)
+    for K/V with fewer heads than q: one tiny call on meta tensors, made once."""
+    ops = _flash_ops()
+    if ops is None:
+        return False
+    try:
+        with torch.enable_grad():
+            q, k, v = (torch.empty(4, h, 8, device="meta", dtype=torch.bfloat16, requires_grad=True) for h in (4, 2, 2))
+            cu = torch.tensor([0, 4], dtype=torch.int32, device="meta")
+            out = ops[0](q, k, v, cu, cu, 4, 4, 0.0, True, False, scale=1.0)[0]
+            grads = torch.autograd.grad(out, (q, k, v), torch.empty_like(out))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return all(g.shape == x.shape for g, x in zip(grads, (q, k, v), strict=True))
+
+
+def _flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, scale: float
+) -> torch.Tensor:
+    """The module docstring's attention: aten's flash forward, differentiated by its own
+    derivative (:func:`_native_backward`)."""
+    ops = _flash_ops()
+    assert ops is not None
+    return cast(torch.Tensor, ops[0](q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, True, False,
+                                     scale=scale)[0])
+
+
 class FlashVarlenFn(torch.autograd.Function):
     """The module docstring's attention through aten's flash ops: one node, one flash kernel each
     way (dropout 0, causal; no debug mask).
@@ -120,17 +152,15 @@ class FlashVarlenFn(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def _flash_attention(
+def _flash_fn_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, scale: float
 ) -> torch.Tensor:
-    """:class:`FlashVarlenFn`; without autograd (no input requires grad) its forward alone."""
+    """:class:`FlashVarlenFn`; without autograd (no input requires grad) aten's forward alone."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out: torch.Tensor = FlashVarlenFn.apply(q, k, v, cu_seqlens, max_len, scale)
         return out
-    ops = _flash_ops()
-    assert ops is not None
-    return cast(torch.Tensor, ops[0](q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, True, False,
-                                     scale=scale)[0])
+    with torch.no_grad():
+        return _flash_attention(q, k, v, cu_seqlens, max_len, scale)
 
 
 @functools.cache
@@ -170,8 +200,14 @@ def _torch_attention(
 
 
 def _pick_flash() -> tuple[str, VarlenAttn] | None:
-    if _flash_ops() is not None:
+    if _flash_ops() is not None and _native_backward():
         return "flash", _flash_attention
+    return _pick_flash_fn()
+
+
+def _pick_flash_fn() -> tuple[str, VarlenAttn] | None:
+    if _flash_ops() is not None:
+        return "flash_fn", _flash_fn_attention
     return _pick_torch()
 
 
@@ -182,11 +218,13 @@ def _pick_torch() -> tuple[str, VarlenAttn] | None:
 VARLEN_IMPLS: dict[str, Callable[[], tuple[str, VarlenAttn] | None]] = {
     "flash": _pick_flash,
     "1": _pick_flash,
+    "flash_fn": _pick_flash_fn,
     "torch": _pick_torch,
     "0": lambda: None,
 }
 """``COSERVE_VARLEN_ATTN`` value -> the implementation it picks, as ``(name, function)``, or None
-(per-row SDPA calls). ``flash`` falls back to ``torch`` where aten's signatures do not fit."""
+(per-row SDPA calls). ``flash`` falls back to ``flash_fn``, ``flash_fn`` to ``torch`` (see the
+module docstring)."""
 
 VARLEN_ATTN = os.environ.get("COSERVE_VARLEN_ATTN", "flash")
 if VARLEN_ATTN not in VARLEN_IMPLS:
