@@ -21,7 +21,17 @@ NOTE: on the CPU the attention runs one SDPA call per row length and the torch R
 ops; on CUDA (bf16) one varlen flash call and the fused kernels. ``--same-len`` (one SDPA call)
 comes closer to the CUDA path's op count.
 
+``--device cuda`` runs the same on the GPU (``--shape llama3-8b`` for the 8B layer shape) and adds
+each part's GPU time: at the task's first boundary a ``torch.cuda._sleep`` of ``--gpu-hold-ms``
+holds the stream, so that the CPU queues the whole task before the GPU starts and the CUDA events
+recorded at the boundaries measure the kernels back to back (a rep whose hold ran out before the
+CPU reached the last boundary is counted in ``hold_too_short``). The host ms stays the calling
+thread's CPU time: what the trainer's ``TaskResult.spans`` call a stretch's CPU ms. The aten op
+counts leave out the Triton kernels (RMSNorm, RoPE), which are no aten ops.
+
     .venv/bin/python bench/profile_trainer_cpu.py [--same-len] [--dtype bfloat16] [--ops] [--json out.json]
+    python3 bench/profile_trainer_cpu.py --device cuda --shape llama3-8b --dtype bfloat16 --rank 16 \
+        --rows 5 --min-len 120 --max-len 290 --ops   # ~1,024-token tasks of five row lengths
 """
 
 from __future__ import annotations
@@ -34,12 +44,13 @@ import statistics
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from coserve.bench.provenance import provenance
+from coserve.layers.varlen_attention import varlen_impl
 from coserve.models.config import ModelConfig
 from coserve.models.llama import LlamaForCausalLM
 from coserve.models.loader import init_dummy_weights
@@ -49,17 +60,21 @@ from coserve.trainer.lora_params import TrainableLoRA
 
 PARTS = ("attn_fwd", "mlp", "attn_bwd")
 CLOCK = time.thread_time_ns
+SHAPES = {"llama3-8b": {"hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8}}
+"""``--shape``: the layer dimensions of a model (its vocabulary stays 256: the loss is no part)."""
 
 
 def build(args: argparse.Namespace) -> tuple[LlamaForCausalLM, TrainableLoRA, torch.Tensor, list[TaskRow], torch.Tensor | None]:
     cfg = ModelConfig.from_hf({
-        "architectures": ["LlamaForCausalLM"], "hidden_size": args.hidden, "intermediate_size": 2 * args.hidden,
+        "architectures": ["LlamaForCausalLM"], "hidden_size": args.hidden,
+        "intermediate_size": args.intermediate or 2 * args.hidden,
         "num_hidden_layers": args.layers, "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads,
         "vocab_size": 256, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
         "tie_word_embeddings": False,
     })
     dtype = getattr(torch, args.dtype)
-    model = LlamaForCausalLM(cfg, num_lora_slots=1, max_lora_rank=args.rank, dtype=dtype)
+    device = torch.device(args.device)
+    model = LlamaForCausalLM(cfg, num_lora_slots=1, max_lora_rank=args.rank, dtype=dtype).to(device)
     init_dummy_weights(model, 0)
     targets = tuple(args.targets.split(","))
     adapter = new_lora_adapter(num_layers=cfg.num_layers, shapes=cfg.linear_shapes(), rank=args.rank,
@@ -68,7 +83,7 @@ def build(args: argparse.Namespace) -> tuple[LlamaForCausalLM, TrainableLoRA, to
         gen = torch.Generator().manual_seed(1)
         for _, b in adapter.weights.values():
             b.copy_(torch.randn(b.shape, generator=gen) * 0.05)
-    lora = TrainableLoRA(adapter, dropout=args.dropout, seed=0)
+    lora = TrainableLoRA(adapter, dropout=args.dropout, seed=0, device=device)
     rng = random.Random(args.seed)
     # NOTE: rows of one length run the CPU's attention as one SDPA call, as the varlen flash call
     # does on CUDA for rows of any lengths; rows of many lengths add a call per length here.
@@ -79,24 +94,42 @@ def build(args: argparse.Namespace) -> tuple[LlamaForCausalLM, TrainableLoRA, to
         rows.append(TaskRow(off, tuple([-100] * (n // 4) + ids[n // 4 :])))
         off += n
     gen = torch.Generator().manual_seed(2)
-    store = torch.randn((cfg.num_layers + 1, off, cfg.hidden_size), generator=gen).to(dtype)
+    store = torch.randn((cfg.num_layers + 1, off, cfg.hidden_size), generator=gen).to(device, dtype)
     mlp_store = None
     if args.mlp_store:
-        mlp_store = torch.randn((cfg.num_layers, off, 2 * cfg.intermediate_size), generator=gen).to(dtype)
+        mlp_store = torch.randn((cfg.num_layers, off, 2 * cfg.intermediate_size), generator=gen).to(device, dtype)
     return model, lora, store, rows, mlp_store
 
 
 class Segments:
     """``at_layer_boundary`` that names the part of the backward running since the last call."""
 
-    def __init__(self, num_layers: int, on_switch: Callable[[tuple[int, str]], None] | None = None) -> None:
+    def __init__(self, num_layers: int, on_switch: Callable[[tuple[int, str]], None] | None = None,
+                 gpu_hold_cycles: int = 0) -> None:
         self.num_layers = num_layers
         self.on_switch = on_switch
-        self.marks: list[tuple[int, int]] = []  # (layer, CLOCK())
+        self.marks: list[tuple[int, int]] = []  # (layer, CLOCK()) on entry
+        self.resumed: list[int] = []  # CLOCK() on return (the events' host time left out of the parts)
         self.current: tuple[int, str] = (num_layers, "loss")
+        # CUDA (gpu_hold_cycles > 0): an event at each boundary, the stream held at the first
+        self.hold = gpu_hold_cycles
+        self.events: list[torch.cuda.Event] = []
+        self.held: torch.cuda.Event | None = None
+        self.hold_ran_out = False
 
     def __call__(self, layer: int) -> None:
         self.marks.append((layer, CLOCK()))
+        if self.hold:
+            if self.held is None:
+                torch.cuda._sleep(self.hold)
+                self.held = torch.cuda.Event()
+                self.held.record()
+            else:
+                self.hold_ran_out = self.held.query()  # the last call's verdict counts
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.events.append(event)
+        self.resumed.append(CLOCK())
         if layer == self.num_layers:
             self.current = (layer, "loss")
         else:
@@ -114,31 +147,93 @@ class Segments:
             self.on_switch(self.current)
 
     def split(self, end_ns: int) -> dict[tuple[int, str], float]:
-        """Seconds per (layer, part) from the recorded marks."""
+        """Seconds per (layer, part) from the recorded marks (each part from a boundary's return
+        to the next one's entry)."""
+        return self._split(self.marks, self.resumed, end_ns)
+
+    def split_gpu(self, end: torch.cuda.Event) -> dict[tuple[int, str], float]:
+        """GPU seconds per (layer, part) from the boundaries' events (``end``: after the task;
+        synchronized)."""
+        end.synchronize()
+        first = self.events[0]
+        marks = [(layer, round(first.elapsed_time(e) * 1e6)) for (layer, _), e in zip(self.marks, self.events, strict=True)]
+        return self._split(marks, [t for _, t in marks], round(first.elapsed_time(end) * 1e6))
+
+    def _split(self, marks_ns: list[tuple[int, int]], resumed_ns: list[int], end_ns: int) -> dict[tuple[int, str], float]:
+        """Per (layer, part): from the return of the boundary that opens it (``resumed_ns``) to the
+        entry of the one that closes it (``marks_ns``)."""
         by_layer: dict[int, list[int]] = defaultdict(list)
-        for layer, t in self.marks:
+        back: dict[int, list[int]] = defaultdict(list)
+        for (layer, t), r in zip(marks_ns, resumed_ns, strict=True):
             by_layer[layer].append(t)
+            back[layer].append(r)
         out: dict[tuple[int, str], float] = {}
         for layer in range(self.num_layers):
-            marks = by_layer[layer]
+            marks, resumed = by_layer[layer], back[layer]
             nxt = by_layer[layer - 1][0] if layer > 0 else end_ns
-            out[(layer, "attn_fwd")] = (marks[1] - marks[0]) / 1e9
-            out[(layer, "mlp")] = (marks[-1] - marks[1]) / 1e9
-            out[(layer, "attn_bwd")] = (nxt - marks[-1]) / 1e9
+            out[(layer, "attn_fwd")] = (marks[1] - resumed[0]) / 1e9
+            out[(layer, "mlp")] = (marks[-1] - resumed[1]) / 1e9
+            out[(layer, "attn_bwd")] = (nxt - resumed[-1]) / 1e9
         return out
 
 
+class PartTimes(NamedTuple):
+    host: dict[tuple[int, str], float]  # median seconds per (layer, part)
+    host_p90: dict[tuple[int, str], float]
+    gpu: dict[tuple[int, str], float]  # median GPU seconds (CUDA; empty on the CPU)
+    hold_too_short: int  # CUDA reps whose hold ended before the CPU's last boundary
+
+
 def time_parts(model: LlamaForCausalLM, lora: TrainableLoRA, store: torch.Tensor, rows: list[TaskRow],
-               mlp_store: torch.Tensor | None, args: argparse.Namespace) -> dict[tuple[int, str], float]:
+               mlp_store: torch.Tensor | None, args: argparse.Namespace) -> PartTimes:
     samples: dict[tuple[int, str], list[float]] = defaultdict(list)
+    gpu: dict[tuple[int, str], list[float]] = defaultdict(list)
+    cuda = store.is_cuda
+    hold = _sleep_cycles(args.gpu_hold_ms) if cuda else 0
+    short = 0
+    # NOTE: layer 0's attention backward ends when its torch.autograd.backward returns: the task's
+    # end comes after reading the loss, a sync in which the CPU spins until the GPU is done
+    original = torch.autograd.backward
+    ends: list[tuple[int, torch.cuda.Event | None]] = []
+
+    def backward(*a: Any, **kw: Any) -> None:
+        original(*a, **kw)
+        event = torch.cuda.Event(enable_timing=True) if cuda else None
+        if event is not None:
+            event.record()
+        ends.append((CLOCK(), event))
+
     for rep in range(args.warmup + args.reps):
-        seg = Segments(len(model.model.layers))
-        task_backward(model, lora, store, rows, dropout_key=7, at_layer_boundary=seg, mlp_store=mlp_store)
-        end = CLOCK()
+        seg = Segments(len(model.model.layers), gpu_hold_cycles=hold)
+        ends.clear()
+        torch.autograd.backward = backward  # type: ignore[assignment]
+        try:
+            task_backward(model, lora, store, rows, dropout_key=7, at_layer_boundary=seg, mlp_store=mlp_store)
+        finally:
+            torch.autograd.backward = original
+        end, done = ends[-1]
         if rep >= args.warmup:
             for key, s in seg.split(end).items():
                 samples[key].append(s)
-    return {key: statistics.median(v) for key, v in samples.items()}
+            if done is not None:
+                short += seg.hold_ran_out
+                for key, s in seg.split_gpu(done).items():
+                    gpu[key].append(s)
+    p90 = {key: statistics.quantiles(v, n=10)[-1] if len(v) > 1 else v[0] for key, v in samples.items()}
+    return PartTimes({key: statistics.median(v) for key, v in samples.items()}, p90,
+                     {key: statistics.median(v) for key, v in gpu.items()}, short)
+
+
+def _sleep_cycles(ms: float) -> int:
+    """``torch.cuda._sleep`` cycles for about ``ms`` milliseconds (calibrated once)."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cycles = 10_000_000
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return int(cycles * ms / start.elapsed_time(end))
 
 
 class _OpCounter(TorchDispatchMode):
@@ -202,13 +297,19 @@ def result_digest(model: LlamaForCausalLM, lora: TrainableLoRA, store: torch.Ten
     assert lora.flat.grad is not None
     lora.flat.grad.zero_()
     out = task_backward(model, lora, store, rows, dropout_key=7, mlp_store=mlp_store)
-    return out.loss_sum, hashlib.sha256(lora.flat.grad.numpy().tobytes()).hexdigest()[:16]
+    return out.loss_sum, hashlib.sha256(lora.flat.grad.cpu().numpy().tobytes()).hexdigest()[:16]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--intermediate", type=int, default=0, help="the MLP's width (0: twice --hidden)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                   help="a model's layer dimensions (overrides --hidden/--intermediate/--heads/--kv-heads)")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: also each part's GPU time")
+    p.add_argument("--gpu-hold-ms", type=float, default=200.0,
+                   help="CUDA: how long the stream is held at the task's first boundary")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--rank", type=int, default=8)
@@ -228,26 +329,40 @@ def main() -> None:
     p.add_argument("--ops", action="store_true", help="also list the aten ops of each part of one layer")
     p.add_argument("--json", default=None, help="write the figures with provenance as JSON here")
     args = p.parse_args()
+    if args.shape is not None:
+        for name, value in SHAPES[args.shape].items():
+            setattr(args, name, value)
     torch.set_num_threads(args.threads)
 
     model, lora, store, rows, mlp_store = build(args)
     num_layers = len(model.model.layers)
-    times = time_parts(model, lora, store, rows, mlp_store, args)
+    timed = time_parts(model, lora, store, rows, mlp_store, args)
+    times, gpu = timed.host, timed.gpu
     counts, nodes = count_parts(model, lora, store, rows, mlp_store)
     loss, digest = result_digest(model, lora, store, rows, mlp_store)
 
     lens = [len(r.labels) for r in rows]
-    print(f"{num_layers} layers, {args.dtype}, hidden {args.hidden}, heads {args.heads}/{args.kv_heads}, rank {args.rank}, "
+    impl = varlen_impl()
+    attention = "CPU: SDPA per row length" if not store.is_cuda else f"varlen {impl[0] if impl else 'off'}"
+    print(f"{num_layers} layers on {args.device}, {args.dtype}, hidden {args.hidden}, intermediate "
+          f"{args.intermediate or 2 * args.hidden}, heads {args.heads}/{args.kv_heads}, rank {args.rank}, "
           f"targets {args.targets}, dropout {args.dropout}, rows {lens} ({sum(lens)} tokens, "
-          f"{len(set(lens))} lengths), median of {args.reps}")
-    print(f"{'layer':>5} {'part':>9} {'host ms':>8} {'aten ops':>9} {'ag nodes':>9}")
+          f"{len(set(lens))} lengths), attention {attention}, median of {args.reps}")
+    if gpu:
+        print(f"GPU held {args.gpu_hold_ms:.0f} ms at each task's start; reps where the hold ran out before the CPU's "
+              f"last boundary: {timed.hold_too_short} of {args.reps}")
+    print(f"{'layer':>5} {'part':>9} {'host ms':>8} {'host p90':>8} {'gpu ms':>7} {'aten ops':>9} {'ag nodes':>9}")
     per_layer: list[dict[str, Any]] = []
     for layer in range(num_layers - 1, -1, -1):
         for part in PARTS:
             key = (layer, part)
             ops = sum(counts.get(key, Counter()).values())
-            print(f"{layer:>5} {part:>9} {times[key] * 1e3:8.3f} {ops:9d} {nodes.get(key, 0):9d}")
-            per_layer.append({"layer": layer, "part": part, "host_ms": times[key] * 1e3, "aten_ops": ops,
+            gpu_ms = f"{gpu[key] * 1e3:7.3f}" if gpu else f"{'-':>7}"
+            print(f"{layer:>5} {part:>9} {times[key] * 1e3:8.3f} {timed.host_p90[key] * 1e3:8.3f} {gpu_ms} {ops:9d} "
+                  f"{nodes.get(key, 0):9d}")
+            per_layer.append({"layer": layer, "part": part, "host_ms": times[key] * 1e3,
+                              "host_p90_ms": timed.host_p90[key] * 1e3,
+                              "gpu_ms": gpu[key] * 1e3 if gpu else None, "aten_ops": ops,
                               "autograd_nodes": nodes.get(key, 0)})
     layers = range(num_layers)
     mean = {part: statistics.fmean(times[(layer, part)] for layer in layers) * 1e3 for part in PARTS}
@@ -256,6 +371,10 @@ def main() -> None:
     mean_nodes = {part: statistics.fmean(nodes.get((layer, part), 0) for layer in layers) for part in PARTS}
     print("mean per layer: " + ", ".join(f"{part} {mean[part]:.3f} ms / {mean_ops[part]:.1f} ops" for part in PARTS)
           + f"; layer total {sum(mean.values()):.3f} ms; attn_bwd autograd nodes {mean_nodes['attn_bwd']:.1f}")
+    mean_gpu = {part: statistics.fmean(gpu[(layer, part)] for layer in layers) * 1e3 for part in PARTS} if gpu else {}
+    if gpu:
+        print("mean GPU per layer: " + ", ".join(f"{part} {mean_gpu[part]:.3f} ms (host/GPU {mean[part] / mean_gpu[part]:.2f})"
+                                                 for part in PARTS))
     print(f"loss {loss!r}, gradient sha256 {digest}")
     # the ops of a layer past the first one processed (that one also makes the task's one-off tables)
     shown = max(num_layers - 2, 0)
@@ -263,7 +382,8 @@ def main() -> None:
         for part in PARTS:
             print(f"-- layer {shown} {part}: " + ", ".join(f"{n} {c}" for n, c in counts[(shown, part)].most_common()))
     if args.json:
-        figures = {"row_lens": lens, "parts": per_layer, "mean_host_ms": mean, "mean_aten_ops": mean_ops,
+        figures = {"row_lens": lens, "attention": attention, "parts": per_layer, "mean_host_ms": mean,
+                   "mean_gpu_ms": mean_gpu, "hold_too_short": timed.hold_too_short, "mean_aten_ops": mean_ops,
                    "mean_autograd_nodes": mean_nodes, "loss_sum": loss, "grad_sha256": digest, "ops_layer": shown,
                    "ops": {part: dict(counts[(shown, part)]) for part in PARTS}}
         with open(args.json, "w") as f:

@@ -12,18 +12,15 @@ so that a block is contiguous across all layers; each layer works on the view ``
 
 from __future__ import annotations
 
-import functools
-import inspect
-import os
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Protocol
 
 import torch
 
 from coserve.host_copy import device_tensor
 from coserve.layers.sdpa import sdpa, sdpa_calls
 from coserve.layers.triton_attention import TritonAttention
+from coserve.layers.varlen_attention import varlen_fits, varlen_rows
 
 
 @dataclass
@@ -150,8 +147,8 @@ class TorchAttention:
         group = q.shape[1] // k.shape[1]
         lens, ctxs = meta.q_lens, meta.context_lens_list
         if kv_layer is None and not any(ctxs) and (sliding_window is None or max(lens) <= sliding_window):
-            if len(lens) > 1 and _varlen_fits(q):
-                return _varlen_rows(q, k, v, lens, meta.cu_seqlens_q, scale)
+            if len(lens) > 1 and varlen_fits(q):
+                return varlen_rows(q, k, v, lens, meta.cu_seqlens_q, scale)
             return _plain_rows(q, k, v, lens, scale, group)
         out = torch.empty_like(q)
         start, r = 0, 0
@@ -192,59 +189,6 @@ class TorchAttention:
             out[start : start + n] = o.transpose(0, 1)
             start, r = start + n, r + 1
         return out
-
-
-@functools.cache
-def _varlen_attn() -> functools.partial[torch.Tensor] | None:
-    """torch's varlen flash attention (``torch.nn.attention.varlen.varlen_attn``, with autograd),
-    called causal (with GQA where it takes ``enable_gqa``), or None where this torch lacks it or
-    takes other arguments (its signature changed between releases)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    params = inspect.signature(varlen_attn).parameters
-    kwargs: dict[str, Any]
-    if "window_size" in params:
-        kwargs = {"window_size": (-1, 0)}
-    elif "is_causal" in params:
-        kwargs = {"is_causal": True}
-    else:
-        return None
-    if "enable_gqa" in params:
-        kwargs["enable_gqa"] = True
-    return functools.partial(cast(Callable[..., torch.Tensor], varlen_attn), **kwargs)
-
-
-VARLEN = os.environ.get("COSERVE_VARLEN_ATTN", "1") != "0"
-"""On CUDA, the trainer's recompute (rows with no cached prefix, in several lengths) runs its
-attention as one varlen flash call instead of one SDPA call per row length
-(``COSERVE_VARLEN_ATTN=0``: per row). Session 7 measured the per-row calls' CPU time above the
-attention's GPU time: the trainer's GPU ran dry there, waiting for its CPU."""
-
-
-def _varlen_fits(q: torch.Tensor) -> bool:
-    """Whether flash attention takes ``q`` (CUDA, half precision, a head size it has kernels for);
-    fp32 models and odd head sizes keep the per-row SDPA calls."""
-    return (VARLEN and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256 and _varlen_attn() is not None)
-
-
-def _varlen_rows(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], cu_seqlens: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """:func:`_plain_rows` in one varlen flash call (where :func:`_varlen_fits`): causal within
-    each row, K/V heads shared by their query-head groups.
-
-    q: [T, H, D], k, v: [T, KVH, D], ``cu_seqlens``: [R+1] int32 row starts on q's device."""
-    attn = _varlen_attn()
-    assert attn is not None
-    group = q.shape[1] // k.shape[1]
-    n = max(lens)
-    if "enable_gqa" not in attn.keywords:
-        k, v = _repeat_heads(k, group), _repeat_heads(v, group)
-    out: torch.Tensor = attn(q, k, v, cu_seqlens, cu_seqlens, n, n, scale=scale)
-    return out
 
 
 def _plain_rows(
