@@ -12,7 +12,7 @@ torch's varlen op the attention recompute stayed CPU-bound after session 8 (H200
 
 Implementations, chosen by ``COSERVE_VARLEN_ATTN`` (read at import; see :data:`VARLEN_IMPLS`):
 
-* ``flash`` (default, ``1`` too): ``aten._flash_attention_forward`` called directly, its own
+* ``flash``: ``aten._flash_attention_forward`` called directly, its own
   derivative for the backward (a C++ autograd node that calls ``_flash_attention_backward``):
   one dispatch each way and no Python in the backward, K/V with their own head count (flash
   shares each K/V head with its query-head group). Where that derivative is missing (checked
@@ -20,7 +20,8 @@ Implementations, chosen by ``COSERVE_VARLEN_ATTN`` (read at import; see :data:`V
   are not the ones called (checked once, :func:`_flash_ops`), ``torch``.
 * ``flash_fn``: :class:`FlashVarlenFn`, the same two aten ops in a Python autograd function (one
   Python node; ~8 µs more host time each way than ``flash`` on the dev VM, on meta tensors).
-* ``torch``: ``torch.nn.attention.varlen.varlen_attn`` (session 7's path): a Python
+* ``torch`` (default, ``1`` too): ``torch.nn.attention.varlen.varlen_attn`` (session 7's path,
+  checked on the H200; ``flash`` and ``flash_fn`` have not run on a GPU yet): a Python
   ``custom_op`` on both passes (two Python dispatches and a ``zeros`` launch per forward, a Python
   dispatch and an ``empty`` per backward), K/V heads repeated where it takes no ``enable_gqa``.
 * ``0``: neither; the rows take one SDPA call per row length (``attention._plain_rows``).
@@ -217,7 +218,7 @@ def _pick_torch() -> tuple[str, VarlenAttn] | None:
 
 VARLEN_IMPLS: dict[str, Callable[[], tuple[str, VarlenAttn] | None]] = {
     "flash": _pick_flash,
-    "1": _pick_flash,
+    "1": _pick_torch,
     "flash_fn": _pick_flash_fn,
     "torch": _pick_torch,
     "0": lambda: None,
@@ -226,7 +227,7 @@ VARLEN_IMPLS: dict[str, Callable[[], tuple[str, VarlenAttn] | None]] = {
 (per-row SDPA calls). ``flash`` falls back to ``flash_fn``, ``flash_fn`` to ``torch`` (see the
 module docstring)."""
 
-VARLEN_ATTN = os.environ.get("COSERVE_VARLEN_ATTN", "flash")
+VARLEN_ATTN = os.environ.get("COSERVE_VARLEN_ATTN", "torch")
 if VARLEN_ATTN not in VARLEN_IMPLS:
     raise ValueError(f"COSERVE_VARLEN_ATTN={VARLEN_ATTN!r}: expected one of {', '.join(VARLEN_IMPLS)}")
 
