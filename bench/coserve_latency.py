@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from speed_common import LLAMA3_8B, TINY, add_trace_args, provenance, trace_scaling, write_model_dir
 
 from coserve.bench.metrics import attainment, latency_summary, percentile
@@ -173,6 +174,8 @@ def main() -> None:
     p.add_argument("--trainer-sm-share", type=int, default=None,
                    help="CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of the trainer process")
     p.add_argument("--no-reference", action="store_true", help="skip the inference-only run")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch intra-op threads of the engine process (0: torch's default)")
     p.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=False,
                    help="steps with prefill or FT rows through the piecewise CUDA graphs")
     p.add_argument("--probe-requests", type=int, default=40,
@@ -180,6 +183,8 @@ def main() -> None:
                         "while the engine runs FT-only steps: the interruption delay they see")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     mps = False if args.no_mps or not args.device.startswith("cuda") else start_mps_daemon()
     config = SHAPES[args.shape]
@@ -279,7 +284,7 @@ def main() -> None:
         "config": {"shape": args.shape, "trace": Path(args.trace).name, "window_start_s": start,
                    "duration_s": args.duration, "scaling": vars(scaling), "slo": vars(slo),
                    "backward_tokens": args.backward_tokens, "max_num_batched_tokens": args.max_num_batched_tokens,
-                   "trainer_sm_share": args.trainer_sm_share, "prefill_graphs": args.prefill_graphs,
+                   "trainer_sm_share": args.trainer_sm_share, "prefill_graphs": args.prefill_graphs, "threads": torch.get_num_threads(),
                    "lora": {"rank": 16, "targets": list(LoRAConfig().target_modules)}},
         "figures": figures,
     }

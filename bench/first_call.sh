@@ -38,6 +38,12 @@
 #                  at a 50% MPS share; latency=N: at N% (latency=100: no share)
 #   latency_graphs the latency job with --prefill-graphs (steps with prefill or FT rows through the
 #                  piecewise CUDA graphs, priced by their own prefill/graph set)
+#   latency_varlen the latency job with COSERVE_VARLEN_PREFILL=1 (each run of rows without cached
+#                  context in one varlen flash call); latency_threads1: with one intra-op thread
+#                  in the engine (--threads 1)
+#   lora_mid_varlen  lora_mid with COSERVE_VARLEN_PREFILL=1
+#   trainer_attn   bench/profile_trainer_cpu.py on CUDA, the 8B shape, by COSERVE_VARLEN_ATTN
+#                  (torch, flash_fn, flash): the attention recompute's and backward's host and GPU ms
 #   eager          bench/eager_cpu.py without and with --prefill-graphs
 #   eval=SPEC      bench/eval_device.sh SPEC on this lane's GPU (SPEC as there: WORKLOAD=RATE[=EXTRA],
 #                  with $BUDGET and $BENCH_FLAGS), its archive kept as first/eval.tar.gz
@@ -137,6 +143,17 @@ job() {
     trace_peer) trace transformers ;;
     latency) latency_bench latency "$top/verify/coserve_latency" --trainer-sm-share 50 ;;
     latency_graphs) latency_bench latency_graphs "$top/coserve_latency_graphs" --trainer-sm-share 50 --prefill-graphs ;;
+    latency_varlen) COSERVE_VARLEN_PREFILL=1 latency_bench latency_varlen "$top/coserve_latency_varlen" \
+      --trainer-sm-share 50 ;;
+    latency_threads1) latency_bench latency_threads1 "$top/coserve_latency_threads1" --trainer-sm-share 50 --threads 1 ;;
+    lora_mid_varlen) COSERVE_VARLEN_PREFILL=1 lora_bench lora_mid_varlen "$top/engine_lora_mid_varlen" \
+      --lora-prefill 512,1024,2048 ;;
+    trainer_attn)
+      for impl in torch flash_fn flash; do
+        run "trainer_attn_$impl" "$top/trainer_attn_$impl.log" env COSERVE_VARLEN_ATTN=$impl python3 \
+          bench/profile_trainer_cpu.py --device cuda --shape llama3-8b --dtype bfloat16 --rank 16 --rows 5 \
+          --min-len 120 --max-len 290 --reps 20 --ops --json "$top/trainer_attn_$impl.json"
+      done ;;
     latency=*)
       share=${1#latency=}; share_flags=(); (( share < 100 )) && share_flags=(--trainer-sm-share "$share")
       latency_bench "$1" "$top/coserve_latency_share$share" "${share_flags[@]}" ;;

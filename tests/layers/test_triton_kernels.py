@@ -19,6 +19,7 @@ _SKIP = triton_unavailable()
 if _SKIP is not None:
     pytest.skip(_SKIP, allow_module_level=True)
 
+from coserve.layers import triton_attention  # noqa: E402
 from coserve.layers.attention import AttentionMetadata, TorchAttention, write_kv  # noqa: E402
 from coserve.layers.lora import LoRABatch, lora_segments_ref  # noqa: E402
 from coserve.layers.triton_attention import AttentionTuning, TritonAttention, store_kv  # noqa: E402
@@ -71,9 +72,10 @@ def test_store_kv_writes_exactly_the_slots(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("sms", [1, 64])  # 64 forces split-K decode with merged partials
 @pytest.mark.parametrize("heads", [(4, 2, 16), (8, 2, 64)])
-@pytest.mark.parametrize("sdpa", [False, True])  # fresh rows through the Triton kernel or SDPA
+@pytest.mark.parametrize("sdpa", [False, True, "varlen"])  # fresh rows: Triton kernel, SDPA per row, varlen runs
 def test_attention_matches_reference(
-    dtype: torch.dtype, window: int | None, sms: int, heads: tuple[int, int, int], sdpa: bool
+    dtype: torch.dtype, window: int | None, sms: int, heads: tuple[int, int, int], sdpa: bool | str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     h, kvh, d = heads
     bs, layers, nblocks = 4, 2, 160
@@ -89,11 +91,44 @@ def test_attention_matches_reference(
     scale = d**-0.5
 
     ref = TorchAttention().forward(q.float(), k.float(), v.float(), ref_cache[:, 1], meta, scale, window)
-    backend = TritonAttention(AttentionTuning(prefill_sdpa=sdpa), sms=sms)
+    calls: list[int] = []
+    if sdpa == "varlen" and not CUDA:  # the varlen flash call, stood in for by causal SDPA per row
+        monkeypatch.setattr(triton_attention, "varlen_forward_fits", lambda q: True)
+        monkeypatch.setattr(triton_attention, "varlen_forward", counted_varlen_reference(calls))
+    backend = TritonAttention(AttentionTuning(prefill_sdpa=bool(sdpa), prefill_varlen=sdpa == "varlen"), sms=sms)
     out = backend.forward(q, k, v, cache[:, 1], meta, scale, window)
+    if sdpa == "varlen" and not CUDA:  # one call per run of rows without cached context (the FT
+        # rows at least), every such row in one
+        runs = meta.plain_prefill_runs(window or 0)
+        assert len(runs) == len(calls) and (calls or window)
+        assert calls == [r.end_row - r.first_row for r in runs]
+        assert sum(calls) == sum(1 for r in range(npre) if ctxs[r] == 0 and (not window or q_lens[r] <= window))
 
     assert rel_err(out, ref) < TOL[dtype]
     assert torch.equal(cache.float(), ref_cache)  # same KV written, nothing else touched
+
+
+def counted_varlen_reference(calls: list[int]):  # type: ignore[no-untyped-def]
+    """``varlen_forward`` by causal SDPA per row of ``cu_seqlens`` (fp32), recording the rows of
+    each call."""
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
+               scale: float) -> torch.Tensor:
+        bounds = cu.tolist()
+        assert bounds[0] == 0 and bounds[-1] == q.shape[0] and max_len == max(
+            b - a for a, b in zip(bounds, bounds[1:], strict=False))
+        calls.append(len(bounds) - 1)
+        group = q.shape[1] // k.shape[1]
+        out = torch.empty_like(q)
+        for a, b in zip(bounds, bounds[1:], strict=False):
+            qq = q[a:b].float().transpose(0, 1)
+            kk = k[a:b].float().repeat_interleave(group, 1).transpose(0, 1)
+            vv = v[a:b].float().repeat_interleave(group, 1).transpose(0, 1)
+            o = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale)
+            out[a:b] = o.transpose(0, 1).to(q.dtype)
+        return out
+
+    return attend
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -200,3 +235,16 @@ def test_lora_with_sixteen_way_split_matches_reference() -> None:
     y = torch.zeros(t, d_out, dtype=dtype, device=DEVICE)
     lora_shrink_expand(y, x, a, b, scales, batch.token_slots, order, launch)
     assert rel_err(y.cpu(), ref) < TOL[dtype]
+
+
+def test_plain_prefill_runs_are_the_maximal_runs_of_rows_without_context() -> None:
+    # rows: chunk over a prefix, two fresh prompts, a chunk over a prefix, two FT rows, a decode
+    q_lens, ctxs = [5, 3, 9, 4, 6, 2, 1], [7, 0, 0, 2, 0, 0, 11]
+    meta = AttentionMetadata.build(q_lens, ctxs, [[0, 1, 2]] * 4 + [[], []] + [[3, 4, 5]],
+                                   [True] * 4 + [False] * 2 + [True], 6, 4)
+    runs = meta.plain_prefill_runs()
+    assert [(r.first_row, r.end_row, r.start, r.end, r.max_len) for r in runs] == [(1, 3, 5, 17, 9), (4, 6, 21, 29, 6)]
+    assert [r.cu_seqlens.tolist() for r in runs] == [[0, 3, 12], [0, 6, 8]]
+    assert meta.plain_prefill_runs() is runs, "worked out once per step"
+    windowed = meta.plain_prefill_runs(5)  # rows longer than a sliding window are not plain
+    assert [(r.first_row, r.end_row) for r in windowed] == [(1, 2), (5, 6)]

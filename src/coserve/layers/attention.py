@@ -12,8 +12,8 @@ so that a block is contiguous across all layers; each layer works on the view ``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -21,6 +21,19 @@ from coserve.host_copy import device_tensor
 from coserve.layers.sdpa import sdpa, sdpa_calls
 from coserve.layers.triton_attention import TritonAttention
 from coserve.layers.varlen_attention import varlen_fits, varlen_rows
+
+
+class PlainRun(NamedTuple):
+    """Prefill rows ``[first_row, end_row)``, tokens ``[start, end)``, none with cached context:
+    ``cu_seqlens`` their starts relative to ``start`` (``[rows + 1]`` int32 on the device),
+    ``max_len`` the longest."""
+
+    first_row: int
+    end_row: int
+    start: int
+    end: int
+    cu_seqlens: torch.Tensor
+    max_len: int
 
 
 @dataclass
@@ -40,6 +53,36 @@ class AttentionMetadata:
     # the host so that writing needs no device-to-host sync.
     write_index: torch.Tensor | None = None
     num_kv_writes: int | None = None
+    # plain_prefill_runs' answers by sliding window (worked out once per step, read every layer)
+    _runs: dict[int, list[PlainRun]] = field(default_factory=dict, repr=False, compare=False)
+
+    def plain_prefill_runs(self, window: int = 0) -> list[PlainRun]:
+        """The maximal runs of consecutive prefill rows with no cached context (and, with a
+        sliding ``window``, no longer than it): new prompts and fine-tuning rows, each run
+        causal attention within each of its rows over its own tokens alone, which one varlen
+        call computes. Their row starts relative to the run go to the device once per step."""
+        runs = self._runs.get(window)
+        if runs is not None:
+            return runs
+        runs = []
+        r, device = 0, self.cu_seqlens_q.device
+        starts = [0]
+        for n in self.q_lens:
+            starts.append(starts[-1] + n)
+        while r < self.num_prefill_rows:
+            end = r
+            while (end < self.num_prefill_rows and self.context_lens_list[end] == 0
+                   and (not window or self.q_lens[end] <= window)):
+                end += 1
+            if end == r:
+                r += 1
+                continue
+            cu = [s - starts[r] for s in starts[r : end + 1]]
+            runs.append(PlainRun(r, end, starts[r], starts[end], device_tensor(cu, torch.int32, device),
+                                 max(self.q_lens[r:end])))
+            r = end
+        self._runs[window] = runs
+        return runs
 
     @property
     def num_rows(self) -> int:

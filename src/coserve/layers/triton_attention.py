@@ -26,12 +26,13 @@ import importlib.util
 import inspect
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from coserve.layers.sdpa import sdpa
+from coserve.layers.varlen_attention import varlen_forward, varlen_forward_fits
 
 if TYPE_CHECKING:
     import triton.language as tl
@@ -324,6 +325,13 @@ def decode_splits(num_rows: int, num_kv_heads: int, max_context: int, num_sms: i
     return max(1, min(want, MAX_DECODE_SPLITS, -(-max_context // 64)))
 
 
+VARLEN_PREFILL = os.environ.get("COSERVE_VARLEN_PREFILL", "0") == "1"
+"""The engine's rows without a cached prefix (new prompts, fine-tuning rows) through one varlen
+flash call per run of such rows (:meth:`coserve.layers.attention.AttentionMetadata.plain_prefill_runs`)
+instead of one SDPA call per row (session 9: a fitted 5 ms per inference chunk and 10 ms per FT
+row of eager step time on the H200, per-row host work; off until measured on the GPU)."""
+
+
 @dataclass(frozen=True)
 class AttentionTuning:
     """Tile shapes and launch settings (chosen on the H200 by ``bench/engine_speed.py``)."""
@@ -336,6 +344,9 @@ class AttentionTuning:
     decode_warps: int = 4
     decode_stages: int = 2
     prefill_sdpa: bool = True  # rows without a cached prefix through torch SDPA (flash)
+    # ... and, on CUDA, each run of consecutive such rows in one varlen flash call instead of one
+    # SDPA call (and a K/V head repeat) per row and layer (COSERVE_VARLEN_PREFILL)
+    prefill_varlen: bool = field(default_factory=lambda: VARLEN_PREFILL)
 
 
 class TritonAttention:
@@ -385,9 +396,17 @@ class TritonAttention:
         rows: list[int] = []
         starts: list[int] = []
         offset = 0
+        in_runs: set[int] = set()
+        if tune.prefill_sdpa and tune.prefill_varlen and varlen_forward_fits(q):
+            for run in meta.plain_prefill_runs(window):
+                a, b = run.start, run.end
+                out[a:b] = varlen_forward(q[a:b], k[a:b], v[a:b], run.cu_seqlens, run.max_len, scale)
+                in_runs.update(range(run.first_row, run.end_row))
         for r in range(meta.num_prefill_rows):
             n = meta.q_lens[r]
-            if tune.prefill_sdpa and meta.context_lens_list[r] == 0 and (not window or n <= window):
+            if r in in_runs:
+                pass
+            elif tune.prefill_sdpa and meta.context_lens_list[r] == 0 and (not window or n <= window):
                 _sdpa_causal(q[offset : offset + n], k[offset : offset + n], v[offset : offset + n],
                              out[offset : offset + n], scale)
             else:

@@ -254,3 +254,24 @@ def varlen_rows(
     impl = varlen_impl()
     assert impl is not None
     return impl[1](q, k, v, cu_seqlens, max(lens), scale)
+
+
+def varlen_forward_fits(q: torch.Tensor) -> bool:
+    """Whether :func:`varlen_forward` takes ``q`` (the engine's rows without a cached prefix):
+    CUDA, half precision, a head size flash has kernels for, and aten's flash forward as called
+    here or an implementation of :data:`VARLEN_ATTN`."""
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
+            and q.shape[-1] <= 256 and (_flash_ops() is not None or varlen_impl() is not None))
+
+
+def varlen_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, scale: float
+) -> torch.Tensor:
+    """The module docstring's attention without autograd (the engine's step, where
+    :func:`varlen_forward_fits`): aten's flash forward, one dispatch, K/V heads as they are; else
+    the implementation :data:`VARLEN_ATTN` picks."""
+    if _flash_ops() is not None:
+        return _flash_attention(q, k, v, cu_seqlens, max_len, scale)
+    impl = varlen_impl()
+    assert impl is not None
+    return impl[1](q, k, v, cu_seqlens, max_len, scale)
