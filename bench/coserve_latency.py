@@ -160,6 +160,20 @@ def longest_steps(steps: list[tuple[Any, ...]], top: int) -> dict[str, list[dict
             for kind, rows in by_kind.items()}
 
 
+def check_summary(checks: list[tuple[str, float, float]]) -> dict[str, Any]:
+    """One interrupted FT-only step's interruption points (``CoServer.interrupted_checks``): how
+    many, the first and last (ms since its plan began), the longest gap between two and where it
+    ended, the CPU's wait for the GPU in that gap and in all."""
+    if not checks:
+        return {"points": 0}
+    times = [t for _, t, _ in checks]
+    gaps = [(b - a, i + 1) for i, (a, b) in enumerate(zip(times, times[1:], strict=False))] or [(times[0], 0)]
+    gap, at = max(gaps)
+    return {"points": len(checks), "first_ms": times[0] * 1e3, "last_ms": times[-1] * 1e3,
+            "longest_gap_ms": gap * 1e3, "longest_gap_before": checks[at][0],
+            "gpu_wait_in_gap_ms": checks[at][2] * 1e3, "gpu_wait_ms": sum(w for *_, w in checks) * 1e3}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
@@ -258,6 +272,9 @@ def main() -> None:
             "longest_steps": longest_steps(result.steps, 5),
             "step_seconds": result.step_seconds, "step_counts": result.step_counts,
             "one_layer_ms": ft_only_step / num_layers * 1e3,
+            # each interrupted step (the replay's, then the probes'): its interruption points, the
+            # longest gap between two of them and how much of it the CPU waited for the GPU
+            "interrupted_checks": [check_summary(c) for c in co.interrupted_checks],
             # the sparse requests after the replay: how many arrived during an FT-only step
             "probe": {"requests": len(probes), "during_ft_only": len(ft_only_probe),
                       "delay_p50_ms": percentile(ft_only_probe, 50) * 1e3,

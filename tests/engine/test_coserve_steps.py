@@ -35,10 +35,16 @@ def test_ft_only_step_is_interrupted_by_an_arrival(session) -> None:  # type: ig
         return calls > 2
 
     engine.external_arrivals = arrival_at_layer_two
+    s.coserver.track = True
     began = time.perf_counter()
     assert engine.step() == []
     took = time.perf_counter() - began
     assert s.coserver.num_interrupted == 1
+    # the points it passed, in order, timed from its plan (no GPU to wait for here)
+    checks = s.coserver.interrupted_checks[-1]
+    assert [where for where, _, _ in checks] == ["before layer 0", "within layer 0", "before layer 1"]
+    times = [t for _, t, _ in checks]
+    assert 0 < times[0] <= times[1] <= times[2] <= took and all(w < 0.05 for *_, w in checks)
     # the interrupted step reports its time split: planning, then the forward up to the interruption
     stats = engine.last_step
     assert stats is not None and stats.ft_tokens > 0 and stats.num_prefill_tokens == 0

@@ -170,6 +170,12 @@ class CoServer:
         self.task_timings: list[tuple[float, float, float, int, float, float, float]] = []
         self._submitted: dict[int, tuple[float, int]] = {}
         self._layer_events: list[torch.cuda.Event] = []
+        # (track) per interrupted FT-only step: each interruption point it passed, as (where,
+        # seconds since the step's plan began, seconds the CPU waited there for the GPU to reach
+        # the point before) — where an arrival's wait inside such a step goes
+        self.interrupted_checks: list[list[tuple[str, float, float]]] = []
+        self._checks: list[tuple[str, float, float]] = []
+        self._plan_began = 0.0
 
     # ------------------------------------------------------------------ hooks
 
@@ -205,6 +211,7 @@ class CoServer:
 
     def plan(self, view: StepView) -> list[FTRow]:
         """Choose the fine-tuning rows of the next step (hook 1)."""
+        self._plan_began = time.monotonic()
         self.poll()
         if self.track:
             progress = getattr(self.trainer, "progress", None)
@@ -339,8 +346,12 @@ class CoServer:
         at most about one layer of the step's work is queued ahead of the request."""
         if not (self._ft_only and self._interruptible()):
             return
+        began = time.monotonic()
         if activation.is_cuda:
             self._bound_lookahead()
+        if self.track:
+            now = time.monotonic()
+            self._checks.append((where, now - self._plan_began, now - began))
         assert self.arrival_probe is not None
         if self.arrival_probe():
             raise Interrupted(f"inference work arrived {where}")
@@ -381,6 +392,9 @@ class CoServer:
                 self.pause_windows.append((self._pause_start, time.monotonic()))
                 self.pause_window_at.append(self._trainer_at)
         self._layer_events.clear()
+        checks, self._checks = self._checks, []
+        if record.interrupted and self.track:
+            self.interrupted_checks.append(checks)
         if not record.interrupted:
             if record.timed:
                 self._observe(record, self._trainer_at)
