@@ -6,6 +6,7 @@ one they are captured and replayed.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -68,9 +69,9 @@ def test_engine_with_prefill_graphs_generates_the_same(hf_models: dict[str, Path
         pieces = runner.prefill_graphs
         runs: list[int] = []
 
-        def counted(*args: object, run=pieces.run, runs: list[int] = runs) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        def counted(*args: object, run=pieces.run, runs: list[int] = runs, **kwargs: object) -> torch.Tensor:  # type: ignore[no-untyped-def]
             runs.append(1)
-            return run(*args)  # type: ignore[arg-type]
+            return run(*args, **kwargs)  # type: ignore[arg-type]
 
         pieces.run = counted  # type: ignore[method-assign]
         got = generate(llm, loras)
@@ -120,3 +121,66 @@ def test_segments_with_adapters_and_the_capture_hook_equal_the_eager_forward(hf_
     assert len(seen["graphs"]) == len(seen["eager"]) == runner.model.config.num_layers + 1
     for mine, theirs in zip(seen["graphs"], seen["eager"], strict=True):
         torch.testing.assert_close(mine, theirs, rtol=tol, atol=tol)
+
+
+def test_a_live_variant_replays_only_its_linears_lora(hf_models: dict[str, Path],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps whose adapters target q/v only (a training adapter's declared targets) run through
+    graphs of their own, without the other linears' LoRA, and compute what every linear's LoRA
+    computes (the others' weights are zero for them); a step with another adapter falls back to
+    the every-linear graphs."""
+    from coserve.layers.triton_lora import TritonLoRA
+
+    reason = triton_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    llm = LLM(str(hf_models["llama"]), device="cuda" if CUDA else "cpu",
+              **{**COMMON, "max_loras": 2, "lora_backend": "triton"})
+    engine, runner = llm.engine, llm.engine.runner
+    torch.manual_seed(0)
+    layers = runner.model.config.num_layers
+    qv = frozenset((layer, t) for layer in range(layers) for t in ("q_proj", "v_proj"))
+    with torch.no_grad():
+        for lin in runner.model.lora_linears():
+            for name in lin.out_slices:
+                a, b = lin.lora_stacks(name)
+                for slot in (0, 1):
+                    if slot == 1 or (lin.layer, name) in qv:
+                        a[slot].normal_(0, lin.in_features**-0.5)
+                        b[slot].normal_(0, 0.05)
+        runner.lora_scales.fill_(2.0)
+    engine.lora_manager.declare(1, [(layer, t) for layer in range(layers)
+                                    for t in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                              "down_proj")])
+    runner.prefill_graphs = pieces = runner.make_prefill_graphs(capture=CUDA)
+    engine.declare_training_adapter(0, qv)
+    assert pieces.live_variants == {qv}
+    applied: list[tuple[int, tuple[str, ...]]] = []
+    real = TritonLoRA.apply_fused
+
+    def counted(self, layer, x, y, a_all, b_all, out_slices):  # type: ignore[no-untyped-def]
+        applied.append((layer, tuple(out_slices)))
+        return real(self, layer, x, y, a_all, b_all, out_slices)
+
+    monkeypatch.setattr(TritonLoRA, "apply_fused", counted)
+    rows = [BatchRow([7, 8, 9, 10, 11], 3, [0, 1], samples=True),  # no adapter
+            BatchRow([30, 31, 32], 0, [], lora_slot=0, writes_kv=False)]  # FT-like, q/v adapter
+    for slots, variant in (((-1, 0), qv), ((1, 0), True)):
+        step = [replace(r, lora_slot=s) for r, s in zip(rows, slots, strict=True)]
+        inputs = runner.prepare(step)
+        assert pieces.variant(True, runner._step_live(step)) == variant
+        runner.set_live(None)
+        lora = runner.lora_op(inputs.lora, runner.lora_scales)
+        ctx = ForwardContext(attn=inputs.attn, kv_cache=runner.kv_cache, lora=lora, backend=runner.backend)
+        with torch.inference_mode():
+            expected = runner.model(inputs.input_ids, inputs.positions, ctx)
+            expected = runner.model.compute_logits(expected[inputs.logits_indices]).clone()
+        applied.clear()
+        got = runner.execute(step)
+        assert runner.last_mode == "graph"
+        tol = 2e-2 if CUDA else 1e-4
+        torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+        if not CUDA:  # the segments ran eagerly here: each LoRA they ran is seen
+            targets = {t for _, names in applied for t in names}
+            assert targets == ({"q_proj", "k_proj", "v_proj"} if variant == qv else
+                               {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})

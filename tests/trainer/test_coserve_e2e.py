@@ -247,9 +247,9 @@ def test_coserving_through_prefill_graphs_equals_the_peft_loop(model_dir: Path, 
     assert pieces.lora_scales is not None
     hooked: list[bool] = []
 
-    def counted(*args, run=pieces.run):  # type: ignore[no-untyped-def]
+    def counted(*args, run=pieces.run, **kwargs):  # type: ignore[no-untyped-def]
         hooked.append(len(args) > 4 and args[4] is not None)
-        return run(*args)
+        return run(*args, **kwargs)
 
     pieces.run = counted  # type: ignore[method-assign]
     session, _, _, mixed, adapter_dir = coserve_run(engine, tmp_path, lora, optim, init, 48, epochs=1, num_prompts=4)

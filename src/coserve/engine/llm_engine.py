@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
 
@@ -141,6 +141,15 @@ class LLMEngine:
         pieces = self.runner.prefill_graphs
         if pieces is not None:  # and a piecewise prefill step's token-wise work its own
             coserver.latency.prefill_bucket = lambda n: pieces.bucket(n) or n
+
+    def declare_training_adapter(self, slot: int, targets: Iterable[tuple[int, str]]) -> None:
+        """The ``(layer, target)`` pairs of the adapter a trainer writes into training slot
+        ``slot`` (:meth:`LoRAManager.declare`): steps with its rows run the LoRA of those linears
+        only, eager or through piecewise prefill graphs of their own (captured now, before
+        serving)."""
+        self.lora_manager.declare(slot, targets)
+        with self.on_stream():
+            self.runner.add_prefill_live_variant([slot])
 
     def detach(self) -> None:
         """Stop co-serving: later steps carry inference rows only."""

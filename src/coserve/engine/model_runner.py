@@ -104,7 +104,18 @@ class ModelRunner:
         triton_lora = self.config.kernel_backend(self.config.lora_backend) == "triton"
         return PrefillGraphs(self.model, self.kv_cache, self.backend,
                              buckets or [self.config.max_num_batched_tokens], capture=capture,
-                             lora_scales=self.lora_scales if triton_lora and self.model.num_lora_slots else None)
+                             lora_scales=self.lora_scales if triton_lora and self.model.num_lora_slots else None,
+                             set_live=self.set_live)
+
+    def add_prefill_live_variant(self, slots: Iterable[int]) -> None:
+        """Piecewise prefill graphs of their own for the steps whose adapters are those of
+        ``slots`` (the training slot: its adapter's declared targets), captured now; nothing
+        without prefill graphs or where the slots' targets are unknown."""
+        if self.prefill_graphs is None or self.slot_targets is None:
+            return
+        live = self.slot_targets(slots)
+        if live is not None:
+            self.prefill_graphs.add_live_variant(live)
 
     def decode_graphs(self, capture: bool) -> DecodeGraphs:
         """The decode-graph runner over this runner's model and cache (``capture=False``: eager replay)."""
@@ -202,6 +213,15 @@ class ModelRunner:
             if not slots:
                 return  # no LoRA context this step: the flags are not read
             live = self.slot_targets(slots)
+        self.set_live(live)
+
+    def _step_live(self, rows: list[BatchRow]) -> frozenset[tuple[int, str]] | None:
+        """The ``(layer, target)`` pairs of the adapters of ``rows`` (None: unknown or every one)."""
+        slots = frozenset(r.lora_slot for r in rows if r.lora_slot >= 0)
+        return self.slot_targets(slots) if slots and self.slot_targets is not None else None
+
+    def set_live(self, live: frozenset[tuple[int, str]] | None) -> None:
+        """Every LoRA linear's ``lora_live`` from ``live`` (None: all live)."""
         if live is not self._live and live != self._live:
             self._live = live
             flags = self._live_cache.get(live)
@@ -235,7 +255,7 @@ class ModelRunner:
             self.last_mode = "graph"
             self._mark_live_linears(None)
             hidden = self.prefill_graphs.run(inputs.input_ids, inputs.positions, inputs.attn, inputs.lora,
-                                             layer_hook)
+                                             layer_hook, live=self._step_live(rows))
             return self.model.compute_logits(hidden[inputs.logits_indices])
         self.last_mode = "eager"
         dropped = [(start, len(r.token_ids), r.dropout_key, r.lora_slot)

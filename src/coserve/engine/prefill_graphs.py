@@ -13,9 +13,14 @@ uses the first ``B`` rows): input ids and positions, the residual stream, q/k/v,
 output. Rows ``T..B`` are padding (token 0 at position 0): token-wise work on them is wasted but
 harmless, and the attention only ever sees the first ``T`` rows. Steps with adapter rows (the
 fine-tuning rows' training slot too) replay a second set of graphs whose multi-LoRA reads its
-routing (token slots, slot-grouped order) from static buffers, as the decode graphs do. The
-fine-tuning capture hook runs between segments on the residual buffer (eager). Steps with LoRA
-dropout rows, kept MLP activations or more than ``B_max`` tokens stay eager (:meth:`accepts`).
+routing (token slots, slot-grouped order) from static buffers, as the decode graphs do; that set
+runs every linear's LoRA. A set captured for one set of ``(layer, target)`` pairs
+(:meth:`add_live_variant`: the training adapter's q/k/v/o) runs the LoRA of those linears
+only, and replays the steps whose adapters target exactly those (a step of FT rows beside
+inference rows without adapters): the MLP's LoRA kernels, which such a step's eager run skips
+too, are not in its graphs. The fine-tuning capture hook runs between segments on the residual
+buffer (eager). Steps with LoRA dropout rows, kept MLP activations or more than ``B_max`` tokens
+stay eager (:meth:`accepts`).
 
 ``capture=False`` runs the same segments eagerly through the same buffers (the CPU tests).
 """
@@ -24,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -47,12 +52,18 @@ from coserve.models.llama import (
 
 logger = logging.getLogger(__name__)
 
+Live = frozenset[tuple[int, str]] | None
+"""``(layer, target)`` pairs whose LoRA a step needs (None: every linear's)."""
+Variant = bool | frozenset[tuple[int, str]]
+"""Which LoRA a set of graphs runs: False none, True every linear's, a set those linears'."""
+
 
 class PrefillGraphs:
     """Segment graphs per bucket; :meth:`run` is one eager-equivalent forward to the final norm."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, backend: AttentionBackend,
-                 buckets: Sequence[int], capture: bool = True, lora_scales: torch.Tensor | None = None) -> None:
+                 buckets: Sequence[int], capture: bool = True, lora_scales: torch.Tensor | None = None,
+                 set_live: Callable[[Live], None] | None = None) -> None:
         if not buckets or any(b <= 0 for b in buckets):
             raise ValueError(f"prefill graph buckets must be positive token counts, got {list(buckets)}")
         self.model, self.kv_cache, self.backend = model, kv_cache, backend
@@ -80,8 +91,14 @@ class PrefillGraphs:
         order_max = max(graph_order_length(b, max(self.num_slots, 1)) for b in self.buckets)
         self.token_slots = torch.full((bmax,), -1, dtype=torch.long, device=device)
         self.lora_order = torch.full((order_max,), -1, dtype=torch.int32, device=device)
-        self.graphs: dict[tuple[int, bool], list[torch.cuda.CUDAGraph]] = {}
+        # (bucket, variant) -> its segments' graphs; variant False: no LoRA, True: every linear's
+        # LoRA, a frozenset of (layer, target) pairs: those linears' LoRA only
+        self.graphs: dict[tuple[int, Variant], list[torch.cuda.CUDAGraph]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
+        # the live sets with graphs of their own, and how to switch the linears' LoRA on and off
+        # (ModelRunner.set_live: None every linear, else the set's)
+        self.live_variants: set[frozenset[tuple[int, str]]] = set()
+        self._set_live = set_live
 
     @property
     def max_tokens(self) -> int:
@@ -125,34 +142,65 @@ class PrefillGraphs:
         self.k[:b].copy_(k)
         self.v[:b].copy_(v)
 
+    def variant(self, lora_active: bool, live: Live) -> Variant:
+        """The graphs a step replays: none of LoRA, those of its adapters' live set ``live`` where
+        :meth:`add_live_variant` made them, else every linear's."""
+        if not lora_active:
+            return False
+        return live if live is not None and live in self.live_variants else True
+
+    def _live_for(self, variant: Variant) -> None:
+        """The linears' LoRA flags for running ``variant``'s segments (every linear for True)."""
+        if self._set_live is not None and variant is not False:
+            self._set_live(variant if isinstance(variant, frozenset) else None)
+
     @torch.no_grad()
-    def _capture(self, b: int, with_lora: bool) -> list[torch.cuda.CUDAGraph]:
-        logger.info("capturing prefill graphs: %d tokens, lora %s, %d segments", b, with_lora, len(self.layers) + 1)
-        lora = self._lora(b, with_lora)
+    def _capture(self, b: int, variant: Variant) -> list[torch.cuda.CUDAGraph]:
+        what = "all linears" if variant is True else "none" if variant is False else f"{len(variant)} linears"
+        logger.info("capturing prefill graphs: %d tokens, lora %s, %d segments", b, what, len(self.layers) + 1)
+        lora = self._lora(b, variant is not False)
         segments = [functools.partial(self._segment, i, b, lora) for i in range(len(self.layers) + 1)]
-        return capture_graphs(segments, self.kv_cache.device, self._pool)
+        self._live_for(variant)
+        try:
+            return capture_graphs(segments, self.kv_cache.device, self._pool)
+        finally:
+            self._live_for(True)
 
     def capture_all(self) -> None:
         """Capture every bucket up front (the engine's warm-up); largest first so memory is reused."""
         if not self.capture:
             return
-        for with_lora in (False, True) if self.lora_scales is not None else (False,):
+        variants: list[Variant] = [False]
+        if self.lora_scales is not None:
+            variants += [True, *self.live_variants]
+        for variant in variants:
             for b in reversed(self.buckets):
-                if (b, with_lora) not in self.graphs:
-                    self.graphs[b, with_lora] = self._capture(b, with_lora)
+                if (b, variant) not in self.graphs:
+                    self.graphs[b, variant] = self._capture(b, variant)
+
+    def add_live_variant(self, live: frozenset[tuple[int, str]]) -> None:
+        """Graphs for steps whose adapters target exactly ``live`` (captured now, every bucket:
+        before serving, since a capture stalls every request); without LoRA graphs, nothing."""
+        if self.lora_scales is None or live in self.live_variants:
+            return
+        self.live_variants.add(live)
+        self.capture_all()
 
     # ------------------------------------------------------------------ a step
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-            lora: LoRABatch | None = None, layer_hook: LayerHook | None = None) -> torch.Tensor:
+            lora: LoRABatch | None = None, layer_hook: LayerHook | None = None, live: Live = None) -> torch.Tensor:
         """``final_norm(h_L)`` ``[T, d]`` of the step (a view of a static buffer: read it before
         the next step), equal to ``model(input_ids, positions, ctx)`` with the multi-LoRA of
-        ``lora`` (None or inactive: none) and ``layer_hook(i, h_i)`` called for ``i = 0 … L``."""
+        ``lora`` (None or inactive: none) and ``layer_hook(i, h_i)`` called for ``i = 0 … L``.
+        ``live``: the ``(layer, target)`` pairs the step's adapters have (None: unknown, every
+        linear); the LoRA of the other linears, zero for these adapters, may be left out."""
         t = input_ids.shape[0]
         b = self.bucket(t)
         assert b is not None, f"{t} tokens exceed the largest prefill graph ({self.max_tokens})"
         with_lora = lora is not None and lora.active
+        variant = self.variant(with_lora, live)
         self.input_ids[:t].copy_(input_ids)
         self.positions[:t].copy_(positions)
         self.input_ids[t:b].zero_()
@@ -160,11 +208,14 @@ class PrefillGraphs:
         if with_lora:
             assert lora is not None and self.lora_scales is not None
             self._stage_lora(lora, t, b)
-        key = (b, with_lora)
+        key = (b, variant)
         graphs = self.graphs.get(key) if self.capture else None
         if self.capture and graphs is None:  # NOTE: capture_all() at start-up avoids this stall
-            graphs = self.graphs[key] = self._capture(b, with_lora)  # reads the staged buffers only
-        step_lora = None if graphs is not None else self._lora(b, with_lora)
+            graphs = self.graphs[key] = self._capture(b, variant)  # reads the staged buffers only
+        step_lora = None
+        if graphs is None:  # the segments run eagerly: the linears' flags choose their LoRA
+            step_lora = self._lora(b, with_lora)
+            self._live_for(variant)
         ctx = ForwardContext(attn=attn, kv_cache=self.kv_cache, lora=None, backend=self.backend)
         for i in range(len(self.layers) + 1):
             if graphs is not None:

@@ -109,7 +109,7 @@ class FinetuneSession:
             below_normal=engine.stream is not None,
         )
         # the trainer writes the adapter's targets into its slot, and nothing else
-        engine.lora_manager.declare(engine.lora_manager.training_slot(0), adapter.weights)
+        engine.declare_training_adapter(engine.lora_manager.training_slot(0), adapter.weights)
         self.coserver = CoServer(
             pool=self.pool, samples={s.sample_id: s for s in self.dataset.samples}, store=self.store,
             trainer=self.trainer, config=cfg, optim=optim, slo=spec.slo, latency=latency,
