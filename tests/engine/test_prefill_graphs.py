@@ -15,6 +15,7 @@ import torch
 from coserve import LLM, EngineConfig, LoRARequest
 from coserve.engine.model_runner import BatchRow
 from coserve.engine.prefill_graphs import PrefillGraphs
+from coserve.layers.triton_lora import ExpandFirstTritonLoRA
 from coserve.models.llama import ForwardContext
 from tests.conftest import greedy_with_logprobs, make_peft_adapter, triton_unavailable
 
@@ -83,9 +84,13 @@ def test_engine_with_prefill_graphs_generates_the_same(hf_models: dict[str, Path
             assert lps == pytest.approx(ref_lps, abs=tol)
 
 
-def test_segments_with_adapters_and_the_capture_hook_equal_the_eager_forward(hf_models: dict[str, Path]) -> None:
+@pytest.mark.parametrize("expand_first", [False, True])
+def test_segments_with_adapters_and_the_capture_hook_equal_the_eager_forward(hf_models: dict[str, Path],
+                                                                              expand_first: bool) -> None:
     """Rows of two adapter slots and none, through the static multi-LoRA routing; the layer hook
-    sees every layer's input h_i and h_L as in the eager forward."""
+    sees every layer's input h_i and h_L as in the eager forward. ``expand_first``: the graphs'
+    LoRA stores its delta first through the static routing of every row, the bucket's padding
+    rows too (COSERVE_LORA_GRAPH_EXPAND_FIRST, for buckets above 4 tokens here)."""
     reason = triton_unavailable()
     if reason is not None:
         pytest.skip(reason)
@@ -101,6 +106,8 @@ def test_segments_with_adapters_and_the_capture_hook_equal_the_eager_forward(hf_
                 b.normal_(0, 0.05)
         runner.lora_scales.fill_(2.0)
     pieces = runner.make_prefill_graphs(capture=CUDA)
+    pieces.expand_first_above = 4 if expand_first else None
+    pieces.graphs.clear()  # (graphs captured before the switch: none with LoRA yet)
     assert pieces.lora_scales is not None and pieces.accepts(8, lora_active=True)
     rows = [BatchRow([7, 8, 9, 10, 11], 3, [0, 1], lora_slot=1, samples=True),
             BatchRow([20, 21, 22, 23, 24, 25], 0, [2, 3], samples=True),
@@ -121,6 +128,10 @@ def test_segments_with_adapters_and_the_capture_hook_equal_the_eager_forward(hf_
     assert len(seen["graphs"]) == len(seen["eager"]) == runner.model.config.num_layers + 1
     for mine, theirs in zip(seen["graphs"], seen["eager"], strict=True):
         torch.testing.assert_close(mine, theirs, rtol=tol, atol=tol)
+    b = pieces.bucket(inputs.input_ids.shape[0])
+    assert b is not None and b > 4 and isinstance(pieces._lora(b, True), ExpandFirstTritonLoRA) == expand_first
+    if expand_first:  # the storing expand's routing lists every row of the bucket once, padding too
+        assert sorted(t for t in pieces.store_order.tolist() if t >= 0) == list(range(b))
 
 
 def test_a_live_variant_replays_only_its_linears_lora(hf_models: dict[str, Path],

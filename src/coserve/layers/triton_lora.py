@@ -205,6 +205,13 @@ def graph_order_length(batch_size: int, num_slots: int) -> int:
     return (batch_size // block_m + num_slots) * block_m
 
 
+def graph_store_length(batch_size: int, num_slots: int) -> int:
+    """Length of a static storing-expand order (:meth:`TritonLoRA.graph_store`) that fits any
+    routing of ``batch_size`` tokens: the slots' groups and the group of tokens without an
+    adapter each waste less than one tile."""
+    return graph_order_length(batch_size, max(num_slots, 1) + 1)
+
+
 @dataclass(frozen=True)
 class LoRALaunch:
     """Launch shape shared by every linear of one step: a function of ``len(order)`` only."""
@@ -494,6 +501,18 @@ class TritonLoRA:
         length = graph_order_length(batch_size, max(num_slots, 1))
         launch = LoRALaunch.for_order(length, block_m_for(batch_size), num_sms(token_slots.device))
         return cls(token_slots[:batch_size], order[:length], scales, launch, **extra)
+
+    @staticmethod
+    def graph_store(store_order: torch.Tensor, batch_size: int, num_slots: int) -> StoreRouting:
+        """The routing of a storing expand in a CUDA graph of ``batch_size`` tokens over the static
+        buffer ``store_order`` (at least :func:`graph_store_length` long, refilled before each
+        replay with :func:`routing_tensor` ``(..., unrouted=True)`` over every row of the
+        graph, its padding rows too, so that every output row is written)."""
+        length = graph_store_length(batch_size, num_slots)
+        block_m = block_m_for(batch_size)
+        launch = LoRALaunch.for_order(graph_order_length(batch_size, max(num_slots, 1)), block_m,
+                                      num_sms(store_order.device))
+        return StoreRouting(store_order[:length], replace(launch, num_tiles=length // block_m))
 
     @classmethod
     def from_batch(cls, batch: LoRABatch, scales: torch.Tensor) -> TritonLoRA:
