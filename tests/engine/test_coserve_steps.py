@@ -14,13 +14,18 @@ from coserve.server.finetune import FinetuneSession, FinetuneSpec
 DATA = Path(__file__).resolve().parents[2] / "src" / "coserve" / "data" / "tiny_facts.jsonl"
 
 
-@pytest.fixture
-def session(tmp_path: Path):  # type: ignore[no-untyped-def]
-    engine = LLMEngine(EngineConfig(model="tiny", num_training_slots=1, max_lora_rank=8))
+def tiny_session(engine: LLMEngine, tmp_path: Path) -> FinetuneSession:
+    """Fine-tuning on the built-in facts, 64-token tasks, on ``engine``."""
     spec = FinetuneSpec(data=DATA, output=tmp_path / "out", lora=LoRAConfig(rank=8, alpha=16),
                         optim=OptimConfig(lr=1e-3), coserve=CoServeConfig(backward_tokens=64, max_seq_len=64),
                         trainer_threads=1)
-    s = FinetuneSession(engine, spec)
+    return FinetuneSession(engine, spec)
+
+
+@pytest.fixture
+def session(tmp_path: Path):  # type: ignore[no-untyped-def]
+    engine = LLMEngine(EngineConfig(model="tiny", num_training_slots=1, max_lora_rank=8))
+    s = tiny_session(engine, tmp_path)
     yield engine, s
     s.close()
 
@@ -183,7 +188,7 @@ def test_ft_rows_run_lora_only_on_the_trained_linears(session) -> None:  # type:
 def graph_session(tmp_path: Path):  # type: ignore[no-untyped-def]
     """A session whose engine runs steps with prefill or FT rows through the piecewise prefill
     graphs (their static-buffer path, run eagerly on the CPU; the Triton multi-LoRA in the
-    interpreter), as a CUDA engine does by default."""
+    interpreter), as a CUDA engine with --prefill-graphs does."""
     from tests.conftest import triton_unavailable
 
     reason = triton_unavailable()
@@ -192,10 +197,7 @@ def graph_session(tmp_path: Path):  # type: ignore[no-untyped-def]
     engine = LLMEngine(EngineConfig(model="tiny", num_training_slots=1, max_lora_rank=8, lora_backend="triton",
                                     max_num_batched_tokens=128, warmup="off"))
     engine.runner.prefill_graphs = engine.runner.make_prefill_graphs(capture=False)
-    spec = FinetuneSpec(data=DATA, output=tmp_path / "out", lora=LoRAConfig(rank=8, alpha=16),
-                        optim=OptimConfig(lr=1e-3), coserve=CoServeConfig(backward_tokens=64, max_seq_len=64),
-                        trainer_threads=1)
-    s = FinetuneSession(engine, spec)
+    s = tiny_session(engine, tmp_path)
     yield engine, s
     s.close()
 
