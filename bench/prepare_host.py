@@ -10,7 +10,9 @@ steps, the model does not matter):
 * ``mixed``: a 1,000-token chunk over 2,000 cached tokens, 3 FT rows of 256 tokens on an adapter
   slot (the training slot's routing) and 64 decode rows;
 * ``routing``: the adapter routing alone of the ``mixed`` step (``LoRABatch.from_rows``), beside
-  ``torch.repeat_interleave`` of the same segments (what ``from_rows`` used before session 9).
+  ``torch.repeat_interleave`` of the same segments (what ``from_rows`` used before session 9);
+* ``refit``: one latency-model refit over a full window of 2,000 prefill steps, idle and busy (the
+  engine thread runs one every ~100 steps of a set, inside ``LatencyModel.observe``).
 
     .venv/bin/python bench/prepare_host.py [--threads N] [--gap-ms 40] [--reps 40] [--out result.json]
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 
 from coserve.bench.provenance import provenance
+from coserve.core.latency import BatchSpec, Chunk, LatencyModel
 from coserve.engine.config import EngineConfig
 from coserve.engine.llm_engine import LLMEngine
 from coserve.engine.model_runner import BatchRow
@@ -61,6 +65,22 @@ def spaced(fn: Callable[[], object], reps: int, gap_s: float) -> dict[str, float
             "max_ms": times[-1]}
 
 
+def refit_times(reps: int, gap_s: float) -> dict[str, dict[str, float]]:
+    """ms of ``LatencyModel._solve`` over 2,000 synthetic prefill steps, idle and busy."""
+    rng = random.Random(0)
+    model = LatencyModel()
+    specs = [BatchSpec((Chunk(rng.randint(16, 2048), rng.choice([0, 1000])),), (100,) * rng.randint(0, 16))
+             for _ in range(2000)]
+    idle = [(model.regressors(s.features()), 0.005 + 2e-5 * s.num_tokens * (1 + 0.1 * rng.random()))
+            for s in specs]
+    model.fit([s.record(t) for s, (_, t) in zip(specs[:100], idle[:100], strict=True)])
+    busy = [(v, t * 1.3) for v, t in idle]
+    return {
+        "idle": spaced(lambda: model._solve("prefill/eager", False, idle, None), reps, gap_s),
+        "busy": spaced(lambda: model._solve("prefill/eager", True, busy, None), reps, gap_s),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
@@ -87,6 +107,7 @@ def main() -> None:
         "repeat_interleave": spaced(lambda: torch.repeat_interleave(seg_slots, seg_lens), args.reps, gap),
         "segments": len(batch.seg_slots),
     }
+    figures["refit"] = refit_times(args.reps, gap)
     record = {**provenance(), "config": {"gap_ms": args.gap_ms, "reps": args.reps, "threads": args.threads},
               "figures": figures}
     text = json.dumps(record, indent=1)
