@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Final, NamedTuple
 
+import numpy as np
 import torch
 
 from coserve.core.host import PrefillView, StepRecord, StepView
@@ -403,7 +404,8 @@ class LatencyModel:
             self._ratio_count[(key, busy)] = n
             if len(ratios) >= self.safety_min_steps and (
                     len(ratios) == self.safety_min_steps or n % SAFETY_EVERY == 0):
-                q = torch.tensor(list(ratios), dtype=torch.float64).quantile(self.safety_quantile)
+                # (numpy: torch's CPU kernels here would wake the process's sleeping OpenMP threads)
+                q = np.quantile(np.fromiter(ratios, np.float64, len(ratios)), self.safety_quantile)
                 self._safety[(key, busy)] = max(1.0, float(q))
         win = self._windows.setdefault((key, busy), deque(maxlen=self.window))
         win.append((self.regressors(f, key), record.duration_s))
@@ -421,13 +423,14 @@ class LatencyModel:
         self, key: str, busy: bool, rows: list[tuple[tuple[float, ...], float]],
         prior: tuple[float, ...] | None,
     ) -> None:
-        x = torch.tensor([r[0] for r in rows], dtype=torch.float64)
-        y = torch.tensor([r[1] for r in rows], dtype=torch.float64)
-        weight = 1.0 / y.clamp_min(1e-9)
+        # NOTE: numpy, on the engine's step path (see coserve.core.nnls)
+        x = np.asarray([r[0] for r in rows], dtype=np.float64)
+        y = np.asarray([r[1] for r in rows], dtype=np.float64)
+        weight = 1.0 / np.maximum(y, 1e-9)
         if busy:
             # Regress the slowdown on the idle prediction: y − T = ρ·T + δ.
-            base = x @ torch.tensor(self.coefficients(key), dtype=torch.float64)
-            x, y = torch.stack([base, torch.ones_like(base)], 1), y - base
+            base = x @ np.asarray(self.coefficients(key), dtype=np.float64)
+            x, y = np.stack([base, np.ones_like(base)], 1), y - base
         if prior is None and x.shape[0] < x.shape[1]:
             return
         coef = fit_relative(x, y, weight, prior, self.prior_weight)

@@ -1,4 +1,11 @@
-"""Non-negative least squares (Lawson–Hanson) and the relative-error fit the latency model uses."""
+"""Non-negative least squares (Lawson–Hanson) and the relative-error fit the latency model uses.
+
+The arithmetic is numpy's, not torch's: the latency model refits on the engine's step path, and
+there torch's CPU kernels of a few thousand rows (a QR, a matmul) wake the OpenMP or MKL threads
+of the engine process, which sleep between steps: on the 2-core VM a refit of 2,000 steps took
+1.9 ms median and up to 13 ms that way, against ~0.2 ms with numpy's small-matrix LAPACK (each
+call after a sleep, as in serving; session 9).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -18,7 +26,7 @@ class NNLSResult(NamedTuple):
     iterations: int
 
 
-def nnls(a: torch.Tensor, b: torch.Tensor, *, max_iter: int | None = None) -> NNLSResult:
+def nnls(a: torch.Tensor | np.ndarray, b: torch.Tensor | np.ndarray, *, max_iter: int | None = None) -> NNLSResult:
     """``x = argmin_{x ≥ 0} ‖A·x − b‖₂`` by the Lawson–Hanson active-set method, in float64.
 
     The passive set P grows by the coordinate of largest gradient ``w = Aᵀ(b − A·x)`` while
@@ -27,21 +35,30 @@ def nnls(a: torch.Tensor, b: torch.Tensor, *, max_iter: int | None = None) -> NN
 
     ``a: [m, n]``, ``b: [m]`` -> ``x: [n]`` (float64, CPU), ``residual = ‖A·x − b‖₂``.
     """
-    a = a.detach().to("cpu", torch.float64)
-    b = b.detach().to("cpu", torch.float64)
+    x, residual, iterations = _nnls(_array(a, 2), _array(b, 1), max_iter)
+    return NNLSResult(torch.from_numpy(x), residual, iterations)
+
+
+def _array(t: torch.Tensor | np.ndarray, ndim: int) -> np.ndarray:
+    out = t.detach().to("cpu", torch.float64).numpy() if isinstance(t, torch.Tensor) else np.asarray(t, np.float64)
+    assert out.ndim == ndim
+    return out
+
+
+def _nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None) -> tuple[np.ndarray, float, int]:
     m, n = a.shape
     max_iter = 3 * n + 10 if max_iter is None else max_iter
-    eps = torch.finfo(torch.float64).eps
-    a_norm = float(a.abs().sum(0).max()) if a.numel() else 0.0
-    b_norm = float(b.abs().max()) if b.numel() else 0.0
+    eps = np.finfo(np.float64).eps
+    a_norm = float(np.abs(a).sum(0).max()) if a.size else 0.0
+    b_norm = float(np.abs(b).max()) if b.size else 0.0
     tol = 10 * eps * max(m, n) * a_norm * b_norm
-    x = torch.zeros(n, dtype=torch.float64)
-    passive = torch.zeros(n, dtype=torch.bool)
-    blocked = torch.zeros(n, dtype=torch.bool)
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    blocked = np.zeros(n, dtype=bool)
     w = a.T @ b
     iterations = 0
-    while bool((free := ~passive & ~blocked).any()):
-        j = int(torch.where(free, w, -math.inf).argmax())
+    while (free := ~passive & ~blocked).any():
+        j = int(np.where(free, w, -math.inf).argmax())
         if float(w[j]) <= tol:
             break
         if iterations == max_iter:
@@ -55,35 +72,34 @@ def nnls(a: torch.Tensor, b: torch.Tensor, *, max_iter: int | None = None) -> NN
             passive[j] = False
             blocked[j] = True
             continue
-        while bool((s[passive] <= 0).any()):
+        while (s[passive] <= 0).any():
             cut = passive & (s <= 0)
             ratios = x[cut] / (x[cut] - s[cut])
-            k = int(cut.nonzero()[int(ratios.argmin())])
+            k = int(np.flatnonzero(cut)[int(ratios.argmin())])
             x = x + float(ratios.min()) * (s - x)
             passive &= x > 0
             passive[k] = False
-            x = torch.where(passive, x, torch.zeros_like(x))
+            x = np.where(passive, x, 0.0)
             s = _passive_lstsq(a, b, passive)
         x = s
-        blocked.zero_()
+        blocked[:] = False
         w = a.T @ (b - a @ x)
-    return NNLSResult(x, float(torch.linalg.vector_norm(a @ x - b)), iterations)
+    return x, float(np.linalg.norm(a @ x - b)), iterations
 
 
-def _passive_lstsq(a: torch.Tensor, b: torch.Tensor, passive: torch.Tensor) -> torch.Tensor:
+def _passive_lstsq(a: np.ndarray, b: np.ndarray, passive: np.ndarray) -> np.ndarray:
     """Least squares on the passive columns, zero elsewhere (min-norm if rank-deficient)."""
-    s = torch.zeros(a.shape[1], dtype=torch.float64)
-    idx = passive.nonzero().squeeze(1)
-    if idx.numel():
-        sol = torch.linalg.lstsq(a[:, idx], b.unsqueeze(1), driver="gelsd").solution
-        s[idx] = sol.squeeze(1)
+    s = np.zeros(a.shape[1])
+    idx = np.flatnonzero(passive)
+    if idx.size:
+        s[idx] = np.linalg.lstsq(a[:, idx], b, rcond=None)[0]
     return s
 
 
 def fit_relative(
-    x: torch.Tensor,
-    y: torch.Tensor,
-    weight: torch.Tensor,
+    x: torch.Tensor | np.ndarray,
+    y: torch.Tensor | np.ndarray,
+    weight: torch.Tensor | np.ndarray,
     prior: Sequence[float] | None = None,
     prior_weight: float = 0.0,
 ) -> tuple[float, ...]:
@@ -94,17 +110,19 @@ def fit_relative(
     directions that the rows do not excite. Tall systems are reduced to ``R`` of ``QR`` first.
     ``x: [m, k]``, ``y: [m]``, ``weight: [m]`` -> ``k`` coefficients.
     """
-    a = x * weight[:, None]
-    rhs = y * weight
-    scale = a.abs().amax(0)
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    xa, ya, wa = _array(x, 2), _array(y, 1), _array(weight, 1)
+    a = xa * wa[:, None]
+    rhs = ya * wa
+    scale = np.abs(a).max(0) if a.shape[0] else np.ones(a.shape[1])
+    scale = np.where(scale > 0, scale, 1.0)
     a = a / scale
     if prior is not None and prior_weight > 0:
         root = math.sqrt(prior_weight)
-        theta0 = torch.tensor(prior, dtype=torch.float64) * scale
-        a = torch.cat([a, root * torch.eye(a.shape[1], dtype=torch.float64)])
-        rhs = torch.cat([rhs, root * theta0])
+        theta0 = np.asarray(prior, np.float64) * scale
+        a = np.concatenate([a, root * np.eye(a.shape[1])])
+        rhs = np.concatenate([rhs, root * theta0])
     if a.shape[0] > a.shape[1]:
-        q, r = torch.linalg.qr(a)
+        q, r = np.linalg.qr(a)
         a, rhs = r, q.T @ rhs
-    return tuple((nnls(a, rhs).x / scale).tolist())
+    theta, _, _ = _nnls(a, rhs, None)
+    return tuple(float(v) for v in theta / scale)
