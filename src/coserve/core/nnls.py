@@ -2,9 +2,10 @@
 
 The arithmetic is numpy's, not torch's: the latency model refits on the engine's step path, and
 there torch's CPU kernels of a few thousand rows (a QR, a matmul) wake the OpenMP or MKL threads
-of the engine process, which sleep between steps: on the 2-core VM a refit of 2,000 steps took
-1.9 ms median and up to 13 ms that way, against ~0.2 ms with numpy's small-matrix LAPACK (each
-call after a sleep, as in serving; session 9).
+of the engine process, which sleep between steps: on the 2-core VM a latency-model refit over a
+2,000-step window took 4.4–7.8 ms median and up to 15.8 ms that way, against ~1.0 ms and at most
+2.0 ms with numpy's small-matrix LAPACK (each call after a sleep, as in serving;
+``bench/prepare_host.py``, ``bench/results/host_cpu/refit_*.json``).
 """
 
 from __future__ import annotations
