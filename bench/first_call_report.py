@@ -138,6 +138,14 @@ def eager_steps(off: dict[str, Any] | None, on: dict[str, Any] | None) -> dict[s
             for shape in a if shape in b}
 
 
+def trainer_attention(result: dict[str, Any]) -> dict[str, Any]:
+    """bench/profile_trainer_cpu.py (the trainer_attn job): which attention ran, host and GPU ms
+    per layer part, aten ops, and the loss (implementations must agree on it)."""
+    f = result["figures"]
+    return {"attention": f.get("attention"), "host_ms": f["mean_host_ms"], "gpu_ms": f.get("mean_gpu_ms"),
+            "aten_ops": f["mean_aten_ops"], "loss_sum": f["loss_sum"], "hold_too_short": f.get("hold_too_short")}
+
+
 def report(folder: Path) -> dict[str, Any]:
     verify = folder / "verify"
     out: dict[str, Any] = {"missing": []}
@@ -171,6 +179,9 @@ def report(folder: Path) -> dict[str, Any]:
     # latency=N jobs (another SM share)
     out["slo_machinery_other"] = {p.stem: slo_machinery(r) for p in sorted(folder.glob("coserve_latency_*.json"))
                                   if (r := _load(p)) is not None}
+    # trainer_attn: the trainer's attention by COSERVE_VARLEN_ATTN value
+    out["trainer_attention"] = {p.stem.removeprefix("trainer_attn_"): trainer_attention(r)
+                                for p in sorted(folder.glob("trainer_attn_*.json")) if (r := _load(p)) is not None}
     out["eager_steps"] = eager_steps(need(folder / "eager_cpu_off.json"), need(folder / "eager_cpu_on.json"))
     return out
 

@@ -88,3 +88,14 @@ def test_report_sums_the_lora_kernels_per_layer(tmp_path: Path) -> None:
     assert got["expand"]["waves8/store"] == pytest.approx(124.9, abs=0.1)
     assert got["expand"]["waves0/store"] == pytest.approx(191.4, abs=0.1)
     assert got["baseline"]["expand_accumulate"] == pytest.approx(215.9, abs=0.1)
+
+
+def test_report_reads_the_trainer_attention_jobs(tmp_path: Path) -> None:
+    """trainer_attn_IMPL.json per COSERVE_VARLEN_ATTN value (session 8's CPU profile as a stand-in)."""
+    src = RESULTS / "trainer_cpu" / "session8" / "after_82e7c14_run1.json"
+    for impl in ("torch", "flash"):
+        shutil.copy(src, tmp_path / f"trainer_attn_{impl}.json")
+    got = first_call_report.report(tmp_path)["trainer_attention"]
+    assert set(got) == {"torch", "flash"}
+    assert got["flash"]["host_ms"]["attn_fwd"] == pytest.approx(0.4788, abs=1e-4)
+    assert got["torch"]["loss_sum"] == got["flash"]["loss_sum"] and got["torch"]["gpu_ms"] is None
