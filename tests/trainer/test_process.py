@@ -72,3 +72,28 @@ def test_trainer_process_pause_resume_and_commit() -> None:
     finally:
         trainer.close()
     assert not trainer.alive()
+
+
+def test_warm_up_task_leaves_no_trace_in_training() -> None:
+    """A worker that runs the warm-up task first trains exactly as one that does not: same loss,
+    same gradient norm, same adapter after the optimizer step; the warm-up's gradient is gone."""
+    from coserve.trainer.worker import warmup_rows
+
+    assert warmup_rows(1024, 512) == (512, 512, 511) and warmup_rows(100, 512) == (100,)
+    model, adapter, store, scales, task = _setup()
+    outcomes = []
+    for rows in ((), warmup_rows(48, 20)):
+        spec = WorkerSpec(model, store, scales, torch.zeros(2, 3, 1), torch.tensor([-1, 0, 0]), adapter, 0, 0.0, 0,
+                          OptimConfig(lr=1e-3), warmup_rows=rows)
+        spec.banks = torch.zeros(2, 3, sum(a.numel() + b.numel() for a, b in adapter.weights.values()))
+        worker = _Worker(spec)
+        flat = worker.lora.flat.detach().clone()
+        if rows:
+            worker.warm_up(rows)
+            assert worker.lora.flat.grad is not None and not worker.lora.flat.grad.any()
+            assert torch.equal(worker.lora.flat, flat), "the warm-up changed the adapter"
+        result = worker.run(task)
+        outcomes.append((result.loss_sum, result.step_info, worker.lora.flat.detach().clone()))
+    (loss0, info0, flat0), (loss1, info1, flat1) = outcomes
+    assert loss0 == loss1 and info0 is not None and info1 is not None and info0.grad_norm == info1.grad_norm
+    assert torch.equal(flat0, flat1)

@@ -27,6 +27,7 @@ from coserve.models.peft_adapter import (
     new_lora_adapter,
 )
 from coserve.trainer.process import TrainerProcess
+from coserve.trainer.worker import warmup_rows
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +55,18 @@ class FinetuneSpec:
     save_every: int = 100
     resume: bool = False
     trainer_sm_share: int | None = None
+    # One synthetic backward task in the trainer process before its first real one (auto: on CUDA)
+    trainer_warmup: str = "auto"
 
 
 class FinetuneSession:
     """Builds and owns everything a fine-tuning run needs beside the engine."""
+
+    def _trainer_warms_up(self) -> bool:
+        mode = self.spec.trainer_warmup
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(f"trainer_warmup must be auto, on or off, got {mode!r}")
+        return mode == "on" or (mode == "auto" and self.engine.runner.device.type == "cuda")
 
     def __init__(self, engine: LLMEngine, spec: FinetuneSpec) -> None:
         if engine.tokenizer is None:
@@ -107,6 +116,7 @@ class FinetuneSession:
             slot=engine.lora_manager.training_slot(0), optim=optim, dropout=spec.lora.dropout, seed=cfg.seed,
             num_threads=spec.trainer_threads, sm_share=spec.trainer_sm_share, mlp_store=self.store.mlp,
             below_normal=engine.stream is not None,
+            warmup_rows=warmup_rows(cfg.backward_tokens, cfg.max_seq_len) if self._trainer_warms_up() else (),
         )
         # the trainer writes the adapter's targets into its slot, and nothing else
         engine.declare_training_adapter(engine.lora_manager.training_slot(0), adapter.weights)

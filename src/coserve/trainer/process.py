@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+from collections.abc import Sequence
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
@@ -45,6 +46,7 @@ class TrainerProcess:
         sm_share: int | None = None,
         mlp_store: torch.Tensor | None = None,
         below_normal: bool = False,
+        warmup_rows: Sequence[int] = (),
     ) -> None:
         if sm_share is not None and not 0 < sm_share <= 100:
             raise ValueError(f"--trainer-sm-share must be in (0, 100], got {sm_share}")
@@ -72,7 +74,7 @@ class TrainerProcess:
         self.gate_flag = new_flag() if use_gate else None
         self.spec = WorkerSpec(model, store, scales, self.banks, self.meta, adapter, slot, dropout, seed,
                                optim, grant=self.grant, num_threads=num_threads, mlp_store=mlp_store,
-                               gate_flag=self.gate_flag)
+                               gate_flag=self.gate_flag, warmup_rows=tuple(warmup_rows))
         self._proc: BaseProcess | None = None
         if device.type == "cuda" and not mps_active():
             logger.warning("CUDA MPS daemon not running: the trainer's kernels time-slice with the engine's "

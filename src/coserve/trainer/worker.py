@@ -6,6 +6,7 @@ import logging
 import os
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +64,17 @@ class WorkerSpec:
     # With the gate: how many boundaries the CPU may queue ahead of the GPU (a bound on memory
     # and on work queued behind a pause, not on the pause delay).
     gated_boundaries_ahead: int = 16
+    # Row lengths of one synthetic backward task the worker runs before its first real one
+    # (_Worker.warm_up; empty: none): kernels compiled, library handles made, allocator grown.
+    warmup_rows: tuple[int, ...] = ()
+
+
+def warmup_rows(backward_tokens: int, max_seq_len: int) -> tuple[int, ...]:
+    """Row lengths of a warm-up task as large as the largest real one: rows of ``max_seq_len``
+    up to ``backward_tokens``, then one row of any length short of it (a real task closes on the
+    sample that reaches ``backward_tokens``)."""
+    full, rest = divmod(backward_tokens, max_seq_len)
+    return (max_seq_len,) * full + ((rest,) if rest >= 2 else ()) + ((max(2, max_seq_len - 1),) if full else ())
 
 
 def run_worker(spec: WorkerSpec, tasks: Any, results: Any) -> None:
@@ -73,6 +85,8 @@ def run_worker(spec: WorkerSpec, tasks: Any, results: Any) -> None:
     task: BackwardTask | None = None
     try:
         worker = _Worker(spec)
+        if spec.warmup_rows:
+            worker.warm_up(spec.warmup_rows)
         freeze_startup_objects("trainer")
         while True:
             task = tasks.get()
@@ -113,6 +127,32 @@ class _Worker:
         bank = int(spec.meta[0])
         if bank >= 0:
             self.optim.import_state(spec.banks[bank], int(spec.meta[1 + bank]))
+
+    def warm_up(self, lengths: Sequence[int]) -> None:
+        """One synthetic backward task, rows of ``lengths`` over the start of the store (whatever
+        it holds), its gradient zeroed after, no optimizer step and no pause boundary: the first
+        real task then finds the trainer's Triton kernels compiled (on a fresh machine up to a
+        second each), the cuBLAS and flash handles made and the caching allocator grown, instead
+        of paying for them while the engine serves."""
+        began = time.perf_counter()
+        store = self.spec.store
+        vocab = self.spec.model.config.vocab_size
+        rows: list[TaskRow] = []
+        offset = 0
+        for n in lengths:
+            n = min(n, store.shape[1] - offset)
+            if n < 2:
+                break
+            rows.append(TaskRow(offset, tuple((offset + i) % vocab for i in range(n))))
+            offset += n
+        if not rows:
+            return
+        task_backward(self.spec.model, self.lora, store, rows, mlp_store=self.spec.mlp_store)
+        if self.lora.flat.grad is not None:
+            self.lora.flat.grad.zero_()
+        if store.is_cuda:
+            torch.cuda.synchronize(store.device)
+        logger.info("trainer warm-up: one task of %d tokens in %.2f s", offset, time.perf_counter() - began)
 
     def run(self, task: BackwardTask) -> TaskResult:
         start = time.perf_counter()
