@@ -97,3 +97,19 @@ def test_warm_up_task_leaves_no_trace_in_training() -> None:
     (loss0, info0, flat0), (loss1, info1, flat1) = outcomes
     assert loss0 == loss1 and info0 is not None and info1 is not None and info0.grad_norm == info1.grad_norm
     assert torch.equal(flat0, flat1)
+
+
+def test_warm_up_task_waits_while_the_engine_pauses_the_trainer() -> None:
+    model, adapter, store, scales, _ = _setup()
+    grant = threading.Event()  # cleared: the engine runs a prefill
+    spec = WorkerSpec(model, store, scales, torch.zeros(2, 3, 1), torch.tensor([-1, 0, 0]), adapter, 0, 0.0, 0,
+                      OptimConfig(lr=1e-3), grant=grant, warmup_rows=(20, 9))
+    spec.banks = torch.zeros(2, 3, sum(a.numel() + b.numel() for a, b in adapter.weights.values()))
+    worker = _Worker(spec)
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (worker.warm_up(spec.warmup_rows), done.set()))
+    thread.start()
+    assert not done.wait(0.5), "the warm-up ran while the trainer was paused"
+    grant.set()
+    thread.join(timeout=30)
+    assert done.is_set() and worker._pauses == [] and worker._paused_s == 0.0  # its pauses not reported

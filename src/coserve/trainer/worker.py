@@ -130,10 +130,12 @@ class _Worker:
 
     def warm_up(self, lengths: Sequence[int]) -> None:
         """One synthetic backward task, rows of ``lengths`` over the start of the store (whatever
-        it holds), its gradient zeroed after, no optimizer step and no pause boundary: the first
-        real task then finds the trainer's Triton kernels compiled (on a fresh machine up to a
-        second each), the cuBLAS and flash handles made and the caching allocator grown, instead
-        of paying for them while the engine serves."""
+        it holds), its gradient zeroed after, no optimizer step: the first real task then finds
+        the trainer's Triton kernels compiled (on a fresh machine up to a second each), the cuBLAS
+        and flash handles made and the caching allocator grown, instead of paying for them while
+        the engine serves. It pauses for the engine's prefill steps at its boundaries as a real
+        task does (a restarted trainer warms up while the engine serves); its pause and span
+        records are dropped."""
         began = time.perf_counter()
         store = self.spec.store
         vocab = self.spec.model.config.vocab_size
@@ -147,9 +149,21 @@ class _Worker:
             offset += n
         if not rows:
             return
-        task_backward(self.spec.model, self.lora, store, rows, mlp_store=self.spec.mlp_store)
+        if self._gate is not None:
+            self._set_anchor()
+        self._boundary_then_sleep(TASK_START)
+        task_backward(self.spec.model, self.lora, store, rows, at_layer_boundary=self._layer_boundary,
+                      mlp_store=self.spec.mlp_store)
+        self._events.clear()
         if self.lora.flat.grad is not None:
             self.lora.flat.grad.zero_()
+        if self._gate is not None:
+            try:
+                self._gate.mark(torch.cuda.current_stream(), NOT_IN_TASK)
+            except RuntimeError as exc:
+                self._drop_gate(exc)
+        self._read_gate_pauses()
+        self._pauses, self._paused_s, self._gpu_wait_s = [], 0.0, 0.0
         if store.is_cuda:
             torch.cuda.synchronize(store.device)
         logger.info("trainer warm-up: one task of %d tokens in %.2f s", offset, time.perf_counter() - began)
