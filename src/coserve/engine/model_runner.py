@@ -209,10 +209,9 @@ class ModelRunner:
         (a graph captured later, on first use, bakes in the flags of that moment)."""
         live = None
         if rows is not None and self.slot_targets is not None:
-            slots = frozenset(r.lora_slot for r in rows if r.lora_slot >= 0)
-            if not slots:
+            if not any(r.lora_slot >= 0 for r in rows):
                 return  # no LoRA context this step: the flags are not read
-            live = self.slot_targets(slots)
+            live = self._step_live(rows)
         self.set_live(live)
 
     def _step_live(self, rows: list[BatchRow]) -> frozenset[tuple[int, str]] | None:
