@@ -22,7 +22,8 @@ from typing import Any
 from coserve.bench.result_file import read_result
 
 WORKLOADS = ("azure2023_code", "azure2023_conv", "burst-light", "burst-dense")
-ORDER = ("inference", "full", "full-overlap", "full-noint", "temporal", "naive", "split", "inference-last")
+ORDER = ("inference", "inference-graphs", "full", "full-graphs", "full-eager", "full-overlap", "full-noint",
+         "temporal", "naive", "split", "inference-last")
 
 
 def load(*folders: Path) -> dict[str, dict[str, Any]]:

@@ -141,6 +141,11 @@ def test_every_configuration_runs_on_the_same_arrivals(
         spent = f["step_seconds"]
         assert 0 < sum(spent.values()) <= f["duration_s"] + 1e-6, name
         assert set(f["step_counts"]) <= set(spent), name
+    # the prefill-graph configurations: asked for, but there are no CUDA graphs on the CPU
+    configs = result["config"]["configs"]
+    assert configs["full-graphs"]["prefill_graphs"] is True and configs["full-eager"]["prefill_graphs"] is False
+    assert configs["full"]["prefill_graphs"] is False  # as the engine was started
+    assert all(f["prefill_graphs"] is False for f in figures.values())
     assert "ft-only" in figures["temporal"]["step_counts"]
     assert "ft-only" not in figures["inference"]["step_counts"]
     assert figures["split"]["latency_model_error"] is None
@@ -166,7 +171,7 @@ def test_result_records_provenance_reference_and_comparisons(
     assert cfg["ft"]["naive_tokens"] == 256 and cfg["ft"]["lengths"] == "spread:16-48"
     assert {n: c["pause_prefill"] for n, c in cfg["configs"].items() if c["kind"] == "coserve"} == {
         "temporal": "always", "full": "always", "full-noint": "always", "full-overlap": "model",
-        "naive": "always",
+        "full-graphs": "always", "full-eager": "always", "naive": "always",
     }
     assert result["figures"]["full-overlap"]["pause_prefill"] == "model"
     ref = result["reference"]

@@ -195,3 +195,32 @@ def test_a_live_variant_replays_only_its_linears_lora(hf_models: dict[str, Path]
             targets = {t for _, names in applied for t in names}
             assert targets == ({"q_proj", "k_proj", "v_proj"} if variant == qv else
                                {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+
+
+def test_the_prefill_graphs_switch_off_and_back_on(hf_models: dict[str, Path]) -> None:
+    """One engine, both paths (the benchmark's full and full-graphs configurations): off, a
+    prefill step runs eagerly and FT rows get no graph tokens; back on, the same graphs."""
+    from coserve.bench.configs import CONFIGS
+    from coserve.bench.runners import use_prefill_graphs
+
+    llm = LLM(str(hf_models["llama"]), device="cuda" if CUDA else "cpu", **{**COMMON, "lora_backend": "triton"})
+    runner = llm.engine.runner
+    assert not runner.use_prefill_graphs(True)  # nothing built (on the CPU, or with the flag off)
+    runner.prefill_graphs = pieces = runner.make_prefill_graphs(capture=CUDA)
+    rows = [BatchRow([7, 8, 9, 10, 11], 3, [0, 1], samples=True)]
+    assert runner.planned_mode(rows) == "graph"
+    assert not runner.use_prefill_graphs(False)
+    assert runner.planned_mode(rows) == "eager" and runner.ft_graph_tokens == 0
+    runner.execute(rows)
+    assert runner.last_mode == "eager"
+    assert runner.use_prefill_graphs(True) and runner.prefill_graphs is pieces
+
+    class Ctx:  # what runners.use_prefill_graphs reads of a BenchContext
+        engine = llm.engine
+        prefill_graphs = False
+
+    assert not use_prefill_graphs(Ctx, CONFIGS["full"])  # type: ignore[arg-type]
+    assert use_prefill_graphs(Ctx, CONFIGS["full-graphs"])  # type: ignore[arg-type]
+    Ctx.prefill_graphs = True
+    assert not use_prefill_graphs(Ctx, CONFIGS["full-eager"])  # type: ignore[arg-type]
+    assert use_prefill_graphs(Ctx, CONFIGS["inference"])  # type: ignore[arg-type]

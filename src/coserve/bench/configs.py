@@ -26,6 +26,9 @@ class RunConfig:
     policy: str = "off"
     interrupt_ft_only: bool = True
     pause_prefill: str = "always"
+    # steps with prefill or FT rows through the piecewise CUDA graphs (None: as the engine was
+    # started, --prefill-graphs); either way on the same engine, so on the same arrivals
+    prefill_graphs: bool | None = None
 
 
 CONFIGS: dict[str, RunConfig] = {
@@ -63,6 +66,20 @@ CONFIGS: dict[str, RunConfig] = {
             pause_prefill="model",
         ),
         RunConfig(
+            "full-graphs",
+            RunKind.COSERVE,
+            "coserve full, steps with prefill or FT rows through the piecewise CUDA graphs",
+            policy="full",
+            prefill_graphs=True,
+        ),
+        RunConfig(
+            "full-eager",
+            RunKind.COSERVE,
+            "coserve full, steps with prefill or FT rows eager (no piecewise CUDA graphs)",
+            policy="full",
+            prefill_graphs=False,
+        ),
+        RunConfig(
             "naive",
             RunKind.COSERVE,
             "up to --naive-tokens FT tokens in every step, shortest first, "
@@ -75,6 +92,12 @@ CONFIGS: dict[str, RunConfig] = {
             RunKind.SPLIT,
             "a separate trainer process with its own training loop, running "
             "all the time beside inference (fixed MPS share on GPU)",
+        ),
+        RunConfig(
+            "inference-graphs",
+            RunKind.INFERENCE,
+            "inference only, steps with prefill through the piecewise CUDA graphs",
+            prefill_graphs=True,
         ),
         RunConfig(
             "inference-last",

@@ -172,6 +172,8 @@ def _engine_config(spec: BenchSpec, work: Path) -> EngineConfig:
         spec.engine,
         num_training_slots=max(1, spec.engine.num_training_slots),
         max_lora_rank=max(spec.engine.max_lora_rank, spec.ft.lora.rank),
+        # (built if any configuration asks for them; each run switches them, runners.use_prefill_graphs)
+        prefill_graphs=spec.engine.prefill_graphs or any(c.prefill_graphs for c in spec.configs),
     )
     if shapes.is_shape(cfg.model):
         fmt = "dummy" if cfg.load_format == "auto" else cfg.load_format
@@ -248,6 +250,7 @@ def _config_section(
                 "policy": c.policy,
                 "interrupt_ft_only": c.interrupt_ft_only,
                 "pause_prefill": c.pause_prefill,
+                "prefill_graphs": spec.engine.prefill_graphs if c.prefill_graphs is None else c.prefill_graphs,
                 "summary": c.summary,
             }
             for c in spec.configs
@@ -320,6 +323,7 @@ def _setup(
         sampler=UtilizationSampler(engine.runner.device),
         seed=spec.seed,
         profile_window=spec.profile_window,
+        prefill_graphs=spec.engine.prefill_graphs,
     )
     return ctx, workload
 

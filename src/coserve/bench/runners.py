@@ -67,6 +67,15 @@ class BenchContext:
     calibration: dict[str, Any] | None = None
     # (start s, end s) of replay time to run torch.profiler over in every configuration
     profile_window: tuple[float, float] | None = None
+    # the configurations' prefill graphs where they do not say (--prefill-graphs)
+    prefill_graphs: bool = False
+
+
+def use_prefill_graphs(ctx: BenchContext, config: RunConfig) -> bool:
+    """Switch the engine's piecewise prefill graphs as ``config`` asks (else as the engine was
+    started); returns whether its steps will use them."""
+    on = ctx.prefill_graphs if config.prefill_graphs is None else config.prefill_graphs
+    return ctx.engine.runner.use_prefill_graphs(on)
 
 
 @dataclass(frozen=True)
@@ -215,8 +224,9 @@ def _replay(
 
 def run_inference(ctx: BenchContext, config: RunConfig) -> RunOutcome:
     """The engine alone."""
+    graphs = use_prefill_graphs(ctx, config)
     r = _replay(ctx)
-    return RunOutcome(config, r.result, **r.measures())
+    return RunOutcome(config, r.result, **r.measures(), extra={"prefill_graphs": graphs})
 
 
 def _session_spec(ctx: BenchContext, config: RunConfig) -> FinetuneSpec:
@@ -261,7 +271,11 @@ def _warm_up(ctx: BenchContext, session: FinetuneSession) -> None:
 
 def run_coserve(ctx: BenchContext, config: RunConfig) -> RunOutcome:
     """The engine with a co-server under ``config.policy``; the first such run calibrates the
-    latency model, every run starts its replay from that calibrated state."""
+    latency model, every run starts its replay from that calibrated state. Where the engine
+    has prefill graphs, the session starts with them on (its training adapter's graphs are
+    captured then, and the calibration fits both their set and the eager one), and the run
+    then takes them as ``config`` asks."""
+    ctx.engine.runner.use_prefill_graphs(True)
     session = FinetuneSession(ctx.engine, _session_spec(ctx, config))
     try:
         co = session.coserver
@@ -270,6 +284,7 @@ def run_coserve(ctx: BenchContext, config: RunConfig) -> RunOutcome:
             batches = ctx.engine.calibrate()
             ctx.calibration = {"batches": batches, "seconds": time.perf_counter() - start}
             ctx.latency_state = co.latency.state_dict()
+        graphs = use_prefill_graphs(ctx, config)
         _warm_up(ctx, session)
         co.latency.load_state_dict(ctx.latency_state)
         co.task_timings.clear()
@@ -289,6 +304,7 @@ def run_coserve(ctx: BenchContext, config: RunConfig) -> RunOutcome:
             loss_first=losses[0] if losses else None,
             loss_last=losses[-1] if losses else None,
             extra={
+                "prefill_graphs": graphs,
                 "interrupted_steps": co.num_interrupted - interrupted,
                 "trainer_restarts": co.num_restarts,
                 "backward_tasks": task_breakdown(co.task_timings, replay.duration_s),
@@ -343,6 +359,7 @@ def step_table(
 def run_split(ctx: BenchContext, config: RunConfig) -> RunOutcome:
     """The engine alone beside a :class:`SplitTrainer` on the same samples and adapter setup."""
     engine = ctx.engine
+    graphs = use_prefill_graphs(ctx, config)
     t = ctx.training
     assert engine.tokenizer is not None
     vocab = min(engine.tokenizer.vocab_size, engine.model_config.vocab_size)
@@ -382,7 +399,7 @@ def run_split(ctx: BenchContext, config: RunConfig) -> RunOutcome:
             **r.measures(),
             loss_first=loss_first,
             loss_last=trainer.last_loss,
-            extra={"mps_share_percent": trainer.mps_share},
+            extra={"mps_share_percent": trainer.mps_share, "prefill_graphs": graphs},
         )
     finally:
         trainer.close()

@@ -95,6 +95,7 @@ class ModelRunner:
         if self.graphs is not None and config.prefill_graphs:
             self.prefill_graphs = self.make_prefill_graphs(capture=True)
             self.prefill_graphs.capture_all()
+        self._built_pieces = self.prefill_graphs  # what use_prefill_graphs(True) brings back
         self.last_mode = "eager"
 
     def make_prefill_graphs(self, capture: bool) -> PrefillGraphs:
@@ -106,6 +107,15 @@ class ModelRunner:
                              buckets or [self.config.max_num_batched_tokens], capture=capture,
                              lora_scales=self.lora_scales if triton_lora and self.model.num_lora_slots else None,
                              set_live=self.set_live)
+
+    def use_prefill_graphs(self, on: bool) -> bool:
+        """Run steps with prefill or FT rows through the piecewise prefill graphs (``on``) or
+        eagerly, where the graphs were built; returns whether they are in use now. (The
+        benchmark's configurations compare both on one engine.)"""
+        if self.prefill_graphs is not None:
+            self._built_pieces = self.prefill_graphs
+        self.prefill_graphs = self._built_pieces if on else None
+        return self.prefill_graphs is not None
 
     def add_prefill_live_variant(self, slots: Iterable[int]) -> None:
         """Piecewise prefill graphs of their own for the steps whose adapters are those of
