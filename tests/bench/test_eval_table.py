@@ -50,3 +50,21 @@ def test_newer_folder_first_older_fills_the_rest(tmp_path: Path) -> None:
     assert overlap["ft_tokens_per_s"]["met"] and overlap["ft_tokens_per_s"]["value"] == pytest.approx(5474, abs=1)
     assert overlap["ft_over_split"]["baseline_attainment_worse"]  # split 44.0%
     assert not overlap["ft_over_naive"]["baseline_attainment_worse"]
+
+
+def test_ratio_goals_compare_with_the_fastest_baseline_run_that_meets_the_attainment() -> None:
+    def run(att: float, ft: float | None = None) -> dict:
+        return {"attainment_abs": att, **({"ft_tokens_per_s": ft} if ft is not None else {})}
+
+    figures = {"inference": run(1.0), "full": run(1.0, 5000.0), "split": run(0.44, 7500.0),
+               "split-25": run(0.9995, 4000.0), "split-10": run(1.0, 2000.0), "naive": run(1.0, 3000.0),
+               "naive-2048": run(1.0, 3600.0), "naive-4096": run(0.95, 6000.0)}
+    goals = eval_table.goals({"azure2023_code": {"figures": figures}})["azure2023_code"]
+    split, naive = goals["ft_over_split"], goals["ft_over_naive"]
+    assert split["baseline"] == "split-25" and not split["baseline_attainment_worse"]
+    assert split["value"] == pytest.approx(5000 / 4000) and not split["met"]
+    assert naive["baseline"] == "naive-2048" and naive["value"] == pytest.approx(5000 / 3600)
+    # no run meets it: the baseline as asked, named as worse
+    del figures["split-25"], figures["split-10"]
+    split = eval_table.goals({"azure2023_code": {"figures": figures}})["azure2023_code"]["ft_over_split"]
+    assert split["baseline"] == "split" and split["baseline_attainment_worse"]

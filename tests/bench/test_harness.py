@@ -31,7 +31,7 @@ ARGS = [
     "--length-scale",
     "0.1",
     "--configs",
-    ",".join(CONFIGS),
+    ",".join([*CONFIGS, "naive-32", "split-30"]),
     "--model",
     "tiny",
     "--device",
@@ -79,7 +79,7 @@ def test_every_configuration_runs_on_the_same_arrivals(
 ) -> None:
     _, result = bench_run
     figures = result["figures"]
-    assert list(figures) == list(CONFIGS)  # the reference first, then in the order asked
+    assert list(figures) == [*CONFIGS, "naive-32", "split-30"]  # the reference first, then as asked
     requests = result["config"]["workload"]["requests"]
     assert requests > 0
     for name, f in figures.items():
@@ -104,7 +104,13 @@ def test_every_configuration_runs_on_the_same_arrivals(
         assert {r[1] for r in steps["rows"]} >= {"inference"}, name
     for name in ("inference", "inference-last"):
         assert figures[name]["ft_tokens"] == 0 and figures[name]["latency_model_error"] is None
-    assert list(figures)[-1] == "inference-last"
+    assert list(figures)[-3] == "inference-last"
+    # the baselines at their own setting: recorded, and the naive one held to its 32 FT tokens
+    assert result["config"]["configs"]["naive-32"]["naive_tokens"] == 32
+    assert result["config"]["configs"]["split-30"]["split_mps_percentage"] == 30
+    assert figures["naive-32"]["ft_tokens"] > 0 and figures["split-30"]["ft_tokens"] > 0
+    naive_rows = figures["naive-32"]["steps"]["rows"]
+    assert any(r[3][2] > 0 for r in naive_rows) and all(r[3][2] <= 32 for r in naive_rows if r[0].startswith("prefill"))
     for name in ("temporal", "full", "full-noint", "full-overlap", "naive", "split"):
         assert figures[name]["ft_tokens"] > 0 and figures[name]["optimizer_steps"] > 0, name
         assert figures[name]["ft_tokens_per_s"] == pytest.approx(
@@ -171,7 +177,7 @@ def test_result_records_provenance_reference_and_comparisons(
     assert cfg["ft"]["naive_tokens"] == 256 and cfg["ft"]["lengths"] == "spread:16-48"
     assert {n: c["pause_prefill"] for n, c in cfg["configs"].items() if c["kind"] == "coserve"} == {
         "temporal": "always", "full": "always", "full-noint": "always", "full-overlap": "model",
-        "full-graphs": "always", "full-eager": "always", "naive": "always",
+        "full-graphs": "always", "full-eager": "always", "naive": "always", "naive-32": "always",
     }
     assert result["figures"]["full-overlap"]["pause_prefill"] == "model"
     ref = result["reference"]
@@ -181,14 +187,16 @@ def test_result_records_provenance_reference_and_comparisons(
     assert comp["ft_over_split"]["full"] == pytest.approx(
         result["figures"]["full"]["ft_tokens_per_s"] / result["figures"]["split"]["ft_tokens_per_s"]
     )
-    assert set(comp["attainment_minus_reference_pp"]) == set(CONFIGS) - {"inference"}
+    assert set(comp["attainment_minus_reference_pp"]) == {*CONFIGS, "naive-32", "split-30"} - {"inference"}
+    assert comp["ft_over_split-30"]["full"] == pytest.approx(
+        result["figures"]["full"]["ft_tokens_per_s"] / result["figures"]["split-30"]["ft_tokens_per_s"])
 
 
 def test_markdown_table_and_plots(bench_run: tuple[Path, dict[str, Any]]) -> None:
     out, result = bench_run
     table = (out / "burst-light.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
-    assert [r.split("|")[1].strip() for r in rows[1:]] == list(CONFIGS)
+    assert [r.split("|")[1].strip() for r in rows[1:]] == [*CONFIGS, "naive-32", "split-30"]
     assert "FT vs split" in rows[0] and "TTFT ≤ 500 ms" in table
     pngs = sorted(p.name for p in out.glob("*.png"))
     if importlib.util.find_spec("matplotlib") is None:
@@ -330,3 +338,15 @@ def test_negative_burn_in_and_bad_profile_windows_are_refused(tmp_path: Path) ->
     assert _window("2:7.5") == (2.0, 7.5) and _window(None) is None
     with pytest.raises(ValueError, match="START:END"):
         _window("2-7")
+
+
+def test_baselines_at_their_own_setting_by_name() -> None:
+    from coserve.bench.configs import parse_configs
+
+    configs = parse_configs("full,split-25,naive-2048,split")
+    assert [c.name for c in configs] == ["inference", "full", "split-25", "naive-2048", "split"]
+    assert configs[2].split_share == 25 and configs[2].kind == "split" and configs[4].split_share is None
+    assert configs[3].naive_tokens == 2048 and configs[3].policy == "naive" and not configs[3].interrupt_ft_only
+    for bad in ("split-0", "split-101", "naive-x", "full-3"):
+        with pytest.raises(ValueError, match="split-N"):
+            parse_configs(bad)

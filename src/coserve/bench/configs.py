@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 
@@ -29,6 +29,10 @@ class RunConfig:
     # steps with prefill or FT rows through the piecewise CUDA graphs (None: as the engine was
     # started, --prefill-graphs); either way on the same engine, so on the same arrivals
     prefill_graphs: bool | None = None
+    # a baseline's own setting (None: --split-mps-percentage, --naive-tokens): ``split-N`` and
+    # ``naive-N`` run the baseline at N, so that one of them can meet the SLO the goals compare at
+    split_share: int | None = None
+    naive_tokens: int | None = None
 
 
 CONFIGS: dict[str, RunConfig] = {
@@ -109,14 +113,34 @@ CONFIGS: dict[str, RunConfig] = {
 REFERENCE = "inference"
 
 
+def config_named(name: str) -> RunConfig | None:
+    """:data:`CONFIGS` ``[name]``, or a baseline at its own setting: ``split-N`` (the split
+    trainer at an N% MPS share, 1–100) and ``naive-N`` (N FT tokens a step, N ≥ 1); else None."""
+    if name in CONFIGS:
+        return CONFIGS[name]
+    base, _, value = name.rpartition("-")
+    if base not in ("split", "naive") or not value.isdigit() or int(value) < 1:
+        return None
+    n = int(value)
+    if base == "split":
+        if n > 100:
+            return None
+        return replace(CONFIGS["split"], name=name, split_share=n,
+                       summary=f"the split baseline with the trainer at a {n}% MPS share")
+    return replace(CONFIGS["naive"], name=name, naive_tokens=n,
+                   summary=f"the naive baseline, up to {n} FT tokens in every step")
+
+
 def parse_configs(text: str) -> tuple[RunConfig, ...]:
-    """Comma-separated names of :data:`CONFIGS`, in the order given, duplicates dropped, with the
-    reference (``inference``) first whether listed or not. Raises ``ValueError`` naming the flag."""
+    """Comma-separated names (:func:`config_named`), in the order given, duplicates dropped, with
+    the reference (``inference``) first whether listed or not. Raises ``ValueError`` naming the
+    flag."""
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in CONFIGS]
+    unknown = [n for n in names if config_named(n) is None]
     if unknown:
         raise ValueError(
-            f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(CONFIGS)}"
+            f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(CONFIGS)}, "
+            "split-N (N% MPS share) or naive-N (N FT tokens a step)"
         )
     ordered = dict.fromkeys([REFERENCE, *names])
-    return tuple(CONFIGS[n] for n in ordered)
+    return tuple(c for n in ordered if (c := config_named(n)) is not None)

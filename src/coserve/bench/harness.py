@@ -251,6 +251,9 @@ def _config_section(
                 "interrupt_ft_only": c.interrupt_ft_only,
                 "pause_prefill": c.pause_prefill,
                 "prefill_graphs": spec.engine.prefill_graphs if c.prefill_graphs is None else c.prefill_graphs,
+                **({"split_mps_percentage": c.split_share or ft.split_mps_percentage}
+                   if c.kind == RunKind.SPLIT else {}),
+                **({"naive_tokens": c.naive_tokens or ft.naive_limit} if c.policy == "naive" else {}),
                 "summary": c.summary,
             }
             for c in spec.configs

@@ -245,7 +245,7 @@ def _session_spec(ctx: BenchContext, config: RunConfig) -> FinetuneSpec:
             policy=config.policy,
             interrupt_ft_only=config.interrupt_ft_only,
             pause_prefill=config.pause_prefill,
-            naive_tokens=t.naive_tokens,
+            naive_tokens=config.naive_tokens or t.naive_tokens,
         ),
         trainer_threads=t.trainer_threads,
         trainer_sm_share=t.trainer_sm_share,
@@ -383,7 +383,7 @@ def run_split(ctx: BenchContext, config: RunConfig) -> RunOutcome:
         dropout=t.lora.dropout,
         seed=ctx.seed,
         num_threads=t.trainer_threads,
-        mps_percentage=t.split_mps_percentage,
+        mps_percentage=config.split_share or t.split_mps_percentage,
     )
     try:
         if not trainer.wait_steps(1, t.warmup_timeout_s):
