@@ -10,7 +10,8 @@
 # to every run come from $BENCH_FLAGS (appended last, so they override the defaults below), the
 # per-workload time budget from $BUDGET (seconds, default 540), the GPUs to use from $GPUS
 # (indices separated by spaces, default all), configurations to run after all others from $LAST
-# (e.g. "inference-last": the reference again, to show whether the order biased it). Example (one H200, one workload):
+# (e.g. "inference-last": the reference again, to show whether the order biased it), or the whole
+# list from $CONFIGS. Example (one H200, one workload):
 #
 #   export COSERVE_COMMIT=<sha> COSERVE_DIRTY=0; bench/eval_device.sh burst-light=0.3=full-noint
 set -uo pipefail
@@ -27,8 +28,9 @@ mkdir -p "$OUT/eval"
 running=0
 for spec in "$@"; do
   IFS='=' read -r workload rate extra <<< "$spec"
-  # the reference first, then in order of importance should the time budget run out
-  configs=inference,full${extra:+,$extra},split,naive,temporal${LAST:+,$LAST}
+  # the reference first, then in order of importance should the time budget run out ($CONFIGS:
+  # the whole list instead, e.g. "inference,full,full-graphs,split-20,naive,temporal")
+  configs=${CONFIGS:-inference,full${extra:+,$extra},split,naive,temporal${LAST:+,$LAST}}
   case $rate in
     auto:*) rate_flags=(--auto-rate --rate-scale "${rate#auto:}") ;;
     *) rate_flags=(--rate-scale "$rate") ;;
