@@ -224,3 +224,21 @@ def test_the_prefill_graphs_switch_off_and_back_on(hf_models: dict[str, Path]) -
     Ctx.prefill_graphs = True
     assert not use_prefill_graphs(Ctx, CONFIGS["full-eager"])  # type: ignore[arg-type]
     assert use_prefill_graphs(Ctx, CONFIGS["inference"])  # type: ignore[arg-type]
+
+
+def test_a_live_variant_that_finds_no_memory_falls_back_to_the_every_linear_graphs(
+        hf_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    reason = triton_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    llm = LLM(str(hf_models["llama"]), device="cuda" if CUDA else "cpu",
+              **{**COMMON, "max_loras": 1, "lora_backend": "triton"})
+    pieces = llm.engine.runner.make_prefill_graphs(capture=CUDA)
+
+    def no_memory() -> None:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+
+    monkeypatch.setattr(pieces, "capture_all", no_memory)
+    live = frozenset({(0, "q_proj")})
+    pieces.add_live_variant(live)  # logged, not raised: serving goes on
+    assert pieces.live_variants == set() and pieces.variant(True, live) is True

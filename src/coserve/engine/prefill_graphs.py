@@ -206,7 +206,17 @@ class PrefillGraphs:
         if self.lora_scales is None or live in self.live_variants:
             return
         self.live_variants.add(live)
-        self.capture_all()
+        try:
+            self.capture_all()
+        except torch.cuda.OutOfMemoryError:
+            # (memory is tighter now than at start-up: the KV cache, a trainer, its store) the
+            # steps of these adapters replay the every-linear graphs instead
+            for key in [k for k in self.graphs if k[1] == live]:
+                del self.graphs[key]
+            self.live_variants.discard(live)
+            torch.cuda.empty_cache()
+            logger.warning("no memory for the prefill graphs of %d LoRA linears: their steps replay the "
+                           "graphs of every linear's LoRA", len(live))
 
     # ------------------------------------------------------------------ a step
 
