@@ -113,3 +113,40 @@ def test_warm_up_task_waits_while_the_engine_pauses_the_trainer() -> None:
     grant.set()
     thread.join(timeout=30)
     assert done.is_set() and worker._pauses == [] and worker._paused_s == 0.0  # its pauses not reported
+
+
+def test_a_failing_warm_up_leaves_the_trainer_serving(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The warm-up is an optimization: if it raises, the worker logs it, forgets its partial
+    gradient and serves its tasks (run in-process here, through run_worker's loop)."""
+    import queue
+
+    from coserve.trainer import worker as worker_module
+
+    model, adapter, store, scales, task = _setup()
+    spec = WorkerSpec(model, store, scales, torch.zeros(2, 3, 1), torch.tensor([-1, 0, 0]), adapter, 0, 0.0, 0,
+                      OptimConfig(lr=1e-3), warmup_rows=(20, 9))
+    spec.banks = torch.zeros(2, 3, sum(a.numel() + b.numel() for a, b in adapter.weights.values()))
+    real = worker_module.task_backward
+    calls = 0
+
+    def fails_first(*args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            args[1].bind_grads()
+            args[1].flat.grad.fill_(1.0)  # a partial gradient the failure leaves behind
+            raise RuntimeError("warm-up failed (test)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(worker_module, "task_backward", fails_first)
+    tasks: queue.Queue = queue.Queue()
+    results: queue.Queue = queue.Queue()
+    tasks.put(task)
+    tasks.put(None)
+    worker_module.run_worker(spec, tasks, results)
+    result = results.get_nowait()
+    assert calls == 2 and result.task_id == task.task_id and result.step_info is not None
+    # the same step as a worker that never warmed up
+    clean = _Worker(WorkerSpec(model, store, scales, spec.banks.clone().zero_(), torch.tensor([-1, 0, 0]), adapter,
+                               0, 0.0, 0, OptimConfig(lr=1e-3)))
+    assert clean.run(task).step_info.grad_norm == result.step_info.grad_norm  # type: ignore[union-attr]

@@ -86,7 +86,11 @@ def run_worker(spec: WorkerSpec, tasks: Any, results: Any) -> None:
     try:
         worker = _Worker(spec)
         if spec.warmup_rows:
-            worker.warm_up(spec.warmup_rows)
+            try:
+                worker.warm_up(spec.warmup_rows)
+            except Exception:  # a warm-up is an optimization: the tasks run without it
+                logger.exception("trainer warm-up failed; serving tasks without it")
+                worker.forget_warm_up()
         freeze_startup_objects("trainer")
         while True:
             task = tasks.get()
@@ -154,19 +158,25 @@ class _Worker:
         self._boundary_then_sleep(TASK_START)
         task_backward(self.spec.model, self.lora, store, rows, at_layer_boundary=self._layer_boundary,
                       mlp_store=self.spec.mlp_store)
-        self._events.clear()
-        if self.lora.flat.grad is not None:
-            self.lora.flat.grad.zero_()
         if self._gate is not None:
             try:
                 self._gate.mark(torch.cuda.current_stream(), NOT_IN_TASK)
             except RuntimeError as exc:
                 self._drop_gate(exc)
         self._read_gate_pauses()
-        self._pauses, self._paused_s, self._gpu_wait_s = [], 0.0, 0.0
+        self.forget_warm_up()
         if store.is_cuda:
             torch.cuda.synchronize(store.device)
         logger.info("trainer warm-up: one task of %d tokens in %.2f s", offset, time.perf_counter() - began)
+
+    def forget_warm_up(self) -> None:
+        """Drop what a warm-up task (finished or not) left: its gradient, boundary events, gate
+        marks and pause records."""
+        if self.lora.flat.grad is not None:
+            self.lora.flat.grad.zero_()
+        self._events.clear()
+        self._marks = []
+        self._pauses, self._paused_s, self._gpu_wait_s = [], 0.0, 0.0
 
     def run(self, task: BackwardTask) -> TaskResult:
         start = time.perf_counter()
