@@ -138,9 +138,14 @@ class LLMEngine:
         graphs = self.runner.graphs
         if graphs is not None:  # a decode step's graph replay computes its whole bucket
             coserver.latency.graph_bucket = lambda n: graphs.bucket(n) or n
+        if self.runner.prefill_graphs is not None:  # and a piecewise prefill step's token-wise work its own
+            coserver.latency.prefill_bucket = self._prefill_bucket
+
+    def _prefill_bucket(self, tokens: int) -> int:
+        """The tokens a piecewise prefill step of ``tokens`` computes (the graphs in use now:
+        ModelRunner.use_prefill_graphs may switch them)."""
         pieces = self.runner.prefill_graphs
-        if pieces is not None:  # and a piecewise prefill step's token-wise work its own
-            coserver.latency.prefill_bucket = lambda n: pieces.bucket(n) or n
+        return (pieces.bucket(tokens) if pieces is not None else None) or tokens
 
     def declare_training_adapter(self, slot: int, targets: Iterable[tuple[int, str]]) -> None:
         """The ``(layer, target)`` pairs of the adapter a trainer writes into training slot
