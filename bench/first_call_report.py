@@ -14,6 +14,7 @@ files are named, not fatal.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -88,7 +89,30 @@ def slo_machinery(result: dict[str, Any]) -> dict[str, Any]:
     f = result["figures"]
     return {"latency_model_error": f["latency_model_error"], "trainer_pause": f["trainer_pause"],
             "trainer_spans": f.get("trainer_spans"), "ft_only_interruption": f["ft_only_interruption"],
-            "replay": f["replay"]}
+            "replay": f["replay"], "prefill_error_by_size": prefill_error_by_size(f.get("steps"))}
+
+
+def prefill_error_by_size(steps: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The online latency model's error of each prefill set (eager, graph) by step size and FT
+    rows (``bench/latency_fit.py``'s ``by_size``): where each set's error is."""
+    if not steps:
+        return None
+    by_key: dict[str, list[list[Any]]] = {}
+    for key, predicted, measured, vec, *_ in steps["rows"]:
+        if key.startswith("prefill/") and measured > 0:
+            by_key.setdefault(key, []).append([predicted, measured, vec])
+    return {key: _LATENCY_FIT._by_size(rows) for key, rows in sorted(by_key.items())}
+
+
+def _load_module(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_LATENCY_FIT = _load_module("latency_fit")
 
 
 def lora_variant(result: dict[str, Any]) -> dict[str, Any]:

@@ -73,6 +73,9 @@ def test_report_reads_the_lora_jobs_profiles_and_other_latency_runs(tmp_path: Pa
     assert profile["lora_kernels_ms"]["_expand_kernel"] == pytest.approx(7.33, abs=0.01)
     assert profile["idle_ms"]["lora"] == pytest.approx(9.44, abs=0.01) and profile["expand_first"] is False
     assert got["slo_machinery"]["trainer_spans"]["cpu_over_gpu"] > 0
+    by_size = got["slo_machinery"]["prefill_error_by_size"]["prefill/eager/idle"]
+    assert set(by_size) <= {f"{ft}/{size}" for ft in ("ft", "no_ft") for size in ("<512", "<1024", "<1800", ">=1800")}
+    assert sum(b["n"] for b in by_size.values()) > 0
     other = got["slo_machinery_other"]["coserve_latency_share100"]
     assert other["trainer_pause"]["delay_p99_ms"] == pytest.approx(7.64, abs=0.01)
     assert got["lora_kernels_us_per_layer"] is None  # no lora_kernels job in that call
