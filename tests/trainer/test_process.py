@@ -150,3 +150,18 @@ def test_a_failing_warm_up_leaves_the_trainer_serving(monkeypatch) -> None:  # t
     clean = _Worker(WorkerSpec(model, store, scales, spec.banks.clone().zero_(), torch.tensor([-1, 0, 0]), adapter,
                                0, 0.0, 0, OptimConfig(lr=1e-3)))
     assert clean.run(task).step_info.grad_norm == result.step_info.grad_norm  # type: ignore[union-attr]
+
+
+def test_a_new_trainer_process_is_warm_before_it_returns() -> None:
+    """With a warm-up, the constructor waits until the worker is done with it (the engine's
+    calibration comes next and must have the device to itself), then trains as usual."""
+    model, adapter, store, scales, task = _setup()
+    trainer = TrainerProcess(model, store, scales, adapter, slot=0, optim=OptimConfig(lr=1e-3), num_threads=1,
+                             warmup_rows=(20, 9))
+    try:
+        assert trainer._ready is not None and trainer._ready.is_set()
+        trainer.submit(task)
+        results = trainer.poll(timeout=60.0)
+        assert len(results) == 1 and results[0].step_info is not None
+    finally:
+        trainer.close()

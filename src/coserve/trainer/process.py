@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import time
 from collections.abc import Sequence
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -22,6 +23,9 @@ from coserve.trainer.stream_gate import new_flag, read_progress, set_open
 from coserve.trainer.worker import WorkerSpec, run_worker
 
 logger = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 300.0
+"""How long a new TrainerProcess waits for its worker's warm-up before going on."""
 
 
 class TrainerProcess:
@@ -72,15 +76,19 @@ class TrainerProcess:
         # is what its CPU waits on when that is not possible (or with COSERVE_GPU_GATE=0).
         use_gate = device.type == "cuda" and os.environ.get("COSERVE_GPU_GATE", "1") == "1"
         self.gate_flag = new_flag() if use_gate else None
+        # (with a warm-up: set by the worker once it is done, so that the engine's calibration,
+        # which follows, times its batches with the GPU to itself)
+        self._ready = self._ctx.Event() if warmup_rows else None
         self.spec = WorkerSpec(model, store, scales, self.banks, self.meta, adapter, slot, dropout, seed,
                                optim, grant=self.grant, num_threads=num_threads, mlp_store=mlp_store,
-                               gate_flag=self.gate_flag, warmup_rows=tuple(warmup_rows))
+                               gate_flag=self.gate_flag, warmup_rows=tuple(warmup_rows), ready=self._ready)
         self._proc: BaseProcess | None = None
         if device.type == "cuda" and not mps_active():
             logger.warning("CUDA MPS daemon not running: the trainer's kernels time-slice with the engine's "
                            "(start it with `nvidia-cuda-mps-control -d` before the engine starts)")
         self._write_serving()
         self._start()
+        self._wait_ready()
 
     # ------------------------------------------------------------------ TrainerClient
 
@@ -169,6 +177,19 @@ class TrainerProcess:
         """Make the serving slot equal the committed master (or the initial adapter)."""
         layout = TrainableLoRA(self.committed_adapter(), device=self.banks.device)
         layout.write_serving(self.model.lora_stacks, self.spec.slot, self.scales)
+
+    def _wait_ready(self, timeout_s: float | None = None) -> None:
+        """Wait for the first worker's warm-up (not a restarted one's: the engine serves then)."""
+        if self._ready is None:
+            return
+        deadline = time.monotonic() + (READY_TIMEOUT_S if timeout_s is None else timeout_s)
+        while not self._ready.wait(0.5):
+            if not self.alive():
+                logger.warning("the trainer process ended during its start-up")
+                return
+            if time.monotonic() > deadline:
+                logger.warning("the trainer's warm-up is still running; going on without waiting for it")
+                return
 
     def _start(self) -> None:
         self._tasks = self._ctx.Queue()

@@ -67,6 +67,8 @@ class WorkerSpec:
     # Row lengths of one synthetic backward task the worker runs before its first real one
     # (_Worker.warm_up; empty: none): kernels compiled, library handles made, allocator grown.
     warmup_rows: tuple[int, ...] = ()
+    # multiprocessing Event set once the worker is ready for tasks (after its warm-up)
+    ready: Any = None
 
 
 def warmup_rows(backward_tokens: int, max_seq_len: int) -> tuple[int, ...]:
@@ -91,6 +93,8 @@ def run_worker(spec: WorkerSpec, tasks: Any, results: Any) -> None:
             except Exception:  # a warm-up is an optimization: the tasks run without it
                 logger.exception("trainer warm-up failed; serving tasks without it")
                 worker.forget_warm_up()
+        if spec.ready is not None:
+            spec.ready.set()
         freeze_startup_objects("trainer")
         while True:
             task = tasks.get()
