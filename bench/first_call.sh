@@ -42,6 +42,8 @@
 #                  context in one varlen flash call); latency_threads1: with one intra-op thread
 #                  in the engine (--threads 1)
 #   lora_mid_varlen  lora_mid with COSERVE_VARLEN_PREFILL=1
+#   latency_pieces the latency job with COSERVE_TRAINER_ATTN_PIECES=1 (the trainer's attention half in
+#                  three pieces, a pause boundary between two)
 #   lora_mid_graphs_ef  lora_mid_graphs with COSERVE_LORA_GRAPH_EXPAND_FIRST=1 (the graphs of more than
 #                  256 tokens store the LoRA delta first, as large eager steps do)
 #   trainer_attn   bench/profile_trainer_cpu.py on CUDA, the 8B shape, by COSERVE_VARLEN_ATTN
@@ -146,6 +148,8 @@ job() {
     latency) latency_bench latency "$top/verify/coserve_latency" --trainer-sm-share 50 ;;
     latency_graphs) latency_bench latency_graphs "$top/coserve_latency_graphs" --trainer-sm-share 50 --prefill-graphs ;;
     latency_varlen) COSERVE_VARLEN_PREFILL=1 latency_bench latency_varlen "$top/coserve_latency_varlen" \
+      --trainer-sm-share 50 ;;
+    latency_pieces) COSERVE_TRAINER_ATTN_PIECES=1 latency_bench latency_pieces "$top/coserve_latency_pieces" \
       --trainer-sm-share 50 ;;
     latency_threads1) latency_bench latency_threads1 "$top/coserve_latency_threads1" --trainer-sm-share 50 --threads 1 ;;
     lora_mid_graphs_ef) COSERVE_LORA_GRAPH_EXPAND_FIRST=1 lora_bench lora_mid_graphs_ef "$top/engine_lora_mid_graphs_ef" \

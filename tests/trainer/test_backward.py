@@ -536,3 +536,29 @@ def test_saved_mlp_activations_give_the_same_gradients(
     assert out.loss_sum == pytest.approx(loss.item(), rel=1e-5)
     assert ref.flat.grad is not None and lora.flat.grad is not None
     assert_close_scaled(lora.flat.grad, ref.flat.grad, rtol=1e-5)
+
+
+@pytest.mark.parametrize("targets", [QV, LORA_TARGETS])
+def test_attention_half_in_pieces_gives_the_same_gradients_bit_for_bit(
+    models: dict[str, LlamaForCausalLM], monkeypatch: pytest.MonkeyPatch, targets: Sequence[str]
+) -> None:
+    """COSERVE_TRAINER_ATTN_PIECES: the attention half recomputed and pulled back in three pieces,
+    two more boundaries in its recompute and two in its backward, the same loss and gradients."""
+    import coserve.trainer.backward as backward
+
+    model = models["llama"]
+    samples = random_samples(5, seed=6)
+    lora = TrainableLoRA(perturbed_adapter(model, 8, targets, seed=7))
+    store, rows = capture_task(model, lora, samples)
+    seen_whole: list[int] = []
+    whole = task_backward(model, lora, store, rows, at_layer_boundary=seen_whole.append)
+    expected = lora.flat.grad.clone()
+    lora.flat.grad = None
+    monkeypatch.setattr(backward, "ATTN_PIECES", True)
+    seen: list[int] = []
+    pieced = task_backward(model, lora, store, rows, at_layer_boundary=seen.append)
+    assert pieced.loss_sum == whole.loss_sum and pieced.num_targets == whole.num_targets
+    assert torch.equal(lora.flat.grad, expected)
+    layers = model.config.num_layers
+    assert all(seen.count(i) == seen_whole.count(i) + 4 for i in range(layers))
+    assert seen.count(layers) == seen_whole.count(layers)  # the loss's are unchanged

@@ -10,6 +10,7 @@ a time.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from coserve.layers.activation import silu_and_mul_backward
 from coserve.layers.attention import AttentionMetadata
 from coserve.layers.norm import rms_norm_backward
+from coserve.layers.rotary import RotaryEmbedding
 from coserve.models.llama import DecoderLayer, ForwardContext, LlamaForCausalLM
 from coserve.trainer.lora_params import TrainableLoRA
 
@@ -42,6 +44,15 @@ LOSS_CHUNK = int(os.environ.get("COSERVE_LOSS_CHUNK", "512"))
 # measurements). Trained MLPs keep one piece (their LoRA context routes rows as a whole) and
 # autograd.
 MLP_CHUNK = int(os.environ.get("COSERVE_MLP_CHUNK", "2048"))
+
+ATTN_PIECES = os.environ.get("COSERVE_TRAINER_ATTN_PIECES", "0") == "1"
+"""Recompute and differentiate each layer's attention half in three pieces (the q/k/v projection
+with RoPE, the attention, ``o_proj`` with the residual), each on its own, with a pause boundary
+between two: four more boundaries per layer. The attention half's stretches need more CPU than
+GPU on the H200 (session 9: 1.6–1.9 ms against ~1.0 ms, p50), and a pause that finds the
+trainer's GPU dry waits for the CPU to queue the rest of its stretch (p99 12.9 ms against 2.0 ms
+where the GPU was behind); shorter stretches bound that wait. Off until measured: each boundary
+costs the CPU an event and a stream wait. The same gradients bit for bit (tests)."""
 
 
 @dataclass(frozen=True)
@@ -163,7 +174,13 @@ def task_backward(
             x = store[layer_idx].index_select(0, batch.tokens)
             if layer_idx > 0:
                 x.requires_grad_(True)
-            h = layer.attention_half(x, batch.positions, model.rotary, ctx)
+            pieces = None
+            if ATTN_PIECES:
+                pieces = _attention_pieces(layer, x, batch.positions, model.rotary, ctx,
+                                           functools.partial(boundary, layer_idx))
+                h = pieces.h
+            else:
+                h = layer.attention_half(x, batch.positions, model.rotary, ctx)
             boundary(layer_idx)
             dh: torch.Tensor | None
             trains_mlp = any(lora.trains(layer_idx, t) for t in MLP_TARGETS)
@@ -180,14 +197,59 @@ def task_backward(
                 dh = h_in.grad
                 del y, h_in
             boundary(layer_idx)
-            if h.requires_grad:
+            if pieces is not None:
+                _attention_pieces_backward(pieces, dh, functools.partial(boundary, layer_idx))
+            elif h.requires_grad:
                 torch.autograd.backward(h, dh)
             grad = x.grad if layer_idx > 0 else None
-            del x, h, dh
+            del x, h, dh, pieces
     return TaskLoss(float(loss_total), num_targets)
 
 
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+
+
+class _AttentionPieces(NamedTuple):
+    """A layer's attention half as three graphs (:data:`ATTN_PIECES`): the projection's outputs
+    ``qkv`` (graph to ``x`` and the q/k/v LoRA), the attention's leaf inputs ``qkv_in`` and output
+    ``o``, ``o_proj``'s leaf input ``o_in`` and the half's output ``h = x + o_proj(o_in)``."""
+
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    qkv_in: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    o: torch.Tensor
+    o_in: torch.Tensor
+    h: torch.Tensor
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_(t.requires_grad)
+
+
+def _attention_pieces(layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                      ctx: ForwardContext, boundary: Callable[[], None]) -> _AttentionPieces:
+    """``layer.attention_half(x, ...)`` in three pieces, ``boundary()`` between two."""
+    attn = layer.self_attn
+    q, k, v = attn.project(layer.input_layernorm(x), positions, rotary, ctx.lora, ctx.rope)
+    boundary()
+    qkv_in = (_leaf(q), _leaf(k), _leaf(v))
+    o = attn.attend(*qkv_in, ctx)
+    boundary()
+    o_in = _leaf(o)
+    return _AttentionPieces((q, k, v), qkv_in, o, o_in, x + attn.o_proj(o_in, ctx.lora))
+
+
+def _attention_pieces_backward(p: _AttentionPieces, dh: torch.Tensor | None, boundary: Callable[[], None]) -> None:
+    """Pull ``dh`` back through the pieces, last first, ``boundary()`` between two: into ``x``'s
+    gradient and the LoRA parameters', as one backward through the whole half does."""
+    if p.h.requires_grad:
+        torch.autograd.backward(p.h, dh)
+    boundary()
+    if p.o_in.grad is not None and p.o.requires_grad:
+        torch.autograd.backward(p.o, p.o_in.grad)
+    boundary()
+    pulled = [(t, g.grad) for t, g in zip(p.qkv, p.qkv_in, strict=True) if g.grad is not None and t.requires_grad]
+    if pulled:
+        torch.autograd.backward([t for t, _ in pulled], [g for _, g in pulled])
 
 
 def _untrained_mlp_input_grad(
