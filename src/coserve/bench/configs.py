@@ -34,6 +34,10 @@ class RunConfig:
     split_share: int | None = None
     naive_tokens: int | None = None
 
+    def uses_prefill_graphs(self, engine_default: bool) -> bool:
+        """Whether this configuration asks for the prefill graphs, given the engine's setting."""
+        return engine_default if self.prefill_graphs is None else self.prefill_graphs
+
 
 CONFIGS: dict[str, RunConfig] = {
     c.name: c

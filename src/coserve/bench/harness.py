@@ -173,7 +173,7 @@ def _engine_config(spec: BenchSpec, work: Path) -> EngineConfig:
         num_training_slots=max(1, spec.engine.num_training_slots),
         max_lora_rank=max(spec.engine.max_lora_rank, spec.ft.lora.rank),
         # (built if any configuration asks for them; each run switches them, runners.use_prefill_graphs)
-        prefill_graphs=spec.engine.prefill_graphs or any(c.prefill_graphs for c in spec.configs),
+        prefill_graphs=any(c.uses_prefill_graphs(spec.engine.prefill_graphs) for c in spec.configs),
     )
     if shapes.is_shape(cfg.model):
         fmt = "dummy" if cfg.load_format == "auto" else cfg.load_format
@@ -250,7 +250,7 @@ def _config_section(
                 "policy": c.policy,
                 "interrupt_ft_only": c.interrupt_ft_only,
                 "pause_prefill": c.pause_prefill,
-                "prefill_graphs": spec.engine.prefill_graphs if c.prefill_graphs is None else c.prefill_graphs,
+                "prefill_graphs": c.uses_prefill_graphs(spec.engine.prefill_graphs),
                 **({"split_mps_percentage": c.split_share or ft.split_mps_percentage}
                    if c.kind == RunKind.SPLIT else {}),
                 **({"naive_tokens": c.naive_tokens or ft.naive_limit} if c.policy == "naive" else {}),

@@ -74,8 +74,7 @@ class BenchContext:
 def use_prefill_graphs(ctx: BenchContext, config: RunConfig) -> bool:
     """Switch the engine's piecewise prefill graphs as ``config`` asks (else as the engine was
     started); returns whether its steps will use them."""
-    on = ctx.prefill_graphs if config.prefill_graphs is None else config.prefill_graphs
-    return ctx.engine.runner.use_prefill_graphs(on)
+    return ctx.engine.runner.use_prefill_graphs(config.uses_prefill_graphs(ctx.prefill_graphs))
 
 
 @dataclass(frozen=True)

@@ -211,7 +211,8 @@ class CoServer:
 
     def plan(self, view: StepView) -> list[FTRow]:
         """Choose the fine-tuning rows of the next step (hook 1)."""
-        self._plan_began = time.monotonic()
+        if self.track:
+            self._plan_began = time.monotonic()
         self.poll()
         if self.track:
             progress = getattr(self.trainer, "progress", None)
@@ -346,7 +347,7 @@ class CoServer:
         at most about one layer of the step's work is queued ahead of the request."""
         if not (self._ft_only and self._interruptible()):
             return
-        began = time.monotonic()
+        began = time.monotonic() if self.track else 0.0
         if activation.is_cuda:
             self._bound_lookahead()
         if self.track:

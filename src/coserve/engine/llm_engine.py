@@ -138,8 +138,8 @@ class LLMEngine:
         graphs = self.runner.graphs
         if graphs is not None:  # a decode step's graph replay computes its whole bucket
             coserver.latency.graph_bucket = lambda n: graphs.bucket(n) or n
-        if self.runner.prefill_graphs is not None:  # and a piecewise prefill step's token-wise work its own
-            coserver.latency.prefill_bucket = self._prefill_bucket
+        # and a piecewise prefill step's token-wise work its own (whichever graphs are in use)
+        coserver.latency.prefill_bucket = self._prefill_bucket
 
     def _prefill_bucket(self, tokens: int) -> int:
         """The tokens a piecewise prefill step of ``tokens`` computes (the graphs in use now:

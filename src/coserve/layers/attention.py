@@ -56,6 +56,11 @@ class AttentionMetadata:
     # plain_prefill_runs' answers by sliding window (worked out once per step, read every layer)
     _runs: dict[int, list[PlainRun]] = field(default_factory=dict, repr=False, compare=False)
 
+    def is_plain_row(self, r: int, window: int = 0) -> bool:
+        """Whether prefill row ``r`` attends to its own tokens alone, causally: no cached
+        context, and (with a sliding ``window``) no longer than the window."""
+        return self.context_lens_list[r] == 0 and (not window or self.q_lens[r] <= window)
+
     def plain_prefill_runs(self, window: int = 0) -> list[PlainRun]:
         """The maximal runs of consecutive prefill rows with no cached context (and, with a
         sliding ``window``, no longer than it): new prompts and fine-tuning rows, each run
@@ -71,8 +76,7 @@ class AttentionMetadata:
             starts.append(starts[-1] + n)
         while r < self.num_prefill_rows:
             end = r
-            while (end < self.num_prefill_rows and self.context_lens_list[end] == 0
-                   and (not window or self.q_lens[end] <= window)):
+            while end < self.num_prefill_rows and self.is_plain_row(end, window):
                 end += 1
             if end == r:
                 r += 1

@@ -405,8 +405,8 @@ class TritonAttention:
         for r in range(meta.num_prefill_rows):
             n = meta.q_lens[r]
             if r in in_runs:
-                pass
-            elif tune.prefill_sdpa and meta.context_lens_list[r] == 0 and (not window or n <= window):
+                pass  # (done above)
+            elif tune.prefill_sdpa and meta.is_plain_row(r, window):
                 _sdpa_causal(q[offset : offset + n], k[offset : offset + n], v[offset : offset + n],
                              out[offset : offset + n], scale)
             else:

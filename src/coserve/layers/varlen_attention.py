@@ -242,8 +242,12 @@ def varlen_fits(q: torch.Tensor) -> bool:
     """Whether the varlen flash call takes ``q`` (CUDA, half precision, a head size flash has
     kernels for, an implementation available); fp32 models and odd head sizes keep the per-row
     SDPA calls."""
-    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
-            and q.shape[-1] <= 256 and varlen_impl() is not None)
+    return _flash_takes(q) and varlen_impl() is not None
+
+
+def _flash_takes(q: torch.Tensor) -> bool:
+    """CUDA, half precision and a head size flash has kernels for."""
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
 
 
 def varlen_rows(
@@ -260,8 +264,7 @@ def varlen_forward_fits(q: torch.Tensor) -> bool:
     """Whether :func:`varlen_forward` takes ``q`` (the engine's rows without a cached prefix):
     CUDA, half precision, a head size flash has kernels for, and aten's flash forward as called
     here or an implementation of :data:`VARLEN_ATTN`."""
-    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
-            and q.shape[-1] <= 256 and (_flash_ops() is not None or varlen_impl() is not None))
+    return _flash_takes(q) and (_flash_ops() is not None or varlen_impl() is not None)
 
 
 def varlen_forward(

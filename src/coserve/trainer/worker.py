@@ -17,7 +17,7 @@ from coserve.core.messages import BackwardTask, StepInfo, TaskResult, TrainerFai
 from coserve.gc_freeze import freeze_startup_objects
 from coserve.models.llama import LlamaForCausalLM
 from coserve.models.peft_adapter import LoraAdapter
-from coserve.trainer.backward import TaskRow, task_backward
+from coserve.trainer.backward import TaskLoss, TaskRow, task_backward
 from coserve.trainer.lora_params import TrainableLoRA
 from coserve.trainer.optim import LoRAOptimizer
 from coserve.trainer.stream_gate import (
@@ -157,16 +157,8 @@ class _Worker:
             offset += n
         if not rows:
             return
-        if self._gate is not None:
-            self._set_anchor()
-        self._boundary_then_sleep(TASK_START)
-        task_backward(self.spec.model, self.lora, store, rows, at_layer_boundary=self._layer_boundary,
-                      mlp_store=self.spec.mlp_store)
-        if self._gate is not None:
-            try:
-                self._gate.mark(torch.cuda.current_stream(), NOT_IN_TASK)
-            except RuntimeError as exc:
-                self._drop_gate(exc)
+        self._backward(rows, dropout_key=None)
+        self._mark_task_end()
         self._read_gate_pauses()
         self.forget_warm_up()
         if store.is_cuda:
@@ -186,14 +178,7 @@ class _Worker:
         start = time.perf_counter()
         cpu_start = time.thread_time()
         rows = [TaskRow(s.offset, s.labels) for s in task.samples]
-        if self._gate is not None:
-            self._set_anchor()
-        # NOTE: a task that starts while the engine runs a prefill queues no GPU work until the
-        # pause ends, so a prefill that finds the trainer between tasks is never slowed by it.
-        self._boundary_then_sleep(TASK_START)
-        loss = task_backward(self.spec.model, self.lora, self.spec.store, rows, dropout_key=task.task_id,
-                             at_layer_boundary=self._layer_boundary, mlp_store=self.spec.mlp_store)
-        self._events.clear()
+        loss = self._backward(rows, dropout_key=task.task_id)
         self.loss_sum += loss.loss_sum
         self.num_targets += loss.num_targets
         info = None
@@ -205,11 +190,7 @@ class _Worker:
             self.loss_sum, self.num_targets = 0.0, 0
             self._commit()
             info = StepInfo(task.step, res.lr, res.grad_norm, res.skipped)
-        if self._gate is not None:
-            try:
-                self._gate.mark(torch.cuda.current_stream(), NOT_IN_TASK)
-            except RuntimeError as exc:
-                self._drop_gate(exc)
+        self._mark_task_end()
         retries = _alloc_retries(self.spec.store.device)
         if retries > self._alloc_retries:
             # NOTE: a retry frees the allocator's cached blocks, and freeing device memory waits
@@ -226,6 +207,26 @@ class _Worker:
         return TaskResult(task.task_id, loss.loss_sum, loss.num_targets, time.perf_counter() - start, info,
                           tuple(t for t, _ in pauses), paused, gpu_wait, time.thread_time() - cpu_start,
                           tuple(layer for _, layer in pauses), tuple(spans), tuple(lags))
+
+    def _backward(self, rows: list[TaskRow], dropout_key: int | None) -> TaskLoss:
+        """One task's backward pass, from its start boundary on (a real task or the warm-up)."""
+        if self._gate is not None:
+            self._set_anchor()
+        # NOTE: a task that starts while the engine runs a prefill queues no GPU work until the
+        # pause ends, so a prefill that finds the trainer between tasks is never slowed by it.
+        self._boundary_then_sleep(TASK_START)
+        loss = task_backward(self.spec.model, self.lora, self.spec.store, rows, dropout_key=dropout_key,
+                             at_layer_boundary=self._layer_boundary, mlp_store=self.spec.mlp_store)
+        self._events.clear()
+        return loss
+
+    def _mark_task_end(self) -> None:
+        """The gate's progress word: between tasks, once the GPU gets here."""
+        if self._gate is not None:
+            try:
+                self._gate.mark(torch.cuda.current_stream(), NOT_IN_TASK)
+            except RuntimeError as exc:
+                self._drop_gate(exc)
 
     def _layer_boundary(self, layer: int) -> None:
         """Pause here while the engine runs a prefill; keep GPU work queued ahead of the CPU to
