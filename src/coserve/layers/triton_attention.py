@@ -325,11 +325,13 @@ def decode_splits(num_rows: int, num_kv_heads: int, max_context: int, num_sms: i
     return max(1, min(want, MAX_DECODE_SPLITS, -(-max_context // 64)))
 
 
-VARLEN_PREFILL = os.environ.get("COSERVE_VARLEN_PREFILL", "0") == "1"
+VARLEN_PREFILL = os.environ.get("COSERVE_VARLEN_PREFILL", "1") == "1"
 """The engine's rows without a cached prefix (new prompts, fine-tuning rows) through one varlen
 flash call per run of such rows (:meth:`coserve.layers.attention.AttentionMetadata.plain_prefill_runs`)
 instead of one SDPA call per row (session 9: a fitted 5 ms per inference chunk and 10 ms per FT
-row of eager step time on the H200, per-row host work; off until measured on the GPU)."""
+row of eager step time on the H200, per-row host work). On by default since session 10: eager
+4-row prefills with 4 adapters at 512/1,024/2,048 tokens took 29.2/30.2/54.2 ms against 40.9/41.9/57.8
+without it (``bench/results/engine_h200/session10/engine_lora_mid_varlen_*``); ``0`` turns it off."""
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ torch's varlen op the attention recompute stayed CPU-bound after session 8 (H200
 
 Implementations, chosen by ``COSERVE_VARLEN_ATTN`` (read at import; see :data:`VARLEN_IMPLS`):
 
-* ``flash``: ``aten._flash_attention_forward`` called directly, its own
+* ``flash`` (default since session 10): ``aten._flash_attention_forward`` called directly, its own
   derivative for the backward (a C++ autograd node that calls ``_flash_attention_backward``):
   one dispatch each way and no Python in the backward, K/V with their own head count (flash
   shares each K/V head with its query-head group). Where that derivative is missing (checked
@@ -20,11 +20,15 @@ Implementations, chosen by ``COSERVE_VARLEN_ATTN`` (read at import; see :data:`V
   are not the ones called (checked once, :func:`_flash_ops`), ``torch``.
 * ``flash_fn``: :class:`FlashVarlenFn`, the same two aten ops in a Python autograd function (one
   Python node; ~8 µs more host time each way than ``flash`` on the dev VM, on meta tensors).
-* ``torch`` (default, ``1`` too): ``torch.nn.attention.varlen.varlen_attn`` (session 7's path,
-  checked on the H200; ``flash`` and ``flash_fn`` have not run on a GPU yet): a Python
+* ``torch`` (``1`` too): ``torch.nn.attention.varlen.varlen_attn`` (session 7's path): a Python
   ``custom_op`` on both passes (two Python dispatches and a ``zeros`` launch per forward, a Python
   dispatch and an ``empty`` per backward), K/V heads repeated where it takes no ``enable_gqa``.
 * ``0``: neither; the rows take one SDPA call per row length (``attention._plain_rows``).
+
+Session 10 on the H200 (8B shape, ``bench/profile_trainer_cpu.py``, one layer's recompute): all
+three pass the GPU tests against fp32 SDPA with the same loss; host ms of the attention forward /
+backward 1.25 / 0.24 (``flash``), 1.47 / 0.23 (``flash_fn``), 1.93 / 0.26 (``torch``), with GPU ms
+0.28 / 0.33 for each (``bench/results/engine_h200/session10/trainer_attn_*``).
 """
 
 from __future__ import annotations
@@ -227,7 +231,7 @@ VARLEN_IMPLS: dict[str, Callable[[], tuple[str, VarlenAttn] | None]] = {
 (per-row SDPA calls). ``flash`` falls back to ``flash_fn``, ``flash_fn`` to ``torch`` (see the
 module docstring)."""
 
-VARLEN_ATTN = os.environ.get("COSERVE_VARLEN_ATTN", "torch")
+VARLEN_ATTN = os.environ.get("COSERVE_VARLEN_ATTN", "flash")
 if VARLEN_ATTN not in VARLEN_IMPLS:
     raise ValueError(f"COSERVE_VARLEN_ATTN={VARLEN_ATTN!r}: expected one of {', '.join(VARLEN_IMPLS)}")
 
