@@ -1,0 +1,81 @@
+"""The split baseline's full-autograd training step at the 8B shape (fewer layers), on the GPU, in
+bf16 against fp32: loss and gradient finite and near the reference, by ``COSERVE_VARLEN_ATTN``
+(set it in the environment; the fp32 model's rows take per-row SDPA whatever it is).
+
+    COSERVE_VARLEN_ATTN=flash python bench/split_step_check.py --layers 2 --out check.json
+
+Written after session 10's ``split-20`` run on azure2023_code logged NaN losses and gradients at
+the ``flash`` default (the engine and the co-serving trainer had none)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import tempfile
+from pathlib import Path
+
+import torch
+
+from coserve.bench.provenance import provenance
+from coserve.bench.shapes import LLAMA3_8B
+from coserve.core.finetune import FTSample
+from coserve.layers.varlen_attention import VARLEN_ATTN, varlen_impl
+from coserve.models.loader import load_model
+from coserve.models.peft_adapter import new_lora_adapter
+from coserve.trainer.lora_params import TrainableLoRA
+from coserve.trainer.split import train_step
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--rows", type=int, default=6)
+    p.add_argument("--min-len", type=int, default=256)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--repeats", type=int, default=3, help="bf16 steps on the same batch")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    rng = random.Random(0)
+    batch = []
+    for i in range(args.rows):
+        ids = tuple(rng.randrange(10, 128000) for _ in range(rng.randint(args.min_len, args.max_len)))
+        batch.append(FTSample(i, ids, (-100,) * (len(ids) // 4) + ids[len(ids) // 4 :]))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "m"
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({**LLAMA3_8B, "num_hidden_layers": args.layers}))
+        runs = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            model = load_model(path, dtype=dtype, device="cuda", num_lora_slots=1, max_lora_rank=16)
+            cfg = model.config
+            adapter = new_lora_adapter(num_layers=cfg.num_layers, shapes=cfg.linear_shapes(), rank=16, alpha=32,
+                                       target_modules=("q_proj", "k_proj", "v_proj", "o_proj"), seed=0)
+            steps = []
+            for r in range(args.repeats if dtype == torch.bfloat16 else 1):
+                lora = TrainableLoRA(adapter, dropout=args.dropout, device="cuda")
+                step = train_step(model, lora, batch, dropout_key=r if args.dropout else None)
+                grad = lora.flat.grad.double()
+                steps.append((step.loss_sum, grad.clone(), bool(grad.isfinite().all())))
+            runs[str(dtype)] = steps
+            del model
+            torch.cuda.empty_cache()
+    (ref_loss, ref_grad, _), = runs["torch.float32"]
+    out = []
+    for loss, grad, finite in runs["torch.bfloat16"]:
+        err = ((grad - ref_grad).norm() / ref_grad.norm()).item() if finite else None
+        out.append({"loss": loss, "loss_rel": abs(loss - ref_loss) / abs(ref_loss) if math.isfinite(loss) else None,
+                    "grad_finite": finite, "grad_rel": err})
+    impl = varlen_impl()
+    result = {**provenance(), "config": vars(args) | {"out": str(args.out), "varlen_attn": VARLEN_ATTN,
+                                                         "impl": impl[0] if impl else None},
+              "figures": {"ref_loss": ref_loss, "ref_grad_norm": ref_grad.norm().item(), "bf16": out}}
+    print(json.dumps(result["figures"], indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
