@@ -211,3 +211,26 @@ def test_train_step_on_cuda_bf16_matches_fp32_reference(impl: str, monkeypatch: 
         assert ((grad - ref_grad).norm() / ref_grad.norm()).item() < 5e-2
     finally:
         varlen_attention.varlen_impl.cache_clear()
+
+
+def test_split_worker_stops_after_max_skipped_steps_with_a_clear_error() -> None:
+    """A model whose loss is NaN: the worker skips ``max_skipped_steps`` optimizer steps, then
+    fails saying why, instead of training nothing until the run's timeout (session 10)."""
+    import queue
+
+    from coserve.trainer.split import SplitSpec, run_split_worker
+
+    model = load_model("tiny", num_lora_slots=1, max_lora_rank=8)
+    with torch.no_grad():
+        model.model.norm.weight.fill_(float("nan"))
+    adapter = adapter_with_b(model)
+    optim = OptimConfig(lr=1e-2, max_skipped_steps=3)
+    flat = TrainableLoRA(adapter).flat.detach().clone()
+    counters = torch.zeros(2, dtype=torch.int64)
+    spec = SplitSpec(model, adapter, tuple(samples(12, 8, 24)), 40, optim, 0.0, 0, 1, flat,
+                     counters, torch.zeros(1, dtype=torch.float64), _StopAfter(10), "cpu")
+    errors: queue.Queue = queue.Queue()
+    with pytest.raises(RuntimeError, match="3 optimizer steps in a row had a non-finite loss"):
+        run_split_worker(spec, errors)
+    assert "non-finite" in errors.get_nowait().error
+    assert counters.tolist() == [0, 0]  # nothing counted as trained

@@ -181,11 +181,11 @@ class QueueTrainer(FakeTrainer):
         out, self.results = self.results, []
         return out
 
-    def finish(self, task: BackwardTask) -> None:
+    def finish(self, task: BackwardTask, skipped: bool = False) -> None:
         from coserve.core.messages import StepInfo
 
-        info = StepInfo(task.step, 1e-3, 0.0, False) if task.ends_step else None
-        self.results.append(TaskResult(task.task_id, 1.0, 4, 0.01, info))
+        info = StepInfo(task.step, 1e-3, float("nan") if skipped else 0.0, skipped) if task.ends_step else None
+        self.results.append(TaskResult(task.task_id, float("nan") if skipped else 1.0, 4, 0.01, info))
 
 
 IDLE = StepView(now=1.0, token_budget=64)
@@ -260,6 +260,22 @@ def test_a_trainer_that_keeps_dying_stops_fine_tuning_not_serving() -> None:
     assert trainer.restarts == co.max_restarts
     assert co.done and co.plan(IDLE) == [], "no more fine-tuning rows; inference steps go on"
     assert co.pool.num_in_flight == 0, "nothing is left claimed"
+
+
+def test_non_finite_steps_in_a_row_stop_fine_tuning_not_serving() -> None:
+    co, trainer = pipelined(accumulation=1)
+    co.optim = replace(co.optim, max_skipped_steps=3)
+    assert run_step(co) == 2
+    # each result taken by the next step's plan, which admits the next task's rows; an applied
+    # step between skipped ones resets the count
+    for skipped in (True, True, False, True, True):
+        trainer.finish(trainer.submitted[-1], skipped=skipped)
+        assert run_step(co) == 2 and co.failure is None
+    assert co.skipped_in_a_row == 2
+    trainer.finish(trainer.submitted[-1], skipped=True)
+    assert run_step(co) == 0
+    assert co.skipped_in_a_row == 3 and "3 optimizer steps in a row had a non-finite loss" in co.failure
+    assert co.done and co.plan(IDLE) == [], "no more fine-tuning rows; inference steps go on"
 
 
 def test_backward_pauses_for_a_step_with_inference_and_ft_rows() -> None:

@@ -42,7 +42,9 @@ class OptimConfig:
     ``lr_scheduler``: ``constant`` (linear warmup, then flat), ``linear`` (warmup, then linear decay
     to 0 at ``total_steps``), ``cosine`` (warmup, then half-cosine to 0 at ``total_steps``).
     ``max_grad_norm == 0`` disables clipping. ``accumulation_tasks`` backward tasks make one
-    optimizer step.
+    optimizer step. After ``max_skipped_steps`` optimizer steps in a row skipped for a non-finite
+    loss or gradient fine-tuning stops with an error saying so (0: never stops); inference goes
+    on and the last committed adapter is kept.
     """
 
     lr: float = 1e-4
@@ -54,6 +56,7 @@ class OptimConfig:
     total_steps: int = 0
     max_grad_norm: float = 1.0
     accumulation_tasks: int = 1
+    max_skipped_steps: int = 8
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(self.betas))
@@ -69,6 +72,8 @@ class OptimConfig:
             raise ValueError(f"--max-grad-norm must be >= 0 (0 = off), got {self.max_grad_norm}")
         if self.accumulation_tasks <= 0:
             raise ValueError(f"--grad-accum must be positive, got {self.accumulation_tasks}")
+        if self.max_skipped_steps < 0:
+            raise ValueError(f"--max-skipped-steps must be >= 0 (0 = never stop), got {self.max_skipped_steps}")
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"betas must be in [0, 1), got {self.betas}")
 
@@ -154,3 +159,11 @@ class SLOConfig:
             raise ValueError(
                 f"--pause-prefill must be one of {', '.join(PAUSE_POLICIES)}, got {self.pause_prefill!r}"
             )
+
+
+def skipped_steps_failure(skipped: int, loss: float | None) -> str:
+    """The error of fine-tuning stopped after ``skipped`` optimizer steps in a row with a
+    non-finite loss or gradient (:attr:`OptimConfig.max_skipped_steps`)."""
+    return (f"{skipped} optimizer steps in a row had a non-finite loss or gradient (last loss {loss}); "
+            "fine-tuning stopped (inference goes on, the last committed adapter is kept). A learning "
+            "rate too high for the data, or a numerical fault in the trainer: see the log's warnings")

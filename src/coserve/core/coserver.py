@@ -12,7 +12,7 @@ import torch
 
 from coserve.core.activations import ActivationStore
 from coserve.core.admission import AdmissionDecision, admit, latency_budget, should_interrupt
-from coserve.core.config import CoServeConfig, OptimConfig, SLOConfig
+from coserve.core.config import CoServeConfig, OptimConfig, SLOConfig, skipped_steps_failure
 from coserve.core.finetune import FTSample
 from coserve.core.host import FTRow, Interrupted, StepRecord, StepView
 from coserve.core.latency import BatchSpec, LatencyModel, StepFeatures, calibration_plan
@@ -129,6 +129,9 @@ class CoServer:
         # `max_restarts` fine-tuning stops (inference goes on) and `failure` says why.
         self.max_restarts = 3
         self._restarts_in_a_row = 0
+        # optimizer steps skipped for a non-finite loss or gradient since the last applied one
+        # (past optim.max_skipped_steps fine-tuning stops and `failure` says why)
+        self.skipped_in_a_row = 0
         self.failure: str | None = None
         self.last_loss: float | None = None
         # Set by the host: True when an inference request is waiting to be scheduled.
@@ -487,6 +490,13 @@ class CoServer:
         self.last_loss = loss
         if info.skipped:
             logger.warning("optimizer step %d skipped: non-finite loss or gradient", opened.index)
+            self.skipped_in_a_row += 1
+            limit = self.optim.max_skipped_steps
+            if limit and self.skipped_in_a_row >= limit and self.failure is None:
+                self.failure = skipped_steps_failure(self.skipped_in_a_row, loss)
+                logger.error(self.failure)
+        else:
+            self.skipped_in_a_row = 0
         if self.on_step_logged is not None:
             self.on_step_logged(OptimizerStepLog(
                 step=opened.index, sample_ids=tuple(opened.sample_ids), tokens=opened.tokens,

@@ -139,6 +139,9 @@ def add_finetune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="0 turns clipping off")
     p.add_argument("--grad-accum", type=int, default=1, help="backward tasks per optimizer step")
+    p.add_argument("--max-skipped-steps", type=int, default=8,
+                   help="stop fine-tuning after this many optimizer steps in a row with a non-finite "
+                        "loss or gradient (inference goes on; 0: never stop)")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--backward-tokens", type=int, default=256)
     p.add_argument("--max-seq-len", type=int, default=512)
@@ -165,7 +168,7 @@ def finetune_spec(args: argparse.Namespace) -> FinetuneSpec:
                         target_modules=tuple(t.strip() for t in args.target_modules.split(",") if t.strip())),
         optim=OptimConfig(lr=args.lr, lr_scheduler=args.lr_scheduler, warmup_steps=args.warmup_steps,
                           weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
-                          accumulation_tasks=args.grad_accum),
+                          accumulation_tasks=args.grad_accum, max_skipped_steps=args.max_skipped_steps),
         coserve=CoServeConfig(backward_tokens=args.backward_tokens, max_seq_len=args.max_seq_len,
                               epochs=args.epochs, seed=args.seed, train_on_prompt=args.train_on_prompt,
                               save_mlp_activations=args.save_mlp_activations),
