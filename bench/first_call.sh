@@ -48,6 +48,8 @@
 #                  256 tokens store the LoRA delta first, as large eager steps do)
 #   trainer_attn   bench/profile_trainer_cpu.py on CUDA, the 8B shape, by COSERVE_VARLEN_ATTN
 #                  (torch, flash_fn, flash): the attention recompute's and backward's host and GPU ms
+#   split_check    bench/split_step_check.py at the 8B shape, COSERVE_VARLEN_ATTN flash and torch, each
+#                  at the whole GPU and at a 20% MPS share (the split baseline's NaN gradients, session 10)
 #   eager          bench/eager_cpu.py without and with --prefill-graphs
 #   eval=SPEC      bench/eval_device.sh SPEC on this lane's GPU (SPEC as there: WORKLOAD=RATE[=EXTRA],
 #                  with $BUDGET and $BENCH_FLAGS), its archive kept as first/eval.tar.gz
@@ -161,6 +163,16 @@ job() {
         run "trainer_attn_$impl" "$top/trainer_attn_$impl.log" env COSERVE_VARLEN_ATTN=$impl python3 \
           bench/profile_trainer_cpu.py --device cuda --shape llama3-8b --dtype bfloat16 --rank 16 --rows 5 \
           --min-len 120 --max-len 290 --reps 20 --ops --json "$top/trainer_attn_$impl.json"
+      done ;;
+    split_check)
+      # the split baseline's step at the 8B shape (32 layers) by attention implementation and MPS
+      # share: session 10's split-20 run had NaN gradients at 20%, a 50%-free run had none
+      for impl in flash torch; do
+        for share in 100 20; do
+          run "split_check_${impl}_$share" "$top/split_check_${impl}_$share.log" env COSERVE_VARLEN_ATTN=$impl \
+            CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$share python3 bench/split_step_check.py --layers 32 --repeats 2 \
+            --anomaly --out "$top/split_check_${impl}_$share.json"
+        done
       done ;;
     latency=*)
       share=${1#latency=}; share_flags=(); (( share < 100 )) && share_flags=(--trainer-sm-share "$share")

@@ -206,8 +206,24 @@ def report(folder: Path) -> dict[str, Any]:
     # trainer_attn: the trainer's attention by COSERVE_VARLEN_ATTN value
     out["trainer_attention"] = {p.stem.removeprefix("trainer_attn_"): trainer_attention(r)
                                 for p in sorted(folder.glob("trainer_attn_*.json")) if (r := _load(p)) is not None}
+    # split_check: the split baseline's step by attention implementation and MPS share
+    out["split_check"] = {p.stem.removeprefix("split_check_"): split_check(r)
+                          for p in sorted(folder.glob("split_check_*.json")) if (r := _load(p)) is not None}
     out["eager_steps"] = eager_steps(need(folder / "eager_cpu_off.json"), need(folder / "eager_cpu_on.json"))
     return out
+
+
+def split_check(r: dict[str, Any]) -> dict[str, Any]:
+    """bench/split_step_check.py: whether each bf16 step's loss and gradient were finite, the
+    gradient's error against fp32, and where a NaN first showed (forward layer, backward op)."""
+    steps = r["figures"]["bf16"]
+    return {
+        "impl": r["config"].get("impl"),
+        "finite": all(s["grad_finite"] and s["loss_rel"] is not None for s in steps),
+        "grad_rel": [s["grad_rel"] for s in steps],
+        "first_nonfinite_layer_output": [s.get("first_nonfinite_layer_output") for s in steps],
+        "anomaly": next((s["anomaly"] for s in steps if s.get("anomaly")), None),
+    }
 
 
 def main() -> None:

@@ -102,3 +102,14 @@ def test_report_reads_the_trainer_attention_jobs(tmp_path: Path) -> None:
     assert set(got) == {"torch", "flash"}
     assert got["flash"]["host_ms"]["attn_fwd"] == pytest.approx(0.4788, abs=1e-4)
     assert got["torch"]["loss_sum"] == got["flash"]["loss_sum"] and got["torch"]["gpu_ms"] is None
+
+
+def test_report_reads_the_split_check_jobs(tmp_path: Path) -> None:
+    """split_check_IMPL_SHARE.json: session 10's 32-layer checks, one with NaN gradients."""
+    src = RESULTS / "diagnostic" / "session10"
+    shutil.copy(src / "split_step_flash_l32.json", tmp_path / "split_check_flash_100.json")
+    shutil.copy(src / "split_step_flash_l32_mps20.json", tmp_path / "split_check_flash_20.json")
+    got = first_call_report.report(tmp_path)["split_check"]
+    assert got["flash_100"]["finite"] and got["flash_100"]["grad_rel"][0] == pytest.approx(0.1173, abs=1e-4)
+    assert not got["flash_20"]["finite"] and got["flash_20"]["grad_rel"] == [None, None]
+    assert got["flash_20"]["anomaly"] is None  # (run without --anomaly)
