@@ -135,12 +135,11 @@ def comparisons(figures: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     bases = [*(b for b in BASELINES if b in figures),
              *(n for n in figures if n.startswith(("split-", "naive-")))]  # baselines at their own setting
     for base in bases:
-        if base in figures:
-            out[f"ft_over_{base}"] = {
-                name: _ratio(f["ft_tokens_per_s"], figures[base]["ft_tokens_per_s"])
-                for name, f in figures.items()
-                if name != base and not _inference_only(name)
-            }
+        out[f"ft_over_{base}"] = {
+            name: _ratio(f["ft_tokens_per_s"], figures[base]["ft_tokens_per_s"])
+            for name, f in figures.items()
+            if name != base and not _inference_only(name)
+        }
     ref = figures.get(REFERENCE)
     if ref is not None:
         out["attainment_minus_reference_pp"] = {

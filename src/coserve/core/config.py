@@ -161,9 +161,21 @@ class SLOConfig:
             )
 
 
-def skipped_steps_failure(skipped: int, loss: float | None) -> str:
-    """The error of fine-tuning stopped after ``skipped`` optimizer steps in a row with a
-    non-finite loss or gradient (:attr:`OptimConfig.max_skipped_steps`)."""
-    return (f"{skipped} optimizer steps in a row had a non-finite loss or gradient (last loss {loss}); "
-            "fine-tuning stopped (inference goes on, the last committed adapter is kept). A learning "
-            "rate too high for the data, or a numerical fault in the trainer: see the log's warnings")
+
+@dataclass
+class SkippedSteps:
+    """Optimizer steps skipped in a row for a non-finite loss or gradient (:attr:`count`), and
+    the error that stops fine-tuning once they reach :attr:`OptimConfig.max_skipped_steps`: one
+    rule for the co-server, which reads its trainer's step reports, and the split baseline's
+    worker, which steps its own optimizer."""
+
+    count: int = 0
+
+    def record(self, skipped: bool, limit: int, loss: float | None) -> str | None:
+        """Count one optimizer step; the error once ``limit`` (> 0) steps in a row were skipped."""
+        self.count = self.count + 1 if skipped else 0
+        if not (limit and self.count >= limit):
+            return None
+        return (f"{self.count} optimizer steps in a row had a non-finite loss or gradient (last loss {loss}); "
+                "fine-tuning stopped (inference goes on, the last committed adapter is kept). A learning "
+                "rate too high for the data, or a numerical fault in the trainer: see the log's warnings")

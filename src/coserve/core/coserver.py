@@ -12,7 +12,7 @@ import torch
 
 from coserve.core.activations import ActivationStore
 from coserve.core.admission import AdmissionDecision, admit, latency_budget, should_interrupt
-from coserve.core.config import CoServeConfig, OptimConfig, SLOConfig, skipped_steps_failure
+from coserve.core.config import CoServeConfig, OptimConfig, SkippedSteps, SLOConfig
 from coserve.core.finetune import FTSample
 from coserve.core.host import FTRow, Interrupted, StepRecord, StepView
 from coserve.core.latency import BatchSpec, LatencyModel, StepFeatures, calibration_plan
@@ -131,7 +131,7 @@ class CoServer:
         self._restarts_in_a_row = 0
         # optimizer steps skipped for a non-finite loss or gradient since the last applied one
         # (past optim.max_skipped_steps fine-tuning stops and `failure` says why)
-        self.skipped_in_a_row = 0
+        self._skipped = SkippedSteps()
         self.failure: str | None = None
         self.last_loss: float | None = None
         # Set by the host: True when an inference request is waiting to be scheduled.
@@ -185,6 +185,11 @@ class CoServer:
     @property
     def backward_running(self) -> bool:
         return bool(self._in_flight)
+
+    @property
+    def skipped_in_a_row(self) -> int:
+        """Optimizer steps skipped for a non-finite loss or gradient since the last applied one."""
+        return self._skipped.count
 
     @property
     def trainer_active(self) -> bool:
@@ -490,13 +495,10 @@ class CoServer:
         self.last_loss = loss
         if info.skipped:
             logger.warning("optimizer step %d skipped: non-finite loss or gradient", opened.index)
-            self.skipped_in_a_row += 1
-            limit = self.optim.max_skipped_steps
-            if limit and self.skipped_in_a_row >= limit and self.failure is None:
-                self.failure = skipped_steps_failure(self.skipped_in_a_row, loss)
-                logger.error(self.failure)
-        else:
-            self.skipped_in_a_row = 0
+        stop = self._skipped.record(info.skipped, self.optim.max_skipped_steps, loss)
+        if stop is not None and self.failure is None:
+            self.failure = stop
+            logger.error(stop)
         if self.on_step_logged is not None:
             self.on_step_logged(OptimizerStepLog(
                 step=opened.index, sample_ids=tuple(opened.sample_ids), tokens=opened.tokens,

@@ -25,7 +25,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from coserve.core.config import OptimConfig, skipped_steps_failure
+from coserve.core.config import OptimConfig, SkippedSteps
 from coserve.core.finetune import FTSample
 from coserve.core.messages import TrainerFailed
 from coserve.gc_freeze import freeze_startup_objects
@@ -141,7 +141,7 @@ def run_split_worker(spec: SplitSpec, errors: Any) -> None:
         optim = LoRAOptimizer(lora, spec.optim)
         batches = split_batches(spec.samples, spec.backward_tokens, spec.seed)
         freeze_startup_objects("split trainer")
-        task, skipped = 0, 0
+        task, skipped = 0, SkippedSteps()
         while not spec.stop.is_set():
             # one optimizer step: `accumulation_tasks` batches, like the co-serving trainer's tasks
             loss_sum, targets, tokens = 0.0, 0, 0
@@ -153,12 +153,11 @@ def run_split_worker(spec: SplitSpec, errors: Any) -> None:
                 targets += result.num_targets
                 tokens += sum(s.num_tokens for s in batch)
             info = optim.step(targets, loss_sum)
+            stop = skipped.record(info.skipped, spec.optim.max_skipped_steps, loss_sum / max(1, targets))
+            if stop is not None:
+                raise RuntimeError(stop)
             if info.skipped:
-                skipped += 1
-                if spec.optim.max_skipped_steps and skipped >= spec.optim.max_skipped_steps:
-                    raise RuntimeError(skipped_steps_failure(skipped, loss_sum / max(1, targets)))
                 continue
-            skipped = 0
             with torch.no_grad():
                 spec.flat.copy_(lora.flat)
             if spec.flat.is_cuda:
