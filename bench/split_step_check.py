@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import random
 import tempfile
 from pathlib import Path
@@ -106,8 +107,10 @@ def main() -> None:
                     "grad_finite": finite, "grad_rel": err, "first_nonfinite_layer_output": bad_layer,
                     "anomaly": anomaly})
     impl = varlen_impl()
-    result = {**provenance(), "config": vars(args) | {"out": str(args.out), "varlen_attn": VARLEN_ATTN,
-                                                         "impl": impl[0] if impl else None},
+    result = {**provenance(), "config": vars(args) | {
+        "out": str(args.out), "varlen_attn": VARLEN_ATTN, "impl": impl[0] if impl else None,
+        # the MPS share this process ran at (None: the whole GPU, or no MPS daemon)
+        "mps_active_thread_percentage": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")},
               "figures": {"ref_loss": ref_loss, "ref_grad_norm": ref_grad.norm().item(), "bf16": out}}
     print(json.dumps(result["figures"], indent=1))
     if args.out:
