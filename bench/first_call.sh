@@ -48,8 +48,11 @@
 #                  256 tokens store the LoRA delta first, as large eager steps do)
 #   trainer_attn   bench/profile_trainer_cpu.py on CUDA, the 8B shape, by COSERVE_VARLEN_ATTN
 #                  (torch, flash_fn, flash): the attention recompute's and backward's host and GPU ms
-#   split_check    bench/split_step_check.py at the 8B shape, COSERVE_VARLEN_ATTN flash and torch, each
-#                  at the whole GPU and at a 20% MPS share (the split baseline's NaN gradients, session 10)
+#   split_check    bench/split_step_check.py at the 8B shape, COSERVE_VARLEN_ATTN flash and torch at a
+#                  20% MPS share, and flash on the whole GPU with --poison (the split baseline's NaN
+#                  gradients, session 10)
+#   mps_ops        bench/mps_op_check.py (the split step's ops against fp32) on the whole GPU, at a 20%
+#                  share, and on the whole GPU with --poison
 #   eager          bench/eager_cpu.py without and with --prefill-graphs
 #   eval=SPEC      bench/eval_device.sh SPEC on this lane's GPU (SPEC as there: WORKLOAD=RATE[=EXTRA],
 #                  with $BUDGET and $BENCH_FLAGS), its archive kept as first/eval.tar.gz
@@ -165,15 +168,24 @@ job() {
           --min-len 120 --max-len 290 --reps 20 --ops --json "$top/trainer_attn_$impl.json"
       done ;;
     split_check)
-      # the split baseline's step at the 8B shape (32 layers) by attention implementation and MPS
-      # share: session 10's split-20 run had NaN gradients at 20%, a 50%-free run had none
+      # the split baseline's step at the 8B shape (32 layers) at a 20% MPS share, by attention
+      # implementation (session 10: NaN gradients at 20% with flash, finite on the whole GPU), then
+      # on the whole GPU with the allocator's free memory NaN-filled (a read of unwritten memory)
       for impl in flash torch; do
-        for share in 100 20; do
-          run "split_check_${impl}_$share" "$top/split_check_${impl}_$share.log" env COSERVE_VARLEN_ATTN=$impl \
-            CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$share python3 bench/split_step_check.py --layers 32 --repeats 2 \
-            --anomaly --out "$top/split_check_${impl}_$share.json"
-        done
-      done ;;
+        run "split_check_${impl}_20" "$top/split_check_${impl}_20.log" env COSERVE_VARLEN_ATTN=$impl \
+          CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=20 python3 bench/split_step_check.py --layers 32 --repeats 2 \
+          --anomaly --out "$top/split_check_${impl}_20.json"
+      done
+      run split_check_flash_100_poison "$top/split_check_flash_100_poison.log" python3 bench/split_step_check.py \
+        --layers 32 --repeats 2 --poison --out "$top/split_check_flash_100_poison.json" ;;
+    mps_ops)
+      # the split step's ops one by one against fp32 (bench/mps_op_check.py): whole GPU, 20% share,
+      # whole GPU with NaN-filled free memory
+      run mps_ops_100 "$top/mps_ops_100.log" python3 bench/mps_op_check.py --out "$top/mps_ops_100.json"
+      run mps_ops_20 "$top/mps_ops_20.log" env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=20 python3 bench/mps_op_check.py \
+        --out "$top/mps_ops_20.json"
+      run mps_ops_100_poison "$top/mps_ops_100_poison.log" python3 bench/mps_op_check.py --poison \
+        --out "$top/mps_ops_100_poison.json" ;;
     latency=*)
       share=${1#latency=}; share_flags=(); (( share < 100 )) && share_flags=(--trainer-sm-share "$share")
       latency_bench "$1" "$top/coserve_latency_share$share" "${share_flags[@]}" ;;
