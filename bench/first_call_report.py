@@ -221,7 +221,7 @@ def split_check(r: dict[str, Any]) -> dict[str, Any]:
         "impl": r["config"].get("impl"),
         "finite": all(s["grad_finite"] and s["loss_rel"] is not None for s in steps),
         "grad_rel": [s["grad_rel"] for s in steps],
-        "first_nonfinite_layer_output": [s.get("first_nonfinite_layer_output") for s in steps],
+        "first_nonfinite_layer_input": [s.get("first_nonfinite_layer_input", s.get("first_nonfinite_layer_output")) for s in steps],
         "anomaly": next((s["anomaly"] for s in steps if s.get("anomaly")), None),
     }
 

@@ -32,27 +32,15 @@ from coserve.trainer.split import train_step
 
 
 class _FirstBadLayer:
-    """Forward hooks on every decoder layer: ``layer`` is the first whose output (either part)
-    held a non-finite value in the forward, or None."""
+    """A ``train_step`` layer hook: ``layer`` is the first decoder layer whose input held a
+    non-finite value in the forward (the number of layers: the final norm's input), or None."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self) -> None:
         self.layer: int | None = None
-        self._handles = [
-            m.register_forward_hook(self._hook(i)) for i, m in enumerate(model.model.layers)
-        ]
 
-    def _hook(self, i: int):  # type: ignore[no-untyped-def]
-        def hook(module, inputs, output):  # type: ignore[no-untyped-def]
-            if self.layer is None:
-                parts = output if isinstance(output, tuple) else (output,)
-                if any(isinstance(t, torch.Tensor) and not bool(t.isfinite().all()) for t in parts):
-                    self.layer = i
-
-        return hook
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
+    def __call__(self, i: int, hidden: torch.Tensor) -> None:
+        if self.layer is None and not bool(hidden.isfinite().all()):
+            self.layer = i
 
 
 def main() -> None:
@@ -110,7 +98,7 @@ def main() -> None:
                 lora = TrainableLoRA(adapter, dropout=args.dropout, device=args.device)
                 if args.poison and dtype == torch.bfloat16:
                     poison_free_memory()
-                first_bad = _FirstBadLayer(model)
+                first_bad = _FirstBadLayer()
                 anomaly = None
                 try:
                     with (
@@ -119,13 +107,15 @@ def main() -> None:
                         else contextlib.nullcontext()
                     ):
                         step = train_step(
-                            model, lora, batch, dropout_key=r if args.dropout else None
+                            model,
+                            lora,
+                            batch,
+                            dropout_key=r if args.dropout else None,
+                            layer_hook=first_bad,
                         )
                     loss = step.loss_sum
                 except RuntimeError as e:  # (detect_anomaly: the op whose backward gave NaN)
                     anomaly, loss = str(e)[:600], float("nan")
-                finally:
-                    first_bad.remove()
                 grad = (
                     lora.flat.grad.double()
                     if lora.flat.grad is not None
@@ -147,7 +137,7 @@ def main() -> None:
                 "loss_rel": abs(loss - ref_loss) / abs(ref_loss) if math.isfinite(loss) else None,
                 "grad_finite": finite,
                 "grad_rel": err,
-                "first_nonfinite_layer_output": bad_layer,
+                "first_nonfinite_layer_input": bad_layer,
                 "anomaly": anomaly,
             }
         )

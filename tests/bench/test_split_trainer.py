@@ -234,3 +234,61 @@ def test_split_worker_stops_after_max_skipped_steps_with_a_clear_error() -> None
         run_split_worker(spec, errors)
     assert "non-finite" in errors.get_nowait().error
     assert counters.tolist() == [0, 0]  # nothing counted as trained
+
+
+def test_weight_faults_names_changed_and_non_finite_weights() -> None:
+    from coserve.trainer.split import tensor_sums, weight_faults
+
+    model = load_model("tiny", num_lora_slots=1, max_lora_rank=8)
+    sums = tensor_sums(model)
+    assert weight_faults(model, sums) == []
+    layers = model.model.layers
+    with torch.no_grad():
+        layers[0].mlp.down_proj.weight[0, 0] += 1.0
+        layers[1].self_attn.qkv_proj.weight[3, 2] = float("nan")
+    faults = weight_faults(model, sums)
+    assert len(faults) == 2
+    assert faults[0].startswith("model.layers.0.mlp.down_proj.weight sum")
+    assert faults[1] == "model.layers.1.self_attn.qkv_proj.weight not finite"
+    # without the producer's sums only the non-finite one is a fault
+    assert weight_faults(model, None) == ["model.layers.1.self_attn.qkv_proj.weight not finite"]
+
+
+def test_rerun_nonfinite_names_the_first_bad_layer_input_and_leaves_no_gradient() -> None:
+    from coserve.trainer.split import rerun_nonfinite
+
+    model = load_model("tiny", num_lora_slots=1, max_lora_rank=8)
+    lora = TrainableLoRA(adapter_with_b(model))
+    batch = samples(2, 6, 12)
+    assert rerun_nonfinite(model, lora, batch).endswith("first non-finite layer input None")
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.fill_(float("inf"))
+    report = rerun_nonfinite(model, lora, batch)
+    assert report.startswith("rerun loss nan") and report.endswith("first non-finite layer input 2")
+    assert lora.flat.grad is None or not bool(lora.flat.grad.any())
+
+
+def test_split_worker_stop_names_weights_that_differ_from_the_engines(caplog: pytest.LogCaptureFixture) -> None:
+    """A worker whose view of the weights went wrong (here: set to inf after the engine's sums)
+    stops after max_skipped_steps with the faulty tensors in its error, and logs the rerun."""
+    import queue
+
+    from coserve.trainer.split import SplitSpec, run_split_worker, tensor_sums
+
+    model = load_model("tiny", num_lora_slots=1, max_lora_rank=8)
+    adapter = adapter_with_b(model)
+    sums = tensor_sums(model)
+    with torch.no_grad():
+        model.model.layers[2].mlp.gate_up_proj.weight.fill_(float("inf"))
+    optim = OptimConfig(lr=1e-2, accumulation_tasks=1, max_skipped_steps=2)
+    flat = TrainableLoRA(adapter).flat.detach().clone()
+    spec = SplitSpec(model, adapter, tuple(samples(6, 8, 16)), 20, optim, 0.0, 0, 1, flat,
+                     torch.zeros(2, dtype=torch.int64), torch.zeros(1, dtype=torch.float64),
+                     _StopAfter(10), "cpu", sums)
+    errors: queue.Queue[object] = queue.Queue()
+    with pytest.raises(RuntimeError, match="2 optimizer steps in a row") as err:
+        run_split_worker(spec, errors)
+    assert "model.layers.2.mlp.gate_up_proj.weight not finite" in str(err.value)
+    assert "first non-finite layer input 3" in caplog.text and "weights as the engine's: NO (1)" in caplog.text
+    assert not errors.empty()
+    assert int(spec.counters[1]) == 0

@@ -16,7 +16,7 @@ import queue
 import random
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -39,6 +39,50 @@ from coserve.trainer.optim import LoRAOptimizer
 
 logger = logging.getLogger(__name__)
 
+
+def tensor_sums(model: torch.nn.Module) -> dict[str, float]:
+    """``name -> fp64 sum`` of every parameter and buffer of ``model`` (NaN where any element is
+    not finite): what the split worker compares its mapped view of the engine's weights with."""
+    with torch.no_grad():
+        tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+        sums = (
+            torch.stack([t.detach().double().sum() for t in tensors.values()])
+            if tensors
+            else torch.zeros(0)
+        )
+        return dict(zip(tensors, sums.cpu().tolist(), strict=True))
+
+
+def weight_faults(model: torch.nn.Module, expected: dict[str, float] | None) -> list[str]:
+    """Parameters and buffers of ``model`` whose sum is not finite or differs from ``expected``
+    (the producer's :func:`tensor_sums`; relative 1e-6): an empty list when the mapped weights are
+    the engine's."""
+    faults = []
+    for name, total in tensor_sums(model).items():
+        want = None if expected is None else expected.get(name)
+        if total != total or abs(total) == float("inf"):
+            faults.append(f"{name} not finite")
+        elif want is not None and abs(total - want) > 1e-6 * max(1.0, abs(want)):
+            faults.append(f"{name} sum {total:.6g}, the engine's {want:.6g}")
+    return faults
+
+
+def rerun_nonfinite(model: LlamaForCausalLM, lora: TrainableLoRA, batch: Sequence[FTSample]) -> str:
+    """Run ``batch``'s step again (its gradient discarded) and say where it went non-finite: the
+    loss of the rerun and the first layer whose input held a non-finite value (the number of
+    layers: the final norm's input; None: every layer input finite)."""
+    first: list[int] = []
+
+    def check(i: int, hidden: torch.Tensor) -> None:
+        if not first and not bool(hidden.isfinite().all()):
+            first.append(i)
+
+    try:
+        loss = train_step(model, lora, batch, layer_hook=check).loss_sum
+    finally:
+        if lora.flat.grad is not None:
+            lora.flat.grad.zero_()
+    return f"rerun loss {loss}, first non-finite layer input {first[0] if first else None}"
 
 
 def split_batches(
@@ -71,6 +115,7 @@ def train_step(
     batch: Sequence[FTSample],
     *,
     dropout_key: int | None = None,
+    layer_hook: Callable[[int, torch.Tensor], None] | None = None,
 ) -> TaskLoss:
     """Accumulate ``∂loss/∂flat`` into ``lora.flat.grad`` by a full autograd forward and backward.
 
@@ -79,7 +124,8 @@ def train_step(
     ``loss = Σ_rows Σ_t CE(logits[t], labels[t + 1])`` over targets ``!= -100``, fp32
     cross-entropy, NOT normalized: the quantity that
     :func:`~coserve.trainer.backward.task_backward` computes from captured activations. The
-    model is frozen and never modified.
+    model is frozen and never modified. ``layer_hook(i, hidden)``: the model's
+    :attr:`ForwardContext.layer_hook` (layer ``i``'s input; ``i == num_layers``: the final norm's).
     """
     device = lora.flat.device
     row_lens = [s.num_tokens for s in batch]
@@ -100,7 +146,9 @@ def train_step(
         block_size=1,
         device=device,
     )
-    ctx = ForwardContext(attn=meta, kv_cache=None, lora=lora.context(dropout_key, row_lens))
+    ctx = ForwardContext(
+        attn=meta, kv_cache=None, lora=lora.context(dropout_key, row_lens), layer_hook=layer_hook
+    )
     with torch.enable_grad():
         hidden = model(ids, positions, ctx)
         logits = model.compute_logits(hidden[picked])
@@ -129,6 +177,8 @@ class SplitSpec:
     loss: torch.Tensor
     stop: Any
     device: str
+    # the engine's tensor_sums(model) when the worker started: checked once a step goes non-finite
+    weight_sums: dict[str, float] | None = None
 
 
 def run_split_worker(spec: SplitSpec, errors: Any) -> None:
@@ -144,7 +194,7 @@ def run_split_worker(spec: SplitSpec, errors: Any) -> None:
         task, skipped = 0, SkippedSteps()
         while not spec.stop.is_set():
             # one optimizer step: `accumulation_tasks` batches, like the co-serving trainer's tasks
-            loss_sum, targets, tokens = 0.0, 0, 0
+            loss_sum, targets, tokens, batch = 0.0, 0, 0, []
             for _ in range(spec.optim.accumulation_tasks):
                 batch = next(batches)
                 result = train_step(spec.model, lora, batch, dropout_key=task)
@@ -153,8 +203,24 @@ def run_split_worker(spec: SplitSpec, errors: Any) -> None:
                 targets += result.num_targets
                 tokens += sum(s.num_tokens for s in batch)
             info = optim.step(targets, loss_sum)
-            stop = skipped.record(info.skipped, spec.optim.max_skipped_steps, loss_sum / max(1, targets))
+            if info.skipped and skipped.count == 0:
+                # the first non-finite step of a streak: is the mapped view of the weights intact?
+                faults = weight_faults(spec.model, spec.weight_sums)
+                logger.warning(
+                    "split trainer: non-finite step (loss %s over %d targets); weights as the "
+                    "engine's: %s; %s",
+                    loss_sum,
+                    targets,
+                    "yes" if not faults else f"NO ({len(faults)}): " + "; ".join(faults[:8]),
+                    rerun_nonfinite(spec.model, lora, batch),
+                )
+            stop = skipped.record(
+                info.skipped, spec.optim.max_skipped_steps, loss_sum / max(1, targets)
+            )
             if stop is not None:
+                faults = weight_faults(spec.model, spec.weight_sums)
+                if faults:
+                    stop += f". The worker's view of the engine's weights differs: {'; '.join(faults[:8])}"
                 raise RuntimeError(stop)
             if info.skipped:
                 continue
@@ -219,6 +285,7 @@ class SplitTrainer:
             self.loss,
             self._stop,
             str(device),
+            tensor_sums(model),
         )
         self.exitcode: int | None = None
         self._proc: BaseProcess | None = ctx.Process(
