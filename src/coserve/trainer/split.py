@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from coserve.core.config import OptimConfig, SkippedSteps
 from coserve.core.finetune import FTSample
@@ -67,22 +69,61 @@ def weight_faults(model: torch.nn.Module, expected: dict[str, float] | None) -> 
     return faults
 
 
+class FirstNonFiniteOp(TorchDispatchMode):
+    """Under this mode :attr:`report` names the first aten op whose floating-point output held a
+    non-finite value, with its input shapes; where an input was already non-finite, the op that
+    made that input (an ``empty`` one: a kernel outside aten wrote it, or left part unwritten).
+    Allocation ops (``empty*``, whose output is uninitialized by design) are never the culprit."""
+
+    _ALLOCATORS = ("empty", "new_empty", "empty_like", "empty_strided")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.report: str | None = None
+        self._made_by: dict[int, str] = {}
+
+    @staticmethod
+    def _floats(tree: Any) -> list[torch.Tensor]:
+        return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if self.report is not None:
+            return out
+        name = str(func.overloadpacket.__name__)
+        outs = self._floats(out)
+        if name not in self._ALLOCATORS and any(not bool(t.isfinite().all()) for t in outs):
+            ins = self._floats((args, kwargs))
+            bad = [t for t in ins if not bool(t.isfinite().all())]
+            self.report = f"aten.{name} on {[tuple(t.shape) for t in ins]}" + (
+                f" (an input already non-finite, made by aten.{self._made_by.get(bad[0].data_ptr(), '?')})"
+                if bad else " (inputs finite)")
+        for t in outs:
+            self._made_by[t.data_ptr()] = name
+        return out
+
+
 def rerun_nonfinite(model: LlamaForCausalLM, lora: TrainableLoRA, batch: Sequence[FTSample]) -> str:
     """Run ``batch``'s step again (its gradient discarded) and say where it went non-finite: the
-    loss of the rerun and the first layer whose input held a non-finite value (the number of
-    layers: the final norm's input; None: every layer input finite)."""
+    loss of the rerun, the first layer whose input held a non-finite value (the number of layers:
+    the final norm's input; None: every layer input finite) and the first op
+    (:class:`FirstNonFiniteOp`)."""
     first: list[int] = []
 
     def check(i: int, hidden: torch.Tensor) -> None:
         if not first and not bool(hidden.isfinite().all()):
             first.append(i)
 
+    op = FirstNonFiniteOp()
     try:
-        loss = train_step(model, lora, batch, layer_hook=check).loss_sum
+        with op:
+            loss = train_step(model, lora, batch, layer_hook=check).loss_sum
     finally:
         if lora.flat.grad is not None:
             lora.flat.grad.zero_()
-    return f"rerun loss {loss}, first non-finite layer input {first[0] if first else None}"
+    lens = [s.num_tokens for s in batch]
+    return (f"rerun loss {loss}, first non-finite layer input {first[0] if first else None}, first non-finite "
+            f"op {op.report}; rows {len(lens)}, {sum(lens)} tokens, longest {max(lens, default=0)}")
 
 
 def split_batches(
