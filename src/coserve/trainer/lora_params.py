@@ -14,6 +14,9 @@ mask without ever exchanging it; see :func:`dropout_mask` and :func:`row_dropout
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -23,6 +26,41 @@ import torch.nn.functional as F
 
 from coserve.layers.lora import LoRAContext, dropout_uniform, keep_mask, row_dropout_key
 from coserve.models.peft_adapter import LORA_TARGETS, LoraAdapter
+from coserve.trainer.mps import share_of_this_process
+
+logger = logging.getLogger(__name__)
+
+LORA_FP32_MM = os.environ.get("COSERVE_LORA_FP32_MM", "auto")
+"""``COSERVE_LORA_FP32_MM``: whether the LoRA products with a rank-sized dimension (``x Aᵀ``,
+``dy B``, ``(x Aᵀ) Bᵀ`` and the gradients of A and B) run in fp32 for half-precision inputs.
+``auto`` (default): on CUDA when this process is an MPS client at a share below 100%; ``1``:
+always; ``0``: never. Session 11 on the H200 (``bench/skinny_mm_check.py``): cuBLAS's bf16
+``[4109, 4096] @ [4096, 16]`` returned non-finite values from finite inputs in 323 of 400 calls
+at a 20% share (26 SMs) and 41 of 200 at 30%, none at 50% or on the whole GPU, and none in fp32:
+the split baseline's NaN losses and gradients at 20–30% (``bench/results/diagnostic/session11``)."""
+if LORA_FP32_MM not in ("auto", "0", "1"):
+    raise ValueError(f"COSERVE_LORA_FP32_MM={LORA_FP32_MM!r}: expected auto, 0 or 1")
+
+
+@functools.cache
+def fp32_products(device_type: str) -> bool:
+    """Whether :func:`lora_mm` computes in fp32 on ``device_type`` in this process (see
+    :data:`LORA_FP32_MM`; decided once)."""
+    if LORA_FP32_MM != "auto":
+        return LORA_FP32_MM == "1"
+    share = share_of_this_process() if device_type == "cuda" else None
+    if share is not None:
+        logger.warning("LoRA products in fp32: this process runs at a %d%% MPS share, where cuBLAS's bf16 "
+                       "rank-sized matmuls gave non-finite results (COSERVE_LORA_FP32_MM=0 turns this off)", share)
+    return share is not None
+
+
+def lora_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for the LoRA path's products with a rank-sized dimension: in fp32 (rounded back to
+    ``a``'s dtype) for half-precision inputs where :func:`fp32_products`, else ``torch.mm``."""
+    if a.dtype != torch.float32 and fp32_products(a.device.type):
+        return torch.mm(a.float(), b.float()).to(a.dtype)
+    return torch.mm(a, b)
 
 StacksFn = Callable[[int, str], tuple[torch.Tensor, torch.Tensor]]
 """``(layer, target) -> (A_stack [S, r_max, in], B_stack [S, out, r_max])`` of the serving model."""
@@ -373,7 +411,7 @@ class _TrainingLoRA:
                 parts.append(x.new_zeros(x.shape[0], size))
                 continue
             xd = x * self._mask(layer, n, x).to(x.dtype) if self.key is not None else x
-            parts.append((xd @ ab[n][0].T) @ ab[n][1].T)
+            parts.append(lora_mm(lora_mm(xd, ab[n][0].T), ab[n][1].T))
         delta = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
         return delta * lora.scaling
 
@@ -423,9 +461,9 @@ class _LoRALinearFn(torch.autograd.Function):
         x, weight, a_all, xa, *bs = ctx.saved_tensors
         s: float = ctx.scaling
         dx, t, dys = _lora_linear_dx(dy, weight, a_all, bs, s, ctx.spans, ctx.needs_input_grad[0])
-        da = torch.mm(t.t(), x).mul_(s)
+        da = lora_mm(t.t(), x).mul_(s)
         parts = xa.chunk(len(bs), dim=1) if len(bs) > 1 else (xa,)
-        dbs = [torch.mm(g.t(), part).mul_(s) for g, part in zip(dys, parts, strict=True)]
+        dbs = [lora_mm(g.t(), part).mul_(s) for g, part in zip(dys, parts, strict=True)]
         return (dx, None, None, da, None, None, *dbs)
 
 
@@ -466,12 +504,12 @@ class _LoRAGroupLinearFn(torch.autograd.Function):
         layout = ctx.layout
         _, bs = _unpack_group(w, layout, stack_a=False)
         dx, t, dys = _lora_linear_dx(dy, weight, a_all, bs, s, ctx.spans, ctx.needs_input_grad[0])
-        da = torch.mm(t.t(), x).view(-1)  # [k·r·in]: A_i's gradient is its i-th chunk
+        da = lora_mm(t.t(), x).view(-1)  # [k·r·in]: A_i's gradient is its i-th chunk
         das = da.chunk(len(bs)) if len(bs) > 1 else (da,)
         parts = xa.chunk(len(bs), dim=1) if len(bs) > 1 else (xa,)
         pieces = []
         for da_i, g, part in zip(das, dys, parts, strict=True):
-            pieces += [da_i, torch.mm(g.t(), part).view(-1)]
+            pieces += [da_i, lora_mm(g.t(), part).view(-1)]
         dw = torch.cat(pieces).mul_(s).to(torch.float32)
         return (dx, None, None, dw, None, None, None)
 
@@ -505,20 +543,20 @@ def _lora_linear(
     self-``copy_``); no one-piece ``split`` for a single target (``o_proj``); scalings in place.
     """
     y = F.linear(x, weight, bias)
-    xa = torch.mm(x, a_all.t())
+    xa = lora_mm(x, a_all.t())
     if len(bs) == 1:
         (off, size), b = spans[0], bs[0]
-        (y if size == y.shape[1] else y.narrow(1, off, size)).add_(torch.mm(xa, b.t()).mul_(scaling))
+        (y if size == y.shape[1] else y.narrow(1, off, size)).add_(lora_mm(xa, b.t()).mul_(scaling))
         return y, xa
     parts = xa.chunk(len(bs), dim=1)
     first, (last, last_size) = spans[0][0], spans[-1]
     if last + last_size - first == sum(size for _, size in spans):  # side by side
-        delta = torch.cat([torch.mm(part, b.t()) for part, b in zip(parts, bs, strict=True)], dim=1)
+        delta = torch.cat([lora_mm(part, b.t()) for part, b in zip(parts, bs, strict=True)], dim=1)
         out = y if delta.shape[1] == y.shape[1] else y.narrow(1, first, delta.shape[1])
         out.add_(delta.mul_(scaling))
         return y, xa
     for (off, size), part, b in zip(spans, parts, bs, strict=True):
-        y.narrow(1, off, size).add_(torch.mm(part, b.t()).mul_(scaling))
+        y.narrow(1, off, size).add_(lora_mm(part, b.t()).mul_(scaling))
     return y, xa
 
 
@@ -529,9 +567,11 @@ def _lora_linear_dx(
     """The backward's shared part: ``(dx or None, t = [dy_i B_i]_i, [dy_i])`` (no one-piece
     ``cat`` for a single target)."""
     dys = [dy if size == dy.shape[1] else dy.narrow(1, off, size) for off, size in spans]
-    ts = [torch.mm(g, b) for g, b in zip(dys, bs, strict=True)]
+    ts = [lora_mm(g, b) for g, b in zip(dys, bs, strict=True)]
     t = torch.cat(ts, dim=1) if len(ts) > 1 else ts[0]
     dx = torch.mm(dy, weight) if needs_dx else None
-    if dx is not None:
+    if dx is not None and t.dtype != torch.float32 and fp32_products(t.device.type):
+        dx.add_(torch.mm(t.float(), a_all.float()).mul_(s))  # (one rounding, as addmm_'s)
+    elif dx is not None:
         dx.addmm_(t, a_all, alpha=s)
     return dx, t, dys

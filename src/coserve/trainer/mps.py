@@ -30,6 +30,18 @@ def mps_active() -> bool:
     return (_pipe_dir() / "control").exists()
 
 
+def share_of_this_process() -> int | None:
+    """The SM share (percent) this process runs at as an MPS client: its
+    ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` where a daemon is running and the value is below 100,
+    else None (the whole GPU)."""
+    value = os.environ.get(MPS_SHARE_ENV, "").strip()
+    try:
+        percent = int(float(value))
+    except ValueError:
+        return None
+    return percent if 0 < percent < 100 and mps_active() else None
+
+
 def start_mps_daemon() -> bool:
     """Start ``nvidia-cuda-mps-control -d`` if it is not running; True if MPS is active after.
 
