@@ -23,6 +23,18 @@ relative error on the rest for:
 - ``by_size`` (prefill sets): the online model's error over all the set's steps, by the step's
   tokens (:data:`SIZE_BINS`) and whether it carried FT rows: where in the set the error is.
 
+``replay`` (per table, beside the per-key forms): the steps fed in their order, each predicted
+before it is observed, to a ``coserve.core.latency.LatencyModel`` started from the calibration
+that the recorded predictions imply (each set's first 10 predictions came from it before any
+refit: a least-squares solve recovers it), with the engine's buckets (``--graph-sizes``,
+``--prefill-buckets`` where the run used prefill graphs). Per recorded key, on the same held-out
+share as above: ``recorded`` (the server's predictions), and the model replayed as
+:data:`REPLAY_FORMS` configure it — ``before`` (one busy set, no level: the model the recorded
+run used; ``matches_recorded`` says how closely it reproduces the recorded predictions),
+``phases`` (busy sets per trainer phase), ``level`` (each set's level), ``after`` (both: the
+model the server now runs). The trainer's phase comes from each step's ``trainer_at`` through
+``coserve.core.latency.trainer_phase``.
+
     python bench/latency_fit.py bench/results/.../burst-light.json [--config full] [--out fit.json]
 """
 
@@ -38,7 +50,7 @@ import torch
 
 from coserve.bench.provenance import provenance
 from coserve.bench.result_file import read_result
-from coserve.core.latency import error_summary
+from coserve.core.latency import LEVEL_RATE, LatencyModel, error_summary, trainer_phase
 from coserve.core.nnls import fit_relative
 from coserve.trainer.stream_gate import boundary_kind
 
@@ -157,6 +169,96 @@ def evaluate(rows: list[list[Any]], train: float, floor_q: float,
     return out
 
 
+PREFILL_BUCKETS = (128, 256, 512, 768, 1024, 1536, 2048)
+"""``EngineConfig.prefill_graph_buckets``' default."""
+
+REPLAY_FORMS: dict[str, dict[str, Any]] = {
+    "before": {"phases": False, "level_rate": 0.0},
+    "phases": {"phases": True, "level_rate": 0.0},
+    "level": {"phases": False, "level_rate": LEVEL_RATE},
+    "after": {"phases": True, "level_rate": LEVEL_RATE},
+}
+CALIBRATED_STEPS = 10
+"""A set's first refit comes after this many observations: its predictions until then are the
+calibration's."""
+
+
+def recovered_calibration(rows: list[list[Any]], model: LatencyModel) -> dict[str, list[float]]:
+    """``form/mode -> coefficients`` that reproduce each key's first :data:`CALIBRATED_STEPS`
+    recorded predictions (idle ones, else busy ones made before any busy term existed: the idle
+    set alone). A direction those steps leave unexcited gets 0 (the least-norm solution)."""
+    first: dict[str, list[list[Any]]] = {}
+    for key, predicted, _, vec, *_ in rows:
+        first.setdefault(key, []).append([predicted, model.bucketed(vec, key.rsplit("/", 1)[0])])
+    out: dict[str, list[float]] = {}
+    for key in sorted(first, key=lambda k: not k.endswith("/idle")):  # idle sets first
+        base = key.rsplit("/", 1)[0]
+        steps = first[key][:CALIBRATED_STEPS]
+        if base in out or len(steps) < 1:
+            continue
+        x = torch.tensor([s[1] for s in steps], dtype=torch.float64)
+        p = torch.tensor([s[0] for s in steps], dtype=torch.float64)
+        theta = torch.linalg.lstsq(x, p.unsqueeze(1), driver="gelsd").solution.squeeze(1)
+        out[base] = theta.clamp(min=0).tolist()
+    return out
+
+
+def replay(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
+           prefill_buckets: tuple[int, ...] | None) -> dict[str, Any]:
+    """Held-out error of the online model replayed step by step (module docstring, ``replay``)."""
+    def new_model(level_rate: float) -> LatencyModel:
+        model = LatencyModel(level_rate=level_rate)
+        model.graph_bucket = lambda n: int(_bucket(n, graph_sizes))
+        if prefill_buckets is not None:
+            model.prefill_bucket = lambda n: int(_bucket(n, prefill_buckets))
+        return model
+
+    steps = [r for r in rows if r[2] > 0]
+    calibration = recovered_calibration(steps, new_model(0.0))
+    state = {"version": 1, "coefficients": calibration, "calibration": calibration}
+    phases, previous = [], "starting"
+    for key, *_, at in steps:
+        if key.endswith("/busy"):
+            previous = trainer_phase(None if at is None else tuple(at), previous)
+        else:  # the trainer paused, or no task in flight (then a later one starts from scratch)
+            previous = "starting" if at is None else trainer_phase(tuple(at), previous)
+        phases.append(previous)
+    predictions: dict[str, list[float]] = {}
+    for form, options in REPLAY_FORMS.items():
+        model = new_model(options["level_rate"])
+        model.load_state_dict(state)
+        out = []
+        for (key, _, measured, vec, *_), phase in zip(steps, phases, strict=True):
+            base, busy = key.rsplit("/", 1)
+            state_of = ("active" if not options["phases"] else phase) if busy == "busy" else "idle"
+            out.append(model.observe_regressors(base, model.bucketed(vec, base), measured, state_of))
+        predictions[form] = out
+    report: dict[str, Any] = {"calibration": calibration}
+    for key in sorted({s[0] for s in steps}):
+        idx = [i for i, s in enumerate(steps) if s[0] == key]
+        held = idx[int(len(idx) * train):]
+        if len(held) < 4:
+            continue
+        y = torch.tensor([steps[i][2] for i in held], dtype=torch.float64)
+        recorded = torch.tensor([steps[i][1] for i in held], dtype=torch.float64)
+        entry: dict[str, Any] = {"held_out_steps": len(held), "recorded": _errors(recorded, y)}
+        for form, pred in predictions.items():
+            entry[form] = _errors(torch.tensor([pred[i] for i in held], dtype=torch.float64), y)
+        before = torch.tensor([predictions["before"][i] for i in idx], dtype=torch.float64)
+        rec_all = torch.tensor([steps[i][1] for i in idx], dtype=torch.float64)
+        entry["matches_recorded"] = {"median_rel": float(((before - rec_all).abs() / rec_all).median())}
+        if key.endswith("/busy"):
+            entry["by_phase"] = {}
+            for name in sorted({phases[i] for i in held}):
+                sub = [j for j, i in enumerate(held) if phases[i] == name]
+                entry["by_phase"][name] = {
+                    form: _errors(torch.tensor([predictions[form][held[j]] for j in sub], dtype=torch.float64),
+                                  y[sub]) for form in ("recorded", *REPLAY_FORMS) if form != "recorded"}
+                entry["by_phase"][name]["recorded"] = _errors(recorded[sub], y[sub])
+        report[key] = entry
+    return report
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", nargs="+", help="result JSON files with step tables")
@@ -165,24 +267,32 @@ def main() -> None:
     p.add_argument("--floor-quantile", type=float, default=0.1)
     p.add_argument("--graph-sizes", default=",".join(map(str, GRAPH_SIZES)),
                    help="the engine's CUDA-graph batch sizes (for the bucket form)")
+    p.add_argument("--prefill-buckets", default=",".join(map(str, PREFILL_BUCKETS)),
+                   help="the engine's prefill graph buckets (replay, runs with prefill graphs)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not 0 < args.train < 1 or not 0 <= args.floor_quantile <= 1:
         p.error("--train must be in (0, 1) and --floor-quantile in [0, 1]")
     report: dict[str, Any] = {}
+    graph_sizes = tuple(int(v) for v in args.graph_sizes.split(","))
+    buckets = tuple(int(v) for v in args.prefill_buckets.split(","))
     for path in args.results:
-        tables = step_tables(read_result(path), args.config)
+        result = read_result(path)
+        tables = step_tables(result, args.config)
         if not tables:
             p.error(f"{path}: no step table (a result of this commit's `coserve bench` or coserve_latency.py)")
+        graphs = bool(result.get("config", {}).get("prefill_graphs"))
         for name, rows in tables.items():
-            report[f"{Path(path).name}:{name}"] = evaluate(rows, args.train, args.floor_quantile,
-                                                           tuple(int(v) for v in args.graph_sizes.split(",")))
+            entry = evaluate(rows, args.train, args.floor_quantile, graph_sizes)
+            entry["replay"] = replay(rows, args.train, graph_sizes, buckets if graphs else None)
+            report[f"{Path(path).name}:{name}"] = entry
     text = json.dumps(report, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)
     if args.out:
         # the analysis runs here on the CPU: its device is this machine's, its inputs the files
         record = {**provenance(), "config": {"results": args.results, "train": args.train,
                                              "floor_quantile": args.floor_quantile,
-                                             "graph_sizes": args.graph_sizes},
+                                             "graph_sizes": args.graph_sizes,
+                                             "prefill_buckets": args.prefill_buckets},
                   "figures": report}
         Path(args.out).write_text(json.dumps(record, indent=1, default=lambda v: None
                                              if isinstance(v, float) and math.isnan(v) else v))

@@ -80,3 +80,47 @@ def test_busy_steps_grouped_by_what_the_trainer_ran() -> None:
     got = latency_fit.evaluate(rows, 0.5, 0.1)["decode/graph/busy"]["by_trainer_at"]
     assert got["layer#1"]["ratio_median"] == pytest.approx(1.3) and got["layer#0"]["ratio_median"] == pytest.approx(1.0)
     assert got["between_tasks"]["n"] == 1
+
+
+def test_replay_recovers_the_calibration_and_the_trainer_phases_win() -> None:
+    """A table written as the server writes it: each step predicted by a model started from a
+    known calibration (one busy set, no level) before it observed the step. The replay recovers
+    that calibration, reproduces the recorded predictions (``before``), and with busy sets per
+    trainer phase (decode steps beside a commit run faster) predicts the held-out steps better."""
+    from coserve.core.latency import LatencyModel
+
+    calibration = {"decode/graph": [1e-5, 3e-8, 5e-3], "prefill/eager": [1e-9, 3e-5, 5e-6, 3e-8, 2e-9, 6e-3]}
+    server = LatencyModel(level_rate=0.0)
+    server.load_state_dict({"version": 1, "coefficients": calibration, "calibration": calibration})
+    server.graph_bucket = lambda n: int(latency_fit._bucket(n, latency_fit.GRAPH_SIZES))
+    rng = random.Random(4)
+    rows: list[list[object]] = []
+    layer = 31
+    for i in range(1500):
+        if i % 12 == 0:
+            n = rng.randint(16, 2048)
+            vec = [float(n * n), float(n), 0.0, 0.0, 0.0, 1.0]
+            t = (3e-5 * n + 7e-3) * rng.uniform(0.99, 1.01)
+            rows.append(["prefill/eager/idle", server.observe_regressors("prefill/eager", vec, t), t, vec,
+                         [1, 0], [layer, 0]])
+            continue
+        layer = layer - 1 if layer > -1 else 31
+        b, kv = rng.randint(1, 64), rng.randint(100, 60_000)
+        vec = [float(b), float(kv), 1.0]
+        slow = 0.15 if layer == -1 else 0.6  # beside the commit (layer -1) or the layers
+        t = ((1e-5 * latency_fit._bucket(b, latency_fit.GRAPH_SIZES) + 3e-8 * kv + 5e-3) * (1 + slow)
+             * rng.uniform(0.99, 1.01))
+        predicted = server.observe_regressors("decode/graph", server.bucketed(vec, "decode/graph"), t, "active")
+        rows.append(["decode/graph/busy", predicted, t, vec, [0, 0], [layer, 0]])
+    report = latency_fit.replay(rows, 0.5, latency_fit.GRAPH_SIZES, None)
+    assert report["calibration"]["decode/graph"] == pytest.approx(calibration["decode/graph"], rel=1e-3)
+    # the prefill steps excite the square, the tokens and the constant; the rest stays 0
+    recovered = report["calibration"]["prefill/eager"]
+    assert [recovered[i] for i in (0, 1, 5)] == pytest.approx([calibration["prefill/eager"][i] for i in (0, 1, 5)],
+                                                             rel=1e-3)
+    assert [recovered[i] for i in (2, 3, 4)] == [0.0, 0.0, 0.0]
+    decode = report["decode/graph/busy"]
+    assert decode["matches_recorded"]["median_rel"] < 1e-6
+    assert decode["before"]["p99_rel"] == pytest.approx(decode["recorded"]["p99_rel"], rel=1e-6)
+    assert decode["after"]["p99_rel"] < 0.03 < decode["before"]["p99_rel"]
+    assert decode["by_phase"]["quiet"]["after"]["median_rel"] < 0.02

@@ -336,3 +336,17 @@ def test_model_pauses_a_mixed_step_whose_rows_admission_did_not_price() -> None:
     assert run_step(co) == 2
     assert co.plan(DECODE) == [] and not trainer.paused
     assert co.last_decision is not None and co.last_decision.reason == "latency_budget"
+
+
+def test_decode_steps_beside_a_commit_are_learned_and_priced_as_the_quiet_phase() -> None:
+    """The trainer's progress word at plan time picks the busy set: steps beside its commit
+    (faster on the H200) refit the ``quiet`` term and leave the running backward's alone."""
+    co, trainer = coserver(model(0.01, (1.0, 0.0)))
+    trainer.progress = lambda: (-1, 0)  # type: ignore[attr-defined]  # stream_gate.COMMIT
+    for _ in range(12):
+        co.plan(DECODE)
+        co.on_step_end(StepRecord(view=DECODE, ft_tokens=0, duration_s=0.011, mode="graph", trainer_busy=True))
+    quiet = StepFeatures.from_view(DECODE, busy=True, trainer_phase="quiet")
+    assert co.latency.predict(quiet) == pytest.approx(0.011, rel=0.05)
+    assert co.latency.busy_term("decode/graph") == (1.0, 0.0)
+    assert co.latency.predict(StepFeatures.from_view(DECODE, busy=True)) == pytest.approx(0.02)

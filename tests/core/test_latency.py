@@ -13,6 +13,8 @@ from coserve.core.host import PrefillView, StepRecord, StepView
 from coserve.core.latency import (
     DEFAULT_COEFFICIENTS,
     KEYS,
+    LEVEL_CLIP,
+    LEVEL_RATE,
     TERMS,
     BatchSpec,
     Chunk,
@@ -20,6 +22,7 @@ from coserve.core.latency import (
     StepFeatures,
     calibration_plan,
     error_summary,
+    trainer_phase,
 )
 from coserve.core.nnls import nnls
 
@@ -400,3 +403,100 @@ def test_graph_decode_steps_priced_by_the_bucket_they_replay() -> None:
     eager = BatchSpec(decode_kv=(100,) * 17, mode="eager").features()
     assert model.regressors(eager)[0] == 17.0
     assert model.regressors(replace(eager, mode="graph"))[0] == 24.0
+
+
+# ------------------------------------------------------------- trainer phase and level
+
+
+def test_trainer_phase_follows_the_progress_word() -> None:
+    from coserve.trainer.stream_gate import COMMIT, TASK_START
+
+    assert trainer_phase((COMMIT, 0), "active") == "quiet"
+    assert trainer_phase((TASK_START, 0), "quiet") == "starting"
+    assert trainer_phase((12, 3), "starting") == "active"
+    assert trainer_phase(None, "quiet") == "quiet"  # the finished task, not yet read back
+    assert trainer_phase(None, "active") == "quiet"
+    assert trainer_phase(None, "starting") == "starting"  # a task handed over, not yet begun
+    with pytest.raises(ValueError, match="trainer phase"):
+        StepFeatures(busy=True, trainer_phase="resting")
+
+
+# The H200's decode steps beside the backward (session 10, bench/results/latency_h200/session11/):
+# ~0.8x the running backward's slowdown beside its commit or a finished task, ~1.1x beside a
+# task's start; and a level that moves by 10-15% from one task to the next.
+PHASE_SLOWDOWN = {"active": (0.6, 1e-3), "quiet": (0.15, 0.0), "starting": (0.8, 1.5e-3)}
+
+
+def _decode_steps(rng: random.Random, n: int) -> list[tuple[BatchSpec, str]]:
+    phases = rng.choices(("active", "quiet", "starting"), weights=(8, 2, 1), k=n)
+    return [(BatchSpec(decode_kv=tuple(rng.randint(200, 2000) for _ in range(rng.randint(1, 48))),
+                       mode="graph"), ph) for ph in phases]
+
+
+def _busy_time(spec: BatchSpec, phase: str, level: float = 1.0) -> float:
+    rho, delta = PHASE_SLOWDOWN[phase]
+    return (true_time(spec.features()) * (1 + rho) + delta) * level
+
+
+def _replayed(model: LatencyModel, steps: list[tuple[BatchSpec, str, float]], *,
+              phases: bool) -> list[float]:
+    """Relative errors of each step predicted before it is observed."""
+    errors = []
+    for spec, phase, seconds in steps:
+        record = spec.record(seconds, busy=True)
+        predicted = model.observe(record, phase if phases else "active")
+        assert predicted is not None
+        errors.append(abs(predicted - seconds) / seconds)
+    return errors
+
+
+def test_busy_sets_per_trainer_phase_recover_each_phases_slowdown() -> None:
+    rng = random.Random(11)
+    plan = calibration_plan(512, 64, 64 * 2000, modes=("graph",))
+    steps = [(s, ph, _busy_time(s, ph) * (1 + 0.002 * rng.gauss(0, 1))) for s, ph in _decode_steps(rng, 600)]
+    by_phase, one_set = (LatencyModel(level_rate=0.0) for _ in range(2))
+    for model in (by_phase, one_set):
+        model.fit([measure(s, random.Random(0), noise=0.0) for s in plan])
+    held = slice(300, None)
+    split = error_summary(_replayed(by_phase, steps, phases=True)[held])
+    pooled = error_summary(_replayed(one_set, steps, phases=False)[held])
+    for phase, term in PHASE_SLOWDOWN.items():
+        assert by_phase.busy_term("decode/graph", phase) == pytest.approx(term, rel=0.05, abs=2e-4)
+    assert split.p99_rel < 0.02 < pooled.median_rel
+    # a phase with no data yet is priced as the running backward
+    assert LatencyModel().busy_term("decode/graph", "quiet") == LatencyModel().busy_term("decode/graph")
+    state = json.loads(json.dumps(by_phase.state_dict()))
+    restored = LatencyModel(level_rate=0.0)
+    restored.load_state_dict(state)
+    f = BatchSpec(decode_kv=(500,) * 8, mode="graph").features(busy=True)
+    assert restored.predict(replace(f, trainer_phase="quiet")) == by_phase.predict(replace(f, trainer_phase="quiet"))
+
+
+def test_decode_level_follows_a_drift_that_the_window_refit_cannot() -> None:
+    """Busy decode steps whose time moves by ±12% every 40 steps (one backward task to the
+    next): the level brings the held-out median under 3%; without it the refit leaves ~10%."""
+    rng = random.Random(12)
+    plan = calibration_plan(512, 64, 64 * 2000, modes=("graph",))
+    levels = [rng.choice((0.88, 1.0, 1.12)) for _ in range(30)]
+    steps = [(s, "active", _busy_time(s, "active", levels[i // 40]) * (1 + 0.01 * rng.gauss(0, 1)))
+             for i, (s, _) in enumerate(_decode_steps(rng, 1200))]
+    with_level, without = LatencyModel(), LatencyModel(level_rate=0.0)
+    for model in (with_level, without):
+        model.fit([measure(s, random.Random(0), noise=0.0) for s in plan])
+    a = error_summary(_replayed(with_level, steps, phases=False)[400:])
+    b = error_summary(_replayed(without, steps, phases=False)[400:])
+    assert a.median_rel < 0.03 < 0.07 < b.median_rel
+
+
+def test_one_stall_moves_the_level_by_at_most_the_clip_and_prefill_sets_have_none() -> None:
+    rng = random.Random(13)
+    model = LatencyModel()
+    model.fit([measure(s, rng, noise=0.0) for s in calibration_plan(512, 64, 64 * 2000)])
+    spec = BatchSpec(decode_kv=(500,) * 8, mode="graph")
+    before = model.predict(spec.features())
+    model.observe(spec.record(true_time(spec.features()) * 10))  # a compile stall
+    assert model.predict(spec.features()) == pytest.approx(before * math.exp(LEVEL_RATE * LEVEL_CLIP))
+    prefill = BatchSpec((Chunk(300),), mode="eager")
+    before = model.predict(prefill.features())
+    model.observe(prefill.record(true_time(prefill.features()) * 1.3))
+    assert model.predict(prefill.features()) == pytest.approx(before, rel=1e-3)

@@ -121,6 +121,7 @@ def admit(
     capacity_tokens: int,
     token_budget: int,
     trainer_busy: bool | None = None,
+    trainer_phase: str = "active",
 ) -> AdmissionDecision:
     """Choose the FT samples of the next step (DESIGN §7).
 
@@ -132,7 +133,9 @@ def admit(
     """
     # ``backward_running`` closes admission; ``trainer_busy`` (default: the same) prices the step
     # as running beside a backward, which a pipelined trainer may be while admission is open.
-    base = StepFeatures.from_view(view, busy=backward_running if trainer_busy is None else trainer_busy)
+    # ``trainer_phase``: what that backward runs (coserve.core.latency.TRAINER_PHASES).
+    base = StepFeatures.from_view(view, busy=backward_running if trainer_busy is None else trainer_busy,
+                                  trainer_phase=trainer_phase)
     base_s = model.predict(base) if view.has_inference else 0.0
     budget = latency_budget(view, model, slo)
 

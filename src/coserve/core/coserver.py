@@ -15,7 +15,13 @@ from coserve.core.admission import AdmissionDecision, admit, latency_budget, sho
 from coserve.core.config import CoServeConfig, OptimConfig, SkippedSteps, SLOConfig
 from coserve.core.finetune import FTSample
 from coserve.core.host import FTRow, Interrupted, StepRecord, StepView
-from coserve.core.latency import BatchSpec, LatencyModel, StepFeatures, calibration_plan
+from coserve.core.latency import (
+    BatchSpec,
+    LatencyModel,
+    StepFeatures,
+    calibration_plan,
+    trainer_phase,
+)
 from coserve.core.messages import BackwardTask, TaskResult, TaskSample, row_dropout_key
 from coserve.core.sample_pool import SamplePool
 
@@ -166,7 +172,10 @@ class CoServer:
         self._trainer_at: tuple[int, int] | None = None
         # untimed steps (StepRecord.timed False) until the host dates them: id(record) -> where
         # the trainer was when the step began
-        self._untimed: dict[int, tuple[int, int] | None] = {}
+        self._untimed: dict[int, tuple[tuple[int, int] | None, str]] = {}
+        # the trainer's phase beside the step being planned (coserve.core.latency.TRAINER_PHASES),
+        # from its GPU's progress word; "active" for a trainer without one
+        self._trainer_phase = "active"
         # per backward task: (submitted, result received: time.monotonic; trainer-side seconds;
         # tokens; of the trainer's seconds: paused, waiting on the GPU; its thread's CPU seconds)
         # — where a co-serving run's fine-tuning time goes
@@ -222,9 +231,15 @@ class CoServer:
         if self.track:
             self._plan_began = time.monotonic()
         self.poll()
+        progress = getattr(self.trainer, "progress", None)
+        if progress is not None and getattr(self.trainer, "reports_progress", True):
+            at = progress() if self._in_flight else None
+            # (no task in flight: the next one starts from scratch)
+            self._trainer_phase = trainer_phase(at, self._trainer_phase) if self._in_flight else "starting"
+        else:
+            at, self._trainer_phase = None, "active"
         if self.track:
-            progress = getattr(self.trainer, "progress", None)
-            self._trainer_at = progress() if progress is not None and self._in_flight else None
+            self._trainer_at = at
         self._step_rows = []
         if self.failure is not None:
             return []
@@ -241,7 +256,7 @@ class CoServer:
             view, self.pool.candidates(), model=self.latency, slo=self.slo,
             backward_running=region is None, capacity_tokens=self.store.free(region or 0),
             token_budget=max(view.token_budget, self.store.capacity) if ft_only else view.token_budget,
-            trainer_busy=self.trainer_active,
+            trainer_busy=self.trainer_active, trainer_phase=self._trainer_phase,
         )
         self.last_decision = decision
         picked: list[FTSample] = []
@@ -303,7 +318,7 @@ class CoServer:
             return False
         if self.slo.pause_prefill == "always" and (view.num_prefill_tokens > 0 or ft_lens):
             return True
-        features = StepFeatures.from_view(view, ft_lens, busy=True)
+        features = StepFeatures.from_view(view, ft_lens, busy=True, trainer_phase=self._trainer_phase)
         busy = self.latency.predict(features) * self.latency.safety(features)
         return busy > latency_budget(view, self.latency, self.slo)
 
@@ -368,15 +383,15 @@ class CoServer:
     def observe_late(self, record: StepRecord, duration_s: float) -> None:
         """The duration of a step whose record came untimed (``record.timed`` False): the latency
         model learns from it now, and the step table gets it."""
-        at = self._untimed.pop(id(record), None)
-        self._observe(replace(record, duration_s=duration_s, timed=True), at)
+        at, phase = self._untimed.pop(id(record), (None, "active"))
+        self._observe(replace(record, duration_s=duration_s, timed=True), at, phase)
 
     def drop_untimed(self) -> None:
         """The host will not date its untimed steps (it dropped them)."""
         self._untimed.clear()
 
-    def _observe(self, record: StepRecord, trainer_at: tuple[int, int] | None) -> None:
-        predicted = self.latency.observe(record)
+    def _observe(self, record: StepRecord, trainer_at: tuple[int, int] | None, phase: str) -> None:
+        predicted = self.latency.observe(record, phase)
         if self.track and predicted is not None:
             features = StepFeatures.from_record(record)
             key = features.key + ("/busy" if record.trainer_busy else "/idle")
@@ -406,9 +421,9 @@ class CoServer:
             self.interrupted_checks.append(checks)
         if not record.interrupted:
             if record.timed:
-                self._observe(record, self._trainer_at)
+                self._observe(record, self._trainer_at, self._trainer_phase)
             else:
-                self._untimed[id(record)] = self._trainer_at
+                self._untimed[id(record)] = (self._trainer_at, self._trainer_phase)
         rows, self._step_rows = self._step_rows, []
         if not rows:
             return

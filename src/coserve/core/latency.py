@@ -14,8 +14,16 @@ Each form has one coefficient set per mode (``graph``: a decode step replayed fr
 or a prefill-carrying step through the host's piecewise graphs; ``eager``). A step with FT rows
 is ``graph`` only where the host says that one of its size still runs through its graphs
 (:attr:`StepFeatures.ft_graph_tokens`). A backward task running beside the step (``busy``) slows it by a fitted
-``T_busy = (1 + ρ)·T + δ`` per form and mode, so the idle coefficients stay those of a quiet GPU.
+``T_busy = (1 + ρ)·T + δ`` per form, mode and :data:`TRAINER_PHASES` phase (what the trainer's GPU
+runs as the step begins), so the idle coefficients stay those of a quiet GPU.
 All coefficients are fitted by non-negative least squares on relative error.
+
+On top of the linear form, each decode set carries a level: an exponentially weighted mean of
+``log(measured / linear prediction)`` over its recent steps, by which its predictions are scaled.
+Decode steps beside the backward drift by 10–15% for tens of steps at a time (from one backward
+task to the next), which a refit over a 2,000-step window cannot follow; prefill sets mix step
+sizes whose errors differ, and a shared level made their held-out error worse
+(``bench/latency_fit.py``, ``replay``; ``bench/results/latency_h200/session11/``).
 """
 
 from __future__ import annotations
@@ -41,6 +49,16 @@ TERMS: Final[dict[str, tuple[str, ...]]] = {
     "decode": ("b_decodes", "e_kv", "c"),
 }
 KEYS: Final = tuple(f"{form}/{mode}" for form in TERMS for mode in MODES)
+TRAINER_PHASES: Final = ("active", "quiet", "starting")
+"""What a busy step runs beside: ``active`` the backward's layers or loss; ``quiet`` its
+optimizer commit or nothing (the task's GPU work is done, its result not yet read); ``starting``
+a task that the worker is starting (its set-up and first kernels). On the H200, against
+``active``, decode steps beside ``quiet`` ran ~0.8× and beside ``starting`` ~1.1×
+(``bench/results/latency_h200/session11/``)."""
+# NOTE: the stream gate's boundary labels (coserve.trainer.stream_gate COMMIT / TASK_START; core
+# does not import the trainer, tests/core/test_latency.py checks they agree)
+_COMMIT: Final = -1
+_TASK_START: Final = -2
 # NOTE: placeholders until calibration, deliberately slow (a few times an 8B model on one H200)
 # so that an uncalibrated server admits little fine-tuning rather than breaking SLOs.
 DEFAULT_COEFFICIENTS: Final[dict[str, tuple[float, ...]]] = {
@@ -49,6 +67,18 @@ DEFAULT_COEFFICIENTS: Final[dict[str, tuple[float, ...]]] = {
 }
 _STATE_VERSION: Final = 1
 _ANY_SIZE: Final = 2**62  # ft_graph_tokens of a step known to have run in graph mode
+
+
+def trainer_phase(at: tuple[int, int] | None, previous: str) -> str:
+    """The :data:`TRAINER_PHASES` phase of a task in flight whose GPU passed boundary ``at`` last
+    (``None``: not in a task), given the phase read for the step before (``"starting"`` when no
+    task was in flight then): ``None`` after a commit or a running task is the finished task
+    (``quiet``); before any of its boundaries, the task just handed over (``starting``)."""
+    if at is None:
+        return "quiet" if previous in ("quiet", "active") else "starting"
+    if at[0] == _COMMIT:
+        return "quiet"
+    return "starting" if at[0] == _TASK_START else "active"
 
 
 class Chunk(NamedTuple):
@@ -66,7 +96,8 @@ class StepFeatures:
     read by the ``num_decodes`` decode rows; ``mode``: the host's mode for the inference part;
     ``busy``: a backward task runs beside it; ``ft_graph_tokens``: the most tokens a step with FT
     rows may have and still run in ``graph`` mode (0: FT rows make it ``eager``; see
-    :attr:`exec_mode`).
+    :attr:`exec_mode`); ``trainer_phase``: what the backward runs as the step begins
+    (:data:`TRAINER_PHASES`; read only when ``busy``).
     """
 
     chunks: tuple[Chunk, ...] = ()
@@ -76,25 +107,31 @@ class StepFeatures:
     mode: str = "eager"
     busy: bool = False
     ft_graph_tokens: int = 0
+    trainer_phase: str = "active"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"step mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.trainer_phase not in TRAINER_PHASES:
+            raise ValueError(f"trainer phase must be one of {', '.join(TRAINER_PHASES)}, "
+                             f"got {self.trainer_phase!r}")
 
     @classmethod
     def from_view(
-        cls, view: StepView, ft_lens: Sequence[int] = (), *, busy: bool = False
+        cls, view: StepView, ft_lens: Sequence[int] = (), *, busy: bool = False,
+        trainer_phase: str = "active",
     ) -> StepFeatures:
         chunks = tuple(Chunk(p.num_tokens, p.context_len) for p in view.prefills)
         return cls(chunks, tuple(ft_lens), view.num_decodes, view.decode_kv_tokens, view.mode, busy,
-                   view.ft_graph_tokens)
+                   view.ft_graph_tokens, trainer_phase)
 
     @classmethod
-    def from_record(cls, record: StepRecord) -> StepFeatures:
+    def from_record(cls, record: StepRecord, trainer_phase: str = "active") -> StepFeatures:
         """The step as it ran: ``record.mode`` is its mode, FT rows or not. A host that leaves
         ``ft_lens`` empty is taken to have run one FT row of all tokens."""
         lens = record.ft_lens or ((record.ft_tokens,) if record.ft_tokens > 0 else ())
-        return cls.of_mode(cls.from_view(record.view, lens, busy=record.trainer_busy), record.mode)
+        return cls.of_mode(cls.from_view(record.view, lens, busy=record.trainer_busy,
+                                         trainer_phase=trainer_phase), record.mode)
 
     @staticmethod
     def of_mode(features: StepFeatures, mode: str) -> StepFeatures:
@@ -125,6 +162,11 @@ class StepFeatures:
     @property
     def key(self) -> str:
         return f"{self.form}/{self.exec_mode}"
+
+    @property
+    def state(self) -> str:
+        """``idle``, or the trainer's phase beside a busy step: with :attr:`key`, the step's set."""
+        return self.trainer_phase if self.busy else "idle"
 
     def vector(self) -> tuple[float, ...]:
         """The regressors of :data:`TERMS` ``[form]``, in that order."""
@@ -259,16 +301,27 @@ def error_summary(rel_errors: Sequence[float]) -> ErrorStats:
 SAFETY_EVERY = 10
 """A set's safety factor is recomputed every this many of its steps (and at its first)."""
 
+LEVEL_RATE = 0.2
+"""How far a set's level moves toward each observed step's log ratio (``LatencyModel``)."""
+LEVEL_CLIP = 0.5
+"""The most one step's log ratio may differ from the level when the level moves."""
+LEVEL_RECENTER_STEPS = 20
+"""After a refit, a set's level restarts from its latest this many steps."""
+LEVEL_FORMS: Final = ("decode/",)
+"""The sets (by key prefix) that carry a level."""
+
 
 class LatencyModel:
     """Predicts step time in seconds from :class:`StepFeatures`; never fails.
 
     :meth:`fit` is the calibration: it sets the coefficients and keeps them as the prior of
-    online refits. :meth:`observe` keeps the last ``window`` measured steps per (form, mode, busy)
-    and refits that set every ``refit_every`` of them, weakly pulled toward the calibration
-    (``prior_weight``) so that the directions a window barely excites (steady-state decoding)
-    keep their calibrated values. A set with no fit yet falls back to: for ``graph``,
-    the same form's ``eager`` set (slower, so a safe stand-in); else :data:`DEFAULT_COEFFICIENTS`.
+    online refits. :meth:`observe` keeps the last ``window`` measured steps per set (form, mode,
+    and idle or the trainer's phase) and refits that set every ``refit_every`` of them, weakly
+    pulled toward the calibration (``prior_weight``) so that the directions a window barely
+    excites (steady-state decoding) keep their calibrated values. A set with no fit yet falls back
+    to: for ``graph``, the same form's ``eager`` set (slower, so a safe stand-in); else
+    :data:`DEFAULT_COEFFICIENTS`. A decode set's level (module docstring) moves by
+    ``level_rate`` of each observed step's log ratio (0: no level).
 
     :meth:`safety` is how far the set's recent steps ran over their predictions (the
     ``safety_quantile`` of measured / predicted over the last ``safety_window`` steps, each
@@ -286,6 +339,7 @@ class LatencyModel:
         safety_quantile: float = 0.9,
         safety_window: int = 200,
         safety_min_steps: int = 20,
+        level_rate: float = LEVEL_RATE,
     ) -> None:
         if window < 1 or refit_every < 1 or prior_weight < 0:
             raise ValueError("LatencyModel needs window >= 1, refit_every >= 1, prior_weight >= 0")
@@ -294,21 +348,25 @@ class LatencyModel:
                 "LatencyModel needs 0 <= safety_quantile <= 1, safety_window >= 1, "
                 "safety_min_steps >= 1"
             )
+        if not 0.0 <= level_rate < 1.0:
+            raise ValueError("LatencyModel needs 0 <= level_rate < 1")
         self.window = window
         self.refit_every = refit_every
         self.prior_weight = prior_weight
+        self.level_rate = level_rate
         self._defaults = {form: _checked(form, defaults[form]) for form in TERMS}
         self._coef: dict[str, tuple[float, ...]] = {}
-        self._busy: dict[str, tuple[float, ...]] = {}
+        self._busy: dict[str, tuple[float, ...]] = {}  # by busy_key(key, phase)
         self._calib: dict[str, tuple[float, ...]] = {}
         self._calib_busy: dict[str, tuple[float, ...]] = {}
-        self._windows: dict[tuple[str, bool], deque[tuple[tuple[float, ...], float]]] = {}
-        self._unfitted: dict[tuple[str, bool], int] = {}
+        self._windows: dict[tuple[str, str], deque[tuple[tuple[float, ...], float]]] = {}
+        self._unfitted: dict[tuple[str, str], int] = {}
+        self._level: dict[tuple[str, str], float] = {}  # log of the set's recent measured / linear
         self.safety_quantile = safety_quantile
         self.safety_min_steps = safety_min_steps
-        self._ratios: dict[tuple[str, bool], deque[float]] = {}
-        self._safety: dict[tuple[str, bool], float] = {}  # per set, updated as steps come in
-        self._ratio_count: dict[tuple[str, bool], int] = {}
+        self._ratios: dict[tuple[str, str], deque[float]] = {}
+        self._safety: dict[tuple[str, str], float] = {}  # per set, updated as steps come in
+        self._ratio_count: dict[tuple[str, str], int] = {}
         self._safety_window = safety_window
         # Set by a host that replays decode steps as CUDA graphs padded to a bucket: rows -> the
         # rows the replay computes (decode/graph steps are priced by those).
@@ -326,10 +384,14 @@ class LatencyModel:
         Offline, on recorded H200 steps, that cut the idle decode error's median from 4.0% to
         1.8% and from 10.3% to 1.6% in two runs (``bench/latency_fit.py``, ``bucket`` form).
         ``key``: ``features.key`` where the caller has it already."""
-        v = features.vector()
-        key = key or features.key
-        if self.graph_bucket is not None and features.num_decodes > 0 and key == "decode/graph":
-            v = (float(self.graph_bucket(features.num_decodes)), *v[1:])
+        return self.bucketed(features.vector(), key or features.key)
+
+    def bucketed(self, vector: Sequence[float], key: str) -> tuple[float, ...]:
+        """A ``key`` step's :meth:`StepFeatures.vector` as :meth:`regressors` prices it (the
+        decode rows are its first regressor, a prefill step's tokens its second)."""
+        v = tuple(vector)
+        if self.graph_bucket is not None and v[0] > 0 and key == "decode/graph":
+            v = (float(self.graph_bucket(int(v[0]))), *v[1:])
         elif self.prefill_bucket is not None and key == "prefill/graph":
             # the token-wise work (everything but the attention) runs over the whole bucket
             v = (v[0], float(self.prefill_bucket(int(v[1]))), *v[2:])
@@ -343,11 +405,15 @@ class LatencyModel:
             coef = self._coef.get(f"{form}/eager")
         return coef if coef is not None else self._defaults[form]
 
-    def busy_term(self, key: str) -> tuple[float, ...]:
-        """``(ρ, δ)`` of ``T_busy = (1 + ρ)·T + δ`` for ``key``: its own, else the same form's
-        other mode's, else the largest slowdown of any set with busy data (a step kind that has
-        never run beside the backward — prefill steps are paused under the default policy — is
-        priced like the worst that has), else ``(0, 0)`` before any busy data."""
+    def busy_term(self, key: str, phase: str = "active") -> tuple[float, ...]:
+        """``(ρ, δ)`` of ``T_busy = (1 + ρ)·T + δ`` for ``key`` beside a trainer in ``phase``:
+        its own; for a phase other than ``active`` with no data yet, the ``active`` term; that is
+        ``key``'s own, else the same form's other mode's, else the largest slowdown of any set
+        with busy data (a step kind that has never run beside the backward — prefill steps are
+        paused under the default policy — is priced like the worst that has), else ``(0, 0)``
+        before any busy data."""
+        if phase != "active" and busy_key(key, phase) in self._busy:
+            return self._busy[busy_key(key, phase)]
         form, mode = key.split("/")
         other = f"{form}/{'eager' if mode == 'graph' else 'graph'}"
         own = self._busy.get(key) or self._busy.get(other)
@@ -360,9 +426,17 @@ class LatencyModel:
     def predict(self, features: StepFeatures) -> float:
         """Predicted step time in seconds."""
         key = features.key
-        t = sum(c * v for c, v in zip(self.coefficients(key), self.regressors(features, key), strict=True))
-        if features.busy:
-            rho, delta = self.busy_term(key)
+        return self.predict_regressors(key, self.regressors(features, key), features.state)
+
+    def predict_regressors(self, key: str, regressors: Sequence[float], state: str = "idle") -> float:
+        """:meth:`predict` of a ``key`` step of :meth:`regressors` ``regressors`` in ``state``
+        (:attr:`StepFeatures.state`)."""
+        return self._linear(key, regressors, state) * math.exp(self._level.get((key, state), 0.0))
+
+    def _linear(self, key: str, regressors: Sequence[float], state: str) -> float:
+        t = sum(c * v for c, v in zip(self.coefficients(key), regressors, strict=True))
+        if state != "idle":
+            rho, delta = self.busy_term(key, state)
             t = t * (1.0 + rho) + delta
         return t
 
@@ -370,64 +444,97 @@ class LatencyModel:
         """The factor (≥ 1) by which recent steps of ``features``' set ran over their predictions:
         1 until the set has ``safety_min_steps`` observations. A lookup: admission asks it for
         every candidate sample of every step."""
-        return self._safety.get((features.key, features.busy), 1.0)
+        return self._safety.get((features.key, features.state), 1.0)
 
     # -- fitting
 
     def fit(self, records: Sequence[StepRecord]) -> None:
         """Calibrate from measured steps: every set with data is refitted and becomes the prior."""
-        groups: dict[tuple[str, bool], list[tuple[tuple[float, ...], float]]] = {}
-        for row, key, busy in _rows(records, self.regressors):
-            groups.setdefault((key, busy), []).append(row)
-        for (key, busy), rows in sorted(groups.items(), key=lambda kv: kv[0][1]):
-            self._solve(key, busy, rows, prior=None)
-            target, calib = (self._busy, self._calib_busy) if busy else (self._coef, self._calib)
-            if key in target:
-                calib[key] = target[key]
+        groups: dict[tuple[str, str], list[tuple[tuple[float, ...], float]]] = {}
+        for row, key, state in _rows(records, self.regressors):
+            groups.setdefault((key, state), []).append(row)
+        for (key, state), rows in sorted(groups.items(), key=lambda kv: kv[0][1] != "idle"):
+            self._solve(key, state, rows, prior=None)
+            slot = key if state == "idle" else busy_key(key, state)
+            target, calib = (self._coef, self._calib) if state == "idle" else (self._busy, self._calib_busy)
+            if slot in target:
+                calib[slot] = target[slot]
         logger.info("latency model calibrated from %d steps: %s", len(records), self._coef)
 
-    def observe(self, record: StepRecord) -> float | None:
-        """Add one measured step; refit its set after 10 observations, then after a quarter of its
+    def observe(self, record: StepRecord, trainer_phase: str = "active") -> float | None:
+        """Add one measured step (beside a trainer in ``trainer_phase`` when
+        ``record.trainer_busy``); refit its set after 10 observations, then after a quarter of its
         window, at most every ``refit_every`` observations. Returns the step's prediction made
         before it was observed (None for an interrupted or untimed step, which is not used)."""
         if record.interrupted or not record.duration_s > 0:
             return None
-        f = StepFeatures.from_record(record)
-        key, busy = f.key, f.busy
-        predicted = self.predict(f)
+        f = StepFeatures.from_record(record, trainer_phase)
+        key = f.key
+        return self.observe_regressors(key, self.regressors(f, key), record.duration_s, f.state)
+
+    def observe_regressors(
+        self, key: str, regressors: Sequence[float], duration_s: float, state: str = "idle",
+    ) -> float:
+        """:meth:`observe` of a ``key`` step of :meth:`regressors` ``regressors`` in ``state``
+        that took ``duration_s`` (> 0) seconds (an offline replay of recorded steps calls it)."""
+        s = (key, state)
+        v = tuple(float(x) for x in regressors)
+        linear = self._linear(key, v, state)
+        level = self._level.get(s, 0.0)
+        predicted = linear * math.exp(level)
         if predicted > 0:
-            ratios = self._ratios.setdefault((key, busy), deque(maxlen=self._safety_window))
-            ratios.append(record.duration_s / predicted)
+            ratios = self._ratios.setdefault(s, deque(maxlen=self._safety_window))
+            ratios.append(duration_s / predicted)
             # NOTE: the quantile every SAFETY_EVERY steps of a set, not every step: this runs on
             # the engine's per-step path
-            n = self._ratio_count.get((key, busy), 0) + 1
-            self._ratio_count[(key, busy)] = n
+            n = self._ratio_count.get(s, 0) + 1
+            self._ratio_count[s] = n
             if len(ratios) >= self.safety_min_steps and (
                     len(ratios) == self.safety_min_steps or n % SAFETY_EVERY == 0):
                 # (numpy: torch's CPU kernels here would wake the process's sleeping OpenMP threads)
                 q = np.quantile(np.fromiter(ratios, np.float64, len(ratios)), self.safety_quantile)
-                self._safety[(key, busy)] = max(1.0, float(q))
-        win = self._windows.setdefault((key, busy), deque(maxlen=self.window))
-        win.append((self.regressors(f, key), record.duration_s))
-        n = self._unfitted.get((key, busy), 0) + 1
-        self._unfitted[(key, busy)] = n
+                self._safety[s] = max(1.0, float(q))
+        if linear > 0 and self.level_rate > 0 and key.startswith(LEVEL_FORMS):
+            # NOTE: clipped, so that one stalled step (a compile, an allocator retry) moves the
+            # level by at most LEVEL_CLIP · level_rate
+            step = min(max(math.log(duration_s / linear) - level, -LEVEL_CLIP), LEVEL_CLIP)
+            self._level[s] = level + self.level_rate * step
+        win = self._windows.setdefault(s, deque(maxlen=self.window))
+        win.append((v, duration_s))
+        n = self._unfitted.get(s, 0) + 1
+        self._unfitted[s] = n
         # Refit early while a set has few observations (a rare step kind would otherwise keep its
         # calibration bias for hundreds of steps), then every `refit_every`.
         if n >= min(self.refit_every, max(10, len(win) // 4)):
-            self._unfitted[(key, busy)] = 0
-            prior = (self._calib_busy if busy else self._calib).get(key)
-            self._solve(key, busy, list(win), prior=prior)
+            self._unfitted[s] = 0
+            slot = key if state == "idle" else busy_key(key, state)
+            prior = (self._calib if state == "idle" else self._calib_busy).get(slot)
+            if prior is None and state not in ("idle", "active"):
+                prior = self._calib_busy.get(key)
+            self._solve(key, state, list(win), prior=prior)
+            self._recenter(s)
         return predicted
 
+    def _recenter(self, s: tuple[str, str]) -> None:
+        """After a refit, the level restarts from the median log ratio of the set's latest steps
+        to the new linear form: a level learned against the old coefficients (or against the
+        stand-in set of a phase seen for the first time) would otherwise count twice."""
+        if self.level_rate <= 0 or not s[0].startswith(LEVEL_FORMS):
+            return
+        recent = list(self._windows[s])[-LEVEL_RECENTER_STEPS:]
+        logs = [math.log(y / p) for v, y in recent if (p := self._linear(s[0], v, s[1])) > 0]
+        if logs:
+            self._level[s] = float(np.median(np.asarray(logs, dtype=np.float64)))
+
     def _solve(
-        self, key: str, busy: bool, rows: list[tuple[tuple[float, ...], float]],
+        self, key: str, state: str, rows: list[tuple[tuple[float, ...], float]],
         prior: tuple[float, ...] | None,
     ) -> None:
         # NOTE: numpy, on the engine's step path (see coserve.core.nnls)
         x = np.asarray([r[0] for r in rows], dtype=np.float64)
         y = np.asarray([r[1] for r in rows], dtype=np.float64)
         weight = 1.0 / np.maximum(y, 1e-9)
-        if busy:
+        if state != "idle":
             # Regress the slowdown on the idle prediction: y − T = ρ·T + δ.
             base = x @ np.asarray(self.coefficients(key), dtype=np.float64)
             x, y = np.stack([base, np.ones_like(base)], 1), y - base
@@ -435,9 +542,9 @@ class LatencyModel:
             return
         coef = fit_relative(x, y, weight, prior, self.prior_weight)
         if all(math.isfinite(c) for c in coef):
-            (self._busy if busy else self._coef)[key] = coef
+            (self._coef if state == "idle" else self._busy)[key if state == "idle" else busy_key(key, state)] = coef
         else:
-            logger.warning("latency refit of %s (busy=%s) not finite; kept the old set", key, busy)
+            logger.warning("latency refit of %s (%s) not finite; kept the old set", key, state)
 
     # -- reporting and persistence
 
@@ -454,7 +561,8 @@ class LatencyModel:
         return {k: error_summary(v) for k, v in errors.items()}
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-serializable coefficients (fitted and calibration); windows are not saved."""
+        """JSON-serializable coefficients (fitted and calibration); windows and levels are not
+        saved."""
         return {
             "version": _STATE_VERSION,
             "coefficients": {k: list(v) for k, v in self._coef.items()},
@@ -470,16 +578,27 @@ class LatencyModel:
         tables = []
         for name in ("coefficients", "busy", "calibration", "calibration_busy"):
             table = state.get(name, {})
-            if not isinstance(table, Mapping) or not set(table) <= set(KEYS):
+            allowed = set(BUSY_KEYS) if "busy" in name else set(KEYS)
+            if not isinstance(table, Mapping) or not set(table) <= allowed:
                 raise ValueError(f"LatencyModel state: bad {name!r} table")
             kind = "busy" if "busy" in name else None
             tables.append({k: _checked(kind or k.split("/")[0], v) for k, v in table.items()})
         self._coef, self._busy, self._calib, self._calib_busy = tables
         self._windows.clear()
         self._unfitted.clear()
+        self._level.clear()
         self._ratios.clear()
         self._safety.clear()
         self._ratio_count.clear()
+
+
+def busy_key(key: str, phase: str) -> str:
+    """The name of ``key``'s busy term beside a trainer in ``phase``: ``key`` itself for
+    ``active`` (the one term of earlier states), ``"{key}/{phase}"`` otherwise."""
+    return key if phase == "active" else f"{key}/{phase}"
+
+
+BUSY_KEYS: Final = tuple(busy_key(k, p) for k in KEYS for p in TRAINER_PHASES)
 
 
 def _checked(form: str, values: Sequence[float]) -> tuple[float, ...]:
@@ -492,12 +611,13 @@ def _checked(form: str, values: Sequence[float]) -> tuple[float, ...]:
 
 def _rows(
     records: Sequence[StepRecord], regressors: Callable[[StepFeatures], tuple[float, ...]],
-) -> list[tuple[tuple[tuple[float, ...], float], str, bool]]:
-    """``((regressors, seconds), key, busy)`` per usable record (interrupted steps are not)."""
+) -> list[tuple[tuple[tuple[float, ...], float], str, str]]:
+    """``((regressors, seconds), key, state)`` per usable record (interrupted steps are not;
+    calibration steps beside a trainer count as ``active``)."""
     out = []
     for record in records:
         if record.interrupted or not record.duration_s > 0:
             continue
         f = StepFeatures.from_record(record)
-        out.append(((regressors(f), record.duration_s), f.key, f.busy))
+        out.append(((regressors(f), record.duration_s), f.key, f.state))
     return out

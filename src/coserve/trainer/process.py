@@ -121,6 +121,11 @@ class TrainerProcess:
             set_open(self.gate_flag, True)
         self.grant.set()
 
+    @property
+    def reports_progress(self) -> bool:
+        """Whether :meth:`progress` reads the worker's GPU (the GPU-side gate is in use)."""
+        return self.gate_flag is not None
+
     def progress(self) -> tuple[int, int] | None:
         """The boundary ``(layer, ordinal)`` the worker's GPU stream passed last (so: what its
         kernels run now), None between tasks or without the GPU-side gate."""
