@@ -48,9 +48,9 @@
 #                  256 tokens store the LoRA delta first, as large eager steps do)
 #   trainer_attn   bench/profile_trainer_cpu.py on CUDA, the 8B shape, by COSERVE_VARLEN_ATTN
 #                  (torch, flash_fn, flash): the attention recompute's and backward's host and GPU ms
-#   split_check    bench/split_step_check.py at the 8B shape, COSERVE_VARLEN_ATTN flash and torch at a
-#                  20% MPS share, and flash on the whole GPU with --poison (the split baseline's NaN
-#                  gradients, session 10)
+#   split_check    bench/split_step_check.py at the 8B shape (4 layers, 9 rows) at a 20% MPS share with
+#                  COSERVE_LORA_FP32_MM auto and 0, and on the whole GPU; bench/skinny_mm_check.py at 20%
+#                  (the split baseline's NaN, sessions 10-11)
 #   mps_ops        bench/mps_op_check.py (the split step's ops against fp32) on the whole GPU, at a 20%
 #                  share, and on the whole GPU with --poison
 #   eager          bench/eager_cpu.py without and with --prefill-graphs
@@ -168,16 +168,18 @@ job() {
           --min-len 120 --max-len 290 --reps 20 --ops --json "$top/trainer_attn_$impl.json"
       done ;;
     split_check)
-      # the split baseline's step at the 8B shape (32 layers) at a 20% MPS share, by attention
-      # implementation (session 10: NaN gradients at 20% with flash, finite on the whole GPU), then
-      # on the whole GPU with the allocator's free memory NaN-filled (a read of unwritten memory)
-      for impl in flash torch; do
-        run "split_check_${impl}_20" "$top/split_check_${impl}_20.log" env COSERVE_VARLEN_ATTN=$impl \
-          CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=20 python3 bench/split_step_check.py --layers 32 --repeats 2 \
-          --anomaly --out "$top/split_check_${impl}_20.json"
+      # the split baseline's step at the 8B shape (4 layers, 9 rows: session 11's failing case) at a
+      # 20% MPS share with the LoRA products in fp32 (the default there), with them in bf16 (the
+      # control: cuBLAS's fault, bench/results/diagnostic/session11/), and on the whole GPU
+      for fp32 in auto 0; do
+        run "split_check_20_fp32$fp32" "$top/split_check_20_fp32$fp32.log" env COSERVE_LORA_FP32_MM=$fp32 \
+          CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=20 python3 bench/split_step_check.py --layers 4 --rows 9 --repeats 2 \
+          --out "$top/split_check_20_fp32$fp32.json"
       done
-      run split_check_flash_100_poison "$top/split_check_flash_100_poison.log" python3 bench/split_step_check.py \
-        --layers 32 --repeats 2 --poison --out "$top/split_check_flash_100_poison.json" ;;
+      run split_check_100 "$top/split_check_100.log" python3 bench/split_step_check.py --layers 4 --rows 9 \
+        --repeats 2 --out "$top/split_check_100.json"
+      run skinny_mm_20 "$top/skinny_mm_20.log" env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=20 python3 bench/skinny_mm_check.py \
+        --iters 200 --out "$top/skinny_mm_20.json" ;;
     mps_ops)
       # the split step's ops one by one against fp32 (bench/mps_op_check.py): whole GPU, 20% share,
       # whole GPU with NaN-filled free memory

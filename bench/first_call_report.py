@@ -209,8 +209,20 @@ def report(folder: Path) -> dict[str, Any]:
     # split_check: the split baseline's step by attention implementation and MPS share
     out["split_check"] = {p.stem.removeprefix("split_check_"): split_check(r)
                           for p in sorted(folder.glob("split_check_*.json")) if (r := _load(p)) is not None}
+    # skinny_mm: the LoRA path's bf16 tall-skinny matmuls under an MPS share (bench/skinny_mm_check.py)
+    out["skinny_mm"] = {p.stem.removeprefix("skinny_mm_"): skinny_mm(r)
+                        for p in sorted(folder.glob("skinny_mm_*.json")) if (r := _load(p)) is not None}
     out["eager_steps"] = eager_steps(need(folder / "eager_cpu_off.json"), need(folder / "eager_cpu_on.json"))
     return out
+
+
+def skinny_mm(r: dict[str, Any]) -> dict[str, Any]:
+    """bench/skinny_mm_check.py: per setting, the calls of each product whose output held a
+    non-finite value, out of ``calls``, at the share the check ran at."""
+    figures = r["figures"]
+    return {"share": r["config"].get("mps_active_thread_percentage"), "sms": r["device"].get("sms"),
+            "calls": next(iter(figures.values()))["iters"] if figures else 0,
+            "non_finite": {setting: f["non_finite"] for setting, f in figures.items()}}
 
 
 def split_check(r: dict[str, Any]) -> dict[str, Any]:

@@ -113,3 +113,14 @@ def test_report_reads_the_split_check_jobs(tmp_path: Path) -> None:
     assert got["flash_100"]["finite"] and got["flash_100"]["grad_rel"][0] == pytest.approx(0.1173, abs=1e-4)
     assert not got["flash_20"]["finite"] and got["flash_20"]["grad_rel"] == [None, None]
     assert got["flash_20"]["anomaly"] is None  # (run without --anomaly)
+
+
+def test_report_reads_the_skinny_mm_check(tmp_path: Path) -> None:
+    """skinny_mm_SHARE.json: session 11's check at a 20% share (cuBLAS's bf16 fault) and at 100%."""
+    src = RESULTS / "diagnostic" / "session11"
+    shutil.copy(src / "mm_20.json", tmp_path / "skinny_mm_20.json")
+    shutil.copy(src / "mm_100.json", tmp_path / "skinny_mm_100.json")
+    got = first_call_report.report(tmp_path)["skinny_mm"]
+    assert got["20"]["share"] == "20" and got["20"]["sms"] == 26 and got["20"]["calls"] == 400
+    assert got["20"]["non_finite"]["default"]["x@B"] == 323 and got["20"]["non_finite"]["fp32"]["x@B"] == 0
+    assert all(n == 0 for f in got["100"]["non_finite"].values() for n in f.values())
