@@ -178,8 +178,11 @@ def test_result_records_provenance_reference_and_comparisons(
     assert {n: c["pause_prefill"] for n, c in cfg["configs"].items() if c["kind"] == "coserve"} == {
         "temporal": "always", "full": "always", "full-noint": "always", "full-overlap": "model",
         "full-graphs": "always", "full-eager": "always", "naive": "always", "naive-32": "always",
+        "full-hold": "always",
     }
     assert result["figures"]["full-overlap"]["pause_prefill"] == "model"
+    assert [n for n, c in cfg["configs"].items() if c.get("hold_pause")] == ["full-hold"]
+    assert result["figures"]["full-hold"]["hold_pause"] and not result["figures"]["full"]["hold_pause"]
     ref = result["reference"]
     assert ref["relative_ttft_slo_ms"] == pytest.approx(3 * ref["mean_ttft_ms"])
     assert result["calibration"]["batches"] > 0

@@ -56,13 +56,15 @@ def model(decode_c: float, busy: tuple[float, float]) -> LatencyModel:
     return m
 
 
-def coserver(latency: LatencyModel, pause_prefill: str = "always") -> tuple[CoServer, FakeTrainer]:
+def coserver(latency: LatencyModel, pause_prefill: str = "always", hold_pause: bool = False
+             ) -> tuple[CoServer, FakeTrainer]:
     samples = [FTSample(i, tuple(range(8)), tuple(range(8))) for i in range(4)]
     trainer = FakeTrainer()
     co = CoServer(pool=SamplePool(samples), samples={s.sample_id: s for s in samples},
                   store=ActivationStore(2, 64, 8, torch.float32, "cpu"), trainer=trainer,
                   config=CoServeConfig(backward_tokens=16, max_seq_len=16), optim=OptimConfig(),
-                  slo=SLOConfig(ttft_slo_s=1.0, tpot_slo_s=0.1, margin=0.1, pause_prefill=pause_prefill),
+                  slo=SLOConfig(ttft_slo_s=1.0, tpot_slo_s=0.1, margin=0.1, pause_prefill=pause_prefill,
+                                hold_pause=hold_pause),
                   latency=latency)
     co._in_flight = [(BackwardTask(0, 0, (TaskSample(0, 0, tuple(range(8))),), True), 0)]  # a backward runs
     return co, trainer
@@ -350,3 +352,47 @@ def test_decode_steps_beside_a_commit_are_learned_and_priced_as_the_quiet_phase(
     assert co.latency.predict(quiet) == pytest.approx(0.011, rel=0.05)
     assert co.latency.busy_term("decode/graph") == (1.0, 0.0)
     assert co.latency.predict(StepFeatures.from_view(DECODE, busy=True)) == pytest.approx(0.02)
+
+
+QUEUED = replace(PREFILL, num_waiting=3, oldest_waiting_arrival=0.95, waiting_prefill_tokens=600)
+
+
+def _end(co: CoServer, view: StepView, interrupted: bool = False) -> None:
+    co.on_step_end(StepRecord(view=view, ft_tokens=0, duration_s=0.01, trainer_busy=False, interrupted=interrupted))
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_hold_pause_keeps_the_backward_paused_through_a_burst_of_prefill_steps(hold: bool) -> None:
+    """With prompt tokens queued behind a paused step, hold_pause leaves the grant cleared into the
+    next step's planning: one pause for the whole burst, resumed by the first step that needs none."""
+    co, trainer = coserver(model(0.01, (0.0, 0.0)), hold_pause=hold)
+    co.track = True
+    co.plan(QUEUED)
+    _end(co, QUEUED)
+    assert trainer.paused is hold  # without hold_pause the grant is set after every step
+    co.plan(QUEUED)
+    _end(co, QUEUED)
+    co.plan(PREFILL)  # the burst's last prefill step: nothing queued behind it
+    assert trainer.paused
+    _end(co, PREFILL)
+    assert not trainer.paused
+    assert trainer.pauses == (1 if hold else 3)
+    assert len(co.pause_windows) == (1 if hold else 3)
+
+
+def test_a_held_pause_ends_at_a_step_that_needs_none_or_when_the_host_goes_idle() -> None:
+    co, trainer = coserver(model(0.01, (0.0, 0.0)), hold_pause=True)
+    co.plan(QUEUED)
+    _end(co, QUEUED)
+    assert trainer.paused
+    co.plan(DECODE)  # a decode step that fits beside the backward: resumed before it runs
+    assert not trainer.paused and co.trainer_active
+    _end(co, DECODE)
+    co.plan(QUEUED)
+    _end(co, QUEUED)
+    assert trainer.paused
+    co.poll()  # the host has no step to run: it waits on the trainer, which must not stay paused
+    assert not trainer.paused
+    co.plan(QUEUED)
+    _end(co, QUEUED, interrupted=True)  # (an interrupted step: resumed at its end, as before)
+    assert not trainer.paused

@@ -56,6 +56,7 @@ def summarize(
         "policy": cfg.policy,
         "interrupt_ft_only": cfg.interrupt_ft_only,
         "pause_prefill": cfg.pause_prefill,
+        "hold_pause": cfg.hold_pause,
         "summary": cfg.summary,
         "requests": len(records),
         "finished": sum(r.finish_s is not None for r in records),

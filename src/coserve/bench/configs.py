@@ -26,6 +26,7 @@ class RunConfig:
     policy: str = "off"
     interrupt_ft_only: bool = True
     pause_prefill: str = "always"
+    hold_pause: bool = False  # SLOConfig.hold_pause
     # steps with prefill or FT rows through the piecewise CUDA graphs (None: as the engine was
     # started, --prefill-graphs); either way on the same engine, so on the same arrivals
     prefill_graphs: bool | None = None
@@ -72,6 +73,13 @@ CONFIGS: dict[str, RunConfig] = {
             "slow past their budget (not for every prefill or mixed step)",
             policy="full",
             pause_prefill="model",
+        ),
+        RunConfig(
+            "full-hold",
+            RunKind.COSERVE,
+            "coserve full, the backward kept paused between steps while prompt tokens are queued",
+            policy="full",
+            hold_pause=True,
         ),
         RunConfig(
             "full-graphs",

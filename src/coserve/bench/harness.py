@@ -250,6 +250,7 @@ def _config_section(
                 "policy": c.policy,
                 "interrupt_ft_only": c.interrupt_ft_only,
                 "pause_prefill": c.pause_prefill,
+                "hold_pause": c.hold_pause,
                 "prefill_graphs": c.uses_prefill_graphs(spec.engine.prefill_graphs),
                 **({"split_mps_percentage": c.split_share or ft.split_mps_percentage}
                    if c.kind == RunKind.SPLIT else {}),

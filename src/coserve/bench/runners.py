@@ -244,6 +244,7 @@ def _session_spec(ctx: BenchContext, config: RunConfig) -> FinetuneSpec:
             policy=config.policy,
             interrupt_ft_only=config.interrupt_ft_only,
             pause_prefill=config.pause_prefill,
+            hold_pause=config.hold_pause,
             naive_tokens=config.naive_tokens or t.naive_tokens,
         ),
         trainer_threads=t.trainer_threads,

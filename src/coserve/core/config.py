@@ -131,7 +131,10 @@ class SLOConfig:
     a decode-only step when the latency model predicts that running beside the backward would
     break the step's latency budget; ``model`` for any inference step only on that prediction
     (busy mode, times the model's safety factor), so that the backward keeps running beside the
-    prefill and mixed steps that fit their budget.
+    prefill and mixed steps that fit their budget. ``hold_pause``: a backward paused for a step
+    whose requests left prompt tokens queued stays paused into the next step's planning, which
+    resumes it only if that step needs no pause: through a burst of prefill steps the backward
+    gets no gap between them in which to launch a layer beside the next one.
     """
 
     ttft_slo_s: float = 1.0
@@ -141,6 +144,7 @@ class SLOConfig:
     interrupt_ft_only: bool = True
     naive_tokens: int = 256
     pause_prefill: str = "always"
+    hold_pause: bool = False
 
     def __post_init__(self) -> None:
         if not self.ttft_slo_s > 0:

@@ -148,6 +148,8 @@ class CoServer:
         self.trainer_seconds: dict[str, float] = {"working": 0.0, "paused": 0.0}
         self._ft_only = False
         self._paused = False
+        # SLOConfig.hold_pause: the pause of the last step carried over into this step's planning
+        self._held = False
         # Measurements for benchmarks (bounded by the run): grant-flag clears and the worker's
         # observed pauses (time.monotonic, comparable across processes), latency predictions.
         self.track = False
@@ -230,7 +232,7 @@ class CoServer:
         """Choose the fine-tuning rows of the next step (hook 1)."""
         if self.track:
             self._plan_began = time.monotonic()
-        self.poll()
+        self._collect()
         progress = getattr(self.trainer, "progress", None)
         if progress is not None and getattr(self.trainer, "reports_progress", True):
             at = progress() if self._in_flight else None
@@ -242,11 +244,17 @@ class CoServer:
             self._trainer_at = at
         self._step_rows = []
         if self.failure is not None:
+            if self._held:
+                self._resume()
             return []
         if view.ft_graph_tokens and self.ft_rows_force_eager(ft_only=not view.has_inference):
             view = replace(view, ft_graph_tokens=0)  # (priced as the eager step it will be)
-        if self._in_flight and self._must_pause(view):
+        held, self._held = self._held, False
+        must_pause = bool(self._in_flight) and self._must_pause(view)
+        if must_pause and not self._paused:
             self._pause()
+        elif held and not must_pause:
+            self._resume()  # (the held pause ends where this step needs none)
         ft_only = not view.has_inference
         if self._task_full():
             self._count(ft_only, "task_full")
@@ -295,9 +303,18 @@ class CoServer:
         self.admission_counts[key] = self.admission_counts.get(key, 0) + 1
 
     def _pause(self) -> None:
-        self.trainer.pause()  # NOTE: set again in on_step_end, whatever happens in between
+        # NOTE: set again in on_step_end (held: in the next plan or poll), whatever happens in between
+        self.trainer.pause()
         self._paused = True
         self._pause_start = time.monotonic()
+
+    def _resume(self) -> None:
+        self.trainer.resume()
+        self._paused = False
+        self._held = False
+        if self.track:
+            self.pause_windows.append((self._pause_start, time.monotonic()))
+            self.pause_window_at.append(self._trainer_at)
 
     def _dropout_key(self, row: int) -> int | None:
         """Row ``row`` of the task being filled is trained as row ``row`` of task ``_next_task_id``;
@@ -410,11 +427,11 @@ class CoServer:
     def on_step_end(self, record: StepRecord) -> None:
         """Retire the step's rows into the open task; submit it when full (hook 3)."""
         if self._paused:
-            self.trainer.resume()
-            self._paused = False
-            if self.track:
-                self.pause_windows.append((self._pause_start, time.monotonic()))
-                self.pause_window_at.append(self._trainer_at)
+            if (self.slo.hold_pause and not record.interrupted and record.view.waiting_prefill_tokens > 0
+                    and self.failure is None):
+                self._held = True  # the next step will carry prefill: its plan() decides
+            else:
+                self._resume()
         self._layer_events.clear()
         checks, self._checks = self._checks, []
         if record.interrupted and self.track:
@@ -471,7 +488,14 @@ class CoServer:
         self.trainer.submit(task)
 
     def poll(self, timeout: float = 0.0) -> None:
-        """Take in trainer results (waiting up to ``timeout`` s); recover from a dead trainer."""
+        """Take in trainer results (waiting up to ``timeout`` s); recover from a dead trainer. The
+        host calls it between steps when it has no step to run: a held pause
+        (``SLOConfig.hold_pause``) ends here, since no step follows at once."""
+        if self._held:
+            self._resume()
+        self._collect(timeout)
+
+    def _collect(self, timeout: float = 0.0) -> None:
         for result in self.trainer.poll(timeout if self._in_flight else 0.0):
             self._on_result(result)
         if self._in_flight and not self.trainer.alive():

@@ -77,6 +77,9 @@ def add_slo_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, ttft_m
                    help="when the running backward is paused for an inference step. always: every step "
                         "with prefill or FT rows, and a decode step that the latency model says would break "
                         "its budget beside the backward; model: any step only when the latency model says so")
+    p.add_argument("--hold-pause", action="store_true",
+                   help="keep the backward paused between steps while prompt tokens are queued (a burst of "
+                        "prefill steps runs without the backward resuming in between)")
 
 
 def slo_config(args: argparse.Namespace) -> SLOConfig:
@@ -85,7 +88,7 @@ def slo_config(args: argparse.Namespace) -> SLOConfig:
 
     return SLOConfig(ttft_slo_s=args.ttft_slo_ms / 1e3, tpot_slo_s=args.tpot_slo_ms / 1e3, margin=args.slo_margin,
                      policy=args.ft_policy, interrupt_ft_only=not args.no_interrupt,
-                     pause_prefill=args.pause_prefill)
+                     pause_prefill=args.pause_prefill, hold_pause=args.hold_pause)
 
 
 def _generate_args(p: argparse.ArgumentParser) -> None:
