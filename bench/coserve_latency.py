@@ -185,6 +185,8 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--attention-backend", default="triton", choices=["torch", "triton"])
     p.add_argument("--no-mps", action="store_true")
+    p.add_argument("--hold-pause", action="store_true",
+                   help="SLOConfig.hold_pause: the backward stays paused between steps while prompt tokens are queued")
     p.add_argument("--trainer-sm-share", type=int, default=None,
                    help="CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of the trainer process")
     p.add_argument("--no-reference", action="store_true", help="skip the inference-only run")
@@ -216,7 +218,7 @@ def main() -> None:
     every = load_trace(args.trace, scaling)
     start = busiest_window(every, args.duration)
     arrivals = load_trace(args.trace, scaling, start_s=start, duration_s=args.duration)
-    slo = SLOConfig(ttft_slo_s=args.ttft_slo_ms / 1e3, tpot_slo_s=args.tpot_slo_ms / 1e3)
+    slo = SLOConfig(ttft_slo_s=args.ttft_slo_ms / 1e3, tpot_slo_s=args.tpot_slo_ms / 1e3, hold_pause=args.hold_pause)
     vocab = min(1024, config["vocab_size"])
     spec = FinetuneSpec(
         data=ft_dataset(work / "ft.jsonl", 4000, (256, 1024), vocab), output=work / "out",

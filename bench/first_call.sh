@@ -53,6 +53,7 @@
 #                  (the split baseline's NaN, sessions 10-11)
 #   mps_ops        bench/mps_op_check.py (the split step's ops against fp32) on the whole GPU, at a 20%
 #                  share, and on the whole GPU with --poison
+#   latency_hold   latency=50 with --hold-pause (SLOConfig.hold_pause)
 #   eager          bench/eager_cpu.py without and with --prefill-graphs
 #   eval=SPEC      bench/eval_device.sh SPEC on this lane's GPU (SPEC as there: WORKLOAD=RATE[=EXTRA],
 #                  with $BUDGET and $BENCH_FLAGS), its archive kept as first/eval.tar.gz
@@ -191,6 +192,9 @@ job() {
     latency=*)
       share=${1#latency=}; share_flags=(); (( share < 100 )) && share_flags=(--trainer-sm-share "$share")
       latency_bench "$1" "$top/coserve_latency_share$share" "${share_flags[@]}" ;;
+    latency_hold)
+      # the 50% latency run with --hold-pause: the pause delay and burst step times against latency=50
+      latency_bench "$1" "$top/coserve_latency_hold" --trainer-sm-share 50 --hold-pause ;;
     eager)
       run eager_off "$top/eager_cpu_off.log" python3 bench/eager_cpu.py --conditions idle \
         --out "$top/eager_cpu_off.json"
