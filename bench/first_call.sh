@@ -179,8 +179,10 @@ job() {
       done
       run split_check_100 "$top/split_check_100.log" python3 bench/split_step_check.py --layers 4 --rows 9 \
         --repeats 2 --out "$top/split_check_100.json"
-      run skinny_mm_20 "$top/skinny_mm_20.log" env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=20 python3 bench/skinny_mm_check.py \
-        --iters 200 --out "$top/skinny_mm_20.json" ;;
+      for share in 20 40 50; do  # (where the fault stops: COSERVE_LORA_FP32_MM's auto rule is any share < 100)
+        run "skinny_mm_$share" "$top/skinny_mm_$share.log" env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$share \
+          python3 bench/skinny_mm_check.py --iters 200 --out "$top/skinny_mm_$share.json"
+      done ;;
     mps_ops)
       # the split step's ops one by one against fp32 (bench/mps_op_check.py): whole GPU, 20% share,
       # whole GPU with NaN-filled free memory
