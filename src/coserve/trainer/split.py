@@ -44,9 +44,12 @@ logger = logging.getLogger(__name__)
 
 def tensor_sums(model: torch.nn.Module) -> dict[str, float]:
     """``name -> fp64 sum`` of every parameter and buffer of ``model`` (NaN where any element is
-    not finite): what the split worker compares its mapped view of the engine's weights with."""
+    not finite) but the adapter-slot stacks (``lora_a_all``/``lora_b_all``, which the engine may
+    rewrite while it serves and the split worker never reads): what the split worker compares its
+    mapped view of the engine's weights with."""
     with torch.no_grad():
-        tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+        tensors = {name: t for name, t in (*model.named_parameters(), *model.named_buffers())
+                   if not name.endswith(("lora_a_all", "lora_b_all"))}
         sums = (
             torch.stack([t.detach().double().sum() for t in tensors.values()])
             if tensors
