@@ -455,7 +455,7 @@ class LatencyModel:
             groups.setdefault((key, state), []).append(row)
         for (key, state), rows in sorted(groups.items(), key=lambda kv: kv[0][1] != "idle"):
             self._solve(key, state, rows, prior=None)
-            slot = key if state == "idle" else busy_key(key, state)
+            slot = _slot(key, state)
             target, calib = (self._coef, self._calib) if state == "idle" else (self._busy, self._calib_busy)
             if slot in target:
                 calib[slot] = target[slot]
@@ -507,7 +507,7 @@ class LatencyModel:
         # calibration bias for hundreds of steps), then every `refit_every`.
         if n >= min(self.refit_every, max(10, len(win) // 4)):
             self._unfitted[s] = 0
-            slot = key if state == "idle" else busy_key(key, state)
+            slot = _slot(key, state)
             prior = (self._calib if state == "idle" else self._calib_busy).get(slot)
             if prior is None and state not in ("idle", "active"):
                 prior = self._calib_busy.get(key)
@@ -542,7 +542,7 @@ class LatencyModel:
             return
         coef = fit_relative(x, y, weight, prior, self.prior_weight)
         if all(math.isfinite(c) for c in coef):
-            (self._coef if state == "idle" else self._busy)[key if state == "idle" else busy_key(key, state)] = coef
+            (self._coef if state == "idle" else self._busy)[_slot(key, state)] = coef
         else:
             logger.warning("latency refit of %s (%s) not finite; kept the old set", key, state)
 
@@ -590,6 +590,12 @@ class LatencyModel:
         self._ratios.clear()
         self._safety.clear()
         self._ratio_count.clear()
+
+
+def _slot(key: str, state: str) -> str:
+    """Where a set's coefficients live: ``key`` in the idle tables for ``idle``, else its
+    :func:`busy_key` in the busy ones."""
+    return key if state == "idle" else busy_key(key, state)
 
 
 def busy_key(key: str, phase: str) -> str:

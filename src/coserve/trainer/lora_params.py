@@ -55,10 +55,15 @@ def fp32_products(device_type: str) -> bool:
     return share is not None
 
 
+def _in_fp32(a: torch.Tensor) -> bool:
+    """Whether a LoRA product with half-precision input ``a`` runs in fp32 (:func:`fp32_products`)."""
+    return a.dtype != torch.float32 and fp32_products(a.device.type)
+
+
 def lora_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` for the LoRA path's products with a rank-sized dimension: in fp32 (rounded back to
-    ``a``'s dtype) for half-precision inputs where :func:`fp32_products`, else ``torch.mm``."""
-    if a.dtype != torch.float32 and fp32_products(a.device.type):
+    ``a``'s dtype) where :func:`_in_fp32`, else ``torch.mm``."""
+    if _in_fp32(a):
         return torch.mm(a.float(), b.float()).to(a.dtype)
     return torch.mm(a, b)
 
@@ -570,7 +575,7 @@ def _lora_linear_dx(
     ts = [lora_mm(g, b) for g, b in zip(dys, bs, strict=True)]
     t = torch.cat(ts, dim=1) if len(ts) > 1 else ts[0]
     dx = torch.mm(dy, weight) if needs_dx else None
-    if dx is not None and t.dtype != torch.float32 and fp32_products(t.device.type):
+    if dx is not None and _in_fp32(t):
         dx.add_(torch.mm(t.float(), a_all.float()).mul_(s))  # (one rounding, as addmm_'s)
     elif dx is not None:
         dx.addmm_(t, a_all, alpha=s)

@@ -50,11 +50,7 @@ def tensor_sums(model: torch.nn.Module) -> dict[str, float]:
     with torch.no_grad():
         tensors = {name: t for name, t in (*model.named_parameters(), *model.named_buffers())
                    if not name.endswith(("lora_a_all", "lora_b_all"))}
-        sums = (
-            torch.stack([t.detach().double().sum() for t in tensors.values()])
-            if tensors
-            else torch.zeros(0)
-        )
+        sums = torch.stack([t.detach().double().sum() for t in tensors.values()])  # (one sync)
         return dict(zip(tensors, sums.cpu().tolist(), strict=True))
 
 
@@ -235,10 +231,10 @@ def run_split_worker(spec: SplitSpec, errors: Any) -> None:
         optim = LoRAOptimizer(lora, spec.optim)
         batches = split_batches(spec.samples, spec.backward_tokens, spec.seed)
         freeze_startup_objects("split trainer")
-        task, skipped = 0, SkippedSteps()
+        task, skipped, faults = 0, SkippedSteps(), []
         while not spec.stop.is_set():
             # one optimizer step: `accumulation_tasks` batches, like the co-serving trainer's tasks
-            loss_sum, targets, tokens, batch = 0.0, 0, 0, []
+            loss_sum, targets, tokens = 0.0, 0, 0
             for _ in range(spec.optim.accumulation_tasks):
                 batch = next(batches)
                 result = train_step(spec.model, lora, batch, dropout_key=task)
@@ -262,8 +258,7 @@ def run_split_worker(spec: SplitSpec, errors: Any) -> None:
                 info.skipped, spec.optim.max_skipped_steps, loss_sum / max(1, targets)
             )
             if stop is not None:
-                faults = weight_faults(spec.model, spec.weight_sums)
-                if faults:
+                if faults:  # (as checked at the streak's first step)
                     stop += f". The worker's view of the engine's weights differs: {'; '.join(faults[:8])}"
                 raise RuntimeError(stop)
             if info.skipped:
