@@ -9,7 +9,9 @@ azure2023_code — each with its measured value.
     python bench/eval_table.py bench/results/eval_h200 [MORE_FOLDERS ...] [--config full-overlap]
 
 With several folders, a workload is taken from the first folder that has it (a newer evaluation
-first, an older one filling the workloads it did not rerun).
+first, an older one filling the workloads it did not rerun). A later folder's run of the same
+workload at the same commit, arrivals, SLOs, model and FT setup (one evaluation split over
+several device calls) adds the configurations the first lacks; its reference stays the first's.
 """
 
 from __future__ import annotations
@@ -26,16 +28,33 @@ ORDER = ("inference", "inference-graphs", "full", "full-graphs", "full-eager", "
          "temporal", "naive", "split", "inference-last")
 
 
+SAME_RUN = ("workload", "slo", "model", "ft")
+"""The config sections two results must share for their configurations to sit in one table."""
+
+
+def _same_run(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a.get("commit") == b.get("commit") and all(a["config"].get(k) == b["config"].get(k) for k in SAME_RUN)
+
+
 def load(*folders: Path) -> dict[str, dict[str, Any]]:
     """``{workload: result}`` for the workload folders present (known ones first); a workload
-    found in several folders is taken from the first."""
-    found: dict[str, Path] = {}
+    found in several folders is taken from the first, with the configurations that a later
+    folder's run of the same commit and setup (:data:`SAME_RUN`) adds."""
+    found: dict[str, list[Path]] = {}
     for folder in folders:
         for p in sorted([*folder.glob("*/*.json"), *folder.glob("*/*.json.gz")]):
             if p.name in (f"{p.parent.name}.json", f"{p.parent.name}.json.gz"):
-                found.setdefault(p.parent.name, p)
+                found.setdefault(p.parent.name, []).append(p)
     names = [w for w in WORKLOADS if w in found] + sorted(set(found) - set(WORKLOADS))
-    return {w: read_result(found[w]) for w in names}
+    out = {}
+    for w in names:
+        first, *later = (read_result(p) for p in found[w])
+        for other in later:
+            if _same_run(first, other):
+                for name, fig in other["figures"].items():
+                    first["figures"].setdefault(name, fig)
+        out[w] = first
+    return out
 
 
 def _rate(result: dict[str, Any]) -> str:

@@ -68,3 +68,19 @@ def test_ratio_goals_compare_with_the_fastest_baseline_run_that_meets_the_attain
     del figures["split-25"], figures["split-10"]
     split = eval_table.goals({"azure2023_code": {"figures": figures}})["azure2023_code"]["ft_over_split"]
     assert split["baseline"] == "split" and split["baseline_attainment_worse"]
+
+
+def test_one_evaluation_over_two_calls_is_one_table() -> None:
+    """Session 12's burst-dense ran in two calls at one commit (same arrivals): the second call's
+    configurations join the first's, whose reference stays; a run of another commit does not."""
+    s12 = ROOT / "bench" / "results" / "eval_h200" / "session12"
+    merged = eval_table.load(s12 / "call3", s12 / "call4")["burst-dense"]
+    assert set(merged["figures"]) == {"inference", "full", "full-hold", "split-20", "split-30", "temporal",
+                                      "full-graphs"}
+    first = eval_table.load(s12 / "call3")["burst-dense"]
+    assert merged["figures"]["inference"] == first["figures"]["inference"]
+    split = eval_table.goals({"burst-dense": merged})["burst-dense"]["ft_over_split"]
+    assert split["baseline"] == "split-30" and not split["baseline_attainment_worse"]
+    assert split["value"] == pytest.approx(7392 / 4904, rel=1e-3) and split["met"]
+    older = eval_table.load(s12 / "call3", ROOT / "bench" / "results" / "eval_h200" / "session11" / "call3")
+    assert "naive" not in older["burst-dense"]["figures"]  # session 11's, another commit

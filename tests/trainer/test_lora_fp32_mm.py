@@ -43,6 +43,12 @@ def test_auto_rule_is_cuda_under_a_share(monkeypatch: pytest.MonkeyPatch, fresh_
     monkeypatch.setattr(lora_params, "share_of_this_process", lambda: 20)
     assert fp32_products("cuda") and not fp32_products("cpu")
     fp32_products.cache_clear()
+    monkeypatch.setattr(lora_params, "share_of_this_process", lambda: 40)
+    assert fp32_products("cuda")
+    fp32_products.cache_clear()
+    monkeypatch.setattr(lora_params, "share_of_this_process", lambda: 50)  # where the fault was not seen
+    assert not fp32_products("cuda")
+    fp32_products.cache_clear()
     monkeypatch.setattr(lora_params, "share_of_this_process", lambda: None)
     assert not fp32_products("cuda")
     fp32_products.cache_clear()

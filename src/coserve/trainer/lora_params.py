@@ -33,11 +33,17 @@ logger = logging.getLogger(__name__)
 LORA_FP32_MM = os.environ.get("COSERVE_LORA_FP32_MM", "auto")
 """``COSERVE_LORA_FP32_MM``: whether the LoRA products with a rank-sized dimension (``x Aᵀ``,
 ``dy B``, ``(x Aᵀ) Bᵀ`` and the gradients of A and B) run in fp32 for half-precision inputs.
-``auto`` (default): on CUDA when this process is an MPS client at a share below 100%; ``1``:
-always; ``0``: never. Session 11 on the H200 (``bench/skinny_mm_check.py``): cuBLAS's bf16
-``[4109, 4096] @ [4096, 16]`` returned non-finite values from finite inputs in 323 of 400 calls
-at a 20% share (26 SMs) and 41 of 200 at 30%, none at 50% or on the whole GPU, and none in fp32:
-the split baseline's NaN losses and gradients at 20–30% (``bench/results/diagnostic/session11``)."""
+``auto`` (default): on CUDA when this process is an MPS client at a share below
+:data:`FP32_BELOW_SHARE`; ``1``: always; ``0``: never. On the H200 (``bench/skinny_mm_check.py``)
+cuBLAS's bf16 ``[4109, 4096] @ [4096, 16]`` returned non-finite values from finite inputs in 323
+of 400 calls at a 20% share (26 SMs) and 41 of 200 at 30% (session 11), 161 of 200 at 40% and
+none at 50% or on the whole GPU (session 12), and none in fp32: the split baseline's NaN losses
+and gradients at 20–30% (``bench/results/diagnostic/session11``)."""
+FP32_BELOW_SHARE = 50
+"""The ``auto`` rule's bound (percent): the fault was seen at 20, 30 and 40% and not at 50%. At 50%
+the fp32 products cost the co-serving trainer ~1 ms of GPU and CPU time per layer's attention
+backward (session 12's 60 s latency run: ``layer#5`` span 2.12 ms against 0.99–1.12 ms in
+sessions 9–10, p50) and a third of its FT tokens/s (2,018 against 2,961–3,193), for nothing."""
 if LORA_FP32_MM not in ("auto", "0", "1"):
     raise ValueError(f"COSERVE_LORA_FP32_MM={LORA_FP32_MM!r}: expected auto, 0 or 1")
 
@@ -49,10 +55,11 @@ def fp32_products(device_type: str) -> bool:
     if LORA_FP32_MM != "auto":
         return LORA_FP32_MM == "1"
     share = share_of_this_process() if device_type == "cuda" else None
-    if share is not None:
+    if share is not None and share < FP32_BELOW_SHARE:
         logger.warning("LoRA products in fp32: this process runs at a %d%% MPS share, where cuBLAS's bf16 "
                        "rank-sized matmuls gave non-finite results (COSERVE_LORA_FP32_MM=0 turns this off)", share)
-    return share is not None
+        return True
+    return False
 
 
 def _in_fp32(a: torch.Tensor) -> bool:
