@@ -192,7 +192,7 @@ def main() -> None:
     p.add_argument("--no-reference", action="store_true", help="skip the inference-only run")
     p.add_argument("--threads", type=int, default=0,
                    help="torch intra-op threads of the engine process (0: torch's default)")
-    p.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="steps with prefill or FT rows through the piecewise CUDA graphs")
     p.add_argument("--probe-requests", type=int, default=40,
                    help="after the replay, this many single short requests, one every ~0.5 s, each arriving "

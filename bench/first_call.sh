@@ -36,14 +36,14 @@
 #   trace_peer     bench/trace_vs_hf.py, the transformers peer's side (same arrivals)
 #   latency        bench/coserve_latency.py (issue 5: latency-model error, pause delay), the trainer
 #                  at a 50% MPS share; latency=N: at N% (latency=100: no share)
-#   latency_graphs the latency job with --prefill-graphs (steps with prefill or FT rows through the
-#                  piecewise CUDA graphs, priced by their own prefill/graph set)
+#   latency_eager  the latency job with --no-prefill-graphs (steps with prefill or FT rows eager, as
+#                  before session 12 made the piecewise CUDA graphs the default)
 #   latency_varlen the latency job with COSERVE_VARLEN_PREFILL=1 (each run of rows without cached
 #                  context in one varlen flash call); latency_threads1: with one intra-op thread
 #                  in the engine (--threads 1)
 #   lora_mid_varlen  lora_mid with COSERVE_VARLEN_PREFILL=1
-#   latency_pieces the latency job with COSERVE_TRAINER_ATTN_PIECES=1 (the trainer's attention half in
-#                  three pieces, a pause boundary between two)
+#   latency_nopieces the latency job with COSERVE_TRAINER_ATTN_PIECES=0 (the trainer's attention half
+#                  in one piece, as before session 12 made the three pieces the default)
 #   lora_mid_graphs_ef  lora_mid_graphs with COSERVE_LORA_GRAPH_EXPAND_FIRST=1 (the graphs of more than
 #                  256 tokens store the LoRA delta first, as large eager steps do)
 #   trainer_attn   bench/profile_trainer_cpu.py on CUDA, the 8B shape, by COSERVE_VARLEN_ATTN
@@ -152,10 +152,10 @@ job() {
     trace_coserve) trace coserve ;;
     trace_peer) trace transformers ;;
     latency) latency_bench latency "$top/verify/coserve_latency" --trainer-sm-share 50 ;;
-    latency_graphs) latency_bench latency_graphs "$top/coserve_latency_graphs" --trainer-sm-share 50 --prefill-graphs ;;
+    latency_eager) latency_bench latency_eager "$top/coserve_latency_eager" --trainer-sm-share 50 --no-prefill-graphs ;;
     latency_varlen) COSERVE_VARLEN_PREFILL=1 latency_bench latency_varlen "$top/coserve_latency_varlen" \
       --trainer-sm-share 50 ;;
-    latency_pieces) COSERVE_TRAINER_ATTN_PIECES=1 latency_bench latency_pieces "$top/coserve_latency_pieces" \
+    latency_nopieces) COSERVE_TRAINER_ATTN_PIECES=0 latency_bench latency_nopieces "$top/coserve_latency_nopieces" \
       --trainer-sm-share 50 ;;
     latency_threads1) latency_bench latency_threads1 "$top/coserve_latency_threads1" --trainer-sm-share 50 --threads 1 ;;
     lora_mid_graphs_ef) COSERVE_LORA_GRAPH_EXPAND_FIRST=1 lora_bench lora_mid_graphs_ef "$top/engine_lora_mid_graphs_ef" \

@@ -150,7 +150,7 @@ def test_every_configuration_runs_on_the_same_arrivals(
     # the prefill-graph configurations: asked for, but there are no CUDA graphs on the CPU
     configs = result["config"]["configs"]
     assert configs["full-graphs"]["prefill_graphs"] is True and configs["full-eager"]["prefill_graphs"] is False
-    assert configs["full"]["prefill_graphs"] is False  # as the engine was started
+    assert configs["full"]["prefill_graphs"] is True  # as the engine was started (the default)
     assert all(f["prefill_graphs"] is False for f in figures.values())
     assert "ft-only" in figures["temporal"]["step_counts"]
     assert "ft-only" not in figures["inference"]["step_counts"]

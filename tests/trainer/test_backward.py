@@ -342,6 +342,14 @@ def test_dropout_mask_is_seeded_inverted_dropout() -> None:
 # task_backward
 
 
+def attention_pieces_boundaries() -> int:
+    """The boundaries per layer that the attention half in three pieces (the default,
+    COSERVE_TRAINER_ATTN_PIECES) adds: two in its recompute, two in its backward."""
+    import coserve.trainer.backward as backward
+
+    return 4 if backward.ATTN_PIECES else 0
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize(("targets", "dropout"), [(QV, 0.0), (LORA_TARGETS, 0.0), (ATTN, 0.2)])
 def test_task_backward_matches_full_autograd(
@@ -361,8 +369,8 @@ def test_task_backward_matches_full_autograd(
 
     # before the loss's forward and its backward; per layer: before and after the attention recompute, before the attention
     # backward, and within the MLP half two (trained: after its recompute and its backward) or
-    # three (untrained, one piece: after each of its three matmuls)
-    per_layer = 4 if targets == LORA_TARGETS else 6
+    # three (untrained, one piece: after each of its three matmuls), and the attention pieces'
+    per_layer = (4 if targets == LORA_TARGETS else 6) + attention_pieces_boundaries()
     assert seen == [2, 2] + [1] * per_layer + [0] * per_layer
     assert out.num_targets == sum(s.num_targets for s in samples)
     assert out.loss_sum == pytest.approx(loss.item(), rel=1e-5)
@@ -422,7 +430,7 @@ def test_untrained_mlp_in_pieces_gives_the_same_gradients(
         # per MLP piece one after each matmul: the gate/up recompute (unless kept), down's and
         # gate_up's input gradients (a trained MLP: after its recompute and after its backward)
         per_piece = 2 if kept_mlp else 3
-        assert seen.count(0) == (3 + per_piece * -(-tokens // 4) if pieced else 4)
+        assert seen.count(0) == (3 + per_piece * -(-tokens // 4) if pieced else 4) + attention_pieces_boundaries()
         assert chunked.loss_sum == pytest.approx(whole.loss_sum, rel=1e-6)
         assert_close_scaled(lora.flat.grad, expected, rtol=1e-5)
 
@@ -531,7 +539,7 @@ def test_saved_mlp_activations_give_the_same_gradients(
     out = task_backward(model, lora, store, rows, at_layer_boundary=seen.append, mlp_store=kept[0])
     # the loss (L = 2: before its forward and its backward), then per layer 4 boundaries with a trained MLP, 5 without: two after the
     # two matmuls of the hand-written MLP backward (no recompute) in place of the trained MLP's two
-    per_layer = 4 if targets == LORA_TARGETS else 5
+    per_layer = (4 if targets == LORA_TARGETS else 5) + attention_pieces_boundaries()
     assert seen == [2, 2] + [1] * per_layer + [0] * per_layer
     assert out.loss_sum == pytest.approx(loss.item(), rel=1e-5)
     assert ref.flat.grad is not None and lora.flat.grad is not None
@@ -550,6 +558,7 @@ def test_attention_half_in_pieces_gives_the_same_gradients_bit_for_bit(
     samples = random_samples(5, seed=6)
     lora = TrainableLoRA(perturbed_adapter(model, 8, targets, seed=7))
     store, rows = capture_task(model, lora, samples)
+    monkeypatch.setattr(backward, "ATTN_PIECES", False)
     seen_whole: list[int] = []
     whole = task_backward(model, lora, store, rows, at_layer_boundary=seen_whole.append)
     expected = lora.flat.grad.clone()

@@ -41,10 +41,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-gemms", action="store_true",
                    help="with the warm-up, also run each base-weight GEMM at every token count an "
                         "eager step can have (the matmul library picks kernels per shape)")
-    p.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="replay everything but the attention of steps that carry prefill or fine-tuning "
-                        "rows from CUDA graphs captured per token-count bucket (CUDA only; off until "
-                        "measured end to end)")
+                        "rows from CUDA graphs captured per token-count bucket (CUDA only; "
+                        "--no-prefill-graphs runs those steps eagerly)")
     p.add_argument("--stream-priority", default="default", choices=["default", "high"],
                    help="high: run the engine on the GPU's highest-priority stream and start the "
                         "trainer as a below-normal MPS client, so that inference is served first "
