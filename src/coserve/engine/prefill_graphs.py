@@ -1,4 +1,4 @@
-"""Piecewise CUDA graphs for eager inference steps (off by default: ``EngineConfig.prefill_graphs``).
+"""Piecewise CUDA graphs for eager inference steps (on by default on CUDA: ``EngineConfig.prefill_graphs``).
 
 An eager step of ``T`` tokens launches ~70 kernels per layer from Python; on the H200 its host
 side took nearly as long as its GPU side (DEVELOPERS.md, "piecewise CUDA graphs"). Everything
