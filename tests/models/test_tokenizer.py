@@ -109,6 +109,13 @@ def test_unknown_preset() -> None:
         preset_path("nope")
 
 
+def test_text_with_a_lone_surrogate_is_a_value_error(tiny: Tokenizer) -> None:
+    """JSON can carry "\\udcff"; the Rust tokenizer raises a bare TypeError for it."""
+    with pytest.raises(ValueError, match=r"'\\udcff' at index 2 is a lone surrogate"):
+        tiny.encode("a \udcff b")
+    assert tiny.encode("a \u00ff b")  # a real character is fine
+
+
 def test_preset_tokenizer(tiny: Tokenizer) -> None:
     assert tiny.vocab_size == 1024
     for token, token_id in TINY_SPECIALS.items():

@@ -183,6 +183,18 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], str]] = [
      "temperature"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True, "max_tokens": -3},
      "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": float("inf")}, "temperature must be a finite number"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**70}, "seed must be a 64-bit"),
+    ("/v1/completions", {"prompt": "a \udcff b"}, "lone surrogate"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "lone surrogate"),
+    # fields this server does not implement, with a value that asks for something
+    ("/v1/completions", {"prompt": "hi", "echo": True}, "echo is not supported"),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty is not supported"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 100}}, "logit_bias is not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}, "response_format is not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools is not supported"),
 ]
 
 
@@ -192,6 +204,18 @@ def test_bad_input_is_a_400_that_says_why(served: Served, path: str, body: dict[
     assert status == 400, reply
     assert reply["error"]["type"] == "invalid_request_error"
     assert needle in reply["error"]["message"], reply
+
+
+def test_unsupported_fields_at_their_defaults_are_accepted(served: Served) -> None:
+    """What clients send when the user asked for nothing: served, not refused."""
+    neutral = {"frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "best_of": 1, "echo": False,
+               "user": "someone"}
+    status, reply = http(served.url + "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, **neutral})
+    assert status == 200, reply
+    status, reply = http(served.url + "/v1/chat/completions",
+                         {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                          "response_format": {"type": "text"}, "tools": [], "tool_choice": "none"})
+    assert status == 200, reply
 
 
 def test_errors_through_the_client_and_server_keeps_serving(served: Served) -> None:

@@ -35,9 +35,9 @@ def test_paused_worker_stops_at_a_layer_boundary_until_granted() -> None:
     spec.banks = torch.zeros(2, 3, sum(a.numel() + b.numel() for a, b in adapter.weights.values()))
     worker = _Worker(spec)
     ran: list[int] = []
-    for i, layer in enumerate(model.model.layers):  # the recompute starts with a layer's attention
-        original = layer.self_attn.forward
-        layer.self_attn.forward = lambda *a, _i=i, _f=original, **k: (ran.append(_i), _f(*a, **k))[1]  # type: ignore[method-assign]
+    for i, layer in enumerate(model.model.layers):  # the recompute starts with a layer's q/k/v projection
+        original = layer.self_attn.project
+        layer.self_attn.project = lambda *a, _i=i, _f=original, **k: (ran.append(_i), _f(*a, **k))[1]  # type: ignore[method-assign]
     logits = model.compute_logits
     model.compute_logits = lambda *a, **k: (ran.append(-1), logits(*a, **k))[1]  # type: ignore[method-assign]
     result: list[object] = []

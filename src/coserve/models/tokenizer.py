@@ -363,6 +363,11 @@ class Tokenizer:
         are always recognised as such."""
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # (the tokenizers raise a bare TypeError for these)
+            raise ValueError(f"the text is not valid Unicode: {e.object[e.start:e.end]!r} at index {e.start} "
+                             f"is a lone surrogate") from None
         return self._backend.encode(text, add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

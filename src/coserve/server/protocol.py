@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 from coserve.engine.sampling_params import SamplingParams
 
@@ -20,6 +29,30 @@ class StreamOptions(_Request):
     include_usage: StrictBool = False
 
 
+def _is_none_or(*neutral: Any) -> Callable[[Any], bool]:
+    return lambda v: v is None or any(v == n and type(v) is type(n) for n in neutral)
+
+
+NOT_SUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "best_of": _is_none_or(1),
+    "echo": _is_none_or(False),
+    "suffix": _is_none_or(""),
+    "logit_bias": _is_none_or({}),
+    "frequency_penalty": _is_none_or(0, 0.0),
+    "presence_penalty": _is_none_or(0, 0.0),
+    "repetition_penalty": _is_none_or(1, 1.0),
+    "min_p": _is_none_or(0, 0.0),
+    "top_logprobs": _is_none_or(0),
+    "tools": _is_none_or([]),
+    "functions": _is_none_or([]),
+    "tool_choice": _is_none_or("none", "auto"),
+    "response_format": _is_none_or({"type": "text"}),
+}
+"""OpenAI request fields this server does not implement, each with the test of a value that asks
+for nothing (what clients send by default: accepted and ignored). Any other value is a 400: a
+client that asks for JSON output, penalties or tools must not get a plain completion silently."""
+
+
 class _SamplingRequest(_Request):
     model: str | None = None
     max_tokens: StrictInt | None = None
@@ -31,6 +64,16 @@ class _SamplingRequest(_Request):
     seed: StrictInt | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_supported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, neutral in NOT_SUPPORTED.items():
+                if name in data and not neutral(data[name]):
+                    raise ValueError(f"{name} is not supported by this server (got {data[name]!r}); "
+                                     "leave it out or send its default")
+        return data
 
     def sampling_params(self, max_tokens: int | None, default_max_tokens: int,
                         logprobs: int | None = None) -> SamplingParams:
