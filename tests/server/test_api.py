@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from http.client import HTTPConnection
 from pathlib import Path
 from typing import Any
 
@@ -246,6 +247,31 @@ def test_models_health_and_metrics(served: Served) -> None:
                  "coserve_num_requests_running", "coserve_num_requests_waiting"):
         assert name in text, name
     assert "coserve_finetune" not in text and "coserve_slo_requests" not in text
+
+
+def test_a_stream_whose_client_leaves_is_aborted(served: Served) -> None:
+    """The client reads the first chunk of a long stream and hangs up: the engine stops the
+    request (it would otherwise decode up to 1,500 tokens for nobody) and the running gauge says
+    so while the engine sits idle."""
+    host, port = served.url.removeprefix("http://").split(":")
+    conn = HTTPConnection(host, int(port), timeout=30)
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 1500, "stream": True}
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    reply = conn.getresponse()
+    assert reply.status == 200 and reply.fp.readline()  # the first chunk's size line
+    conn.close()
+    steps = len(served.batch_sizes)
+    deadline = time.monotonic() + 20
+    running = None
+    while time.monotonic() < deadline:
+        _, text = http(served.url + "/metrics")
+        running = next(float(line.split()[1]) for line in text.splitlines()
+                       if line.startswith("coserve_num_requests_running"))
+        if running == 0.0:
+            break
+        time.sleep(0.1)
+    assert running == 0.0, "the request still runs after its client left"
+    assert len(served.batch_sizes) - steps < 1000, "it decoded to the end"
 
 
 def test_coserving_trains_while_serving(tmp_path: Path) -> None:

@@ -235,6 +235,7 @@ class EngineThread:
             self._finish_session(session)
             session = None
         if not engine.has_unfinished_requests() and session is None:
+            self._publish()  # (what the last abort or finish left: the wait below may be long)
             with self._cond:
                 while not self._inbox and not self._aborts and not self._stopping:
                     self._cond.wait()
