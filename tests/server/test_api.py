@@ -13,19 +13,22 @@ import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from http.client import HTTPConnection
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
+import torch
 import uvicorn
 
+from coserve import LLM, LoRARequest, SamplingParams
 from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig
 from coserve.engine.config import EngineConfig
 from coserve.engine.llm_engine import LLMEngine
 from coserve.engine.outputs import RequestOutput
+from coserve.models.peft_adapter import new_lora_adapter, save_peft_adapter
 from coserve.server.api import create_app
 from coserve.server.engine_thread import EngineThread
 from coserve.server.finetune import FinetuneSession, FinetuneSpec
@@ -43,7 +46,8 @@ class Served:
 
 
 @contextmanager
-def serve(engine: LLMEngine, session: FinetuneSession | None = None) -> Iterator[Served]:
+def serve(engine: LLMEngine, session: FinetuneSession | None = None,
+          adapters: dict[str, str] | None = None) -> Iterator[Served]:
     """Run the app under uvicorn in a background thread on a pre-bound free port."""
     batch_sizes: list[int] = []
     step = engine.step
@@ -58,7 +62,9 @@ def serve(engine: LLMEngine, session: FinetuneSession | None = None) -> Iterator
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(engine_thread, MODEL), log_level="warning"))
+    for name, path in (adapters or {}).items():
+        engine.lora_manager.register(name, path)
+    server = uvicorn.Server(uvicorn.Config(create_app(engine_thread, MODEL, adapters), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -272,6 +278,38 @@ def test_a_stream_whose_client_leaves_is_aborted(served: Served) -> None:
         time.sleep(0.1)
     assert running == 0.0, "the request still runs after its client left"
     assert len(served.batch_sizes) - steps < 1000, "it decoded to the end"
+
+
+def test_adapters_are_served_under_their_own_model_names(tmp_path: Path) -> None:
+    """``--lora-modules``: a request naming an adapter runs with it, and gets the tokens the offline
+    API gives with that adapter; the base model's requests beside it stay the base model's."""
+    engine = LLMEngine(EngineConfig(model=MODEL, device="cpu"))
+    cfg = engine.model_config
+    adapter = new_lora_adapter(num_layers=cfg.num_layers, shapes=cfg.linear_shapes(), rank=8, alpha=16.0,
+                               target_modules=("q_proj", "v_proj", "down_proj"), seed=1)
+    gen = torch.Generator().manual_seed(2)
+    weights = {k: (a, torch.randn(b.shape, generator=gen)) for k, (a, b) in adapter.weights.items()}
+    save_peft_adapter(replace(adapter, weights=weights), tmp_path / "mine")
+    prompt = "the adapter says"
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    offline = LLM(MODEL)
+    want_base = offline.generate([prompt], params)[0].outputs[0].token_ids
+    want_mine = offline.generate([prompt], params, lora_request=LoRARequest("mine", str(tmp_path / "mine")))[0]
+    assert want_mine.outputs[0].token_ids != want_base, "the adapter changes nothing: a test that cannot fail"
+    with serve(engine, adapters={"mine": str(tmp_path / "mine")}) as s:
+        cards = {m.id: m for m in s.client.models.list()}
+        assert list(cards) == [MODEL, "mine"] and cards["mine"].parent == MODEL  # type: ignore[attr-defined]
+        kw: dict[str, Any] = {"prompt": prompt, "max_tokens": 8, "temperature": 0.0}
+        with ThreadPoolExecutor(2) as pool:  # side by side, in the same steps
+            base, mine = pool.map(lambda m: s.client.completions.create(model=m, **kw), [MODEL, "mine"])
+        assert mine.model == "mine" and base.model == MODEL
+        assert mine.choices[0].text == want_mine.outputs[0].text
+        assert base.choices[0].text == offline.generate([prompt], params)[0].outputs[0].text
+        chat = s.client.chat.completions.create(model="mine", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=4)
+        assert chat.model == "mine"
+        with pytest.raises(openai.NotFoundError, match="'tiny', 'mine'"):
+            s.client.completions.create(model="theirs", prompt="hi")
 
 
 def test_coserving_trains_while_serving(tmp_path: Path) -> None:

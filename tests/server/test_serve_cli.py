@@ -118,3 +118,24 @@ def test_slo_counter_sorts_finished_requests_by_the_coserving_slos() -> None:
     text = generate_latest(metrics.registry).decode()
     assert 'coserve_slo_requests_total{result="met"} 2.0' in text
     assert 'coserve_slo_requests_total{result="missed"} 2.0' in text
+
+
+def test_lora_modules_flag() -> None:
+    from coserve.server.serve_cli import lora_modules
+
+    args = parse("--model", "tiny", "--lora-modules", "a=/x/a", "b = /x/b")
+    assert lora_modules(args.lora_modules, "tiny") == {"a": "/x/a", "b": "/x/b"}
+    assert lora_modules(parse("--model", "tiny").lora_modules, "tiny") == {}
+    for bad, message in ((["a"], "NAME=PEFT_DIR"), (["=p"], "NAME=PEFT_DIR"), (["a="], "NAME=PEFT_DIR"),
+                         (["tiny=/p"], "base model's name"), (["a=/p", "a=/q"], "given twice")):
+        with pytest.raises(ValueError, match=message):
+            lora_modules(bad, "tiny")
+
+
+def test_serve_refuses_to_start_with_a_bad_adapter(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An adapter is read and checked at start-up: a missing one stops the start with its path."""
+    from coserve.server.cli import main
+
+    assert main(["serve", "--model", "tiny", "--device", "cpu", "--port", "0",
+                 "--lora-modules", f"gone={tmp_path / 'nothing'}"]) == 2
+    assert str(tmp_path / "nothing") in capsys.readouterr().err

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException
 
 from coserve.engine.outputs import RequestOutput
 from coserve.engine.sampling_params import SamplingParams
+from coserve.engine.sequence import LoRARequest
 from coserve.server.engine_thread import EngineDeadError, EngineThread, RequestHandle
 from coserve.server.protocol import (
     ChatChoice,
@@ -145,20 +146,28 @@ def _sse(obj: BaseModel | str) -> str:
 class _Api:
     """The route handlers' shared state."""
 
-    def __init__(self, engine_thread: EngineThread, model_name: str) -> None:
+    def __init__(self, engine_thread: EngineThread, model_name: str, adapters: dict[str, str] | None = None) -> None:
         self.et = engine_thread
         self.model_name = model_name
+        self.adapters = {name: LoRARequest(name, path) for name, path in (adapters or {}).items()}
         self.metrics = ServerMetrics(engine_thread)
         self.tokenizer = engine_thread.engine.tokenizer
         self.max_model_len = engine_thread.engine.max_model_len
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise HTTPException(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter that ``model`` names (None: the base model, also when no model is given)."""
+        if model is None or model == self.model_name:
+            return None
+        lora = self.adapters.get(model)
+        if lora is None:
+            served = ", ".join(repr(n) for n in (self.model_name, *self.adapters))
+            raise HTTPException(404, f"the model {model!r} does not exist; this server serves {served}")
+        return lora
 
-    async def start(self, prompt: str | list[int], params: SamplingParams) -> tuple[RequestHandle, RequestOutput]:
+    async def start(self, prompt: str | list[int], params: SamplingParams,
+                    lora: LoRARequest | None = None) -> tuple[RequestHandle, RequestOutput]:
         """Submit and wait for the first output, so that a refused request is a 400, not a stream."""
-        handle = self.et.submit(prompt, params)
+        handle = self.et.submit(prompt, params, lora)
         try:
             return handle, await handle.get()
         except BaseException:
@@ -214,16 +223,17 @@ class _Api:
     # ------------------------------------------------------------------ routes
 
     async def completions(self, req: CompletionRequest) -> Response:
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         params = req.sampling_params(req.max_tokens, 16, req.logprobs)
         prompt = req.prompt
         if isinstance(prompt, str) and self.tokenizer is not None:
             prompt = self.tokenizer.encode(prompt)
-        handle, first = await self.start(prompt, params)
+        handle, first = await self.start(prompt, params, lora)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        model = lora.name if lora is not None else self.model_name
 
         def response(choice: CompletionChoice, usage: Usage | None = None) -> CompletionResponse:
-            return CompletionResponse(id=rid, created=created, model=self.model_name, choices=[choice], usage=usage)
+            return CompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=usage)
 
         if not req.stream:
             out = await self.finish(handle, first)
@@ -241,14 +251,14 @@ class _Api:
                 offset += len(delta)
                 yield _sse(response(choice))
                 if out.finished and include_usage:
-                    yield _sse(CompletionResponse(id=rid, created=created, model=self.model_name, choices=[],
+                    yield _sse(CompletionResponse(id=rid, created=created, model=model, choices=[],
                                                   usage=_usage(out)))
             yield _sse("[DONE]")
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
     async def chat(self, req: ChatCompletionRequest) -> Response:
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         if req.logprobs:
             raise ValueError("logprobs are not supported for chat completions (use /v1/completions)")
         if self.tokenizer is None:
@@ -257,20 +267,21 @@ class _Api:
                                                  add_generation_prompt=True, tokenize=True)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = req.sampling_params(max_tokens, max(1, self.max_model_len - len(ids)))
-        handle, first = await self.start(ids, params)
+        handle, first = await self.start(ids, params, lora)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        model = lora.name if lora is not None else self.model_name
         if not req.stream:
             out = await self.finish(handle, first)
             c = out.outputs[0]
             choice = ChatChoice(message=ChatMessageOut(role="assistant", content=c.text),
                                 finish_reason=c.finish_reason)
-            return JSONResponse(ChatCompletionResponse(id=rid, created=created, model=self.model_name,
+            return JSONResponse(ChatCompletionResponse(id=rid, created=created, model=model,
                                                        choices=[choice], usage=_usage(out)).model_dump())
         include_usage = req.stream_options is not None and req.stream_options.include_usage
 
         def chunk(choices: list[ChatChoice], usage: Usage | None = None) -> ChatCompletionResponse:
             return ChatCompletionResponse(id=rid, object="chat.completion.chunk", created=created,
-                                          model=self.model_name, choices=choices, usage=usage)
+                                          model=model, choices=choices, usage=usage)
 
         async def events() -> AsyncIterator[str]:
             yield _sse(chunk([ChatChoice(delta=ChatMessageOut(role="assistant", content=""))]))
@@ -284,10 +295,11 @@ class _Api:
         return StreamingResponse(events(), media_type="text/event-stream")
 
 
-def create_app(engine_thread: EngineThread, model_name: str) -> FastAPI:
-    """The API app for ``engine_thread`` (started by the caller), serving ``model_name``."""
+def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str, str] | None = None) -> FastAPI:
+    """The API app for ``engine_thread`` (started by the caller), serving ``model_name`` and each of
+    ``adapters`` (model name -> PEFT directory) on it."""
     app = FastAPI(title="coserve", docs_url=None, redoc_url=None)
-    api = _Api(engine_thread, model_name)
+    api = _Api(engine_thread, model_name, adapters)
     app.state.api = api
     endpoints = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"}
 
@@ -323,8 +335,11 @@ def create_app(engine_thread: EngineThread, model_name: str) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "coserve"}
-        return {"object": "list", "data": [card]}
+        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "coserve", "root": model_name,
+                "parent": None}
+        cards = [card] + [{**card, "id": name, "root": lora.path, "parent": model_name}
+                          for name, lora in api.adapters.items()]
+        return {"object": "list", "data": cards}
 
     @app.get("/health")
     async def health() -> Response:

@@ -1,7 +1,11 @@
 """``coserve serve``: the OpenAI-compatible HTTP server, optionally fine-tuning while it serves.
 
     coserve serve --model tiny --host 127.0.0.1 --port 8000
+    coserve serve --model tiny --lora-modules support=adapters/support sql=adapters/sql
     coserve serve --model tiny --finetune-data data.jsonl --output out/ --backward-tokens 128
+
+``--lora-modules NAME=PEFT_DIR`` serves each adapter under its own model name (the vLLM flag): a
+request whose ``model`` is NAME runs with it; every adapter is read and checked at start-up.
 
 With ``--finetune-data`` the engine co-serves: fine-tuning rows fill the batches' spare room
 and idle time; when the dataset's epochs are done (or at Ctrl-C) the adapter is exported to
@@ -52,6 +56,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PEFT_DIR",
+                   help="serve these PEFT adapters, each under its model name NAME (at most --max-loras "
+                        "of them in one batch; more are swapped in least-recently-used first)")
     group = p.add_argument_group("co-serving (fine-tuning while serving)")
     add_finetune_args(cast(argparse.ArgumentParser, _OptionalFinetuneFlags(group)))
     add_slo_args(group)
@@ -65,6 +72,22 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                        help="skip the latency model's calibration sweep at start-up (seconds of timed "
                             "batches; a calibration is saved to OUTPUT/latency_state.json): admission then "
                             "starts from default coefficients and learns online")
+
+
+def lora_modules(specs: list[str], base_name: str) -> dict[str, str]:
+    """``{name: path}`` of ``--lora-modules NAME=PEFT_DIR ...``; raises ValueError naming a bad one."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes NAME=PEFT_DIR, got {spec!r}")
+        if name == base_name:
+            raise ValueError(f"--lora-modules: {name!r} is the base model's name; give the adapter another")
+        if name in out:
+            raise ValueError(f"--lora-modules: the name {name!r} is given twice")
+        out[name] = path
+    return out
 
 
 def serve_spec(args: argparse.Namespace) -> FinetuneSpec | None:
@@ -93,15 +116,18 @@ def serve(args: argparse.Namespace) -> int:
     from coserve.server.finetune import FinetuneSession
 
     spec = serve_spec(args)
+    name = args.served_model_name or args.model
+    adapters = lora_modules(args.lora_modules, name)
     kwargs = engine_kwargs(args)
     if spec is not None:
         kwargs["max_lora_rank"] = max(int(kwargs["max_lora_rank"]), spec.lora.rank)  # type: ignore[call-overload]
     engine = LLMEngine(EngineConfig(model=args.model, num_training_slots=1 if spec is not None else 0,
                                     **kwargs))  # type: ignore[arg-type]
+    for adapter, path in adapters.items():  # read and checked now: a bad one stops the start, not a request
+        engine.lora_manager.register(adapter, path)
     session = FinetuneSession(engine, spec) if spec is not None else None
     engine_thread = EngineThread(engine, session).start()
-    name = args.served_model_name or args.model
-    app = create_app(engine_thread, name)
+    app = create_app(engine_thread, name, adapters)
     freeze_startup_objects("server")
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level=str(args.log_level).lower(), access_log=False))
@@ -110,7 +136,8 @@ def serve(args: argparse.Namespace) -> int:
     coserve_note = "" if spec is None else (
         f", fine-tuning on {args.data} (policy {spec.slo.policy}, TTFT <= {spec.slo.ttft_slo_s * 1e3:g} ms, "
         f"TPOT <= {spec.slo.tpot_slo_s * 1e3:g} ms)")
-    print(f"coserve: serving {name!r} at {url}{coserve_note}", flush=True)
+    adapters_note = f" and adapters {', '.join(map(repr, adapters))}" if adapters else ""
+    print(f"coserve: serving {name!r}{adapters_note} at {url}{coserve_note}", flush=True)
     try:
         server.run()  # returns after uvicorn's own graceful shutdown on SIGINT/SIGTERM
     finally:
