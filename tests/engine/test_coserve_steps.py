@@ -251,3 +251,44 @@ def test_calibration_fits_the_prefill_graph_set_with_ft_rows(graph_session) -> N
     latency = s.coserver.latency
     assert "prefill/graph" in latency._coef and "prefill/eager" in latency._coef
     assert any(calls) and not all(calls), "calibration ran both the graphs and the eager path"
+
+
+def test_a_name_bound_to_the_training_slot_serves_what_is_written_there(tmp_path: Path) -> None:
+    """``LoRAManager.bind_training_slot``: requests under that name run with the adapter in the
+    training slot (no file read), the tokens an adapter loaded from disk gives; and they see a new
+    write into the slot at once, as they see the trainer's commits."""
+    from dataclasses import replace
+
+    import torch
+
+    from coserve import LoRARequest
+    from coserve.models.peft_adapter import new_lora_adapter, save_peft_adapter
+
+    engine = LLMEngine(EngineConfig(model="tiny", num_training_slots=1, max_lora_rank=8))
+    cfg = engine.model_config
+    adapter = new_lora_adapter(num_layers=cfg.num_layers, shapes=cfg.linear_shapes(), rank=8, alpha=16.0,
+                               target_modules=("q_proj", "v_proj", "o_proj"), seed=1)
+    gen = torch.Generator().manual_seed(2)
+    adapter = replace(adapter, weights={k: (a, torch.randn(b.shape, generator=gen)) for k, (a, b) in adapter.weights.items()})
+    save_peft_adapter(adapter, tmp_path / "disk")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def run(rid: str, lora: LoRARequest | None) -> list[int]:
+        engine.add_request(rid, [1, 2, 3, 4], params, lora)
+        while True:
+            for out in engine.step():
+                if out.request_id == rid and out.finished:
+                    return list(out.outputs[0].token_ids)
+
+    base = run("base", None)
+    from_disk = run("disk", LoRARequest("disk", str(tmp_path / "disk")))
+    assert from_disk != base
+    manager = engine.lora_manager
+    manager.bind_training_slot("live")
+    slot = manager.training_slot()
+    manager.write(slot, adapter)
+    assert run("live1", LoRARequest("live", "(not read)")) == from_disk
+    manager.write(slot, replace(adapter, weights={k: (a, b * 0) for k, (a, b) in adapter.weights.items()}))
+    assert run("live2", LoRARequest("live", "(not read)")) == base  # B = 0: the base model
+    with pytest.raises(ValueError, match="already in use"):
+        manager.bind_training_slot("disk")

@@ -318,7 +318,8 @@ def test_coserving_trains_while_serving(tmp_path: Path) -> None:
                         optim=OptimConfig(lr=1e-3), coserve=CoServeConfig(backward_tokens=32, max_seq_len=64),
                         trainer_threads=1, save_every=0)
     session = FinetuneSession(engine, spec)
-    with serve(engine, session) as s:
+    engine.lora_manager.bind_training_slot("live")  # --finetune-name live
+    with serve(engine, session, adapters={"live": "(training)"}) as s:
         deadline = time.monotonic() + 40
         served_requests = 0
         while s.engine_thread.stats.ft_optimizer_steps < 1 and time.monotonic() < deadline:
@@ -327,6 +328,10 @@ def test_coserving_trains_while_serving(tmp_path: Path) -> None:
             served_requests += 1
         assert s.engine_thread.stats.ft_optimizer_steps >= 1, "no optimizer step while serving"
         assert served_requests >= 1
+        # the adapter being trained, served under its own name beside the training
+        live = s.client.completions.create(model="live", prompt="What is the capital?", max_tokens=4)
+        assert live.model == "live" and live.usage is not None and live.usage.completion_tokens >= 1
+        assert "live" in [m.id for m in s.client.models.list()]
         _, text = http(s.url + "/metrics")
         assert "coserve_finetune_optimizer_steps_total" in text
         for name in ("coserve_finetune_loss", "coserve_finetune_failed 0.0", "coserve_finetune_trainer_restarts_total",

@@ -139,3 +139,8 @@ def test_serve_refuses_to_start_with_a_bad_adapter(tmp_path: Path, capsys: pytes
     assert main(["serve", "--model", "tiny", "--device", "cpu", "--port", "0",
                  "--lora-modules", f"gone={tmp_path / 'nothing'}"]) == 2
     assert str(tmp_path / "nothing") in capsys.readouterr().err
+
+
+def test_finetune_name_needs_finetune_data() -> None:
+    with pytest.raises(ValueError, match="--finetune-name needs --finetune-data"):
+        serve_spec(parse("--model", "tiny", "--finetune-name", "live"))

@@ -44,9 +44,22 @@ class LoRAManager:
         # here holds weights nobody declared
         self._targets: dict[int, frozenset[tuple[int, str]]] = {}
         self._unions: dict[frozenset[int], frozenset[tuple[int, str]] | None] = {}  # live_targets
+        self._bound: dict[str, int] = {}  # name -> the training slot requests under that name read
+
+    def bind_training_slot(self, name: str, i: int = 0) -> None:
+        """Serve training slot ``i`` under ``name``: a request naming it runs with whatever adapter
+        the trainer last wrote there (each optimizer step lands in place; a step may read a commit
+        that is landing, layer by layer). No file is read; the slot is never evicted."""
+        slot = self.training_slot(i)
+        if name in self._adapters or name in self._bound:
+            raise ValueError(f"adapter name {name!r} is already in use")
+        self._bound[name] = slot
 
     def register(self, name: str, path: str | Path) -> None:
-        """Read and validate the adapter at ``path`` under ``name``; raises AdapterError/ValueError."""
+        """Read and validate the adapter at ``path`` under ``name``; raises AdapterError/ValueError.
+        (A name bound to a training slot, :meth:`bind_training_slot`, needs nothing read.)"""
+        if name in self._bound:
+            return
         if self.max_loras == 0:
             raise ValueError("this engine was started with max_loras=0: it serves no adapters")
         known = self._adapters.get(name)
@@ -62,10 +75,12 @@ class LoRAManager:
         self._adapters[name] = (str(path), adapter)
 
     def is_registered(self, name: str) -> bool:
-        return name in self._adapters
+        return name in self._adapters or name in self._bound
 
     def acquire(self, name: str) -> int | None:
         """Bind ``name`` to a slot (loading it if needed) and take a reference; None if no slot is free."""
+        if name in self._bound:
+            return self._bound[name]
         slot = self._slot_of.get(name)
         if slot is None:
             slot = self._free_slot()

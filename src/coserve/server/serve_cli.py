@@ -65,6 +65,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     group.add_argument("--trainer-sm-share", type=int, default=None,
                        help="the trainer's share of the GPU's SMs under CUDA MPS, 1-100 (default: no limit): "
                             "a share keeps decode steps beside the backward steadier, at some FT throughput")
+    group.add_argument("--finetune-name", default=None, metavar="NAME",
+                       help="also serve the adapter being fine-tuned, under this model name: requests "
+                            "naming it run with the trainer's latest optimizer step (and, once training "
+                            "is done, with the final adapter)")
     group.add_argument("--latency-state", type=Path, default=None,
                        help="load the latency model from this JSON (OUTPUT/latency_state.json of an earlier "
                             "run of the same model and engine settings) instead of calibrating")
@@ -94,6 +98,8 @@ def serve_spec(args: argparse.Namespace) -> FinetuneSpec | None:
     """The co-serving run ``args`` ask for (None: inference only). Co-serving calibrates the
     latency model at start-up unless ``--no-calibrate``: admission prices every step with it."""
     if args.data is None:
+        if args.finetune_name is not None:
+            raise ValueError("--finetune-name needs --finetune-data")
         return None
     if args.output is None:
         raise ValueError("--output is required with --finetune-data")
@@ -118,6 +124,9 @@ def serve(args: argparse.Namespace) -> int:
     spec = serve_spec(args)
     name = args.served_model_name or args.model
     adapters = lora_modules(args.lora_modules, name)
+    live = args.finetune_name if spec is not None else None
+    if live is not None:  # (the same checks as an adapter's name, against the others too)
+        lora_modules([*args.lora_modules, f"{live}=(training)"], name)
     kwargs = engine_kwargs(args)
     if spec is not None:
         kwargs["max_lora_rank"] = max(int(kwargs["max_lora_rank"]), spec.lora.rank)  # type: ignore[call-overload]
@@ -125,6 +134,9 @@ def serve(args: argparse.Namespace) -> int:
                                     **kwargs))  # type: ignore[arg-type]
     for adapter, path in adapters.items():  # read and checked now: a bad one stops the start, not a request
         engine.lora_manager.register(adapter, path)
+    if spec is not None and live is not None:
+        engine.lora_manager.bind_training_slot(live)
+        adapters[live] = f"{spec.output / 'adapter'} (training)"
     session = FinetuneSession(engine, spec) if spec is not None else None
     engine_thread = EngineThread(engine, session).start()
     app = create_app(engine_thread, name, adapters)
