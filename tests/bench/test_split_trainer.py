@@ -298,3 +298,22 @@ def test_split_worker_stop_names_weights_that_differ_from_the_engines(caplog: py
     assert "first non-finite layer input 3" in caplog.text and "weights as the engine's: NO (1)" in caplog.text
     assert not errors.empty()
     assert int(spec.counters[1]) == 0
+
+
+def test_first_non_finite_op_skips_views_of_a_buffer_being_filled() -> None:
+    """Autograd splits a fresh (garbage) buffer into views and fills them: the split is no
+    culprit (it was named in a clean run when the garbage held a NaN); an op writing a non-finite
+    value still is."""
+    from coserve.trainer.split import FirstNonFiniteOp
+
+    garbage = torch.full((4, 6), float("nan"))
+    op = FirstNonFiniteOp()
+    with op:
+        left, right = garbage.split([2, 4], dim=1)
+        left.copy_(torch.ones(4, 2))
+        right.copy_(torch.zeros(4, 4))
+        total = garbage.sum()
+    assert op.report is None and bool(total.isfinite())
+    with op:
+        (garbage * float("inf")).sum()
+    assert op.report is not None and op.report.startswith("aten.mul on [(4, 6)]")

@@ -179,8 +179,15 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/completions", {"prompt": [5] * 4096}, "context"),
     ("/v1/completions", {"prompt": [10**9]}, "vocabulary"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, "n must be 1"),
+    ("/v1/completions", {"prompt": ["a", 5]}, "prompt must be"),
+    ("/v1/completions", {"prompt": [["a"]]}, "prompt must be"),
+    ("/v1/completions", {"prompt": ["a", ""]}, "prompt 1 is empty"),
+    ("/v1/completions", {"prompt": ["a", [1]]}, "prompt must be"),
+    ("/v1/completions", {"prompt": [[1], [10**9]]}, "prompt 1: prompt token id"),
+    ("/v1/completions", {"prompt": ["a"] * 65}, "at most 64 prompts"),
+    ("/v1/completions", {"prompt": ["a"] * 8, "n": 9}, "n × prompts"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, "n must be in [1, 64]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 65}, "n must be in"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, "stop"),
     ("/v1/completions", {"max_tokens": 3}, "prompt"),
@@ -213,6 +220,53 @@ def test_bad_input_is_a_400_that_says_why(served: Served, path: str, body: dict[
     assert needle in reply["error"]["message"], reply
 
 
+def test_n_choices_and_batched_prompts(served: Served) -> None:
+    """``n`` choices of a prompt (choice j sampled with seed + j) and a list of prompts (one
+    choice each, prompt-major): the choices a request per choice gives, whole and streamed;
+    usage counts each prompt once."""
+    c = served.client
+    one = {"max_tokens": 6, "temperature": 1.0}
+    many = c.completions.create(model=MODEL, prompt="tell me", n=3, seed=7, **one)
+    assert [ch.index for ch in many.choices] == [0, 1, 2]
+    singles = [c.completions.create(model=MODEL, prompt="tell me", seed=7 + j, **one) for j in range(3)]
+    alone = [r.choices[0].text for r in singles]
+    assert [ch.text for ch in many.choices] == alone
+    assert len(set(alone)) > 1, "the seeds gave one sample: the test would not see choices mixed up"
+    assert many.usage is not None and all(r.usage is not None for r in singles)
+    assert many.usage.prompt_tokens == singles[0].usage.prompt_tokens  # type: ignore[union-attr]  # the prompt once
+    assert many.usage.completion_tokens == sum(r.usage.completion_tokens for r in singles)  # type: ignore[union-attr]
+    # a batch of prompts, greedy: each choice is its prompt's own completion
+    prompts = ["the sky", "a dog", [1, 2, 3]]
+    greedy = {"max_tokens": 5, "temperature": 0.0}
+    batch = c.completions.create(model=MODEL, prompt=prompts[:2], **greedy)
+    assert [ch.text for ch in batch.choices] == [c.completions.create(model=MODEL, prompt=p, **greedy).choices[0].text
+                                                 for p in prompts[:2]]
+    status, ids = http(served.url + "/v1/completions", {"model": MODEL, "prompt": [[1, 2, 3], [4, 5]], **greedy})
+    assert status == 200 and len(ids["choices"]) == 2
+    # streamed: the chunks of each index join to that choice's text
+    texts: dict[int, str] = {}
+    usage = None
+    for chunk in c.completions.create(model=MODEL, prompt="tell me", n=3, seed=7, stream=True,
+                                      stream_options={"include_usage": True}, **one):
+        usage = chunk.usage or usage
+        for ch in chunk.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+    assert [texts[i] for i in range(3)] == alone
+    assert usage is not None and usage.completion_tokens == many.usage.completion_tokens
+    # chat: n choices too
+    msgs = [{"role": "user", "content": "hello"}]
+    chat = c.chat.completions.create(model=MODEL, messages=msgs, n=2, seed=3, max_tokens=4)  # type: ignore[arg-type]
+    solo = [c.chat.completions.create(model=MODEL, messages=msgs, seed=3 + j, max_tokens=4)  # type: ignore[arg-type]
+            .choices[0].message.content for j in range(2)]
+    assert [ch.index for ch in chat.choices] == [0, 1] and [ch.message.content for ch in chat.choices] == solo
+    streamed: dict[int, str] = {}
+    for chunk in c.chat.completions.create(model=MODEL, messages=msgs, n=2, seed=3, max_tokens=4,  # type: ignore[arg-type]
+                                           stream=True):
+        for ch in chunk.choices:
+            streamed[ch.index] = streamed.get(ch.index, "") + (ch.delta.content or "")
+    assert [streamed[i] for i in range(2)] == solo
+
+
 def test_unsupported_fields_at_their_defaults_are_accepted(served: Served) -> None:
     """What clients send when the user asked for nothing: served, not refused."""
     neutral = {"frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "best_of": 1, "echo": False,
@@ -226,8 +280,8 @@ def test_unsupported_fields_at_their_defaults_are_accepted(served: Served) -> No
 
 
 def test_errors_through_the_client_and_server_keeps_serving(served: Served) -> None:
-    with pytest.raises(openai.BadRequestError, match="n must be 1"):
-        served.client.completions.create(model=MODEL, prompt="hi", n=2)
+    with pytest.raises(openai.BadRequestError, match="n must be in"):
+        served.client.completions.create(model=MODEL, prompt="hi", n=0)
     with pytest.raises(openai.BadRequestError, match="temperature"):
         served.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                               temperature=-1, stream=True)
@@ -245,7 +299,7 @@ def test_models_health_and_metrics(served: Served) -> None:
     assert [m.id for m in served.client.models.list()] == [MODEL]
     assert http(served.url + "/health") == (200, {"status": "ok"})
     served.client.completions.create(model=MODEL, prompt="count me", max_tokens=3)
-    http(served.url + "/v1/completions", {"prompt": "hi", "n": 2})
+    http(served.url + "/v1/completions", {"prompt": "hi", "n": 0})
     status, text = http(served.url + "/metrics")
     assert status == 200
     for name in ('coserve_requests_total{endpoint="/v1/completions"}', "coserve_request_errors_total",

@@ -9,11 +9,13 @@ mistake is a 400 with an OpenAI error body that says what is wrong, never a 500.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import Any
+from dataclasses import replace
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -134,8 +136,10 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request"
 
 
-def _usage(out: RequestOutput) -> Usage:
-    p, c = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+def _usage(outs: list[RequestOutput], n: int = 1) -> Usage:
+    """The usage of a request's choices (``n`` per prompt, prompt-major): each prompt counted once."""
+    p = sum(len(o.prompt_token_ids) for o in outs[::n])
+    c = sum(len(o.outputs[0].token_ids) for o in outs)
     return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
 
@@ -220,45 +224,111 @@ class _Api:
             tops.append({tok.decode([t], skip_special_tokens=False): lp for t, lp in entry.items()})
         return CompletionLogprobs(tokens=tokens, token_logprobs=lps, top_logprobs=tops, text_offset=offsets)
 
+    async def start_all(self, prompts: list[list[int]], params: SamplingParams, n: int,
+                        lora: LoRARequest | None) -> list[tuple[RequestHandle, RequestOutput]]:
+        """:meth:`start` for ``n`` choices of each prompt, all submitted at once (choice ``i·n + j``
+        is prompt ``i``'s ``j``-th; with a seed, choice ``j`` samples with ``seed + j``). A refused
+        one aborts the others and raises, naming its prompt when there are several."""
+        jobs = [(i, p, params if n == 1 or params.seed is None else replace(params, seed=(params.seed + j) % 2**63))
+                for i, p in enumerate(prompts) for j in range(n)]
+        if len(jobs) == 1:
+            return [await self.start(prompts[0], params, lora)]
+        handles = [self.et.submit(p, prm, lora) for _, p, prm in jobs]
+        try:
+            firsts = await asyncio.gather(*(h.get() for h in handles), return_exceptions=True)
+        except BaseException:
+            self._abort(handles)
+            raise
+        for (i, *_), first in zip(jobs, firsts, strict=True):
+            if isinstance(first, BaseException):
+                self._abort(handles)
+                if isinstance(first, ValueError) and len(prompts) > 1:
+                    raise ValueError(f"prompt {i}: {first}") from first
+                raise first
+        return list(zip(handles, cast(list[RequestOutput], firsts), strict=True))
+
+    def _abort(self, handles: list[RequestHandle]) -> None:
+        for h in handles:
+            if not h.finished:
+                self.et.abort(h.request_id)
+
+    async def merged_deltas(self, started: list[tuple[RequestHandle, RequestOutput]],
+                            holdback: int) -> AsyncIterator[tuple[int, str, RequestOutput, int]]:
+        """:meth:`deltas` of every choice as they come, each with its choice index. Leaving early
+        (the client hung up) cancels every choice's reader, which aborts its request."""
+        if len(started) == 1:
+            async for delta, out, start in self.deltas(*started[0], holdback):
+                yield 0, delta, out, start
+            return
+        queue: asyncio.Queue[tuple[int, str, RequestOutput, int] | BaseException | None] = asyncio.Queue()
+
+        async def pump(i: int, handle: RequestHandle, first: RequestOutput) -> None:
+            try:
+                async for delta, out, start in self.deltas(handle, first, holdback):
+                    queue.put_nowait((i, delta, out, start))
+            except Exception as e:  # (a cancellation is this generator's own doing)
+                queue.put_nowait(e)
+            finally:
+                queue.put_nowait(None)
+
+        tasks = [asyncio.create_task(pump(i, h, f)) for i, (h, f) in enumerate(started)]
+        try:
+            left = len(tasks)
+            while left:
+                item = await queue.get()
+                if item is None:
+                    left -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+
     # ------------------------------------------------------------------ routes
 
     async def completions(self, req: CompletionRequest) -> Response:
         lora = self.check_model(req.model)
+        n = req.choices_per_prompt()
         params = req.sampling_params(req.max_tokens, 16, req.logprobs)
-        prompt = req.prompt
-        if isinstance(prompt, str) and self.tokenizer is not None:
-            prompt = self.tokenizer.encode(prompt)
-        handle, first = await self.start(prompt, params, lora)
+        prompts = req.prompts()
+        if any(isinstance(p, str) for p in prompts) and self.tokenizer is None:
+            raise ValueError("this server has no tokenizer: send the prompt as token ids")
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) and self.tokenizer is not None else cast(list[int], p)
+               for p in prompts]
+        started = await self.start_all(ids, params, n, lora)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         model = lora.name if lora is not None else self.model_name
 
-        def response(choice: CompletionChoice, usage: Usage | None = None) -> CompletionResponse:
-            return CompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=usage)
+        def response(choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
+            return CompletionResponse(id=rid, created=created, model=model, choices=choices, usage=usage)
 
         if not req.stream:
-            out = await self.finish(handle, first)
-            c = out.outputs[0]
-            return JSONResponse(response(CompletionChoice(text=c.text, logprobs=self.logprobs(out),
-                                                          finish_reason=c.finish_reason), _usage(out)).model_dump())
+            outs = await asyncio.gather(*(self.finish(h, f) for h, f in started))
+            choices = [CompletionChoice(index=i, text=o.outputs[0].text, logprobs=self.logprobs(o),
+                                        finish_reason=o.outputs[0].finish_reason) for i, o in enumerate(outs)]
+            return JSONResponse(response(choices, _usage(outs, n)).model_dump())
         include_usage = req.stream_options is not None and req.stream_options.include_usage
 
         async def events() -> AsyncIterator[str]:
-            offset = 0
-            async for delta, out, start in self.deltas(handle, first, max(map(len, params.stop), default=0)):
-                c = out.outputs[0]
-                choice = CompletionChoice(text=delta, logprobs=self.logprobs(out, start, offset),
-                                          finish_reason=c.finish_reason)
-                offset += len(delta)
-                yield _sse(response(choice))
-                if out.finished and include_usage:
-                    yield _sse(CompletionResponse(id=rid, created=created, model=model, choices=[],
-                                                  usage=_usage(out)))
+            offsets = [0] * len(started)
+            last: dict[int, RequestOutput] = {}
+            async for i, delta, out, start in self.merged_deltas(started, max(map(len, params.stop), default=0)):
+                choice = CompletionChoice(index=i, text=delta, logprobs=self.logprobs(out, start, offsets[i]),
+                                          finish_reason=out.outputs[0].finish_reason)
+                offsets[i] += len(delta)
+                last[i] = out
+                yield _sse(response([choice]))
+            if include_usage:
+                yield _sse(response([], _usage([last[i] for i in sorted(last)], n)))
             yield _sse("[DONE]")
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
     async def chat(self, req: ChatCompletionRequest) -> Response:
         lora = self.check_model(req.model)
+        n = req.choices_per_prompt()
         if req.logprobs:
             raise ValueError("logprobs are not supported for chat completions (use /v1/completions)")
         if self.tokenizer is None:
@@ -267,16 +337,15 @@ class _Api:
                                                  add_generation_prompt=True, tokenize=True)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = req.sampling_params(max_tokens, max(1, self.max_model_len - len(ids)))
-        handle, first = await self.start(ids, params, lora)
+        started = await self.start_all([ids], params, n, lora)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         model = lora.name if lora is not None else self.model_name
         if not req.stream:
-            out = await self.finish(handle, first)
-            c = out.outputs[0]
-            choice = ChatChoice(message=ChatMessageOut(role="assistant", content=c.text),
-                                finish_reason=c.finish_reason)
+            outs = await asyncio.gather(*(self.finish(h, f) for h, f in started))
+            choices = [ChatChoice(index=i, message=ChatMessageOut(role="assistant", content=o.outputs[0].text),
+                                  finish_reason=o.outputs[0].finish_reason) for i, o in enumerate(outs)]
             return JSONResponse(ChatCompletionResponse(id=rid, created=created, model=model,
-                                                       choices=[choice], usage=_usage(out)).model_dump())
+                                                       choices=choices, usage=_usage(outs, n)).model_dump())
         include_usage = req.stream_options is not None and req.stream_options.include_usage
 
         def chunk(choices: list[ChatChoice], usage: Usage | None = None) -> ChatCompletionResponse:
@@ -284,12 +353,15 @@ class _Api:
                                           model=model, choices=choices, usage=usage)
 
         async def events() -> AsyncIterator[str]:
-            yield _sse(chunk([ChatChoice(delta=ChatMessageOut(role="assistant", content=""))]))
-            async for delta, out, _ in self.deltas(handle, first, max(map(len, params.stop), default=0)):
-                c = out.outputs[0]
-                yield _sse(chunk([ChatChoice(delta=ChatMessageOut(content=delta), finish_reason=c.finish_reason)]))
-                if out.finished and include_usage:
-                    yield _sse(chunk([], _usage(out)))
+            for i in range(len(started)):
+                yield _sse(chunk([ChatChoice(index=i, delta=ChatMessageOut(role="assistant", content=""))]))
+            last: dict[int, RequestOutput] = {}
+            async for i, delta, out, _ in self.merged_deltas(started, max(map(len, params.stop), default=0)):
+                last[i] = out
+                yield _sse(chunk([ChatChoice(index=i, delta=ChatMessageOut(content=delta),
+                                             finish_reason=out.outputs[0].finish_reason)]))
+            if include_usage:
+                yield _sse(chunk([], _usage([last[i] for i in sorted(last)], n)))
             yield _sse("[DONE]")
 
         return StreamingResponse(events(), media_type="text/event-stream")

@@ -33,6 +33,9 @@ def _is_none_or(*neutral: Any) -> Callable[[Any], bool]:
     return lambda v: v is None or any(v == n and type(v) is type(n) for n in neutral)
 
 
+MAX_CHOICES = 64
+"""The most choices (prompts × ``n``) one request may ask for."""
+
 NOT_SUPPORTED: dict[str, Callable[[Any], bool]] = {
     "best_of": _is_none_or(1),
     "echo": _is_none_or(False),
@@ -75,11 +78,16 @@ class _SamplingRequest(_Request):
                                      "leave it out or send its default")
         return data
 
+    def choices_per_prompt(self) -> int:
+        """``n``, checked: raises ValueError (a 400)."""
+        n = 1 if self.n is None else self.n
+        if not 1 <= n <= MAX_CHOICES:
+            raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {n}")
+        return n
+
     def sampling_params(self, max_tokens: int | None, default_max_tokens: int,
                         logprobs: int | None = None) -> SamplingParams:
         """Raises ValueError (a 400) naming the bad field."""
-        if self.n not in (None, 1):
-            raise ValueError(f"n must be 1 (one choice per request), got {self.n}")
         return SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -90,17 +98,39 @@ class _SamplingRequest(_Request):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: StrictInt | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_type(cls, v: Any) -> Any:
-        if not (isinstance(v, str) or (isinstance(v, list) and all(type(t) is int for t in v))):
-            raise ValueError("prompt must be a string or a list of token ids (integers)")
-        if not v:
-            raise ValueError("the prompt is empty")
+        def one(p: Any) -> bool:
+            return isinstance(p, str) or (isinstance(p, list) and all(type(t) is int for t in p))
+
+        several = isinstance(v, list) and bool(v) and (all(isinstance(p, str) for p in v)
+                                                      or all(isinstance(p, list) for p in v))
+        if not (one(v) or (several and all(one(p) for p in v))):
+            raise ValueError("prompt must be a string, a list of token ids (integers), or a list of "
+                             "strings or of token-id lists")
+        if not v or (several and not all(v)):
+            raise ValueError("the prompt is empty" if not v else
+                             f"prompt {[bool(p) for p in v].index(False)} is empty")
+        if several and len(v) > MAX_CHOICES:
+            raise ValueError(f"at most {MAX_CHOICES} prompts in one request, got {len(v)}")
         return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or each of a batch (a list of strings or of token-id lists)."""
+        p = self.prompt
+        if isinstance(p, list) and p and not isinstance(p[0], int):
+            return list(p)  # type: ignore[arg-type]
+        return [p]  # type: ignore[list-item]
+
+    def choices_per_prompt(self) -> int:
+        n = super().choices_per_prompt()
+        if n * len(self.prompts()) > MAX_CHOICES:
+            raise ValueError(f"n × prompts must be at most {MAX_CHOICES}, got {n} × {len(self.prompts())}")
+        return n
 
 
 class ChatTextPart(_Request):

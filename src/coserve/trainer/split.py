@@ -72,9 +72,14 @@ class FirstNonFiniteOp(TorchDispatchMode):
     """Under this mode :attr:`report` names the first aten op whose floating-point output held a
     non-finite value, with its input shapes; where an input was already non-finite, the op that
     made that input (an ``empty`` one: a kernel outside aten wrote it, or left part unwritten).
-    Allocation ops (``empty*``, whose output is uninitialized by design) are never the culprit."""
+    Allocation ops (``empty*``, whose output is uninitialized by design) are never the culprit,
+    nor are view ops (they write nothing; autograd splits a fresh ``empty`` buffer into the views
+    it then fills, so their input may hold garbage): a view's producer is its base's."""
 
-    _ALLOCATORS = ("empty", "new_empty", "empty_like", "empty_strided")
+    _ALLOCATORS = frozenset({"empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided"})
+    _VIEWS = frozenset({"split", "split_with_sizes", "chunk", "unbind", "narrow", "slice", "select", "view",
+                        "_unsafe_view", "as_strided", "t", "transpose", "permute", "unsqueeze", "squeeze",
+                        "expand", "alias", "detach", "diagonal", "unfold"})
 
     def __init__(self) -> None:
         super().__init__()
@@ -91,6 +96,12 @@ class FirstNonFiniteOp(TorchDispatchMode):
             return out
         name = str(func.overloadpacket.__name__)
         outs = self._floats(out)
+        if name in self._VIEWS:
+            ins = self._floats((args, kwargs))
+            base = self._made_by.get(ins[0].data_ptr(), name) if ins else name
+            for t in outs:
+                self._made_by[t.data_ptr()] = base
+            return out
         if name not in self._ALLOCATORS and any(not bool(t.isfinite().all()) for t in outs):
             ins = self._floats((args, kwargs))
             bad = [t for t in ins if not bool(t.isfinite().all())]
