@@ -187,6 +187,8 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/completions", {"prompt": ["a"] * 65}, "at most 64 prompts"),
     ("/v1/completions", {"prompt": ["a"] * 8, "n": 9}, "n × prompts"),
     ("/v1/completions", {"prompt": "hi", "n": 0}, "n must be in [1, 64]"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "ignore_eos": "yes"}, "ignore_eos"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 65}, "n must be in"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, "stop"),
@@ -315,7 +317,7 @@ def test_a_stream_whose_client_leaves_is_aborted(served: Served) -> None:
     so while the engine sits idle."""
     host, port = served.url.removeprefix("http://").split(":")
     conn = HTTPConnection(host, int(port), timeout=30)
-    body = {"model": MODEL, "prompt": "hello", "max_tokens": 1500, "stream": True}
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 1500, "stream": True, "ignore_eos": True}
     conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
     reply = conn.getresponse()
     assert reply.status == 200 and reply.fp.readline()  # the first chunk's size line
@@ -364,6 +366,25 @@ def test_adapters_are_served_under_their_own_model_names(tmp_path: Path) -> None
         assert chat.model == "mine"
         with pytest.raises(openai.NotFoundError, match="'tiny', 'mine'"):
             s.client.completions.create(model="theirs", prompt="hi")
+
+
+def test_a_whole_completion_whose_client_leaves_is_aborted(served: Served) -> None:
+    """Not streamed: the client sends a long request and hangs up without waiting; the engine
+    stops it (the handler watches for the client's disconnect) instead of decoding 1,500 tokens."""
+    steps = len(served.batch_sizes)
+    sock = socket.create_connection(served.url.removeprefix("http://").split(":"), timeout=10)  # type: ignore[arg-type]
+    body = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 1500, "ignore_eos": True}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    deadline = time.monotonic() + 10
+    while len(served.batch_sizes) - steps < 3 and time.monotonic() < deadline:  # it is being decoded
+        time.sleep(0.01)
+    sock.close()
+    deadline = time.monotonic() + 20
+    while served.engine_thread.stats.num_running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert served.engine_thread.stats.num_running == 0, "the request still runs after its client left"
+    assert len(served.batch_sizes) - steps < 1000, "it decoded to the end"
 
 
 def test_coserving_trains_while_serving(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ mistake is a 400 with an OpenAI error body that says what is wrong, never a 500.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -147,6 +148,16 @@ def _sse(obj: BaseModel | str) -> str:
     return f"data: {obj if isinstance(obj, str) else obj.model_dump_json(exclude_none=True)}\n\n"
 
 
+class ClientGone(Exception):
+    """The client of a whole (not streamed) completion hung up before it was done."""
+
+
+async def _disconnected(raw: Request) -> None:
+    """Returns when the client of ``raw`` (whose body has been read) disconnects."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
 class _Api:
     """The route handlers' shared state."""
 
@@ -178,6 +189,27 @@ class _Api:
             if not handle.finished:
                 self.et.abort(handle.request_id)
             raise
+
+    async def finish_all(self, started: list[tuple[RequestHandle, RequestOutput]],
+                         raw: Request | None) -> list[RequestOutput]:
+        """:meth:`finish` of every choice; if the client hangs up first (``raw``'s next message is
+        its disconnect: the body has been read), every choice is aborted and this raises
+        :class:`ClientGone`, so that nobody's tokens are decoded for no one."""
+        done = asyncio.ensure_future(asyncio.gather(*(self.finish(h, f) for h, f in started)))
+        if raw is None:
+            return await done
+        gone = asyncio.ensure_future(_disconnected(raw))
+        try:
+            await asyncio.wait((done, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not done.done():
+                done.cancel()  # (each finish's own finally aborts its request)
+                with contextlib.suppress(asyncio.CancelledError):
+                    await done
+        if done.cancelled():
+            raise ClientGone("the client disconnected before the completion was done")
+        return done.result()
 
     async def finish(self, handle: RequestHandle, out: RequestOutput) -> RequestOutput:
         try:
@@ -288,7 +320,7 @@ class _Api:
 
     # ------------------------------------------------------------------ routes
 
-    async def completions(self, req: CompletionRequest) -> Response:
+    async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         lora = self.check_model(req.model)
         n = req.choices_per_prompt()
         params = req.sampling_params(req.max_tokens, 16, req.logprobs)
@@ -305,7 +337,7 @@ class _Api:
             return CompletionResponse(id=rid, created=created, model=model, choices=choices, usage=usage)
 
         if not req.stream:
-            outs = await asyncio.gather(*(self.finish(h, f) for h, f in started))
+            outs = await self.finish_all(started, raw)
             choices = [CompletionChoice(index=i, text=o.outputs[0].text, logprobs=self.logprobs(o),
                                         finish_reason=o.outputs[0].finish_reason) for i, o in enumerate(outs)]
             return JSONResponse(response(choices, _usage(outs, n)).model_dump())
@@ -326,7 +358,7 @@ class _Api:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    async def chat(self, req: ChatCompletionRequest) -> Response:
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         lora = self.check_model(req.model)
         n = req.choices_per_prompt()
         if req.logprobs:
@@ -341,7 +373,7 @@ class _Api:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         model = lora.name if lora is not None else self.model_name
         if not req.stream:
-            outs = await asyncio.gather(*(self.finish(h, f) for h, f in started))
+            outs = await self.finish_all(started, raw)
             choices = [ChatChoice(index=i, message=ChatMessageOut(role="assistant", content=o.outputs[0].text),
                                   finish_reason=o.outputs[0].finish_reason) for i, o in enumerate(outs)]
             return JSONResponse(ChatCompletionResponse(id=rid, created=created, model=model,
@@ -397,6 +429,10 @@ def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str,
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return _error(exc.status_code, str(exc.detail), kind)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # (nobody reads it; nginx's "client closed request")
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:

@@ -67,6 +67,10 @@ class _SamplingRequest(_Request):
     seed: StrictInt | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    # vLLM's extensions (benchmark clients send them): decode past the end-of-sequence token / at
+    # least this many tokens
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = 0
 
     @model_validator(mode="before")
     @classmethod
@@ -94,6 +98,7 @@ class _SamplingRequest(_Request):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0, seed=self.seed, logprobs=logprobs,
             stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
+            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
         )
 
 
