@@ -47,7 +47,7 @@ class Served:
 
 @contextmanager
 def serve(engine: LLMEngine, session: FinetuneSession | None = None,
-          adapters: dict[str, str] | None = None) -> Iterator[Served]:
+          adapters: dict[str, str] | None = None, runtime_lora: bool = False) -> Iterator[Served]:
     """Run the app under uvicorn in a background thread on a pre-bound free port."""
     batch_sizes: list[int] = []
     step = engine.step
@@ -64,7 +64,7 @@ def serve(engine: LLMEngine, session: FinetuneSession | None = None,
     port = sock.getsockname()[1]
     for name, path in (adapters or {}).items():
         engine.lora_manager.register(name, path)
-    server = uvicorn.Server(uvicorn.Config(create_app(engine_thread, MODEL, adapters), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine_thread, MODEL, adapters, runtime_lora), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -336,16 +336,22 @@ def test_a_stream_whose_client_leaves_is_aborted(served: Served) -> None:
     assert len(served.batch_sizes) - steps < 1000, "it decoded to the end"
 
 
+def random_adapter(engine: LLMEngine, path: Path, seed: int) -> Path:
+    """A PEFT adapter for ``engine``'s model with random A and B (it changes the output)."""
+    cfg = engine.model_config
+    adapter = new_lora_adapter(num_layers=cfg.num_layers, shapes=cfg.linear_shapes(), rank=8, alpha=16.0,
+                               target_modules=("q_proj", "v_proj", "down_proj"), seed=seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    save_peft_adapter(replace(adapter, weights={k: (a, torch.randn(b.shape, generator=gen))
+                                                for k, (a, b) in adapter.weights.items()}), path)
+    return path
+
+
 def test_adapters_are_served_under_their_own_model_names(tmp_path: Path) -> None:
     """``--lora-modules``: a request naming an adapter runs with it, and gets the tokens the offline
     API gives with that adapter; the base model's requests beside it stay the base model's."""
     engine = LLMEngine(EngineConfig(model=MODEL, device="cpu"))
-    cfg = engine.model_config
-    adapter = new_lora_adapter(num_layers=cfg.num_layers, shapes=cfg.linear_shapes(), rank=8, alpha=16.0,
-                               target_modules=("q_proj", "v_proj", "down_proj"), seed=1)
-    gen = torch.Generator().manual_seed(2)
-    weights = {k: (a, torch.randn(b.shape, generator=gen)) for k, (a, b) in adapter.weights.items()}
-    save_peft_adapter(replace(adapter, weights=weights), tmp_path / "mine")
+    random_adapter(engine, tmp_path / "mine", seed=1)
     prompt = "the adapter says"
     params = SamplingParams(max_tokens=8, temperature=0.0)
     offline = LLM(MODEL)
@@ -385,6 +391,54 @@ def test_a_whole_completion_whose_client_leaves_is_aborted(served: Served) -> No
         time.sleep(0.05)
     assert served.engine_thread.stats.num_running == 0, "the request still runs after its client left"
     assert len(served.batch_sizes) - steps < 1000, "it decoded to the end"
+
+
+def test_adapters_loaded_and_unloaded_at_run_time(tmp_path: Path, served: Served) -> None:
+    """``--allow-runtime-lora``: an adapter loaded while serving is served by name at once, with the
+    tokens it gives from start-up; one in use cannot be unloaded; an unloaded one is gone, and its
+    name can be loaded again from another directory. Without the flag the routes are refused."""
+    status, reply = http(served.url + "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path)})
+    assert status == 404 and "--allow-runtime-lora" in reply["error"]["message"]
+    engine = LLMEngine(EngineConfig(model=MODEL, device="cpu"))
+    first, second = random_adapter(engine, tmp_path / "a", seed=1), random_adapter(engine, tmp_path / "b", seed=2)
+    kw: dict[str, Any] = {"prompt": "the adapter says", "max_tokens": 6, "temperature": 0.0}
+    offline = LLM(MODEL)
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    want = {p.name: offline.generate([kw["prompt"]], params, lora_request=LoRARequest(p.name, str(p)))[0]
+            .outputs[0].text for p in (first, second)}
+    assert want["a"] != want["b"]
+    with serve(engine, runtime_lora=True) as s:
+        load = s.url + "/v1/load_lora_adapter"
+        assert http(load, {"lora_name": "mine", "lora_path": str(first)}) == (200, {"status": "loaded", "lora_name": "mine"})
+        assert http(load, {"lora_name": "mine", "lora_path": str(first)})[1]["status"] == "already loaded"
+        status, reply = http(load, {"lora_name": "mine", "lora_path": str(second)})
+        assert status == 409 and "unload it first" in reply["error"]["message"]
+        status, reply = http(load, {"lora_name": "bad", "lora_path": str(tmp_path / "none")})
+        assert status == 400 and "does not exist" in reply["error"]["message"]
+        assert http(load, {"lora_name": MODEL, "lora_path": str(first)})[0] == 400
+        assert [m.id for m in s.client.models.list()] == [MODEL, "mine"]
+        assert s.client.completions.create(model="mine", **kw).choices[0].text == want["a"]
+        # in use: a long request on it holds it
+        conn = HTTPConnection(*s.url.removeprefix("http://").split(":"), timeout=30)  # type: ignore[arg-type]
+        conn.request("POST", "/v1/completions", body=json.dumps({"model": "mine", "prompt": "x", "max_tokens": 1500,
+                                                                   "ignore_eos": True, "stream": True}),
+                     headers={"Content-Type": "application/json"})
+        assert conn.getresponse().fp.readline()
+        status, reply = http(s.url + "/v1/unload_lora_adapter", {"lora_name": "mine"})
+        assert status == 409 and "in use" in reply["error"]["message"]
+        conn.close()
+        deadline = time.monotonic() + 20
+        while True:
+            status, reply = http(s.url + "/v1/unload_lora_adapter", {"lora_name": "mine"})
+            if status != 409 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert (status, reply) == (200, {"status": "unloaded", "lora_name": "mine"})
+        assert http(s.url + "/v1/unload_lora_adapter", {"lora_name": "mine"})[0] == 404
+        with pytest.raises(openai.NotFoundError):
+            s.client.completions.create(model="mine", **kw)
+        assert http(load, {"lora_name": "mine", "lora_path": str(second)})[0] == 200
+        assert s.client.completions.create(model="mine", **kw).choices[0].text == want["b"]
 
 
 def test_coserving_trains_while_serving(tmp_path: Path) -> None:

@@ -161,6 +161,15 @@ class LLMEngine:
         self.coserver = None
         self.training_slot = -1
 
+    def remove_lora(self, name: str) -> None:
+        """Unload the adapter registered as ``name``; ValueError while a request uses it (waiting
+        or running: it would find the adapter gone), KeyError if there is none."""
+        users = [s.request_id for s in (*self.scheduler.waiting, *self.scheduler.running)
+                 if s.lora is not None and s.lora.name == name]
+        if users:
+            raise ValueError(f"adapter {name!r} is in use by {len(users)} unfinished request(s)")
+        self.lora_manager.unregister(name)
+
     def arrival_pending(self) -> bool:
         """Is inference work waiting? (An FT-only step gives way to it at the next layer.)"""
         return bool(self.scheduler.waiting) or (self.external_arrivals is not None and self.external_arrivals())

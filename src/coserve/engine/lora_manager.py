@@ -55,9 +55,10 @@ class LoRAManager:
             raise ValueError(f"adapter name {name!r} is already in use")
         self._bound[name] = slot
 
-    def register(self, name: str, path: str | Path) -> None:
-        """Read and validate the adapter at ``path`` under ``name``; raises AdapterError/ValueError.
-        (A name bound to a training slot, :meth:`bind_training_slot`, needs nothing read.)"""
+    def register(self, name: str, path: str | Path, adapter: LoraAdapter | None = None) -> None:
+        """Read and validate the adapter at ``path`` under ``name`` (or take ``adapter``, read
+        from there by :meth:`load` elsewhere); raises AdapterError/ValueError. (A name bound to a
+        training slot, :meth:`bind_training_slot`, needs nothing read.)"""
         if name in self._bound:
             return
         if self.max_loras == 0:
@@ -67,12 +68,28 @@ class LoRAManager:
             if known[0] != str(path):
                 raise ValueError(f"adapter name {name!r} is already bound to {known[0]}, not {path}")
             return
+        self._adapters[name] = (str(path), adapter if adapter is not None else self.load(path))
+
+    def load(self, path: str | Path) -> LoraAdapter:
+        """The adapter at ``path``, checked against this model (touches no slot: any thread may
+        call it)."""
         adapter = load_peft_adapter(path)
         cfg = self.model.config
         check_adapter_fits(
             adapter, num_layers=cfg.num_layers, shapes=cfg.linear_shapes(), max_rank=self.max_rank, path=path
         )
-        self._adapters[name] = (str(path), adapter)
+        return adapter
+
+    def unregister(self, name: str) -> None:
+        """Forget the adapter registered as ``name`` (its slot, if loaded, becomes free); the
+        caller makes sure no sequence uses it (:meth:`LLMEngine.remove_lora`). KeyError if unknown."""
+        if name in self._bound:
+            raise ValueError(f"{name!r} is the adapter being trained: it cannot be unloaded")
+        del self._adapters[name]
+        slot = self._slot_of.pop(name, None)
+        if slot is not None:
+            assert self._refs[slot] == 0, "unregistering an adapter that a sequence still uses"
+            del self._lru[slot]
 
     def is_registered(self, name: str) -> bool:
         return name in self._adapters or name in self._bound

@@ -40,6 +40,8 @@ from coserve.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    LoadAdapterRequest,
+    UnloadAdapterRequest,
     Usage,
 )
 
@@ -161,10 +163,12 @@ async def _disconnected(raw: Request) -> None:
 class _Api:
     """The route handlers' shared state."""
 
-    def __init__(self, engine_thread: EngineThread, model_name: str, adapters: dict[str, str] | None = None) -> None:
+    def __init__(self, engine_thread: EngineThread, model_name: str, adapters: dict[str, str] | None = None,
+                 runtime_lora: bool = False) -> None:
         self.et = engine_thread
         self.model_name = model_name
         self.adapters = {name: LoRARequest(name, path) for name, path in (adapters or {}).items()}
+        self.runtime_lora = runtime_lora
         self.metrics = ServerMetrics(engine_thread)
         self.tokenizer = engine_thread.engine.tokenizer
         self.max_model_len = engine_thread.engine.max_model_len
@@ -318,6 +322,49 @@ class _Api:
             for t in tasks:
                 t.cancel()
 
+    # ------------------------------------------------------------------ adapters at run time
+
+    def _check_runtime_lora(self) -> None:
+        if not self.runtime_lora:
+            raise HTTPException(404, "loading adapters at run time is off: start the server with "
+                                     "--allow-runtime-lora (it reads any path the server can)")
+
+    async def load_adapter(self, req: LoadAdapterRequest) -> Response:
+        """Read and check the adapter off the event loop, then register it between two steps;
+        from then on requests may name it."""
+        self._check_runtime_lora()
+        name, path = req.lora_name, req.lora_path
+        if name == self.model_name:
+            raise ValueError(f"{name!r} is the base model's name; give the adapter another")
+        known = self.adapters.get(name)
+        if known is not None:
+            if known.path == path:
+                return JSONResponse({"status": "already loaded", "lora_name": name})
+            raise HTTPException(409, f"adapter {name!r} is loaded from {known.path}; unload it first")
+        manager = self.et.engine.lora_manager
+        adapter = await asyncio.to_thread(manager.load, path)
+        await self.et.call(lambda engine: engine.lora_manager.register(name, path, adapter))
+        self.adapters[name] = LoRARequest(name, path)
+        logger.info("loaded adapter %r from %s", name, path)
+        return JSONResponse({"status": "loaded", "lora_name": name})
+
+    async def unload_adapter(self, req: UnloadAdapterRequest) -> Response:
+        """Forget an adapter no request uses any more (409 while one does)."""
+        self._check_runtime_lora()
+        name = req.lora_name
+        lora = self.adapters.pop(name, None)  # (no new request can name it from here on)
+        if lora is None:
+            raise HTTPException(404, f"no adapter {name!r} is loaded")
+        try:
+            await self.et.call(lambda engine: engine.remove_lora(name))
+        except ValueError as e:
+            self.adapters[name] = lora
+            raise HTTPException(409, str(e)) from e
+        except KeyError:
+            pass  # (never used, so never registered in the engine: nothing to forget)
+        logger.info("unloaded adapter %r", name)
+        return JSONResponse({"status": "unloaded", "lora_name": name})
+
     # ------------------------------------------------------------------ routes
 
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
@@ -399,13 +446,16 @@ class _Api:
         return StreamingResponse(events(), media_type="text/event-stream")
 
 
-def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str, str] | None = None) -> FastAPI:
+def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str, str] | None = None,
+               runtime_lora: bool = False) -> FastAPI:
     """The API app for ``engine_thread`` (started by the caller), serving ``model_name`` and each of
-    ``adapters`` (model name -> PEFT directory) on it."""
+    ``adapters`` (model name -> PEFT directory) on it; with ``runtime_lora`` adapters can be
+    loaded and unloaded while it serves (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``)."""
     app = FastAPI(title="coserve", docs_url=None, redoc_url=None)
-    api = _Api(engine_thread, model_name, adapters)
+    api = _Api(engine_thread, model_name, adapters, runtime_lora)
     app.state.api = api
-    endpoints = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"}
+    endpoints = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/v1/load_lora_adapter",
+                 "/v1/unload_lora_adapter"}
 
     @app.middleware("http")
     async def count(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
@@ -440,6 +490,8 @@ def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str,
 
     app.post("/v1/completions", response_model=None)(api.completions)
     app.post("/v1/chat/completions", response_model=None)(api.chat)
+    app.post("/v1/load_lora_adapter", response_model=None)(api.load_adapter)
+    app.post("/v1/unload_lora_adapter", response_model=None)(api.unload_adapter)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -14,10 +14,10 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from coserve.engine.llm_engine import LLMEngine
 from coserve.engine.outputs import RequestOutput
@@ -111,6 +111,25 @@ def _finetune_stats(coserver: CoServer) -> dict[str, Any]:
     }
 
 
+_T = TypeVar("_T")
+
+
+def _settle(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], result: Any,
+            error: BaseException | None) -> None:
+    """From the loop thread: complete ``future`` on its event loop (unless it was cancelled)."""
+    def done() -> None:
+        if not future.done():
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+    try:
+        loop.call_soon_threadsafe(done)
+    except RuntimeError:  # its loop is closed: nobody waits for it
+        pass
+
+
 class EngineThread:
     """Owns an :class:`LLMEngine` (and optionally a :class:`FinetuneSession`) and steps it.
 
@@ -136,6 +155,7 @@ class EngineThread:
         self.slo = session.spec.slo if session is not None else None
         self._inbox: deque[_Submission] = deque()
         self._aborts: deque[str] = deque()
+        self._calls: deque[tuple[Callable[[LLMEngine], Any], asyncio.AbstractEventLoop, asyncio.Future[Any]]] = deque()
         self._cond = threading.Condition()
         self._handles: dict[str, RequestHandle] = {}
         self._ids = itertools.count()
@@ -178,6 +198,18 @@ class EngineThread:
             self._cond.notify()
         return handle
 
+    async def call(self, fn: Callable[[LLMEngine], _T]) -> _T:
+        """``fn(engine)`` run on the loop thread between two steps (what must not race a step:
+        loading or unloading an adapter); its result or its exception."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[_T] = loop.create_future()
+        with self._cond:
+            if self._thread is None or self._closed:
+                raise EngineDeadError("the engine is not running")
+            self._calls.append((fn, loop, future))
+            self._cond.notify()
+        return await future
+
     def abort(self, request_id: str) -> None:
         """Stop a request (its client went away); unknown or finished ids are ignored."""
         with self._cond:
@@ -216,6 +248,8 @@ class EngineThread:
             self._inbox.clear()
             aborts = list(self._aborts)
             self._aborts.clear()
+            calls = list(self._calls)
+            self._calls.clear()
         for sub in subs:
             try:
                 self.engine.add_request(sub.request_id, sub.prompt, sub.params, sub.lora, sub.arrival_time)
@@ -228,6 +262,11 @@ class EngineThread:
             out = self.engine.abort_request(rid)
             if handle is not None and out is not None:
                 handle.deliver(out)
+        for fn, loop, future in calls:  # (after the submissions: a call sees every request sent before it)
+            try:
+                _settle(loop, future, fn(self.engine), None)
+            except Exception as e:
+                _settle(loop, future, None, e)
 
     def _iterate(self) -> None:
         engine, session = self.engine, self.session
@@ -237,7 +276,7 @@ class EngineThread:
         if not engine.has_unfinished_requests() and session is None:
             self._publish()  # (what the last abort or finish left: the wait below may be long)
             with self._cond:
-                while not self._inbox and not self._aborts and not self._stopping:
+                while not self._inbox and not self._aborts and not self._calls and not self._stopping:
                     self._cond.wait()
             return
         outputs = engine.step()
@@ -256,7 +295,7 @@ class EngineThread:
         session.wait(self.idle_wait_s)
         if engine.last_step_kind == "idle" and time.monotonic() - t < self.idle_wait_s / 2:
             with self._cond:
-                if not self._inbox and not self._aborts and not self._stopping:
+                if not self._inbox and not self._aborts and not self._calls and not self._stopping:
                     self._cond.wait(self.idle_wait_s)
 
     def _finish_session(self, session: FinetuneSession) -> None:
@@ -292,6 +331,10 @@ class EngineThread:
             self._closed = True
             pending = [s.handle for s in self._inbox]
             self._inbox.clear()
+            calls = list(self._calls)
+            self._calls.clear()
+        for _, loop, future in calls:
+            _settle(loop, future, None, dead)
         for rid, handle in list(self._handles.items()):
             try:
                 self.engine.abort_request(rid)

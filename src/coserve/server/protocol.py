@@ -160,6 +160,19 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: StrictBool | None = None
 
 
+class LoadAdapterRequest(_Request):
+    """``POST /v1/load_lora_adapter`` (vLLM's shape)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadAdapterRequest(_Request):
+    """``POST /v1/unload_lora_adapter``."""
+
+    lora_name: str = Field(min_length=1)
+
+
 # ---------------------------------------------------------------------- response models
 
 

@@ -5,7 +5,8 @@
     coserve serve --model tiny --finetune-data data.jsonl --output out/ --backward-tokens 128
 
 ``--lora-modules NAME=PEFT_DIR`` serves each adapter under its own model name (the vLLM flag): a
-request whose ``model`` is NAME runs with it; every adapter is read and checked at start-up.
+request whose ``model`` is NAME runs with it; every adapter is read and checked at start-up. With
+``--allow-runtime-lora`` clients can load and unload adapters while it serves (vLLM's routes).
 
 With ``--finetune-data`` the engine co-serves: fine-tuning rows fill the batches' spare room
 and idle time; when the dataset's epochs are done (or at Ctrl-C) the adapter is exported to
@@ -59,6 +60,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PEFT_DIR",
                    help="serve these PEFT adapters, each under its model name NAME (at most --max-loras "
                         "of them in one batch; more are swapped in least-recently-used first)")
+    p.add_argument("--allow-runtime-lora", action="store_true",
+                   help="let clients load and unload adapters while the server runs (POST "
+                        "/v1/load_lora_adapter {lora_name, lora_path}, /v1/unload_lora_adapter {lora_name}); "
+                        "it reads any path the server can, so only where clients are trusted")
     group = p.add_argument_group("co-serving (fine-tuning while serving)")
     add_finetune_args(cast(argparse.ArgumentParser, _OptionalFinetuneFlags(group)))
     add_slo_args(group)
@@ -139,7 +144,7 @@ def serve(args: argparse.Namespace) -> int:
         adapters[live] = f"{spec.output / 'adapter'} (training)"
     session = FinetuneSession(engine, spec) if spec is not None else None
     engine_thread = EngineThread(engine, session).start()
-    app = create_app(engine_thread, name, adapters)
+    app = create_app(engine_thread, name, adapters, runtime_lora=args.allow_runtime_lora)
     freeze_startup_objects("server")
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level=str(args.log_level).lower(), access_log=False))
