@@ -205,6 +205,8 @@ class _Api:
         gone = asyncio.ensure_future(_disconnected(raw))
         try:
             await asyncio.wait((done, gone), return_when=asyncio.FIRST_COMPLETED)
+            if not done.done() and gone.exception() is not None:  # (no watch: just wait)
+                return await done
         finally:
             gone.cancel()
             if not done.done():
