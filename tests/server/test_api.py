@@ -190,6 +190,11 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
     ("/v1/completions", {"prompt": "hi", "ignore_eos": "yes"}, "ignore_eos"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 65}, "n must be in"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs must be"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     "top_logprobs needs logprobs"),
+    ("/v1/completions", {"prompt": "hi", "top_logprobs": 2}, "top_logprobs is not supported"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, "stop"),
     ("/v1/completions", {"max_tokens": 3}, "prompt"),
@@ -267,6 +272,36 @@ def test_n_choices_and_batched_prompts(served: Served) -> None:
         for ch in chunk.choices:
             streamed[ch.index] = streamed.get(ch.index, "") + (ch.delta.content or "")
     assert [streamed[i] for i in range(2)] == solo
+
+
+def test_chat_logprobs_are_the_completions_ones(served: Served) -> None:
+    """Chat ``logprobs`` / ``top_logprobs`` in OpenAI's chat shape: for the chat template's token
+    ids, the values the completions route gives, whole and streamed."""
+    msgs = [{"role": "user", "content": "hello there"}]
+    tok = served.engine_thread.engine.tokenizer
+    assert tok is not None
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    ref = served.client.completions.create(model=MODEL, prompt=ids, max_tokens=5, temperature=0.0, logprobs=3)
+    ref_lp = ref.choices[0].logprobs
+    assert ref_lp is not None and ref_lp.token_logprobs and ref_lp.top_logprobs
+    chat = served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0.0,  # type: ignore[arg-type]
+                                                 logprobs=True, top_logprobs=3)
+    lp = chat.choices[0].logprobs
+    assert lp is not None and lp.content is not None
+    assert [t.logprob for t in lp.content] == pytest.approx(ref_lp.token_logprobs)
+    assert [t.token for t in lp.content] == ref_lp.tokens
+    for t, top in zip(lp.content, ref_lp.top_logprobs, strict=True):
+        assert len(t.top_logprobs) == 3 and {x.token for x in t.top_logprobs} <= set(top)
+        assert [x.logprob for x in t.top_logprobs] == sorted((x.logprob for x in t.top_logprobs), reverse=True)
+        assert bytes(t.bytes).decode("utf-8") == t.token
+    streamed = []
+    for chunk in served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5,  # type: ignore[arg-type]
+                                                       temperature=0.0, logprobs=True, top_logprobs=3, stream=True):
+        for ch in chunk.choices:
+            streamed += ch.logprobs.content if ch.logprobs is not None and ch.logprobs.content else []
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in lp.content])
+    plain = served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)  # type: ignore[arg-type]
+    assert plain.choices[0].logprobs is None
 
 
 def test_unsupported_fields_at_their_defaults_are_accepted(served: Served) -> None:

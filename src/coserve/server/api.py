@@ -35,7 +35,10 @@ from coserve.server.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     ChatMessageOut,
+    ChatTokenLogprob,
+    ChatTopLogprob,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
@@ -324,6 +327,26 @@ class _Api:
             for t in tasks:
                 t.cancel()
 
+    def chat_logprobs(self, out: RequestOutput, k: int | None, start: int = 0) -> ChatLogprobs | None:
+        """OpenAI's chat ``logprobs`` of ``out``'s tokens from ``start`` on: each token's, with the
+        ``k`` most likely ones (None: none were asked for). ``bytes`` is the UTF-8 of the token's
+        text (a token holding part of a character reads as U+FFFD, as in its text)."""
+        c = out.outputs[0]
+        if k is None or c.logprobs is None or self.tokenizer is None:
+            return None
+        tok = self.tokenizer
+
+        def top(tid: int, lp: float) -> ChatTopLogprob:
+            text = tok.decode([tid], skip_special_tokens=False)
+            return ChatTopLogprob(token=text, logprob=lp, bytes=list(text.encode("utf-8")))
+
+        content = []
+        for tid, entry in zip(c.token_ids[start:], c.logprobs[start:], strict=False):
+            best = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:k]
+            t = top(tid, entry.get(tid, float("nan")))
+            content.append(ChatTokenLogprob(**t.model_dump(), top_logprobs=[top(i, lp) for i, lp in best]))
+        return ChatLogprobs(content=content)
+
     # ------------------------------------------------------------------ adapters at run time
 
     def _check_runtime_lora(self) -> None:
@@ -410,21 +433,21 @@ class _Api:
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         lora = self.check_model(req.model)
         n = req.choices_per_prompt()
-        if req.logprobs:
-            raise ValueError("logprobs are not supported for chat completions (use /v1/completions)")
+        k = req.logprobs_k()
         if self.tokenizer is None:
             raise ValueError("this server has no tokenizer: chat completions need one")
         ids = self.tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages],
                                                  add_generation_prompt=True, tokenize=True)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = req.sampling_params(max_tokens, max(1, self.max_model_len - len(ids)))
+        params = req.sampling_params(max_tokens, max(1, self.max_model_len - len(ids)), k)
         started = await self.start_all([ids], params, n, lora)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         model = lora.name if lora is not None else self.model_name
         if not req.stream:
             outs = await self.finish_all(started, raw)
             choices = [ChatChoice(index=i, message=ChatMessageOut(role="assistant", content=o.outputs[0].text),
-                                  finish_reason=o.outputs[0].finish_reason) for i, o in enumerate(outs)]
+                                  logprobs=self.chat_logprobs(o, k), finish_reason=o.outputs[0].finish_reason)
+                       for i, o in enumerate(outs)]
             return JSONResponse(ChatCompletionResponse(id=rid, created=created, model=model,
                                                        choices=choices, usage=_usage(outs, n)).model_dump())
         include_usage = req.stream_options is not None and req.stream_options.include_usage
@@ -437,9 +460,10 @@ class _Api:
             for i in range(len(started)):
                 yield _sse(chunk([ChatChoice(index=i, delta=ChatMessageOut(role="assistant", content=""))]))
             last: dict[int, RequestOutput] = {}
-            async for i, delta, out, _ in self.merged_deltas(started, max(map(len, params.stop), default=0)):
+            async for i, delta, out, start in self.merged_deltas(started, max(map(len, params.stop), default=0)):
                 last[i] = out
                 yield _sse(chunk([ChatChoice(index=i, delta=ChatMessageOut(content=delta),
+                                             logprobs=self.chat_logprobs(out, k, start),
                                              finish_reason=out.outputs[0].finish_reason)]))
             if include_usage:
                 yield _sse(chunk([], _usage([last[i] for i in sorted(last)], n)))

@@ -77,7 +77,7 @@ class _SamplingRequest(_Request):
     def _not_supported(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for name, neutral in NOT_SUPPORTED.items():
-                if name in data and not neutral(data[name]):
+                if name in data and name not in cls.model_fields and not neutral(data[name]):
                     raise ValueError(f"{name} is not supported by this server (got {data[name]!r}); "
                                      "leave it out or send its default")
         return data
@@ -158,6 +158,18 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+
+    def logprobs_k(self) -> int | None:
+        """The engine's ``logprobs`` (None: none asked); raises ValueError (a 400)."""
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise ValueError("top_logprobs needs logprobs: true")
+            return None
+        k = self.top_logprobs or 0
+        if not 0 <= k <= 20:
+            raise ValueError(f"top_logprobs must be an integer in [0, 20], got {k}")
+        return k
 
 
 class LoadAdapterRequest(_Request):
@@ -210,10 +222,25 @@ class ChatMessageOut(BaseModel):
     content: str | None = None
 
 
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut | None = None
     delta: ChatMessageOut | None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
