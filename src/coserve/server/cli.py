@@ -230,6 +230,7 @@ def demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+import coserve.server.bench_http_cli  # noqa: E402, F401  (registers the bench-http command)
 import coserve.server.serve_cli  # noqa: E402, F401  (registers the serve command)
 from coserve.server import bench_cli  # noqa: E402, F401  (registers the bench command)
 

@@ -1,0 +1,121 @@
+"""Open-loop replay of a workload against an OpenAI-compatible server over HTTP.
+
+The HTTP counterpart of :class:`coserve.bench.replay.InProcessDriver`: each arrival is sent at its
+workload time on a monotonic clock (a slow server delays no later arrival: they go out on time, on
+connections of their own) as a streamed ``/v1/completions`` request of its prompt length, in
+random token ids, decoding exactly its output length (``ignore_eos``, which coserve and vLLM take),
+and comes back as the same :class:`RequestRecord` (first streamed token, last token, counts). A
+request the server refuses or drops has no first token: it counts as a miss, and its error is kept.
+
+It measures any server that speaks the protocol (``coserve serve``, vLLM, ...) with the traces and
+SLOs of the evaluation (``coserve bench-http``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from coserve.bench.metrics import RequestRecord
+from coserve.bench.replay import ReplayResult
+from coserve.bench.workload import Arrival
+
+
+@dataclass
+class HttpReplay:
+    """A replay's result, with the errors of the requests that did not finish (by arrival index)."""
+
+    result: ReplayResult
+    errors: dict[int, str] = field(default_factory=dict)
+
+
+class HttpDriver:
+    """Sends ``arrivals`` to the server at ``base_url`` (``http://host:port``) as model ``model``.
+
+    Prompts are random token ids in ``[low_token, vocab_size)`` (seeded per request index, as the
+    in-process driver's): every model has ``vocab_size=1000`` tokens, pass the model's own for
+    realistic ids."""
+
+    def __init__(self, base_url: str, model: str, *, seed: int = 0, vocab_size: int = 1000, low_token: int = 10,
+                 timeout_s: float = 600.0, temperature: float = 0.0) -> None:
+        if vocab_size <= low_token:
+            raise ValueError(f"vocab_size must exceed low_token ({low_token}), got {vocab_size}")
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.seed = seed
+        self.vocab_size = vocab_size
+        self.low_token = low_token
+        self.timeout_s = timeout_s
+        self.temperature = temperature
+
+    def prompt(self, i: int, n: int) -> list[int]:
+        rng = random.Random(self.seed * 1_000_003 + i)
+        return [rng.randrange(self.low_token, self.vocab_size) for _ in range(max(1, n))]
+
+    def body(self, i: int, a: Arrival) -> dict[str, Any]:
+        return {"model": self.model, "prompt": self.prompt(i, a.prompt_tokens), "max_tokens": max(1, a.output_tokens),
+                "temperature": self.temperature, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+
+    def run(self, arrivals: Sequence[Arrival], *, duration_s: float, drain_s: float = 30.0) -> HttpReplay:
+        """Replay the arrivals in ``[0, duration_s)``, then wait for the ones in flight (at most
+        ``drain_s``; those still running then count as unfinished)."""
+        return asyncio.run(self._run([a for a in arrivals if a.time_s < duration_s], duration_s, drain_s))
+
+    async def _run(self, todo: list[Arrival], duration_s: float, drain_s: float) -> HttpReplay:
+        import httpx  # (the server extra: only this driver needs it)
+
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        timeout = httpx.Timeout(self.timeout_s, connect=30.0)
+        records: list[RequestRecord | None] = [None] * len(todo)
+        errors: dict[int, str] = {}
+        async with httpx.AsyncClient(base_url=self.base_url, limits=limits, timeout=timeout) as client:
+            t0 = time.monotonic()
+
+            async def one(i: int, a: Arrival) -> None:
+                await asyncio.sleep(max(0.0, a.time_s - (time.monotonic() - t0)))
+                first = last = None
+                tokens = chunks = 0
+                completed = False
+                try:
+                    async with client.stream("POST", "/v1/completions", json=self.body(i, a)) as reply:
+                        if reply.status_code != 200:
+                            errors[i] = f"HTTP {reply.status_code}: {(await reply.aread())[:300]!r}"
+                            return
+                        async for line in reply.aiter_lines():
+                            if not line.startswith("data: ") or line == "data: [DONE]":
+                                continue
+                            event = json.loads(line[6:])
+                            now = time.monotonic() - t0
+                            if event.get("choices"):
+                                chunks += 1
+                                first = now if first is None else first
+                                last = now
+                            if event.get("usage"):
+                                tokens = int(event["usage"]["completion_tokens"])
+                    completed = True
+                except (httpx.HTTPError, ValueError) as e:
+                    errors[i] = f"{type(e).__name__}: {e}"
+                finally:  # (also when the drain's end cancels it: then it did not finish)
+                    finished = completed and first is not None
+                    records[i] = RequestRecord(a.time_s, first if finished else None, last if finished else None,
+                                               a.prompt_tokens, (tokens or chunks) if finished else 0)
+
+            tasks = [asyncio.create_task(one(i, a)) for i, a in enumerate(todo)]
+            await asyncio.sleep(max(0.0, duration_s - (time.monotonic() - t0)))
+            _, pending = await asyncio.wait(tasks, timeout=drain_s) if tasks else (set(), set())
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            elapsed = time.monotonic() - t0
+        out = [r if r is not None else RequestRecord(a.time_s, None, None, a.prompt_tokens, 0)
+               for r, a in zip(records, todo, strict=True)]
+        for i, r in enumerate(out):
+            if r.finish_s is None:
+                errors.setdefault(i, f"not finished within the {drain_s:g} s drain")
+        return HttpReplay(ReplayResult(out, elapsed, sum(r.output_tokens for r in out), 0), errors)

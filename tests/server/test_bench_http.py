@@ -1,0 +1,65 @@
+"""``coserve bench-http`` and its driver against ``coserve serve`` on the tiny model (in-process
+uvicorn, as in test_api.py): requests go out at their arrival times and come back as records of
+their real lengths; refused and unfinished requests count as misses, with their errors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from coserve.bench.http_driver import HttpDriver
+from coserve.bench.metrics import attainment
+from coserve.bench.workload import Arrival
+from coserve.engine.config import EngineConfig
+from coserve.engine.llm_engine import LLMEngine
+from tests.server.test_api import MODEL, Served, serve
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    with serve(LLMEngine(EngineConfig(model=MODEL, device="cpu"))) as s:
+        yield s
+
+
+def test_driver_replays_arrivals_and_records_real_lengths(served: Served) -> None:
+    arrivals = [Arrival(0.1 * i, 5 + 7 * i, 3 + i) for i in range(8)] + [Arrival(0.85, 5000, 4)]
+    replay = HttpDriver(served.url, MODEL, vocab_size=1024).run(arrivals, duration_s=1.0, drain_s=20.0)
+    records = replay.result.records
+    assert [r.arrival_s for r in records] == [a.time_s for a in arrivals]
+    for r, a in zip(records[:8], arrivals[:8], strict=True):
+        assert r.first_token_s is not None and r.finish_s is not None
+        assert a.time_s <= r.first_token_s <= r.finish_s
+        assert r.output_tokens == a.output_tokens  # ignore_eos: exactly as asked
+    assert records[8].first_token_s is None and records[8].output_tokens == 0
+    assert list(replay.errors) == [8] and replay.errors[8].startswith("HTTP 400") and "context" in replay.errors[8]
+    assert attainment(records, 10.0, 10.0) == pytest.approx(8 / 9)
+    assert replay.result.inference_tokens == sum(a.output_tokens for a in arrivals[:8])
+    # arrivals at or past the window are not sent
+    late = HttpDriver(served.url, MODEL, vocab_size=1024).run([Arrival(0.0, 4, 2), Arrival(0.5, 4, 2)],
+                                                              duration_s=0.3)
+    assert len(late.result.records) == 1
+
+
+def test_a_request_still_running_at_the_drain_is_a_miss(served: Served) -> None:
+    replay = HttpDriver(served.url, MODEL, vocab_size=1024).run([Arrival(0.0, 4, 1500)], duration_s=0.1,
+                                                                drain_s=0.5)
+    (record,) = replay.result.records
+    assert record.finish_s is None and record.output_tokens == 0
+    assert "not finished within the 0.5 s drain" in replay.errors[0]
+
+
+def test_bench_http_command_writes_its_result(served: Served, tmp_path: Path) -> None:
+    from coserve.server.cli import main
+
+    out = tmp_path / "r.json"
+    assert main(["bench-http", "--url", served.url, "--model", MODEL, "--vocab-size", "1024", "--workload",
+                 "burst-light", "--duration", "2", "--rate-scale", "0.05", "--max-prompt", "64", "--max-output",
+                 "8", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    figures = result["figures"]
+    assert figures["requests"] == len(result["per_request"]) > 0 and figures["errors"] == 0
+    assert figures["attainment_abs"] == 1.0 and figures["output_tokens_per_s"] > 0
+    assert result["config"]["workload"]["name"] == "burst-light" and "commit" in result
