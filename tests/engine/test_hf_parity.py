@@ -89,3 +89,37 @@ def test_greedy_matches_transformers_with_mixed_adapters(
     if mode == "preempt":
         assert sum(o.metrics.num_preemptions for o in outs) > 0
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("mode", ["plain", "chunked", "preempt"])
+def test_prompt_logprobs_match_transformers(mode: str, hf_models: dict[str, Path]) -> None:
+    """``SamplingParams.prompt_logprobs``: every prompt token's log-probability given the ones
+    before it (and the top 3) equal transformers' log-softmax of its logits, also when the prefill
+    runs in chunks of 5 tokens or again after a preemption (no position scored twice)."""
+    base = hf_models["llama"]
+    kwargs: dict = dict(skip_tokenizer_init=True, block_size=4)
+    if mode == "chunked":
+        kwargs["max_num_batched_tokens"] = 5
+    if mode == "preempt":
+        kwargs["num_kv_blocks"] = 14
+    llm = LLM(str(base), **kwargs)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+    outs = llm.generate(PROMPTS, params)
+    ref = hf_model(base)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt)
+        assert out.prompt_logprobs[0] is None
+        with torch.no_grad():
+            logp = torch.log_softmax(ref(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        for j in range(1, len(prompt)):
+            entry = out.prompt_logprobs[j]
+            assert entry is not None
+            want_top = logp[j - 1].topk(3).indices.tolist()
+            assert set(want_top) <= set(entry) and len(entry) in (3, 4)
+            for tid, lp in entry.items():
+                assert lp == pytest.approx(float(logp[j - 1, tid]), abs=1e-4), (mode, j, tid)
+            assert prompt[j] in entry
+    if mode == "preempt":
+        assert any(o.metrics.num_preemptions > 0 for o in outs), "no preemption: the case is not tested"
+    plain = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2))[0]
+    assert plain.prompt_logprobs is None

@@ -209,7 +209,6 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/completions", {"prompt": "a \udcff b"}, "lone surrogate"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "lone surrogate"),
     # fields this server does not implement, with a value that asks for something
-    ("/v1/completions", {"prompt": "hi", "echo": True}, "echo is not supported"),
     ("/v1/completions", {"prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty is not supported"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 100}}, "logit_bias is not supported"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
@@ -302,6 +301,33 @@ def test_chat_logprobs_are_the_completions_ones(served: Served) -> None:
     assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in lp.content])
     plain = served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)  # type: ignore[arg-type]
     assert plain.choices[0].logprobs is None
+
+
+def test_echo_gives_the_prompt_and_its_logprobs(served: Served) -> None:
+    """``echo``: the prompt's text before the completion, and with ``logprobs`` its tokens' ones
+    first (None for the first token), the offline API's ``prompt_logprobs``; whole and streamed."""
+    c = served.client
+    greedy = {"max_tokens": 3, "temperature": 0.0}
+    plain = c.completions.create(model=MODEL, prompt="the sky is", **greedy)
+    echoed = c.completions.create(model=MODEL, prompt="the sky is", echo=True, **greedy)
+    assert echoed.choices[0].text == "the sky is" + plain.choices[0].text
+    ids = [5, 17, 33, 91, 14]
+    with_lps = c.completions.create(model=MODEL, prompt=ids, echo=True, logprobs=2, **greedy)
+    lp = with_lps.choices[0].logprobs
+    alone = c.completions.create(model=MODEL, prompt=ids, logprobs=2, **greedy).choices[0].logprobs
+    assert lp is not None and alone is not None and lp.token_logprobs and lp.top_logprobs and lp.text_offset
+    assert len(lp.tokens) == len(ids) + len(alone.tokens)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    offline = LLM(MODEL).generate([ids], SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=2))[0]
+    assert offline.prompt_logprobs is not None
+    want = [None] + [e[t] for e, t in zip(offline.prompt_logprobs[1:], ids[1:], strict=True)]  # type: ignore[index]
+    assert lp.token_logprobs[:len(ids)] == pytest.approx(want)
+    assert lp.token_logprobs[len(ids):] == pytest.approx(alone.token_logprobs)
+    text = with_lps.choices[0].text
+    assert [text[o:o + len(t)] for o, t in zip(lp.text_offset, lp.tokens, strict=True)] == lp.tokens
+    streamed = "".join(ch.text for chunk in c.completions.create(model=MODEL, prompt="the sky is", echo=True,
+                                                                  stream=True, **greedy) for ch in chunk.choices)
+    assert streamed == echoed.choices[0].text
 
 
 def test_unsupported_fields_at_their_defaults_are_accepted(served: Served) -> None:

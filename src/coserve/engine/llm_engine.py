@@ -426,7 +426,7 @@ class LLMEngine:
             seq = chunk.seq
             ctx = chunk.context_len
             rows.append(BatchRow(seq.token_slice(ctx, ctx + chunk.num_tokens), ctx, seq.block_table,
-                                 seq.lora_slot, samples=chunk.samples))
+                                 seq.lora_slot, samples=chunk.samples, scored=_prompt_targets(seq, ctx, chunk.num_tokens)))
         for chunk in sched.decodes:
             seq = chunk.seq
             ctx = chunk.context_len
@@ -442,6 +442,11 @@ class LLMEngine:
 
     def finish_step(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
         """Sample, advance the scheduled sequences, and build the outputs of this step."""
+        for i, scores in self.runner.last_scores.items():  # (prefill rows come first, in sched order)
+            seq = sched.prefills[i].seq
+            first = sched.prefills[i].context_len + 1  # the prompt token its first position predicts
+            have = len(seq.prompt_logprobs) + 1  # (after a preemption the prefill runs again: keep the first)
+            seq.prompt_logprobs.extend(scores[have - first:] if have >= first else [])
         chunks = sched.chunks
         sampling = [c.seq for c in chunks if c.samples]
         tokens = self.sampler(
@@ -522,6 +527,7 @@ class LLMEngine:
             request_id=seq.request_id,
             prompt=seq.prompt,
             prompt_token_ids=seq.prompt_token_ids,
+            prompt_logprobs=[None, *seq.prompt_logprobs] if params.prompt_logprobs is not None else None,
             outputs=[
                 CompletionOutput(
                     index=0,
@@ -543,3 +549,13 @@ class LLMEngine:
         if detok is not None and not isinstance(seq.stop_reason, str):
             seq.output_text += detok.flush()  # a trailing incomplete UTF-8 character, if any
         return self._output(seq)
+
+
+def _prompt_targets(seq: Sequence, ctx: int, n: int) -> tuple[list[int], int] | None:
+    """``BatchRow.scored`` of the chunk of ``seq`` at ``[ctx, ctx + n)``: the prompt tokens its
+    positions predict (``ctx + 1 ...``, within the prompt), when the request asked for them."""
+    k = seq.sampling_params.prompt_logprobs
+    if k is None:
+        return None
+    prompt = seq.prompt_token_ids
+    return list(prompt[ctx + 1:min(ctx + n + 1, len(prompt))]), k

@@ -29,7 +29,10 @@ class BatchRow:
 
     ``writes_kv=False`` marks a fine-tuning row (no KV written, no cached prefix).
     ``samples`` asks for the logits of the row's last token. ``dropout_key`` (fine-tuning rows of
-    an adapter trained with LoRA dropout): the key of the row's dropout masks.
+    an adapter trained with LoRA dropout): the key of the row's dropout masks. ``scored``: the log-
+    probabilities of the tokens that the row's first ``len(targets)`` positions predict (its
+    prompt's next tokens), with the ``k`` most likely: ``(targets, k)``, in
+    :attr:`ModelRunner.last_scores`.
     """
 
     token_ids: list[int]
@@ -40,6 +43,27 @@ class BatchRow:
     samples: bool = False
     is_prefill: bool = True
     dropout_key: int | None = None
+    scored: tuple[list[int], int] | None = None
+
+
+SCORE_CHUNK = 512
+"""Positions per LM-head call when scoring a row's tokens: its fp32 logits stay under 512 × V."""
+
+
+def score_tokens(model: LlamaForCausalLM, hidden: torch.Tensor, targets: list[int], k: int) -> list[dict[int, float]]:
+    """Per position of ``hidden`` (the model's output, one row): the log-probability of the token
+    it predicts (``targets``) and of the ``k`` most likely ones, as ``{token id: log-prob}``."""
+    out: list[dict[int, float]] = []
+    tgt = torch.tensor(targets, dtype=torch.long, device=hidden.device)
+    for lo in range(0, len(targets), SCORE_CHUNK):
+        logp = torch.log_softmax(model.compute_logits(hidden[lo:lo + SCORE_CHUNK]).float(), dim=-1)
+        chosen = logp.gather(1, tgt[lo:lo + SCORE_CHUNK, None])[:, 0].tolist()
+        tops = logp.topk(k, dim=-1) if k > 0 else None
+        top_vals = tops.values.tolist() if tops is not None else [[]] * len(chosen)
+        top_ids = tops.indices.tolist() if tops is not None else [[]] * len(chosen)
+        for t, lp, ids, vals in zip(targets[lo:lo + SCORE_CHUNK], chosen, top_ids, top_vals, strict=True):
+            out.append({**dict(zip(ids, vals, strict=True)), t: lp})
+    return out
 
 
 @dataclass(frozen=True)
@@ -97,6 +121,7 @@ class ModelRunner:
             self.prefill_graphs.capture_all()
         self._built_pieces = self.prefill_graphs  # what use_prefill_graphs(True) brings back
         self.last_mode = "eager"
+        self.last_scores: dict[int, list[dict[int, float]]] = {}  # (BatchRow.scored) of the last step
 
     def make_prefill_graphs(self, capture: bool) -> PrefillGraphs:
         """Piecewise graphs of eager inference steps over this runner's model and cache
@@ -252,6 +277,7 @@ class ModelRunner:
         MLP hook or LoRA dropout rows keep a step off them), else ``eager``. ``eager``: run
         eagerly whatever the graphs take (calibration and warm-up of the eager path).
         """
+        self.last_scores = {}
         if (not eager and layer_hook is None and mlp_hook is None and self.graphs is not None
                 and self.graphs.accepts(rows)):
             self.last_mode = "graph"
@@ -265,6 +291,7 @@ class ModelRunner:
             self._mark_live_linears(None)
             hidden = self.prefill_graphs.run(inputs.input_ids, inputs.positions, inputs.attn, inputs.lora,
                                              layer_hook, live=self._step_live(rows))
+            self._score(rows, hidden)
             return self.model.compute_logits(hidden[inputs.logits_indices])
         self.last_mode = "eager"
         dropped = [(start, len(r.token_ids), r.dropout_key, r.lora_slot)
@@ -284,7 +311,15 @@ class ModelRunner:
             mlp_hook=mlp_hook,
         )
         hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+        self._score(rows, hidden)
         return self.model.compute_logits(hidden[inputs.logits_indices])
+
+    def _score(self, rows: list[BatchRow], hidden: torch.Tensor) -> None:
+        """:attr:`last_scores`: ``{row index: score_tokens(...)}`` of the rows with ``scored``."""
+        self.last_scores = {
+            i: score_tokens(self.model, hidden[start:start + len(r.scored[0])], *r.scored)
+            for i, (start, r) in enumerate(zip(_starts(rows), rows, strict=True)) if r.scored and r.scored[0]
+        }
 
 
 def _live_flags(linears: list[LoRALinear], live: frozenset[tuple[int, str]] | None) -> list[bool]:

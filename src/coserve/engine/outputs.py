@@ -40,3 +40,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+    # (SamplingParams.prompt_logprobs) per prompt token {its id: log-prob, the top ones...}; None
+    # for the first token, which nothing predicts; what the prefill has reached so far
+    prompt_logprobs: list[dict[int, float] | None] | None = None

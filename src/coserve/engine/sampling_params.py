@@ -16,6 +16,8 @@ class SamplingParams:
     ``seed`` makes a sampled request reproducible on its own, whatever else is in the batch.
     ``logprobs = n`` returns, per generated token, its log-probability and the ``n`` most likely
     tokens' log-probabilities (from the model's raw distribution, before temperature/top-k/top-p).
+    ``prompt_logprobs = n`` returns the same for every prompt token after the first (given the
+    tokens before it), in :attr:`RequestOutput.prompt_logprobs`.
     """
 
     max_tokens: int = 16
@@ -28,6 +30,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     min_tokens: int = 0
     skip_special_tokens: bool = True
 
@@ -57,6 +60,9 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
 

@@ -49,6 +49,8 @@ class Sequence:
     stop_reason: int | str | None = None
     output_text: str = ""
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    # (SamplingParams.prompt_logprobs) of prompt tokens 1, 2, ... as the prefill reaches them
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any, cast
 
@@ -142,6 +142,11 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request"
 
 
+def _joined(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(tokens=a.tokens + b.tokens, token_logprobs=a.token_logprobs + b.token_logprobs,
+                              top_logprobs=a.top_logprobs + b.top_logprobs, text_offset=a.text_offset + b.text_offset)
+
+
 def _usage(outs: list[RequestOutput], n: int = 1) -> Usage:
     """The usage of a request's choices (``n`` per prompt, prompt-major): each prompt counted once."""
     p = sum(len(o.prompt_token_ids) for o in outs[::n])
@@ -252,18 +257,35 @@ class _Api:
 
     def logprobs(self, out: RequestOutput, start: int = 0, offset: int = 0) -> CompletionLogprobs | None:
         c = out.outputs[0]
-        if c.logprobs is None or self.tokenizer is None:
+        if c.logprobs is None:
+            return None
+        return self._logprobs(c.token_ids[start:], c.logprobs[start:], offset)
+
+    def _logprobs(self, ids: Sequence[int], entries: Sequence[dict[int, float] | None],
+                  offset: int) -> CompletionLogprobs | None:
+        """The completions route's ``logprobs`` of tokens ``ids`` (an entry None: a token nothing
+        predicts, the prompt's first), their text starting at character ``offset``."""
+        if self.tokenizer is None:
             return None
         tok = self.tokenizer
         tokens, lps, tops, offsets = [], [], [], []
-        for tid, entry in zip(c.token_ids[start:], c.logprobs[start:], strict=False):
+        for tid, entry in zip(ids, entries, strict=False):
             s = tok.decode([tid], skip_special_tokens=False)
             offsets.append(offset)
             offset += len(s)
             tokens.append(s)
-            lps.append(entry.get(tid))
-            tops.append({tok.decode([t], skip_special_tokens=False): lp for t, lp in entry.items()})
+            lps.append(None if entry is None else entry.get(tid))
+            tops.append(None if entry is None else
+                        {tok.decode([t], skip_special_tokens=False): lp for t, lp in entry.items()})
         return CompletionLogprobs(tokens=tokens, token_logprobs=lps, top_logprobs=tops, text_offset=offsets)
+
+    def echoed(self, prompt: str | list[int], out: RequestOutput) -> tuple[str, CompletionLogprobs | None]:
+        """``echo``: the prompt's text (as sent, or its ids decoded) and its tokens' logprobs
+        (None unless the request asked for logprobs)."""
+        text = prompt if isinstance(prompt, str) else (
+            self.tokenizer.decode(prompt, skip_special_tokens=False) if self.tokenizer is not None else "")
+        lps = out.prompt_logprobs
+        return text, (self._logprobs(out.prompt_token_ids, lps, 0) if lps is not None else None)
 
     async def start_all(self, prompts: list[list[int]], params: SamplingParams, n: int,
                         lora: LoRARequest | None) -> list[tuple[RequestHandle, RequestOutput]]:
@@ -396,6 +418,8 @@ class _Api:
         lora = self.check_model(req.model)
         n = req.choices_per_prompt()
         params = req.sampling_params(req.max_tokens, 16, req.logprobs)
+        if req.echo and req.logprobs is not None:
+            params = replace(params, prompt_logprobs=req.logprobs)
         prompts = req.prompts()
         if any(isinstance(p, str) for p in prompts) and self.tokenizer is None:
             raise ValueError("this server has no tokenizer: send the prompt as token ids")
@@ -408,15 +432,29 @@ class _Api:
         def response(choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
             return CompletionResponse(id=rid, created=created, model=model, choices=choices, usage=usage)
 
+        def echo(i: int, out: RequestOutput) -> tuple[str, CompletionLogprobs | None]:
+            return self.echoed(prompts[i // n], out) if req.echo else ("", None)
+
         if not req.stream:
             outs = await self.finish_all(started, raw)
-            choices = [CompletionChoice(index=i, text=o.outputs[0].text, logprobs=self.logprobs(o),
-                                        finish_reason=o.outputs[0].finish_reason) for i, o in enumerate(outs)]
+            choices = []
+            for i, o in enumerate(outs):
+                head, head_lps = echo(i, o)
+                lps = self.logprobs(o, 0, len(head))
+                if head_lps is not None and lps is not None:
+                    lps = _joined(head_lps, lps)
+                choices.append(CompletionChoice(index=i, text=head + o.outputs[0].text, logprobs=lps,
+                                                finish_reason=o.outputs[0].finish_reason))
             return JSONResponse(response(choices, _usage(outs, n)).model_dump())
         include_usage = req.stream_options is not None and req.stream_options.include_usage
 
         async def events() -> AsyncIterator[str]:
             offsets = [0] * len(started)
+            if req.echo:  # the prompts first, one chunk per choice
+                for i, (_, first) in enumerate(started):
+                    head, head_lps = echo(i, first)
+                    offsets[i] = len(head)
+                    yield _sse(response([CompletionChoice(index=i, text=head, logprobs=head_lps)]))
             last: dict[int, RequestOutput] = {}
             async for i, delta, out, start in self.merged_deltas(started, max(map(len, params.stop), default=0)):
                 choice = CompletionChoice(index=i, text=delta, logprobs=self.logprobs(out, start, offsets[i]),

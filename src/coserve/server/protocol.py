@@ -105,6 +105,7 @@ class _SamplingRequest(_Request):
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: StrictInt | None = None
+    echo: StrictBool = False  # the prompt before the completion (and its tokens' logprobs, with logprobs)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -197,7 +198,7 @@ class Usage(BaseModel):
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float]]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
