@@ -328,6 +328,16 @@ def test_echo_gives_the_prompt_and_its_logprobs(served: Served) -> None:
     streamed = "".join(ch.text for chunk in c.completions.create(model=MODEL, prompt="the sky is", echo=True,
                                                                   stream=True, **greedy) for ch in chunk.choices)
     assert streamed == echoed.choices[0].text
+    # max_tokens 0: the prompt scored, nothing generated (a likelihood evaluation's request)
+    scored = c.completions.create(model=MODEL, prompt=ids, echo=True, logprobs=2, max_tokens=0)
+    s_lp = scored.choices[0].logprobs
+    assert s_lp is not None and s_lp.token_logprobs is not None
+    assert s_lp.token_logprobs == pytest.approx(want) and scored.choices[0].finish_reason == "length"
+    assert scored.usage is not None and scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(ids)
+    chunks = list(c.completions.create(model=MODEL, prompt=ids, echo=True, logprobs=2, max_tokens=0, stream=True))
+    assert [ch.choices[0].finish_reason for ch in chunks] == ["length"]
+    status, reply = http(served.url + "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0})
+    assert status == 400 and "max_tokens" in reply["error"]["message"]  # (without echo: nothing to return)
 
 
 def test_unsupported_fields_at_their_defaults_are_accepted(served: Served) -> None:

@@ -147,10 +147,11 @@ def _joined(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
                               top_logprobs=a.top_logprobs + b.top_logprobs, text_offset=a.text_offset + b.text_offset)
 
 
-def _usage(outs: list[RequestOutput], n: int = 1) -> Usage:
-    """The usage of a request's choices (``n`` per prompt, prompt-major): each prompt counted once."""
+def _usage(outs: list[RequestOutput], n: int = 1, generated: bool = True) -> Usage:
+    """The usage of a request's choices (``n`` per prompt, prompt-major): each prompt counted once;
+    ``generated`` False: a scoring request's, whose one token is not returned."""
     p = sum(len(o.prompt_token_ids) for o in outs[::n])
-    c = sum(len(o.outputs[0].token_ids) for o in outs)
+    c = sum(len(o.outputs[0].token_ids) for o in outs) if generated else 0
     return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
 
@@ -417,7 +418,9 @@ class _Api:
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         lora = self.check_model(req.model)
         n = req.choices_per_prompt()
-        params = req.sampling_params(req.max_tokens, 16, req.logprobs)
+        # echo with max_tokens 0: the prompt scored, nothing generated (one token is, then dropped)
+        score_only = req.echo and req.max_tokens == 0
+        params = req.sampling_params(1 if score_only else req.max_tokens, 16, req.logprobs)
         if req.echo and req.logprobs is not None:
             params = replace(params, prompt_logprobs=req.logprobs)
         prompts = req.prompts()
@@ -440,12 +443,15 @@ class _Api:
             choices = []
             for i, o in enumerate(outs):
                 head, head_lps = echo(i, o)
+                if score_only:
+                    choices.append(CompletionChoice(index=i, text=head, logprobs=head_lps, finish_reason="length"))
+                    continue
                 lps = self.logprobs(o, 0, len(head))
                 if head_lps is not None and lps is not None:
                     lps = _joined(head_lps, lps)
                 choices.append(CompletionChoice(index=i, text=head + o.outputs[0].text, logprobs=lps,
                                                 finish_reason=o.outputs[0].finish_reason))
-            return JSONResponse(response(choices, _usage(outs, n)).model_dump())
+            return JSONResponse(response(choices, _usage(outs, n, generated=not score_only)).model_dump())
         include_usage = req.stream_options is not None and req.stream_options.include_usage
 
         async def events() -> AsyncIterator[str]:
@@ -454,7 +460,14 @@ class _Api:
                 for i, (_, first) in enumerate(started):
                     head, head_lps = echo(i, first)
                     offsets[i] = len(head)
-                    yield _sse(response([CompletionChoice(index=i, text=head, logprobs=head_lps)]))
+                    yield _sse(response([CompletionChoice(index=i, text=head, logprobs=head_lps,
+                                                          finish_reason="length" if score_only else None)]))
+            if score_only:
+                outs = await self.finish_all(started, None)
+                if include_usage:
+                    yield _sse(response([], _usage(outs, n, generated=False)))
+                yield _sse("[DONE]")
+                return
             last: dict[int, RequestOutput] = {}
             async for i, delta, out, start in self.merged_deltas(started, max(map(len, params.stop), default=0)):
                 choice = CompletionChoice(index=i, text=delta, logprobs=self.logprobs(out, start, offsets[i]),
