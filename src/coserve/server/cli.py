@@ -185,6 +185,9 @@ def finetune_spec(args: argparse.Namespace) -> FinetuneSpec:
 def _finetune_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     add_finetune_args(p)
+    p.add_argument("--eval-data", default=None,
+                   help="a held-out dataset (same formats as --data): its loss before training and with the "
+                        "trained adapter, printed and written to OUTPUT/eval.json")
 
 
 @command("finetune", _finetune_args)
@@ -198,6 +201,23 @@ def finetune(args: argparse.Namespace) -> int:
     kwargs = engine_kwargs(args)
     kwargs["max_lora_rank"] = max(int(kwargs["max_lora_rank"]), spec.lora.rank)  # type: ignore[call-overload]
     engine = LLMEngine(EngineConfig(model=args.model, num_training_slots=1, **kwargs))  # type: ignore[arg-type]
+    held_out, before = None, None
+    if args.eval_data is not None:
+        from coserve.core.finetune import load_dataset
+        from coserve.engine.sequence import LoRARequest
+        from coserve.server.finetune import evaluate
+
+        if engine.tokenizer is None:
+            raise ValueError("--eval-data needs the model's tokenizer")
+        if engine.config.max_loras == 0:
+            raise ValueError("--eval-data needs --max-loras >= 1 (the trained adapter is evaluated from its files)")
+        held_out = load_dataset(args.eval_data, engine.tokenizer, max_seq_len=spec.coserve.max_seq_len,
+                                train_on_prompt=spec.coserve.train_on_prompt,
+                                vocab_size=min(engine.tokenizer.vocab_size, engine.model_config.vocab_size))
+        start = LoRARequest("eval-initial", str(spec.init_adapter)) if spec.init_adapter else None
+        before = evaluate(engine, held_out.samples, start)
+        print(f"eval {args.eval_data}: {before.samples} samples, {before.tokens} target tokens; "
+              f"loss before training {before.loss:.4f}")
     session = FinetuneSession(engine, spec)
     stats = session.dataset.stats
     print(f"dataset {spec.data}: {stats.num_samples} samples, {stats.num_tokens} tokens "
@@ -212,6 +232,14 @@ def finetune(args: argparse.Namespace) -> int:
     last = next((h.loss for h in reversed(hist) if h.loss is not None), None)
     print(f"trained {len(hist)} optimizer steps, {session.coserver.tokens_trained} tokens "
           f"({session.tokens_per_second:.0f} tokens/s); loss {first} -> {last}")
+    if held_out is not None and before is not None:
+        import json
+
+        after = evaluate(engine, held_out.samples, LoRARequest("eval-trained", str(path)))
+        (spec.output / "eval.json").write_text(json.dumps(
+            {"data": str(args.eval_data), "samples": after.samples, "tokens": after.tokens,
+             "loss_before": before.loss, "loss_after": after.loss, "optimizer_steps": len(hist)}, indent=1) + "\n")
+        print(f"eval loss {before.loss:.4f} -> {after.loss:.4f} ({spec.output / 'eval.json'})")
     print(f"adapter: {path}\nlog: {spec.output / 'train_log.jsonl'}")
     return 0
 

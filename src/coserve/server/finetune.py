@@ -7,6 +7,7 @@ import logging
 import math
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -16,10 +17,12 @@ import torch
 from coserve.core.activations import ActivationStore
 from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig, SLOConfig
 from coserve.core.coserver import CoServer, OptimizerStepLog
-from coserve.core.finetune import FTDataset, load_dataset
+from coserve.core.finetune import IGNORE_INDEX, FTDataset, FTSample, load_dataset
 from coserve.core.latency import LatencyModel
 from coserve.core.sample_pool import SamplePool
 from coserve.engine.llm_engine import LLMEngine
+from coserve.engine.sampling_params import SamplingParams
+from coserve.engine.sequence import LoRARequest
 from coserve.models.peft_adapter import (
     LoraAdapter,
     check_adapter_fits,
@@ -278,3 +281,41 @@ def run_to_completion(engine: LLMEngine, session: FinetuneSession, progress: boo
         return session.export()
     finally:
         session.close()
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Mean cross-entropy over an eval set's target tokens (``labels != -100`` after the first
+    position, the loss the trainer minimizes), and how many tokens and samples it covers."""
+
+    loss: float
+    tokens: int
+    samples: int
+
+
+def evaluate(engine: LLMEngine, samples: Sequence[FTSample], lora: LoRARequest | None = None) -> EvalResult:
+    """The eval loss of ``engine``'s model with ``lora`` (None: the base model) on ``samples``:
+    each sample's tokens scored in one prefill (``prompt_logprobs``), nothing trained. Runs the
+    engine until they are done: call it while no fine-tuning is attached."""
+    if engine.coserver is not None:
+        raise RuntimeError("evaluate() needs an engine without a fine-tuning session attached")
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    todo = {f"eval-{s.sample_id}": s for s in samples if any(label != IGNORE_INDEX for label in s.labels[1:])}
+    for rid, sample in todo.items():
+        engine.add_request(rid, list(sample.input_ids), params, lora)
+    total, count = 0.0, 0
+    while todo:
+        for out in engine.step():
+            s = todo.pop(out.request_id, None) if out.finished else None
+            if s is None:
+                continue
+            assert out.prompt_logprobs is not None
+            for tid, label, entry in zip(s.input_ids[1:], s.labels[1:], out.prompt_logprobs[1:], strict=True):
+                if label == IGNORE_INDEX:
+                    continue
+                if label != tid:
+                    raise ValueError(f"eval sample {s.sample_id}: a label ({label}) that is not its token ({tid})")
+                assert entry is not None
+                total -= entry[tid]
+                count += 1
+    return EvalResult(total / count if count else float("nan"), count, len(samples))
