@@ -104,7 +104,10 @@ class InProcessDriver:
         try:
             while True:
                 now = clock()
-                if now >= duration_s + drain_s or (now >= duration_s and not engine.has_unfinished_requests()):
+                # NOTE: not done while an arrival is due but not added: a loop turn that ran past the
+                # window's end (a stall) would otherwise drop every request still to come
+                if now >= duration_s + drain_s or (now >= duration_s and nxt >= len(todo)
+                                                   and not engine.has_unfinished_requests()):
                     break
                 while nxt < len(todo) and todo[nxt].time_s <= now:
                     a = todo[nxt]
