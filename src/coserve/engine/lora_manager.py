@@ -91,9 +91,6 @@ class LoRAManager:
             assert self._refs[slot] == 0, "unregistering an adapter that a sequence still uses"
             del self._lru[slot]
 
-    def is_registered(self, name: str) -> bool:
-        return name in self._adapters or name in self._bound
-
     def acquire(self, name: str) -> int | None:
         """Bind ``name`` to a slot (loading it if needed) and take a reference; None if no slot is free."""
         if name in self._bound:

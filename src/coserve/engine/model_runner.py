@@ -7,8 +7,9 @@ Decode-only steps replay a CUDA graph when the device and the attention backend 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -45,6 +46,8 @@ class BatchRow:
     dropout_key: int | None = None
     scored: tuple[list[int], int] | None = None
 
+
+_NO_SCORES: Mapping[int, list[dict[int, float]]] = MappingProxyType({})
 
 SCORE_CHUNK = 512
 """Positions per LM-head call when scoring a row's tokens: its fp32 logits stay under 512 × V."""
@@ -121,7 +124,7 @@ class ModelRunner:
             self.prefill_graphs.capture_all()
         self._built_pieces = self.prefill_graphs  # what use_prefill_graphs(True) brings back
         self.last_mode = "eager"
-        self.last_scores: dict[int, list[dict[int, float]]] = {}  # (BatchRow.scored) of the last step
+        self.last_scores: Mapping[int, list[dict[int, float]]] = _NO_SCORES  # (BatchRow.scored) of the last step
 
     def make_prefill_graphs(self, capture: bool) -> PrefillGraphs:
         """Piecewise graphs of eager inference steps over this runner's model and cache
@@ -277,7 +280,7 @@ class ModelRunner:
         MLP hook or LoRA dropout rows keep a step off them), else ``eager``. ``eager``: run
         eagerly whatever the graphs take (calibration and warm-up of the eager path).
         """
-        self.last_scores = {}
+        self.last_scores = _NO_SCORES
         if (not eager and layer_hook is None and mlp_hook is None and self.graphs is not None
                 and self.graphs.accepts(rows)):
             self.last_mode = "graph"
@@ -315,7 +318,10 @@ class ModelRunner:
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
     def _score(self, rows: list[BatchRow], hidden: torch.Tensor) -> None:
-        """:attr:`last_scores`: ``{row index: score_tokens(...)}`` of the rows with ``scored``."""
+        """:attr:`last_scores`: ``{row index: score_tokens(...)}`` of the rows with ``scored``
+        (nothing walked or built in a step without one: the usual step)."""
+        if not any(r.scored for r in rows):
+            return
         self.last_scores = {
             i: score_tokens(self.model, hidden[start:start + len(r.scored[0])], *r.scored)
             for i, (start, r) in enumerate(zip(_starts(rows), rows, strict=True)) if r.scored and r.scored[0]

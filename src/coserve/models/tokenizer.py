@@ -364,11 +364,14 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
         try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:  # (the tokenizers raise a bare TypeError for these)
-            raise ValueError(f"the text is not valid Unicode: {e.object[e.start:e.end]!r} at index {e.start} "
-                             f"is a lone surrogate") from None
-        return self._backend.encode(text, add_special_tokens)
+            return self._backend.encode(text, add_special_tokens)
+        except TypeError:  # (the tokenizers' only word for text with a lone surrogate)
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"the text is not valid Unicode: {e.object[e.start:e.end]!r} at index "
+                                 f"{e.start} is a lone surrogate") from None
+            raise
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The text of ``ids``; ids the tokenizer does not know are left out. Bytes that do not

@@ -408,8 +408,6 @@ class _Api:
         except ValueError as e:
             self.adapters[name] = lora
             raise HTTPException(409, str(e)) from e
-        except KeyError:
-            pass  # (never used, so never registered in the engine: nothing to forget)
         logger.info("unloaded adapter %r", name)
         return JSONResponse({"status": "unloaded", "lora_name": name})
 

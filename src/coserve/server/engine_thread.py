@@ -268,6 +268,10 @@ class EngineThread:
             except Exception as e:
                 _settle(loop, future, None, e)
 
+    def _has_work(self) -> bool:
+        """Anything for the loop to take (call with ``_cond`` held)."""
+        return bool(self._inbox or self._aborts or self._calls or self._stopping)
+
     def _iterate(self) -> None:
         engine, session = self.engine, self.session
         if session is not None and session.done:
@@ -276,7 +280,7 @@ class EngineThread:
         if not engine.has_unfinished_requests() and session is None:
             self._publish()  # (what the last abort or finish left: the wait below may be long)
             with self._cond:
-                while not self._inbox and not self._aborts and not self._calls and not self._stopping:
+                while not self._has_work():
                     self._cond.wait()
             return
         outputs = engine.step()
@@ -295,7 +299,7 @@ class EngineThread:
         session.wait(self.idle_wait_s)
         if engine.last_step_kind == "idle" and time.monotonic() - t < self.idle_wait_s / 2:
             with self._cond:
-                if not self._inbox and not self._aborts and not self._calls and not self._stopping:
+                if not self._has_work():
                     self._cond.wait(self.idle_wait_s)
 
     def _finish_session(self, session: FinetuneSession) -> None:

@@ -130,8 +130,8 @@ def serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model
     adapters = lora_modules(args.lora_modules, name)
     live = args.finetune_name if spec is not None else None
-    if live is not None:  # (the same checks as an adapter's name, against the others too)
-        lora_modules([*args.lora_modules, f"{live}=(training)"], name)
+    if live is not None and live in (name, *adapters):
+        raise ValueError(f"--finetune-name {live!r} is already the name of the base model or of an adapter")
     kwargs = engine_kwargs(args)
     if spec is not None:
         kwargs["max_lora_rank"] = max(int(kwargs["max_lora_rank"]), spec.lora.rank)  # type: ignore[call-overload]
