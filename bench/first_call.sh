@@ -106,7 +106,8 @@ job() {
       run gpu_tests "$top/verify/gpu_tests.txt" python3 -m pytest -q -p no:cacheprovider -p no:warnings \
         tests/layers tests/trainer/test_backward.py tests/trainer/test_stream_gate.py tests/engine/test_cuda_graph.py \
         tests/engine/test_prefill_graphs.py tests/engine/test_stream_priority.py tests/engine/test_host_copy.py \
-        tests/engine/test_step_clock.py
+        tests/engine/test_step_clock.py \
+        "tests/engine/test_coserve_steps.py::test_a_name_bound_to_the_training_slot_serves_what_is_written_there"
       grep "^gpu_tests rc=" "$top/status.txt" | tail -n 1 | sed 's/gpu_tests/gpu tests/' >> "$top/verify/verify.txt" ;;
     varlen_tests)
       run varlen_tests "$top/verify/varlen_tests.txt" python3 -m pytest -q -p no:cacheprovider -p no:warnings \

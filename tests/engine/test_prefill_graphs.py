@@ -84,6 +84,41 @@ def test_engine_with_prefill_graphs_generates_the_same(hf_models: dict[str, Path
             assert lps == pytest.approx(ref_lps, abs=tol)
 
 
+def test_prompt_logprobs_through_the_prefill_graphs_equal_the_eager_engines(hf_models: dict[str, Path]) -> None:
+    """``SamplingParams.prompt_logprobs`` scored from the hidden states that the prefill graphs
+    leave in their static buffer: the same entries as the eager engine's, chunked prefills too."""
+    from coserve import SamplingParams
+
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    device = {"device": "cuda"} if CUDA else {}
+    base = str(hf_models["llama"])
+    expected = LLM(base, **device, **COMMON).generate(PROMPTS, params)
+    llm = LLM(base, **device, **COMMON)
+    runner = llm.engine.runner
+    runner.prefill_graphs = runner.make_prefill_graphs(capture=CUDA)
+    modes: list[str] = []
+    execute = runner.execute
+
+    def counted(*args: object, **kwargs: object) -> object:
+        out = execute(*args, **kwargs)  # type: ignore[arg-type]
+        modes.append(runner.last_mode)
+        return out
+
+    runner.execute = counted  # type: ignore[method-assign]
+    got = llm.generate(PROMPTS, params)
+    assert "graph" in modes  # (the 20-token prompt runs in chunks of max_num_batched_tokens=24 or less)
+    tol = 2e-2 if CUDA else 1e-4
+    for out, ref in zip(got, expected, strict=True):
+        assert out.prompt_logprobs is not None and ref.prompt_logprobs is not None
+        assert len(out.prompt_logprobs) == len(ref.prompt_logprobs) and out.prompt_logprobs[0] is None
+        for entry, want in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:], strict=True):
+            assert entry is not None and want is not None
+            common = set(entry) & set(want)
+            assert len(common) >= 2  # the prompt token and the top ones (ties may swap on the GPU)
+            for tid in common:
+                assert entry[tid] == pytest.approx(want[tid], abs=tol)
+
+
 @pytest.mark.parametrize("expand_first", [False, True])
 def test_segments_with_adapters_and_the_capture_hook_equal_the_eager_forward(hf_models: dict[str, Path],
                                                                               expand_first: bool) -> None:
