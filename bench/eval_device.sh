@@ -44,7 +44,7 @@ for spec in "$@"; do
     --model shape:llama3-8b --device cuda --max-model-len 8192 --max-num-batched-tokens 2048 \
     --max-loras 0 --gpu-memory-utilization 0.7 --lora-rank 16 \
     --target-modules q_proj,k_proj,v_proj,o_proj --ft-lengths spread:256-1024 \
-    --duration 60 --drain 10 --time-budget "$BUDGET" "${rate_flags[@]}" \
+    --duration 60 --time-budget "$BUDGET" "${rate_flags[@]}" \
     --workload "$workload" --configs "$configs" --out "$dir" ${BENCH_FLAGS:-} \
     > "$dir/log.txt" 2>&1 &
   running=$(( running + 1 ))

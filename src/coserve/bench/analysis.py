@@ -68,7 +68,11 @@ def summarize(
         "inference_tokens": replay.inference_tokens,
         "inference_tokens_per_s": replay.inference_tokens / duration,
         "ft_tokens": replay.ft_tokens,
-        "ft_tokens_per_s": replay.ft_tokens / duration,
+        # over the window (the drain after it, lighter and of a length that differs by
+        # configuration, not counted); before session 13, over the whole run: ``_run``
+        "ft_tokens_per_s": (replay.ft_tokens_window / replay.window_s if replay.window_s > 0
+                            else replay.ft_tokens / duration),
+        "ft_tokens_per_s_run": replay.ft_tokens / duration,
         "optimizer_steps": outcome.optimizer_steps,
         "loss_first": outcome.loss_first,
         "loss_last": outcome.loss_last,

@@ -127,7 +127,11 @@ class BenchSpec:
     burn_in_s: float = 0.0
     # torch.profiler over this window of replay time (start s, end s) in every configuration
     profile_window: tuple[float, float] | None = None
-    drain_s: float = 30.0
+    # after the window, requests in flight get up to this long to finish; None: long enough for
+    # any request that meets the absolute SLO (TTFT + max_output × TPOT limit, ``drain_limit_s``),
+    # so that one still running at the end has missed it; the drain ends early once every
+    # request still running has missed for certain (``InProcessDriver.run``'s ``slo``)
+    drain_s: float | None = None
     trainer_warmup_timeout_s: float = 300.0
     mps: bool = True
     engine_threads: int = 0
@@ -147,6 +151,20 @@ class BenchSpec:
     max_probes: int = 6
     probe_resolution: float = 1.2
 
+    @property
+    def slo_limits(self) -> SLO:
+        """The absolute per-request limits in seconds."""
+        return SLO(self.slo.ttft_slo_s, self.slo.tpot_slo_s)
+
+    @property
+    def drain_limit_s(self) -> float:
+        """``drain_s``, or (None) the time a request that meets the absolute SLO may take after
+        the window at most: its TTFT limit plus ``max_output - 1`` tokens at the TPOT limit, and
+        a second of slack."""
+        if self.drain_s is not None:
+            return self.drain_s
+        return self.slo.ttft_slo_s + (self.scaling.max_output - 1) * self.slo.tpot_slo_s + 1.0
+
     def __post_init__(self) -> None:
         if not self.configs or self.configs[0].name != REFERENCE:
             raise ValueError(
@@ -156,7 +174,7 @@ class BenchSpec:
             raise ValueError("--relative-factor and --rolling-window must be positive")
         if not 0 < self.attainment_target <= 1:
             raise ValueError(f"--attainment-target must be in (0, 1], got {self.attainment_target}")
-        if (self.warmup_requests < 0 or self.drain_s < 0 or self.time_budget_s < 0
+        if (self.warmup_requests < 0 or (self.drain_s is not None and self.drain_s < 0) or self.time_budget_s < 0
                 or self.burn_in_s < 0):
             raise ValueError("--warmup-requests, --burn-in, --drain and --time-budget must be >= 0")
         if self.profile_window is not None and not 0 <= self.profile_window[0] < self.profile_window[1]:
@@ -262,7 +280,7 @@ def _config_section(
         "rolling_window_s": spec.rolling_window_s,
         "warmup_requests": spec.warmup_requests,
         "burn_in_s": spec.burn_in_s,
-        "drain_s": spec.drain_s,
+        "drain_s": spec.drain_limit_s,
         "mps": mps,
     }
 
@@ -293,11 +311,11 @@ def _setup(
     vocab = min(engine.tokenizer.vocab_size, engine.model_config.vocab_size)
     data = write_ft_dataset(work / "ft.jsonl", ft.num_samples, ft.lengths, vocab, spec.seed)
     driver = InProcessDriver(engine, seed=spec.seed)
-    _warm_up(driver, workload.arrivals, spec.warmup_requests, spec.drain_s)
+    _warm_up(driver, workload.arrivals, spec.warmup_requests, spec.drain_limit_s)
     if spec.burn_in_s > 0:
         burn = tuple(a for a in workload.arrivals if a.time_s < spec.burn_in_s)
         say(f"burn-in: the first {spec.burn_in_s:.0f} s of the workload ({len(burn)} requests), untimed")
-        driver.run(burn, duration_s=spec.burn_in_s, drain_s=spec.drain_s)
+        driver.run(burn, duration_s=spec.burn_in_s, drain_s=spec.drain_limit_s, slo=spec.slo_limits)
     say(
         f"engine ready in {time.perf_counter() - t0:.1f} s "
         f"({engine_cfg.model}, {engine.runner.device})"
@@ -320,7 +338,7 @@ def _setup(
         driver=driver,
         arrivals=workload.arrivals,
         duration_s=spec.duration_s,
-        drain_s=spec.drain_s,
+        drain_s=spec.drain_limit_s,
         slo=spec.slo,
         training=training,
         work=work,
@@ -372,7 +390,8 @@ def _probe_rate(
     def meets(rate: float) -> bool:
         scaling = replace(spec.scaling, rate=rate)
         window = load_workload(spec.workload, spec.probe_s, scaling, spec.seed)
-        run = ctx.driver.run(window.arrivals, duration_s=spec.probe_s, drain_s=spec.drain_s)
+        run = ctx.driver.run(window.arrivals, duration_s=spec.probe_s, drain_s=spec.drain_limit_s,
+                             slo=spec.slo_limits)
         got = attainment(run.records, spec.slo.ttft_slo_s, spec.slo.tpot_slo_s)
         probes.append({"rate": rate, "attainment": got, "requests": float(len(run.records))})
         say(f"rate probe ×{rate:.3g}: inference-only attainment {_pct(got)} on {len(run.records)} requests")

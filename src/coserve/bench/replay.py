@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from coserve.bench.metrics import RequestRecord
+from coserve.bench.metrics import SLO, RequestRecord
 from coserve.bench.workload import Arrival
 from coserve.engine.llm_engine import LLMEngine
 from coserve.engine.sampling_params import SamplingParams
@@ -48,6 +48,20 @@ class ReplayResult:
     # (same batch, same time?) whatever their configuration, and a slow step split into its parts
     # (coserve.engine.llm_engine.StepStats; None where unknown)
     steps: list[tuple[Any, ...]] = field(default_factory=list)
+    # FT tokens trained by the window's end (the drain after it not counted), and the window
+    ft_tokens_window: int = 0
+    window_s: float = 0.0
+
+
+def certain_miss(now: float, arrival_s: float, first_token_s: float | None, output_tokens: int, slo: SLO) -> bool:
+    """Whether a request still running at ``now`` has missed ``slo`` whatever happens next: its
+    first token came (or, still to come, would come) too late, or even if every token still to
+    come arrived at once its mean time per output token would be over the limit."""
+    if first_token_s is None:
+        return now - arrival_s > slo.ttft_s
+    if first_token_s - arrival_s > slo.ttft_s:
+        return True
+    return output_tokens > 1 and (now - first_token_s) / (output_tokens - 1) > slo.tpot_s
 
 
 STEP_COLUMNS = ("t_s", "kind", "mode", "prefill_tokens", "decode_tokens", "seconds", "schedule_s",
@@ -78,10 +92,12 @@ class InProcessDriver:
         tick: Callable[[Snapshot], None] | None = None,
         tick_every_s: float = 1.0,
         drain_s: float = 30.0,
+        slo: SLO | None = None,
     ) -> ReplayResult:
         """Replay arrivals in ``[0, duration_s)``; then let admitted requests finish (at most
-        ``drain_s``). ``ft_tokens()`` reports fine-tuning tokens trained so far; ``idle_wait(s)``
-        is called instead of sleeping when the engine has nothing to do."""
+        ``drain_s``; with ``slo``, only while one of those still running can meet it: see
+        :func:`certain_miss`). ``ft_tokens()`` reports fine-tuning tokens trained so far;
+        ``idle_wait(s)`` is called instead of sleeping when the engine has nothing to do."""
         engine = self.engine
         todo = [a for a in arrivals if a.time_s < duration_s]
         t0 = time.monotonic()
@@ -101,14 +117,23 @@ class InProcessDriver:
         steps: list[tuple[Any, ...]] = []
         next_tick = tick_every_s
         next_sample = 1.0  # the timeline: once a second, whatever the tick
+        ft_window: int | None = None
+        next_decide = duration_s
         try:
             while True:
                 now = clock()
+                if ft_window is None and now >= duration_s:
+                    ft_window = (ft_tokens() - ft0) if ft_tokens else 0
                 # NOTE: not done while an arrival is due but not added: a loop turn that ran past the
                 # window's end (a stall) would otherwise drop every request still to come
                 if now >= duration_s + drain_s or (now >= duration_s and nxt >= len(todo)
                                                    and not engine.has_unfinished_requests()):
                     break
+                if slo is not None and nxt >= len(todo) and now >= next_decide:
+                    next_decide = now + 0.1  # (the drain's end decided ten times a second)
+                    if all(certain_miss(now, arr, first.get(rid), a.output_tokens, slo)
+                           for rid, (arr, a) in starts.items() if rid not in finished):
+                        break
                 while nxt < len(todo) and todo[nxt].time_s <= now:
                     a = todo[nxt]
                     rid = f"req{nxt}"
@@ -171,6 +196,7 @@ class InProcessDriver:
         for rid, (arr, a) in starts.items():
             if rid not in finished:
                 records.append(RequestRecord(arr, first.get(rid), None, a.prompt_tokens, 0))
+        ft_total = (ft_tokens() - ft0) if ft_tokens else 0
         return ReplayResult(sorted(records, key=lambda r: r.arrival_s), clock(), inf_tokens,
-                            (ft_tokens() - ft0) if ft_tokens else 0, timeline, entry_delays,
-                            step_seconds, step_counts, steps)
+                            ft_total, timeline, entry_delays, step_seconds, step_counts, steps,
+                            ft_total if ft_window is None else ft_window, duration_s)

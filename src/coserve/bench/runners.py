@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import torch
 
 from coserve.bench.configs import RunConfig, RunKind
+from coserve.bench.metrics import SLO
 from coserve.bench.replay import InProcessDriver, ReplayResult, Snapshot
 from coserve.bench.utilization import UtilizationSampler
 from coserve.bench.workload import Arrival
@@ -201,6 +202,7 @@ def _replay(
             ft_tokens=ft_tokens,
             idle_wait=idle_wait,
             drain_s=ctx.drain_s,
+            slo=SLO(ctx.slo.ttft_slo_s, ctx.slo.tpot_slo_s),
             tick=profiler.tick if profiler is not None else None,
             tick_every_s=0.1 if profiler is not None else 1.0,
         )

@@ -160,7 +160,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         "the inference-last configuration shows whether it still does)",
     )
     o.add_argument(
-        "--drain", type=float, default=30.0, help="seconds to let requests finish after the window"
+        "--drain", type=float, default=None, metavar="SECONDS",
+        help="seconds to let requests finish after the window (default: as long as a request that "
+        "meets the absolute SLO can take, TTFT + (max output - 1) × TPOT limit + 1 s; the drain "
+        "ends early once every request still running has missed the SLO for certain)"
     )
     o.add_argument(
         "--time-budget",
