@@ -147,6 +147,7 @@ def test_chat_whole_and_streamed(served: Served) -> None:
     c = r.choices[0]
     assert c.message.role == "assistant" and c.message.content and c.finish_reason == "length"
     assert r.usage is not None and r.usage.completion_tokens == 5 and r.usage.prompt_tokens > 5
+    assert "delta" not in (r.model_extra or {}) and "delta" not in r.choices[0].model_dump()  # (a chunk's field)
     chunks = list(served.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5,
                                                         temperature=0, stream=True,
                                                         stream_options={"include_usage": True}))

@@ -498,7 +498,8 @@ class _Api:
                                   logprobs=self.chat_logprobs(o, k), finish_reason=o.outputs[0].finish_reason)
                        for i, o in enumerate(outs)]
             return JSONResponse(ChatCompletionResponse(id=rid, created=created, model=model,
-                                                       choices=choices, usage=_usage(outs, n)).model_dump())
+                                                       choices=choices, usage=_usage(outs, n)).model_dump(
+                exclude={"choices": {"__all__": {"delta"}}}))  # (a chunk's field: not in a whole response)
         include_usage = req.stream_options is not None and req.stream_options.include_usage
 
         def chunk(choices: list[ChatChoice], usage: Usage | None = None) -> ChatCompletionResponse:
