@@ -54,6 +54,8 @@
 #   mps_ops        bench/mps_op_check.py (the split step's ops against fp32) on the whole GPU, at a 20%
 #                  share, and on the whole GPU with --poison
 #   latency_hold   latency=50 with --hold-pause (SLOConfig.hold_pause)
+#   latency_loss256  latency=50 with COSERVE_LOSS_CHUNK=256 (the loss in 256-target chunks: its
+#                  stretches, whose pauses had the highest p99 of any boundary in session 13, halved)
 #   eager          bench/eager_cpu.py without and with --prefill-graphs
 #   eval=SPEC      bench/eval_device.sh SPEC on this lane's GPU (SPEC as there: WORKLOAD=RATE[=EXTRA],
 #                  with $BUDGET and $BENCH_FLAGS), its archive kept as first/eval.tar.gz
@@ -157,6 +159,8 @@ job() {
     latency_varlen) COSERVE_VARLEN_PREFILL=1 latency_bench latency_varlen "$top/coserve_latency_varlen" \
       --trainer-sm-share 50 ;;
     latency_nopieces) COSERVE_TRAINER_ATTN_PIECES=0 latency_bench latency_nopieces "$top/coserve_latency_nopieces" \
+      --trainer-sm-share 50 ;;
+    latency_loss256) COSERVE_LOSS_CHUNK=256 latency_bench latency_loss256 "$top/coserve_latency_loss256" \
       --trainer-sm-share 50 ;;
     latency_threads1) latency_bench latency_threads1 "$top/coserve_latency_threads1" --trainer-sm-share 50 --threads 1 ;;
     lora_mid_graphs_ef) COSERVE_LORA_GRAPH_EXPAND_FIRST=1 lora_bench lora_mid_graphs_ef "$top/engine_lora_mid_graphs_ef" \
