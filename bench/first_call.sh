@@ -54,8 +54,8 @@
 #   mps_ops        bench/mps_op_check.py (the split step's ops against fp32) on the whole GPU, at a 20%
 #                  share, and on the whole GPU with --poison
 #   latency_hold   latency=50 with --hold-pause (SLOConfig.hold_pause)
-#   latency_loss256  latency=50 with COSERVE_LOSS_CHUNK=256 (the loss in 256-target chunks: its
-#                  stretches, whose pauses had the highest p99 of any boundary in session 13, halved)
+#   latency_env=VAR=VALUE  latency=50 with VAR=VALUE in the environment, e.g. COSERVE_LOSS_CHUNK=256
+#                  (the loss in 256-target chunks) or COSERVE_MLP_CHUNK=1024 (untrained-MLP pieces)
 #   eager          bench/eager_cpu.py without and with --prefill-graphs
 #   eval=SPEC      bench/eval_device.sh SPEC on this lane's GPU (SPEC as there: WORKLOAD=RATE[=EXTRA],
 #                  with $BUDGET and $BENCH_FLAGS), its archive kept as first/eval.tar.gz
@@ -96,9 +96,9 @@ lora_bench() {  # lora_bench NAME PATH_STEM [FLAGS...]: decode and LoRA overhead
     "$@" --out "$stem.json"
 }
 
-latency_bench() {  # latency_bench NAME PATH_STEM [FLAGS...]
+latency_bench() {  # latency_bench NAME PATH_STEM [FLAGS...] (with $LATENCY_ENV, VAR=VALUE, set for it)
   local name=$1 stem=$2; shift 2
-  run "$name" "$stem.log" python3 bench/coserve_latency.py --trace .traces/azure2023_conv.csv --duration 60 \
+  run "$name" "$stem.log" env ${LATENCY_ENV:+"$LATENCY_ENV"} python3 bench/coserve_latency.py --trace .traces/azure2023_conv.csv --duration 60 \
     "$@" --no-reference --out "$stem.json"
 }
 
@@ -160,8 +160,11 @@ job() {
       --trainer-sm-share 50 ;;
     latency_nopieces) COSERVE_TRAINER_ATTN_PIECES=0 latency_bench latency_nopieces "$top/coserve_latency_nopieces" \
       --trainer-sm-share 50 ;;
-    latency_loss256) COSERVE_LOSS_CHUNK=256 latency_bench latency_loss256 "$top/coserve_latency_loss256" \
-      --trainer-sm-share 50 ;;
+    latency_env=*)
+      # latency=50 with one environment variable set: latency_env=COSERVE_LOSS_CHUNK=256
+      local setting=${1#latency_env=}
+      LATENCY_ENV=$setting latency_bench "$1" "$top/coserve_latency_env_${setting//[^A-Za-z0-9_]/_}" \
+        --trainer-sm-share 50 ;;
     latency_threads1) latency_bench latency_threads1 "$top/coserve_latency_threads1" --trainer-sm-share 50 --threads 1 ;;
     lora_mid_graphs_ef) COSERVE_LORA_GRAPH_EXPAND_FIRST=1 lora_bench lora_mid_graphs_ef "$top/engine_lora_mid_graphs_ef" \
       --lora-prefill 512,1024,2048 --prefill-graphs ;;
