@@ -108,6 +108,40 @@ def test_attention_matches_reference(
     assert torch.equal(cache.float(), ref_cache)  # same KV written, nothing else touched
 
 
+def test_the_prefill_plan_is_worked_out_once_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every layer of a step attends with the same metadata: the prefill rows' paths and the
+    paged kernel's tiles are worked out and copied to the device at the first layer only (a copy
+    at every layer made the host wait for the GPU at every layer), and each layer's output is the
+    one a fresh plan gives."""
+    h, kvh, d, bs, nblocks = 4, 2, 16, 4, 160
+    rng = random.Random(5)
+    q_lens, ctxs, tables, writes, npre = random_batch(rng, nblocks, bs, decode_rows=2)
+    assert any(ctxs[r] > 0 for r in range(npre)), "no prefill row with cached context: nothing tested"
+    meta = AttentionMetadata.build(q_lens, ctxs, tables, writes, npre, bs, device=DEVICE)
+    t = sum(q_lens)
+    cache = torch.randn(nblocks, 2, 2, bs, kvh, d, device=DEVICE)
+    copies: list[list[list[int]]] = []
+    real = triton_attention.device_tensor
+
+    def counted(values, dtype, device):  # type: ignore[no-untyped-def]
+        copies.append(values)
+        return real(values, dtype, device)
+
+    monkeypatch.setattr(triton_attention, "device_tensor", counted)
+    backend = TritonAttention(AttentionTuning(prefill_sdpa=True, prefill_varlen=False), sms=1)
+    outs = []
+    for layer in range(3):
+        q, k, v = (torch.randn(t, n, d, device=DEVICE) for n in (h, kvh, kvh))
+        outs.append(backend.forward(q, k, v, cache[:, layer % 2], meta, d**-0.5, None))
+        fresh = AttentionMetadata.build(q_lens, ctxs, tables, writes, npre, bs, device=DEVICE)
+        assert torch.equal(outs[-1], backend.forward(q, k, v, cache[:, layer % 2].clone(), fresh, d**-0.5, None))
+    assert len(copies) == 1 + 3  # this step's plan once, and each fresh one
+    rows, starts = copies[0]
+    assert rows == sorted(rows) and {ctxs[r] > 0 for r in rows} == {True}  # the rows with context alone
+    backend.forward(q, k, v, cache[:, 0], meta, d**-0.5, 7)  # another window: a plan of its own
+    assert len(copies) == 5
+
+
 def counted_varlen_reference(calls: list[int]):  # type: ignore[no-untyped-def]
     """``varlen_forward`` by causal SDPA per row of ``cu_seqlens`` (fp32), recording the rows of
     each call."""

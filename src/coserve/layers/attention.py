@@ -13,7 +13,7 @@ so that a block is contiguous across all layers; each layer works on the view ``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -55,6 +55,10 @@ class AttentionMetadata:
     num_kv_writes: int | None = None
     # plain_prefill_runs' answers by sliding window (worked out once per step, read every layer)
     _runs: dict[int, list[PlainRun]] = field(default_factory=dict, repr=False, compare=False)
+    # an attention backend's per-step plan of the prefill rows (its launch tiles on the device),
+    # by the settings it depends on: worked out at the step's first layer, read at every other
+    # (coserve.layers.triton_attention.TritonAttention._prefill_plan)
+    prefill_plans: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False, compare=False)
 
     def is_plain_row(self, r: int, window: int = 0) -> bool:
         """Whether prefill row ``r`` attends to its own tokens alone, causally: no cached

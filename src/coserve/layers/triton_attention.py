@@ -27,10 +27,11 @@ import inspect
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast
 
 import torch
 
+from coserve.host_copy import device_tensor
 from coserve.layers.sdpa import sdpa
 from coserve.layers.varlen_attention import varlen_forward, varlen_forward_fits
 
@@ -351,6 +352,16 @@ class AttentionTuning:
     prefill_varlen: bool = field(default_factory=lambda: VARLEN_PREFILL)
 
 
+class _PrefillPlan(NamedTuple):
+    """One step's prefill rows by path (:meth:`TritonAttention._prefill_plan`): the varlen runs,
+    the token spans ``[a, b)`` of rows through one SDPA call each, and the paged kernel's tiles
+    (``[2, num_tiles]`` int32: row, first query of the tile; None: no such row)."""
+
+    runs: list[Any]
+    sdpa_rows: list[tuple[int, int]]
+    tiles: torch.Tensor | None
+
+
 class TritonAttention:
     """Paged attention in Triton; decode launches are CUDA-graph capturable (see module doc)."""
 
@@ -395,36 +406,20 @@ class TritonAttention:
         kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float, window: int,
     ) -> None:
         tune = self.tuning
-        rows: list[int] = []
-        starts: list[int] = []
-        offset = 0
-        in_runs: set[int] = set()
-        if tune.prefill_sdpa and tune.prefill_varlen and varlen_forward_fits(q):
-            for run in meta.plain_prefill_runs(window):
-                a, b = run.start, run.end
-                out[a:b] = varlen_forward(q[a:b], k[a:b], v[a:b], run.cu_seqlens, run.max_len, scale)
-                in_runs.update(range(run.first_row, run.end_row))
-        for r in range(meta.num_prefill_rows):
-            n = meta.q_lens[r]
-            if r in in_runs:
-                pass  # (done above)
-            elif tune.prefill_sdpa and meta.is_plain_row(r, window):
-                _sdpa_causal(q[offset : offset + n], k[offset : offset + n], v[offset : offset + n],
-                             out[offset : offset + n], scale)
-            else:
-                for m0 in range(0, n, tune.prefill_block_m):
-                    rows.append(r)
-                    starts.append(m0)
-            offset += n
-        if not rows:
+        plan = self._prefill_plan(q, meta, window)
+        for run in plan.runs:
+            a, b = run.start, run.end
+            out[a:b] = varlen_forward(q[a:b], k[a:b], v[a:b], run.cu_seqlens, run.max_len, scale)
+        for a, b in plan.sdpa_rows:
+            _sdpa_causal(q[a:b], k[a:b], v[a:b], out[a:b], scale)
+        if plan.tiles is None:
             return
-        tiles = torch.tensor([rows, starts], dtype=torch.int32).to(q.device, non_blocking=True)
         heads, d = q.shape[1], q.shape[2]
         group = heads // k.shape[1]
         s_block, s_kv, s_tok, s_head, _ = kv_layer.stride()
-        jit(_prefill_kernel)[(len(rows), heads)](
+        jit(_prefill_kernel)[(plan.tiles.shape[1], heads)](
             q, k, v, out, kv_layer, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
-            tiles[0], tiles[1],
+            plan.tiles[0], plan.tiles[1],
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), s_block, s_kv, s_tok, s_head, meta.block_tables.stride(0),
             scale, window,
@@ -432,6 +427,45 @@ class TritonAttention:
             BLOCK_N=tune.prefill_block_n, HAS_WINDOW=window > 0, num_warps=tune.prefill_warps,
             num_stages=tune.prefill_stages,
         )
+
+    def _prefill_plan(self, q: torch.Tensor, meta: AttentionMetadata, window: int) -> _PrefillPlan:
+        """Which prefill rows go to the varlen flash runs, to one SDPA call each, or to the paged
+        kernel, and the kernel's tiles on the device: worked out once per step (the first layer)
+        and kept in ``meta.prefill_plans``.
+
+        NOTE: the tiles were built and copied at every layer before. From pageable host memory torch
+        waits for the stream after such a copy (``coserve.host_copy``), so each layer's attention
+        made the host wait for the GPU to finish the graph piece before it, and left the GPU idle
+        while the host launched the next. The suspected cause, not yet measured on the GPU, of
+        what session 13's latency runs show: a step whose prefill has a row with cached context
+        took a fitted 3.6-4.6 ms more than the prefill terms say (``prefill/graph`` steps, a refit
+        with that indicator, ``bench/results/latency_h200/README.md``)."""
+        tune = self.tuning
+        use_runs = tune.prefill_sdpa and tune.prefill_varlen and varlen_forward_fits(q)
+        key = ("triton", window, use_runs, tune.prefill_sdpa, tune.prefill_block_m)
+        plan = meta.prefill_plans.get(key)
+        if plan is not None:
+            return cast(_PrefillPlan, plan)
+        runs = meta.plain_prefill_runs(window) if use_runs else []
+        in_runs = {r for run in runs for r in range(run.first_row, run.end_row)}
+        rows: list[int] = []
+        starts: list[int] = []
+        sdpa_rows: list[tuple[int, int]] = []
+        offset = 0
+        for r in range(meta.num_prefill_rows):
+            n = meta.q_lens[r]
+            if r in in_runs:
+                pass  # (a varlen run's)
+            elif tune.prefill_sdpa and meta.is_plain_row(r, window):
+                sdpa_rows.append((offset, offset + n))
+            else:
+                for m0 in range(0, n, tune.prefill_block_m):
+                    rows.append(r)
+                    starts.append(m0)
+            offset += n
+        tiles = device_tensor([rows, starts], torch.int32, q.device) if rows else None
+        plan = meta.prefill_plans[key] = _PrefillPlan(runs, sdpa_rows, tiles)
+        return plan
 
     def _decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
