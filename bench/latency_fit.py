@@ -21,7 +21,10 @@ relative error on the rest for:
   CUDA-graph bucket that ran them (``--graph-sizes``, the engine's default buckets): a replay
   computes the padded batch, not the rows it carries;
 - ``by_size`` (prefill sets): the online model's error over all the set's steps, by the step's
-  tokens (:data:`SIZE_BINS`) and whether it carried FT rows: where in the set the error is.
+  tokens (:data:`SIZE_BINS`) and whether it carried FT rows: where in the set the error is;
+- ``context_constant`` (prefill sets): the linear form plus one constant for a step whose
+  prefill has a chunk with cached context, and that constant (session 13: 3.6-4.6 ms through the
+  prefill graphs, where the Triton attention copied its tiles to the device at every layer).
 
 ``replay`` (per table, beside the per-key forms): the steps fed in their order, each predicted
 before it is observed, to a ``coserve.core.latency.LatencyModel`` started from the calibration
@@ -158,6 +161,14 @@ def evaluate(rows: list[list[Any]], train: float, floor_q: float,
             out[key]["bucket"] = _errors(xb[n_train:] @ theta_b, yh)
         if key.startswith("prefill/"):
             out[key]["by_size"] = _by_size(steps)
+            # (regressor 4: Σ tokens × cached context of the prefill chunks; > 0: a chunk with context)
+            ctx = (x[:, 4:5] > 0).to(torch.float64)
+            if 0 < int(ctx[:n_train].sum()) < n_train:
+                xc = torch.cat([x, ctx], 1)
+                theta_c = torch.tensor(fit_relative(xc[:n_train], yt, 1.0 / yt), dtype=torch.float64)
+                out[key]["context_constant"] = {**_errors(xc[n_train:] @ theta_c, yh),
+                                                "constant_s": float(theta_c[-1]),
+                                                "steps_with_context": int(ctx.sum())}
         ats = [s[4] for s in steps]
         if key.endswith("/busy") and any(a is not None for a in ats):
             out[key]["by_trainer_at"] = _by_trainer_at(steps)
