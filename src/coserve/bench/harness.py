@@ -441,7 +441,7 @@ def run_bench(
             "failed": {},
             "skipped": {},
         }
-        absolute = SLO(spec.slo.ttft_slo_s, spec.slo.tpot_slo_s)
+        absolute = spec.slo_limits
         relative: SLO | None = None
         stem = workload.name
         write_outputs(result, spec.out, stem, skip_plots=IN_PROGRESS)

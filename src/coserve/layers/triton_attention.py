@@ -38,7 +38,7 @@ from coserve.layers.varlen_attention import varlen_forward, varlen_forward_fits
 if TYPE_CHECKING:
     import triton.language as tl
 
-    from coserve.layers.attention import AttentionMetadata
+    from coserve.layers.attention import AttentionMetadata, PlainRun
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -357,7 +357,7 @@ class _PrefillPlan(NamedTuple):
     the token spans ``[a, b)`` of rows through one SDPA call each, and the paged kernel's tiles
     (``[2, num_tiles]`` int32: row, first query of the tile; None: no such row)."""
 
-    runs: list[Any]
+    runs: list[PlainRun]
     sdpa_rows: list[tuple[int, int]]
     tiles: torch.Tensor | None
 
@@ -441,11 +441,11 @@ class TritonAttention:
         took a fitted 3.6-4.6 ms more than the prefill terms say (``prefill/graph`` steps, a refit
         with that indicator, ``bench/results/latency_h200/README.md``)."""
         tune = self.tuning
-        use_runs = tune.prefill_sdpa and tune.prefill_varlen and varlen_forward_fits(q)
-        key = ("triton", window, use_runs, tune.prefill_sdpa, tune.prefill_block_m)
+        key = (window, tune)  # (q's dtype, device and head size, all varlen_forward_fits reads, are the step's)
         plan = meta.prefill_plans.get(key)
         if plan is not None:
             return cast(_PrefillPlan, plan)
+        use_runs = tune.prefill_sdpa and tune.prefill_varlen and varlen_forward_fits(q)
         runs = meta.plain_prefill_runs(window) if use_runs else []
         in_runs = {r for run in runs for r in range(run.first_row, run.end_row)}
         rows: list[int] = []
