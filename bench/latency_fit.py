@@ -3,11 +3,14 @@
 Reads the step tables that `coserve bench` (``figures.<config>.steps``) and
 ``bench/coserve_latency.py`` (``figures.steps``) write: per step its key (``form/mode/busy``),
 the regressors of ``coserve.core.latency.TERMS[form]``, the online model's prediction and the
-measured time. Per key, in step order, fits on the first ``--train`` share and reports the
-relative error on the rest for:
+measured time. A prefill row recorded before the ``i_ctx`` term (the six regressors of
+``LEGACY_PREFILL_TERMS``) gets it from its ``h_ctx`` (:func:`current_regressors`), so that every
+form below is this commit's. Per key, in step order, fits on the first ``--train`` share and
+reports the relative error on the rest for:
 
 - ``online``: what the running model predicted (refitted online as it went);
-- ``linear``: the same linear form refitted by NNLS on relative error;
+- ``linear``: the online model's linear form (``TERMS``) refitted by NNLS on relative error
+  (prefill sets: with ``context_constant_s``, its fitted ``i_ctx``);
 - ``floor``: ``max(floor, linear)`` — a CPU-bound floor (the ``--floor-quantile`` of the
   training steps' times) under a linear GPU term fitted on the training steps above 1.5 × floor:
   the form to expect when eager steps are bound by kernel launches until their work is large;
@@ -22,9 +25,10 @@ relative error on the rest for:
   computes the padded batch, not the rows it carries;
 - ``by_size`` (prefill sets): the online model's error over all the set's steps, by the step's
   tokens (:data:`SIZE_BINS`) and whether it carried FT rows: where in the set the error is;
-- ``context_constant`` (prefill sets): the linear form plus one constant for a step whose
-  prefill has a chunk with cached context, and that constant (session 13: 3.6-4.6 ms through the
-  prefill graphs, where the Triton attention copied its tiles to the device at every layer).
+- ``no_context_constant`` (prefill sets with steps with and without a context chunk): the
+  linear form without ``i_ctx``, the constant of a step whose prefill has a chunk with cached
+  context (the online form until that term; sessions 13 and 14: ~4.2 ms through the prefill
+  graphs, held-out p99 27.0% -> 18.4% and 31.0% -> 20.4% with it).
 
 ``replay`` (per table, beside the per-key forms): the steps fed in their order, each predicted
 before it is observed, to a ``coserve.core.latency.LatencyModel`` started from the calibration
@@ -32,11 +36,14 @@ that the recorded predictions imply (each set's first 10 predictions came from i
 refit: a least-squares solve recovers it), with the engine's buckets (``--graph-sizes``,
 ``--prefill-buckets`` where the run used prefill graphs). Per recorded key, on the same held-out
 share as above: ``recorded`` (the server's predictions), and the model replayed as
-:data:`REPLAY_FORMS` configure it — ``before`` (one busy set, no level: the model the recorded
-run used; ``matches_recorded`` says how closely it reproduces the recorded predictions),
-``phases`` (busy sets per trainer phase), ``level`` (each set's level), ``after`` (both: the
-model the server now runs). The trainer's phase comes from each step's ``trainer_at`` through
-``coserve.core.latency.trainer_phase``.
+:data:`REPLAY_FORMS` configure it — ``before`` (one busy set, no level, no ``i_ctx``: the model
+the recorded run used; ``matches_recorded`` says how closely it reproduces the recorded
+predictions), ``phases`` (busy sets per trainer phase), ``level`` (each set's level),
+``context`` (the prefill sets' ``i_ctx``), ``after`` (all three: the model the server now runs).
+The trainer's phase comes from each step's ``trainer_at`` through
+``coserve.core.latency.trainer_phase``. A form without ``i_ctx`` is fed that regressor as 0: its
+coefficient stays at the calibration's, and a table recorded before the term was calibrated
+without it (0), so the prefill sets predict as the recorded model did.
 
     python bench/latency_fit.py bench/results/.../burst-light.json [--config full] [--out fit.json]
 """
@@ -53,7 +60,15 @@ import torch
 
 from coserve.bench.provenance import provenance
 from coserve.bench.result_file import read_result
-from coserve.core.latency import LEVEL_RATE, LatencyModel, error_summary, trainer_phase
+from coserve.core.latency import (
+    LEGACY_PREFILL_TERMS,
+    LEVEL_RATE,
+    TERMS,
+    LatencyModel,
+    error_summary,
+    from_legacy_prefill,
+    trainer_phase,
+)
 from coserve.core.nnls import fit_relative
 from coserve.trainer.stream_gate import boundary_kind
 
@@ -65,6 +80,18 @@ def step_tables(result: dict[str, Any], config: str | None) -> dict[str, list[li
         return {"replay": figures["steps"]["rows"]}
     return {name: f["steps"]["rows"] for name, f in figures.items()
             if isinstance(f, dict) and f.get("steps") and (config is None or name == config)}
+
+
+I_CTX = TERMS["prefill"].index("i_ctx")
+
+
+def current_regressors(key: str, vec: list[float]) -> list[float]:
+    """A recorded step's regressors in this commit's ``TERMS`` order: a prefill row recorded
+    before ``i_ctx`` (``LEGACY_PREFILL_TERMS``) gets ``i_ctx = 1`` where its ``h_ctx`` (``Σ n_i·ctx_i``)
+    is above 0 — every chunk has a token, so exactly the steps with a chunk over cached context."""
+    if key.startswith("prefill/") and len(vec) == len(LEGACY_PREFILL_TERMS):
+        return list(from_legacy_prefill(vec, 1.0 if vec[LEGACY_PREFILL_TERMS.index("h_ctx")] > 0 else 0.0))
+    return vec
 
 
 def _errors(pred: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
@@ -126,7 +153,8 @@ def evaluate(rows: list[list[Any]], train: float, floor_q: float,
     by_key: dict[str, list[list[Any]]] = {}
     for key, predicted, measured, vec, *extra in rows:
         if measured > 0:
-            by_key.setdefault(key, []).append([predicted, measured, vec, extra[0] if extra else None,
+            by_key.setdefault(key, []).append([predicted, measured, current_regressors(key, vec),
+                                               extra[0] if extra else None,
                                                extra[1] if len(extra) > 1 else None])
     out: dict[str, Any] = {}
     for key, steps in sorted(by_key.items()):
@@ -161,14 +189,14 @@ def evaluate(rows: list[list[Any]], train: float, floor_q: float,
             out[key]["bucket"] = _errors(xb[n_train:] @ theta_b, yh)
         if key.startswith("prefill/"):
             out[key]["by_size"] = _by_size(steps)
-            # (regressor 4: Σ tokens × cached context of the prefill chunks; > 0: a chunk with context)
-            ctx = (x[:, 4:5] > 0).to(torch.float64)
+            out[key]["linear"]["context_constant_s"] = float(theta[I_CTX])
+            ctx = x[:, I_CTX]
             if 0 < int(ctx[:n_train].sum()) < n_train:
-                xc = torch.cat([x, ctx], 1)
-                theta_c = torch.tensor(fit_relative(xc[:n_train], yt, 1.0 / yt), dtype=torch.float64)
-                out[key]["context_constant"] = {**_errors(xc[n_train:] @ theta_c, yh),
-                                                "constant_s": float(theta_c[-1]),
-                                                "steps_with_context": int(ctx.sum())}
+                keep = [i for i in range(x.shape[1]) if i != I_CTX]
+                xn = x[:, keep]
+                theta_n = torch.tensor(fit_relative(xn[:n_train], yt, 1.0 / yt), dtype=torch.float64)
+                out[key]["no_context_constant"] = {**_errors(xn[n_train:] @ theta_n, yh),
+                                                   "steps_with_context": int(ctx.sum())}
         ats = [s[4] for s in steps]
         if key.endswith("/busy") and any(a is not None for a in ats):
             out[key]["by_trainer_at"] = _by_trainer_at(steps)
@@ -184,10 +212,11 @@ PREFILL_BUCKETS = (128, 256, 512, 768, 1024, 1536, 2048)
 """``EngineConfig.prefill_graph_buckets``' default."""
 
 REPLAY_FORMS: dict[str, dict[str, Any]] = {
-    "before": {"phases": False, "level_rate": 0.0},
-    "phases": {"phases": True, "level_rate": 0.0},
-    "level": {"phases": False, "level_rate": LEVEL_RATE},
-    "after": {"phases": True, "level_rate": LEVEL_RATE},
+    "before": {"phases": False, "level_rate": 0.0, "context": False},
+    "phases": {"phases": True, "level_rate": 0.0, "context": False},
+    "level": {"phases": False, "level_rate": LEVEL_RATE, "context": False},
+    "context": {"phases": False, "level_rate": 0.0, "context": True},
+    "after": {"phases": True, "level_rate": LEVEL_RATE, "context": True},
 }
 CALIBRATED_STEPS = 10
 """A set's first refit comes after this many observations: its predictions until then are the
@@ -197,7 +226,9 @@ calibration's."""
 def recovered_calibration(rows: list[list[Any]], model: LatencyModel) -> dict[str, list[float]]:
     """``form/mode -> coefficients`` that reproduce each key's first :data:`CALIBRATED_STEPS`
     recorded predictions (idle ones, else busy ones made before any busy term existed: the idle
-    set alone). A direction those steps leave unexcited gets 0 (the least-norm solution)."""
+    set alone). A direction those steps leave unexcited gets 0 (the least-norm solution). Solved
+    in the recorded regressors: a table recorded before ``i_ctx`` came from a model without it,
+    whose prefill sets get ``i_ctx = 0`` (as ``LatencyModel.load_state_dict`` migrates them)."""
     first: dict[str, list[list[Any]]] = {}
     for key, predicted, _, vec, *_ in rows:
         first.setdefault(key, []).append([predicted, model.bucketed(vec, key.rsplit("/", 1)[0])])
@@ -209,8 +240,9 @@ def recovered_calibration(rows: list[list[Any]], model: LatencyModel) -> dict[st
             continue
         x = torch.tensor([s[1] for s in steps], dtype=torch.float64)
         p = torch.tensor([s[0] for s in steps], dtype=torch.float64)
-        theta = torch.linalg.lstsq(x, p.unsqueeze(1), driver="gelsd").solution.squeeze(1)
-        out[base] = theta.clamp(min=0).tolist()
+        theta = torch.linalg.lstsq(x, p.unsqueeze(1), driver="gelsd").solution.squeeze(1).clamp(min=0).tolist()
+        legacy = base.startswith("prefill/") and len(theta) == len(LEGACY_PREFILL_TERMS)
+        out[base] = list(from_legacy_prefill(theta, 0.0)) if legacy else theta
     return out
 
 
@@ -226,7 +258,7 @@ def replay(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
 
     steps = [r for r in rows if r[2] > 0]
     calibration = recovered_calibration(steps, new_model(0.0))
-    state = {"version": 1, "coefficients": calibration, "calibration": calibration}
+    state = {**LatencyModel().state_dict(), "coefficients": calibration, "calibration": calibration}
     phases, previous = [], "starting"
     for key, *_, at in steps:
         if key.endswith("/busy"):
@@ -242,7 +274,10 @@ def replay(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
         for (key, _, measured, vec, *_), phase in zip(steps, phases, strict=True):
             base, busy = key.rsplit("/", 1)
             state_of = ("active" if not options["phases"] else phase) if busy == "busy" else "idle"
-            out.append(model.observe_regressors(base, model.bucketed(vec, base), measured, state_of))
+            v = current_regressors(base, vec)
+            if not options["context"] and base.startswith("prefill/"):
+                v = [*v[:I_CTX], 0.0, *v[I_CTX + 1:]]
+            out.append(model.observe_regressors(base, model.bucketed(v, base), measured, state_of))
         predictions[form] = out
     report: dict[str, Any] = {"calibration": calibration}
     for key in sorted({s[0] for s in steps}):

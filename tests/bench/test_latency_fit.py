@@ -89,9 +89,9 @@ def test_replay_recovers_the_calibration_and_the_trainer_phases_win() -> None:
     trainer phase (decode steps beside a commit run faster) predicts the held-out steps better."""
     from coserve.core.latency import LatencyModel
 
-    calibration = {"decode/graph": [1e-5, 3e-8, 5e-3], "prefill/eager": [1e-9, 3e-5, 5e-6, 3e-8, 2e-9, 6e-3]}
+    calibration = {"decode/graph": [1e-5, 3e-8, 5e-3], "prefill/eager": [1e-9, 3e-5, 5e-6, 3e-8, 2e-9, 1e-3, 6e-3]}
     server = LatencyModel(level_rate=0.0)
-    server.load_state_dict({"version": 1, "coefficients": calibration, "calibration": calibration})
+    server.load_state_dict({"version": 2, "coefficients": calibration, "calibration": calibration})
     server.graph_bucket = lambda n: int(latency_fit._bucket(n, latency_fit.GRAPH_SIZES))
     rng = random.Random(4)
     rows: list[list[object]] = []
@@ -99,7 +99,7 @@ def test_replay_recovers_the_calibration_and_the_trainer_phases_win() -> None:
     for i in range(1500):
         if i % 12 == 0:
             n = rng.randint(16, 2048)
-            vec = [float(n * n), float(n), 0.0, 0.0, 0.0, 1.0]
+            vec = [float(n * n), float(n), 0.0, 0.0, 0.0, 0.0, 1.0]
             t = (3e-5 * n + 7e-3) * rng.uniform(0.99, 1.01)
             rows.append(["prefill/eager/idle", server.observe_regressors("prefill/eager", vec, t), t, vec,
                          [1, 0], [layer, 0]])
@@ -116,11 +116,46 @@ def test_replay_recovers_the_calibration_and_the_trainer_phases_win() -> None:
     assert report["calibration"]["decode/graph"] == pytest.approx(calibration["decode/graph"], rel=1e-3)
     # the prefill steps excite the square, the tokens and the constant; the rest stays 0
     recovered = report["calibration"]["prefill/eager"]
-    assert [recovered[i] for i in (0, 1, 5)] == pytest.approx([calibration["prefill/eager"][i] for i in (0, 1, 5)],
+    assert [recovered[i] for i in (0, 1, 6)] == pytest.approx([calibration["prefill/eager"][i] for i in (0, 1, 6)],
                                                              rel=1e-3)
-    assert [recovered[i] for i in (2, 3, 4)] == [0.0, 0.0, 0.0]
+    assert [recovered[i] for i in (2, 3, 4, 5)] == [0.0, 0.0, 0.0, 0.0]
     decode = report["decode/graph/busy"]
     assert decode["matches_recorded"]["median_rel"] < 1e-6
     assert decode["before"]["p99_rel"] == pytest.approx(decode["recorded"]["p99_rel"], rel=1e-6)
     assert decode["after"]["p99_rel"] < 0.03 < decode["before"]["p99_rel"]
     assert decode["by_phase"]["quiet"]["after"]["median_rel"] < 0.02
+
+
+def test_a_table_recorded_before_i_ctx_is_replayed_with_the_context_constant() -> None:
+    """Prefill steps through the graphs that pay 4.2 ms when a chunk has cached context, recorded
+    (six regressors) by a server whose form had no such term: the replay derives i_ctx from h_ctx,
+    ``before`` reproduces the recorded predictions, ``after`` learns the constant and predicts the
+    held-out steps; the offline forms read the old table in this commit's terms."""
+    from coserve.core.latency import LatencyModel, from_legacy_prefill
+
+    old = [0.0, 3e-5, 0.0, 0.0, 2e-9, 5e-3]  # LEGACY_PREFILL_TERMS order
+    server = LatencyModel()
+    server.load_state_dict({"version": 1, "coefficients": {"prefill/graph": old}, "calibration": {"prefill/graph": old}})
+    rng = random.Random(5)
+    rows: list[list[object]] = []
+    for _ in range(600):
+        n = rng.randint(16, 2048)
+        ctx = rng.choice([0, rng.randint(1, 4096)])
+        vec = [float(n * n), float(n), 0.0, 0.0, float(n * ctx), 1.0]
+        t = (3e-5 * n + 2e-9 * n * ctx + 4e-3 + (4.2e-3 if ctx else 0.0)) * rng.uniform(0.99, 1.01)
+        # the old server: its form had no i_ctx (a 0 regressor is a form without the term)
+        predicted = server.observe_regressors("prefill/graph", from_legacy_prefill(vec, 0.0), t)
+        rows.append(["prefill/graph/idle", predicted, t, vec, [1, 0], None])
+    assert latency_fit.current_regressors("prefill/graph", rows[0][3]) == list(
+        from_legacy_prefill(rows[0][3], 1.0 if rows[0][3][4] > 0 else 0.0))  # type: ignore[index, arg-type]
+    report = latency_fit.replay(rows, 0.5, latency_fit.GRAPH_SIZES, None)
+    assert len(report["calibration"]["prefill/graph"]) == 7 and report["calibration"]["prefill/graph"][5] == 0.0
+    got = report["prefill/graph/idle"]
+    assert got["matches_recorded"]["median_rel"] < 1e-6
+    assert got["before"]["p99_rel"] == pytest.approx(got["recorded"]["p99_rel"], rel=1e-6)
+    assert got["after"]["p99_rel"] < 0.03 < 0.1 < got["before"]["p99_rel"]
+    assert got["context"] == got["after"]  # (no busy steps, no level on prefill sets)
+    fit = latency_fit.evaluate(rows, 0.5, 0.1)["prefill/graph/idle"]
+    assert fit["linear"]["context_constant_s"] == pytest.approx(4.2e-3, rel=0.05)
+    assert fit["linear"]["p99_rel"] < 0.03 < fit["no_context_constant"]["p99_rel"]
+    assert fit["rows"]["p99_rel"] < 0.03  # (the rows form, in this commit's terms too)

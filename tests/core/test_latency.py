@@ -13,6 +13,7 @@ from coserve.core.host import PrefillView, StepRecord, StepView
 from coserve.core.latency import (
     DEFAULT_COEFFICIENTS,
     KEYS,
+    LEGACY_PREFILL_TERMS,
     LEVEL_CLIP,
     LEVEL_RATE,
     TERMS,
@@ -22,14 +23,16 @@ from coserve.core.latency import (
     StepFeatures,
     calibration_plan,
     error_summary,
+    from_legacy_prefill,
     trainer_phase,
 )
 from coserve.core.nnls import nnls
 
-# Realistic orders of magnitude (8B model, one H200); g is raised to be identifiable.
+# Realistic orders of magnitude (8B model, one H200); g is raised to be identifiable; i (a step
+# with a context chunk) is session 14's 4.2 ms through the prefill graphs.
 TRUE = {
-    "prefill/eager": (1.0e-9, 3.4e-5, 5e-6, 3.3e-8, 2e-9, 6e-3),
-    "prefill/graph": (1.0e-9, 3.2e-5, 0.0, 3.3e-8, 2e-9, 4e-3),
+    "prefill/eager": (1.0e-9, 3.4e-5, 5e-6, 3.3e-8, 2e-9, 1e-3, 6e-3),
+    "prefill/graph": (1.0e-9, 3.2e-5, 0.0, 3.3e-8, 2e-9, 4.2e-3, 4e-3),
     "decode/eager": (6e-5, 3.3e-8, 1.5e-2),
     "decode/graph": (5e-5, 3.3e-8, 3.7e-3),
 }
@@ -150,8 +153,11 @@ def test_nnls_rank_deficient_reaches_the_optimal_fit() -> None:
 def test_features_vector_by_hand() -> None:
     f = StepFeatures((Chunk(3, 10), Chunk(5)), (2,), num_decodes=4, kv_tokens=100, mode="graph")
     assert f.form == "prefill" and f.exec_mode == "eager" and f.key == "prefill/eager"
-    # Σ(n+B_d)² = 7² + 9² + 6², T_in + B_d = 10 + 4, T_ft = 2, K = 100, Σ n·ctx = 30.
-    assert f.vector() == (166.0, 14.0, 2.0, 100.0, 30.0, 1.0)
+    # Σ(n+B_d)² = 7² + 9² + 6², T_in + B_d = 10 + 4, T_ft = 2, K = 100, Σ n·ctx = 30, a context chunk.
+    assert f.vector() == (166.0, 14.0, 2.0, 100.0, 30.0, 1.0, 1.0)
+    fresh = StepFeatures((Chunk(3), Chunk(5)), (2,), num_decodes=4, kv_tokens=100)  # decode KV is no context
+    assert fresh.vector() == (166.0, 14.0, 2.0, 100.0, 0.0, 0.0, 1.0)
+    assert len(f.vector()) == len(TERMS["prefill"]) and TERMS["prefill"][5] == "i_ctx"
     d = StepFeatures(num_decodes=4, kv_tokens=100, mode="graph")
     assert d.key == "decode/graph" and d.vector() == (4.0, 100.0, 1.0)
     assert d.with_ft((7,)).key == "prefill/eager"
@@ -219,6 +225,37 @@ def test_calibration_plan_respects_limits_and_identifies_every_coefficient() -> 
     assert calibration_plan(1, 0, 0)  # tiny limits still give a plan
     eager_only = calibration_plan(64, 4, 256, modes=("eager",))
     assert {s.mode for s in eager_only} == {"eager"}
+
+
+@pytest.mark.parametrize(("max_tokens", "max_kv", "ft_modes"), [
+    (2048, 100_000, ("graph", "eager")), (8192, 200_000, ("eager",)), (128, 512, ("graph", "eager")),
+])
+def test_calibration_plan_identifies_the_context_constant_in_every_prefill_set(
+        max_tokens: int, max_kv: int, ft_modes: tuple[str, ...]) -> None:
+    """Per mode, prefill batches with and without a context chunk at three sizes (one chunk and
+    two), so that i_ctx is told apart from c and h_ctx: full rank for every key, through the
+    engine's prefill-graph token buckets too; without the context batches, neither h_ctx nor i_ctx."""
+    plan = calibration_plan(max_tokens, 64, max_kv, ft_modes=ft_modes, max_context=4096)
+    buckets = (128, 256, 512, 768, 1024, 1536, 2048)
+    model = LatencyModel()
+    model.prefill_bucket = lambda n: next((b for b in buckets if b >= n), n)
+    for mode in ("graph", "eager"):
+        key = f"prefill/{mode}"
+        specs = [s for s in plan if s.features().key == key]
+        context = [s for s in specs if any(c.context_len for c in s.chunks)]
+        sizes = {s.num_tokens for s in context}
+        assert len(sizes) >= 3 and any(len(s.chunks) > 1 for s in context), key
+        assert all(any(t.num_tokens == n and not any(c.context_len for c in t.chunks) for t in specs)
+                   for n in sizes), "each context size also without context"
+        expected = len(TERMS["prefill"]) - (key == "prefill/graph" and "graph" not in ft_modes)
+        rows = torch.tensor([s.features().vector() for s in specs], dtype=torch.float64)
+        assert int(torch.linalg.matrix_rank(rows)) == expected, key
+        bucketed = torch.tensor([model.regressors(s.features()) for s in specs], dtype=torch.float64)
+        # (a host whose steps all pad to one bucket cannot tell b_tokens from c: not i_ctx's concern)
+        one_bucket = mode == "graph" and len(set(bucketed[:, 1].tolist())) == 1
+        assert int(torch.linalg.matrix_rank(bucketed)) == expected - one_bucket, key
+        without = torch.tensor([s.features().vector() for s in specs if s not in context], dtype=torch.float64)
+        assert int(torch.linalg.matrix_rank(without)) == expected - 2  # neither h_ctx nor i_ctx
 
 
 # ---------------------------------------------------------------------------------- fitting
@@ -308,7 +345,7 @@ def test_interrupted_and_empty_records_are_ignored() -> None:
 
 def test_error_stats_math() -> None:
     model = LatencyModel()
-    model.load_state_dict({"version": 1, "coefficients": {"decode/eager": [0.0, 0.0, 0.01]},
+    model.load_state_dict({"version": 2, "coefficients": {"decode/eager": [0.0, 0.0, 0.01]},
                            "busy": {"decode/eager": [1.0, 0.0]}})
     spec = BatchSpec(decode_kv=(8,))
     # Prediction 0.01 and duration 0.01 / (1 + e): relative error e.
@@ -330,37 +367,121 @@ def test_state_dict_round_trip_through_json() -> None:
     for _ in range(50):
         f = random_spec(rng, rng.choice(["graph", "eager"])).features(busy=rng.random() < 0.5)
         assert restored.predict(f) == model.predict(f)
-    with pytest.raises(ValueError, match="version"):
-        restored.load_state_dict({"version": 0})
+    assert model.state_dict()["version"] == 2
+    for version in (0, 3, None):
+        with pytest.raises(ValueError, match="version"):
+            restored.load_state_dict({"version": version})
     with pytest.raises(ValueError, match="decode coefficients"):
-        restored.load_state_dict({"version": 1, "coefficients": {"decode/eager": [1.0]}})
+        restored.load_state_dict({"version": 2, "coefficients": {"decode/eager": [1.0]}})
+    with pytest.raises(ValueError, match="prefill coefficients must be 7"):
+        restored.load_state_dict({"version": 2, "coefficients": {"prefill/eager": [1.0] * 6}})
     with pytest.raises(ValueError, match="table"):
-        restored.load_state_dict({"version": 1, "busy": {"mixed/eager": [0.0, 0.0]}})
+        restored.load_state_dict({"version": 2, "busy": {"mixed/eager": [0.0, 0.0]}})
+
+
+def test_a_version_1_state_is_migrated_with_no_context_constant() -> None:
+    """A state saved before i_ctx (six prefill terms) loads as version 2: its prefill sets get
+    i_ctx = 0 and predict exactly what the old form did; busy terms and decode sets are kept; a
+    malformed old state is still refused."""
+    old_prefill = [1e-9, 3e-5, 5e-6, 3e-8, 2e-9, 6e-3]  # LEGACY_PREFILL_TERMS order
+    v1 = {"version": 1,
+          "coefficients": {"prefill/eager": old_prefill, "decode/graph": [5e-5, 3e-8, 4e-3]},
+          "busy": {"prefill/eager": [0.1, 5e-4], "decode/graph/quiet": [0.2, 0.0]},
+          "calibration": {"prefill/eager": old_prefill}, "calibration_busy": {}}
+    model = LatencyModel()
+    model.load_state_dict(json.loads(json.dumps(v1)))
+    assert model.coefficients("prefill/eager") == (1e-9, 3e-5, 5e-6, 3e-8, 2e-9, 0.0, 6e-3)
+    assert model.coefficients("decode/graph") == (5e-5, 3e-8, 4e-3)
+    assert model.busy_term("prefill/eager") == (0.1, 5e-4)
+    saved = model.state_dict()
+    assert saved["version"] == 2 and saved["calibration"]["prefill/eager"] == list(model.coefficients("prefill/eager"))
+    for f in (StepFeatures((Chunk(300, 700), Chunk(50)), (64,), 8, 4000), StepFeatures((Chunk(300),))):
+        old = dict(zip(LEGACY_PREFILL_TERMS, f.vector()[:5] + f.vector()[6:], strict=True))
+        assert model.predict(f) == pytest.approx(sum(c * old[t] for c, t in zip(old_prefill, LEGACY_PREFILL_TERMS,
+                                                                                 strict=True)), rel=1e-12)
+    assert from_legacy_prefill([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 9.0) == (1.0, 2.0, 3.0, 4.0, 5.0, 9.0, 6.0)
+    with pytest.raises(ValueError, match="version 1.*coefficients"):
+        model.load_state_dict({**v1, "coefficients": {"prefill/eager": [1.0] * 7}})
+
+
+def _context_steps(rng: random.Random, n: int) -> list[BatchSpec]:
+    """Serving-like prefill steps through the graphs: 1-3 chunks, about half of them with one
+    chunk over cached context, some beside decodes."""
+    out = []
+    for _ in range(n):
+        chunks = [Chunk(rng.randint(1, 1024)) for _ in range(rng.randint(1, 3))]
+        if rng.random() < 0.5:
+            chunks[0] = Chunk(chunks[0].num_tokens, rng.randint(1, 4096))
+        out.append(BatchSpec(tuple(chunks), tuple(rng.randint(16, 700) for _ in range(rng.choice([0, 0, 8]))),
+                             mode="graph"))
+    return out
+
+
+def test_the_context_constant_is_recovered_from_calibration_and_from_serving_steps() -> None:
+    """Steps that pay 4.2 ms for a chunk over cached context, whatever its size: the calibration
+    plan recovers i_ctx with the rest; a model migrated from a state without the term learns it
+    from serving steps online; without the term the held-out error of those steps stays large."""
+    rng = random.Random(7)
+    model = LatencyModel()
+    model.fit([measure(s, rng) for s in calibration_plan(2048, 64, 100_000, modes=("graph",))])
+    for name, got, truth in zip(TERMS["prefill"], model.coefficients("prefill/graph"), TRUE["prefill/graph"],
+                                strict=True):
+        if name != "g_ft":  # (no FT rows in graph mode in this plan)
+            assert got == pytest.approx(truth, rel=0.05, abs=1e-12), name
+    held = [measure(s, rng, noise=0.0) for s in _context_steps(rng, 300)]
+    assert model.error_stats(held)["prefill/graph/idle"].p99_rel < 0.02
+
+    old = [c for name, c in zip(TERMS["prefill"], TRUE["prefill/graph"], strict=True) if name != "i_ctx"]
+    migrated = LatencyModel(refit_every=50)
+    migrated.load_state_dict({"version": 1, "coefficients": {"prefill/graph": old},
+                              "calibration": {"prefill/graph": old}})
+    before = migrated.error_stats(held)["prefill/graph/idle"]
+    for s in _context_steps(rng, 400):
+        migrated.observe(measure(s, rng))
+    after = migrated.error_stats(held)["prefill/graph/idle"]
+    assert migrated.coefficients("prefill/graph")[5] == pytest.approx(4.2e-3, rel=0.05)
+    assert after.p99_rel < 0.02 < 0.2 < before.p99_rel
 
 
 def test_safety_is_the_overrun_quantile_of_recent_steps_per_set() -> None:
     """Eager steps with a ×0.9–1.6 scatter that no refit can learn: their set's safety factor is
     the 90th percentile of measured / predicted (each predicted before it was observed) over the
-    last ``safety_window`` steps, as of its latest recomputation; a set that runs on time keeps 1, as does a set with too few
-    steps, and a restored state starts again from 1."""
+    last ``safety_window`` steps, as of its latest recomputation, and after each refit the same
+    over those steps rescored against the new prediction; a set that runs on time keeps 1, as
+    does a set with too few steps, and a restored state starts again from 1."""
     rng = random.Random(3)
     model = LatencyModel(safety_window=60, safety_min_steps=20)
     model.fit([measure(random_spec(rng, m), rng, noise=0.0) for m in ("graph", "eager")
                for _ in range(200)])
     spec = BatchSpec((Chunk(700, 300),), (400,) * 8, (256,), "eager")
     f = spec.features()
-    ratios = []
+
+    def q90(values: list[float]) -> float:
+        return max(1.0, torch.tensor(values[-60:], dtype=torch.float64).quantile(0.9).item())
+
+    ratios: list[float] = []
+    measured_times: list[float] = []
     expected = 1.0
+    refits = 0
     for i in range(100):
-        # recomputed at the set's 20th step and every SAFETY_EVERY (10) of its steps after
-        if i == 20 or (i > 20 and i % 10 == 0):
-            expected = max(1.0, torch.tensor(ratios[-60:], dtype=torch.float64).quantile(0.9).item())
         assert model.safety(f) == pytest.approx(expected)
         measured = true_time(f) * rng.uniform(0.9, 1.6)
-        ratios.append(measured / model.predict(f))
+        before = model.predict(f)
+        ratios.append(measured / before)
+        measured_times.append(measured)
         model.observe(spec.record(measured))
+        n = i + 1
+        # recomputed at the set's 20th step and every SAFETY_EVERY (10) of its steps after
+        if n == 20 or (n > 20 and n % 10 == 0):
+            expected = q90(ratios)
+        if model.predict(f) != before:  # refitted: the window's steps rescored
+            refits += 1
+            ratios = [m / model.predict(f) for m in measured_times[-60:]]
+            if len(ratios) >= 20:
+                expected = q90(ratios)
         model.observe(measure(BatchSpec(decode_kv=(rng.randint(16, 700),) * 8, mode="graph"),
                               rng, noise=0.0))
+    assert refits >= 5
     assert model.safety(f) > 1.2
     assert model.safety(StepFeatures(num_decodes=8, kv_tokens=3000, mode="graph")) == pytest.approx(
         1.0, abs=1e-6)
@@ -369,6 +490,41 @@ def test_safety_is_the_overrun_quantile_of_recent_steps_per_set() -> None:
     assert model.safety(f) == 1.0
     with pytest.raises(ValueError, match="safety_quantile"):
         LatencyModel(safety_quantile=1.5)
+
+
+def test_a_busy_sets_safety_forgets_the_stand_in_it_was_first_priced_by() -> None:
+    """Busy decode steps ~3× their idle time, where no busy step was calibrated: the first ten
+    are priced as idle steps (ratios from ~3, falling as the level moves). The refits at the set's 10th and 20th steps learn the
+    slowdown, and the rescored window gives a safety factor near 1; counting the stale ratios
+    (before the rescoring) it was ~2.5 for the next ``safety_window`` busy steps, which under a
+    policy that pauses the backward for most decode steps was the whole run. An idle refit
+    rescores the key's busy sets too."""
+    rng = random.Random(21)
+    model = LatencyModel()
+    model.fit([measure(s, rng, noise=0.0)
+               for s in calibration_plan(512, 64, 64 * 2000, modes=("graph",))])
+    stale, steps = [], []
+    for _ in range(20):
+        spec = BatchSpec(decode_kv=tuple(rng.randint(200, 2000) for _ in range(rng.randint(1, 48))),
+                         mode="graph")
+        seconds = 3.0 * true_time(spec.features()) * (1 + 0.01 * rng.gauss(0, 1))
+        predicted = model.observe(spec.record(seconds, busy=True))
+        assert predicted is not None
+        stale.append(seconds / predicted)
+        steps.append((spec.features(busy=True), seconds))
+    busy = BatchSpec(decode_kv=(500,) * 8, mode="graph").features(busy=True)
+    assert torch.tensor(stale, dtype=torch.float64).quantile(0.9).item() > 2.0
+    assert 1.0 <= model.safety(busy) < 1.1
+    # an idle refit to steps 2x slower at 16 rows: the busy prediction follows the new idle set,
+    # so the busy set's safety is rescored against it (the level recentred first)
+    before_idle, before = model.coefficients("decode/graph"), model.safety(busy)
+    for _ in range(10):
+        spec = BatchSpec(decode_kv=(rng.randint(200, 2000),) * 16, mode="graph")
+        model.observe(spec.record(2.0 * true_time(spec.features())))
+    assert model.coefficients("decode/graph") != before_idle
+    rescored = torch.tensor([y / model.predict(f) for f, y in steps], dtype=torch.float64)
+    assert model.safety(busy) == pytest.approx(max(1.0, rescored.quantile(0.9).item()))
+    assert model.safety(busy) != pytest.approx(before)
 
 
 def test_graph_decode_steps_priced_by_the_bucket_they_replay() -> None:

@@ -9,6 +9,7 @@ import pytest
 
 from coserve import EngineConfig, LLMEngine, SamplingParams
 from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig, SLOConfig
+from coserve.core.latency import TERMS, calibration_plan
 from coserve.server.finetune import FinetuneSession, FinetuneSpec
 
 DATA = Path(__file__).resolve().parents[2] / "src" / "coserve" / "data" / "tiny_facts.jsonl"
@@ -238,19 +239,36 @@ def test_steps_with_ft_rows_run_and_are_priced_through_the_prefill_graphs(graph_
 
 def test_calibration_fits_the_prefill_graph_set_with_ft_rows(graph_session) -> None:  # type: ignore[no-untyped-def]
     engine, s = graph_session
-    calls: list[bool] = []
+    calls: list[tuple[bool, bool]] = []  # (through the graphs, a prefill row over cached context)
     run = engine.runner.execute
 
-    def execute(*args, eager: bool = False, **kwargs):  # type: ignore[no-untyped-def]
-        out = run(*args, eager=eager, **kwargs)
-        calls.append(engine.runner.last_mode == "graph")
+    def execute(rows, *args, eager: bool = False, **kwargs):  # type: ignore[no-untyped-def]
+        out = run(rows, *args, eager=eager, **kwargs)
+        calls.append((engine.runner.last_mode == "graph", any(r.is_prefill and r.context_len > 0 for r in rows)))
         return out
 
     engine.runner.execute = execute  # type: ignore[method-assign]
     engine.calibrate(repeats=1)
     latency = s.coserver.latency
     assert "prefill/graph" in latency._coef and "prefill/eager" in latency._coef
-    assert any(calls) and not all(calls), "calibration ran both the graphs and the eager path"
+    graph = [g for g, _ in calls]
+    assert any(graph) and not all(graph), "calibration ran both the graphs and the eager path"
+    assert len(latency.coefficients("prefill/graph")) == len(TERMS["prefill"])
+    # The batches that identify i_ctx (a chunk over cached context): this rig has no decode graphs,
+    # so the engine calibrates its inference batches eagerly only; on a host with them, the graph
+    # mode's run through the prefill graphs, as here.
+    assert (False, True) in calls
+    calls.clear()
+    cfg = engine.config
+    plan = calibration_plan(cfg.max_num_batched_tokens, 8, 4096, modes=("graph",), ft_modes=(),
+                            max_context=engine.max_model_len - 1)
+    context = [spec for spec in plan if any(c.context_len for c in spec.chunks)]
+    assert len({spec.num_tokens for spec in context}) >= 3
+    free = engine.block_manager.num_free_blocks
+    for spec in context:
+        assert engine.run_batch(spec) > 0
+    assert calls == [(True, True)] * len(context)
+    assert engine.block_manager.num_free_blocks == free
 
 
 def test_a_name_bound_to_the_training_slot_serves_what_is_written_there(tmp_path: Path) -> None:

@@ -3,12 +3,18 @@
 A step is priced by one of two linear forms over its batch composition:
 
 * prefill-carrying (any prefill chunk or FT row):
-  ``T = a·Σ_i (n_i + B_d)² + b·(T_in + B_d) + g·T_ft + e·K + h·Σ_i n_i·ctx_i + c``
+  ``T = a·Σ_i (n_i + B_d)² + b·(T_in + B_d) + g·T_ft + e·K + h·Σ_i n_i·ctx_i + i·[some ctx_j > 0] + c``
 * decode-only: ``T = b'·B_d + e'·K + c'``
 
 ``n_i`` are the prefill rows' lengths (inference chunks and FT rows), ``T_in = Σ n_i``, ``B_d``
 the decode rows, ``T_ft`` the FT tokens (extra cost of capturing their activations), ``K`` the
 KV tokens read by decode rows and ``ctx_i`` the cached context a chunk attends to (0 for FT rows).
+``i`` is a constant for a step with at least one chunk over cached context, whatever its size:
+on the H200, through the piecewise prefill graphs, such a step took ~4.2 ms more than the rest of
+the form predicts. In two runs, that one term took the refitted form's held-out p99 from 27.0%
+to 18.4% and from 31.0% to 20.4%, and this model's, replayed online, from 26.8% to 12.7% and
+from 29.4% to 18.2% (``bench/latency_fit.py``: ``no_context_constant`` against ``linear``,
+``replay``; ``bench/results/latency_h200/session13/``, ``session14/``).
 
 Each form has one coefficient set per mode (``graph``: a decode step replayed from a CUDA graph,
 or a prefill-carrying step through the host's piecewise graphs; ``eager``). A step with FT rows
@@ -45,9 +51,12 @@ logger = logging.getLogger(__name__)
 
 MODES: Final = ("graph", "eager")
 TERMS: Final[dict[str, tuple[str, ...]]] = {
-    "prefill": ("a_sq", "b_tokens", "g_ft", "e_kv", "h_ctx", "c"),
+    "prefill": ("a_sq", "b_tokens", "g_ft", "e_kv", "h_ctx", "i_ctx", "c"),
     "decode": ("b_decodes", "e_kv", "c"),
 }
+LEGACY_PREFILL_TERMS: Final = ("a_sq", "b_tokens", "g_ft", "e_kv", "h_ctx", "c")
+"""``TERMS["prefill"]`` before ``i_ctx``: of a version-1 :meth:`LatencyModel.state_dict` and of
+the step tables recorded until then (see :func:`from_legacy_prefill`)."""
 KEYS: Final = tuple(f"{form}/{mode}" for form in TERMS for mode in MODES)
 TRAINER_PHASES: Final = ("active", "quiet", "starting")
 """What a busy step runs beside: ``active`` the backward's layers or loss; ``quiet`` its
@@ -62,10 +71,10 @@ _TASK_START: Final = -2
 # NOTE: placeholders until calibration, deliberately slow (a few times an 8B model on one H200)
 # so that an uncalibrated server admits little fine-tuning rather than breaking SLOs.
 DEFAULT_COEFFICIENTS: Final[dict[str, tuple[float, ...]]] = {
-    "prefill": (3e-9, 1e-4, 1e-6, 1e-7, 3e-9, 0.02),
+    "prefill": (3e-9, 1e-4, 1e-6, 1e-7, 3e-9, 0.01, 0.02),
     "decode": (2e-4, 1e-7, 0.02),
 }
-_STATE_VERSION: Final = 1
+_STATE_VERSION: Final = 2  # 2: i_ctx among the prefill terms (version 1 is migrated on load)
 _ANY_SIZE: Final = 2**62  # ft_graph_tokens of a step known to have run in graph mode
 
 
@@ -180,8 +189,21 @@ class StepFeatures:
             float(sum(self.ft_lens)),
             float(self.kv_tokens),
             float(sum(c.num_tokens * c.context_len for c in self.chunks)),
+            1.0 if any(c.context_len > 0 for c in self.chunks) else 0.0,
             1.0,
         )
+
+
+def from_legacy_prefill(values: Sequence[float], i_ctx: float) -> tuple[float, ...]:
+    """``values`` in :data:`LEGACY_PREFILL_TERMS` order (coefficients or regressors) in
+    ``TERMS["prefill"]`` order, with ``i_ctx`` for the new term: 0 for a coefficient (the old
+    form's predictions unchanged); for a recorded step's regressors, 1 where its ``h_ctx`` is
+    above 0 (every chunk has at least one token, so ``Σ n_i·ctx_i > 0`` exactly when a chunk has
+    context)."""
+    if len(values) != len(LEGACY_PREFILL_TERMS):
+        raise ValueError(f"legacy prefill values must be {len(LEGACY_PREFILL_TERMS)}, got {len(values)}")
+    old = dict(zip(LEGACY_PREFILL_TERMS, values, strict=True))
+    return tuple(float(old[name]) if name in old else float(i_ctx) for name in TERMS["prefill"])
 
 
 @dataclass(frozen=True)
@@ -240,7 +262,9 @@ def calibration_plan(
 
     ``max_tokens``: tokens per step; ``max_decodes``: decode rows per step; ``max_kv``: KV tokens
     a batch may read in total. Per mode: a sweep of one chunk's length (a, b, c); fixed lengths
-    split over more chunks (a vs b); chunks over cached context (h); a decode batch × KV grid
+    split over more chunks (a vs b); at three lengths, one chunk over cached contexts from 1 token
+    up and two chunks of which one has context, each beside the same batch without context (h, and
+    i: the constant of a step with a context chunk); a decode batch × KV grid
     (b', e', c'); prefill chunks with decodes (B_d inside the square, e). Per mode of
     ``ft_modes`` (the modes in which the host runs steps with FT rows): FT rows added to fixed
     batches, alone and beside inference (g). ``max_context`` caps one row's cached context plus
@@ -257,9 +281,13 @@ def calibration_plan(
         specs += [BatchSpec((Chunk(n),), mode=mode) for n in _levels(1, t, 12)]
         for total in sorted({n for n in (t, t // 4) if n >= 2}):
             specs += [BatchSpec(_split(total, p), mode=mode) for p in _levels(2, min(total, 64), 5)]
-        for n in sorted({max(1, t // 8), max(1, t // 2)}):
-            specs += [BatchSpec((Chunk(n, c),), mode=mode)
-                      for c in _levels(1, max(1, min(kv, row_cap - n)), 4)]
+        for n in sorted({max(1, t // 32), max(1, t // 8), max(1, t // 2)}):
+            contexts = _levels(1, max(1, min(kv, row_cap - n)), 4)
+            specs += [BatchSpec((Chunk(n, c),), mode=mode) for c in (0, *contexts)]
+            if n >= 2:  # a context chunk beside one without, and the pair without context
+                head, tail = _split(n, 2)
+                specs += [BatchSpec((head, tail), mode=mode),
+                          BatchSpec((Chunk(head.num_tokens, contexts[-1]), tail), mode=mode)]
         for b in _levels(1, d, 5):
             for per_row in _levels(1, max(1, min(kv // b, row_cap - 1)), 5):
                 specs.append(BatchSpec(decode_kv=(per_row,) * b, mode=mode))
@@ -325,8 +353,10 @@ class LatencyModel:
 
     :meth:`safety` is how far the set's recent steps ran over their predictions (the
     ``safety_quantile`` of measured / predicted over the last ``safety_window`` steps, each
-    predicted before it was observed, at least 1): admission multiplies a step's prediction by
-    it, so that a set the linear form fits badly admits less instead of missing its SLO.
+    predicted before it was observed, at least 1; after a refit of the set, or of the idle set
+    that its busy prediction builds on, rescored against the new prediction): admission multiplies
+    a step's prediction by it, so that a set the linear form fits badly admits less instead of
+    missing its SLO.
     """
 
     def __init__(
@@ -512,7 +542,10 @@ class LatencyModel:
             if prior is None and state not in ("idle", "active"):
                 prior = self._calib_busy.get(key)
             self._solve(key, state, list(win), prior=prior)
-            self._recenter(s)
+            # an idle refit moves the busy sets' predictions too (T_busy = (1 + ρ)·T + δ)
+            for t in [s] if state != "idle" else [k for k in self._windows if k[0] == key]:
+                self._recenter(t)
+                self._rescore(t)
         return predicted
 
     def _recenter(self, s: tuple[str, str]) -> None:
@@ -525,6 +558,27 @@ class LatencyModel:
         logs = [math.log(y / p) for v, y in recent if (p := self._linear(s[0], v, s[1])) > 0]
         if logs:
             self._level[s] = float(np.median(np.asarray(logs, dtype=np.float64)))
+
+    def _rescore(self, s: tuple[str, str]) -> None:
+        """After a refit, the set's safety factor from its latest steps' ratios to the new
+        prediction: the ratios of the steps predicted before it are those of coefficients no longer
+        in use (a busy set first priced by a stand-in, ~3× too fast, kept a ×3 factor until
+        ``safety_window`` newer steps rolled them out: under a policy that pauses the backward
+        for most decode steps, for the whole run). The rescored ratios are in-sample, the steps
+        that follow append out-of-sample ones."""
+        rows = list(self._windows[s])[-self._safety_window:]
+        key, state = s
+        x = np.asarray([r[0] for r in rows], dtype=np.float64)
+        y = np.asarray([r[1] for r in rows], dtype=np.float64)
+        pred = x @ np.asarray(self.coefficients(key), dtype=np.float64)
+        if state != "idle":
+            rho, delta = self.busy_term(key, state)
+            pred = pred * (1.0 + rho) + delta
+        pred = pred * math.exp(self._level.get(s, 0.0))
+        ratios = y[pred > 0] / pred[pred > 0]
+        self._ratios[s] = deque(ratios.tolist(), maxlen=self._safety_window)
+        if len(ratios) >= self.safety_min_steps:
+            self._safety[s] = max(1.0, float(np.quantile(ratios, self.safety_quantile)))
 
     def _solve(
         self, key: str, state: str, rows: list[tuple[tuple[float, ...], float]],
@@ -572,9 +626,16 @@ class LatencyModel:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output. Raises ``ValueError`` on a malformed state."""
+        """Restore :meth:`state_dict` output. Raises ``ValueError`` on a malformed state.
+
+        A version-1 state (prefill sets without ``i_ctx``) is migrated: its prefill sets get
+        ``i_ctx = 0``, so that they predict what they did; the online refits learn the term from
+        the steps with a context chunk (recalibrating learns it at once)."""
+        if state.get("version") == 1:
+            state = _migrated_v1(state)
         if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"unsupported LatencyModel state (expected version {_STATE_VERSION})")
+            raise ValueError(f"unsupported LatencyModel state version {state.get('version')!r} "
+                             f"(expected {_STATE_VERSION}, or 1 to migrate)")
         tables = []
         for name in ("coefficients", "busy", "calibration", "calibration_busy"):
             table = state.get(name, {})
@@ -605,6 +666,23 @@ def busy_key(key: str, phase: str) -> str:
 
 
 BUSY_KEYS: Final = tuple(busy_key(k, p) for k in KEYS for p in TRAINER_PHASES)
+
+
+def _migrated_v1(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A version-1 state as version 2: :func:`from_legacy_prefill` with ``i_ctx = 0`` for every
+    idle prefill set (busy terms are ``(ρ, δ)`` in both versions)."""
+    out = {**state, "version": 2}
+    for name in ("coefficients", "calibration"):
+        table = state.get(name, {})
+        if not isinstance(table, Mapping):
+            continue  # (load_state_dict rejects it)
+        try:
+            out[name] = {k: from_legacy_prefill(v, 0.0) if str(k).startswith("prefill/") else v
+                         for k, v in table.items()}
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"LatencyModel state (version 1): bad {name!r} table: {e}") from e
+    logger.info("latency model state of version 1 migrated: prefill sets get i_ctx = 0")
+    return out
 
 
 def _checked(form: str, values: Sequence[float]) -> tuple[float, ...]:
