@@ -23,6 +23,9 @@ reports the relative error on the rest for:
 - ``bucket`` (decode steps in graph mode): the linear form with the decode rows replaced by the
   CUDA-graph bucket that ran them (``--graph-sizes``, the engine's default buckets): a replay
   computes the padded batch, not the rows it carries;
+- ``by_context_timing`` (prefill sets): the online model's signed error and the measured median
+  by whether a chunk had cached context and whether the step was timed by the GPU's events (the
+  step table's ``event_timed``, since session 15) or on the host;
 - ``by_size`` (prefill sets): the online model's error over all the set's steps, by the step's
   tokens (:data:`SIZE_BINS`) and whether it carried FT rows: where in the set the error is;
 - ``no_context_constant`` (prefill sets with steps with and without a context chunk): the
@@ -109,9 +112,9 @@ def _bucket(rows: float, sizes: tuple[int, ...]) -> float:
 
 def _by_trainer_at(steps: list[list[Any]]) -> dict[str, Any]:
     """Online error and measured / predicted ratio of busy steps by the trainer's position."""
-    top = max((a[0] for *_, a in steps if a is not None), default=0)
+    top = max((s[4][0] for s in steps if s[4] is not None), default=0)
     groups: dict[str, list[tuple[float, float]]] = {}
-    for predicted, measured, _, _, at in steps:
+    for predicted, measured, _, _, at, *_ in steps:
         if predicted <= 0:
             continue
         kind = "between_tasks" if at is None else boundary_kind(at[0], at[1], top)
@@ -147,6 +150,24 @@ def _by_size(steps: list[list[Any]]) -> dict[str, Any]:
     return out
 
 
+def _by_context_timing(steps: list[list[Any]]) -> dict[str, Any]:
+    """Prefill-form steps by whether a chunk had cached context (``i_ctx``) and how the step was
+    timed (``events``: the GPU's events, a step that sampled nothing; ``host``; ``unknown``: a
+    table without the ``event_timed`` column): whether the context constant follows the timing
+    path rather than the work."""
+    groups: dict[str, list[tuple[float, float]]] = {}
+    for predicted, measured, vec, _, _, timed in steps:
+        how = "unknown" if timed is None else "events" if timed else "host"
+        groups.setdefault(f"{'context' if vec[I_CTX] > 0 else 'no_context'}/{how}", []).append(
+            (predicted, measured))
+    out = {}
+    for name, pairs in sorted(groups.items()):
+        signed = torch.tensor([(p - m) / m for p, m in pairs], dtype=torch.float64)
+        out[name] = {"n": len(pairs), "signed_median_rel": float(signed.median()),
+                     "measured_p50_s": float(torch.tensor([m for _, m in pairs]).median())}
+    return out
+
+
 def evaluate(rows: list[list[Any]], train: float, floor_q: float,
              graph_sizes: tuple[int, ...] = GRAPH_SIZES) -> dict[str, Any]:
     """Held-out errors per key of the forms in the module docstring."""
@@ -155,7 +176,8 @@ def evaluate(rows: list[list[Any]], train: float, floor_q: float,
         if measured > 0:
             by_key.setdefault(key, []).append([predicted, measured, current_regressors(key, vec),
                                                extra[0] if extra else None,
-                                               extra[1] if len(extra) > 1 else None])
+                                               extra[1] if len(extra) > 1 else None,
+                                               extra[2] if len(extra) > 2 else None])
     out: dict[str, Any] = {}
     for key, steps in sorted(by_key.items()):
         n_train = int(len(steps) * train)
@@ -189,6 +211,7 @@ def evaluate(rows: list[list[Any]], train: float, floor_q: float,
             out[key]["bucket"] = _errors(xb[n_train:] @ theta_b, yh)
         if key.startswith("prefill/"):
             out[key]["by_size"] = _by_size(steps)
+            out[key]["by_context_timing"] = _by_context_timing(steps)
             out[key]["linear"]["context_constant_s"] = float(theta[I_CTX])
             ctx = x[:, I_CTX]
             if 0 < int(ctx[:n_train].sum()) < n_train:
@@ -260,7 +283,8 @@ def replay(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
     calibration = recovered_calibration(steps, new_model(0.0))
     state = {**LatencyModel().state_dict(), "coefficients": calibration, "calibration": calibration}
     phases, previous = [], "starting"
-    for key, *_, at in steps:
+    for row in steps:  # [key, predicted, measured, regressors, rows, trainer_at, event_timed]
+        key, at = row[0], row[5] if len(row) > 5 else None
         if key.endswith("/busy"):
             previous = trainer_phase(None if at is None else tuple(at), previous)
         else:  # the trainer paused, or no task in flight (then a later one starts from scratch)

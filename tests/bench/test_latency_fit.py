@@ -82,6 +82,29 @@ def test_busy_steps_grouped_by_what_the_trainer_ran() -> None:
     assert got["between_tasks"]["n"] == 1
 
 
+def test_prefill_steps_grouped_by_context_and_timing_path() -> None:
+    """Prefill rows of the seven-column table: host-timed steps with a context chunk run 4 ms
+    over a prediction that the other three groups meet; the grouping finds them, and a
+    seven-column busy table still groups by the trainer's position."""
+    rows: list[list[object]] = []
+    for i in range(120):
+        ctx, events = i % 2 == 1, i % 3 == 0
+        vec = [1e6, 1000.0, 0.0, 0.0, 5e5 if ctx else 0.0, 1.0 if ctx else 0.0, 1.0]
+        rows.append(["prefill/graph/idle", 0.02, 0.024 if ctx and not events else 0.02, vec, [1, 0],
+                     None, events])
+        rows.append(["decode/graph/busy", 0.01, 0.013 if i % 2 else 0.01, [8.0, 1000.0, 1.0], [0, 0],
+                     [i % 32, i % 2], events])
+    got = latency_fit.evaluate(rows, 0.5, 0.1)
+    groups = got["prefill/graph/idle"]["by_context_timing"]
+    assert groups["context/host"]["measured_p50_s"] == pytest.approx(0.024)
+    assert groups["context/host"]["signed_median_rel"] == pytest.approx(-1 / 6)
+    for name in ("context/events", "no_context/host", "no_context/events"):
+        assert groups[name]["signed_median_rel"] == pytest.approx(0.0)
+    assert sum(g["n"] for g in groups.values()) == 120
+    by_at = got["decode/graph/busy"]["by_trainer_at"]
+    assert by_at["layer#1"]["ratio_median"] == pytest.approx(1.3)
+
+
 def test_replay_recovers_the_calibration_and_the_trainer_phases_win() -> None:
     """A table written as the server writes it: each step predicted by a model started from a
     known calibration (one busy set, no level) before it observed the step. The replay recovers

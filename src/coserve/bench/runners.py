@@ -342,19 +342,24 @@ def task_breakdown(
 
 
 def step_table(
-    log: Sequence[tuple[str, tuple[float, ...], float, float, tuple[int, int], tuple[int, int] | None]],
+    log: Sequence[tuple[str, tuple[float, ...], float, float, tuple[int, int], tuple[int, int] | None,
+                        bool]],
 ) -> dict[str, Any]:
-    """The replay's steps as rows ``[key, predicted s, measured s, regressors, rows, trainer_at]``
+    """The replay's steps as rows ``[key, predicted s, measured s, regressors, rows, trainer_at,
+    event_timed]``
     (regressors in ``coserve.core.latency.TERMS[form]`` order; rows: the step's prefill chunks
     and FT rows; trainer_at: the boundary ``[layer, ordinal]`` the trainer's GPU had passed last
-    when the step began, null between tasks or without the GPU-side gate), 6 significant digits:
+    when the step began, null between tasks or without the GPU-side gate; event_timed: its time
+    came from the GPU's events, for a step that samples nothing, not from the host,
+    ``coserve.engine.step_clock``), 6 significant digits:
     enough to refit the latency model offline, to try forms with a per-row term, and to see
     whether a busy step's time follows what the trainer's kernels were doing."""
     return {
-        "columns": ["key", "predicted_s", "measured_s", "regressors", "rows", "trainer_at"],
+        "columns": ["key", "predicted_s", "measured_s", "regressors", "rows", "trainer_at",
+                    "event_timed"],
         "rows": [[key, float(f"{p:.6g}"), float(f"{m:.6g}"), [float(f"{v:.6g}") for v in vec],
-                  list(rows), list(at) if at is not None else None]
-                 for key, vec, p, m, rows, at in log],
+                  list(rows), list(at) if at is not None else None, late]
+                 for key, vec, p, m, rows, at, late in log],
     }
 
 

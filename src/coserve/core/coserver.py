@@ -168,9 +168,11 @@ class CoServer:
         # (prefill chunks, FT rows)), each predicted before the model observed it: its error, and
         # the data to refit and judge latency models offline
         # ..., and where the trainer's GPU was at the step's start (TrainerProcess.progress:
-        # (layer, ordinal) of the boundary it passed last; None between tasks or unknown)
+        # (layer, ordinal) of the boundary it passed last; None between tasks or unknown), and
+        # whether its time came late from the GPU's events (an untimed record, observe_late)
+        # rather than from the host
         self.step_log: list[tuple[str, tuple[float, ...], float, float, tuple[int, int],
-                                  tuple[int, int] | None]] = []
+                                  tuple[int, int] | None, bool]] = []
         self._trainer_at: tuple[int, int] | None = None
         # untimed steps (StepRecord.timed False) until the host dates them: id(record) -> where
         # the trainer was when the step began
@@ -401,19 +403,20 @@ class CoServer:
         """The duration of a step whose record came untimed (``record.timed`` False): the latency
         model learns from it now, and the step table gets it."""
         at, phase = self._untimed.pop(id(record), (None, "active"))
-        self._observe(replace(record, duration_s=duration_s, timed=True), at, phase)
+        self._observe(replace(record, duration_s=duration_s, timed=True), at, phase, late=True)
 
     def drop_untimed(self) -> None:
         """The host will not date its untimed steps (it dropped them)."""
         self._untimed.clear()
 
-    def _observe(self, record: StepRecord, trainer_at: tuple[int, int] | None, phase: str) -> None:
+    def _observe(self, record: StepRecord, trainer_at: tuple[int, int] | None, phase: str,
+                 late: bool = False) -> None:
         predicted = self.latency.observe(record, phase)
         if self.track and predicted is not None:
             features = StepFeatures.from_record(record)
             key = features.key + ("/busy" if record.trainer_busy else "/idle")
             self.step_log.append((key, features.vector(), predicted, record.duration_s,
-                                  (len(features.chunks), len(features.ft_lens)), trainer_at))
+                                  (len(features.chunks), len(features.ft_lens)), trainer_at, late))
 
     def _bound_lookahead(self) -> None:
         """Keep the GPU at most one interruption point behind the CPU in an FT-only step, so that
