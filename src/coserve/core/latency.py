@@ -521,9 +521,7 @@ class LatencyModel:
             self._ratio_count[s] = n
             if len(ratios) >= self.safety_min_steps and (
                     len(ratios) == self.safety_min_steps or n % SAFETY_EVERY == 0):
-                # (numpy: torch's CPU kernels here would wake the process's sleeping OpenMP threads)
-                q = np.quantile(np.fromiter(ratios, np.float64, len(ratios)), self.safety_quantile)
-                self._safety[s] = max(1.0, float(q))
+                self._set_safety(s, np.fromiter(ratios, np.float64, len(ratios)))
         if linear > 0 and self.level_rate > 0 and key.startswith(LEVEL_FORMS):
             # NOTE: clipped, so that one stalled step (a compile, an allocator retry) moves the
             # level by at most LEVEL_CLIP · level_rate
@@ -544,41 +542,42 @@ class LatencyModel:
             self._solve(key, state, list(win), prior=prior)
             # an idle refit moves the busy sets' predictions too (T_busy = (1 + ρ)·T + δ)
             for t in [s] if state != "idle" else [k for k in self._windows if k[0] == key]:
-                self._recenter(t)
-                self._rescore(t)
+                self._after_refit(t)
         return predicted
 
-    def _recenter(self, s: tuple[str, str]) -> None:
-        """After a refit, the level restarts from the median log ratio of the set's latest steps
-        to the new linear form: a level learned against the old coefficients (or against the
-        stand-in set of a phase seen for the first time) would otherwise count twice."""
-        if self.level_rate <= 0 or not s[0].startswith(LEVEL_FORMS):
-            return
-        recent = list(self._windows[s])[-LEVEL_RECENTER_STEPS:]
-        logs = [math.log(y / p) for v, y in recent if (p := self._linear(s[0], v, s[1])) > 0]
-        if logs:
-            self._level[s] = float(np.median(np.asarray(logs, dtype=np.float64)))
+    def _after_refit(self, s: tuple[str, str]) -> None:
+        """Set ``s``'s level and safety factor again against its new prediction, from one pass
+        over its latest steps.
 
-    def _rescore(self, s: tuple[str, str]) -> None:
-        """After a refit, the set's safety factor from its latest steps' ratios to the new
-        prediction: the ratios of the steps predicted before it are those of coefficients no longer
-        in use (a busy set first priced by a stand-in, ~3× too fast, kept a ×3 factor until
-        ``safety_window`` newer steps rolled them out: under a policy that pauses the backward
-        for most decode steps, for the whole run). The rescored ratios are in-sample, the steps
-        that follow append out-of-sample ones."""
-        rows = list(self._windows[s])[-self._safety_window:]
+        The level restarts from the median log ratio of the last :data:`LEVEL_RECENTER_STEPS` to
+        the new linear form: a level learned against the old coefficients (or against the stand-in
+        set of a phase seen for the first time) would otherwise count twice. The safety factor
+        comes from the last ``safety_window`` steps' ratios to the new prediction: the ratios of
+        steps predicted before it belong to coefficients no longer in use (a busy set first priced
+        by a stand-in, ~3× too fast, kept a ×3 factor until ``safety_window`` newer steps rolled
+        them out: under a policy that pauses the backward for most decode steps, for the whole
+        run). Rescored ratios are in-sample; the steps that follow append out-of-sample ones."""
         key, state = s
+        rows = list(self._windows[s])[-max(self._safety_window, LEVEL_RECENTER_STEPS):]
         x = np.asarray([r[0] for r in rows], dtype=np.float64)
         y = np.asarray([r[1] for r in rows], dtype=np.float64)
-        pred = x @ np.asarray(self.coefficients(key), dtype=np.float64)
+        linear = x @ np.asarray(self.coefficients(key), dtype=np.float64)  # (_linear, vectorized)
         if state != "idle":
             rho, delta = self.busy_term(key, state)
-            pred = pred * (1.0 + rho) + delta
-        pred = pred * math.exp(self._level.get(s, 0.0))
-        ratios = y[pred > 0] / pred[pred > 0]
+            linear = linear * (1.0 + rho) + delta
+        if self.level_rate > 0 and key.startswith(LEVEL_FORMS):
+            ly, lp = y[-LEVEL_RECENTER_STEPS:], linear[-LEVEL_RECENTER_STEPS:]
+            if (lp > 0).any():
+                self._level[s] = float(np.median(np.log(ly[lp > 0] / lp[lp > 0])))
+        pred = linear[-self._safety_window:] * math.exp(self._level.get(s, 0.0))
+        ratios = y[-self._safety_window:][pred > 0] / pred[pred > 0]
         self._ratios[s] = deque(ratios.tolist(), maxlen=self._safety_window)
         if len(ratios) >= self.safety_min_steps:
-            self._safety[s] = max(1.0, float(np.quantile(ratios, self.safety_quantile)))
+            self._set_safety(s, ratios)
+
+    def _set_safety(self, s: tuple[str, str], ratios: np.ndarray) -> None:
+        # (numpy: torch's CPU kernels here would wake the process's sleeping OpenMP threads)
+        self._safety[s] = max(1.0, float(np.quantile(ratios, self.safety_quantile)))
 
     def _solve(
         self, key: str, state: str, rows: list[tuple[tuple[float, ...], float]],
