@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import shutil
 from pathlib import Path
@@ -16,12 +17,17 @@ spec.loader.exec_module(first_call_report)
 RESULTS = ROOT / "bench" / "results"
 
 
+def copy_unzipped(src: Path, dst: Path) -> None:
+    """A committed result kept gzipped (``src`` names it without ``.gz``) into the plain file the call wrote."""
+    dst.write_bytes(gzip.decompress(src.with_name(src.name + ".gz").read_bytes()))
+
+
 def test_report_reads_every_part_and_names_what_is_missing(tmp_path: Path) -> None:
     verify = tmp_path / "verify"
     verify.mkdir()
     for name in ("verify.txt", "gpu_tests.txt", "ft_throughput.json", "engine_lora.json"):
         shutil.copy(RESULTS / "verify_h200" / name, verify / name)
-    shutil.copy(RESULTS / "coserve_latency_h200.json", verify / "coserve_latency.json")
+    copy_unzipped(RESULTS / "coserve_latency_h200.json", verify / "coserve_latency.json")
     shutil.copy(RESULTS / "engine_speed_h200.json", tmp_path / "engine_speed.json")
     for side in ("off", "on"):
         shutil.copy(RESULTS / "diagnostic" / "cudnn-profile" / "eager_cpu.json", tmp_path / f"eager_cpu_{side}.json")
@@ -62,8 +68,8 @@ def test_report_reads_the_lora_jobs_profiles_and_other_latency_runs(tmp_path: Pa
     shutil.copy(s7 / "engine_lora_ab_expand_first_1accf8d.json", tmp_path / "engine_lora_expand_first.json")
     shutil.copy(s7 / "profile_lora_off_1accf8d.json", tmp_path / "profile_lora_off.json")
     latency = RESULTS / "latency_h200" / "session7"
-    shutil.copy(latency / "coserve_latency_share50_8ca1c10.json", verify / "coserve_latency.json")
-    shutil.copy(latency / "coserve_latency_share100_2522fa0.json", tmp_path / "coserve_latency_share100.json")
+    copy_unzipped(latency / "coserve_latency_share50_8ca1c10.json", verify / "coserve_latency.json")
+    copy_unzipped(latency / "coserve_latency_share100_2522fa0.json", tmp_path / "coserve_latency_share100.json")
 
     got = first_call_report.report(tmp_path)
     assert got["lora_overhead"]["prefill"]["4096"] == pytest.approx(0.120, abs=1e-3)
