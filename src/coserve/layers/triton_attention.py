@@ -9,10 +9,10 @@ for the flat batch layout). Three kernels:
   new tokens (read from ``k``/``v``, causal). Prefill rows with no cached prefix (fresh prompts,
   fine-tuning rows, which write no KV and attend causally within themselves) go to torch SDPA
   instead (FlashAttention-2 on the GPU: 2.5-3x this kernel on the H200, see
-  ``bench/results/engine_speed_h200.json``), unless a sliding window cuts into the row. On CUDA
-  a step with rows over cached context runs none of its prefill rows here either
-  (:data:`CONTEXT_FLASH`): their cached keys are gathered from the pages, and every prefill row
-  goes through one varlen flash call.
+  ``bench/results/engine_speed_h200.json``), unless a sliding window cuts into the row. With
+  :data:`CONTEXT_FLASH` a step with rows over cached context runs none of its prefill rows here
+  either (their cached keys gathered from the pages, every prefill row in one varlen flash call):
+  slower on the H200 except for the largest chunks, so off by default.
 - ``decode``: one program per (decode row, KV head, split). The row's ``ctx`` cached keys are cut
   into ``num_splits`` equal ranges *inside the kernel*, so the grid depends on the batch size
   only and the launch can be captured in a CUDA graph; the row's own new key comes from
@@ -343,13 +343,16 @@ row of eager step time on the H200, per-row host work). On by default since sess
 without it (``bench/results/engine_h200/session10/engine_lora_mid_varlen_*``); ``0`` turns it off."""
 
 
-CONTEXT_FLASH = os.environ.get("COSERVE_CONTEXT_FLASH", "1") == "1"
-"""On CUDA, a step whose prefill rows include one over cached context (a prompt's later chunk)
-runs all of its prefill rows through one varlen flash call (:class:`ContextPlan`): each such
-row's cached keys are gathered from their pages into a flat K/V beside the step's new keys,
-flash's bottom-right causal mask does the rest. Without it, those rows take the ``prefill``
-kernel, a tile loop that ran 2.5-3x slower than flash at equal work on the H200 and serially over
-the whole context for a short chunk; ``0`` keeps that kernel."""
+CONTEXT_FLASH = os.environ.get("COSERVE_CONTEXT_FLASH", "0") == "1"
+"""``1``: on CUDA, a step whose prefill rows include one over cached context (a prompt's later
+chunk) runs all of its prefill rows through one varlen flash call (:class:`ContextPlan`): each
+such row's cached keys are gathered from their pages into a flat K/V beside the step's new keys,
+flash's bottom-right causal mask does the rest. Off by default: on the H200 (8B shape, one layer,
+``bench/context_attention.py``, ``bench/results/engine_h200/session16/``) it ran 0.38-0.89x the
+``prefill`` kernel's speed for chunks of 26-1,024 tokens over 245-3,584 cached ones (the gather
+and the copies cost more than flash saves), 1.06x and 1.15x only at 2,027 over 2,048 and 2,048
+over 6,144, with ~95 us more host time per layer; in a trace replay (``latency=50``) it raised
+the fitted constant of a step with context from ~4.3 to 7.8 ms."""
 
 
 @dataclass(frozen=True)
