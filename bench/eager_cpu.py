@@ -33,10 +33,13 @@ from coserve.engine.model_runner import BatchRow, ModelRunner
 
 logger = logging.getLogger("bench")
 
-# (name, rows, tokens per row, cached context per row): the replay's eager steps are chunks of
-# ~2,000 tokens of one or a few prompts, often after a cached prefix of earlier chunks.
-SHAPES = (("1x2048_ctx0", 1, 2048, 0), ("1x2048_ctx2048", 1, 2048, 2048), ("4x512_ctx1024", 4, 512, 1024),
-          ("1x512_ctx0", 1, 512, 0))
+# (name, rows, tokens per row, cached context per row, decode rows, each decode row's context): the
+# replay's eager steps are chunks of ~2,000 tokens of one or a few prompts, often after a cached
+# prefix of earlier chunks; its small ones (< 512 tokens) a short chunk beside tens of decodes.
+SHAPES = (("1x2048_ctx0", 1, 2048, 0, 0, 0), ("1x2048_ctx2048", 1, 2048, 2048, 0, 0),
+          ("4x512_ctx1024", 4, 512, 1024, 0, 0), ("1x512_ctx0", 1, 512, 0, 0, 0),
+          ("1x96_ctx0+32d", 1, 96, 0, 32, 800), ("1x96_ctx1024+32d", 1, 96, 1024, 32, 800),
+          ("1x448_ctx1024+32d", 1, 448, 1024, 32, 800))
 
 
 def _spin(stop: Any) -> None:
@@ -44,13 +47,18 @@ def _spin(stop: Any) -> None:
         sum(range(10_000))
 
 
-def rows_for(runner: ModelRunner, rows: int, tokens: int, context: int, rng: random.Random) -> list[BatchRow]:
+def rows_for(runner: ModelRunner, rows: int, tokens: int, context: int, decodes: int, decode_context: int,
+             rng: random.Random) -> list[BatchRow]:
     free = list(range(runner.num_blocks))
     rng.shuffle(free)
     vocab = runner.model.config.vocab_size
-    return [BatchRow([rng.randrange(vocab) for _ in range(tokens)], context,
-                     [free.pop() for _ in range(-(-(context + tokens) // 16))], samples=True)
-            for _ in range(rows)]
+    prefill = [BatchRow([rng.randrange(vocab) for _ in range(tokens)], context,
+                        [free.pop() for _ in range(-(-(context + tokens) // 16))], samples=True)
+               for _ in range(rows)]
+    return prefill + [BatchRow([rng.randrange(vocab)], decode_context,
+                               [free.pop() for _ in range(-(-(decode_context + 1) // 16))], samples=True,
+                               is_prefill=False)
+                      for _ in range(decodes)]
 
 
 def time_steps(runner: ModelRunner, batch: list[BatchRow], iters: int) -> dict[str, float]:
@@ -84,6 +92,25 @@ def profile_table(runner: ModelRunner, batch: list[BatchRow], rows: int = 30) ->
     return str(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
 
 
+def python_profile(runner: ModelRunner, batch: list[BatchRow], rows: int = 30) -> str:
+    """One step's host side under cProfile, by function's own time: the Python that the operator
+    table cannot name (kernel launchers' argument binding, metadata, slicing)."""
+    import cProfile
+    import io
+    import pstats
+
+    runner.execute(batch)
+    prof = cProfile.Profile()
+    prof.enable()
+    runner.execute(batch)
+    prof.disable()
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(rows)
+    return out.getvalue()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench/results/eager_cpu_h200.json"))
@@ -94,17 +121,23 @@ def main() -> None:
                         help="steps through the piecewise CUDA graphs (engine/prefill_graphs.py)")
     parser.add_argument("--conditions", default="idle,hog,hog_one_thread,idle_one_thread",
                         help="which of idle, hog, hog_one_thread, idle_one_thread to measure")
+    parser.add_argument("--shapes", default=None, help="names of SHAPES to run (comma-separated; default all)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     rng = random.Random(0)
     torch.manual_seed(0)
     model_cfg = TINY if args.smoke else LLAMA3_8B
     device = "cpu" if args.smoke else "cuda"
-    shapes = [(n, r, t // 16 if args.smoke else t, c // 16 if args.smoke else c) for n, r, t, c in SHAPES]
+    picked = [s for s in SHAPES if args.shapes is None or s[0] in args.shapes.split(",")]
+    if not picked:
+        parser.error(f"--shapes: none of {args.shapes!r} is one of {', '.join(s[0] for s in SHAPES)}")
+    shapes = [(n, r, t // 16 if args.smoke else t, c // 16 if args.smoke else c, d, dc // 16 if args.smoke else dc)
+              for n, r, t, c, d, dc in picked]
     result: dict[str, Any] = provenance()
     result["config"] = {"model": "tiny (smoke)" if args.smoke else "Llama-3-8B shape, dummy weights",
                         "device": device, "iters": args.iters, "hog_processes": args.hog,
-                        "shapes": [dict(zip(("name", "rows", "tokens", "context"), s, strict=True)) for s in shapes],
+                        "shapes": [dict(zip(("name", "rows", "tokens", "context", "decodes", "decode_context"), s, strict=True))
+                                   for s in shapes],
                         "intra_op_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
                         "prefill_graphs": args.prefill_graphs}
     figures: dict[str, Any] = {"conditions": {}}
@@ -114,7 +147,7 @@ def main() -> None:
     if args.prefill_graphs:
         runner.prefill_graphs = runner.make_prefill_graphs(capture=device == "cuda")
         runner.prefill_graphs.capture_all()
-    batches = {name: rows_for(runner, r, t, c, rng) for name, r, t, c in shapes}
+    batches = {name: rows_for(runner, r, t, c, d, dc, rng) for name, r, t, c, d, dc in shapes}
 
     def measure(condition: str) -> None:
         figures["conditions"][condition] = res = {name: time_steps(runner, b, args.iters) for name, b in batches.items()}
@@ -149,6 +182,7 @@ def main() -> None:
     figures["profile_self_cpu"] = {name: profile_table(runner, b) for name, b in batches.items()}
     for name, table in figures["profile_self_cpu"].items():
         logger.info("profile %s\n%s", name, table)
+    figures["python_profile"] = {name: python_profile(runner, b) for name, b in batches.items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
 

@@ -59,6 +59,8 @@
 #   latency_env=VAR=VALUE  latency=50 with VAR=VALUE in the environment, e.g. COSERVE_LOSS_CHUNK=256
 #                  (the loss in 256-target chunks) or COSERVE_MLP_CHUNK=1024 (untrained-MLP pieces)
 #   eager          bench/eager_cpu.py without and with --prefill-graphs
+#   eager_small    bench/eager_cpu.py --prefill-graphs on small steps (a short chunk beside 32 decodes), with
+#                  the operator and the Python profiles of one step each
 #   eval=SPEC      bench/eval_device.sh SPEC on this lane's GPU (SPEC as there: WORKLOAD=RATE[=EXTRA],
 #                  with $BUDGET and $BENCH_FLAGS), its archive kept as first/eval.tar.gz
 # With no lanes given, the four-GPU layout of session 4:
@@ -218,6 +220,9 @@ job() {
         --out "$top/eager_cpu_off.json"
       run eager_on "$top/eager_cpu_on.log" python3 bench/eager_cpu.py --conditions idle --prefill-graphs \
         --out "$top/eager_cpu_on.json" ;;
+    eager_small)  # the piecewise graphs' small steps (a short chunk beside 32 decodes): host time, profiles
+      run eager_small "$top/eager_cpu_small.log" python3 bench/eager_cpu.py --conditions idle --prefill-graphs \
+        --shapes "1x512_ctx0,1x96_ctx0+32d,1x96_ctx1024+32d,1x448_ctx1024+32d" --out "$top/eager_cpu_small.json" ;;
     eval=*)
       GPUS=$CUDA_VISIBLE_DEVICES OUT=$top run "$1" "$top/eval_${1#eval=}.log" bench/eval_device.sh "${1#eval=}" ;;
     *) echo "unknown job $1" | tee -a "$top/status.txt" ;;
