@@ -134,6 +134,15 @@ def test_every_configuration_runs_on_the_same_arrivals(
         assert any(r[4][1] > 0 for r in rows), name
         # where the trainer's GPU was: only the GPU-side gate reports it
         assert figures[name]["steps"]["columns"][5] == "trainer_at" and all(r[5] is None for r in rows)
+        # each chunk's (tokens, context), the decode rows, and the engine's host parts of the step
+        cols = figures[name]["steps"]["columns"]
+        chunks, decodes, sched, enq = (cols.index(c) for c in ("chunks", "decodes", "schedule_s", "enqueue_s"))
+        assert all(len(r[chunks]) == r[4][0] and all(n > 0 and c >= 0 for n, c in r[chunks]) for r in rows)
+        assert all(r[decodes] >= 0 for r in rows) and any(r[decodes] > 0 for r in rows), name
+        # (a prefill-form step's token regressor counts its chunks, FT rows and decode rows)
+        assert all(r[3][1] >= sum(n for n, _ in r[chunks]) + r[decodes] for r in rows if r[0].startswith("prefill"))
+        assert all(0 <= r[sched] and 0 < r[enq] and r[sched] + r[enq] <= r[2] * 1.05 + 1e-3 for r in rows
+                   if not r[6]), name
         # why each planned step did or did not take FT rows: every step that ran FT rows was
         # "added"; the reasons are admission's own labels
         admission = figures[name]["admission"]

@@ -116,13 +116,17 @@ def test_an_untimed_step_is_learned_from_when_the_host_dates_it() -> None:
     assert co.step_log == [] and not trainer.paused
     co.observe_late(untimed, 0.050)
     assert len(co.step_log) == 1
-    key, _, _, measured, _, at, late = co.step_log[0]
-    assert key == "prefill/eager/busy" and measured == pytest.approx(0.050) and at == (2, 1)
-    assert late  # (the step table's event_timed: dated from the GPU's events, not the host)
+    row = co.step_log[0]
+    assert row.key == "prefill/eager/busy" and row.measured_s == pytest.approx(0.050) and row.trainer_at == (2, 1)
+    assert row.late  # (the step table's event_timed: dated from the GPU's events, not the host)
+    assert row.chunks == tuple((c.num_tokens, c.context_len) for c in PREFILL.prefills)
+    assert row.decodes == PREFILL.num_decodes and row.schedule_s is None and row.enqueue_s is None
     co.drop_untimed()
     co.plan(PREFILL)
-    co.on_step_end(StepRecord(view=PREFILL, ft_tokens=0, duration_s=0.02, trainer_busy=True))
-    assert len(co.step_log) == 2 and co.step_log[1][6] is False
+    co.on_step_end(StepRecord(view=PREFILL, ft_tokens=0, duration_s=0.02, trainer_busy=True, schedule_s=0.001,
+                              enqueue_s=0.012))
+    assert len(co.step_log) == 2 and co.step_log[1].late is False
+    assert (co.step_log[1].schedule_s, co.step_log[1].enqueue_s) == (0.001, 0.012)
 
 
 def priced(prefill_busy: tuple[float, float], prefill_safety: float = 1.0, decode_c: float = 0.01,

@@ -23,6 +23,7 @@ from coserve.bench.replay import InProcessDriver, ReplayResult, Snapshot
 from coserve.bench.utilization import UtilizationSampler
 from coserve.bench.workload import Arrival
 from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig, SLOConfig
+from coserve.core.coserver import StepLogRow
 from coserve.core.finetune import load_dataset
 from coserve.engine.llm_engine import LLMEngine
 from coserve.models.peft_adapter import new_lora_adapter
@@ -341,26 +342,32 @@ def task_breakdown(
     }
 
 
-def step_table(
-    log: Sequence[tuple[str, tuple[float, ...], float, float, tuple[int, int], tuple[int, int] | None,
-                        bool]],
-) -> dict[str, Any]:
-    """The replay's steps as rows ``[key, predicted s, measured s, regressors, rows, trainer_at,
-    event_timed]``
-    (regressors in ``coserve.core.latency.TERMS[form]`` order; rows: the step's prefill chunks
-    and FT rows; trainer_at: the boundary ``[layer, ordinal]`` the trainer's GPU had passed last
-    when the step began, null between tasks or without the GPU-side gate; event_timed: its time
-    came from the GPU's events, for a step that samples nothing, not from the host,
-    ``coserve.engine.step_clock``), 6 significant digits:
-    enough to refit the latency model offline, to try forms with a per-row term, and to see
-    whether a busy step's time follows what the trainer's kernels were doing."""
+def step_table(log: Sequence[StepLogRow]) -> dict[str, Any]:
+    """The replay's steps as rows of :data:`STEP_TABLE_COLUMNS` (:class:`StepLogRow`'s fields:
+    regressors in ``coserve.core.latency.TERMS[form]`` order; rows: the step's prefill chunks and
+    FT rows; trainer_at: the boundary ``[layer, ordinal]`` the trainer's GPU had passed last when
+    the step began, null between tasks or without the GPU-side gate; event_timed: its time came
+    from the GPU's events, for a step that samples nothing, not from the host,
+    ``coserve.engine.step_clock``; chunks: each inference chunk's ``[tokens, cached context]``;
+    schedule_s / enqueue_s: the host's seconds planning the step and queuing its device work),
+    6 significant digits: enough to refit the latency model offline, to try forms with other
+    terms, to see whether a busy step's time follows what the trainer's kernels were doing, and
+    whether a step was bound by its host."""
+
+    def g(v: float | None) -> float | None:
+        return None if v is None else float(f"{v:.6g}")
+
     return {
-        "columns": ["key", "predicted_s", "measured_s", "regressors", "rows", "trainer_at",
-                    "event_timed"],
-        "rows": [[key, float(f"{p:.6g}"), float(f"{m:.6g}"), [float(f"{v:.6g}") for v in vec],
-                  list(rows), list(at) if at is not None else None, late]
-                 for key, vec, p, m, rows, at, late in log],
+        "columns": list(STEP_TABLE_COLUMNS),
+        "rows": [[r.key, g(r.predicted_s), g(r.measured_s), [g(v) for v in r.regressors], list(r.rows),
+                  list(r.trainer_at) if r.trainer_at is not None else None, r.late,
+                  [list(c) for c in r.chunks], r.decodes, g(r.schedule_s), g(r.enqueue_s)]
+                 for r in log],
     }
+
+
+STEP_TABLE_COLUMNS = ("key", "predicted_s", "measured_s", "regressors", "rows", "trainer_at", "event_timed",
+                      "chunks", "decodes", "schedule_s", "enqueue_s")
 
 
 def run_split(ctx: BenchContext, config: RunConfig) -> RunOutcome:

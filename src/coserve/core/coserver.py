@@ -6,7 +6,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -67,6 +67,24 @@ class OptimizerStepLog:
     grad_norm: float
     skipped: bool
     wall_time: float
+
+
+class StepLogRow(NamedTuple):
+    """One step of :attr:`CoServer.step_log`, predicted before the model observed it."""
+
+    key: str  # the latency set's key with /busy or /idle
+    regressors: tuple[float, ...]  # StepFeatures.vector()
+    predicted_s: float
+    measured_s: float
+    rows: tuple[int, int]  # (prefill chunks, FT rows)
+    # the boundary (layer, ordinal) the trainer's GPU had passed last when the step began
+    # (TrainerProcess.progress; None between tasks or unknown)
+    trainer_at: tuple[int, int] | None
+    late: bool  # its time came late from the GPU's events (observe_late), not from the host
+    chunks: tuple[tuple[int, int], ...]  # each inference chunk's (tokens, cached context)
+    decodes: int
+    schedule_s: float | None  # StepRecord.schedule_s / enqueue_s: the host's parts of the step
+    enqueue_s: float | None
 
 
 @dataclass
@@ -164,15 +182,9 @@ class CoServer:
         # "task_full" (the task being filled was full) or why admission added none
         # (admission.Reason)): why FT rows did or did not ride (/metrics, bench)
         self.admission_counts: dict[tuple[str, str], int] = {}
-        # per step: (key with /busy or /idle, the model's regressors, predicted s, measured s,
-        # (prefill chunks, FT rows)), each predicted before the model observed it: its error, and
-        # the data to refit and judge latency models offline
-        # ..., and where the trainer's GPU was at the step's start (TrainerProcess.progress:
-        # (layer, ordinal) of the boundary it passed last; None between tasks or unknown), and
-        # whether its time came late from the GPU's events (an untimed record, observe_late)
-        # rather than from the host
-        self.step_log: list[tuple[str, tuple[float, ...], float, float, tuple[int, int],
-                                  tuple[int, int] | None, bool]] = []
+        # per step, predicted before the model observed it: its error, and the data to refit and
+        # judge latency models offline
+        self.step_log: list[StepLogRow] = []
         self._trainer_at: tuple[int, int] | None = None
         # untimed steps (StepRecord.timed False) until the host dates them: id(record) -> where
         # the trainer was when the step began
@@ -415,8 +427,10 @@ class CoServer:
         if self.track and predicted is not None:
             features = StepFeatures.from_record(record)
             key = features.key + ("/busy" if record.trainer_busy else "/idle")
-            self.step_log.append((key, features.vector(), predicted, record.duration_s,
-                                  (len(features.chunks), len(features.ft_lens)), trainer_at, late))
+            self.step_log.append(StepLogRow(
+                key, features.vector(), predicted, record.duration_s, (len(features.chunks), len(features.ft_lens)),
+                trainer_at, late, tuple((c.num_tokens, c.context_len) for c in features.chunks),
+                features.num_decodes, record.schedule_s, record.enqueue_s))
 
     def _bound_lookahead(self) -> None:
         """Keep the GPU at most one interruption point behind the CPU in an FT-only step, so that

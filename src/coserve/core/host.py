@@ -104,7 +104,9 @@ class StepRecord:
     ``ft_tokens``); ``trainer_busy`` says a backward task ran beside the step. ``timed`` False:
     the host returned before the step's GPU work ended, so ``duration_s`` is only its host time;
     the host hands the real duration to :meth:`coserve.core.coserver.CoServer.observe_late` once
-    it knows it (:mod:`coserve.engine.step_clock`).
+    it knows it (:mod:`coserve.engine.step_clock`). ``schedule_s`` / ``enqueue_s``: host seconds
+    spent planning the step and then queuing its device work (None where the host does not say);
+    they go to the step table only, to tell a host-bound step from a device-bound one.
     """
 
     view: StepView
@@ -116,3 +118,5 @@ class StepRecord:
     ft_lens: tuple[int, ...] = ()
     trainer_busy: bool = False
     timed: bool = True
+    schedule_s: float | None = None
+    enqueue_s: float | None = None
