@@ -144,3 +144,28 @@ def test_serve_refuses_to_start_with_a_bad_adapter(tmp_path: Path, capsys: pytes
 def test_finetune_name_needs_finetune_data() -> None:
     with pytest.raises(ValueError, match="--finetune-name needs --finetune-data"):
         serve_spec(parse("--model", "tiny", "--finetune-name", "live"))
+
+
+def test_the_demo_serves_both_runs_trains_an_adapter_and_shows_it(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's main command, shortened: both replays print live lines and a summary, the
+    adapter is written, the idle phase runs (its loss target cannot be met in 2 s from random
+    weights) and stops at its time limit."""
+    from coserve.server.demo import run_demo
+
+    p = argparse.ArgumentParser()
+    add_demo_args(p)
+    args = p.parse_args(["--duration", "3", "--output", str(tmp_path), "--idle-train-s", "2",
+                         "--target-loss", "0.0001"])
+    assert run_demo(args) == 0
+    out = capsys.readouterr().out
+    assert "[inference] t=" in out and "[ co-serve] t=" in out and "loss=" in out
+    summary = {line.split()[0]: line.split() for line in out.splitlines()
+               if line.startswith(("inference ", "co-serve ", "then idle "))}
+    assert set(summary) == {"inference", "co-serve", "then"}
+    assert int(summary["co-serve"][1]) == int(summary["inference"][1]) > 0  # the same arrivals
+    assert float(summary["co-serve"][5]) > 0  # fine-tuning tokens/s while serving
+    idle = summary["then"]
+    assert float(idle[6]) > 0 and float(idle[-2].strip("(")) == pytest.approx(2.0, abs=1.0)
+    assert (tmp_path / "adapter" / "adapter_config.json").exists() and (tmp_path / "train_log.jsonl").exists()
+    assert "question -> base model | with the fine-tuned adapter" in out

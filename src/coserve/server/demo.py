@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import tempfile
+import time
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -57,6 +58,11 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", default=None, help="fine-tuning data (default: the built-in tiny_facts)")
     p.add_argument("--output", default=None, help="where the adapter and train_log.jsonl go (default: a temp dir)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--idle-train-s", type=float, default=20.0,
+                   help="after the co-serving run, keep fine-tuning on the idle engine for at most this long "
+                        "while the loss is above --target-loss (0: not at all)")
+    p.add_argument("--target-loss", type=float, default=0.1,
+                   help="the idle phase stops once the mean loss of the last three optimizer steps is at most this")
 
 
 def _printer(name: str, ttft_slo: float, tpot_slo: float, ft_loss: callable | None = None):  # type: ignore[valid-type]
@@ -107,6 +113,7 @@ def run_demo(args: argparse.Namespace) -> int:
                         idle_wait=session.wait,
                         tick=_printer("co-serve", ttft, tpot, lambda: session.coserver.last_loss), tick_every_s=2.0)
         losses = [h.loss for h in session.history if h.loss is not None]
+        idle = _train_while_idle(engine, session, args.idle_train_s, args.target_loss)
         adapter = session.export()
     finally:
         session.close()
@@ -120,9 +127,45 @@ def run_demo(args: argparse.Namespace) -> int:
         loss = f"{r.loss_first:.3f} -> {r.loss_last:.3f}" if r.loss_first is not None else "-"
         print(f"{r.name:<10} {len(r.replay.records):>8d} {r.attainment * 100:>11.1f}% {s['ttft_p99_ms']:>7.0f}ms "
               f"{s['tpot_p99_ms']:>7.1f}ms {r.ft_tokens_per_s:>9.0f} {loss:>18}")
+    if idle is not None:
+        seconds, tokens, loss_end = idle
+        end = f"{losses[-1] if losses else float('nan'):.3f} -> {loss_end:.3f}" if loss_end is not None else "-"
+        print(f"{'then idle':<10} {'-':>8} {'-':>12} {'-':>9} {'-':>9} {tokens / max(seconds, 1e-9):>9.0f} {end:>18}"
+              f"  ({seconds:.1f} s)")
     print(f"\nfine-tuned adapter: {adapter}  (train log: {out / 'train_log.jsonl'})")
     _show_learning(engine, spec.data, adapter)
     return 0
+
+
+def _train_while_idle(engine: LLMEngine, session: FinetuneSession, seconds: float,
+                      target: float) -> tuple[float, int, float | None] | None:
+    """With no requests left, the engine keeps fine-tuning in FT-only steps (what it does between
+    bursts): for at most ``seconds``, while the mean loss of the last three optimizer steps is above
+    ``target``. Returns (seconds spent, tokens trained, last loss), or None where it did not run."""
+
+    def recent() -> float | None:
+        losses = [h.loss for h in session.history if h.loss is not None][-3:]
+        return sum(losses) / len(losses) if len(losses) == 3 else None
+
+    loss = recent()
+    if seconds <= 0 or (loss is not None and loss <= target):
+        return None
+    print(f"the server is idle: fine-tuning goes on until the loss is <= {target} (at most {seconds:.0f} s)",
+          flush=True)
+    t0, tokens0, next_tick = time.monotonic(), session.coserver.tokens_trained, 2.0
+    while (now := time.monotonic() - t0) < seconds and not session.done:
+        if not engine.step() and not engine.has_unfinished_requests():
+            session.wait(0.005)
+        if now >= next_tick:
+            last = session.coserver.last_loss
+            shown = f"{last:.3f}" if last is not None else "-"
+            print(f"[{'idle':>9}] t={now:5.1f}s FT {(session.coserver.tokens_trained - tokens0) / now:6.0f} tok/s "
+                  f"loss={shown}", flush=True)
+            next_tick += 2.0
+        loss = recent()
+        if loss is not None and loss <= target:
+            break
+    return time.monotonic() - t0, session.coserver.tokens_trained - tokens0, session.coserver.last_loss
 
 
 def _show_learning(engine: LLMEngine, data: Path, adapter: Path) -> None:
