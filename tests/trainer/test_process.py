@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -11,7 +12,7 @@ from coserve.core.config import OptimConfig
 from coserve.core.messages import BackwardTask, TaskSample
 from coserve.models.loader import load_model
 from coserve.models.peft_adapter import new_lora_adapter
-from coserve.trainer.process import TrainerProcess
+from coserve.trainer.process import CPU_TRAINER_NICENESS, TrainerProcess
 from coserve.trainer.stream_gate import TASK_START
 from coserve.trainer.worker import WorkerSpec, _Worker
 
@@ -69,6 +70,10 @@ def test_trainer_process_pause_resume_and_commit() -> None:
         assert not torch.equal(b_before, b_after), "the serving slot was updated in place"
         committed = trainer.committed_adapter()
         torch.testing.assert_close(committed.weights[(0, "q_proj")][1], b_after)
+        # a CPU trainer yields the cores to the engine: a lower scheduling priority than ours
+        assert trainer._proc is not None and trainer._proc.pid is not None
+        ours = os.getpriority(os.PRIO_PROCESS, 0)
+        assert os.getpriority(os.PRIO_PROCESS, trainer._proc.pid) == min(ours + CPU_TRAINER_NICENESS, 19)
     finally:
         trainer.close()
     assert not trainer.alive()

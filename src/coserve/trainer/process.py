@@ -26,6 +26,10 @@ logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 300.0
 """How long a new TrainerProcess waits for its worker's warm-up before going on."""
+CPU_TRAINER_NICENESS = 10
+"""How much lower the CPU scheduling priority of a trainer on the CPU is (``WorkerSpec.niceness``):
+where the two share the cores, a step of the engine takes a core from a backward task, not the
+other way round."""
 
 
 class TrainerProcess:
@@ -81,7 +85,8 @@ class TrainerProcess:
         self._ready = self._ctx.Event() if warmup_rows else None
         self.spec = WorkerSpec(model, store, scales, self.banks, self.meta, adapter, slot, dropout, seed,
                                optim, grant=self.grant, num_threads=num_threads, mlp_store=mlp_store,
-                               gate_flag=self.gate_flag, warmup_rows=tuple(warmup_rows), ready=self._ready)
+                               gate_flag=self.gate_flag, warmup_rows=tuple(warmup_rows), ready=self._ready,
+                               niceness=CPU_TRAINER_NICENESS if device.type == "cpu" else 0)
         self._proc: BaseProcess | None = None
         if device.type == "cuda" and not mps_active():
             logger.warning("CUDA MPS daemon not running: the trainer's kernels time-slice with the engine's "

@@ -69,6 +69,10 @@ class WorkerSpec:
     warmup_rows: tuple[int, ...] = ()
     # multiprocessing Event set once the worker is ready for tasks (after its warm-up)
     ready: Any = None
+    # added to the process's CPU scheduling niceness at start (os.nice): a trainer computing on the
+    # CPU shares the cores with the engine's steps, and yields them to it (the GPU's counterpart:
+    # the trainer as a below-normal MPS client)
+    niceness: int = 0
 
 
 def warmup_rows(backward_tokens: int, max_seq_len: int) -> tuple[int, ...]:
@@ -84,6 +88,11 @@ def run_worker(spec: WorkerSpec, tasks: Any, results: Any) -> None:
     logging.basicConfig(level=os.environ.get("COSERVE_TRAINER_LOG", "WARNING"))
     if spec.num_threads:
         torch.set_num_threads(spec.num_threads)
+    if spec.niceness:
+        try:
+            os.nice(spec.niceness)
+        except OSError as e:  # (an unprivileged process may always lower its priority; never fatal)
+            logger.warning("trainer: could not lower its CPU priority: %s", e)
     task: BackwardTask | None = None
     try:
         worker = _Worker(spec)
