@@ -73,8 +73,9 @@ def test_store_kv_writes_exactly_the_slots(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("sms", [1, 64])  # 64 forces split-K decode with merged partials
 @pytest.mark.parametrize("heads", [(4, 2, 16), (8, 2, 64)])
 # fresh rows: Triton kernel, SDPA per row, varlen runs; "context": every prefill row in one varlen
-# call over keys gathered from the pages (CONTEXT_FLASH)
-@pytest.mark.parametrize("sdpa", [False, True, "varlen", "context"])
+# call over keys gathered from the pages (CONTEXT_FLASH); "small": varlen runs, but the step is
+# small enough that every prefill row takes the paged kernel (PAGED_SMALL_PREFILL)
+@pytest.mark.parametrize("sdpa", [False, True, "varlen", "context", "small"])
 def test_attention_matches_reference(
     dtype: torch.dtype, window: int | None, sms: int, heads: tuple[int, int, int], sdpa: bool | str,
     monkeypatch: pytest.MonkeyPatch,
@@ -100,14 +101,20 @@ def test_attention_matches_reference(
         monkeypatch.setattr(triton_attention, "varlen_forward", counted_varlen_reference(calls))
         monkeypatch.setattr(triton_attention, "varlen_forward_kv_fits", lambda q: True)
         monkeypatch.setattr(triton_attention, "varlen_forward_kv", varlen_kv_reference(kv_calls))
-    tuning = AttentionTuning(prefill_sdpa=bool(sdpa), prefill_varlen=sdpa in ("varlen", "context"),
-                             prefill_context_flash=sdpa == "context")
+    if sdpa == "small" and not CUDA:  # (no flash call may happen)
+        monkeypatch.setattr(triton_attention, "varlen_forward_fits", lambda q: True)
+        monkeypatch.setattr(triton_attention, "varlen_forward", counted_varlen_reference(calls))
+    tuning = AttentionTuning(prefill_sdpa=bool(sdpa), prefill_varlen=sdpa in ("varlen", "context", "small"),
+                             prefill_context_flash=sdpa == "context",
+                             prefill_paged_tokens=10**6 if sdpa == "small" else 0)
     out = TritonAttention(tuning, sms=sms).forward(q, k, v, cache[:, 1], meta, scale, window)
     if sdpa == "context" and not CUDA:  # one call for all prefill rows of a step with context,
         # but not under a window
         gathered = not window and any(ctxs[:npre])
         assert kv_calls == ([tuple(q_lens[:npre])] if gathered else [])
         assert len(calls) == (0 if gathered else len(meta.plain_prefill_runs(window or 0)))
+    if sdpa == "small":
+        assert calls == []
     if sdpa == "varlen" and not CUDA:  # one call per run of rows without cached context (the FT
         # rows at least), every such row in one
         runs = meta.plain_prefill_runs(window or 0)
@@ -139,8 +146,8 @@ def test_the_prefill_plan_is_worked_out_once_per_step(monkeypatch: pytest.Monkey
         return real(values, dtype, device)
 
     monkeypatch.setattr(triton_attention, "device_tensor", counted)
-    backend = TritonAttention(AttentionTuning(prefill_sdpa=True, prefill_varlen=False, prefill_context_flash=False),
-                              sms=1)
+    backend = TritonAttention(AttentionTuning(prefill_sdpa=True, prefill_varlen=False, prefill_context_flash=False,
+                                              prefill_paged_tokens=0), sms=1)
     outs = []
     for layer in range(3):
         q, k, v = (torch.randn(t, n, d, device=DEVICE) for n in (h, kvh, kvh))

@@ -343,6 +343,15 @@ row of eager step time on the H200, per-row host work). On by default since sess
 without it (``bench/results/engine_h200/session10/engine_lora_mid_varlen_*``); ``0`` turns it off."""
 
 
+PAGED_SMALL_PREFILL = int(os.environ.get("COSERVE_PAGED_SMALL_PREFILL", "512"))
+"""A step whose prefill rows hold at most this many tokens in all runs every one of them through
+the ``prefill`` kernel (one launch a layer), rows without cached context too (0: never). On the
+H200 (8B shape, piecewise graphs, ``bench/eager_cpu.py``, ``bench/results/engine_h200/session16/``)
+a 96-token fresh chunk beside 32 decodes took 16.5 ms of host time to queue against 7.7 ms for the
+same chunk over cached context: the varlen flash call and its slices and copies cost ~0.27 ms of
+host time a layer, and such a step is bound by its host. At these sizes the attention itself is
+tens of microseconds a layer either way."""
+
 CONTEXT_FLASH = os.environ.get("COSERVE_CONTEXT_FLASH", "0") == "1"
 """``1``: on CUDA, a step whose prefill rows include one over cached context (a prompt's later
 chunk) runs all of its prefill rows through one varlen flash call (:class:`ContextPlan`): each
@@ -373,6 +382,9 @@ class AttentionTuning:
     # steps with rows over cached context: every prefill row in one varlen flash call over keys
     # gathered from the pages (CONTEXT_FLASH; CUDA, no sliding window)
     prefill_context_flash: bool = field(default_factory=lambda: CONTEXT_FLASH)
+    # steps of at most this many prefill tokens: every prefill row through the paged kernel
+    # (PAGED_SMALL_PREFILL; 0: never)
+    prefill_paged_tokens: int = field(default_factory=lambda: PAGED_SMALL_PREFILL)
 
 
 class ContextPlan(NamedTuple):
@@ -538,7 +550,9 @@ class TritonAttention:
                 and varlen_forward_kv_fits(q)):
             plan = meta.prefill_plans[key] = _PrefillPlan([], [], None, context_plan(meta, block_size))
             return plan
-        use_runs = tune.prefill_sdpa and tune.prefill_varlen and varlen_forward_fits(q)
+        # (a small step: one paged launch a layer costs less host time than the flash paths)
+        paged = meta.num_prefill_tokens <= tune.prefill_paged_tokens
+        use_runs = not paged and tune.prefill_sdpa and tune.prefill_varlen and varlen_forward_fits(q)
         runs = meta.plain_prefill_runs(window) if use_runs else []
         in_runs = {r for run in runs for r in range(run.first_row, run.end_row)}
         rows: list[int] = []
@@ -549,7 +563,7 @@ class TritonAttention:
             n = meta.q_lens[r]
             if r in in_runs:
                 pass  # (a varlen run's)
-            elif tune.prefill_sdpa and meta.is_plain_row(r, window):
+            elif not paged and tune.prefill_sdpa and meta.is_plain_row(r, window):
                 sdpa_rows.append((offset, offset + n))
             else:
                 for m0 in range(0, n, tune.prefill_block_m):
