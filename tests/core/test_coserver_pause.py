@@ -404,3 +404,19 @@ def test_a_held_pause_ends_at_a_step_that_needs_none_or_when_the_host_goes_idle(
     co.plan(QUEUED)
     _end(co, QUEUED, interrupted=True)  # (an interrupted step: resumed at its end, as before)
     assert not trainer.paused
+
+
+def test_latency_refits_wait_for_the_hosts_idle_poll() -> None:
+    """A refit falling due on a step's observe is put off (no milliseconds of NNLS on the step
+    path); the host's idle ``poll`` runs it within the time it offers."""
+    co, _ = coserver(model(0.01, (0.0, 0.0)))
+    assert co.latency.defer_refits
+    before = co.latency.coefficients("decode/graph")
+    for i in range(10):
+        rows = 1 + i
+        co.latency.observe_regressors("decode/graph", (float(rows), 100.0 * rows, 1.0), 0.003 + 1e-4 * rows)
+    assert co.latency.coefficients("decode/graph") == before
+    co.poll(0.0)  # a poll that offers no time: still put off
+    assert co.latency.coefficients("decode/graph") == before
+    co.poll(0.05)
+    assert co.latency.coefficients("decode/graph") != before and co.latency.refit_due() == 0

@@ -4,6 +4,7 @@ import itertools
 import json
 import math
 import random
+import time
 from dataclasses import replace
 
 import pytest
@@ -656,3 +657,31 @@ def test_one_stall_moves_the_level_by_at_most_the_clip_and_prefill_sets_have_non
     before = model.predict(prefill.features())
     model.observe(prefill.record(true_time(prefill.features()) * 1.3))
     assert model.predict(prefill.features()) == pytest.approx(before, rel=1e-3)
+
+
+def test_deferred_refits_wait_for_the_host_then_run_at_the_cap() -> None:
+    """With ``defer_refits`` a due refit waits for ``refit_due`` (the host's idle moment); a set
+    whose refit was put off for DEFER_CAP intervals refits on the step path anyway."""
+    from coserve.core.latency import DEFER_CAP
+
+    def feed(model: LatencyModel, n: int, start: int) -> None:
+        for i in range(start, start + n):
+            rows = 1 + i % 32
+            model.observe_regressors("decode/graph", (float(rows), 1000.0 * rows, 1.0), 0.004 + 2e-4 * rows)
+
+    eager, deferred = LatencyModel(refit_every=20), LatencyModel(refit_every=20)
+    deferred.defer_refits = True
+    before = deferred.coefficients("decode/graph")
+    feed(eager, 10, 0)
+    feed(deferred, 10, 0)  # the first refit falls due after 10 observations of a set
+    assert eager.coefficients("decode/graph") != before
+    assert deferred.coefficients("decode/graph") == before  # put off
+    assert deferred.refit_due(deadline=time.monotonic() - 1.0) == 0  # no time: nothing done
+    assert deferred.refit_due() == 1 and deferred.refit_due() == 0
+    assert deferred.coefficients("decode/graph") == pytest.approx(eager.coefficients("decode/graph"))
+    late = LatencyModel(refit_every=20)
+    late.defer_refits = True
+    feed(late, 10 * DEFER_CAP - 1, 0)
+    assert late.coefficients("decode/graph") == before
+    feed(late, 1, 10 * DEFER_CAP - 1)  # the cap: refit at once
+    assert late.coefficients("decode/graph") != before and late.refit_due() == 0

@@ -131,6 +131,8 @@ class CoServer:
         self.optim = optim
         self.slo = slo or SLOConfig()
         self.latency = latency or LatencyModel()
+        # its refits wait for poll(), the host's idle moments (LatencyModel.defer_refits)
+        self.latency.defer_refits = True
         self.last_decision: AdmissionDecision | None = None
         # LoRA dropout of the training adapter: the host applies it to FT rows (FTRow.dropout_key).
         self.lora_dropout = 0.0
@@ -510,6 +512,10 @@ class CoServer:
         (``SLOConfig.hold_pause``) ends here, since no step follows at once."""
         if self._held:
             self._resume()
+        if timeout > 0:
+            began = time.monotonic()
+            self.latency.refit_due(began + timeout)
+            timeout = max(0.0, timeout - (time.monotonic() - began))
         self._collect(timeout)
 
     def _collect(self, timeout: float = 0.0) -> None:

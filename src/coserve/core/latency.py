@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -58,6 +59,9 @@ LEGACY_PREFILL_TERMS: Final = ("a_sq", "b_tokens", "g_ft", "e_kv", "h_ctx", "c")
 """``TERMS["prefill"]`` before ``i_ctx``: of a version-1 :meth:`LatencyModel.state_dict` and of
 the step tables recorded until then (see :func:`from_legacy_prefill`)."""
 KEYS: Final = tuple(f"{form}/{mode}" for form in TERMS for mode in MODES)
+DEFER_CAP: Final = 4
+"""With :attr:`LatencyModel.defer_refits`, a set refits on the step path anyway once this many
+refit intervals have passed without the host asking for its due refits."""
 TRAINER_PHASES: Final = ("active", "quiet", "starting")
 """What a busy step runs beside: ``active`` the backward's layers or loss; ``quiet`` its
 optimizer commit or nothing (the task's GPU work is done, its result not yet read); ``starting``
@@ -398,6 +402,12 @@ class LatencyModel:
         self._safety: dict[tuple[str, str], float] = {}  # per set, updated as steps come in
         self._ratio_count: dict[tuple[str, str], int] = {}
         self._safety_window = safety_window
+        # Refits due but put off until the host has nothing to run (refit_due): a refit costs
+        # milliseconds of host time (1-15 ms on the 2-core dev VM), which a step's observe on the
+        # engine's step path would add to whatever comes next (an arriving request's entry, the
+        # next step). A set put off for DEFER_CAP times its refit interval refits at once.
+        self.defer_refits = False
+        self._due: dict[tuple[str, str], None] = {}  # (ordered: the oldest due first)
         # Set by a host that replays decode steps as CUDA graphs padded to a bucket: rows -> the
         # rows the replay computes (decode/graph steps are priced by those).
         self.graph_bucket: Callable[[int], int] | None = None
@@ -533,17 +543,36 @@ class LatencyModel:
         self._unfitted[s] = n
         # Refit early while a set has few observations (a rare step kind would otherwise keep its
         # calibration bias for hundreds of steps), then every `refit_every`.
-        if n >= min(self.refit_every, max(10, len(win) // 4)):
-            self._unfitted[s] = 0
-            slot = _slot(key, state)
-            prior = (self._calib if state == "idle" else self._calib_busy).get(slot)
-            if prior is None and state not in ("idle", "active"):
-                prior = self._calib_busy.get(key)
-            self._solve(key, state, list(win), prior=prior)
-            # an idle refit moves the busy sets' predictions too (T_busy = (1 + ρ)·T + δ)
-            for t in [s] if state != "idle" else [k for k in self._windows if k[0] == key]:
-                self._after_refit(t)
+        every = min(self.refit_every, max(10, len(win) // 4))
+        if n >= every:
+            if self.defer_refits and n < DEFER_CAP * every:
+                self._due[s] = None
+            else:
+                self._refit(s)
         return predicted
+
+    def refit_due(self, deadline: float | None = None) -> int:
+        """Refit the sets whose refits :attr:`defer_refits` put off, oldest first, until
+        ``time.monotonic()`` passes ``deadline`` (None: all of them). Returns how many."""
+        done = 0
+        while self._due and (deadline is None or time.monotonic() < deadline):
+            s = next(iter(self._due))
+            self._refit(s)
+            done += 1
+        return done
+
+    def _refit(self, s: tuple[str, str]) -> None:
+        key, state = s
+        self._unfitted[s] = 0
+        self._due.pop(s, None)
+        slot = _slot(key, state)
+        prior = (self._calib if state == "idle" else self._calib_busy).get(slot)
+        if prior is None and state not in ("idle", "active"):
+            prior = self._calib_busy.get(key)
+        self._solve(key, state, list(self._windows[s]), prior=prior)
+        # an idle refit moves the busy sets' predictions too (T_busy = (1 + ρ)·T + δ)
+        for t in [s] if state != "idle" else [k for k in self._windows if k[0] == key]:
+            self._after_refit(t)
 
     def _after_refit(self, s: tuple[str, str]) -> None:
         """Set ``s``'s level and safety factor again against its new prediction, from one pass
