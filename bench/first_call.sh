@@ -10,7 +10,6 @@
 #   gpu_tests      the GPU tests (kernels against their CPU references, backward, graphs)
 #   gate_tests     the trainer's GPU-side pause gate and process tests alone
 #   kernel_tests   the attention kernel tests alone (tests/layers/test_triton_kernels.py, varlen)
-#   context_attn   bench/context_attention.py: steps over cached context, paged kernel vs gathered flash
 #   varlen_tests   the trainer's varlen recompute attention, SDPA's backends, the backward (GPU)
 #   verify         bench/verify_device.sh (GPU tests, backward alone, FT-only vs peft, LoRA overhead)
 #   ft512          FT-only vs the peft loops at 512-token sequences (issue 4)
@@ -118,9 +117,6 @@ job() {
     kernel_tests)
       run kernel_tests "$top/verify/kernel_tests.txt" python3 -m pytest -q -p no:cacheprovider -p no:warnings \
         tests/layers/test_triton_kernels.py tests/layers/test_varlen_attention.py ;;
-    context_attn)
-      run context_attn "$top/context_attention.log" python3 bench/context_attention.py \
-        --out "$top/context_attention.json" ;;
     varlen_tests)
       run varlen_tests "$top/verify/varlen_tests.txt" python3 -m pytest -q -p no:cacheprovider -p no:warnings \
         tests/layers/test_varlen_attention.py tests/layers/test_sdpa.py tests/trainer/test_backward.py ;;

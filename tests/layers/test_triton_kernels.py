@@ -72,10 +72,9 @@ def test_store_kv_writes_exactly_the_slots(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("sms", [1, 64])  # 64 forces split-K decode with merged partials
 @pytest.mark.parametrize("heads", [(4, 2, 16), (8, 2, 64)])
-# fresh rows: Triton kernel, SDPA per row, varlen runs; "context": every prefill row in one varlen
-# call over keys gathered from the pages (CONTEXT_FLASH); "small": varlen runs, but the step is
-# small enough that every prefill row takes the paged kernel (PAGED_SMALL_PREFILL)
-@pytest.mark.parametrize("sdpa", [False, True, "varlen", "context", "small"])
+# fresh rows: Triton kernel, SDPA per row, varlen runs; "small": varlen runs, but the step is small
+# enough that every prefill row takes the paged kernel (PAGED_SMALL_PREFILL)
+@pytest.mark.parametrize("sdpa", [False, True, "varlen", "small"])
 def test_attention_matches_reference(
     dtype: torch.dtype, window: int | None, sms: int, heads: tuple[int, int, int], sdpa: bool | str,
     monkeypatch: pytest.MonkeyPatch,
@@ -95,25 +94,13 @@ def test_attention_matches_reference(
 
     ref = TorchAttention().forward(q.float(), k.float(), v.float(), ref_cache[:, 1], meta, scale, window)
     calls: list[int] = []
-    kv_calls: list[tuple[int, ...]] = []
-    if sdpa in ("varlen", "context") and not CUDA:  # the varlen flash calls, stood in for by SDPA per row
+    if sdpa in ("varlen", "small") and not CUDA:  # the varlen flash calls, stood in for by SDPA per row
         monkeypatch.setattr(triton_attention, "varlen_forward_fits", lambda q: True)
         monkeypatch.setattr(triton_attention, "varlen_forward", counted_varlen_reference(calls))
-        monkeypatch.setattr(triton_attention, "varlen_forward_kv_fits", lambda q: True)
-        monkeypatch.setattr(triton_attention, "varlen_forward_kv", varlen_kv_reference(kv_calls))
-    if sdpa == "small" and not CUDA:  # (no flash call may happen)
-        monkeypatch.setattr(triton_attention, "varlen_forward_fits", lambda q: True)
-        monkeypatch.setattr(triton_attention, "varlen_forward", counted_varlen_reference(calls))
-    tuning = AttentionTuning(prefill_sdpa=bool(sdpa), prefill_varlen=sdpa in ("varlen", "context", "small"),
-                             prefill_context_flash=sdpa == "context",
+    tuning = AttentionTuning(prefill_sdpa=bool(sdpa), prefill_varlen=sdpa in ("varlen", "small"),
                              prefill_paged_tokens=10**6 if sdpa == "small" else 0)
     out = TritonAttention(tuning, sms=sms).forward(q, k, v, cache[:, 1], meta, scale, window)
-    if sdpa == "context" and not CUDA:  # one call for all prefill rows of a step with context,
-        # but not under a window
-        gathered = not window and any(ctxs[:npre])
-        assert kv_calls == ([tuple(q_lens[:npre])] if gathered else [])
-        assert len(calls) == (0 if gathered else len(meta.plain_prefill_runs(window or 0)))
-    if sdpa == "small":
+    if sdpa == "small":  # (no flash call may happen)
         assert calls == []
     if sdpa == "varlen" and not CUDA:  # one call per run of rows without cached context (the FT
         # rows at least), every such row in one
@@ -146,8 +133,8 @@ def test_the_prefill_plan_is_worked_out_once_per_step(monkeypatch: pytest.Monkey
         return real(values, dtype, device)
 
     monkeypatch.setattr(triton_attention, "device_tensor", counted)
-    backend = TritonAttention(AttentionTuning(prefill_sdpa=True, prefill_varlen=False, prefill_context_flash=False,
-                                              prefill_paged_tokens=0), sms=1)
+    backend = TritonAttention(AttentionTuning(prefill_sdpa=True, prefill_varlen=False, prefill_paged_tokens=0),
+                              sms=1)
     outs = []
     for layer in range(3):
         q, k, v = (torch.randn(t, n, d, device=DEVICE) for n in (h, kvh, kvh))
@@ -182,58 +169,6 @@ def counted_varlen_reference(calls: list[int]):  # type: ignore[no-untyped-def]
         return out
 
     return attend
-
-
-def varlen_kv_reference(calls: list[tuple[int, ...]]):  # type: ignore[no-untyped-def]
-    """``varlen_forward_kv`` by SDPA per row (fp32) with the bottom-right causal mask, recording
-    each call's query lengths."""
-
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-               max_q: int, max_k: int, scale: float) -> torch.Tensor:
-        qb, kb = cu_q.tolist(), cu_k.tolist()
-        lens = [b - a for a, b in zip(qb, qb[1:], strict=False)]
-        klens = [b - a for a, b in zip(kb, kb[1:], strict=False)]
-        assert qb[-1] == q.shape[0] and kb[-1] == k.shape[0] and max_q == max(lens) and max_k == max(klens)
-        calls.append(tuple(lens))
-        group = q.shape[1] // k.shape[1]
-        out = torch.empty_like(q)
-        for (a, b), (c, e) in zip(zip(qb, qb[1:], strict=False), zip(kb, kb[1:], strict=False), strict=True):
-            n, m = b - a, e - c
-            mask = torch.arange(m, device=q.device)[None, :] <= torch.arange(m - n, m, device=q.device)[:, None]
-            qq = q[a:b].float().transpose(0, 1)
-            kk = k[c:e].float().repeat_interleave(group, 1).transpose(0, 1)
-            vv = v[c:e].float().repeat_interleave(group, 1).transpose(0, 1)
-            o = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale)
-            out[a:b] = o.transpose(0, 1).to(q.dtype)
-        return out
-
-    return attend
-
-
-def test_context_plan_lays_out_each_rows_cached_then_new_keys() -> None:
-    """The gathered K of a step, row by row: the row's cached keys read through its block table,
-    then its new keys, as :func:`triton_attention.context_keys` builds them from the plan."""
-    rng = random.Random(11)
-    bs, nblocks, kvh, d = 4, 160, 2, 8
-    q_lens, ctxs, tables, writes, npre = random_batch(rng, nblocks, bs, decode_rows=2)
-    assert any(ctxs[:npre]) and not all(ctxs[:npre])
-    meta = AttentionMetadata.build(q_lens, ctxs, tables, writes, npre, bs, device=DEVICE)
-    t = sum(q_lens)
-    k, v = torch.randn(t, kvh, d, device=DEVICE), torch.randn(t, kvh, d, device=DEVICE)
-    cache = torch.randn(nblocks, 2, bs, kvh, d, device=DEVICE)
-    plan = triton_attention.context_plan(meta, bs)
-    keys, values = triton_attention.context_keys(k, v, cache, plan)
-    want_k, want_v, start = [], [], 0
-    for r in range(npre):
-        pos = torch.arange(ctxs[r])
-        blocks = torch.tensor(tables[r], dtype=torch.long)[pos // bs] if ctxs[r] else pos
-        want_k += [cache[blocks, 0, pos % bs], k[start : start + q_lens[r]]]
-        want_v += [cache[blocks, 1, pos % bs], v[start : start + q_lens[r]]]
-        start += q_lens[r]
-    assert torch.equal(keys, torch.cat(want_k)) and torch.equal(values, torch.cat(want_v))
-    k_lens = [n + c for n, c in zip(q_lens[:npre], ctxs[:npre], strict=True)]
-    assert plan.cu_k.tolist() == [sum(k_lens[:i]) for i in range(npre + 1)] and plan.max_k == max(k_lens)
-    assert plan.cu_q.tolist() == [sum(q_lens[:i]) for i in range(npre + 1)] and plan.tokens == start
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -9,10 +9,10 @@ for the flat batch layout). Three kernels:
   new tokens (read from ``k``/``v``, causal). Prefill rows with no cached prefix (fresh prompts,
   fine-tuning rows, which write no KV and attend causally within themselves) go to torch SDPA
   instead (FlashAttention-2 on the GPU: 2.5-3x this kernel on the H200, see
-  ``bench/results/engine_speed_h200.json``), unless a sliding window cuts into the row. With
-  :data:`CONTEXT_FLASH` a step with rows over cached context runs none of its prefill rows here
-  either (their cached keys gathered from the pages, every prefill row in one varlen flash call):
-  slower on the H200 except for the largest chunks, so off by default.
+  ``bench/results/engine_speed_h200.json``), unless a sliding window cuts into the row. (Rows
+  over cached context through one varlen flash call over keys gathered from the pages ran
+  0.38-0.89x this kernel below 2k-token chunks on the H200, session 16 at 340326a,
+  ``bench/results/engine_h200/session16/``: not kept.)
 - ``decode``: one program per (decode row, KV head, split). The row's ``ctx`` cached keys are cut
   into ``num_splits`` equal ranges *inside the kernel*, so the grid depends on the batch size
   only and the launch can be captured in a CUDA graph; the row's own new key comes from
@@ -36,12 +36,7 @@ import torch
 
 from coserve.host_copy import device_tensor
 from coserve.layers.sdpa import sdpa
-from coserve.layers.varlen_attention import (
-    varlen_forward,
-    varlen_forward_fits,
-    varlen_forward_kv,
-    varlen_forward_kv_fits,
-)
+from coserve.layers.varlen_attention import varlen_forward, varlen_forward_fits
 
 if TYPE_CHECKING:
     import triton.language as tl
@@ -352,18 +347,6 @@ same chunk over cached context: the varlen flash call and its slices and copies 
 host time a layer, and such a step is bound by its host. At these sizes the attention itself is
 tens of microseconds a layer either way."""
 
-CONTEXT_FLASH = os.environ.get("COSERVE_CONTEXT_FLASH", "0") == "1"
-"""``1``: on CUDA, a step whose prefill rows include one over cached context (a prompt's later
-chunk) runs all of its prefill rows through one varlen flash call (:class:`ContextPlan`): each
-such row's cached keys are gathered from their pages into a flat K/V beside the step's new keys,
-flash's bottom-right causal mask does the rest. Off by default: on the H200 (8B shape, one layer,
-``bench/context_attention.py``, ``bench/results/engine_h200/session16/``) it ran 0.38-0.89x the
-``prefill`` kernel's speed for chunks of 26-1,024 tokens over 245-3,584 cached ones (the gather
-and the copies cost more than flash saves), 1.06x and 1.15x only at 2,027 over 2,048 and 2,048
-over 6,144, with ~95 us more host time per layer; in a trace replay (``latency=50``) it raised
-the fitted constant of a step with context from ~4.3 to 7.8 ms."""
-
-
 @dataclass(frozen=True)
 class AttentionTuning:
     """Tile shapes and launch settings (chosen on the H200 by ``bench/engine_speed.py``)."""
@@ -379,81 +362,19 @@ class AttentionTuning:
     # ... and, on CUDA, each run of consecutive such rows in one varlen flash call instead of one
     # SDPA call (and a K/V head repeat) per row and layer (COSERVE_VARLEN_PREFILL)
     prefill_varlen: bool = field(default_factory=lambda: VARLEN_PREFILL)
-    # steps with rows over cached context: every prefill row in one varlen flash call over keys
-    # gathered from the pages (CONTEXT_FLASH; CUDA, no sliding window)
-    prefill_context_flash: bool = field(default_factory=lambda: CONTEXT_FLASH)
     # steps of at most this many prefill tokens: every prefill row through the paged kernel
     # (PAGED_SMALL_PREFILL; 0: never)
     prefill_paged_tokens: int = field(default_factory=lambda: PAGED_SMALL_PREFILL)
 
 
-class ContextPlan(NamedTuple):
-    """A step's prefill rows as one varlen call over gathered keys, worked out on the device once
-    per step (:func:`context_plan`). ``P`` prefill rows of ``T`` tokens, ``S = Σ ctx_r`` cached
-    keys: ``blocks``/``offsets`` ``[S]`` int64 locate cached key ``s`` (row by row, position by
-    position) in the pages; ``order`` ``[T + S]`` int64 lays out each row's keys — its cached ones,
-    then its new ones — as indices into ``cat([k[:T], gathered])``; ``cu_q``/``cu_k`` ``[P+1]``
-    int32 bound each row's queries and keys."""
-
-    blocks: torch.Tensor
-    offsets: torch.Tensor
-    order: torch.Tensor
-    cu_q: torch.Tensor
-    cu_k: torch.Tensor
-    max_q: int
-    max_k: int
-    tokens: int
-
-
-def context_plan(meta: AttentionMetadata, block_size: int) -> ContextPlan:
-    """:class:`ContextPlan` of ``meta``'s prefill rows, from its device tensors (no host copy, no
-    wait for the stream): ~20 small kernels, once per step."""
-    rows = meta.num_prefill_rows
-    lens, ctxs = meta.q_lens[:rows], meta.context_lens_list[:rows]
-    tokens, cached = sum(lens), sum(ctxs)
-    dev = meta.cu_seqlens_q.device
-    cu_q = meta.cu_seqlens_q[: rows + 1]
-    ctx = meta.context_lens[:rows].to(torch.long)
-    q_len = (cu_q[1:] - cu_q[:-1]).to(torch.long)
-    zero = torch.zeros(1, dtype=torch.long, device=dev)
-    ctx_start = torch.cat([zero, ctx.cumsum(0)])[:-1]
-    k_len = ctx + q_len
-    cu_k = torch.cat([zero, k_len.cumsum(0)])
-    row_ids = torch.arange(rows, device=dev)
-    # cached key s: row r_s, position s - ctx_start[r_s]
-    r_s = torch.repeat_interleave(row_ids, ctx, output_size=cached)
-    pos = torch.arange(cached, device=dev) - ctx_start[r_s]
-    blocks = meta.block_tables[r_s, pos // block_size].to(torch.long)
-    offsets = pos % block_size
-    # key j of row r: cached (j < ctx_r) at T + ctx_start[r] + j, else new at q_start[r] + j - ctx_r
-    r_k = torch.repeat_interleave(row_ids, k_len, output_size=tokens + cached)
-    j = torch.arange(tokens + cached, device=dev) - cu_k[r_k]
-    c = ctx[r_k]
-    order = torch.where(j < c, tokens + ctx_start[r_k] + j, cu_q[r_k].to(torch.long) + j - c)
-    return ContextPlan(blocks, offsets, order, cu_q, cu_k.to(torch.int32), max(lens, default=0),
-                       max((n + x for n, x in zip(lens, ctxs, strict=True)), default=0), tokens)
-
-
-def context_keys(
-    k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, plan: ContextPlan,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's prefill keys and values laid out as ``plan.order`` says: ``[T + S, KVH, D]``."""
-    cached = kv_layer[plan.blocks, :, plan.offsets]  # [S, 2, KVH, D]
-    k_src = torch.cat([k[: plan.tokens], cached[:, 0].to(k.dtype)])
-    v_src = torch.cat([v[: plan.tokens], cached[:, 1].to(v.dtype)])
-    return k_src.index_select(0, plan.order), v_src.index_select(0, plan.order)
-
-
 class _PrefillPlan(NamedTuple):
     """One step's prefill rows by path (:meth:`TritonAttention._prefill_plan`): the varlen runs,
     the token spans ``[a, b)`` of rows through one SDPA call each, and the paged kernel's tiles
-    (``[2, num_tiles]`` int32: row, first query of the tile; None: no such row); or, with
-    ``context``, all of them through one varlen call over gathered keys (:data:`CONTEXT_FLASH`)."""
+    (``[2, num_tiles]`` int32: row, first query of the tile; None: no such row)."""
 
     runs: list[PlainRun]
     sdpa_rows: list[tuple[int, int]]
     tiles: torch.Tensor | None
-    context: ContextPlan | None = None
 
 
 class TritonAttention:
@@ -500,13 +421,7 @@ class TritonAttention:
         kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float, window: int,
     ) -> None:
         tune = self.tuning
-        plan = self._prefill_plan(q, meta, window, kv_layer.shape[2])
-        if plan.context is not None:
-            c = plan.context
-            keys, values = context_keys(k, v, kv_layer, c)
-            out[: c.tokens] = varlen_forward_kv(q[: c.tokens], keys, values, c.cu_q, c.cu_k, c.max_q, c.max_k,
-                                                scale)
-            return
+        plan = self._prefill_plan(q, meta, window)
         for run in plan.runs:
             a, b = run.start, run.end
             out[a:b] = varlen_forward(q[a:b], k[a:b], v[a:b], run.cu_seqlens, run.max_len, scale)
@@ -528,8 +443,7 @@ class TritonAttention:
             num_stages=tune.prefill_stages,
         )
 
-    def _prefill_plan(self, q: torch.Tensor, meta: AttentionMetadata, window: int,
-                      block_size: int) -> _PrefillPlan:
+    def _prefill_plan(self, q: torch.Tensor, meta: AttentionMetadata, window: int) -> _PrefillPlan:
         """Which prefill rows go to the varlen flash runs, to one SDPA call each, or to the paged
         kernel, and the kernel's tiles on the device: worked out once per step (the first layer)
         and kept in ``meta.prefill_plans``.
@@ -546,10 +460,6 @@ class TritonAttention:
         plan = meta.prefill_plans.get(key)
         if plan is not None:
             return cast(_PrefillPlan, plan)
-        if (tune.prefill_context_flash and not window and any(meta.context_lens_list[: meta.num_prefill_rows])
-                and varlen_forward_kv_fits(q)):
-            plan = meta.prefill_plans[key] = _PrefillPlan([], [], None, context_plan(meta, block_size))
-            return plan
         # (a small step: one paged launch a layer costs less host time than the flash paths)
         paged = meta.num_prefill_tokens <= tune.prefill_paged_tokens
         use_runs = not paged and tune.prefill_sdpa and tune.prefill_varlen and varlen_forward_fits(q)

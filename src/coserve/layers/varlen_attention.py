@@ -282,23 +282,3 @@ def varlen_forward(
     impl = varlen_impl()
     assert impl is not None
     return impl[1](q, k, v, cu_seqlens, max_len, scale)
-
-
-def varlen_forward_kv_fits(q: torch.Tensor) -> bool:
-    """Whether :func:`varlen_forward_kv` takes ``q``: as :func:`varlen_forward_fits`, and aten's
-    flash forward as called here (no other implementation takes rows with more keys than queries)."""
-    return _flash_takes(q) and _flash_ops() is not None
-
-
-def varlen_forward_kv(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-    max_q: int, max_k: int, scale: float,
-) -> torch.Tensor:
-    """Rows whose queries are the last of their keys (a prompt chunk over its cached context), no
-    autograd: row ``i``'s queries ``q[cu_q[i]:cu_q[i+1]]`` attend to keys ``k[cu_k[i]:cu_k[i+1]]``
-    causally with the mask aligned to the bottom right — query ``j`` of ``n`` sees keys
-    ``0 .. (len_k − n) + j``, as flash's causal mask does for rows with more keys than queries.
-    Where :func:`varlen_forward_kv_fits`. q: [Tq, H, D], k, v: [Tk, KVH, D] -> [Tq, H, D]."""
-    ops = _flash_ops()
-    assert ops is not None
-    return cast(torch.Tensor, ops[0](q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)[0])

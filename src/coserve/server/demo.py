@@ -144,7 +144,7 @@ def _train_while_idle(engine: LLMEngine, session: FinetuneSession, seconds: floa
     ``target``. Returns (seconds spent, tokens trained, last loss), or None where it did not run."""
 
     def recent() -> float | None:
-        losses = [h.loss for h in session.history if h.loss is not None][-3:]
+        losses = [h.loss for h in session.history[-3:] if h.loss is not None]
         return sum(losses) / len(losses) if len(losses) == 3 else None
 
     loss = recent()
