@@ -1,0 +1,60 @@
+"""Host time of ``LatencyModel.observe`` on the engine's step path, with refits on the step path
+and with them put off (``defer_refits``, as ``CoServer`` sets it; here no idle poll ever comes,
+so only the refits at ``DEFER_CAP`` run inline): 3,000 synthetic prefill and decode steps of
+random shapes, idle and busy.
+
+    PYTHONPATH=src python3 bench/refit_cost.py --out bench/results/host_cpu/refit_cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from speed_common import provenance
+
+from coserve.core.latency import LatencyModel
+
+
+def observe_times(defer: bool, steps: int, seed: int) -> np.ndarray:
+    model = LatencyModel()
+    model.defer_refits = defer
+    rng = random.Random(seed)
+    out = []
+    for _ in range(steps):
+        if rng.random() < 0.5:
+            key, v = "decode/graph", (float(rng.randint(1, 64)), float(rng.randint(100, 40000)), 1.0)
+        else:
+            n, c = rng.randint(16, 2048), rng.choice([0, rng.randint(1, 2048)])
+            key, v = "prefill/graph", (float(n * n), float(n), 0.0, float(rng.randint(0, 30000)), float(n * c),
+                                       1.0 if c else 0.0, 1.0)
+        measured = 0.005 + 1e-5 * v[1] + sum(v) * 1e-9 * rng.uniform(0.9, 1.1)
+        t0 = time.perf_counter()
+        model.observe_regressors(key, v, measured, rng.choice(["idle", "active"]))
+        out.append(time.perf_counter() - t0)
+    return np.asarray(out) * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--steps", type=int, default=3000)
+    args = p.parse_args()
+    figures: dict[str, Any] = {}
+    for name, defer in (("refit_on_step_path", False), ("refits_deferred", True)):
+        t = observe_times(defer, args.steps, seed=0)
+        figures[name] = {"observe_ms_p50": float(np.median(t)), "observe_ms_p99": float(np.quantile(t, 0.99)),
+                         "observe_ms_max": float(t.max()), "observes_over_1ms": int((t > 1).sum())}
+        print(name, json.dumps(figures[name]), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({**provenance(), "config": {"steps": args.steps, "seed": 0},
+                                    "figures": figures}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
