@@ -403,9 +403,10 @@ class LatencyModel:
         self._ratio_count: dict[tuple[str, str], int] = {}
         self._safety_window = safety_window
         # Refits due but put off until the host has nothing to run (refit_due): a refit costs
-        # milliseconds of host time (up to 22 ms on the 2-core dev VM, bench/refit_cost.py), which a step's observe on the
-        # engine's step path would add to whatever comes next (an arriving request's entry, the
-        # next step). A set put off for DEFER_CAP times its refit interval refits at once.
+        # milliseconds of host time (up to 22 ms on the 2-core dev VM, bench/refit_cost.py),
+        # which a step's observe on the engine's step path would add to whatever comes next (an
+        # arriving request's entry, the next step). A set put off for DEFER_CAP times its refit
+        # interval refits at once.
         self.defer_refits = False
         self._due: dict[tuple[str, str], None] = {}  # (ordered: the oldest due first)
         # Set by a host that replays decode steps as CUDA graphs padded to a bucket: rows -> the
