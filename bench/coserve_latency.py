@@ -34,6 +34,7 @@ from coserve.bench.replay import STEP_COLUMNS, InProcessDriver
 from coserve.bench.runners import step_table, task_breakdown
 from coserve.bench.workload import Arrival, busiest_window, load_trace
 from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig, SLOConfig
+from coserve.core.coserver import CheckPoint
 from coserve.core.latency import BatchSpec, error_summary
 from coserve.engine.config import EngineConfig
 from coserve.engine.llm_engine import LLMEngine
@@ -160,18 +161,27 @@ def longest_steps(steps: list[tuple[Any, ...]], top: int) -> dict[str, list[dict
             for kind, rows in by_kind.items()}
 
 
-def check_summary(checks: list[tuple[str, float, float]]) -> dict[str, Any]:
+def check_summary(checks: list[CheckPoint]) -> dict[str, Any]:
     """One interrupted FT-only step's interruption points (``CoServer.interrupted_checks``): how
     many, the first and last (ms since its plan began), the longest gap between two and where it
-    ended, the CPU's wait for the GPU in that gap and in all."""
+    ended, and in that gap: the CPU's wait for the GPU, the host thread's CPU time (the rest of
+    the gap it was blocked or descheduled), the garbage collector's time and the CUDA allocations
+    (where counted); the CPU's wait for the GPU in all."""
     if not checks:
         return {"points": 0}
-    times = [t for _, t, _ in checks]
+    times = [c.at_s for c in checks]
     gaps = [(b - a, i + 1) for i, (a, b) in enumerate(zip(times, times[1:], strict=False))] or [(times[0], 0)]
     gap, at = max(gaps)
-    return {"points": len(checks), "first_ms": times[0] * 1e3, "last_ms": times[-1] * 1e3,
-            "longest_gap_ms": gap * 1e3, "longest_gap_before": checks[at][0],
-            "gpu_wait_in_gap_ms": checks[at][2] * 1e3, "gpu_wait_ms": sum(w for *_, w in checks) * 1e3}
+    end, start = checks[at], checks[at - 1] if at > 0 else None
+    allocs = (end.device_allocs - start.device_allocs
+              if start is not None and end.device_allocs is not None and start.device_allocs is not None else None)
+    return {"points": len(checks), "first": checks[0].where, "first_ms": times[0] * 1e3, "last_ms": times[-1] * 1e3,
+            "longest_gap_ms": gap * 1e3, "longest_gap_before": end.where,
+            "gpu_wait_in_gap_ms": end.gpu_wait_s * 1e3,
+            "cpu_in_gap_ms": (end.cpu_s - (start.cpu_s if start is not None else 0.0)) * 1e3,
+            "gc_in_gap_ms": (end.gc_s - (start.gc_s if start is not None else 0.0)) * 1e3,
+            "device_allocs_in_gap": allocs,
+            "gpu_wait_ms": sum(c.gpu_wait_s for c in checks) * 1e3}
 
 
 def main() -> None:

@@ -38,7 +38,7 @@ def test_ft_only_step_is_interrupted_by_an_arrival(session) -> None:  # type: ig
     def arrival_at_layer_two() -> bool:
         nonlocal calls
         calls += 1
-        return calls > 2
+        return calls > 3
 
     engine.external_arrivals = arrival_at_layer_two
     s.coserver.track = True
@@ -48,9 +48,13 @@ def test_ft_only_step_is_interrupted_by_an_arrival(session) -> None:  # type: ig
     assert s.coserver.num_interrupted == 1
     # the points it passed, in order, timed from its plan (no GPU to wait for here)
     checks = s.coserver.interrupted_checks[-1]
-    assert [where for where, _, _ in checks] == ["before layer 0", "within layer 0", "before layer 1"]
-    times = [t for _, t, _ in checks]
-    assert 0 < times[0] <= times[1] <= times[2] <= took and all(w < 0.05 for *_, w in checks)
+    assert [c.where for c in checks] == ["end of plan", "before layer 0", "within layer 0", "before layer 1"]
+    times = [c.at_s for c in checks]
+    assert 0 < times[0] <= times[1] <= times[2] <= times[3] <= took and all(c.gpu_wait_s < 0.05 for c in checks)
+    # the host thread's CPU time and the collector's, counted from the plan (no allocator counts off CUDA)
+    cpu = [c.cpu_s for c in checks]
+    assert 0 <= cpu[0] <= cpu[1] <= cpu[2] <= cpu[3] <= took + 0.01
+    assert all(0 <= c.gc_s <= c.at_s and c.device_allocs is None for c in checks)
     # the interrupted step reports its time split: planning, then the forward up to the interruption
     stats = engine.last_step
     assert stats is not None and stats.ft_tokens > 0 and stats.num_prefill_tokens == 0
@@ -73,11 +77,12 @@ def test_ft_only_step_checks_for_arrivals_twice_per_layer(session) -> None:  # t
     def arrival_after_the_first_point() -> bool:
         nonlocal calls
         calls += 1
-        return calls >= 2
+        return calls >= 3
 
     engine.external_arrivals = arrival_after_the_first_point
     engine.step()
-    assert engine.last_step_kind == "ft-only-interrupted" and calls == 2
+    # (the first probe at the end of the plan, the second at layer 0's start)
+    assert engine.last_step_kind == "ft-only-interrupted" and calls == 3
     calls = 0
 
     def no_arrival() -> bool:
@@ -87,8 +92,25 @@ def test_ft_only_step_checks_for_arrivals_twice_per_layer(session) -> None:  # t
 
     engine.external_arrivals = no_arrival
     assert engine.step() == [] and engine.last_step_kind == "ft-only"
-    # at each layer's input and at the final hidden state (L + 1), and within each layer's MLP (L)
-    assert calls == 2 * engine.model_config.num_layers + 1
+    # at the end of the plan, at each layer's input and at the final hidden state (L + 1), and
+    # within each layer's MLP (L)
+    assert calls == 2 * engine.model_config.num_layers + 2
+
+
+def test_arrival_while_planning_keeps_ft_only_step_from_starting(session) -> None:  # type: ignore[no-untyped-def]
+    """Inference work that arrives while an FT-only step is planned: the step does not start,
+    nothing of it is claimed, and the request runs in the next step."""
+    engine, s = session
+    s.coserver.track = True
+    engine.external_arrivals = lambda: True
+    assert engine.step() == []
+    assert engine.last_step_kind == "ft-only-not-started"
+    assert s.coserver.admission_counts.get(("ft-only", "arrival")) == 1
+    assert [c.where for c in s.coserver.interrupted_checks[-1]] == ["end of plan"]
+    assert s.pool.num_in_flight == 0 and s.store.used() == 0 and s.coserver.num_interrupted == 0
+    engine.external_arrivals = None
+    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert [o.request_id for o in engine.step()] == ["r"]
 
 
 def test_uninterrupted_ft_only_step_captures_samples(session) -> None:  # type: ignore[no-untyped-def]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -87,6 +88,37 @@ class StepLogRow(NamedTuple):
     enqueue_s: float | None
 
 
+class CheckPoint(NamedTuple):
+    """One interruption point an interrupted FT-only step passed (:attr:`CoServer.interrupted_checks`)."""
+
+    where: str  # "end of plan", "before layer i", "within layer i"
+    at_s: float  # seconds since the step's plan began
+    gpu_wait_s: float  # the CPU's wait there for the GPU to reach the point before
+    cpu_s: float  # the host thread's CPU seconds since the plan began (wall minus this: blocked)
+    gc_s: float  # seconds in Python's garbage collector since the plan began
+    device_allocs: int | None  # CUDA allocations (cudaMalloc, cuMemMap) so far; None off CUDA or past layer 1
+
+
+class GCClock:
+    """Seconds spent in Python's garbage collector (``gc.callbacks``), for the interruption
+    points' record: a collection is one reason an FT-only step's host stalls."""
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+        self._began = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.total_s += time.perf_counter() - self._began
+
+    def close(self) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+
+
 @dataclass
 class _OpenStep:
     """An optimizer step being assembled: its tasks' samples and results so far."""
@@ -163,6 +195,8 @@ class CoServer:
         # Set by the host: True when an inference request is waiting to be scheduled.
         self.arrival_probe: Callable[[], bool] | None = None
         self.num_interrupted = 0
+        # the last plan() would have started an FT-only step but inference work had arrived
+        self.arrived_while_planning = False
         # the trainer's own time over every task so far: working on it, and paused for inference
         # steps (/metrics coserve_finetune_trainer_seconds{state})
         self.trainer_seconds: dict[str, float] = {"working": 0.0, "paused": 0.0}
@@ -181,7 +215,8 @@ class CoServer:
         self.trainer_spans: list[tuple[int, int, float, float]] = []  # TaskResult.spans of every task
         self.pause_observed_lags: list[float] = []  # TaskResult.pause_lags_ms (GPU-side gate only)
         # planned steps by (step kind: "inference" | "ft-only", outcome: "added" (FT rows added),
-        # "task_full" (the task being filled was full) or why admission added none
+        # "task_full" (the task being filled was full), "arrival" (an FT-only step not started:
+        # inference work arrived while it was planned) or why admission added none
         # (admission.Reason)): why FT rows did or did not ride (/metrics, bench)
         self.admission_counts: dict[tuple[str, str], int] = {}
         # per step, predicted before the model observed it: its error, and the data to refit and
@@ -200,12 +235,14 @@ class CoServer:
         self.task_timings: list[tuple[float, float, float, int, float, float, float]] = []
         self._submitted: dict[int, tuple[float, int]] = {}
         self._layer_events: list[torch.cuda.Event] = []
-        # (track) per interrupted FT-only step: each interruption point it passed, as (where,
-        # seconds since the step's plan began, seconds the CPU waited there for the GPU to reach
-        # the point before) — where an arrival's wait inside such a step goes
-        self.interrupted_checks: list[list[tuple[str, float, float]]] = []
-        self._checks: list[tuple[str, float, float]] = []
+        # (track) per interrupted FT-only step: each interruption point it passed — where an
+        # arrival's wait inside such a step goes
+        self.interrupted_checks: list[list[CheckPoint]] = []
+        self._checks: list[CheckPoint] = []
         self._plan_began = 0.0
+        self._plan_cpu = 0.0
+        self._plan_gc = 0.0
+        self._gc_clock: GCClock | None = None
 
     # ------------------------------------------------------------------ hooks
 
@@ -247,7 +284,11 @@ class CoServer:
     def plan(self, view: StepView) -> list[FTRow]:
         """Choose the fine-tuning rows of the next step (hook 1)."""
         if self.track:
-            self._plan_began = time.monotonic()
+            if self._gc_clock is None:
+                self._gc_clock = GCClock()
+            self._plan_began, self._plan_cpu = time.monotonic(), time.thread_time()
+            self._plan_gc = self._gc_clock.total_s
+        self.arrived_while_planning = False
         self._collect()
         progress = getattr(self.trainer, "progress", None)
         if progress is not None and getattr(self.trainer, "reports_progress", True):
@@ -290,6 +331,10 @@ class CoServer:
                 break
             picked.append(sample)
             task_tokens += sample.num_tokens
+        self.arrived_while_planning = bool(picked and region is not None and ft_only and self._arrived_while_planning())
+        if self.arrived_while_planning:
+            self._count(ft_only, "arrival")
+            return []
         self._count(ft_only, "added" if picked and region is not None
                     else "task_full" if decision.samples else str(decision.reason))
         if not picked or region is None:
@@ -396,22 +441,47 @@ class CoServer:
     def _interruptible(self) -> bool:
         return self.arrival_probe is not None and should_interrupt(self.slo, ft_only_step=True, num_arrived=1)
 
-    def _interruption_point(self, activation: torch.Tensor, where: str) -> None:
-        """In an FT-only step: raise :class:`Interrupted` if inference work has arrived. Two points
-        per layer (its start, and after the MLP's gate/up projection: ~3/4 and ~1/4 of the
-        layer's work), with the GPU kept at most one point behind the CPU, so that at any moment
-        at most about one layer of the step's work is queued ahead of the request."""
+    def _interruption_point(self, activation: torch.Tensor | None, where: str) -> None:
+        """In an FT-only step: raise :class:`Interrupted` if inference work has arrived. At the
+        end of its plan, then two points per layer (its start, and after the MLP's gate/up
+        projection: ~3/4 and ~1/4 of the layer's work), with the GPU kept at most one point
+        behind the CPU, so that at any moment at most about one layer of the step's work is
+        queued ahead of the request."""
         if not (self._ft_only and self._interruptible()):
             return
         began = time.monotonic() if self.track else 0.0
-        if activation.is_cuda:
+        if activation is not None and activation.is_cuda:
             self._bound_lookahead()
         if self.track:
-            now = time.monotonic()
-            self._checks.append((where, now - self._plan_began, now - began))
+            self._record_check(where, activation, began)
         assert self.arrival_probe is not None
         if self.arrival_probe():
             raise Interrupted(f"inference work arrived {where}")
+
+    def _arrived_while_planning(self) -> bool:
+        """The first interruption point of an FT-only step, at the end of its plan: inference
+        work that arrived while it was planned keeps it from starting."""
+        self._ft_only = True
+        try:
+            self._interruption_point(None, "end of plan")
+        except Interrupted:
+            if self.track:
+                self.interrupted_checks.append(self._checks)
+            self._checks = []
+            return True
+        finally:
+            self._ft_only = False
+        return False
+
+    def _record_check(self, where: str, activation: torch.Tensor | None, began: float) -> None:
+        now = time.monotonic()
+        allocs = None
+        # (the allocator's counters only where a step's first layers allocate: memory_stats costs)
+        if activation is not None and activation.is_cuda and len(self._checks) < 6:
+            allocs = int(torch.cuda.memory_stats(activation.device).get("num_device_alloc", -1))
+        gc_s = self._gc_clock.total_s - self._plan_gc if self._gc_clock is not None else 0.0
+        self._checks.append(CheckPoint(where, now - self._plan_began, now - began,
+                                       time.thread_time() - self._plan_cpu, gc_s, allocs))
 
     def observe_late(self, record: StepRecord, duration_s: float) -> None:
         """The duration of a step whose record came untimed (``record.timed`` False): the latency
@@ -630,4 +700,6 @@ class CoServer:
         return len(records)
 
     def close(self) -> None:
+        if self._gc_clock is not None:
+            self._gc_clock.close()
         self.trainer.close()

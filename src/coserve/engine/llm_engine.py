@@ -118,7 +118,7 @@ class LLMEngine:
         # A driver that holds requests outside the engine (a replay clock, an HTTP inbox) tells
         # here whether one is due.
         self.external_arrivals: Callable[[], bool] | None = None
-        self.last_step_kind = "idle"  # idle | inference | mixed | ft-only | ft-only-interrupted
+        self.last_step_kind = "idle"  # idle | inference | mixed | ft-only | ft-only-interrupted | ft-only-not-started
         # Time each step's forward on the GPU with CUDA events (StepStats.forward_gpu_s): off
         # unless a benchmark asks, so that serving steps create no events.
         self.time_forward_on_gpu = False
@@ -287,7 +287,9 @@ class LLMEngine:
             ft_rows = self.coserver.plan(view)
             busy = self.coserver.trainer_active  # after plan's pause decisions
         if sched.is_empty and not ft_rows:
-            self.last_step_kind = "idle"
+            # (an FT-only step that an arrival kept from starting still cost its planning)
+            arrived = self.coserver is not None and self.coserver.arrived_while_planning
+            self.last_step_kind = "ft-only-not-started" if arrived else "idle"
             return []
         self.last_step_kind = ("ft-only" if sched.is_empty else "mixed") if ft_rows else "inference"
         if ft_rows:
