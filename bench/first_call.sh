@@ -55,6 +55,7 @@
 #   mps_ops        bench/mps_op_check.py (the split step's ops against fp32) on the whole GPU, at a 20%
 #                  share, and on the whole GPU with --poison
 #   latency_hold   latency=50 with --hold-pause (SLOConfig.hold_pause)
+#   latency_profile  latency=50 with --profile-layer0 (cProfile of each FT-only step's layer 0 on the host)
 #   latency_env=VAR=VALUE  latency=50 with VAR=VALUE in the environment, e.g. COSERVE_LOSS_CHUNK=256
 #                  (the loss in 256-target chunks) or COSERVE_MLP_CHUNK=1024 (untrained-MLP pieces)
 #   eager          bench/eager_cpu.py without and with --prefill-graphs
@@ -208,6 +209,7 @@ job() {
     latency=*)
       share=${1#latency=}; share_flags=(); (( share < 100 )) && share_flags=(--trainer-sm-share "$share")
       latency_bench "$1" "$top/coserve_latency_share$share" "${share_flags[@]}" ;;
+    latency_profile) latency_bench "$1" "$top/coserve_latency_profile" --trainer-sm-share 50 --profile-layer0 ;;
     latency_hold)
       # the 50% latency run with --hold-pause: the pause delay and burst step times against latency=50
       latency_bench "$1" "$top/coserve_latency_hold" --trainer-sm-share 50 --hold-pause ;;
