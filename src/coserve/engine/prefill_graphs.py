@@ -6,7 +6,10 @@ between two attention calls is token-wise, so it can be captured once per token-
 ``B >= T`` and replayed: segment ``i`` is layer ``i−1``'s ``finish`` (``o_proj``, residual add
 and norm, MLP), the next residual add and norm, and layer ``i``'s ``project`` (qkv, RoPE); only
 the attention, whose launches depend on the step's rows, runs eagerly between segments. A step
-costs ``L + 1`` replays and ``L`` attention calls.
+costs ``L + 1`` replays and ``L`` attention calls. Each segment also writes its layer's new KV
+(:meth:`AttentionBackend.store` over a static slot buffer, padding rows at slot -1), and the
+attention writes its output into the static buffer the next segment reads: per layer, the
+eager part launches only the attention kernels themselves.
 
 Everything that flows between segments lives in static buffers (``[B_max, ...]``, each bucket
 uses the first ``B`` rows): input ids and positions, the residual stream, q/k/v, the attention
@@ -93,6 +96,8 @@ class PrefillGraphs:
         self.k = buf(bmax, cfg.num_kv_heads, cfg.head_dim)
         self.v = buf(bmax, cfg.num_kv_heads, cfg.head_dim)
         self.o = buf(bmax, cfg.q_size)
+        self.heads = (cfg.num_heads, cfg.head_dim)
+        self.slots = torch.full((bmax,), -1, dtype=torch.long, device=device)  # the step's slot_mapping
         self.final = buf(bmax, cfg.hidden_size)  # h_L
         self.out = buf(bmax, cfg.hidden_size)  # final_norm(h_L)
         # Multi-LoRA routing (with lora_scales: steps with adapter rows run here too)
@@ -163,6 +168,7 @@ class PrefillGraphs:
         self.q[:b].copy_(q)
         self.k[:b].copy_(k)
         self.v[:b].copy_(v)
+        self.backend.store(self.k[:b], self.v[:b], self.kv_cache[:, i], self.slots[:b])
 
     def variant(self, lora_active: bool, live: Live) -> Variant:
         """The graphs a step replays: none of LoRA, those of its adapters' live set ``live`` where
@@ -237,6 +243,8 @@ class PrefillGraphs:
         self.positions[:t].copy_(positions)
         self.input_ids[t:b].zero_()
         self.positions[t:b].zero_()
+        self.slots[:t].copy_(attn.slot_mapping)
+        self.slots[t:b].fill_(-1)
         if with_lora:
             assert lora is not None and self.lora_scales is not None
             self._stage_lora(lora, t, b)
@@ -249,6 +257,7 @@ class PrefillGraphs:
             step_lora = self._lora(b, with_lora)
             self._live_for(variant)
         ctx = ForwardContext(attn=attn, kv_cache=self.kv_cache, lora=None, backend=self.backend)
+        o = self.o[:t].view(t, *self.heads)
         for i in range(len(self.layers) + 1):
             if graphs is not None:
                 graphs[i].replay()
@@ -257,7 +266,7 @@ class PrefillGraphs:
             if layer_hook is not None:
                 layer_hook(i, self.residual[:t] if i < len(self.layers) else self.final[:t])
             if i < len(self.layers):
-                self.o[:t].copy_(self.layers[i].self_attn.attend(self.q[:t], self.k[:t], self.v[:t], ctx))
+                self.layers[i].self_attn.attend(self.q[:t], self.k[:t], self.v[:t], ctx, out=o, kv_stored=True)
         return self.out[:t]
 
     def _stage_lora(self, lora: LoRABatch, t: int, b: int) -> None:

@@ -145,6 +145,10 @@ class AttentionBackend(Protocol):
 
     May change: ``kv_layer`` at the positions named by ``meta.slot_mapping`` (and nothing else).
     Must hold: the output of a row depends only on that row's tokens and its cached prefix.
+
+    ``out``: where to write the output (``[T, H, D]``; None: a new tensor). ``kv_stored``: the
+    caller has already written this layer's new KV with :meth:`store` (the piecewise prefill
+    graphs do it inside a graph segment: one launch fewer per layer from Python).
     """
 
     def forward(
@@ -156,7 +160,15 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        *,
+        out: torch.Tensor | None = None,
+        kv_stored: bool = False,
     ) -> torch.Tensor:  # [T, H, D]
+        ...
+
+    def store(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """``kv_layer[slot // bs, 0|1, slot % bs] = k|v`` for every token whose slot is not -1
+        (what :meth:`forward` writes unless ``kv_stored``)."""
         ...
 
 
@@ -183,6 +195,9 @@ class TorchAttention:
     """Reference backend in plain torch, any device: prefill rows one SDPA call each (runs of
     equal-length prefix-free rows batched), all decode rows in one padded call."""
 
+    def store(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        write_kv(k, v, kv_layer, slot_mapping)
+
     def forward(
         self,
         q: torch.Tensor,
@@ -192,9 +207,28 @@ class TorchAttention:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        *,
+        out: torch.Tensor | None = None,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
-        if kv_layer is not None and meta.slot_mapping.numel() and meta.num_kv_writes != 0:
+        if not kv_stored and kv_layer is not None and meta.slot_mapping.numel() and meta.num_kv_writes != 0:
             write_kv(k, v, kv_layer, meta.slot_mapping, meta.write_index)
+        result = self._attend(q, k, v, kv_layer, meta, scale, sliding_window)
+        if out is None:
+            return result
+        out.copy_(result)
+        return out
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor | None,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
         group = q.shape[1] // k.shape[1]
         lens, ctxs = meta.q_lens, meta.context_lens_list
         if kv_layer is None and not any(ctxs) and (sliding_window is None or max(lens) <= sliding_window):

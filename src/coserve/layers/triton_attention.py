@@ -397,6 +397,9 @@ class TritonAttention:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        *,
+        out: torch.Tensor | None = None,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         if not triton_usable(q.device):
             raise RuntimeError(
@@ -407,14 +410,18 @@ class TritonAttention:
             # NOTE: no cache (trainer recompute): a dummy one-block cache keeps one code path;
             # such rows have ctx == 0 and slot -1, so it is never read or written.
             kv_layer = q.new_zeros(1, 2, 1, k.shape[1], k.shape[2])
-        store_kv(k, v, kv_layer, meta.slot_mapping)
-        out = torch.empty_like(q)
+        if not kv_stored:
+            store_kv(k, v, kv_layer, meta.slot_mapping)
+        out = torch.empty_like(q) if out is None else out
         window = sliding_window or 0
         if meta.num_prefill_rows:
             self._prefill(q, k, v, out, kv_layer, meta, scale, window)
         if meta.num_decode_rows:
             self._decode(q, k, v, out, kv_layer, meta, scale, window)
         return out
+
+    def store(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        store_kv(k, v, kv_layer, slot_mapping)
 
     def _prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,

@@ -75,11 +75,14 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x, lora)
         return rotary.split_qkv(positions, qkv, (self.num_heads, self.num_kv_heads, self.head_dim), rope)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """The step's attention (writes the rows' KV): ``[T, H·D]`` before ``o_proj``."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, *,
+               out: torch.Tensor | None = None, kv_stored: bool = False) -> torch.Tensor:
+        """The step's attention (writes the rows' KV unless ``kv_stored``; into ``out [T, H, D]``
+        when given): ``[T, H·D]`` before ``o_proj``."""
         kv_layer = ctx.kv_cache[:, self.layer] if ctx.kv_cache is not None else None
         backend = ctx.backend or _DEFAULT_BACKEND
-        return backend.forward(q, k, v, kv_layer, ctx.attn, self.scale, self.sliding_window).reshape(-1, self.q_size)
+        return backend.forward(q, k, v, kv_layer, ctx.attn, self.scale, self.sliding_window, out=out,
+                               kv_stored=kv_stored).reshape(-1, self.q_size)
 
 
 class MLP(nn.Module):
