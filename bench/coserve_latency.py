@@ -245,6 +245,8 @@ def main() -> None:
     p.add_argument("--probe-requests", type=int, default=40,
                    help="after the replay, this many single short requests, one every ~0.5 s, each arriving "
                         "while the engine runs FT-only steps: the interruption delay they see")
+    p.add_argument("--ft-only-mid-layer-check", action="store_true",
+                   help="SLOConfig.ft_only_mid_layer_check: FT-only steps eager, with a second check inside each layer")
     p.add_argument("--profile-layer0", action="store_true",
                    help="cProfile the host between each FT-only step's first two layer checks (Layer0Profile)")
     p.add_argument("--out", default=None)
@@ -268,7 +270,8 @@ def main() -> None:
     every = load_trace(args.trace, scaling)
     start = busiest_window(every, args.duration)
     arrivals = load_trace(args.trace, scaling, start_s=start, duration_s=args.duration)
-    slo = SLOConfig(ttft_slo_s=args.ttft_slo_ms / 1e3, tpot_slo_s=args.tpot_slo_ms / 1e3, hold_pause=args.hold_pause)
+    slo = SLOConfig(ttft_slo_s=args.ttft_slo_ms / 1e3, tpot_slo_s=args.tpot_slo_ms / 1e3, hold_pause=args.hold_pause,
+                    ft_only_mid_layer_check=args.ft_only_mid_layer_check)
     vocab = min(1024, config["vocab_size"])
     spec = FinetuneSpec(
         data=ft_dataset(work / "ft.jsonl", 4000, (256, 1024), vocab), output=work / "out",

@@ -48,7 +48,7 @@ def test_ft_only_step_is_interrupted_by_an_arrival(session) -> None:  # type: ig
     assert s.coserver.num_interrupted == 1
     # the points it passed, in order, timed from its plan (no GPU to wait for here)
     checks = s.coserver.interrupted_checks[-1]
-    assert [c.where for c in checks] == ["end of plan", "before layer 0", "within layer 0", "before layer 1"]
+    assert [c.where for c in checks] == ["end of plan", "before layer 0", "before layer 1", "before layer 2"]
     times = [c.at_s for c in checks]
     assert 0 < times[0] <= times[1] <= times[2] <= times[3] <= took and all(c.gpu_wait_s < 0.05 for c in checks)
     # the host thread's CPU time and the collector's, counted from the plan (no allocator counts off CUDA)
@@ -68,10 +68,29 @@ def test_ft_only_step_is_interrupted_by_an_arrival(session) -> None:  # type: ig
     assert [o.request_id for o in out] == ["r"], "the request ran in the very next step"
 
 
-def test_ft_only_step_checks_for_arrivals_twice_per_layer(session) -> None:  # type: ignore[no-untyped-def]
-    """Each layer of an FT-only step has two interruption points: its start, and after its MLP's
-    gate/up projection; an arrival seen at the second stops the step within the first layer."""
+def test_ft_only_step_checks_for_arrivals_once_per_layer_by_default(session) -> None:  # type: ignore[no-untyped-def]
     engine, s = session
+    assert not s.coserver.wants_mlp_hook and not s.coserver.ft_rows_force_eager(ft_only=True)
+    calls = 0
+
+    def no_arrival() -> bool:
+        nonlocal calls
+        calls += 1
+        return False
+
+    engine.external_arrivals = no_arrival
+    assert engine.step() == [] and engine.last_step_kind == "ft-only"
+    # at the end of the plan, at each layer's input and at the final hidden state (L + 1)
+    assert calls == engine.model_config.num_layers + 2
+
+
+def test_ft_only_step_checks_for_arrivals_twice_per_layer(session) -> None:  # type: ignore[no-untyped-def]
+    """With ``ft_only_mid_layer_check`` each layer of an FT-only step has two interruption points:
+    its start, and after its MLP's gate/up projection; an arrival seen at the second stops the
+    step within the first layer."""
+    engine, s = session
+    s.coserver.slo = SLOConfig(ft_only_mid_layer_check=True)
+    assert s.coserver.ft_rows_force_eager(ft_only=True) and not s.coserver.ft_rows_force_eager(ft_only=False)
     calls = 0
 
     def arrival_after_the_first_point() -> bool:
@@ -227,15 +246,16 @@ def graph_session(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 def test_steps_with_ft_rows_run_and_are_priced_through_the_prefill_graphs(graph_session) -> None:  # type: ignore[no-untyped-def]
     """A mixed step (a request's prompt and FT rows) replays the prefill graphs, reports ``graph``
-    and is priced by the prefill/graph set; an interruptible FT-only step (an MLP hook) stays
-    eager, and the co-server prices it so."""
+    and is priced by the prefill/graph set; so does an FT-only step, unless its checks inside
+    each layer (``ft_only_mid_layer_check``: an MLP hook) keep it eager, and the co-server then
+    prices it so."""
     from coserve.core.latency import StepFeatures
 
     engine, s = graph_session
     co = s.coserver
     co.track = True
     assert engine.runner.ft_graph_tokens == 128
-    assert co.ft_rows_force_eager(ft_only=True) and not co.ft_rows_force_eager(ft_only=False)
+    assert not co.ft_rows_force_eager(ft_only=True) and not co.ft_rows_force_eager(ft_only=False)
     engine.add_request("r", list(range(1, 20)), SamplingParams(max_tokens=3, ignore_eos=True))
     engine.step()
     assert engine.last_step_kind == "mixed" and engine.last_step is not None
@@ -244,19 +264,51 @@ def test_steps_with_ft_rows_run_and_are_priced_through_the_prefill_graphs(graph_
     while engine.has_unfinished_requests():
         engine.step()
     # nothing to serve: an FT-only step (once the trainer has taken the task in flight, if any),
-    # interruptible, so through the eager path
-    deadline = time.monotonic() + 60
-    engine.step()
-    while engine.last_step_kind == "idle" and time.monotonic() < deadline:
-        co.poll(0.05)
+    # through the graphs; with a check inside each layer, through the eager path
+    for mid_layer, mode in ((False, "graph"), (True, "eager")):
+        co.slo = SLOConfig(ft_only_mid_layer_check=mid_layer)
+        assert co.ft_rows_force_eager(ft_only=True) == mid_layer
+        deadline = time.monotonic() + 60
         engine.step()
-    assert engine.last_step_kind == "ft-only" and engine.last_step.mode == "eager"
-    assert co.step_log[-1][0].startswith("prefill/eager/")
+        while engine.last_step_kind != "ft-only" and time.monotonic() < deadline:
+            co.poll(0.05)
+            engine.step()
+        assert engine.last_step_kind == "ft-only" and engine.last_step.mode == mode
+        assert co.step_log[-1][0].startswith(f"prefill/{mode}/")
     # the host offers its graphs to FT rows of any step; the co-server withdraws them where its
     # rows keep the step eager (ft_rows_force_eager, above) before admission prices the rows
     view = engine._view(engine.scheduler.schedule(), [])
     assert view.ft_graph_tokens == 128
     assert StepFeatures.from_view(view, (8,)).key == "prefill/graph"
+
+
+def test_an_ft_only_step_through_the_prefill_graphs_is_interrupted_between_segments(graph_session) -> None:  # type: ignore[no-untyped-def]
+    engine, s = graph_session
+    co = s.coserver
+    co.track = True
+    calls = 0
+
+    def arrival_at_layer_one() -> bool:
+        nonlocal calls
+        calls += 1
+        return calls > 2
+
+    engine.external_arrivals = arrival_at_layer_one
+    deadline = time.monotonic() + 60
+    engine.step()
+    while engine.last_step_kind not in ("ft-only", "ft-only-interrupted") and time.monotonic() < deadline:
+        calls = 0
+        co.poll(0.05)
+        engine.step()
+    assert engine.last_step_kind == "ft-only-interrupted" and co.num_interrupted == 1
+    assert [c.where for c in co.interrupted_checks[-1]] == ["end of plan", "before layer 0", "before layer 1"]
+    assert s.pool.num_in_flight == 0 and s.store.used() == 0, "the interrupted step's samples went back"
+    engine.external_arrivals = None
+    engine.add_request("r", list(range(1, 20)), SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.step()
+    assert engine.last_step_kind in ("inference", "mixed") and engine.last_step.mode == "graph"
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def test_calibration_fits_the_prefill_graph_set_with_ft_rows(graph_session) -> None:  # type: ignore[no-untyped-def]

@@ -135,6 +135,11 @@ class SLOConfig:
     whose requests left prompt tokens queued stays paused into the next step's planning, which
     resumes it only if that step needs no pause: through a burst of prefill steps the backward
     gets no gap between them in which to launch a layer beside the next one.
+    ``ft_only_mid_layer_check``: a second interruption point inside each layer of an FT-only step
+    (after the MLP's gate/up projection), which keeps FT-only steps eager. Off by default: an
+    eager FT-only step's first layer spent 2-16 ms of host time (its GEMMs' first calls at the
+    step's new token count, session 17's profile), while through the piecewise prefill graphs
+    (bucketed token counts) the step's one check per layer boundary comes about one layer apart.
     """
 
     ttft_slo_s: float = 1.0
@@ -145,6 +150,7 @@ class SLOConfig:
     naive_tokens: int = 256
     pause_prefill: str = "always"
     hold_pause: bool = False
+    ft_only_mid_layer_check: bool = False
 
     def __post_init__(self) -> None:
         if not self.ttft_slo_s > 0:

@@ -417,9 +417,9 @@ class CoServer:
     @property
     def wants_mlp_hook(self) -> bool:
         """Whether the host should call :meth:`on_mlp` in this step: the store keeps the MLP
-        activations, or the step is an FT-only one that an arrival may interrupt (a second
-        interruption point per layer)."""
-        return self.keeps_mlp or (self._ft_only and self._interruptible())
+        activations, or the step is an FT-only one that an arrival may interrupt inside a layer
+        (``SLOConfig.ft_only_mid_layer_check``: a second interruption point per layer)."""
+        return self.keeps_mlp or (self._ft_only and self._mid_layer_checks())
 
     def on_mlp(self, layer: int, gate_up: torch.Tensor) -> None:
         """Inside layer ``layer``'s MLP, after its gate/up projection: an interruption point of
@@ -435,18 +435,21 @@ class CoServer:
     def ft_rows_force_eager(self, *, ft_only: bool) -> bool:
         """Whether this co-server's FT rows keep a step off the host's graphs (hook contract:
         rows with a dropout key, and a step with an MLP hook, run eagerly): LoRA dropout, MLP
-        activations kept, or an FT-only step that an arrival may interrupt."""
-        return self.lora_dropout > 0 or self.keeps_mlp or (ft_only and self._interruptible())
+        activations kept, or an FT-only step with a check inside each layer (the MLP hook)."""
+        return self.lora_dropout > 0 or self.keeps_mlp or (ft_only and self._mid_layer_checks())
 
     def _interruptible(self) -> bool:
         return self.arrival_probe is not None and should_interrupt(self.slo, ft_only_step=True, num_arrived=1)
 
+    def _mid_layer_checks(self) -> bool:
+        return self.slo.ft_only_mid_layer_check and self._interruptible()
+
     def _interruption_point(self, activation: torch.Tensor | None, where: str) -> None:
         """In an FT-only step: raise :class:`Interrupted` if inference work has arrived. At the
-        end of its plan, then two points per layer (its start, and after the MLP's gate/up
-        projection: ~3/4 and ~1/4 of the layer's work), with the GPU kept at most one point
-        behind the CPU, so that at any moment at most about one layer of the step's work is
-        queued ahead of the request."""
+        end of its plan, then at each layer's start (and, with
+        ``SLOConfig.ft_only_mid_layer_check``, after the MLP's gate/up projection: ~3/4 and ~1/4
+        of the layer's work), with the GPU kept at most one point behind the CPU, so that at any
+        moment at most about one layer of the step's work is queued ahead of the request."""
         if not (self._ft_only and self._interruptible()):
             return
         began = time.monotonic() if self.track else 0.0

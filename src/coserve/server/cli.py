@@ -80,6 +80,9 @@ def add_slo_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, ttft_m
     p.add_argument("--hold-pause", action="store_true",
                    help="keep the backward paused between steps while prompt tokens are queued (a burst of "
                         "prefill steps runs without the backward resuming in between)")
+    p.add_argument("--ft-only-mid-layer-check", action="store_true",
+                   help="a second interruption point inside each layer of an FT-only step (keeps those steps "
+                        "eager, off the prefill graphs)")
 
 
 def slo_config(args: argparse.Namespace) -> SLOConfig:
@@ -88,7 +91,8 @@ def slo_config(args: argparse.Namespace) -> SLOConfig:
 
     return SLOConfig(ttft_slo_s=args.ttft_slo_ms / 1e3, tpot_slo_s=args.tpot_slo_ms / 1e3, margin=args.slo_margin,
                      policy=args.ft_policy, interrupt_ft_only=not args.no_interrupt,
-                     pause_prefill=args.pause_prefill, hold_pause=args.hold_pause)
+                     pause_prefill=args.pause_prefill, hold_pause=args.hold_pause,
+                     ft_only_mid_layer_check=args.ft_only_mid_layer_check)
 
 
 def _generate_args(p: argparse.ArgumentParser) -> None:
