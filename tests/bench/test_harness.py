@@ -150,7 +150,7 @@ def test_every_configuration_runs_on_the_same_arrivals(
         assert kinds <= {"inference", "ft-only"} and all(n > 0 for n in admission.values()), name
         added = admission.get("inference:added", 0) + admission.get("ft-only:added", 0)
         assert added >= sum(1 for r in figures[name]["steps"]["rows"] if r[4][1] > 0), name
-        labels = {str(r) for r in Reason} | {"added", "task_full"}
+        labels = {str(r) for r in Reason} | {"added", "task_full", "arrival"}
         assert {k.split(":")[1] for k in admission} <= labels, name
     assert result["config"]["ft"]["grad_accum"] == 2 and result["config"]["burn_in_s"] == 1.0
     for name, f in figures.items():
