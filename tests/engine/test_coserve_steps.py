@@ -68,9 +68,8 @@ def test_ft_only_step_is_interrupted_by_an_arrival(session) -> None:  # type: ig
     assert [o.request_id for o in out] == ["r"], "the request ran in the very next step"
 
 
-def test_ft_only_step_checks_for_arrivals_once_per_layer_by_default(session) -> None:  # type: ignore[no-untyped-def]
-    engine, s = session
-    assert not s.coserver.wants_mlp_hook and not s.coserver.ft_rows_force_eager(ft_only=True)
+def probes_of_a_whole_ft_only_step(engine: LLMEngine) -> int:
+    """How many times an FT-only step that no arrival interrupts checks for one."""
     calls = 0
 
     def no_arrival() -> bool:
@@ -80,8 +79,14 @@ def test_ft_only_step_checks_for_arrivals_once_per_layer_by_default(session) -> 
 
     engine.external_arrivals = no_arrival
     assert engine.step() == [] and engine.last_step_kind == "ft-only"
+    return calls
+
+
+def test_ft_only_step_checks_for_arrivals_once_per_layer_by_default(session) -> None:  # type: ignore[no-untyped-def]
+    engine, s = session
+    assert not s.coserver.wants_mlp_hook and not s.coserver.ft_rows_force_eager(ft_only=True)
     # at the end of the plan, at each layer's input and at the final hidden state (L + 1)
-    assert calls == engine.model_config.num_layers + 2
+    assert probes_of_a_whole_ft_only_step(engine) == engine.model_config.num_layers + 2
 
 
 def test_ft_only_step_checks_for_arrivals_twice_per_layer(session) -> None:  # type: ignore[no-untyped-def]
@@ -102,18 +107,9 @@ def test_ft_only_step_checks_for_arrivals_twice_per_layer(session) -> None:  # t
     engine.step()
     # (the first probe at the end of the plan, the second at layer 0's start)
     assert engine.last_step_kind == "ft-only-interrupted" and calls == 3
-    calls = 0
-
-    def no_arrival() -> bool:
-        nonlocal calls
-        calls += 1
-        return False
-
-    engine.external_arrivals = no_arrival
-    assert engine.step() == [] and engine.last_step_kind == "ft-only"
     # at the end of the plan, at each layer's input and at the final hidden state (L + 1), and
     # within each layer's MLP (L)
-    assert calls == 2 * engine.model_config.num_layers + 2
+    assert probes_of_a_whole_ft_only_step(engine) == 2 * engine.model_config.num_layers + 2
 
 
 def test_arrival_while_planning_keeps_ft_only_step_from_starting(session) -> None:  # type: ignore[no-untyped-def]
