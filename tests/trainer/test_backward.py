@@ -379,11 +379,12 @@ def test_task_backward_matches_full_autograd(
     assert all(p.grad is None and not p.requires_grad for p in model.parameters())
 
 
+@pytest.mark.parametrize("split", [False, True])
 def test_loss_in_chunks_gives_the_same_loss_and_gradients(
-    models: dict[str, LlamaForCausalLM], monkeypatch: pytest.MonkeyPatch
+    models: dict[str, LlamaForCausalLM], monkeypatch: pytest.MonkeyPatch, split: bool
 ) -> None:
     """The loss over the targets in chunks of LOSS_CHUNK, with a possible pause before each
-    chunk's forward and before its backward."""
+    chunk's forward and before its backward (LOSS_SPLIT: by hand, one more pause between them)."""
     import coserve.trainer.backward as backward
 
     model = models["llama"]
@@ -394,9 +395,11 @@ def test_loss_in_chunks_gives_the_same_loss_and_gradients(
     expected = lora.flat.grad.clone()
     lora.flat.grad = None
     monkeypatch.setattr(backward, "LOSS_CHUNK", 4)
+    monkeypatch.setattr(backward, "LOSS_SPLIT", split)
     seen: list[int] = []
     chunked = task_backward(model, lora, store, rows, at_layer_boundary=seen.append)
-    assert seen.count(2) == 2 * -(-whole.num_targets // 4) > 2  # two boundaries per chunk
+    per_chunk = 3 if split else 2
+    assert seen.count(2) == per_chunk * -(-whole.num_targets // 4) > 2
     assert chunked.num_targets == whole.num_targets
     assert chunked.loss_sum == pytest.approx(whole.loss_sum, rel=1e-6)
     assert_close_scaled(lora.flat.grad, expected, rtol=1e-5)

@@ -45,6 +45,14 @@ LOSS_CHUNK = int(os.environ.get("COSERVE_LOSS_CHUNK", "512"))
 # autograd.
 MLP_CHUNK = int(os.environ.get("COSERVE_MLP_CHUNK", "2048"))
 
+LOSS_SPLIT = os.environ.get("COSERVE_LOSS_SPLIT", "0") == "1"
+"""Each loss chunk by hand in three stretches with a pause boundary between two: the final norm
+and the LM-head GEMM; the cross-entropy and its gradient (``softmax − onehot``, in place on the
+fp32 logits); the gradient's GEMM back through the LM head and the norm's backward. Autograd's
+chunk has two stretches, each a GEMM with the elementwise passes beside it. Session 17's pause
+delays had their tail at the loss boundary (p99 2.86 ms over 52 pauses, against 1.85 ms at the
+layers). Off until measured on the GPU; the same loss and gradients (tests)."""
+
 ATTN_PIECES = os.environ.get("COSERVE_TRAINER_ATTN_PIECES", "1") == "1"
 """Recompute and differentiate each layer's attention half in three pieces (the q/k/v projection
 with RoPE, the attention, ``o_proj`` with the residual), each on its own, with a pause boundary
@@ -84,6 +92,29 @@ class _TaskBatch(NamedTuple):
     row_lens: list[int]
     picked: torch.Tensor  # [N] int64: the positions that have a target
 
+
+
+def _split_loss_chunk(model: LlamaForCausalLM, final: torch.Tensor, targets: torch.Tensor,
+                      boundary: Callable[[], None]) -> torch.Tensor:
+    """``Σ CE(lm_head(norm(final)), targets)`` (fp32, summed) with its gradient pulled back into
+    ``final`` (which requires grad), in :data:`LOSS_SPLIT`'s three stretches, ``boundary()``
+    between two. Returns the loss sum (a 0-d tensor on the device)."""
+    normed = model.model.norm(final)
+    weight = model.lm_head_weight
+    with torch.no_grad():
+        logits = model.compute_logits(normed.detach())  # [n, V] fp32
+        boundary()
+        lse = torch.logsumexp(logits, dim=1)
+        rows = torch.arange(targets.shape[0], device=targets.device)
+        loss = (lse - logits[rows, targets]).sum(dtype=torch.float64)
+        grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place
+        grad[rows, targets] -= 1.0
+        grad_normed = grad.to(weight.dtype)
+        del logits, grad
+        boundary()
+        grad_normed = grad_normed @ weight
+    normed.backward(grad_normed)
+    return loss
 
 def task_backward(
     model: LlamaForCausalLM,
@@ -156,8 +187,12 @@ def task_backward(
         loss_total = torch.zeros((), dtype=torch.float64, device=store.device)
         for chunk in picked.split(LOSS_CHUNK):
             # the loss over the vocabulary is a layer's worth of work too: a boundary before each
-            # chunk's forward and one before its backward
+            # chunk's forward and one before its backward (LOSS_SPLIT: one more between them)
             boundary(num_layers)
+            if LOSS_SPLIT:
+                loss_total += _split_loss_chunk(model, final[chunk], batch.targets[chunk],
+                                                lambda: boundary(num_layers))
+                continue
             logits = model.compute_logits(model.model.norm(final[chunk]))
             loss = F.cross_entropy(logits.float(), batch.targets[chunk], reduction="sum")
             boundary(num_layers)
