@@ -94,9 +94,11 @@ class CheckPoint(NamedTuple):
     where: str  # "end of plan", "before layer i", "within layer i"
     at_s: float  # seconds since the step's plan began
     gpu_wait_s: float  # the CPU's wait there for the GPU to reach the point before
-    cpu_s: float  # the host thread's CPU seconds since the plan began (wall minus this: blocked)
+    cpu_s: float  # the host thread's CPU seconds since the plan began (wall minus this: blocked; a
+    # CUDA wait that spins counts as CPU time)
     gc_s: float  # seconds in Python's garbage collector since the plan began
-    device_allocs: int | None  # CUDA allocations (cudaMalloc, cuMemMap) so far; None off CUDA or past layer 1
+    device_allocs: int | None  # CUDA allocations (cudaMalloc, cuMemMap) so far; None off CUDA, at the end of
+    # the plan and past the step's first six checks (memory_stats costs host time)
 
 
 class GCClock:
