@@ -75,3 +75,30 @@ def test_delays_split_by_where_the_trainer_was_when_the_window_began() -> None:
     assert got["by_boundary"]["start"]["paused"] == 1
     assert got["not_paused_within_step"] == 1
     assert "by_trainer_at_start" not in coserve_latency.pause_delays(windows, [1.0015, 2.02])
+
+
+def test_layer0_profile_covers_only_the_first_layer_of_each_step() -> None:
+    calls: list[str] = []
+
+    class Co:
+        def _interruption_point(self, activation: object, where: str) -> None:
+            calls.append(where)
+            if where == "before layer 2":
+                raise RuntimeError("interrupted")
+
+    def layer_zero_work() -> int:
+        return sum(range(1000))
+
+    co = Co()
+    profile = coserve_latency.Layer0Profile(co)
+    for _ in range(2):
+        co._interruption_point(None, "end of plan")
+        co._interruption_point(None, "before layer 0")
+        layer_zero_work()
+        co._interruption_point(None, "before layer 1")
+        with pytest.raises(RuntimeError):
+            co._interruption_point(None, "before layer 2")
+    report = profile.report()
+    assert report["steps"] == 2 and calls.count("before layer 0") == 2
+    assert "layer_zero_work" in report["cumulative"] and "layer_zero_work" in report["tottime"]
+    assert not profile._on  # off again after each step's second check, and after an interruption
