@@ -18,6 +18,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 PINNED_INPUTS = os.environ.get("COSERVE_PINNED_INPUTS", "0") == "1"
@@ -27,13 +28,40 @@ def _pinned(device: torch.device) -> bool:
     return PINNED_INPUTS and device.type == "cuda"
 
 
-def device_tensor(values: Sequence[Any], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """``torch.tensor(values, dtype=dtype, device=device)``, not waiting for the stream on CUDA
-    with :data:`PINNED_INPUTS`."""
+# torch dtypes whose host tensors are built through numpy (host_tensor)
+_NUMPY_INTS = {torch.int32: np.int32, torch.int64: np.int64}
+
+
+def host_tensor(values: Sequence[Any], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype)`` on the host. Integer lists (flat, or nested and
+    rectangular) go through ``numpy.array``, whose loop over a Python list is ~3.5× faster than
+    torch's (1,832 ints: 28 against 99 µs on the dev VM): a step's token ids, positions and slots
+    are thousands of them."""
+    np_dtype = _NUMPY_INTS.get(dtype)
+    if np_dtype is None:
+        return torch.tensor(values, dtype=dtype)
+    return torch.from_numpy(np.array(values, dtype=np_dtype))
+
+
+def padded_rows(rows: Sequence[Sequence[int]], width: int, fill: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[len(rows), width]`` host tensor of ``rows``, each padded with ``fill`` (an integer
+    ``dtype``): filled row by row in numpy instead of padding every list and converting the
+    nest (a step's block tables: 68 rows of ~100 blocks, 877 against 126 µs on the dev VM)."""
+    out = np.full((len(rows), width), fill, dtype=_NUMPY_INTS[dtype])
+    for r, row in enumerate(rows):
+        out[r, : len(row)] = row
+    return torch.from_numpy(out)
+
+
+def device_tensor(values: Sequence[Any] | torch.Tensor, dtype: torch.dtype,
+                  device: torch.device | str) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype, device=device)`` (``values``: a list, or a host tensor
+    of ``dtype``), not waiting for the stream on CUDA with :data:`PINNED_INPUTS`."""
     dev = torch.device(device)
+    host = values if isinstance(values, torch.Tensor) else host_tensor(values, dtype)
     if _pinned(dev):
-        return torch.tensor(values, dtype=dtype, pin_memory=True).to(dev, non_blocking=True)
-    return torch.tensor(values, dtype=dtype, device=dev)
+        return host.pin_memory().to(dev, non_blocking=True)
+    return host.to(dev)
 
 
 def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:

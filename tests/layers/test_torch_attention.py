@@ -53,3 +53,28 @@ def test_batched_decode_rows_match_row_by_row() -> None:
                                                  vals.transpose(0, 1), attn_mask=mask, scale=0.3,
                                                  enable_gqa=True).transpose(0, 1)
             torch.testing.assert_close(out[r : r + 1], ref, rtol=1e-5, atol=1e-6)
+
+
+def test_metadata_build_gives_each_token_its_slot_and_pads_the_tables() -> None:
+    """Slots a block's run at a time, the tables padded in numpy: the same as the per-token rule
+    ``table[pos // bs] * bs + pos % bs`` over rows that start and end inside blocks."""
+    import random
+
+    from coserve.layers.attention import AttentionMetadata
+
+    rng = random.Random(0)
+    bs = 4
+    rows = ((9, 3, True), (5, 0, False), (1, 7, True), (13, 8, True), (1, 0, True))  # (tokens, context, writes)
+    lens, ctxs, writes = ([r[i] for r in rows] for i in range(3))
+    tables = [rng.sample(range(100), -(-(ctx + n) // bs)) for n, ctx, _ in rows]
+    meta = AttentionMetadata.build(lens, ctxs, tables, writes, num_prefill_rows=4, block_size=bs)
+    expected = []
+    for n, ctx, table, w in zip(lens, ctxs, tables, writes, strict=True):
+        expected += [table[p // bs] * bs + p % bs if w else -1 for p in range(ctx, ctx + n)]
+    assert meta.slot_mapping.tolist() == expected and meta.slot_mapping.dtype == torch.int64
+    assert meta.write_index.tolist() == [i for i, s in enumerate(expected) if s >= 0]
+    assert meta.num_kv_writes == sum(s >= 0 for s in expected)
+    width = max(len(t) for t in tables)
+    assert meta.block_tables.dtype == torch.int32 and meta.block_tables.shape == (len(tables), width)
+    assert meta.block_tables.tolist() == [t + [-1] * (width - len(t)) for t in tables]
+    assert meta.cu_seqlens_q.tolist() == [0, 9, 14, 15, 28, 29] and meta.num_prefill_tokens == 28

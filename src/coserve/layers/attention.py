@@ -15,9 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
+import numpy as np
 import torch
 
-from coserve.host_copy import device_tensor
+from coserve.host_copy import device_tensor, padded_rows
 from coserve.layers.sdpa import sdpa, sdpa_calls
 from coserve.layers.triton_attention import TritonAttention
 from coserve.layers.varlen_attention import varlen_fits, varlen_rows
@@ -120,23 +121,29 @@ class AttentionMetadata:
             if not writes:
                 slots.extend([-1] * n)
                 continue
-            for pos in range(ctx, ctx + n):
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
+            pos, end = ctx, ctx + n
+            while pos < end:  # (a block's run of slots at a time)
+                block, offset = divmod(pos, block_size)
+                stop = min(end, pos - offset + block_size)
+                first = table[block] * block_size + offset
+                slots.extend(range(first, first + stop - pos))
+                pos = stop
         width = max((len(t) for t in block_tables), default=0) or 1
-        padded = [t + [-1] * (width - len(t)) for t in block_tables]
-        writers = [i for i, slot in enumerate(slots) if slot >= 0]
+        tables = padded_rows(block_tables, width, -1, torch.int32)
+        slot_array = np.array(slots, dtype=np.int64)
+        writers = np.flatnonzero(slot_array >= 0).astype(np.int64, copy=False)
         return cls(
             cu_seqlens_q=device_tensor(cu, torch.int32, device),
             context_lens=device_tensor(context_lens, torch.int32, device),
-            block_tables=device_tensor(padded, torch.int32, device).reshape(len(padded), width),
-            slot_mapping=device_tensor(slots, torch.int64, device),
+            block_tables=device_tensor(tables, torch.int32, device),
+            slot_mapping=device_tensor(torch.from_numpy(slot_array), torch.int64, device),
             num_prefill_rows=num_prefill_rows,
             num_prefill_tokens=cu[num_prefill_rows],
             q_lens=list(q_lens),
             context_lens_list=list(context_lens),
             block_tables_list=[list(t) for t in block_tables],
-            write_index=device_tensor(writers, torch.int64, device),
-            num_kv_writes=len(writers),
+            write_index=device_tensor(torch.from_numpy(writers), torch.int64, device),
+            num_kv_writes=int(writers.size),
         )
 
 
