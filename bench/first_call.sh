@@ -63,6 +63,7 @@
 #                  the operator and the Python profiles of one step each
 #   eval=SPEC      bench/eval_device.sh SPEC on this lane's GPU (SPEC as there: WORKLOAD=RATE[=EXTRA],
 #                  with $BUDGET and $BENCH_FLAGS), its archive kept as first/eval.tar.gz
+#   NAME#K         any job NAME once more, its files under first/rK/ (e.g. "latency=50 latency=50#2")
 # With no lanes given, the four-GPU layout of session 4:
 #   "verify latency" "trace_coserve" "trace_peer" "grid eager"
 # Environment: DEADLINE (seconds from start, default 565), TRACE_RATE (trace replay rate
@@ -107,6 +108,12 @@ latency_bench() {  # latency_bench NAME PATH_STEM [FLAGS...] (with $LATENCY_ENV,
 }
 
 job() {
+  if [[ $1 == *'#'* ]]; then  # NAME#K: job NAME once more, its files under first/rK/ (the pause p99 moves between runs)
+    local top="$top/r${1##*#}"
+    mkdir -p "$top/verify"
+    job "${1%#*}"
+    return
+  fi
   case $1 in
     gpu_tests)
       run gpu_tests "$top/verify/gpu_tests.txt" python3 -m pytest -q -p no:cacheprovider -p no:warnings \
