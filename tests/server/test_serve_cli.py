@@ -56,6 +56,13 @@ def test_the_demo_keeps_its_own_slos() -> None:
     assert (slo.ttft_slo_s, slo.tpot_slo_s, slo.policy, slo.pause_prefill) == pytest.approx((0.25, 0.025, "full", "always"))
 
 
+def test_ft_only_steps_check_inside_layers_only_when_asked() -> None:
+    p = argparse.ArgumentParser()
+    add_demo_args(p)
+    assert not slo_config(p.parse_args([])).ft_only_mid_layer_check
+    assert slo_config(p.parse_args(["--ft-only-mid-layer-check"])).ft_only_mid_layer_check
+
+
 def test_a_calibration_is_saved_and_a_saved_state_replaces_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import json
 
