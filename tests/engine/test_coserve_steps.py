@@ -31,16 +31,21 @@ def session(tmp_path: Path):  # type: ignore[no-untyped-def]
     s.close()
 
 
+class ArrivalAfter:
+    """An arrival probe that finds a request from its ``checks + 1``-th call on (None: never);
+    ``calls`` counts them."""
+
+    def __init__(self, checks: int | None) -> None:
+        self.checks, self.calls = checks, 0
+
+    def __call__(self) -> bool:
+        self.calls += 1
+        return self.checks is not None and self.calls > self.checks
+
+
 def test_ft_only_step_is_interrupted_by_an_arrival(session) -> None:  # type: ignore[no-untyped-def]
     engine, s = session
-    calls = 0
-
-    def arrival_at_layer_two() -> bool:
-        nonlocal calls
-        calls += 1
-        return calls > 3
-
-    engine.external_arrivals = arrival_at_layer_two
+    engine.external_arrivals = ArrivalAfter(3)  # (at layer two)
     s.coserver.track = True
     began = time.perf_counter()
     assert engine.step() == []
@@ -70,16 +75,9 @@ def test_ft_only_step_is_interrupted_by_an_arrival(session) -> None:  # type: ig
 
 def probes_of_a_whole_ft_only_step(engine: LLMEngine) -> int:
     """How many times an FT-only step that no arrival interrupts checks for one."""
-    calls = 0
-
-    def no_arrival() -> bool:
-        nonlocal calls
-        calls += 1
-        return False
-
-    engine.external_arrivals = no_arrival
+    probe = engine.external_arrivals = ArrivalAfter(None)
     assert engine.step() == [] and engine.last_step_kind == "ft-only"
-    return calls
+    return probe.calls
 
 
 def test_ft_only_step_checks_for_arrivals_once_per_layer_by_default(session) -> None:  # type: ignore[no-untyped-def]
@@ -96,17 +94,10 @@ def test_ft_only_step_checks_for_arrivals_twice_per_layer(session) -> None:  # t
     engine, s = session
     s.coserver.slo = SLOConfig(ft_only_mid_layer_check=True)
     assert s.coserver.ft_rows_force_eager(ft_only=True) and not s.coserver.ft_rows_force_eager(ft_only=False)
-    calls = 0
-
-    def arrival_after_the_first_point() -> bool:
-        nonlocal calls
-        calls += 1
-        return calls >= 3
-
-    engine.external_arrivals = arrival_after_the_first_point
+    probe = engine.external_arrivals = ArrivalAfter(2)
     engine.step()
     # (the first probe at the end of the plan, the second at layer 0's start)
-    assert engine.last_step_kind == "ft-only-interrupted" and calls == 3
+    assert engine.last_step_kind == "ft-only-interrupted" and probe.calls == 3
     # at the end of the plan, at each layer's input and at the final hidden state (L + 1), and
     # within each layer's MLP (L)
     assert probes_of_a_whole_ft_only_step(engine) == 2 * engine.model_config.num_layers + 2
@@ -282,18 +273,11 @@ def test_an_ft_only_step_through_the_prefill_graphs_is_interrupted_between_segme
     engine, s = graph_session
     co = s.coserver
     co.track = True
-    calls = 0
-
-    def arrival_at_layer_one() -> bool:
-        nonlocal calls
-        calls += 1
-        return calls > 2
-
-    engine.external_arrivals = arrival_at_layer_one
+    probe = engine.external_arrivals = ArrivalAfter(2)  # (at layer one)
     deadline = time.monotonic() + 60
     engine.step()
     while engine.last_step_kind not in ("ft-only", "ft-only-interrupted") and time.monotonic() < deadline:
-        calls = 0
+        probe.calls = 0
         co.poll(0.05)
         engine.step()
     assert engine.last_step_kind == "ft-only-interrupted" and co.num_interrupted == 1

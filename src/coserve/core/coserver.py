@@ -452,31 +452,28 @@ class CoServer:
         ``SLOConfig.ft_only_mid_layer_check``, after the MLP's gate/up projection: ~3/4 and ~1/4
         of the layer's work), with the GPU kept at most one point behind the CPU, so that at any
         moment at most about one layer of the step's work is queued ahead of the request."""
-        if not (self._ft_only and self._interruptible()):
-            return
+        if self._ft_only and self._interruptible() and self._arrived(activation, where):
+            raise Interrupted(f"inference work arrived {where}")
+
+    def _arrived(self, activation: torch.Tensor | None, where: str) -> bool:
+        """One interruption point (recorded when tracking): has inference work arrived?"""
         began = time.monotonic() if self.track else 0.0
         if activation is not None and activation.is_cuda:
             self._bound_lookahead()
         if self.track:
             self._record_check(where, activation, began)
         assert self.arrival_probe is not None
-        if self.arrival_probe():
-            raise Interrupted(f"inference work arrived {where}")
+        return self.arrival_probe()
 
     def _arrived_while_planning(self) -> bool:
         """The first interruption point of an FT-only step, at the end of its plan: inference
         work that arrived while it was planned keeps it from starting."""
-        self._ft_only = True
-        try:
-            self._interruption_point(None, "end of plan")
-        except Interrupted:
-            if self.track:
-                self.interrupted_checks.append(self._checks)
-            self._checks = []
-            return True
-        finally:
-            self._ft_only = False
-        return False
+        if not (self._interruptible() and self._arrived(None, "end of plan")):
+            return False
+        checks, self._checks = self._checks, []
+        if self.track:
+            self.interrupted_checks.append(checks)
+        return True
 
     def _record_check(self, where: str, activation: torch.Tensor | None, began: float) -> None:
         now = time.monotonic()

@@ -96,7 +96,6 @@ class PrefillGraphs:
         self.k = buf(bmax, cfg.num_kv_heads, cfg.head_dim)
         self.v = buf(bmax, cfg.num_kv_heads, cfg.head_dim)
         self.o = buf(bmax, cfg.q_size)
-        self.heads = (cfg.num_heads, cfg.head_dim)
         self.slots = torch.full((bmax,), -1, dtype=torch.long, device=device)  # the step's slot_mapping
         self.final = buf(bmax, cfg.hidden_size)  # h_L
         self.out = buf(bmax, cfg.hidden_size)  # final_norm(h_L)
@@ -257,7 +256,7 @@ class PrefillGraphs:
             step_lora = self._lora(b, with_lora)
             self._live_for(variant)
         ctx = ForwardContext(attn=attn, kv_cache=self.kv_cache, lora=None, backend=self.backend)
-        o = self.o[:t].view(t, *self.heads)
+        o = self.o[:t].view(self.q[:t].shape)  # (the attention's [T, H, D] output over the flat buffer)
         for i in range(len(self.layers) + 1):
             if graphs is not None:
                 graphs[i].replay()
