@@ -367,16 +367,58 @@ def test_task_backward_matches_full_autograd(
     seen: list[int] = []
     out = task_backward(model, lora, store, rows, dropout_key=key, at_layer_boundary=seen.append)
 
-    # before the loss's forward and its backward; per layer: before and after the attention recompute, before the attention
-    # backward, and within the MLP half two (trained: after its recompute and its backward) or
-    # three (untrained, one piece: after each of its three matmuls), and the attention pieces'
-    per_layer = (4 if targets == LORA_TARGETS else 6) + attention_pieces_boundaries()
-    assert seen == [2, 2] + [1] * per_layer + [0] * per_layer
+    # before the loss's forward and its backward (LOSS_SPLIT: one more between them); per layer:
+    # before and after the attention recompute, before the attention backward, and within the MLP
+    # half two (trained: after its recompute and its backward) or two (untrained, one piece: after
+    # the first two of its three matmuls; the one before the attention backward follows the
+    # third), and the attention pieces'
+    import coserve.trainer.backward as backward
+
+    loss_boundaries = 3 if backward.LOSS_SPLIT else 2
+    per_layer = 5 + attention_pieces_boundaries() - (targets == LORA_TARGETS)
+    assert seen == [2] * loss_boundaries + [1] * per_layer + [0] * per_layer
     assert out.num_targets == sum(s.num_targets for s in samples)
     assert out.loss_sum == pytest.approx(loss.item(), rel=1e-5)
     assert ref.flat.grad is not None and lora.flat.grad is not None
     assert_close_scaled(lora.flat.grad, ref.flat.grad, rtol=1e-5)
     assert all(p.grad is None and not p.requires_grad for p in model.parameters())
+
+
+@pytest.mark.parametrize(("targets", "dropout"), [(ATTN, 0.0), (QV, 0.0), (ATTN, 0.2)])
+def test_poll_points_come_inside_the_lora_linears_and_change_nothing(
+    models: dict[str, LlamaForCausalLM], targets: tuple[str, ...], dropout: float
+) -> None:
+    """``at_poll_point`` runs inside the stretches of every layer that trains a linear (the
+    trainer's pause points between boundaries), in the LoRA linears' forward and backward, and
+    the loss and gradients are the same bit for bit as without it."""
+    model = models["llama"]
+    samples = random_samples(5, seed=12)
+    key = 42 if dropout else None
+    lora = TrainableLoRA(perturbed_adapter(model, 8, targets, seed=5), dropout=dropout, seed=7)
+    store, rows = capture_task(model, lora, samples, dropout_key=key)
+    plain = task_backward(model, lora, store, rows, dropout_key=key)
+    expected = lora.flat.grad.clone()
+    lora.flat.grad = None
+    events: list[int | None] = []  # a boundary's layer, or None for a poll point
+    polled = task_backward(model, lora, store, rows, dropout_key=key, at_layer_boundary=events.append,
+                           at_poll_point=lambda: events.append(None))
+    assert polled.loss_sum == plain.loss_sum
+    assert torch.equal(lora.flat.grad, expected)
+    layers = model.config.num_layers
+    # the stretches of each layer (a boundary's layer, then the polls until the next boundary)
+    polls_by_layer = dict.fromkeys(range(layers), 0)
+    at: int | None = None
+    for e in events:
+        if e is None:
+            assert at is not None and at < layers, "a poll before any boundary, or in the loss"
+            polls_by_layer[at] += 1
+        else:
+            at = e
+    # every trained linear polls once in its forward; without dropout twice more in its backward
+    # (with dropout the delta is plain autograd: the forward's poll only)
+    linears = 2 if targets == ATTN else 1  # (q/k/v in one linear, o_proj)
+    per_linear = 1 if dropout else 3
+    assert all(n == linears * per_linear for n in polls_by_layer.values()), polls_by_layer
 
 
 @pytest.mark.parametrize("split", [False, True])
@@ -431,9 +473,10 @@ def test_untrained_mlp_in_pieces_gives_the_same_gradients(
         tokens = sum(len(r.labels) for r in rows)
         # per layer: before and after the attention recompute, before the attention backward, and
         # per MLP piece one after each matmul: the gate/up recompute (unless kept), down's and
-        # gate_up's input gradients (a trained MLP: after its recompute and after its backward)
+        # gate_up's input gradients, but the last piece's last (the one before the attention
+        # backward follows it); a trained MLP: after its recompute and after its backward
         per_piece = 2 if kept_mlp else 3
-        assert seen.count(0) == (3 + per_piece * -(-tokens // 4) if pieced else 4) + attention_pieces_boundaries()
+        assert seen.count(0) == (2 + per_piece * -(-tokens // 4) if pieced else 4) + attention_pieces_boundaries()
         assert chunked.loss_sum == pytest.approx(whole.loss_sum, rel=1e-6)
         assert_close_scaled(lora.flat.grad, expected, rtol=1e-5)
 
@@ -540,10 +583,14 @@ def test_saved_mlp_activations_give_the_same_gradients(
     store, rows = capture_task(model, lora, samples, mlp_store=kept)
     seen: list[int] = []
     out = task_backward(model, lora, store, rows, at_layer_boundary=seen.append, mlp_store=kept[0])
-    # the loss (L = 2: before its forward and its backward), then per layer 4 boundaries with a trained MLP, 5 without: two after the
-    # two matmuls of the hand-written MLP backward (no recompute) in place of the trained MLP's two
-    per_layer = (4 if targets == LORA_TARGETS else 5) + attention_pieces_boundaries()
-    assert seen == [2, 2] + [1] * per_layer + [0] * per_layer
+    # the loss (L = 2: before its forward and its backward, LOSS_SPLIT: one more between), then
+    # per layer 4 boundaries: without a trained MLP one after the first of the hand-written MLP
+    # backward's two matmuls (no recompute; the boundary before the attention backward follows
+    # the second) in place of the trained MLP's one between its recompute and its backward
+    import coserve.trainer.backward as backward
+
+    per_layer = 4 + attention_pieces_boundaries()
+    assert seen == [2] * (3 if backward.LOSS_SPLIT else 2) + [1] * per_layer + [0] * per_layer
     assert out.loss_sum == pytest.approx(loss.item(), rel=1e-5)
     assert ref.flat.grad is not None and lora.flat.grad is not None
     assert_close_scaled(lora.flat.grad, ref.flat.grad, rtol=1e-5)

@@ -170,3 +170,44 @@ def test_a_new_trainer_process_is_warm_before_it_returns() -> None:
         assert len(results) == 1 and results[0].step_info is not None
     finally:
         trainer.close()
+
+
+def test_a_pause_asked_for_inside_a_stretch_is_taken_at_the_next_poll_point() -> None:
+    """The engine clears the grant while the worker is between two boundaries: the worker pauses
+    at the next poll point inside the LoRA linears, before it reaches the next boundary."""
+    model, adapter, store, scales, task = _setup()
+    grant = threading.Event()
+    grant.set()
+    spec = WorkerSpec(model, store, scales, torch.zeros(2, 3, 1), torch.tensor([-1, 0, 0]), adapter, 0, 0.0, 0,
+                      OptimConfig(lr=1e-3), grant=grant)
+    spec.banks = torch.zeros(2, 3, sum(a.numel() + b.numel() for a, b in adapter.weights.values()))
+    worker = _Worker(spec)
+    in_poll = False
+    cleared_at: list[float] = []
+    first_paused_boundary: list[bool] = []  # whether the first boundary to find the grant cleared was a poll's
+    poll, boundary = worker._poll_point, worker._layer_boundary
+
+    def polling() -> None:
+        nonlocal in_poll
+        if not cleared_at:  # the first poll point: the engine asks for a pause now
+            grant.clear()
+            cleared_at.append(time.monotonic())
+            threading.Timer(0.3, grant.set).start()
+        in_poll = True
+        try:
+            poll()
+        finally:
+            in_poll = False
+
+    def at_boundary(layer: int) -> None:
+        if not grant.is_set() and not first_paused_boundary:
+            first_paused_boundary.append(in_poll)
+        boundary(layer)
+
+    worker._poll_point = polling  # type: ignore[method-assign]
+    worker._layer_boundary = at_boundary  # type: ignore[method-assign]
+    result = worker.run(task)
+    assert first_paused_boundary == [True], "the pause waited for the next boundary"
+    assert len(result.pause_times) == 1 and result.pause_times[0] - cleared_at[0] < 0.05
+    assert result.pause_layers == (model.config.num_layers - 1,)  # the first layer's recompute
+    assert result.paused_s >= 0.25

@@ -17,6 +17,7 @@ from coserve.trainer.stream_gate import (
     CLOSED,
     COMMIT,
     OPEN,
+    POLLED,
     TASK_START,
     StreamGate,
     boundary_kind,
@@ -56,6 +57,7 @@ def test_boundary_names() -> None:
     names = [boundary_kind(layer, ordinal, 32) for layer, ordinal in ((TASK_START, 0), (COMMIT, 0), (32, 1), (5, 2))]
     assert names == ["start", "commit", "loss", "layer#2"]
     assert boundary_kind(5, None, 32) == "layer"
+    assert boundary_kind(5, POLLED, 32) == boundary_kind(32, POLLED, 32) == "poll"
 
 
 def test_pauses_are_the_waits_that_held_the_stream() -> None:
@@ -148,6 +150,35 @@ def test_gated_worker_pauses_on_its_gpu_stream_and_computes_the_same_loss() -> N
     assert read_progress(spec.gate_flag) is None  # the GPU wrote "between tasks" at the end
     assert got.spans and got.spans[0][:2] == (TASK_START, 0) and got.spans[1][:2] == (num_layers, 0)
     assert all(ms >= 0.0 and cpu_ms > -0.1 for _, _, ms, cpu_ms in got.spans)
+
+
+@pytest.mark.skipif(not CUDA, reason="the gate is a CUDA stream wait")
+def test_gated_worker_queues_a_wait_at_a_poll_point_when_the_gate_closes_mid_stretch() -> None:
+    """The gate closes while the worker's CPU is between two boundaries: the worker queues a
+    wait at its next poll point (ordinal POLLED, no progress word), its GPU stream stops there
+    until the gate opens, and the loss is the same."""
+    spec, task, num_layers = _worker_spec("cuda")
+    expected = _Worker(spec).run(task)
+    spec.gate_flag = new_flag()
+    worker = _Worker(spec)
+    assert worker._gate is not None
+    poll = worker._poll_point
+    closed: list[float] = []
+
+    def polling() -> None:
+        if not closed:  # the engine closes the gate now, and opens it 0.3 s later
+            set_open(spec.gate_flag, False)
+            closed.append(time.monotonic())
+            threading.Timer(0.3, set_open, (spec.gate_flag, True)).start()
+        poll()
+
+    worker._poll_point = polling  # type: ignore[method-assign]
+    got = worker.run(task)
+    assert got.loss_sum == pytest.approx(expected.loss_sum, rel=1e-4)
+    assert got.pause_layers == (num_layers - 1,) and got.paused_s >= 0.2
+    assert got.pause_times[0] - closed[0] < 0.05
+    polled = [s for s in got.spans if s[1] == POLLED]
+    assert len(polled) == 1 and polled[0][0] == num_layers - 1
 
 
 def test_a_failing_gate_falls_back_to_the_cpu_pause(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -45,13 +45,16 @@ LOSS_CHUNK = int(os.environ.get("COSERVE_LOSS_CHUNK", "512"))
 # autograd.
 MLP_CHUNK = int(os.environ.get("COSERVE_MLP_CHUNK", "2048"))
 
-LOSS_SPLIT = os.environ.get("COSERVE_LOSS_SPLIT", "0") == "1"
+LOSS_SPLIT = os.environ.get("COSERVE_LOSS_SPLIT", "1") == "1"
 """Each loss chunk by hand in three stretches with a pause boundary between two: the final norm
 and the LM-head GEMM; the cross-entropy and its gradient (``softmax − onehot``, in place on the
 fp32 logits); the gradient's GEMM back through the LM head and the norm's backward. Autograd's
 chunk has two stretches, each a GEMM with the elementwise passes beside it. Session 17's pause
 delays had their tail at the loss boundary (p99 2.86 ms over 52 pauses, against 1.85 ms at the
-layers). Off until measured on the GPU; the same loss and gradients (tests)."""
+layers). On since session 19 (H200, latency=50, two runs each): the loss boundary's pause p99
+1.39 / 1.85 ms against 2.50 / 2.64 ms by autograd, FT tokens/s 3,546 / 3,519 against 3,643 /
+3,364 (``bench/results/latency_h200/session19/``). ``COSERVE_LOSS_SPLIT=0``: autograd's chunk.
+The same loss and gradients (tests)."""
 
 ATTN_PIECES = os.environ.get("COSERVE_TRAINER_ATTN_PIECES", "1") == "1"
 """Recompute and differentiate each layer's attention half in three pieces (the q/k/v projection
@@ -124,6 +127,7 @@ def task_backward(
     *,
     dropout_key: int | None = None,
     at_layer_boundary: Callable[[int], None] | None = None,
+    at_poll_point: Callable[[], None] | None = None,
     mlp_store: torch.Tensor | None = None,
 ) -> TaskLoss:
     """Accumulate ``∂loss/∂flat`` into ``lora.flat.grad`` from saved layer inputs.
@@ -139,6 +143,11 @@ def task_backward(
     untrained one: after each matmul of each :data:`MLP_CHUNK`-token piece), and before the attention backward
     (and with ``l = L`` before each chunk of the loss and before its backward). The loss is NOT normalized: the caller
     divides by the step's target count.
+
+    ``at_poll_point()`` runs inside the stretches between two boundaries, where the host work is
+    longest (each trained LoRA linear's forward after its base GEMM, its backward at its start and
+    after the input gradient): a caller may pause there too, when the engine has asked for one
+    (:meth:`coserve.trainer.worker._Worker._poll_point`). It changes nothing computed.
 
     With ``mlp_store`` ``[L, capacity, 2·intermediate]`` (the gate/up outputs the engine kept,
     same token offsets), a layer whose MLP the adapter does not train is differentiated through
@@ -171,7 +180,7 @@ def task_backward(
     )
     # NOTE: what depends only on the rows (attention layout, LoRA routing, RoPE's cos/sin rows) is
     # worked out here or on first use, once for the task, and shared by every layer's recompute.
-    ctx = ForwardContext(attn=meta, kv_cache=None, lora=lora.context(dropout_key, batch.row_lens),
+    ctx = ForwardContext(attn=meta, kv_cache=None, lora=lora.context(dropout_key, batch.row_lens, poll=at_poll_point),
                          rope=model.rotary.tables(batch.positions))
 
     def boundary(layer: int) -> None:
@@ -301,7 +310,9 @@ def _untrained_mlp_input_grad(
 ) -> torch.Tensor:
     """``∂loss/∂h`` through ``mlp_half(h) = h + mlp(norm(h))`` of a layer whose MLP the adapter
     does not train, by hand (no autograd), :data:`MLP_CHUNK` tokens at a time with
-    ``boundary(layer_idx)`` after each of a piece's matmuls. The gate/up output it needs comes from
+    ``boundary(layer_idx)`` after each of a piece's matmuls (but the last piece's last: the caller's
+    boundary before the attention backward follows it, and two boundaries back to back were a
+    stretch of no GPU work, a stream wait and two events more per layer). The gate/up output it needs comes from
     ``mlp_store`` when the engine kept it, else it is recomputed (one matmul; the MLP's linears
     run without LoRA: no trained slice is in them). The down projection's forward is never
     needed: the input gradient only reads its weight.
@@ -313,7 +324,7 @@ def _untrained_mlp_input_grad(
     pieces = ([(h, grad, tokens)] if h.shape[0] <= MLP_CHUNK else
               list(zip(h.split(MLP_CHUNK), grad.split(MLP_CHUNK), tokens.split(MLP_CHUNK), strict=True)))
     with torch.no_grad():
-        for h_p, grad_p, tokens_p in pieces:
+        for i, (h_p, grad_p, tokens_p) in enumerate(pieces):
             if mlp_store is not None:
                 gate_up = mlp_store[layer_idx].index_select(0, tokens_p)
             else:
@@ -328,7 +339,8 @@ def _untrained_mlp_input_grad(
             del d_gate_up
             parts.append(grad_p + rms_norm_backward(h_p, norm, d_normed))
             del d_normed
-            boundary(layer_idx)
+            if i + 1 < len(pieces):  # (after the last piece the caller's boundary follows at once)
+                boundary(layer_idx)
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 

@@ -304,7 +304,8 @@ class TrainableLoRA:
             scales[slot] = self.scaling
 
     def context(
-        self, dropout_key: int | None = None, row_lens: Sequence[int] | None = None
+        self, dropout_key: int | None = None, row_lens: Sequence[int] | None = None,
+        poll: Callable[[], None] | None = None,
     ) -> LoRAContext:
         """A :class:`LoRAContext` under which every token of the batch uses this adapter:
 
@@ -312,11 +313,18 @@ class TrainableLoRA:
         into ``flat``). The batch is the rows ``row_lens`` back to back (one row of all tokens
         when None); row ``i``'s mask is ``dropout_mask(seed, row_dropout_key(dropout_key, i),
         layer, target, (n_i, in), dropout)``. No dropout when ``dropout == 0`` or
-        ``dropout_key`` is None. The stacks the linears pass in are ignored.
+        ``dropout_key`` is None. The stacks the linears pass in are ignored. ``poll()`` (when
+        given) runs inside each trained linear: in its forward after the base GEMM, in its
+        backward at its start and after the input gradient (the trainer's pause points within
+        its longest host work, :func:`coserve.trainer.backward.task_backward`).
         """
         key = dropout_key if self.dropout > 0 else None
         self.bind_grads()
-        return _TrainingLoRA(self, key, None if row_lens is None else tuple(row_lens))
+        return _TrainingLoRA(self, key, None if row_lens is None else tuple(row_lens), poll or _no_poll)
+
+
+def _no_poll() -> None:
+    """:meth:`TrainableLoRA.context`'s ``poll`` when none is given."""
 
 
 class _Route(NamedTuple):
@@ -330,10 +338,12 @@ class _Route(NamedTuple):
 class _TrainingLoRA:
     """:meth:`TrainableLoRA.context`'s LoRA context."""
 
-    def __init__(self, lora: TrainableLoRA, key: int | None, row_lens: tuple[int, ...] | None):
+    def __init__(self, lora: TrainableLoRA, key: int | None, row_lens: tuple[int, ...] | None,
+                 poll: Callable[[], None]):
         self.lora = lora
         self.key = key
         self.row_lens = row_lens
+        self.poll = poll
         self._cast: tuple[int, torch.dtype, dict[str, tuple[torch.Tensor, torch.Tensor]]] | None = None
         # (layer, first output slice) -> the trained targets among the linear's slices, their
         # column spans and their LinearGroup: the routing of a linear, worked out on its first call
@@ -377,19 +387,22 @@ class _TrainingLoRA:
         if not names:
             return F.linear(x, weight, bias)
         if self.key is not None:
-            delta = self._delta(layer, out_slices, x)
             y = F.linear(x, weight, bias)
+            self.poll()
+            delta = self._delta(layer, out_slices, x)
             return y if delta is None else y + delta
         out: torch.Tensor
         if group is not None:
             # NOTE: the linear's own fp32 leaf, cast and unpacked inside the node: the per-layer
             # cast, split, eight views and A concatenation cost eleven autograd nodes per layer
             # (bf16), more than the rest of the attention half's graph on CUDA.
-            out = _LoRAGroupLinearFn.apply(x, weight, bias, group.leaf, self.lora.scaling, spans, group.layout)
+            out = _LoRAGroupLinearFn.apply(x, weight, bias, group.leaf, self.lora.scaling, spans, group.layout,
+                                           self.poll)
             return out
         ab = self._weights(layer, x.dtype)
         a_all = torch.cat([ab[n][0] for n in names]) if len(names) > 1 else ab[names[0]][0]
-        out = _LoRALinearFn.apply(x, weight, bias, a_all, self.lora.scaling, spans, *[ab[n][1] for n in names])
+        out = _LoRALinearFn.apply(x, weight, bias, a_all, self.lora.scaling, spans, self.poll,
+                                  *[ab[n][1] for n in names])
         return out
 
     def _route(self, layer: int, out_slices: dict[str, int]) -> _Route:
@@ -460,23 +473,27 @@ class _LoRALinearFn(torch.autograd.Function):
         a_all: torch.Tensor,
         scaling: float,
         spans: tuple[tuple[int, int], ...],
+        poll: Callable[[], None],
         *bs: torch.Tensor,
     ) -> torch.Tensor:
-        y, xa = _lora_linear(x, weight, bias, a_all, bs, scaling, spans)
+        y, xa = _lora_linear(x, weight, bias, a_all, bs, scaling, spans, poll)
         ctx.save_for_backward(x, weight, a_all, xa, *bs)
         ctx.scaling = scaling
         ctx.spans = spans
+        ctx.poll = poll
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        ctx.poll()
         x, weight, a_all, xa, *bs = ctx.saved_tensors
         s: float = ctx.scaling
         dx, t, dys = _lora_linear_dx(dy, weight, a_all, bs, s, ctx.spans, ctx.needs_input_grad[0])
+        ctx.poll()
         da = lora_mm(t.t(), x).mul_(s)
         parts = xa.chunk(len(bs), dim=1) if len(bs) > 1 else (xa,)
         dbs = [lora_mm(g.t(), part).mul_(s) for g, part in zip(dys, parts, strict=True)]
-        return (dx, None, None, da, None, None, *dbs)
+        return (dx, None, None, da, None, None, None, *dbs)
 
 
 class _LoRAGroupLinearFn(torch.autograd.Function):
@@ -499,23 +516,27 @@ class _LoRAGroupLinearFn(torch.autograd.Function):
         scaling: float,
         spans: tuple[tuple[int, int], ...],
         layout: tuple[tuple[int, tuple[int, int], int, tuple[int, int]], ...],
+        poll: Callable[[], None],
     ) -> torch.Tensor:
         w = leaf.to(x.dtype)
         a_all, bs = _unpack_group(w, layout)
-        y, xa = _lora_linear(x, weight, bias, a_all, bs, scaling, spans)
+        y, xa = _lora_linear(x, weight, bias, a_all, bs, scaling, spans, poll)
         ctx.save_for_backward(x, weight, w, a_all, xa)
         ctx.scaling = scaling
         ctx.spans = spans
         ctx.layout = layout
+        ctx.poll = poll
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        ctx.poll()
         x, weight, w, a_all, xa = ctx.saved_tensors
         s: float = ctx.scaling
         layout = ctx.layout
         _, bs = _unpack_group(w, layout, stack_a=False)
         dx, t, dys = _lora_linear_dx(dy, weight, a_all, bs, s, ctx.spans, ctx.needs_input_grad[0])
+        ctx.poll()
         da = lora_mm(t.t(), x).view(-1)  # [k·r·in]: A_i's gradient is its i-th chunk
         das = da.chunk(len(bs)) if len(bs) > 1 else (da,)
         parts = xa.chunk(len(bs), dim=1) if len(bs) > 1 else (xa,)
@@ -523,7 +544,7 @@ class _LoRAGroupLinearFn(torch.autograd.Function):
         for da_i, g, part in zip(das, dys, parts, strict=True):
             pieces += [da_i, lora_mm(g.t(), part).view(-1)]
         dw = torch.cat(pieces).mul_(s).to(torch.float32)
-        return (dx, None, None, dw, None, None, None)
+        return (dx, None, None, dw, None, None, None, None)
 
 
 def _unpack_group(
@@ -544,6 +565,7 @@ def _unpack_group(
 def _lora_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a_all: torch.Tensor,
     bs: Sequence[torch.Tensor], scaling: float, spans: tuple[tuple[int, int], ...],
+    poll: Callable[[], None],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward of :class:`_LoRALinearFn`: ``(y, x A_allᵀ)``.
 
@@ -555,6 +577,7 @@ def _lora_linear(
     self-``copy_``); no one-piece ``split`` for a single target (``o_proj``); scalings in place.
     """
     y = F.linear(x, weight, bias)
+    poll()
     xa = lora_mm(x, a_all.t())
     if len(bs) == 1:
         (off, size), b = spans[0], bs[0]

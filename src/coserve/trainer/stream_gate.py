@@ -41,6 +41,10 @@ NOT_IN_TASK = 0
 # The boundaries' layer labels besides a layer's index (its own boundaries) and L (the loss's):
 COMMIT = -1  # before the optimizer step's commit
 TASK_START = -2  # at a task's start, before any of its GPU work
+# The ordinal of a wait the trainer queued between two boundaries because it found the gate
+# closed there (a poll point, coserve.trainer.worker._Worker._poll_point): not counted among the
+# layer's boundaries, and not written into the progress word
+POLLED = 255
 FLAG_BYTES = 4096  # one page: cuMemHostRegister pins whole pages
 CU_MEMHOSTREGISTER_PORTABLE = 0x01
 CU_MEMHOSTREGISTER_DEVICEMAP = 0x02
@@ -69,7 +73,9 @@ def encode_progress(layer: int, ordinal: int) -> int:
 def boundary_kind(layer: int, ordinal: int | None, num_layers: int) -> str:
     """A boundary's name in reports: ``start``, ``commit``, ``loss``, or ``layer#k`` (the k-th
     boundary of a layer: 0 its attention recompute, the last its attention backward; ``layer``
-    when ``ordinal`` is None)."""
+    when ``ordinal`` is None; ``poll`` for a :data:`POLLED` wait)."""
+    if ordinal == POLLED:
+        return "poll"
     if layer == TASK_START:
         return "start"
     if layer == COMMIT:

@@ -21,8 +21,10 @@ from coserve.trainer.backward import TaskLoss, TaskRow, task_backward
 from coserve.trainer.lora_params import TrainableLoRA
 from coserve.trainer.optim import LoRAOptimizer
 from coserve.trainer.stream_gate import (
+    CLOSED,
     COMMIT,
     NOT_IN_TASK,
+    POLLED,
     TASK_START,
     StreamGate,
     WaitMark,
@@ -139,8 +141,11 @@ class _Worker:
         self._alloc_retries = _alloc_retries(device)
         if spec.gate_flag is not None and device.type == "cuda":
             self._gate = StreamGate.open(spec.gate_flag, device)
+        # (the gate's word read through numpy at the poll points: a fraction of a tensor index's cost)
+        self._gate_word = spec.gate_flag.numpy() if spec.gate_flag is not None else None
         self._anchor: tuple[torch.cuda.Event, float] | None = None
         self._marks: list[WaitMark] = []
+        self._last_layer: int | None = None  # the boundary passed last (on the CPU): the poll points'
         bank = int(spec.meta[0])
         if bank >= 0:
             self.optim.import_state(spec.banks[bank], int(spec.meta[1 + bank]))
@@ -225,7 +230,8 @@ class _Worker:
         # pause ends, so a prefill that finds the trainer between tasks is never slowed by it.
         self._boundary_then_sleep(TASK_START)
         loss = task_backward(self.spec.model, self.lora, self.spec.store, rows, dropout_key=dropout_key,
-                             at_layer_boundary=self._layer_boundary, mlp_store=self.spec.mlp_store)
+                             at_layer_boundary=self._layer_boundary, at_poll_point=self._poll_point,
+                             mlp_store=self.spec.mlp_store)
         self._events.clear()
         return loss
 
@@ -241,6 +247,7 @@ class _Worker:
         """Pause here while the engine runs a prefill; keep GPU work queued ahead of the CPU to
         at most ``max_layers_ahead`` layers, so that a pause takes effect within about a layer.
         With the GPU-side gate, the pause is the GPU's (:meth:`_gated_boundary`)."""
+        self._last_layer = layer
         if self._gate is not None:
             try:
                 self._gated_boundary(layer)
@@ -264,6 +271,32 @@ class _Worker:
             grant.wait()
             self._paused_s += time.perf_counter() - began
 
+    def _poll_point(self) -> None:
+        """A point inside a stretch (``task_backward``'s ``at_poll_point``): when the engine has
+        closed the gate, a pause here rather than at the next boundary.
+
+        The host work of some stretches takes longer than their GPU work (the q/k/v projection's
+        recompute and backward, ``o_proj``'s backward: ``bench/results/latency_h200/session19/``),
+        so the GPU runs each kernel as soon as it is queued, and a pause found at the stretch's
+        end waits for the rest of its queuing: the pause delay's ``gpu_dry`` tail. With the gate,
+        a closed gate queues a wait here (labelled :data:`POLLED`); without it, a cleared grant
+        pauses the CPU here as at a boundary. An open gate costs one read of a shared word."""
+        layer = self._last_layer
+        if layer is None:
+            return
+        word = self._gate_word
+        if self._gate is not None and word is not None:
+            if word[0] != CLOSED or (self._marks and self._marks[-1].ordinal == POLLED):
+                return  # (open, or this pause's wait is queued already)
+            try:
+                self._gated_boundary(layer, polled=True)
+            except RuntimeError as exc:
+                self._drop_gate(exc)
+            return
+        grant = self.spec.grant
+        if grant is not None and not grant.is_set():
+            self._layer_boundary(layer)
+
     def _boundary_then_sleep(self, layer: int) -> None:
         """A boundary that CPU work waiting on the GPU follows (the task's set-up, the optimizer
         step's norm): with the GPU-side gate closed, sleep on the grant rather than in a CUDA
@@ -275,9 +308,10 @@ class _Worker:
             grant.wait()
             self._note_wait(time.perf_counter() - began)
 
-    def _gated_boundary(self, layer: int) -> None:
+    def _gated_boundary(self, layer: int, polled: bool = False) -> None:
         """Enqueue the gate's wait between two timed events; keep the CPU at most
-        ``gated_boundaries_ahead`` boundaries ahead of the GPU.
+        ``gated_boundaries_ahead`` boundaries ahead of the GPU. ``polled``: a wait at a poll point
+        (:data:`POLLED`, not counted among the layer's boundaries, no progress word written).
 
         The CPU waits without spinning: while the engine holds the gate closed it sleeps on the
         grant (the GPU is stopped anyway), and the events are blocking-sync ones — a thread
@@ -288,15 +322,19 @@ class _Worker:
         before = torch.cuda.Event(enable_timing=True, blocking=True)
         after = torch.cuda.Event(enable_timing=True, blocking=True)
         stream = torch.cuda.current_stream()
-        last = self._marks[-1] if self._marks else None
-        ordinal = last.ordinal + 1 if last is not None and last.layer == layer else 0
+        if polled:
+            ordinal = POLLED
+        else:
+            last = next((m for m in reversed(self._marks) if m.ordinal != POLLED), None)
+            ordinal = last.ordinal + 1 if last is not None and last.layer == layer else 0
         recorded_s = time.monotonic()
         began = time.perf_counter()
         before.record(stream)
         self._gate.wait(stream)
         after.record(stream)
         gap_ms = (time.perf_counter() - began) * 1e3
-        self._gate.mark(stream, encode_progress(layer, min(ordinal, 255)))
+        if not polled:
+            self._gate.mark(stream, encode_progress(layer, min(ordinal, POLLED - 1)))
         self._marks.append(WaitMark(before, after, layer, ordinal, gap_ms, recorded_s))
         ahead = self.spec.gated_boundaries_ahead
         if len(self._marks) > ahead:
