@@ -135,6 +135,9 @@ def test_gated_worker_pauses_on_its_gpu_stream_and_computes_the_same_loss() -> N
     opened = time.monotonic()
     set_open(spec.gate_flag, True)
     thread.join(timeout=60)
+    # NOTE: the flag's page unregistered: a later flag allocated at the same address could not be
+    # registered again (CUresult 712, session 19)
+    worker._gate.close()
     assert result
     got = result[0]
     assert got.loss_sum == pytest.approx(expected.loss_sum, rel=1e-4)
@@ -173,7 +176,10 @@ def test_gated_worker_queues_a_wait_at_a_poll_point_when_the_gate_closes_mid_str
         poll()
 
     worker._poll_point = polling  # type: ignore[method-assign]
-    got = worker.run(task)
+    try:
+        got = worker.run(task)
+    finally:
+        worker._gate.close()
     assert got.loss_sum == pytest.approx(expected.loss_sum, rel=1e-4)
     assert got.pause_layers == (num_layers - 1,) and got.paused_s >= 0.2
     assert got.pause_times[0] - closed[0] < 0.05

@@ -36,6 +36,12 @@ from coserve.trainer.stream_gate import (
 
 logger = logging.getLogger(__name__)
 
+POLL_POINTS = os.environ.get("COSERVE_TRAINER_POLL", "1") == "1"
+"""Pause at the poll points inside the stretches too (:meth:`_Worker._poll_point`); ``0``: at
+the boundaries only (the A/B for the pause delay's ``gpu_dry`` tail; session 19's one run with
+the poll points came from a host whose trainer CPU ran 1.3-1.7x slower in stretches they do not
+touch, so their effect is not yet measured: ``bench/results/latency_h200/README.md``)."""
+
 
 @dataclass
 class WorkerSpec:
@@ -230,7 +236,7 @@ class _Worker:
         # pause ends, so a prefill that finds the trainer between tasks is never slowed by it.
         self._boundary_then_sleep(TASK_START)
         loss = task_backward(self.spec.model, self.lora, self.spec.store, rows, dropout_key=dropout_key,
-                             at_layer_boundary=self._layer_boundary, at_poll_point=self._poll_point,
+                             at_layer_boundary=self._layer_boundary, at_poll_point=self._poll_point if POLL_POINTS else None,
                              mlp_store=self.spec.mlp_store)
         self._events.clear()
         return loss
