@@ -76,7 +76,8 @@ DRY_LAG_MS = 0.2
 def pause_delays(windows: list[tuple[float, float]], observed: list[float],
                  layers: list[int] | None = None, num_layers: int | None = None,
                  lags_ms: list[float] | None = None,
-                 window_at: list[tuple[int, int] | None] | None = None) -> dict[str, Any]:
+                 window_at: list[tuple[int, int] | None] | None = None,
+                 polled: list[bool] | None = None) -> dict[str, Any]:
     """For each grant-cleared window, the delay to the first observed pause inside it; windows in
     which the trainer never paused (it reached no layer boundary before the step ended) are
     counted apart with their full length. With ``layers`` (the boundary of each observed pause,
@@ -89,10 +90,13 @@ def pause_delays(windows: list[tuple[float, float]], observed: list[float],
     when the window began, None between tasks) they are split into ``in_task`` (the trainer's
     kernels could be running when the prefill started: the pause delay proper) and
     ``between_tasks`` (its GPU had finished its task; the next task queues no GPU work before its
-    start boundary, so the time until that boundary is not a delay the prefill saw)."""
+    start boundary, so the time until that boundary is not a delay the prefill saw). With
+    ``polled`` (parallel to ``observed``: the pause was taken at a poll point inside a stretch,
+    ``TaskResult.pause_polled``) those pauses count as ``poll`` in ``by_boundary``."""
     n = len(observed)
     pairs = sorted(zip(observed, layers if layers is not None else [None] * n,
-                       lags_ms if lags_ms is not None else [None] * n, strict=True))
+                       lags_ms if lags_ms is not None else [None] * n,
+                       polled if polled is not None else [False] * n, strict=True))
     delays: list[float] = []
     missed: list[float] = []
     kinds: dict[str, list[float]] = {}
@@ -104,10 +108,10 @@ def pause_delays(windows: list[tuple[float, float]], observed: list[float],
         while j < len(pairs) and pairs[j][0] < start:
             j += 1
         if j < len(pairs) and pairs[j][0] <= end:
-            delay, layer, lag = pairs[j][0] - start, pairs[j][1], pairs[j][2]
+            delay, layer, lag, at_poll = pairs[j][0] - start, pairs[j][1], pairs[j][2], pairs[j][3]
             delays.append(delay)
             if layer is not None:
-                kind = boundary_kind(layer, None, num_layers)
+                kind = "poll" if at_poll else boundary_kind(layer, None, num_layers)
                 kinds.setdefault(kind, []).append(delay)
             if lag is not None:
                 by_lag.setdefault("gpu_dry" if lag < DRY_LAG_MS else "gpu_behind", []).append(delay)
@@ -317,7 +321,8 @@ def main() -> None:
         "latency_model_error": errors,
         "trainer_pause": pause_delays(co.pause_windows, co.pause_observed, co.pause_observed_layers,
                                       num_layers, co.pause_observed_lags or None,
-                                      co.pause_window_at if co.pause_observed_lags else None),
+                                      co.pause_window_at if co.pause_observed_lags else None,
+                                      co.pause_observed_polled or None),
         "trainer_spans": span_summary(co.trainer_spans, num_layers) if co.trainer_spans else None,
         "ft_only_interruption": {
             "requests": len(ft_only), "interrupted_steps": co.num_interrupted,

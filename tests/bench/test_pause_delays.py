@@ -62,6 +62,18 @@ def test_delays_split_by_whether_the_gpu_had_run_dry() -> None:
     assert "by_gpu_lag" not in coserve_latency.pause_delays(windows, [1.002, 2.009])
 
 
+def test_pauses_at_poll_points_are_counted_apart() -> None:
+    windows = [(1.0, 1.1), (2.0, 2.1), (3.0, 3.1)]
+    # windows 1 and 3 paused at layer boundaries, window 2 at a poll point inside layer 5's stretch
+    got = coserve_latency.pause_delays(windows, [1.002, 2.0004, 3.003], [3, 5, 32], num_layers=32,
+                                       polled=[False, True, False])
+    by = got["by_boundary"]
+    assert by["poll"]["paused"] == 1 and by["poll"]["delay_p50_ms"] == pytest.approx(0.4)
+    assert by["layer"]["paused"] == 1 and by["loss"]["paused"] == 1
+    assert "poll" not in coserve_latency.pause_delays(windows, [1.002, 2.0004, 3.003], [3, 5, 32],
+                                                      num_layers=32)["by_boundary"]
+
+
 def test_delays_split_by_where_the_trainer_was_when_the_window_began() -> None:
     windows = [(1.0, 1.1), (2.0, 2.1), (3.0, 3.1)]
     # window 1 found the trainer's GPU in layer 3 and it paused 1.5 ms later; window 2 found it

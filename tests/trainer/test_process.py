@@ -51,6 +51,7 @@ def test_paused_worker_stops_at_a_layer_boundary_until_granted() -> None:
     assert ran == [-1, *range(model.config.num_layers - 1, -1, -1)] and result
     # it paused once, at the first boundary: the task's start, before any of its work
     assert result[0].pause_layers == (TASK_START,)  # type: ignore[attr-defined]
+    assert result[0].pause_polled == (False,)  # type: ignore[attr-defined]
     assert len(result[0].pause_times) == 1  # type: ignore[attr-defined]
 
 
@@ -210,4 +211,5 @@ def test_a_pause_asked_for_inside_a_stretch_is_taken_at_the_next_poll_point() ->
     assert first_paused_boundary == [True], "the pause waited for the next boundary"
     assert len(result.pause_times) == 1 and result.pause_times[0] - cleared_at[0] < 0.05
     assert result.pause_layers == (model.config.num_layers - 1,)  # the first layer's recompute
+    assert result.pause_polled == (True,)
     assert result.paused_s >= 0.25

@@ -67,7 +67,7 @@ def test_pauses_are_the_waits_that_held_the_stream() -> None:
                                          [99.0, 100.0025, 100.02], blocked_ms=0.02)
     assert len(pauses) == 1
     assert pauses[0].t == pytest.approx(100.004) and pauses[0].layer == 1
-    assert pauses[0].lag_ms == pytest.approx(1.5)
+    assert pauses[0].lag_ms == pytest.approx(1.5) and pauses[0].mark == 1  # (the second wait's)
     assert paused_s == pytest.approx(0.005)
     with pytest.raises(ValueError):
         pauses_from_marks(0.0, [1.0], [1.0, 2.0], [0], [0.0])
@@ -143,7 +143,7 @@ def test_gated_worker_pauses_on_its_gpu_stream_and_computes_the_same_loss() -> N
     assert got.loss_sum == pytest.approx(expected.loss_sum, rel=1e-4)
     # the GPU stopped at the first boundary (the task's start, before any of its work) until the
     # gate opened
-    assert got.pause_layers == (TASK_START,)
+    assert got.pause_layers == (TASK_START,) and got.pause_polled == (False,)
     assert got.pause_times[0] < opened
     assert got.paused_s >= 0.3
     # the GPU stretches between boundaries: the set-up's from the start, then the loss's, each
@@ -181,7 +181,7 @@ def test_gated_worker_queues_a_wait_at_a_poll_point_when_the_gate_closes_mid_str
     finally:
         worker._gate.close()
     assert got.loss_sum == pytest.approx(expected.loss_sum, rel=1e-4)
-    assert got.pause_layers == (num_layers - 1,) and got.paused_s >= 0.2
+    assert got.pause_layers == (num_layers - 1,) and got.pause_polled == (True,) and got.paused_s >= 0.2
     assert got.pause_times[0] - closed[0] < 0.05
     polled = [s for s in got.spans if s[1] == POLLED]
     assert len(polled) == 1 and polled[0][0] == num_layers - 1

@@ -216,6 +216,7 @@ class CoServer:
         self.pause_observed_layers: list[int] = []  # the boundary of each (TaskResult.pause_layers)
         self.trainer_spans: list[tuple[int, int, float, float]] = []  # TaskResult.spans of every task
         self.pause_observed_lags: list[float] = []  # TaskResult.pause_lags_ms (GPU-side gate only)
+        self.pause_observed_polled: list[bool] = []  # TaskResult.pause_polled
         # planned steps by (step kind: "inference" | "ft-only", outcome: "added" (FT rows added),
         # "task_full" (the task being filled was full), "arrival" (an FT-only step not started:
         # inference work arrived while it was planned) or why admission added none
@@ -611,6 +612,7 @@ class CoServer:
             self.pause_observed_layers.extend(result.pause_layers)
             self.trainer_spans.extend(result.spans)
             self.pause_observed_lags.extend(result.pause_lags_ms)
+            self.pause_observed_polled.extend(result.pause_polled or (False,) * len(result.pause_times))
             sent = self._submitted.pop(result.task_id, None)
             if sent is not None:
                 self.task_timings.append((sent[0], time.monotonic(), result.duration_s, sent[1], result.paused_s,

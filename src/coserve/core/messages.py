@@ -65,6 +65,9 @@ class TaskResult:
     # CPU at that boundary; near 0, the GPU had run dry before the CPU reached it, so the time to
     # the pause was the trainer's CPU (task set-up, optimizer step), not kernels beside the engine's
     pause_lags_ms: tuple[float, ...] = ()
+    # for each pause in pause_times: whether it was taken at a poll point inside a stretch
+    # (coserve.trainer.worker._Worker._poll_point) rather than at a boundary
+    pause_polled: tuple[bool, ...] = ()
 
 
 @dataclass(frozen=True)

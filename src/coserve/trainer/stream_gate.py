@@ -184,6 +184,7 @@ class GatePause(NamedTuple):
     t: float
     layer: int
     lag_ms: float
+    mark: int = 0  # the wait's position among the task's waits (its WaitMark)
 
 
 def pauses_from_marks(anchor_s: float, anchor_to_before_ms: Sequence[float], held_ms: Sequence[float],
@@ -196,10 +197,11 @@ def pauses_from_marks(anchor_s: float, anchor_to_before_ms: Sequence[float], hel
     event before it."""
     pauses = []
     paused_s = 0.0
-    for offset, held, layer, recorded in zip(anchor_to_before_ms, held_ms, layers, recorded_s, strict=True):
+    for i, (offset, held, layer, recorded) in enumerate(zip(anchor_to_before_ms, held_ms, layers, recorded_s,
+                                                             strict=True)):
         if held >= blocked_ms:
             t = anchor_s + offset / 1e3
-            pauses.append(GatePause(t, layer, (t - recorded) * 1e3))
+            pauses.append(GatePause(t, layer, (t - recorded) * 1e3, i))
             paused_s += held / 1e3
     return pauses, paused_s
 

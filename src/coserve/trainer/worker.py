@@ -140,7 +140,8 @@ class _Worker:
         self.loss_sum = 0.0
         self.num_targets = 0
         self._events: list[torch.cuda.Event] = []
-        self._pauses: list[tuple[float, int]] = []  # (time.monotonic(), boundary layer)
+        self._pauses: list[tuple[float, int, bool]] = []  # (time.monotonic(), boundary layer, at a poll point)
+        self._polling = False  # in _poll_point (the CPU path's pauses there are labelled so)
         self._paused_s = 0.0
         self._gpu_wait_s = 0.0
         self._gate: StreamGate | None = None
@@ -225,8 +226,9 @@ class _Worker:
         paused, self._paused_s = self._paused_s, 0.0
         gpu_wait, self._gpu_wait_s = self._gpu_wait_s, 0.0
         return TaskResult(task.task_id, loss.loss_sum, loss.num_targets, time.perf_counter() - start, info,
-                          tuple(t for t, _ in pauses), paused, gpu_wait, time.thread_time() - cpu_start,
-                          tuple(layer for _, layer in pauses), tuple(spans), tuple(lags))
+                          tuple(t for t, _, _ in pauses), paused, gpu_wait, time.thread_time() - cpu_start,
+                          tuple(layer for _, layer, _ in pauses), tuple(spans), tuple(lags),
+                          tuple(polled for _, _, polled in pauses))
 
     def _backward(self, rows: list[TaskRow], dropout_key: int | None) -> TaskLoss:
         """One task's backward pass, from its start boundary on (a real task or the warm-up)."""
@@ -273,7 +275,7 @@ class _Worker:
             began = time.perf_counter()
             if self.spec.store.is_cuda:
                 torch.cuda.current_stream().synchronize()
-            self._pauses.append((time.monotonic(), layer))
+            self._pauses.append((time.monotonic(), layer, self._polling))
             grant.wait()
             self._paused_s += time.perf_counter() - began
 
@@ -301,7 +303,11 @@ class _Worker:
             return
         grant = self.spec.grant
         if grant is not None and not grant.is_set():
-            self._layer_boundary(layer)
+            self._polling = True
+            try:
+                self._layer_boundary(layer)
+            finally:
+                self._polling = False
 
     def _boundary_then_sleep(self, layer: int) -> None:
         """A boundary that CPU work waiting on the GPU follows (the task's set-up, the optimizer
@@ -383,7 +389,7 @@ class _Worker:
         marks[-1].after.synchronize()
         anchor, anchor_s = self._anchor
         pauses, paused_s = pauses_from_marks(anchor_s, *read_marks(anchor, marks))
-        self._pauses.extend((p.t, p.layer) for p in pauses)
+        self._pauses.extend((p.t, p.layer, marks[p.mark].ordinal == POLLED) for p in pauses)
         self._paused_s += paused_s
         # NOTE: the CPU's waits for marks held by a closed gate were pauses, not GPU work.
         self._gpu_wait_s = max(0.0, self._gpu_wait_s - paused_s)
