@@ -15,6 +15,7 @@ from coserve.models.loader import load_model
 from coserve.models.peft_adapter import new_lora_adapter
 from coserve.trainer.stream_gate import (
     CLOSED,
+    CLOSURES,
     COMMIT,
     OPEN,
     POLLED,
@@ -30,6 +31,16 @@ from coserve.trainer.stream_gate import (
 from coserve.trainer.worker import WorkerSpec, _Worker
 
 CUDA = torch.cuda.is_available()
+
+
+def test_closures_are_counted_once_each() -> None:
+    flag = new_flag()
+    assert int(flag[CLOSURES]) == 0
+    set_open(flag, False)
+    set_open(flag, False)  # (already closed: the same closure)
+    set_open(flag, True)
+    set_open(flag, False)
+    assert int(flag[CLOSURES]) == 2 and int(flag[0]) == CLOSED
 
 
 def test_flag_is_shared_and_opens_and_closes() -> None:
@@ -216,4 +227,61 @@ def test_a_failing_gate_falls_back_to_the_cpu_pause(monkeypatch: pytest.MonkeyPa
     worker._gate = FailingGate()  # type: ignore[assignment]
     got = worker.run(task)
     assert FailingGate.calls == 1 and worker._gate is None
+    assert got.loss_sum == pytest.approx(expected.loss_sum, rel=1e-6)
+
+
+def test_a_poll_point_queues_one_wait_per_gate_closure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the gate, a poll point that finds it closed queues a wait (POLLED); the poll points
+    after it queue none until the engine closes the gate again, and an open gate queues none."""
+    spec, task, _ = _worker_spec("cpu")
+    expected = _Worker(spec).run(task)
+
+    class FakeEvent:  # the CPU build of torch has no CUDA events or streams
+        def __init__(self, **kwargs: object) -> None:
+            pass
+
+        def record(self, stream: object = None) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, other: object) -> float:
+            return 0.0
+
+    class FakeGate:
+        def wait(self, stream: object) -> None:
+            pass
+
+        def mark(self, stream: object, code: int) -> None:
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: FakeEvent())
+    flag = new_flag()
+    spec.gate_flag = flag
+    worker = _Worker(spec)
+    worker._gate = FakeGate()  # type: ignore[assignment]
+    polls = 0
+    poll, gated = worker._poll_point, worker._gated_boundary
+    queued: list[bool] = []
+
+    def polling() -> None:
+        nonlocal polls
+        polls += 1
+        if polls in (1, 4):
+            set_open(flag, False)  # the engine closes the gate (a prefill step starts)
+        elif polls == 3:
+            set_open(flag, True)
+        poll()
+
+    def boundary(layer: int, polled: bool = False) -> None:
+        queued.append(polled)
+        gated(layer, polled)
+
+    worker._poll_point = polling  # type: ignore[method-assign]
+    worker._gated_boundary = boundary  # type: ignore[method-assign]
+    got = worker.run(task)
+    assert polls > 5
+    assert queued.count(True) == 2  # one for each of the two closures
     assert got.loss_sum == pytest.approx(expected.loss_sum, rel=1e-6)

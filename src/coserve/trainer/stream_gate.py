@@ -38,6 +38,9 @@ OPEN, CLOSED = 1, 0
 # at no cost, what the trainer's kernels are doing beside its step
 PROGRESS = 1
 NOT_IN_TASK = 0
+# flag[CLOSURES]: how many times the engine has closed the gate (set_open), so that the trainer
+# queues one wait at a poll point per closure, not one in every stretch it queues while closed
+CLOSURES = 2
 # The boundaries' layer labels besides a layer's index (its own boundaries) and L (the loss's):
 COMMIT = -1  # before the optimizer step's commit
 TASK_START = -2  # at a task's start, before any of its GPU work
@@ -59,6 +62,7 @@ def new_flag() -> torch.Tensor:
     flag = torch.zeros(FLAG_BYTES // 4, dtype=torch.int32).share_memory_()
     flag[0] = OPEN
     flag[PROGRESS] = NOT_IN_TASK
+    flag[CLOSURES] = 0
     return flag
 
 
@@ -92,7 +96,10 @@ def read_progress(flag: torch.Tensor) -> tuple[int, int] | None:
 
 
 def set_open(flag: torch.Tensor, is_open: bool) -> None:
-    """The engine side: open or close the gate (a plain store into the shared page)."""
+    """The engine side: open or close the gate (a plain store into the shared page; a closing
+    counts in ``flag[CLOSURES]``, written first)."""
+    if not is_open and int(flag[0]) != CLOSED:
+        flag[CLOSURES] += 1
     flag[0] = OPEN if is_open else CLOSED
 
 

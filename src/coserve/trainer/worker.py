@@ -22,6 +22,7 @@ from coserve.trainer.lora_params import TrainableLoRA
 from coserve.trainer.optim import LoRAOptimizer
 from coserve.trainer.stream_gate import (
     CLOSED,
+    CLOSURES,
     COMMIT,
     NOT_IN_TASK,
     POLLED,
@@ -142,6 +143,7 @@ class _Worker:
         self._events: list[torch.cuda.Event] = []
         self._pauses: list[tuple[float, int, bool]] = []  # (time.monotonic(), boundary layer, at a poll point)
         self._polling = False  # in _poll_point (the CPU path's pauses there are labelled so)
+        self._polled_closure = -1  # the gate closure (flag[CLOSURES]) a poll point queued a wait for last
         self._paused_s = 0.0
         self._gpu_wait_s = 0.0
         self._gate: StreamGate | None = None
@@ -294,8 +296,9 @@ class _Worker:
             return
         word = self._gate_word
         if self._gate is not None and word is not None:
-            if word[0] != CLOSED or (self._marks and self._marks[-1].ordinal == POLLED):
-                return  # (open, or this pause's wait is queued already)
+            if word[0] != CLOSED or word[CLOSURES] == self._polled_closure:
+                return  # (open, or this closure's wait is queued already)
+            self._polled_closure = int(word[CLOSURES])
             try:
                 self._gated_boundary(layer, polled=True)
             except RuntimeError as exc:
