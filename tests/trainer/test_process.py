@@ -200,10 +200,10 @@ def test_a_pause_asked_for_inside_a_stretch_is_taken_at_the_next_poll_point() ->
         finally:
             in_poll = False
 
-    def at_boundary(layer: int) -> None:
+    def at_boundary(layer: int, polled: bool = False) -> None:
         if not grant.is_set() and not first_paused_boundary:
             first_paused_boundary.append(in_poll)
-        boundary(layer)
+        boundary(layer, polled)
 
     worker._poll_point = polling  # type: ignore[method-assign]
     worker._layer_boundary = at_boundary  # type: ignore[method-assign]

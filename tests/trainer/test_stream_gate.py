@@ -198,6 +198,27 @@ def test_gated_worker_queues_a_wait_at_a_poll_point_when_the_gate_closes_mid_str
     assert len(polled) == 1 and polled[0][0] == num_layers - 1
 
 
+class _FakeEvent:
+    """A CUDA event and stream stand-in (the CPU build of torch has neither)."""
+
+    def __init__(self, **kwargs: object) -> None:
+        pass
+
+    def record(self, stream: object = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, other: object) -> float:
+        return 0.0
+
+
+def _fake_cuda_events(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: _FakeEvent())
+
+
 def test_a_failing_gate_falls_back_to_the_cpu_pause(monkeypatch: pytest.MonkeyPatch) -> None:
     """A driver error at a gate wait does not fail the task: the worker pauses on its CPU from
     then on, and the loss is the same."""
@@ -211,18 +232,7 @@ def test_a_failing_gate_falls_back_to_the_cpu_pause(monkeypatch: pytest.MonkeyPa
             FailingGate.calls += 1
             raise RuntimeError("cuStreamWaitValue32 failed (CUresult 1)")
 
-    class FakeEvent:  # the CPU build of torch has no CUDA events or streams
-        def __init__(self, **kwargs: object) -> None:
-            pass
-
-        def record(self, stream: object = None) -> None:
-            pass
-
-        def synchronize(self) -> None:
-            pass
-
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: FakeEvent())
+    _fake_cuda_events(monkeypatch)
     worker = _Worker(spec)
     worker._gate = FailingGate()  # type: ignore[assignment]
     got = worker.run(task)
@@ -236,19 +246,6 @@ def test_a_poll_point_queues_one_wait_per_gate_closure(monkeypatch: pytest.Monke
     spec, task, _ = _worker_spec("cpu")
     expected = _Worker(spec).run(task)
 
-    class FakeEvent:  # the CPU build of torch has no CUDA events or streams
-        def __init__(self, **kwargs: object) -> None:
-            pass
-
-        def record(self, stream: object = None) -> None:
-            pass
-
-        def synchronize(self) -> None:
-            pass
-
-        def elapsed_time(self, other: object) -> float:
-            return 0.0
-
     class FakeGate:
         def wait(self, stream: object) -> None:
             pass
@@ -256,8 +253,7 @@ def test_a_poll_point_queues_one_wait_per_gate_closure(monkeypatch: pytest.Monke
         def mark(self, stream: object, code: int) -> None:
             pass
 
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: FakeEvent())
+    _fake_cuda_events(monkeypatch)
     flag = new_flag()
     spec.gate_flag = flag
     worker = _Worker(spec)

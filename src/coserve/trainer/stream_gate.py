@@ -97,10 +97,12 @@ def read_progress(flag: torch.Tensor) -> tuple[int, int] | None:
 
 def set_open(flag: torch.Tensor, is_open: bool) -> None:
     """The engine side: open or close the gate (a plain store into the shared page; a closing
-    counts in ``flag[CLOSURES]``, written first)."""
-    if not is_open and int(flag[0]) != CLOSED:
-        flag[CLOSURES] += 1
-    flag[0] = OPEN if is_open else CLOSED
+    counts in ``flag[CLOSURES]``, written first). Once a step: through numpy, 1.5 µs a call on the
+    dev VM against 3.3 µs for the tensor store alone."""
+    words = flag.numpy()
+    if not is_open and words[0] != CLOSED:
+        words[CLOSURES] += 1
+    words[0] = OPEN if is_open else CLOSED
 
 
 def _driver() -> ctypes.CDLL:
@@ -191,7 +193,7 @@ class GatePause(NamedTuple):
     t: float
     layer: int
     lag_ms: float
-    mark: int = 0  # the wait's position among the task's waits (its WaitMark)
+    mark: int  # the wait's position among the task's waits (its WaitMark)
 
 
 def pauses_from_marks(anchor_s: float, anchor_to_before_ms: Sequence[float], held_ms: Sequence[float],

@@ -142,7 +142,6 @@ class _Worker:
         self.num_targets = 0
         self._events: list[torch.cuda.Event] = []
         self._pauses: list[tuple[float, int, bool]] = []  # (time.monotonic(), boundary layer, at a poll point)
-        self._polling = False  # in _poll_point (the CPU path's pauses there are labelled so)
         self._polled_closure = -1  # the gate closure (flag[CLOSURES]) a poll point queued a wait for last
         self._paused_s = 0.0
         self._gpu_wait_s = 0.0
@@ -253,14 +252,16 @@ class _Worker:
             except RuntimeError as exc:
                 self._drop_gate(exc)
 
-    def _layer_boundary(self, layer: int) -> None:
+    def _layer_boundary(self, layer: int, polled: bool = False) -> None:
         """Pause here while the engine runs a prefill; keep GPU work queued ahead of the CPU to
         at most ``max_layers_ahead`` layers, so that a pause takes effect within about a layer.
-        With the GPU-side gate, the pause is the GPU's (:meth:`_gated_boundary`)."""
-        self._last_layer = layer
+        With the GPU-side gate, the pause is the GPU's (:meth:`_gated_boundary`). ``polled``: at
+        a poll point inside the stretch of boundary ``layer`` (:meth:`_poll_point`)."""
+        if not polled:
+            self._last_layer = layer
         if self._gate is not None:
             try:
-                self._gated_boundary(layer)
+                self._gated_boundary(layer, polled)
                 return
             except RuntimeError as exc:
                 self._drop_gate(exc)
@@ -277,7 +278,7 @@ class _Worker:
             began = time.perf_counter()
             if self.spec.store.is_cuda:
                 torch.cuda.current_stream().synchronize()
-            self._pauses.append((time.monotonic(), layer, self._polling))
+            self._pauses.append((time.monotonic(), layer, polled))
             grant.wait()
             self._paused_s += time.perf_counter() - began
 
@@ -299,18 +300,9 @@ class _Worker:
             if word[0] != CLOSED or word[CLOSURES] == self._polled_closure:
                 return  # (open, or this closure's wait is queued already)
             self._polled_closure = int(word[CLOSURES])
-            try:
-                self._gated_boundary(layer, polled=True)
-            except RuntimeError as exc:
-                self._drop_gate(exc)
+        elif self.spec.grant is None or self.spec.grant.is_set():
             return
-        grant = self.spec.grant
-        if grant is not None and not grant.is_set():
-            self._polling = True
-            try:
-                self._layer_boundary(layer)
-            finally:
-                self._polling = False
+        self._layer_boundary(layer, polled=True)
 
     def _boundary_then_sleep(self, layer: int) -> None:
         """A boundary that CPU work waiting on the GPU follows (the task's set-up, the optimizer
