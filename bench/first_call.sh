@@ -49,6 +49,9 @@
 #                  256 tokens store the LoRA delta first, as large eager steps do)
 #   trainer_attn   bench/profile_trainer_cpu.py on CUDA, the 8B shape, by COSERVE_VARLEN_ATTN
 #                  (torch, flash_fn, flash): the attention recompute's and backward's host and GPU ms
+#   trainer_stretches  bench/profile_trainer_cpu.py on CUDA, the 8B shape at a 50% MPS share: each of a
+#                  layer's stretches (layer#k as in the latency run's trainer_spans), host ms in wall
+#                  and in thread time, GPU ms, aten ops
 #   split_check    bench/split_step_check.py at the 8B shape (4 layers, 9 rows) at a 20% MPS share with
 #                  COSERVE_LORA_FP32_MM auto and 0, and on the whole GPU; bench/skinny_mm_check.py at 20%
 #                  (the split baseline's NaN, sessions 10-11)
@@ -189,6 +192,15 @@ job() {
         run "trainer_attn_$impl" "$top/trainer_attn_$impl.log" env COSERVE_VARLEN_ATTN=$impl python3 \
           bench/profile_trainer_cpu.py --device cuda --shape llama3-8b --dtype bfloat16 --rank 16 --rows 5 \
           --min-len 120 --max-len 290 --reps 20 --ops --json "$top/trainer_attn_$impl.json"
+      done ;;
+    trainer_stretches)
+      # the trainer's stretches at the 8B shape as the latency run's trainer runs them (a 50% MPS
+      # share, ~1,300-token tasks): host ms in wall time (as the spans count it) and in the calling
+      # thread's CPU time (the difference: autograd's backward on its device thread), GPU ms, aten ops
+      for clock in wall thread; do
+        run "trainer_stretches_$clock" "$top/trainer_stretches_$clock.log" env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 \
+          python3 bench/profile_trainer_cpu.py --device cuda --shape llama3-8b --dtype bfloat16 --rank 16 --rows 5 \
+          --min-len 200 --max-len 320 --reps 20 --ops --clock $clock --json "$top/trainer_stretches_$clock.json"
       done ;;
     split_check)
       # the split baseline's step at the 8B shape (4 layers, 9 rows: session 11's failing case) at a

@@ -3,15 +3,15 @@
 ``task_backward`` on a tiny Llama on the CPU (hidden 64 by default: the matmuls cost next to
 nothing, so the time measured is dispatch and Python overhead, what the host spends per layer on
 the H200 as well). The layer boundaries that ``task_backward`` already calls
-(``at_layer_boundary``) cut each layer into its parts without touching the code under test:
+(``at_layer_boundary``) cut the backward into its stretches without touching the code under
+test, numbered as the latency run's ``trainer_spans.by_start`` numbers them (``layer#k``: the
+stretch from the ``k``-th boundary of a layer to the next; :data:`STRETCHES_UNTRAINED_MLP` says
+what each runs in the default layout), and the loss's stretches apart.
 
-* ``attn_fwd``: before the attention recompute -> after it (the layer input's gather included);
-* ``mlp``: after the attention recompute -> before the attention backward (a trained MLP's
-  recompute and backward, or an untrained one's hand-written backward);
-* ``attn_bwd``: before the attention backward -> the next layer's first boundary (or the end).
-
-Per part: the median host time over ``--reps`` runs (CPU time of the calling thread, one
-intra-op thread: the VM's scheduling noise stays out), the aten ops dispatched (counted with a
+Per stretch: the median host time over ``--reps`` runs (``--clock thread``, the default on the
+CPU: the calling thread's CPU time, with one intra-op thread, so that the VM's scheduling noise
+stays out; ``--clock wall``, the default on CUDA: wall time, as the trainer's spans measure it,
+since there autograd runs each backward on its device thread while the calling thread waits), the aten ops dispatched (counted with a
 ``TorchDispatchMode`` in a separate run: the ops below autograd, each one dispatch and, for the
 non-view ones, about one kernel launch on the GPU) and the autograd nodes of the graph each
 ``torch.autograd.backward`` walks. Last, the loss and a hash of the gradient of one task: a
@@ -25,8 +25,8 @@ comes closer to the CUDA path's op count.
 each part's GPU time: at the task's first boundary a ``torch.cuda._sleep`` of ``--gpu-hold-ms``
 holds the stream, so that the CPU queues the whole task before the GPU starts and the CUDA events
 recorded at the boundaries measure the kernels back to back (a rep whose hold ran out before the
-CPU reached the last boundary is counted in ``hold_too_short``). The host ms stays the calling
-thread's CPU time: what the trainer's ``TaskResult.spans`` call a stretch's CPU ms. The aten op
+CPU reached the last boundary is counted in ``hold_too_short``). The host ms is then wall time,
+what the trainer's ``TaskResult.spans`` call a stretch's CPU ms. The aten op
 counts leave out the Triton kernels (RMSNorm, RoPE), which are no aten ops.
 
     .venv/bin/python bench/profile_trainer_cpu.py [--same-len] [--dtype bfloat16] [--ops] [--json out.json]
@@ -58,8 +58,7 @@ from coserve.models.peft_adapter import new_lora_adapter
 from coserve.trainer.backward import TaskRow, task_backward
 from coserve.trainer.lora_params import TrainableLoRA
 
-PARTS = ("attn_fwd", "mlp", "attn_bwd")
-CLOCK = time.thread_time_ns
+CLOCK = time.thread_time_ns  # --clock (main sets it)
 SHAPES = {"llama3-8b": {"hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8}}
 """``--shape``: the layer dimensions of a model (its vocabulary stays 256: the loss is no part)."""
 
@@ -101,8 +100,29 @@ def build(args: argparse.Namespace) -> tuple[LlamaForCausalLM, TrainableLoRA, to
     return model, lora, store, rows, mlp_store
 
 
+STRETCHES_UNTRAINED_MLP = ("q/k/v recompute", "attention", "o_proj + residual", "gate/up recompute",
+                           "down grad + SwiGLU bwd", "gate/up grad + norm bwd", "o_proj backward",
+                           "attention backward", "q/k/v backward")
+"""What stretch ``#k`` of a layer runs (the latency run's ``trainer_spans.by_start`` names them
+``layer#k``), with the attention in three pieces (the default) and an MLP the adapter does not
+train, recomputed from its input. With ``--mlp-store`` the gate/up recompute (``#3``) is not there.
+Other layouts (a trained MLP, ``COSERVE_TRAINER_ATTN_PIECES=0``) are listed by number only."""
+
+
+def stretch_names(count: int, mlp_store: bool) -> tuple[str, ...]:
+    """A description for each of a layer's ``count`` stretches (see :data:`STRETCHES_UNTRAINED_MLP`),
+    or empty strings where the layout is another one."""
+    names: tuple[str, ...] = STRETCHES_UNTRAINED_MLP
+    if mlp_store:
+        names = names[:3] + names[4:]
+    return names if len(names) == count else ("",) * count
+
+
 class Segments:
-    """``at_layer_boundary`` that names the part of the backward running since the last call."""
+    """``at_layer_boundary`` that records each boundary, so that the backward splits into its
+    stretches as the trainer's spans do: stretch ``(layer, "#k")`` runs from the ``k``-th boundary
+    of ``layer`` to the next boundary (``layer`` = L: the loss's stretches). ``current`` is the
+    stretch running since the last call."""
 
     def __init__(self, num_layers: int, on_switch: Callable[[tuple[int, str]], None] | None = None,
                  gpu_hold_cycles: int = 0) -> None:
@@ -110,7 +130,8 @@ class Segments:
         self.on_switch = on_switch
         self.marks: list[tuple[int, int]] = []  # (layer, CLOCK()) on entry
         self.resumed: list[int] = []  # CLOCK() on return (the events' host time left out of the parts)
-        self.current: tuple[int, str] = (num_layers, "loss")
+        self.keys: list[tuple[int, str]] = []  # the stretch each boundary opens
+        self.current: tuple[int, str] = (num_layers, "#0")
         # CUDA (gpu_hold_cycles > 0): an event at each boundary, the stream held at the first
         self.hold = gpu_hold_cycles
         self.events: list[torch.cuda.Event] = []
@@ -130,51 +151,28 @@ class Segments:
             event.record()
             self.events.append(event)
         self.resumed.append(CLOCK())
-        if layer == self.num_layers:
-            self.current = (layer, "loss")
-        else:
-            seen = sum(1 for m, _ in self.marks if m == layer)  # boundaries of this layer so far
-            # 1: before the attention recompute; 2: after it; the last one (not known yet) comes
-            # before the attention backward and is re-labelled by `switch_to_backward`
-            self.current = (layer, "attn_fwd" if seen == 1 else "mlp")
-        if self.on_switch is not None:
-            self.on_switch(self.current)
-
-    def switch_to_backward(self) -> None:
-        layer = self.current[0]
-        self.current = (layer, "attn_bwd")
+        ordinal = sum(1 for key in self.keys if key[0] == layer)
+        self.current = (layer, f"#{ordinal}")
+        self.keys.append(self.current)
         if self.on_switch is not None:
             self.on_switch(self.current)
 
     def split(self, end_ns: int) -> dict[tuple[int, str], float]:
-        """Seconds per (layer, part) from the recorded marks (each part from a boundary's return
-        to the next one's entry)."""
-        return self._split(self.marks, self.resumed, end_ns)
+        """Seconds per stretch from the recorded marks (each from a boundary's return to the next
+        one's entry; the last one to ``end_ns``)."""
+        return self._split([t for _, t in self.marks], self.resumed, end_ns)
 
     def split_gpu(self, end: torch.cuda.Event) -> dict[tuple[int, str], float]:
-        """GPU seconds per (layer, part) from the boundaries' events (``end``: after the task;
+        """GPU seconds per stretch from the boundaries' events (``end``: after the task;
         synchronized)."""
         end.synchronize()
         first = self.events[0]
-        marks = [(layer, round(first.elapsed_time(e) * 1e6)) for (layer, _), e in zip(self.marks, self.events, strict=True)]
-        return self._split(marks, [t for _, t in marks], round(first.elapsed_time(end) * 1e6))
+        marks = [round(first.elapsed_time(e) * 1e6) for e in self.events]
+        return self._split(marks, marks, round(first.elapsed_time(end) * 1e6))
 
-    def _split(self, marks_ns: list[tuple[int, int]], resumed_ns: list[int], end_ns: int) -> dict[tuple[int, str], float]:
-        """Per (layer, part): from the return of the boundary that opens it (``resumed_ns``) to the
-        entry of the one that closes it (``marks_ns``)."""
-        by_layer: dict[int, list[int]] = defaultdict(list)
-        back: dict[int, list[int]] = defaultdict(list)
-        for (layer, t), r in zip(marks_ns, resumed_ns, strict=True):
-            by_layer[layer].append(t)
-            back[layer].append(r)
-        out: dict[tuple[int, str], float] = {}
-        for layer in range(self.num_layers):
-            marks, resumed = by_layer[layer], back[layer]
-            nxt = by_layer[layer - 1][0] if layer > 0 else end_ns
-            out[(layer, "attn_fwd")] = (marks[1] - resumed[0]) / 1e9
-            out[(layer, "mlp")] = (marks[-1] - resumed[1]) / 1e9
-            out[(layer, "attn_bwd")] = (nxt - resumed[-1]) / 1e9
-        return out
+    def _split(self, marks_ns: list[int], resumed_ns: list[int], end_ns: int) -> dict[tuple[int, str], float]:
+        ends = marks_ns[1:] + [end_ns]
+        return {key: (stop - began) / 1e9 for key, began, stop in zip(self.keys, resumed_ns, ends, strict=True)}
 
 
 class PartTimes(NamedTuple):
@@ -269,17 +267,8 @@ def count_parts(model: LlamaForCausalLM, lora: TrainableLoRA, store: torch.Tenso
     original = torch.autograd.backward
 
     def backward(tensors: Any, grad_tensors: Any = None, *a: Any, **kw: Any) -> None:
-        layer, part = seg.current
-        if part == "mlp" and lora_trains_mlp(layer) and nodes.get((layer, "mlp"), 0) == 0:
-            nodes[(layer, "mlp")] += _graph_nodes(tensors)
-        elif part == "mlp" or part == "attn_bwd":
-            # the attention backward: the last boundary of the layer came before it
-            seg.switch_to_backward()
-            nodes[(layer, "attn_bwd")] += _graph_nodes(tensors)
+        nodes[seg.current] += _graph_nodes(tensors)
         original(tensors, grad_tensors, *a, **kw)
-
-    def lora_trains_mlp(layer: int) -> bool:
-        return any(lora.trains(layer, t) for t in ("gate_proj", "up_proj", "down_proj"))
 
     torch.autograd.backward = backward  # type: ignore[assignment]
     try:
@@ -326,6 +315,9 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steadier host timings)")
+    p.add_argument("--clock", choices=["thread", "wall"], default=None,
+                   help="host time as the calling thread's CPU time or as wall time (default: thread on "
+                        "the CPU, wall on CUDA, where autograd's backward runs on another thread)")
     p.add_argument("--ops", action="store_true", help="also list the aten ops of each part of one layer")
     p.add_argument("--json", default=None, help="write the figures with provenance as JSON here")
     args = p.parse_args()
@@ -333,6 +325,10 @@ def main() -> None:
         for name, value in SHAPES[args.shape].items():
             setattr(args, name, value)
     torch.set_num_threads(args.threads)
+    global CLOCK
+    if args.clock is None:
+        args.clock = "wall" if args.device.startswith("cuda") else "thread"
+    CLOCK = time.perf_counter_ns if args.clock == "wall" else time.thread_time_ns
 
     model, lora, store, rows, mlp_store = build(args)
     num_layers = len(model.model.layers)
@@ -351,41 +347,49 @@ def main() -> None:
     if gpu:
         print(f"GPU held {args.gpu_hold_ms:.0f} ms at each task's start; reps where the hold ran out before the CPU's "
               f"last boundary: {timed.hold_too_short} of {args.reps}")
-    print(f"{'layer':>5} {'part':>9} {'host ms':>8} {'host p90':>8} {'gpu ms':>7} {'aten ops':>9} {'ag nodes':>9}")
+    layers = range(num_layers)
+    parts = [part for layer, part in times if layer == num_layers - 1]  # a layer's stretches, in order
+    names = dict(zip(parts, stretch_names(len(parts), mlp_store is not None), strict=True))
+    print(f"{'layer':>5} {'part':>4} {'':<24} {'host ms':>8} {'host p90':>8} {'gpu ms':>7} {'aten ops':>9} {'ag nodes':>9}")
     per_layer: list[dict[str, Any]] = []
-    for layer in range(num_layers - 1, -1, -1):
-        for part in PARTS:
-            key = (layer, part)
+    for layer in [num_layers, *range(num_layers - 1, -1, -1)]:
+        for key in [k for k in times if k[0] == layer]:
+            part = key[1]
             ops = sum(counts.get(key, Counter()).values())
             gpu_ms = f"{gpu[key] * 1e3:7.3f}" if gpu else f"{'-':>7}"
-            print(f"{layer:>5} {part:>9} {times[key] * 1e3:8.3f} {timed.host_p90[key] * 1e3:8.3f} {gpu_ms} {ops:9d} "
-                  f"{nodes.get(key, 0):9d}")
-            per_layer.append({"layer": layer, "part": part, "host_ms": times[key] * 1e3,
+            label = "loss" if layer == num_layers else names.get(part, "")
+            print(f"{'loss' if layer == num_layers else layer:>5} {part:>4} {label:<24} {times[key] * 1e3:8.3f} "
+                  f"{timed.host_p90[key] * 1e3:8.3f} {gpu_ms} {ops:9d} {nodes.get(key, 0):9d}")
+            per_layer.append({"layer": layer, "part": part, "name": label, "host_ms": times[key] * 1e3,
                               "host_p90_ms": timed.host_p90[key] * 1e3,
                               "gpu_ms": gpu[key] * 1e3 if gpu else None, "aten_ops": ops,
                               "autograd_nodes": nodes.get(key, 0)})
-    layers = range(num_layers)
-    mean = {part: statistics.fmean(times[(layer, part)] for layer in layers) * 1e3 for part in PARTS}
+    # (means over the layers, by stretch; the loss's stretches apart)
+    mean = {part: statistics.fmean(times[(layer, part)] for layer in layers) * 1e3 for part in parts}
     mean_ops = {part: statistics.fmean(sum(counts.get((layer, part), Counter()).values()) for layer in layers)
-                for part in PARTS}
-    mean_nodes = {part: statistics.fmean(nodes.get((layer, part), 0) for layer in layers) for part in PARTS}
-    print("mean per layer: " + ", ".join(f"{part} {mean[part]:.3f} ms / {mean_ops[part]:.1f} ops" for part in PARTS)
-          + f"; layer total {sum(mean.values()):.3f} ms; attn_bwd autograd nodes {mean_nodes['attn_bwd']:.1f}")
-    mean_gpu = {part: statistics.fmean(gpu[(layer, part)] for layer in layers) * 1e3 for part in PARTS} if gpu else {}
-    if gpu:
-        print("mean GPU per layer: " + ", ".join(f"{part} {mean_gpu[part]:.3f} ms (host/GPU {mean[part] / mean_gpu[part]:.2f})"
-                                                 for part in PARTS))
+                for part in parts}
+    mean_nodes = {part: statistics.fmean(nodes.get((layer, part), 0) for layer in layers) for part in parts}
+    mean_gpu = {part: statistics.fmean(gpu[(layer, part)] for layer in layers) * 1e3 for part in parts} if gpu else {}
+    print("mean per layer:")
+    for part in parts:
+        ratio = f", host/GPU {mean[part] / mean_gpu[part]:.2f}" if gpu and mean_gpu[part] > 0 else ""
+        gpu_part = f", GPU {mean_gpu[part]:.3f} ms{ratio}" if gpu else ""
+        print(f"  {part:>3} {names[part]:<24} host {mean[part]:.3f} ms{gpu_part}, {mean_ops[part]:.1f} aten ops, "
+              f"{mean_nodes[part]:.1f} autograd nodes")
+    total_gpu = f", GPU {sum(mean_gpu.values()):.3f} ms" if gpu else ""
+    print(f"layer total: host {sum(mean.values()):.3f} ms{total_gpu}, {sum(mean_ops.values()):.1f} aten ops")
     print(f"loss {loss!r}, gradient sha256 {digest}")
     # the ops of a layer past the first one processed (that one also makes the task's one-off tables)
     shown = max(num_layers - 2, 0)
     if args.ops:
-        for part in PARTS:
-            print(f"-- layer {shown} {part}: " + ", ".join(f"{n} {c}" for n, c in counts[(shown, part)].most_common()))
+        for part in parts:
+            print(f"-- layer {shown} {part} {names[part]}: "
+                  + ", ".join(f"{n} {c}" for n, c in counts[(shown, part)].most_common()))
     if args.json:
         figures = {"row_lens": lens, "attention": attention, "parts": per_layer, "mean_host_ms": mean,
                    "mean_gpu_ms": mean_gpu, "hold_too_short": timed.hold_too_short, "mean_aten_ops": mean_ops,
                    "mean_autograd_nodes": mean_nodes, "loss_sum": loss, "grad_sha256": digest, "ops_layer": shown,
-                   "ops": {part: dict(counts[(shown, part)]) for part in PARTS}}
+                   "stretch_names": names, "ops": {part: dict(counts[(shown, part)]) for part in parts}}
         with open(args.json, "w") as f:
             json.dump({**provenance(), "config": vars(args), "figures": figures}, f, indent=1)
 
