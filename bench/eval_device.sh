@@ -24,6 +24,11 @@ read -r -a gpus <<< "${GPUS:-$(seq -s ' ' 0 $(( ngpu - 1 )))}"
 ngpu=${#gpus[@]}
 # One MPS control daemon for every GPU, started before any CUDA client.
 nvidia-cuda-mps-control -d 2>/dev/null || true
+# An archive from an earlier run into the same $OUT (two eval= jobs in one first_call.sh lane):
+# unpacked first, so that the archive written below holds both runs' workloads.
+if [[ -f $OUT/eval.tar.gz ]]; then
+  tar -xzf "$OUT/eval.tar.gz" -C "$OUT" && rm "$OUT/eval.tar.gz"
+fi
 mkdir -p "$OUT/eval"
 running=0
 for spec in "$@"; do
