@@ -197,11 +197,14 @@ job() {
       # the trainer's stretches at the 8B shape as the latency run's trainer runs them (a 50% MPS
       # share, ~1,300-token tasks): host ms in wall time (as the spans count it) and in the calling
       # thread's CPU time (the difference: autograd's backward on its device thread), GPU ms, aten ops
+      # (the wall-time run also profiles one task: each stretch's ops by self host time, and the trace)
       for clock in wall thread; do
+        trace=(); [[ $clock == wall ]] && trace=(--trace --chrome-trace "$top/trainer_stretches_trace.json")
         run "trainer_stretches_$clock" "$top/trainer_stretches_$clock.log" env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 \
           python3 bench/profile_trainer_cpu.py --device cuda --shape llama3-8b --dtype bfloat16 --rank 16 --rows 5 \
-          --min-len 200 --max-len 320 --reps 20 --ops --clock $clock --json "$top/trainer_stretches_$clock.json"
-      done ;;
+          --min-len 200 --max-len 320 --reps 20 --ops --clock $clock "${trace[@]}" --json "$top/trainer_stretches_$clock.json"
+      done
+      [[ -f $top/trainer_stretches_trace.json ]] && gzip -f "$top/trainer_stretches_trace.json" ;;
     split_check)
       # the split baseline's step at the 8B shape (4 layers, 9 rows: session 11's failing case) at a
       # 20% MPS share with the LoRA products in fp32 (the default there), with them in bf16 (the

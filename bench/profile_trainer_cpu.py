@@ -37,6 +37,7 @@ counts leave out the Triton kernels (RMSNorm, RoPE), which are no aten ops.
 from __future__ import annotations
 
 import argparse
+import bisect
 import hashlib
 import json
 import random
@@ -118,6 +119,9 @@ def stretch_names(count: int, mlp_store: bool) -> tuple[str, ...]:
     return names if len(names) == count else ("",) * count
 
 
+STRETCH_RANGE = "stretch:"
+
+
 class Segments:
     """``at_layer_boundary`` that records each boundary, so that the backward splits into its
     stretches as the trainer's spans do: stretch ``(layer, "#k")`` runs from the ``k``-th boundary
@@ -125,7 +129,7 @@ class Segments:
     stretch running since the last call."""
 
     def __init__(self, num_layers: int, on_switch: Callable[[tuple[int, str]], None] | None = None,
-                 gpu_hold_cycles: int = 0) -> None:
+                 gpu_hold_cycles: int = 0, annotate: bool = False) -> None:
         self.num_layers = num_layers
         self.on_switch = on_switch
         self.marks: list[tuple[int, int]] = []  # (layer, CLOCK()) on entry
@@ -137,8 +141,18 @@ class Segments:
         self.events: list[torch.cuda.Event] = []
         self.held: torch.cuda.Event | None = None
         self.hold_ran_out = False
+        # --trace: a profiler range over each stretch (``stretch:<layer>:<k>``)
+        self.annotate = annotate
+        self._range: Any = None
+
+    def close(self) -> None:
+        """End the last stretch's profiler range (``annotate``)."""
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
 
     def __call__(self, layer: int) -> None:
+        self.close()
         self.marks.append((layer, CLOCK()))
         if self.hold:
             if self.held is None:
@@ -154,6 +168,9 @@ class Segments:
         ordinal = sum(1 for key in self.keys if key[0] == layer)
         self.current = (layer, f"#{ordinal}")
         self.keys.append(self.current)
+        if self.annotate:
+            self._range = torch.profiler.record_function(f"{STRETCH_RANGE}{layer}:{ordinal}")
+            self._range.__enter__()
         if self.on_switch is not None:
             self.on_switch(self.current)
 
@@ -279,6 +296,48 @@ def count_parts(model: LlamaForCausalLM, lora: TrainableLoRA, store: torch.Tenso
     return counter.counts, dict(nodes)
 
 
+def trace_stretches(model: LlamaForCausalLM, lora: TrainableLoRA, store: torch.Tensor, rows: list[TaskRow],
+                    mlp_store: torch.Tensor | None, layer: int, chrome: str | None,
+                    top: int = 12) -> dict[str, Any]:
+    """One task under ``torch.profiler`` (host activity), a range over each stretch: per stretch of
+    ``layer``, the range's length, its self time (the calling thread outside any op: Python, and
+    the waits for autograd's device thread on CUDA) and the ``top`` ops by self time among the
+    events that start inside it, on any thread (autograd's device thread included: its
+    ``autograd::engine::evaluate_function: ...`` events' self time is the node's Python and
+    bookkeeping). ``chrome``: also the trace, for chrome://tracing or Perfetto."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if store.is_cuda else [])
+    seg = Segments(len(model.model.layers), annotate=True)
+    with profile(activities=activities) as prof:
+        task_backward(model, lora, store, rows, dropout_key=7, at_layer_boundary=seg, mlp_store=mlp_store)
+        seg.close()
+        if store.is_cuda:
+            torch.cuda.synchronize()
+    if chrome:
+        prof.export_chrome_trace(chrome)
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    ranges = sorted((e.time_range.start, e.time_range.end, e) for e in events if e.name.startswith(STRETCH_RANGE))
+    starts = [r[0] for r in ranges]
+    ops: dict[str, Counter[str]] = defaultdict(Counter)
+    for e in events:
+        if e.name.startswith(STRETCH_RANGE):
+            continue
+        i = bisect.bisect_right(starts, e.time_range.start) - 1
+        if i >= 0 and e.time_range.start < ranges[i][1]:
+            ops[ranges[i][2].name][e.name] += e.self_cpu_time_total
+    out: dict[str, Any] = {}
+    for began, ended, e in ranges:
+        at_layer, ordinal = e.name[len(STRETCH_RANGE):].split(":")
+        if int(at_layer) != layer:
+            continue
+        out[f"#{ordinal}"] = {
+            "range_us": ended - began, "self_us": e.self_cpu_time_total,
+            "top_ops_self_us": dict(ops[e.name].most_common(top)),
+        }
+    return out
+
+
 def result_digest(model: LlamaForCausalLM, lora: TrainableLoRA, store: torch.Tensor, rows: list[TaskRow],
                   mlp_store: torch.Tensor | None) -> tuple[float, str]:
     """The loss and a hash of the gradient bytes of one task from a zero gradient: a change that
@@ -319,6 +378,9 @@ def main() -> None:
                    help="host time as the calling thread's CPU time or as wall time (default: thread on "
                         "the CPU, wall on CUDA, where autograd's backward runs on another thread)")
     p.add_argument("--ops", action="store_true", help="also list the aten ops of each part of one layer")
+    p.add_argument("--trace", action="store_true",
+                   help="also one task under torch.profiler: per stretch of one layer, its ops by self host time")
+    p.add_argument("--chrome-trace", default=None, help="with --trace: write the profiler's trace here")
     p.add_argument("--json", default=None, help="write the figures with provenance as JSON here")
     args = p.parse_args()
     if args.shape is not None:
@@ -385,8 +447,15 @@ def main() -> None:
         for part in parts:
             print(f"-- layer {shown} {part} {names[part]}: "
                   + ", ".join(f"{n} {c}" for n, c in counts[(shown, part)].most_common()))
+    traced: dict[str, Any] | None = None
+    if args.trace:
+        traced = trace_stretches(model, lora, store, rows, mlp_store, shown, args.chrome_trace)
+        print(f"-- layer {shown} under torch.profiler (us: the range / the calling thread outside ops; top ops by self time)")
+        for part, t in traced.items():
+            print(f"  {part:>3} {names.get(part, ''):<24} {t['range_us']:8.0f} / {t['self_us']:6.0f}: "
+                  + ", ".join(f"{n} {us:.0f}" for n, us in list(t["top_ops_self_us"].items())[:8]))
     if args.json:
-        figures = {"row_lens": lens, "attention": attention, "parts": per_layer, "mean_host_ms": mean,
+        figures = {"trace": traced, "row_lens": lens, "attention": attention, "parts": per_layer, "mean_host_ms": mean,
                    "mean_gpu_ms": mean_gpu, "hold_too_short": timed.hold_too_short, "mean_aten_ops": mean_ops,
                    "mean_autograd_nodes": mean_nodes, "loss_sum": loss, "grad_sha256": digest, "ops_layer": shown,
                    "stretch_names": names, "ops": {part: dict(counts[(shown, part)]) for part in parts}}

@@ -39,3 +39,19 @@ def test_each_layer_splits_into_the_trainers_stretches(tmp_path: Path, monkeypat
     backward = {p["part"] for p in f["parts"] if p["layer"] == 1 and p["autograd_nodes"] > 0}
     assert backward == {f"#{len(expected) - k}" for k in (3, 2, 1)}
     assert f["mean_aten_ops"][f"#{len(expected) - 1}"] > 0
+
+
+def test_the_trace_splits_one_layers_host_time_by_stretch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out, chrome = tmp_path / "profile.json", tmp_path / "trace.json"
+    monkeypatch.setattr(sys, "argv", ["profile_trainer_cpu.py", "--layers", "3", "--reps", "1", "--warmup", "0",
+                                      "--rows", "3", "--trace", "--chrome-trace", str(chrome), "--json", str(out)])
+    profile.main()
+    traced = json.loads(out.read_text())["figures"]["trace"]
+    assert list(traced) == [f"#{k}" for k in range(len(profile.STRETCHES_UNTRAINED_MLP))]
+    for t in traced.values():
+        assert 0 <= t["self_us"] <= t["range_us"] and t["top_ops_self_us"]
+    # each stretch's own ops: the base GEMMs in the recomputes and backwards, the LoRA nodes' Python
+    assert "aten::mm" in traced["#0"]["top_ops_self_us"] and "_LoRAGroupLinearFn" in traced["#0"]["top_ops_self_us"]
+    assert any("LoRAGroupLinearFnBackward" in name for name in traced["#8"]["top_ops_self_us"])
+    assert chrome.stat().st_size > 0
+
