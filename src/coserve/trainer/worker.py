@@ -39,9 +39,9 @@ logger = logging.getLogger(__name__)
 
 POLL_POINTS = os.environ.get("COSERVE_TRAINER_POLL", "1") == "1"
 """Pause at the poll points inside the stretches too (:meth:`_Worker._poll_point`); ``0``: at
-the boundaries only (the A/B for the pause delay's ``gpu_dry`` tail; session 19's one run with
-the poll points came from a host whose trainer CPU ran 1.3-1.7x slower in stretches they do not
-touch, so their effect is not yet measured: ``bench/results/latency_h200/README.md``)."""
+the boundaries only. Session 20 (H200, latency=50, two runs each on one host, alternating): pause
+delay p99 2.59 / 1.45 ms with them against 3.25 / 3.62 ms without, FT tokens/s 3,125 / 3,337
+against 3,432 / 3,149 (within the runs' spread): ``bench/results/latency_h200/session20/``."""
 
 
 @dataclass
