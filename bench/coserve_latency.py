@@ -21,6 +21,7 @@ import cProfile
 import io
 import json
 import logging
+import math
 import pstats
 import random
 import shutil
@@ -132,23 +133,42 @@ def pause_delays(windows: list[tuple[float, float]], observed: list[float],
     return out
 
 
-def span_summary(spans: list[tuple[int, int, float, float]], num_layers: int) -> dict[str, Any]:
+WAITED_SHARE = 0.5
+""":func:`span_summary`'s ``host_waited``: a stretch of at least :data:`WAITED_MIN_MS` host time
+whose process CPU time was below this share of it."""
+WAITED_MIN_MS = 0.5
+
+
+def span_summary(spans: list[tuple[int, int, float, float]], num_layers: int,
+                 process_ms: list[float] | None = None) -> dict[str, Any]:
     """The stretches between the trainer's boundaries (``TaskResult.spans``, GPU-side gate
     only), by where they start: ``start``, ``loss``, ``commit`` or ``layer#k`` (the k-th boundary
     of a layer: 0 the attention recompute, then the MLP's pieces, the last the attention
     backward): their GPU time (what a pause that comes during a stretch waits for) and their CPU
     time (``cpu_over_gpu``: the stretches whose queuing took longer than their GPU time, which left
-    the GPU dry — their kernels trickle out as the CPU queues them)."""
-    groups: dict[str, list[tuple[float, float]]] = {}
-    for layer, ordinal, ms, cpu_ms in spans:
-        groups.setdefault(boundary_kind(layer, ordinal, num_layers), []).append((ms, cpu_ms))
+    the GPU dry — their kernels trickle out as the CPU queues them). With ``process_ms``
+    (``TaskResult.span_process_ms``, parallel to ``spans``; NaN where unknown): the CPU time the
+    trainer's threads used in each (``proc_p50_ms`` / ``proc_p99_ms``) and ``host_waited``, the
+    stretches whose host time was mostly not CPU work (:data:`WAITED_SHARE`): a lock, the GIL,
+    the driver or the OS's scheduler, not Python and dispatch."""
+    if process_ms is None or len(process_ms) != len(spans):
+        process_ms = [math.nan] * len(spans)
+    groups: dict[str, list[tuple[float, float, float]]] = {}
+    for (layer, ordinal, ms, cpu_ms), proc in zip(spans, process_ms, strict=True):
+        groups.setdefault(boundary_kind(layer, ordinal, num_layers), []).append((ms, cpu_ms, proc))
     everything = [ms for _, _, ms, _ in spans]
 
-    def stats(pairs: list[tuple[float, float]]) -> dict[str, Any]:
-        gpu, cpu = [g for g, _ in pairs], [c for _, c in pairs]
-        return {"n": len(pairs), "p50_ms": percentile(gpu, 50), "p99_ms": percentile(gpu, 99), "max_ms": max(gpu),
-                "cpu_p50_ms": percentile(cpu, 50), "cpu_p99_ms": percentile(cpu, 99),
-                "cpu_over_gpu": sum(c > g for g, c in pairs)}
+    def stats(rows: list[tuple[float, float, float]]) -> dict[str, Any]:
+        gpu, cpu = [g for g, _, _ in rows], [c for _, c, _ in rows]
+        out = {"n": len(rows), "p50_ms": percentile(gpu, 50), "p99_ms": percentile(gpu, 99), "max_ms": max(gpu),
+               "cpu_p50_ms": percentile(cpu, 50), "cpu_p99_ms": percentile(cpu, 99),
+               "cpu_over_gpu": sum(c > g for g, c, _ in rows)}
+        known = [(c, p) for _, c, p in rows if not math.isnan(p)]
+        if known:
+            procs = [p for _, p in known]
+            out |= {"proc_p50_ms": percentile(procs, 50), "proc_p99_ms": percentile(procs, 99),
+                    "host_waited": sum(c >= WAITED_MIN_MS and p < WAITED_SHARE * c for c, p in known)}
+        return out
 
     return {
         "n": len(everything),
@@ -323,7 +343,8 @@ def main() -> None:
                                       num_layers, co.pause_observed_lags or None,
                                       co.pause_window_at if co.pause_observed_lags else None,
                                       co.pause_observed_polled or None),
-        "trainer_spans": span_summary(co.trainer_spans, num_layers) if co.trainer_spans else None,
+        "trainer_spans": (span_summary(co.trainer_spans, num_layers, co.trainer_span_process_ms)
+                          if co.trainer_spans else None),
         "ft_only_interruption": {
             "requests": len(ft_only), "interrupted_steps": co.num_interrupted,
             "delay_p50_ms": percentile(ft_only, 50) * 1e3, "delay_p99_ms": percentile(ft_only, 99) * 1e3,

@@ -51,7 +51,7 @@
 #                  (torch, flash_fn, flash): the attention recompute's and backward's host and GPU ms
 #   trainer_stretches  bench/profile_trainer_cpu.py on CUDA, the 8B shape at a 50% MPS share: each of a
 #                  layer's stretches (layer#k as in the latency run's trainer_spans), host ms in wall
-#                  and in thread time, GPU ms, aten ops
+#                  and in process CPU time, GPU ms, aten ops
 #   split_check    bench/split_step_check.py at the 8B shape (4 layers, 9 rows) at a 20% MPS share with
 #                  COSERVE_LORA_FP32_MM auto and 0, and on the whole GPU; bench/skinny_mm_check.py at 20%
 #                  (the split baseline's NaN, sessions 10-11)
@@ -195,10 +195,10 @@ job() {
       done ;;
     trainer_stretches)
       # the trainer's stretches at the 8B shape as the latency run's trainer runs them (a 50% MPS
-      # share, ~1,300-token tasks): host ms in wall time (as the spans count it) and in the calling
-      # thread's CPU time (the difference: autograd's backward on its device thread), GPU ms, aten ops
+      # share, ~1,300-token tasks): host ms in wall time (as the spans count it) and in the CPU time
+      # of the process's threads (the difference: the host waiting, not working), GPU ms, aten ops
       # (the wall-time run also profiles one task: each stretch's ops by self host time, and the trace)
-      for clock in wall thread; do
+      for clock in wall process; do
         trace=(); [[ $clock == wall ]] && trace=(--trace --chrome-trace "$top/trainer_stretches_trace.json")
         run "trainer_stretches_$clock" "$top/trainer_stretches_$clock.log" env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 \
           python3 bench/profile_trainer_cpu.py --device cuda --shape llama3-8b --dtype bfloat16 --rank 16 --rows 5 \

@@ -11,7 +11,9 @@ what each runs in the default layout), and the loss's stretches apart.
 Per stretch: the median host time over ``--reps`` runs (``--clock thread``, the default on the
 CPU: the calling thread's CPU time, with one intra-op thread, so that the VM's scheduling noise
 stays out; ``--clock wall``, the default on CUDA: wall time, as the trainer's spans measure it,
-since there autograd runs each backward on its device thread while the calling thread waits), the aten ops dispatched (counted with a
+since there autograd runs each backward on its device thread while the calling thread waits;
+``--clock process``: the CPU time of all the process's threads, which, beside wall time, tells
+host work from a host that waits), the aten ops dispatched (counted with a
 ``TorchDispatchMode`` in a separate run: the ops below autograd, each one dispatch and, for the
 non-view ones, about one kernel launch on the GPU) and the autograd nodes of the graph each
 ``torch.autograd.backward`` walks. Last, the loss and a hash of the gradient of one task: a
@@ -374,9 +376,10 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steadier host timings)")
-    p.add_argument("--clock", choices=["thread", "wall"], default=None,
-                   help="host time as the calling thread's CPU time or as wall time (default: thread on "
-                        "the CPU, wall on CUDA, where autograd's backward runs on another thread)")
+    p.add_argument("--clock", choices=["thread", "wall", "process"], default=None,
+                   help="host time as the calling thread's CPU time, as wall time or as the CPU time of all "
+                        "the process's threads (default: thread on the CPU, wall on CUDA, where autograd's "
+                        "backward runs on another thread)")
     p.add_argument("--ops", action="store_true", help="also list the aten ops of each part of one layer")
     p.add_argument("--trace", action="store_true",
                    help="also one task under torch.profiler: per stretch of one layer, its ops by self host time")
@@ -390,7 +393,7 @@ def main() -> None:
     global CLOCK
     if args.clock is None:
         args.clock = "wall" if args.device.startswith("cuda") else "thread"
-    CLOCK = time.perf_counter_ns if args.clock == "wall" else time.thread_time_ns
+    CLOCK = {"wall": time.perf_counter_ns, "thread": time.thread_time_ns, "process": time.process_time_ns}[args.clock]
 
     model, lora, store, rows, mlp_store = build(args)
     num_layers = len(model.model.layers)

@@ -49,6 +49,20 @@ def test_spans_grouped_by_where_they_start() -> None:
     assert by["loss"]["n"] == 2 and by["loss"]["max_ms"] == pytest.approx(3.0)
     assert by["layer#0"]["n"] == 2 and by["layer#0"]["max_ms"] == pytest.approx(0.7)
     assert by["layer#0"]["cpu_over_gpu"] == 1 and by["commit"]["cpu_p50_ms"] == pytest.approx(2.0)
+    assert "proc_p50_ms" not in by["loss"]  # (no process CPU times given)
+
+
+def test_spans_tell_host_work_from_a_host_that_waited() -> None:
+    # layer 1's attention recompute: 4 ms of host time, 3.8 of them CPU work; layer 0's: 3 ms of
+    # host time with 0.4 ms of CPU work (the host waited); the commit: its process time unknown
+    spans = [(1, 0, 0.5, 4.0), (0, 0, 0.7, 3.0), (0, 1, 0.2, 0.3), (-1, 0, 0.1, 2.0)]
+    got = coserve_latency.span_summary(spans, num_layers=2, process_ms=[3.8, 0.4, 0.1, float("nan")])
+    by = got["by_start"]
+    assert by["layer#0"]["host_waited"] == 1 and by["layer#0"]["proc_p99_ms"] == pytest.approx(3.8, rel=0.02)
+    assert by["layer#1"]["host_waited"] == 0  # (0.3 ms of host time: too short to say)
+    assert "proc_p50_ms" not in by["commit"]
+    # a list that does not match the spans is ignored
+    assert "host_waited" not in coserve_latency.span_summary(spans, 2, process_ms=[1.0])["by_start"]["layer#0"]
 
 
 def test_delays_split_by_whether_the_gpu_had_run_dry() -> None:

@@ -164,6 +164,7 @@ def test_gated_worker_pauses_on_its_gpu_stream_and_computes_the_same_loss() -> N
     assert read_progress(spec.gate_flag) is None  # the GPU wrote "between tasks" at the end
     assert got.spans and got.spans[0][:2] == (TASK_START, 0) and got.spans[1][:2] == (num_layers, 0)
     assert all(ms >= 0.0 and cpu_ms > -0.1 for _, _, ms, cpu_ms in got.spans)
+    assert len(got.span_process_ms) == len(got.spans) and all(ms >= 0.0 for ms in got.span_process_ms)
 
 
 @pytest.mark.skipif(not CUDA, reason="the gate is a CUDA stream wait")
@@ -280,4 +281,7 @@ def test_a_poll_point_queues_one_wait_per_gate_closure(monkeypatch: pytest.Monke
     got = worker.run(task)
     assert polls > 5
     assert queued.count(True) == 2  # one for each of the two closures
+    # each stretch between two waits with the CPU time the process used in it
+    assert got.spans and len(got.span_process_ms) == len(got.spans)
+    assert all(ms >= 0.0 for ms in got.span_process_ms) and sum(got.span_process_ms) > 0.0
     assert got.loss_sum == pytest.approx(expected.loss_sum, rel=1e-6)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -215,6 +216,8 @@ class CoServer:
         self.pause_observed: list[float] = []
         self.pause_observed_layers: list[int] = []  # the boundary of each (TaskResult.pause_layers)
         self.trainer_spans: list[tuple[int, int, float, float]] = []  # TaskResult.spans of every task
+        # TaskResult.span_process_ms, parallel to trainer_spans (NaN where a result had none)
+        self.trainer_span_process_ms: list[float] = []
         self.pause_observed_lags: list[float] = []  # TaskResult.pause_lags_ms (GPU-side gate only)
         self.pause_observed_polled: list[bool] = []  # TaskResult.pause_polled
         # planned steps by (step kind: "inference" | "ft-only", outcome: "added" (FT rows added),
@@ -611,6 +614,9 @@ class CoServer:
             self.pause_observed.extend(result.pause_times)
             self.pause_observed_layers.extend(result.pause_layers)
             self.trainer_spans.extend(result.spans)
+            process = result.span_process_ms
+            self.trainer_span_process_ms.extend(process if len(process) == len(result.spans)
+                                                else (math.nan,) * len(result.spans))
             self.pause_observed_lags.extend(result.pause_lags_ms)
             self.pause_observed_polled.extend(result.pause_polled or (False,) * len(result.pause_times))
             sent = self._submitted.pop(result.task_id, None)

@@ -68,6 +68,9 @@ class TaskResult:
     # for each pause in pause_times: whether it was taken at a poll point inside a stretch
     # (coserve.trainer.worker._Worker._poll_point) rather than at a boundary
     pause_polled: tuple[bool, ...] = ()
+    # for each of spans: the CPU time (ms) all the worker's threads used in it (time.process_time);
+    # far below the span's CPU ms (wall time), the host waited rather than worked there
+    span_process_ms: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -182,6 +182,9 @@ class WaitMark(NamedTuple):
     record_gap_ms: float
     recorded_s: float
     waited_ms: float = 0.0  # the CPU's sleep or wait on the GPU after queuing this wait
+    # time.process_time() beside recorded_s: the CPU time of all the process's threads (the
+    # autograd engine runs a backward on its device thread while the calling thread waits)
+    process_s: float = 0.0
 
 
 class GatePause(NamedTuple):
@@ -231,3 +234,12 @@ def read_spans(marks: Sequence[WaitMark]) -> list[tuple[int, int, float, float]]
     event must have completed). A stretch whose CPU time exceeds its GPU time left the GPU dry."""
     return [(a.layer, a.ordinal, a.after.elapsed_time(b.before), (b.recorded_s - a.recorded_s) * 1e3 - a.waited_ms)
             for a, b in zip(marks[:-1], marks[1:], strict=True)]
+
+
+def read_span_process_ms(marks: Sequence[WaitMark]) -> list[float]:
+    """The CPU time all the process's threads used in each stretch of :func:`read_spans` (ms, the
+    same order). Beside a stretch's host time (wall time), it tells host work from a host that
+    waited: on a lock, the GIL, the driver or the OS's scheduler (a sleep or wait on the GPU
+    after a boundary uses next to no CPU time, as it is left out of the host time too)."""
+    return [(b.process_s - a.process_s) * 1e3 for a, b in zip(marks[:-1], marks[1:], strict=True)]
+

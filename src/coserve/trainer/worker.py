@@ -32,6 +32,7 @@ from coserve.trainer.stream_gate import (
     encode_progress,
     pauses_from_marks,
     read_marks,
+    read_span_process_ms,
     read_spans,
 )
 
@@ -222,14 +223,14 @@ class _Worker:
                            "and freed its cache (each time the device synchronizes); give the trainer more "
                            "memory or shorter tasks", retries - self._alloc_retries, task.task_id)
             self._alloc_retries = retries
-        spans, lags = self._read_gate_pauses()
+        spans, lags, span_process = self._read_gate_pauses()
         pauses, self._pauses = self._pauses, []
         paused, self._paused_s = self._paused_s, 0.0
         gpu_wait, self._gpu_wait_s = self._gpu_wait_s, 0.0
         return TaskResult(task.task_id, loss.loss_sum, loss.num_targets, time.perf_counter() - start, info,
                           tuple(t for t, _, _ in pauses), paused, gpu_wait, time.thread_time() - cpu_start,
                           tuple(layer for _, layer, _ in pauses), tuple(spans), tuple(lags),
-                          tuple(polled for _, _, polled in pauses))
+                          tuple(polled for _, _, polled in pauses), tuple(span_process))
 
     def _backward(self, rows: list[TaskRow], dropout_key: int | None) -> TaskLoss:
         """One task's backward pass, from its start boundary on (a real task or the warm-up)."""
@@ -334,7 +335,7 @@ class _Worker:
         else:
             last = next((m for m in reversed(self._marks) if m.ordinal != POLLED), None)
             ordinal = last.ordinal + 1 if last is not None and last.layer == layer else 0
-        recorded_s = time.monotonic()
+        recorded_s, process_s = time.monotonic(), time.process_time()
         began = time.perf_counter()
         before.record(stream)
         self._gate.wait(stream)
@@ -342,7 +343,7 @@ class _Worker:
         gap_ms = (time.perf_counter() - began) * 1e3
         if not polled:
             self._gate.mark(stream, encode_progress(layer, min(ordinal, POLLED - 1)))
-        self._marks.append(WaitMark(before, after, layer, ordinal, gap_ms, recorded_s))
+        self._marks.append(WaitMark(before, after, layer, ordinal, gap_ms, recorded_s, process_s=process_s))
         ahead = self.spec.gated_boundaries_ahead
         if len(self._marks) > ahead:
             began = time.perf_counter()
@@ -374,13 +375,13 @@ class _Worker:
         logger.warning("the trainer's GPU-side pause failed (%s): pausing on the CPU from now on", exc)
         self._gate = None
 
-    def _read_gate_pauses(self) -> tuple[list[tuple[int, int, float, float]], list[float]]:
+    def _read_gate_pauses(self) -> tuple[list[tuple[int, int, float, float]], list[float], list[float]]:
         """Add the pauses the gate's waits made in this task, from their events (after the last
         completed), as ``(monotonic time, layer)`` like the CPU path's; returns the task's
-        :attr:`TaskResult.spans` and its pauses' ``pause_lags_ms``."""
+        :attr:`TaskResult.spans`, its pauses' ``pause_lags_ms`` and the spans' process CPU ms."""
         marks, self._marks = self._marks, []
         if not marks or self._anchor is None:
-            return [], []
+            return [], [], []
         marks[-1].after.synchronize()
         anchor, anchor_s = self._anchor
         pauses, paused_s = pauses_from_marks(anchor_s, *read_marks(anchor, marks))
@@ -388,7 +389,7 @@ class _Worker:
         self._paused_s += paused_s
         # NOTE: the CPU's waits for marks held by a closed gate were pauses, not GPU work.
         self._gpu_wait_s = max(0.0, self._gpu_wait_s - paused_s)
-        return read_spans(marks), [p.lag_ms for p in pauses]
+        return read_spans(marks), [p.lag_ms for p in pauses], read_span_process_ms(marks)
 
     def _commit(self) -> None:
         """Save the new state into the other bank, flip the bank index, then update serving."""
