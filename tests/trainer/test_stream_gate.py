@@ -285,3 +285,45 @@ def test_a_poll_point_queues_one_wait_per_gate_closure(monkeypatch: pytest.Monke
     assert got.spans and len(got.span_process_ms) == len(got.spans)
     assert all(ms >= 0.0 for ms in got.span_process_ms) and sum(got.span_process_ms) > 0.0
     assert got.loss_sum == pytest.approx(expected.loss_sum, rel=1e-6)
+
+
+def test_the_loss_readback_waits_for_the_gpu_outside_the_last_stretch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the gate, the worker waits for its GPU before reading the loss back, on a blocking
+    event, and counts that as a wait on the GPU: the stretch that ends at the commit's wait is its
+    queuing alone."""
+    spec, task, _ = _worker_spec("cpu")
+    waits: list[str] = []
+
+    class ReadbackEvent(_FakeEvent):
+        def __init__(self, **kwargs: object) -> None:
+            self.timed = bool(kwargs.get("enable_timing"))
+
+        def synchronize(self) -> None:
+            if not self.timed:  # the readback's (the gate's events are timed ones)
+                waits.append("readback")
+                time.sleep(0.05)
+
+    class FakeGate:
+        def wait(self, stream: object) -> None:
+            pass
+
+        def mark(self, stream: object, code: int) -> None:
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Event", ReadbackEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: _FakeEvent())
+    worker = _Worker(spec)
+    worker._gate = FakeGate()  # type: ignore[assignment]
+    gated = worker._gated_boundary
+
+    def boundary(layer: int, polled: bool = False) -> None:
+        waits.append(f"boundary {layer}")
+        gated(layer, polled)
+
+    worker._gated_boundary = boundary  # type: ignore[method-assign]
+    got = worker.run(task)
+    # after the last layer's boundaries, before the commit's
+    assert waits.count("readback") == 1
+    assert waits.index("readback") == len(waits) - 2 and waits[-1] == f"boundary {COMMIT}"
+    assert got.spans[-1][0] == 0 and got.spans[-1][3] < 40.0  # (the 50 ms wait left out)
+    assert got.gpu_wait_s >= 0.05

@@ -129,6 +129,7 @@ def task_backward(
     at_layer_boundary: Callable[[int], None] | None = None,
     at_poll_point: Callable[[], None] | None = None,
     mlp_store: torch.Tensor | None = None,
+    before_readback: Callable[[], None] | None = None,
 ) -> TaskLoss:
     """Accumulate ``∂loss/∂flat`` into ``lora.flat.grad`` from saved layer inputs.
 
@@ -148,6 +149,8 @@ def task_backward(
     longest (each trained LoRA linear's forward after its base GEMM, its backward at its start and
     after the input gradient): a caller may pause there too, when the engine has asked for one
     (:meth:`coserve.trainer.worker._Worker._poll_point`). It changes nothing computed.
+    ``before_readback()`` runs after the last layer's work is queued, before the loss is read back
+    to the host (which waits for the GPU): a caller may wait there in its own way (and count it).
 
     With ``mlp_store`` ``[L, capacity, 2·intermediate]`` (the gate/up outputs the engine kept,
     same token offsets), a layer whose MLP the adapter does not train is differentiated through
@@ -250,6 +253,8 @@ def task_backward(
                 torch.autograd.backward(h, dh)
             grad = x.grad if layer_idx > 0 else None
             del x, h, dh, pieces
+    if before_readback is not None:
+        before_readback()
     return TaskLoss(float(loss_total), num_targets)
 
 
