@@ -249,9 +249,11 @@ def task_backward(
             boundary(layer_idx)
             if pieces is not None:
                 _attention_pieces_backward(pieces, dh, functools.partial(boundary, layer_idx))
-            elif h.requires_grad:
-                torch.autograd.backward(h, dh)
-            grad = x.grad if layer_idx > 0 else None
+                grad = layer_input_grad(x, dh) if layer_idx > 0 else None
+            else:
+                if h.requires_grad:
+                    torch.autograd.backward(h, dh)
+                grad = x.grad if layer_idx > 0 else None
             del x, h, dh, pieces
     if before_readback is not None:
         before_readback()
@@ -287,7 +289,21 @@ def _attention_pieces(layer: DecoderLayer, x: torch.Tensor, positions: torch.Ten
     o = attn.attend(*qkv_in, ctx)
     boundary()
     o_in = _leaf(o)
-    return _AttentionPieces((q, k, v), qkv_in, o, o_in, x + attn.o_proj(o_in, ctx.lora))
+    # NOTE: the residual's gradient (``dh`` itself) is added to the layer input's by hand after the
+    # q/k/v backward (:func:`layer_input_grad`): through autograd, ``x``'s AccumulateGrad would clone
+    # ``dh`` (the caller still holds it) and add the q/k/v gradient to the copy; ``dx + dh`` is the
+    # same sum bit for bit, with one kernel and one autograd node less per layer.
+    return _AttentionPieces((q, k, v), qkv_in, o, o_in, x.detach() + attn.o_proj(o_in, ctx.lora))
+
+
+def layer_input_grad(x: torch.Tensor, dh: torch.Tensor | None) -> torch.Tensor | None:
+    """``∂loss/∂x`` of a layer run in :data:`ATTN_PIECES`: the q/k/v path's gradient (``x.grad``,
+    accumulated by autograd) plus the residual's, ``dh`` (``None`` when ``x`` needs none)."""
+    if not x.requires_grad:
+        return None
+    if x.grad is None:
+        return dh
+    return x.grad if dh is None else x.grad.add_(dh)
 
 
 def _attention_pieces_backward(p: _AttentionPieces, dh: torch.Tensor | None, boundary: Callable[[], None]) -> None:
