@@ -327,3 +327,34 @@ def test_the_loss_readback_waits_for_the_gpu_outside_the_last_stretch(monkeypatc
     assert waits.index("readback") == len(waits) - 2 and waits[-1] == f"boundary {COMMIT}"
     assert got.spans[-1][0] == 0 and got.spans[-1][3] < 40.0  # (the 50 ms wait left out)
     assert got.gpu_wait_s >= 0.05
+
+
+def test_the_marks_reuse_the_events_of_earlier_tasks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The timed events of a task's marks are made once: the next task's marks record the ones
+    the last task's read, and the loss is the same."""
+    spec, task, _ = _worker_spec("cpu")
+    expected = _Worker(spec).run(task)
+    made: list[object] = []
+
+    class CountedEvent(_FakeEvent):
+        def __init__(self, **kwargs: object) -> None:
+            if kwargs.get("enable_timing") and kwargs.get("blocking"):
+                made.append(self)
+
+    class FakeGate:
+        def wait(self, stream: object) -> None:
+            pass
+
+        def mark(self, stream: object, code: int) -> None:
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Event", CountedEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: _FakeEvent())
+    worker = _Worker(spec)
+    worker._gate = FakeGate()  # type: ignore[assignment]
+    first = worker.run(task)
+    after_first = len(made)
+    second = worker.run(task)
+    assert after_first == 2 * (len(first.spans) + 1)  # two per mark, one mark more than stretches
+    assert len(made) == after_first and len(second.spans) == len(first.spans)
+    assert first.loss_sum == pytest.approx(expected.loss_sum, rel=1e-6)
