@@ -249,20 +249,19 @@ class _Worker:
 
     def _before_readback(self) -> None:
         """Before the task's loss is read back (``task_backward``'s ``before_readback``), with the
-        GPU-side gate: wait for the GPU here, sleeping on the grant while the engine holds the gate
-        closed and then on a blocking-sync event (a readback's synchronization may spin on a core
-        beside the engine's host thread), and count it as a wait on the GPU (:meth:`_note_wait`):
-        the stretch from the task's last wait to the commit's is then its queuing alone, not the
-        readback's wait for the GPU and for a prefill that holds the gate closed. (Session 20's
-        stretches that started at a poll point had a CPU p99 of 16 / 83 ms against a p50 of
-        1.2–1.4 ms; the last stretch of a task that ends a step is one of them when a poll point
-        came in its layer 0.)"""
+        GPU-side gate: wait for the GPU to finish the task's queued work on a blocking-sync event
+        (the readback's own synchronization may spin on a core beside the engine's host thread),
+        and count it as a wait on the GPU (:meth:`_note_wait`): the stretch from the task's last
+        wait to the commit's is then its queuing alone. That wait is long when a poll point queued
+        a wait in the task's last stretch and the engine holds the gate closed: it lasts until the
+        engine's prefill ends. (Session 20's stretches that started at a poll point had a CPU p99
+        of 16 / 83 ms against a p50 of 1.2–1.4 ms; the last stretch of a task that ends a step is
+        one of them when a poll point came in its layer 0.) No grant wait here: without a wait
+        in the last stretch the GPU finishes it, and the commit's boundary, queued next, is where
+        the pause is seen."""
         if self._gate is None:
             return
         began = time.perf_counter()
-        grant = self.spec.grant
-        if grant is not None:
-            grant.wait()
         done = torch.cuda.Event(blocking=True)
         done.record(torch.cuda.current_stream())
         done.synchronize()
