@@ -20,6 +20,9 @@ reports the relative error on the rest for:
   and the measured / predicted ratio grouped by what the trainer's GPU was running when the step
   began (``loss``, ``commit``, ``layer#k`` — the k-th stretch of a layer — or ``between_tasks``):
   whether a busy step's slowdown follows the trainer's kernels;
+- ``by_trainer_in_task`` (idle sets whose steps record where the trainer was): the same by
+  whether the trainer was inside a task when the step began (``in_task``: its queued kernels up to
+  its pause ran beside the step's start) or between tasks; over all the set's steps;
 - ``bucket`` (decode steps in graph mode): the linear form with the decode rows replaced by the
   CUDA-graph bucket that ran them (``--graph-sizes``, the engine's default buckets): a replay
   computes the padded batch, not the rows it carries;
@@ -110,14 +113,18 @@ def _bucket(rows: float, sizes: tuple[int, ...]) -> float:
     return float(next((b for b in sizes if b >= rows), rows))
 
 
-def _by_trainer_at(steps: list[list[Any]]) -> dict[str, Any]:
-    """Online error and measured / predicted ratio of busy steps by the trainer's position."""
+def _by_trainer_at(steps: list[list[Any]], in_task_only: bool = False) -> dict[str, Any]:
+    """Online error and measured / predicted ratio of busy steps by the trainer's position
+    (``in_task_only``: ``in_task`` or ``between_tasks`` alone)."""
     top = max((s[4][0] for s in steps if s[4] is not None), default=0)
     groups: dict[str, list[tuple[float, float]]] = {}
     for predicted, measured, _, _, at, *_ in steps:
         if predicted <= 0:
             continue
-        kind = "between_tasks" if at is None else boundary_kind(at[0], at[1], top)
+        if at is None:
+            kind = "between_tasks"
+        else:
+            kind = "in_task" if in_task_only else boundary_kind(at[0], at[1], top)
         groups.setdefault(kind, []).append((predicted, measured))
     out = {}
     for kind, pairs in sorted(groups.items()):
@@ -223,6 +230,9 @@ def evaluate(rows: list[list[Any]], train: float, floor_q: float,
         ats = [s[4] for s in steps]
         if key.endswith("/busy") and any(a is not None for a in ats):
             out[key]["by_trainer_at"] = _by_trainer_at(steps)
+        elif key.endswith("/idle") and any(a is not None for a in ats):
+            # a prefill step pauses the trainer, whose queued kernels may still run at its start
+            out[key]["by_trainer_in_task"] = _by_trainer_at(steps, in_task_only=True)
         if all(s[3] is not None for s in steps):
             xr = torch.cat([x, torch.tensor([s[3] for s in steps], dtype=torch.float64)], 1)
             theta_r = torch.tensor(fit_relative(xr[:n_train], yt, 1.0 / yt), dtype=torch.float64)

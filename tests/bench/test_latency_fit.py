@@ -82,6 +82,22 @@ def test_busy_steps_grouped_by_what_the_trainer_ran() -> None:
     assert got["between_tasks"]["n"] == 1
 
 
+def test_idle_steps_grouped_by_whether_the_trainer_was_in_a_task() -> None:
+    """Prefill steps that began while the trainer was in a task ran 20% slow (its kernels before
+    the pause), the others on time: the idle set's grouping shows it."""
+    rows: list[list[object]] = []
+    for i in range(100):
+        at = [i % 32, 3] if i % 2 else None
+        rows.append(["prefill/graph/idle", 0.02, 0.024 if at else 0.02, [1e6, 1000.0, 0.0, 0.0, 0.0, 0.0, 1.0],
+                     [1, 0], at, False])
+    got = latency_fit.evaluate(rows, 0.5, 0.1)["prefill/graph/idle"]
+    assert "by_trainer_at" not in got
+    groups = got["by_trainer_in_task"]
+    assert set(groups) == {"in_task", "between_tasks"} and groups["in_task"]["n"] == 50
+    assert groups["in_task"]["ratio_median"] == pytest.approx(1.2)
+    assert groups["between_tasks"]["ratio_median"] == pytest.approx(1.0)
+
+
 def test_prefill_steps_grouped_by_context_and_timing_path() -> None:
     """Prefill rows of the seven-column table: host-timed steps with a context chunk run 4 ms
     over a prediction that the other three groups meet; the grouping finds them, and a
