@@ -215,9 +215,29 @@ class _FakeEvent:
         return 0.0
 
 
-def _fake_cuda_events(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+def _fake_cuda_events(monkeypatch: pytest.MonkeyPatch, event: type[_FakeEvent] = _FakeEvent) -> None:
+    monkeypatch.setattr(torch.cuda, "Event", event)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: _FakeEvent())
+
+
+class _FakeGate:
+    """A gate stand-in that queues nothing (the worker's bookkeeping around it runs as on CUDA)."""
+
+    def wait(self, stream: object) -> None:
+        pass
+
+    def mark(self, stream: object, code: int) -> None:
+        pass
+
+
+def _gated_cpu_worker(spec: WorkerSpec, monkeypatch: pytest.MonkeyPatch,
+                      event: type[_FakeEvent] = _FakeEvent) -> _Worker:
+    """A worker on the CPU that takes the GPU-side gate's path, with stand-ins for the gate and
+    the CUDA events."""
+    _fake_cuda_events(monkeypatch, event)
+    worker = _Worker(spec)
+    worker._gate = _FakeGate()  # type: ignore[assignment]
+    return worker
 
 
 def test_a_failing_gate_falls_back_to_the_cpu_pause(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -247,18 +267,9 @@ def test_a_poll_point_queues_one_wait_per_gate_closure(monkeypatch: pytest.Monke
     spec, task, _ = _worker_spec("cpu")
     expected = _Worker(spec).run(task)
 
-    class FakeGate:
-        def wait(self, stream: object) -> None:
-            pass
-
-        def mark(self, stream: object, code: int) -> None:
-            pass
-
-    _fake_cuda_events(monkeypatch)
     flag = new_flag()
     spec.gate_flag = flag
-    worker = _Worker(spec)
-    worker._gate = FakeGate()  # type: ignore[assignment]
+    worker = _gated_cpu_worker(spec, monkeypatch)
     polls = 0
     poll, gated = worker._poll_point, worker._gated_boundary
     queued: list[bool] = []
@@ -303,17 +314,7 @@ def test_the_loss_readback_waits_for_the_gpu_outside_the_last_stretch(monkeypatc
                 waits.append("readback")
                 time.sleep(0.05)
 
-    class FakeGate:
-        def wait(self, stream: object) -> None:
-            pass
-
-        def mark(self, stream: object, code: int) -> None:
-            pass
-
-    monkeypatch.setattr(torch.cuda, "Event", ReadbackEvent)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: _FakeEvent())
-    worker = _Worker(spec)
-    worker._gate = FakeGate()  # type: ignore[assignment]
+    worker = _gated_cpu_worker(spec, monkeypatch, ReadbackEvent)
     gated = worker._gated_boundary
 
     def boundary(layer: int, polled: bool = False) -> None:
@@ -341,17 +342,7 @@ def test_the_marks_reuse_the_events_of_earlier_tasks(monkeypatch: pytest.MonkeyP
             if kwargs.get("enable_timing") and kwargs.get("blocking"):
                 made.append(self)
 
-    class FakeGate:
-        def wait(self, stream: object) -> None:
-            pass
-
-        def mark(self, stream: object, code: int) -> None:
-            pass
-
-    monkeypatch.setattr(torch.cuda, "Event", CountedEvent)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: _FakeEvent())
-    worker = _Worker(spec)
-    worker._gate = FakeGate()  # type: ignore[assignment]
+    worker = _gated_cpu_worker(spec, monkeypatch, CountedEvent)
     first = worker.run(task)
     after_first = len(made)
     second = worker.run(task)
