@@ -51,7 +51,7 @@
 #                  (torch, flash_fn, flash): the attention recompute's and backward's host and GPU ms
 #   trainer_stretches  bench/profile_trainer_cpu.py on CUDA, the 8B shape at a 50% MPS share: each of a
 #                  layer's stretches (layer#k as in the latency run's trainer_spans), host ms in wall
-#                  and in process CPU time, GPU ms, aten ops
+#                  and in process CPU time, GPU ms, aten ops; bench/gate_cost.py (a boundary's calls)
 #   split_check    bench/split_step_check.py at the 8B shape (4 layers, 9 rows) at a 20% MPS share with
 #                  COSERVE_LORA_FP32_MM auto and 0, and on the whole GPU; bench/skinny_mm_check.py at 20%
 #                  (the split baseline's NaN, sessions 10-11)
@@ -204,7 +204,10 @@ job() {
           python3 bench/profile_trainer_cpu.py --device cuda --shape llama3-8b --dtype bfloat16 --rank 16 --rows 5 \
           --min-len 200 --max-len 320 --reps 20 --ops --clock $clock "${trace[@]}" --json "$top/trainer_stretches_$clock.json"
       done
-      [[ -f $top/trainer_stretches_trace.json ]] && gzip -f "$top/trainer_stretches_trace.json" ;;
+      [[ -f $top/trainer_stretches_trace.json ]] && gzip -f "$top/trainer_stretches_trace.json"
+      # and the boundary's own calls, timed one by one (events, the gate's wait and mark, a poll)
+      run trainer_gate_cost "$top/trainer_gate_cost.log" env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 \
+        python3 bench/gate_cost.py --out "$top/trainer_gate_cost.json" ;;
     split_check)
       # the split baseline's step at the 8B shape (4 layers, 9 rows: session 11's failing case) at a
       # 20% MPS share with the LoRA products in fp32 (the default there), with them in bf16 (the

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).parents[2]
 spec = importlib.util.spec_from_file_location("profile_trainer_cpu", ROOT / "bench" / "profile_trainer_cpu.py")
@@ -55,3 +56,16 @@ def test_the_trace_splits_one_layers_host_time_by_stretch(tmp_path: Path, monkey
     assert any("LoRAGroupLinearFnBackward" in name for name in traced["#8"]["top_ops_self_us"])
     assert chrome.stat().st_size > 0
 
+
+
+def test_the_gate_cost_bench_says_it_needs_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the bench runs (bench/first_call.sh trainer_stretches)")
+    gspec = importlib.util.spec_from_file_location("gate_cost", ROOT / "bench" / "gate_cost.py")
+    assert gspec is not None and gspec.loader is not None
+    gate_cost = importlib.util.module_from_spec(gspec)
+    gspec.loader.exec_module(gate_cost)
+    monkeypatch.setattr(sys, "argv", ["gate_cost.py"])
+    with pytest.raises(SystemExit, match="needs a GPU"):
+        gate_cost.main()
+    assert gate_cost.per_call_us(lambda: None, 10, batches=3) >= 0.0
