@@ -211,6 +211,12 @@ def test_markdown_table_and_plots(bench_run: tuple[Path, dict[str, Any]]) -> Non
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
     assert [r.split("|")[1].strip() for r in rows[1:]] == [*CONFIGS, "naive-32", "split-30"]
     assert "FT vs split" in rows[0] and "TTFT ≤ 500 ms" in table
+    # the latency model's error over all steps: none for inference alone, median / p99 for `full`
+    assert rows[0].rstrip(" |").endswith("latency model error")
+    by_name = {r.split("|")[1].strip(): r.split("|")[-2].strip() for r in rows[1:]}
+    every = result["figures"]["full"]["latency_model_error"]["all"]
+    assert by_name["inference"] == "–"
+    assert by_name["full"] == f"{every['median_rel'] * 100:.1f}% / {every['p99_rel'] * 100:.0f}%"
     pngs = sorted(p.name for p in out.glob("*.png"))
     if importlib.util.find_spec("matplotlib") is None:
         assert pngs == [] and result["outputs"]["plots_skipped"] == MISSING

@@ -57,10 +57,17 @@ def _times(x: float | None) -> str:
     return "–" if x is None else f"{x:.2f}×"
 
 
+def _model_error(f: Mapping[str, Any]) -> str:
+    """The latency model's relative error over all of a configuration's steps, median / p99."""
+    every = (f.get("latency_model_error") or {}).get("all")
+    return "–" if not every else f"{every['median_rel'] * 100:.1f}% / {every['p99_rel'] * 100:.0f}%"
+
+
 def markdown_table(result: Mapping[str, Any]) -> str:
     """Rows = configurations (in run order); columns = SLO attainment (absolute, relative),
-    TTFT / TPOT p99, FT tokens/s and FT throughput over the split and naive baselines; a caption
-    states the workload, window, scaling, SLOs, model, device and commit."""
+    TTFT / TPOT p99, FT tokens/s, FT throughput over the split and naive baselines and the latency
+    model's error (median / p99 over all steps, each predicted before it ran); a caption states
+    the workload, window, scaling, SLOs, model, device and commit."""
     cfg = result["config"]
     wl, slo = cfg["workload"], cfg["slo"]
     ref = result.get("reference") or {}
@@ -80,8 +87,8 @@ def markdown_table(result: Mapping[str, Any]) -> str:
         f"{' (dirty)' if result['dirty'] is True else ''}.",
         "",
         "| configuration | SLO attainment (abs) | SLO attainment (rel) | TTFT p99 (ms) "
-        "| TPOT p99 (ms) | FT tokens/s | FT vs split | FT vs naive |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| TPOT p99 (ms) | FT tokens/s | FT vs split | FT vs naive | latency model error |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     comp = result.get("comparisons", {})
     for name, f in result["figures"].items():
@@ -95,6 +102,7 @@ def markdown_table(result: Mapping[str, Any]) -> str:
             f"{f['ft_tokens_per_s']:.0f}",
             _times(comp.get("ft_over_split", {}).get(name)),
             _times(comp.get("ft_over_naive", {}).get(name)),
+            _model_error(f),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     missing = {**result.get("failed", {}), **result.get("skipped", {})}
