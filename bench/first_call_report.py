@@ -213,6 +213,31 @@ def report(folder: Path) -> dict[str, Any]:
     out["skinny_mm"] = {p.stem.removeprefix("skinny_mm_"): skinny_mm(r)
                         for p in sorted(folder.glob("skinny_mm_*.json")) if (r := _load(p)) is not None}
     out["eager_steps"] = eager_steps(need(folder / "eager_cpu_off.json"), need(folder / "eager_cpu_on.json"))
+    # trainer_stretches: the trainer's stretches at the 8B shape by host clock, and a boundary's calls
+    out["trainer_stretches"] = {p.stem.removeprefix("trainer_stretches_"): trainer_stretches(r)
+                                for p in sorted(folder.glob("trainer_stretches_*.json")) if (r := _load(p)) is not None}
+    gate = _load(folder / "trainer_gate_cost.json")
+    out["trainer_gate_cost_us"] = gate["figures"]["us_per_call"] if gate else None
+    return out
+
+
+def trainer_stretches(r: dict[str, Any], top: int = 5) -> dict[str, Any]:
+    """bench/profile_trainer_cpu.py (the trainer_stretches job): per stretch of a layer, its name,
+    the mean host and GPU ms over the layers, and with ``--trace`` the ``top`` ops by self host
+    µs of the traced layer's stretch and the range's own (outside any op)."""
+    f = r["figures"]
+    names = f.get("stretch_names", {})
+    gpu = f.get("mean_gpu_ms") or {}
+    traced = f.get("trace") or {}
+    out: dict[str, Any] = {"clock": r["config"].get("clock"), "stretches": {}}
+    for part, host in f["mean_host_ms"].items():
+        entry: dict[str, Any] = {"name": names.get(part, ""), "host_ms": host, "gpu_ms": gpu.get(part),
+                                 "aten_ops": f["mean_aten_ops"].get(part)}
+        if part in traced:
+            t = traced[part]
+            entry["trace_self_us"] = t["self_us"]
+            entry["trace_top_ops_us"] = dict(list(t["top_ops_self_us"].items())[:top])
+        out["stretches"][part] = entry
     return out
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
+import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -130,3 +132,26 @@ def test_report_reads_the_skinny_mm_check(tmp_path: Path) -> None:
     assert got["20"]["share"] == "20" and got["20"]["sms"] == 26 and got["20"]["calls"] == 400
     assert got["20"]["non_finite"]["default"]["x@B"] == 323 and got["20"]["non_finite"]["fp32"]["x@B"] == 0
     assert all(n == 0 for f in got["100"]["non_finite"].values() for n in f.values())
+
+
+def test_report_reads_the_trainer_stretches_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """trainer_stretches_CLOCK.json from bench/profile_trainer_cpu.py (run here on the CPU, with
+    --trace) and trainer_gate_cost.json (bench/gate_cost.py's layout: it needs a GPU)."""
+    pspec = importlib.util.spec_from_file_location("profile_trainer_cpu", ROOT / "bench" / "profile_trainer_cpu.py")
+    assert pspec is not None and pspec.loader is not None
+    profile = importlib.util.module_from_spec(pspec)
+    pspec.loader.exec_module(profile)
+    monkeypatch.setattr(sys, "argv", ["profile_trainer_cpu.py", "--layers", "2", "--reps", "1", "--warmup", "0",
+                                      "--rows", "3", "--clock", "wall", "--trace",
+                                      "--json", str(tmp_path / "trainer_stretches_wall.json")])
+    profile.main()
+    gate = {"figures": {"us_per_call": {"gate_wait": 2.5, "events_pooled": 1.5}}}
+    (tmp_path / "trainer_gate_cost.json").write_text(json.dumps(gate))
+    got = first_call_report.report(tmp_path)
+    wall = got["trainer_stretches"]["wall"]
+    assert wall["clock"] == "wall"
+    assert [e["name"] for e in wall["stretches"].values()] == list(profile.STRETCHES_UNTRAINED_MLP)
+    last = wall["stretches"]["#8"]
+    assert last["host_ms"] > 0 and last["gpu_ms"] is None and len(last["trace_top_ops_us"]) <= 5
+    assert got["trainer_gate_cost_us"] == {"gate_wait": 2.5, "events_pooled": 1.5}
+
