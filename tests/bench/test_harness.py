@@ -371,6 +371,20 @@ def test_baselines_at_their_own_setting_by_name() -> None:
             parse_configs(bad)
 
 
+def test_coserving_configurations_with_their_trainer_at_a_share_by_name() -> None:
+    from coserve.bench.configs import parse_configs
+
+    configs = parse_configs("full,full@50,naive-2048@30,full-overlap@100")
+    assert [c.name for c in configs] == ["inference", "full", "full@50", "naive-2048@30", "full-overlap@100"]
+    assert configs[1].trainer_share is None and configs[2].trainer_share == 50 and configs[2].policy == "full"
+    assert configs[3].naive_tokens == 2048 and configs[3].trainer_share == 30 and configs[3].policy == "naive"
+    assert configs[4].pause_prefill == "model" and "100% MPS share" in configs[4].summary
+    # only co-serving configurations, one share each, 1-100
+    for bad in ("split@50", "inference@50", "full@0", "full@101", "full@x", "full@50@20", "nothing@50"):
+        with pytest.raises(ValueError, match="NAME@N"):
+            parse_configs(bad)
+
+
 def test_the_default_drain_is_as_long_as_a_request_that_meets_the_slo_can_take(tmp_path: Path) -> None:
     spec = _spec(tmp_path, "inference")  # TTFT <= 500 ms, TPOT <= 50 ms
     spec = replace(spec, scaling=replace(spec.scaling, max_output=8))

@@ -84,6 +84,9 @@ def test_full_overlap_carries_its_pause_policy_into_the_coserver_slo(tmp_path: P
     assert _session_spec(ctx, full).trainer_sm_share is None
     ctx.training = replace(training, trainer_sm_share=70)
     assert all(_session_spec(ctx, CONFIGS[name]).trainer_sm_share == 70 for name in ("full", "full-overlap"))
+    # a configuration's own share (NAME@N) takes the place of --trainer-sm-share
+    (at_50,) = [c for c in parse_configs("full@50") if c.name == "full@50"]
+    assert _session_spec(ctx, at_50).trainer_sm_share == 50 and _session_spec(ctx, at_50).slo.policy == "full"
 
 
 def test_ft_lengths_and_dataset(tmp_path: Path) -> None:

@@ -34,6 +34,9 @@ class RunConfig:
     # ``naive-N`` run the baseline at N, so that one of them can meet the SLO the goals compare at
     split_share: int | None = None
     naive_tokens: int | None = None
+    # a co-serving configuration's trainer at its own MPS share of the SMs (``NAME@N``; None:
+    # --trainer-sm-share), so that a share and none run on the same arrivals in one benchmark
+    trainer_share: int | None = None
 
     def uses_prefill_graphs(self, engine_default: bool) -> bool:
         """Whether this configuration asks for the prefill graphs, given the engine's setting."""
@@ -127,9 +130,19 @@ REFERENCE = "inference"
 
 def config_named(name: str) -> RunConfig | None:
     """:data:`CONFIGS` ``[name]``, or a baseline at its own setting: ``split-N`` (the split
-    trainer at an N% MPS share, 1–100) and ``naive-N`` (N FT tokens a step, N ≥ 1); else None."""
+    trainer at an N% MPS share, 1–100) and ``naive-N`` (N FT tokens a step, N ≥ 1), or a
+    co-serving configuration with its trainer at an N% MPS share, ``NAME@N`` (``full@50``,
+    ``naive-2048@50``; 1–100); else None."""
     if name in CONFIGS:
         return CONFIGS[name]
+    if "@" in name:
+        base_name, _, share = name.rpartition("@")
+        base_config = config_named(base_name)
+        if (base_config is None or base_config.kind != RunKind.COSERVE or base_config.trainer_share is not None
+                or not share.isdigit() or not 1 <= int(share) <= 100):
+            return None
+        return replace(base_config, name=name, trainer_share=int(share),
+                       summary=f"{base_config.summary}; the trainer at a {int(share)}% MPS share")
     base, _, value = name.rpartition("-")
     if base not in ("split", "naive") or not value.isdigit() or int(value) < 1:
         return None
@@ -152,7 +165,8 @@ def parse_configs(text: str) -> tuple[RunConfig, ...]:
     if unknown:
         raise ValueError(
             f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(CONFIGS)}, "
-            "split-N (N% MPS share) or naive-N (N FT tokens a step)"
+            "split-N (N% MPS share) or naive-N (N FT tokens a step), each co-serving one also "
+            "as NAME@N (its trainer at an N% MPS share, 1-100)"
         )
     ordered = dict.fromkeys([REFERENCE, *names])
     return tuple(c for n in ordered if (c := config_named(n)) is not None)

@@ -273,6 +273,8 @@ def _config_section(
                 **({"split_mps_percentage": c.split_share or ft.split_mps_percentage}
                    if c.kind == RunKind.SPLIT else {}),
                 **({"naive_tokens": c.naive_tokens or ft.naive_limit} if c.policy == "naive" else {}),
+                **({"trainer_sm_share": c.trainer_share or ft.trainer_sm_share}
+                   if c.kind == RunKind.COSERVE else {}),
                 "summary": c.summary,
             }
             for c in spec.configs

@@ -251,7 +251,7 @@ def _session_spec(ctx: BenchContext, config: RunConfig) -> FinetuneSpec:
             naive_tokens=config.naive_tokens or t.naive_tokens,
         ),
         trainer_threads=t.trainer_threads,
-        trainer_sm_share=t.trainer_sm_share,
+        trainer_sm_share=config.trainer_share or t.trainer_sm_share,
         calibrate=False,
         save_every=0,
     )

@@ -67,7 +67,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         "inference-last (inference always runs first: it is the reference; full-overlap is full "
         "with the backward paused only where the latency model says a step would break its "
         "budget; inference-last repeats inference at the end, to show whether the order of the "
-        "runs biased it)",
+        "runs biased it); split-N and naive-N run a baseline at its own setting, NAME@N a "
+        "co-serving configuration with its trainer at an N%% MPS share (e.g. full@50)",
     )
     r.add_argument("--ttft-slo-ms", type=float, default=1000.0)
     r.add_argument("--tpot-slo-ms", type=float, default=100.0)
