@@ -242,4 +242,3 @@ def read_span_process_ms(marks: Sequence[WaitMark]) -> list[float]:
     waited: on a lock, the GIL, the driver or the OS's scheduler (a sleep or wait on the GPU
     after a boundary uses next to no CPU time, as it is left out of the host time too)."""
     return [(b.process_s - a.process_s) * 1e3 for a, b in zip(marks[:-1], marks[1:], strict=True)]
-
