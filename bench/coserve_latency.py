@@ -273,6 +273,9 @@ def main() -> None:
                    help="SLOConfig.ft_only_mid_layer_check: FT-only steps eager, with a second check inside each layer")
     p.add_argument("--profile-layer0", action="store_true",
                    help="cProfile the host between each FT-only step's first two layer checks (Layer0Profile)")
+    p.add_argument("--stream-priority", default="default", choices=["default", "high"],
+                   help="the engine's steps on the GPU's highest-priority stream, the trainer a below-normal MPS "
+                        "client (EngineConfig.stream_priority; not measured on the GPU before)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.threads:
@@ -289,7 +292,7 @@ def main() -> None:
                                     num_training_slots=1, max_lora_rank=16, max_model_len=8192,
                                     max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256,
                                     attention_backend=args.attention_backend, lora_backend=args.attention_backend,
-                                    prefill_graphs=args.prefill_graphs))
+                                    prefill_graphs=args.prefill_graphs, stream_priority=args.stream_priority))
     scaling = trace_scaling(args)
     every = load_trace(args.trace, scaling)
     start = busiest_window(every, args.duration)

@@ -58,6 +58,8 @@
 #   mps_ops        bench/mps_op_check.py (the split step's ops against fp32) on the whole GPU, at a 20%
 #                  share, and on the whole GPU with --poison
 #   latency_hold   latency=50 with --hold-pause (SLOConfig.hold_pause)
+#   latency_prio   latency=50 with --stream-priority high (the engine's stream at the highest priority,
+#                  the trainer a below-normal MPS client)
 #   latency_profile  latency=50 with --profile-layer0 (cProfile of each FT-only step's layer 0 on the host)
 #   latency_env=VAR=VALUE  latency=50 with VAR=VALUE in the environment, e.g. COSERVE_LOSS_CHUNK=256
 #                  (the loss in 256-target chunks) or COSERVE_MLP_CHUNK=1024 (untrained-MLP pieces)
@@ -238,6 +240,10 @@ job() {
     latency_hold)
       # the 50% latency run with --hold-pause: the pause delay and burst step times against latency=50
       latency_bench "$1" "$top/coserve_latency_hold" --trainer-sm-share 50 --hold-pause ;;
+    latency_prio)
+      # the 50% latency run with the engine on the highest-priority stream and the trainer a
+      # below-normal MPS client (--stream-priority high): the decode steps' spread beside the backward
+      latency_bench "$1" "$top/coserve_latency_prio" --trainer-sm-share 50 --stream-priority high ;;
     eager)
       run eager_off "$top/eager_cpu_off.log" python3 bench/eager_cpu.py --conditions idle \
         --out "$top/eager_cpu_off.json"
