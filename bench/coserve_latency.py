@@ -78,7 +78,7 @@ def pause_delays(windows: list[tuple[float, float]], observed: list[float],
                  layers: list[int] | None = None, num_layers: int | None = None,
                  lags_ms: list[float] | None = None,
                  window_at: list[tuple[int, int] | None] | None = None,
-                 polled: list[bool] | None = None) -> dict[str, Any]:
+                 polled: list[bool] | None = None, idle_ms: list[float] | None = None) -> dict[str, Any]:
     """For each grant-cleared window, the delay to the first observed pause inside it; windows in
     which the trainer never paused (it reached no layer boundary before the step ended) are
     counted apart with their full length. With ``layers`` (the boundary of each observed pause,
@@ -93,11 +93,15 @@ def pause_delays(windows: list[tuple[float, float]], observed: list[float],
     ``between_tasks`` (its GPU had finished its task; the next task queues no GPU work before its
     start boundary, so the time until that boundary is not a delay the prefill saw). With
     ``polled`` (parallel to ``observed``: the pause was taken at a poll point inside a stretch,
-    ``TaskResult.pause_polled``) those pauses count as ``poll`` in ``by_boundary``."""
+    ``TaskResult.pause_polled``) those pauses count as ``poll`` in ``by_boundary``. With ``idle_ms``
+    (``TaskResult.pause_idle_ms``: how long before a pause the trainer's GPU had stopped running
+    its kernels, waiting for its stretch's release) a pause's delay runs to that earlier time (not
+    before the window's start)."""
     n = len(observed)
     pairs = sorted(zip(observed, layers if layers is not None else [None] * n,
                        lags_ms if lags_ms is not None else [None] * n,
-                       polled if polled is not None else [False] * n, strict=True))
+                       polled if polled is not None else [False] * n,
+                       idle_ms if idle_ms is not None else [0.0] * n, strict=True))
     delays: list[float] = []
     missed: list[float] = []
     kinds: dict[str, list[float]] = {}
@@ -110,6 +114,7 @@ def pause_delays(windows: list[tuple[float, float]], observed: list[float],
             j += 1
         if j < len(pairs) and pairs[j][0] <= end:
             delay, layer, lag, at_poll = pairs[j][0] - start, pairs[j][1], pairs[j][2], pairs[j][3]
+            delay = max(0.0, delay - pairs[j][4] / 1e3)
             delays.append(delay)
             if layer is not None:
                 kind = "poll" if at_poll else boundary_kind(layer, None, num_layers)
@@ -345,7 +350,7 @@ def main() -> None:
         "trainer_pause": pause_delays(co.pause_windows, co.pause_observed, co.pause_observed_layers,
                                       num_layers, co.pause_observed_lags or None,
                                       co.pause_window_at if co.pause_observed_lags else None,
-                                      co.pause_observed_polled or None),
+                                      co.pause_observed_polled or None, co.pause_observed_idle_ms or None),
         "trainer_spans": (span_summary(co.trainer_spans, num_layers, co.trainer_span_process_ms)
                           if co.trainer_spans else None),
         "ft_only_interruption": {

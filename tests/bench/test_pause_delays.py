@@ -52,6 +52,17 @@ def test_spans_grouped_by_where_they_start() -> None:
     assert "proc_p50_ms" not in by["loss"]  # (no process CPU times given)
 
 
+def test_a_pause_dates_from_where_the_gpu_stopped_for_its_release() -> None:
+    # window 1: the gate wait reached 3 ms in, the GPU idle (waiting for its stretch's release)
+    # for the 2 ms before it; window 2: reached 1 ms in after 4 ms of idling (it had stopped
+    # before the window began)
+    windows = [(1.0, 1.1), (2.0, 2.1)]
+    got = coserve_latency.pause_delays(windows, [1.003, 2.001], idle_ms=[2.0, 4.0])
+    assert got["delay_p50_ms"] == pytest.approx(0.5) and got["delay_max_ms"] == pytest.approx(1.0)
+    # without it, the delays run to the gate waits
+    assert coserve_latency.pause_delays(windows, [1.003, 2.001])["delay_max_ms"] == pytest.approx(3.0)
+
+
 def test_spans_tell_host_work_from_a_host_that_waited() -> None:
     # layer 1's attention recompute: 4 ms of host time, 3.8 of them CPU work; layer 0's: 3 ms of
     # host time with 0.4 ms of CPU work (the host waited); the commit: its process time unknown

@@ -84,6 +84,15 @@ def test_pauses_are_the_waits_that_held_the_stream() -> None:
         pauses_from_marks(0.0, [1.0], [1.0, 2.0], [0], [0.0])
 
 
+def test_a_pause_after_a_release_wait_carries_how_long_the_gpu_idled_before_it() -> None:
+    # two waits held 5 ms each; the GPU had waited 2 ms for the second one's stretch release
+    pauses, _ = pauses_from_marks(100.0, [1.0, 9.0], [5.0, 5.0], [2, 1], [99.0, 100.006], blocked_ms=0.02,
+                                  idle_ms=[0.0, 2.0])
+    assert [p.idle_ms for p in pauses] == [0.0, 2.0] and pauses[1].t == pytest.approx(100.009)
+    # without release waits: none
+    assert pauses_from_marks(100.0, [1.0], [5.0], [2], [99.0])[0][0].idle_ms == 0.0
+
+
 def test_no_gate_without_cuda() -> None:
     assert StreamGate.open(new_flag(), torch.device("cpu")) is None
 
@@ -349,3 +358,83 @@ def test_the_marks_reuse_the_events_of_earlier_tasks(monkeypatch: pytest.MonkeyP
     assert after_first == 2 * (len(first.spans) + 1)  # two per mark, one mark more than stretches
     assert len(made) == after_first and len(second.spans) == len(first.spans)
     assert first.loss_sum == pytest.approx(expected.loss_sum, rel=1e-6)
+
+
+def test_with_release_each_stretch_waits_until_the_cpu_queued_it_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """COSERVE_TRAINER_RELEASE: each boundary releases the stretch before it and queues a wait for
+    its own (before the gate's), the task's last stretch is released before the loss is read back,
+    and the loss is the same."""
+    from coserve.trainer import worker as worker_module
+    from coserve.trainer.stream_gate import RELEASE
+
+    spec, task, _ = _worker_spec("cpu")
+    expected = _Worker(spec).run(task)
+    monkeypatch.setattr(worker_module, "RELEASE_STRETCHES", True)
+    flag = new_flag()
+    spec.gate_flag = flag
+    calls: list[tuple[str, int, int]] = []  # (call, its value, the RELEASE word then)
+
+    class ReleaseGate(_FakeGate):
+        def wait(self, stream: object) -> None:
+            calls.append(("gate", 0, int(flag[RELEASE])))
+
+        def wait_released(self, stream: object, value: int) -> None:
+            calls.append(("release", value, int(flag[RELEASE])))
+
+    class ReadbackEvent(_FakeEvent):
+        def __init__(self, **kwargs: object) -> None:
+            self.timed = bool(kwargs.get("enable_timing"))
+
+        def synchronize(self) -> None:
+            if not self.timed:
+                calls.append(("readback", 0, int(flag[RELEASE])))
+
+    worker = _gated_cpu_worker(spec, monkeypatch, ReadbackEvent)
+    worker._gate = ReleaseGate()  # type: ignore[assignment]
+    got = worker.run(task)
+    releases = [c for c in calls if c[0] == "release"]
+    assert releases and [v for _, v, _ in releases] == list(range(1, len(releases) + 1))
+    # at each boundary: the stretch before it released, its own not yet
+    assert all(word == value - 1 for _, value, word in releases)
+    # each release wait comes right before a gate wait (the gate is checked once the stretch may run)
+    for i, c in enumerate(calls):
+        if c[0] == "release":
+            assert calls[i + 1][0] == "gate"
+    # before the readback the task's last stretch is released: the word is at the stretch begun
+    # at the last boundary before it (the commit's boundary comes after)
+    (at,) = [i for i, c in enumerate(calls) if c[0] == "readback"]
+    last_before = [c for c in calls[:at] if c[0] == "release"][-1]
+    assert calls[at][2] == last_before[1]
+    assert got.pause_idle_ms == () and got.loss_sum == pytest.approx(expected.loss_sum, rel=1e-6)
+    # a gate that fails releases whatever is still waiting
+    worker._drop_gate(RuntimeError("cuStreamWaitValue32 failed"))
+    assert int(flag[RELEASE]) > releases[-1][1] + 1000
+
+
+@pytest.mark.skipif(not CUDA, reason="the release wait is a CUDA stream wait")
+def test_gated_worker_with_release_waits_finishes_with_the_same_loss(monkeypatch: pytest.MonkeyPatch) -> None:
+    """COSERVE_TRAINER_RELEASE on the GPU: every stretch waits on the RELEASE word its CPU
+    advances; the task ends (no wait left unreleased) with the loss of the plain path, and the
+    pauses and spans read back."""
+    from coserve.trainer import worker as worker_module
+
+    spec, task, _ = _worker_spec("cuda")
+    expected = _Worker(spec).run(task)
+    monkeypatch.setattr(worker_module, "RELEASE_STRETCHES", True)
+    spec.gate_flag = new_flag()
+    worker = _Worker(spec)
+    assert worker._gate is not None
+    result: list[TaskResult] = []
+    thread = threading.Thread(target=lambda: result.append(worker.run(task)), daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    stuck = thread.is_alive()
+    if stuck:  # (let the stream go before the page is unregistered)
+        worker._release_all()
+        thread.join(timeout=30)
+    worker._gate.close()
+    assert not stuck and result, "the task did not finish: a release wait was left unreleased"
+    got = result[0]
+    assert got.loss_sum == pytest.approx(expected.loss_sum, rel=1e-4)
+    assert got.spans and all(ms >= 0.0 for _, _, ms, _ in got.spans)
+    assert len(got.pause_idle_ms) == len(got.pause_times)

@@ -220,6 +220,7 @@ class CoServer:
         self.trainer_span_process_ms: list[float] = []
         self.pause_observed_lags: list[float] = []  # TaskResult.pause_lags_ms (GPU-side gate only)
         self.pause_observed_polled: list[bool] = []  # TaskResult.pause_polled
+        self.pause_observed_idle_ms: list[float] = []  # TaskResult.pause_idle_ms (0 where none)
         # planned steps by (step kind: "inference" | "ft-only", outcome: "added" (FT rows added),
         # "task_full" (the task being filled was full), "arrival" (an FT-only step not started:
         # inference work arrived while it was planned) or why admission added none
@@ -619,6 +620,7 @@ class CoServer:
                                                 else (math.nan,) * len(result.spans))
             self.pause_observed_lags.extend(result.pause_lags_ms)
             self.pause_observed_polled.extend(result.pause_polled or (False,) * len(result.pause_times))
+            self.pause_observed_idle_ms.extend(result.pause_idle_ms or (0.0,) * len(result.pause_times))
             sent = self._submitted.pop(result.task_id, None)
             if sent is not None:
                 self.task_timings.append((sent[0], time.monotonic(), result.duration_s, sent[1], result.paused_s,

@@ -71,6 +71,9 @@ class TaskResult:
     # for each of spans: the CPU time (ms) all the worker's threads used in it (time.process_time);
     # far below the span's CPU ms (wall time), the host waited rather than worked there
     span_process_ms: tuple[float, ...] = ()
+    # for each pause in pause_times: how long (ms) before it the GPU had stopped running the
+    # trainer's kernels, waiting for its stretch's release (COSERVE_TRAINER_RELEASE; 0 otherwise)
+    pause_idle_ms: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

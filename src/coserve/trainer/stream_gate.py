@@ -41,6 +41,10 @@ NOT_IN_TASK = 0
 # flag[CLOSURES]: how many times the engine has closed the gate (set_open), so that the trainer
 # queues one wait at a poll point per closure, not one in every stretch it queues while closed
 CLOSURES = 2
+# flag[RELEASE]: the last stretch the trainer's CPU has queued whole, written by that CPU and waited
+# on by the trainer's own GPU stream (COSERVE_TRAINER_RELEASE, coserve.trainer.worker): the GPU
+# starts a stretch only once all of its kernels are queued. The engine never touches it.
+RELEASE = 3
 # The boundaries' layer labels besides a layer's index (its own boundaries) and L (the loss's):
 COMMIT = -1  # before the optimizer step's commit
 TASK_START = -2  # at a task's start, before any of its GPU work
@@ -51,6 +55,7 @@ POLLED = 255
 FLAG_BYTES = 4096  # one page: cuMemHostRegister pins whole pages
 CU_MEMHOSTREGISTER_PORTABLE = 0x01
 CU_MEMHOSTREGISTER_DEVICEMAP = 0x02
+CU_STREAM_WAIT_VALUE_GEQ = 0x0  # (int32_t)(*addr - value) >= 0: a counter at or past value, wrapping safely
 CU_STREAM_WAIT_VALUE_EQ = 0x1
 # A wait whose events are this much further apart on the GPU than their recording on the CPU held
 # the stream (an open gate passes in a few µs; the engine pauses for whole prefill steps).
@@ -63,6 +68,7 @@ def new_flag() -> torch.Tensor:
     flag[0] = OPEN
     flag[PROGRESS] = NOT_IN_TASK
     flag[CLOSURES] = 0
+    flag[RELEASE] = 0
     return flag
 
 
@@ -160,6 +166,14 @@ class StreamGate:
         if err != 0:
             raise RuntimeError(f"cuStreamWaitValue32 failed (CUresult {err})")
 
+    def wait_released(self, stream: torch.cuda.Stream, value: int) -> None:
+        """Work queued on ``stream`` after this runs only once the page's ``RELEASE`` word has
+        reached ``value`` (32-bit, compared as a wrapping counter)."""
+        err = self._lib.cuStreamWaitValue32_v2(ctypes.c_void_p(stream.cuda_stream), self._device_ptr + 4 * RELEASE,
+                                               value & 0xFFFFFFFF, CU_STREAM_WAIT_VALUE_GEQ)
+        if err != 0:
+            raise RuntimeError(f"cuStreamWaitValue32 (release) failed (CUresult {err})")
+
     def mark(self, stream: torch.cuda.Stream, code: int) -> None:
         """When ``stream`` gets here, it writes ``code`` into the flag page's progress word."""
         err = self._lib.cuStreamWriteValue32_v2(ctypes.c_void_p(stream.cuda_stream), self._device_ptr + 4 * PROGRESS,
@@ -185,6 +199,9 @@ class WaitMark(NamedTuple):
     # time.process_time() beside recorded_s: the CPU time of all the process's threads (the
     # autograd engine runs a backward on its device thread while the calling thread waits)
     process_s: float = 0.0
+    # COSERVE_TRAINER_RELEASE: a timed event before the wait for this stretch's release, where the
+    # GPU stops running the trainer's kernels until its CPU has queued the whole stretch
+    idle: torch.cuda.Event | None = None
 
 
 class GatePause(NamedTuple):
@@ -197,23 +214,29 @@ class GatePause(NamedTuple):
     layer: int
     lag_ms: float
     mark: int  # the wait's position among the task's waits (its WaitMark)
+    # how long before ``t`` the GPU had stopped at the wait for this stretch's release (ms, 0
+    # without COSERVE_TRAINER_RELEASE): it ran none of the trainer's kernels from ``t - idle_ms`` on
+    idle_ms: float = 0.0
 
 
 def pauses_from_marks(anchor_s: float, anchor_to_before_ms: Sequence[float], held_ms: Sequence[float],
                       layers: Sequence[int], recorded_s: Sequence[float],
-                      blocked_ms: float = BLOCKED_MS) -> tuple[list[GatePause], float]:
+                      blocked_ms: float = BLOCKED_MS, idle_ms: Sequence[float] | None = None,
+                      ) -> tuple[list[GatePause], float]:
     """The pauses a task's gate waits made and the seconds they held the stream. ``anchor_s`` is
     the monotonic time of the anchor event; for each wait, ``anchor_to_before_ms`` is the GPU time
     from the anchor to the event before it, ``held_ms`` the GPU time between its two events less
     the CPU time between recording them, ``recorded_s`` the monotonic time the CPU recorded the
-    event before it."""
+    event before it, ``idle_ms`` (:func:`read_idle_ms`) the GPU time it had waited for the
+    stretch's release before reaching the wait."""
+    idle = list(idle_ms) if idle_ms is not None else [0.0] * len(held_ms)
     pauses = []
     paused_s = 0.0
-    for i, (offset, held, layer, recorded) in enumerate(zip(anchor_to_before_ms, held_ms, layers, recorded_s,
-                                                             strict=True)):
+    for i, (offset, held, layer, recorded, idle_i) in enumerate(zip(anchor_to_before_ms, held_ms, layers, recorded_s,
+                                                                    idle, strict=True)):
         if held >= blocked_ms:
             t = anchor_s + offset / 1e3
-            pauses.append(GatePause(t, layer, (t - recorded) * 1e3, i))
+            pauses.append(GatePause(t, layer, (t - recorded) * 1e3, i, idle_i))
             paused_s += held / 1e3
     return pauses, paused_s
 
@@ -227,12 +250,20 @@ def read_marks(anchor: torch.cuda.Event, marks: Sequence[WaitMark]
     return offsets, held, [m.layer for m in marks], [m.recorded_s for m in marks]
 
 
+def read_idle_ms(marks: Sequence[WaitMark]) -> list[float]:
+    """For each mark, the GPU ms from its ``idle`` event to its ``before`` one: the wait for its
+    stretch's release (0 without one; every event must have completed)."""
+    return [m.idle.elapsed_time(m.before) if m.idle is not None else 0.0 for m in marks]
+
+
 def read_spans(marks: Sequence[WaitMark]) -> list[tuple[int, int, float, float]]:
     """``(layer, ordinal, gpu ms, cpu ms)`` of each stretch between two waits, labelled by the
-    boundary it starts at: the GPU time from the first wait's end to the second's start, and the
+    boundary it starts at: the GPU time from the first wait's end to the second's start (its
+    release wait's, where there is one), and the
     CPU time between queuing the two, less the CPU's sleeps and waits on the GPU in between (every
     event must have completed). A stretch whose CPU time exceeds its GPU time left the GPU dry."""
-    return [(a.layer, a.ordinal, a.after.elapsed_time(b.before), (b.recorded_s - a.recorded_s) * 1e3 - a.waited_ms)
+    return [(a.layer, a.ordinal, a.after.elapsed_time(b.idle if b.idle is not None else b.before),
+             (b.recorded_s - a.recorded_s) * 1e3 - a.waited_ms)
             for a, b in zip(marks[:-1], marks[1:], strict=True)]
 
 

@@ -26,11 +26,13 @@ from coserve.trainer.stream_gate import (
     COMMIT,
     NOT_IN_TASK,
     POLLED,
+    RELEASE,
     TASK_START,
     StreamGate,
     WaitMark,
     encode_progress,
     pauses_from_marks,
+    read_idle_ms,
     read_marks,
     read_span_process_ms,
     read_spans,
@@ -43,6 +45,16 @@ POLL_POINTS = os.environ.get("COSERVE_TRAINER_POLL", "1") == "1"
 the boundaries only. Session 20 (H200, latency=50, two runs each on one host, alternating): pause
 delay p99 2.59 / 1.45 ms with them against 3.25 / 3.62 ms without, FT tokens/s 3,125 / 3,337
 against 3,432 / 3,149 (within the runs' spread): ``bench/results/latency_h200/session20/``."""
+
+RELEASE_STRETCHES = os.environ.get("COSERVE_TRAINER_RELEASE", "0") == "1"
+"""With the GPU-side gate, let the GPU start a stretch only once the CPU has queued all of it
+(:meth:`_Worker._gated_boundary`): each boundary first waits on the flag page's ``RELEASE``
+word, which the CPU advances on reaching the next boundary, and only then on the gate. A
+host-bound stretch's kernels then no longer run as they are queued, so a gate that closes while
+the CPU queues a stretch stops the GPU before any of it (today the GPU runs on until the next
+poll point or boundary: the pause delay's ``gpu_dry`` tail, p99 4–6 ms in session 20), at the
+cost of starting each stretch after its queuing. Off by default: not yet measured on the GPU
+(``DEVELOPERS.md``)."""
 
 
 @dataclass
@@ -142,7 +154,9 @@ class _Worker:
         self.loss_sum = 0.0
         self.num_targets = 0
         self._events: list[torch.cuda.Event] = []
-        self._pauses: list[tuple[float, int, bool]] = []  # (time.monotonic(), boundary layer, at a poll point)
+        # (time.monotonic(), boundary layer, at a poll point, ms the GPU had idled before it waiting
+        # for its stretch's release: RELEASE_STRETCHES)
+        self._pauses: list[tuple[float, int, bool, float]] = []
         self._polled_closure = -1  # the gate closure (flag[CLOSURES]) a poll point queued a wait for last
         self._paused_s = 0.0
         self._gpu_wait_s = 0.0
@@ -156,6 +170,9 @@ class _Worker:
         self._marks: list[WaitMark] = []
         # the timed events of earlier tasks' marks, read and free for reuse (:meth:`_timed_event`)
         self._free_events: list[torch.cuda.Event] = []
+        # RELEASE_STRETCHES: the number of the stretch that began at the last boundary (the GPU may
+        # run stretch n once the page's RELEASE word is at n)
+        self._stretch = 0
         self._last_layer: int | None = None  # the boundary passed last (on the CPU): the poll points'
         bank = int(spec.meta[0])
         if bank >= 0:
@@ -197,6 +214,7 @@ class _Worker:
             self.lora.flat.grad.zero_()
         self._events.clear()
         self._marks = []
+        self._release_all()
         self._pauses, self._paused_s, self._gpu_wait_s = [], 0.0, 0.0
 
     def run(self, task: BackwardTask) -> TaskResult:
@@ -230,9 +248,9 @@ class _Worker:
         paused, self._paused_s = self._paused_s, 0.0
         gpu_wait, self._gpu_wait_s = self._gpu_wait_s, 0.0
         return TaskResult(task.task_id, loss.loss_sum, loss.num_targets, time.perf_counter() - start, info,
-                          tuple(t for t, _, _ in pauses), paused, gpu_wait, time.thread_time() - cpu_start,
-                          tuple(layer for _, layer, _ in pauses), tuple(spans), tuple(lags),
-                          tuple(polled for _, _, polled in pauses), tuple(span_process))
+                          tuple(p[0] for p in pauses), paused, gpu_wait, time.thread_time() - cpu_start,
+                          tuple(p[1] for p in pauses), tuple(spans), tuple(lags),
+                          tuple(p[2] for p in pauses), tuple(span_process), tuple(p[3] for p in pauses))
 
     def _backward(self, rows: list[TaskRow], dropout_key: int | None) -> TaskLoss:
         """One task's backward pass, from its start boundary on (a real task or the warm-up)."""
@@ -261,6 +279,8 @@ class _Worker:
         the pause is seen."""
         if self._gate is None:
             return
+        if RELEASE_STRETCHES:
+            self._release(self._stretch)  # (the task's last stretch, queued whole now)
         began = time.perf_counter()
         done = torch.cuda.Event(blocking=True)
         done.record(torch.cuda.current_stream())
@@ -303,7 +323,7 @@ class _Worker:
             began = time.perf_counter()
             if self.spec.store.is_cuda:
                 torch.cuda.current_stream().synchronize()
-            self._pauses.append((time.monotonic(), layer, polled))
+            self._pauses.append((time.monotonic(), layer, polled, 0.0))
             grant.wait()
             self._paused_s += time.perf_counter() - began
 
@@ -359,6 +379,16 @@ class _Worker:
             last = next((m for m in reversed(self._marks) if m.ordinal != POLLED), None)
             ordinal = last.ordinal + 1 if last is not None and last.layer == layer else 0
         recorded_s, process_s = time.monotonic(), time.process_time()
+        idle = None
+        release = RELEASE_STRETCHES and not polled
+        if release:
+            # the stretch before this boundary is queued whole: the GPU may run it; the one that
+            # begins here waits (before the gate: a gate closed meanwhile stops it whole)
+            self._release(self._stretch)
+            self._stretch += 1
+            idle = self._timed_event()
+            idle.record(stream)
+            self._gate.wait_released(stream, self._stretch)
         began = time.perf_counter()
         before.record(stream)
         self._gate.wait(stream)
@@ -366,8 +396,15 @@ class _Worker:
         gap_ms = (time.perf_counter() - began) * 1e3
         if not polled:
             self._gate.mark(stream, encode_progress(layer, min(ordinal, POLLED - 1)))
-        self._marks.append(WaitMark(before, after, layer, ordinal, gap_ms, recorded_s, process_s=process_s))
+        self._marks.append(WaitMark(before, after, layer, ordinal, gap_ms, recorded_s, process_s=process_s,
+                                    idle=idle))
         ahead = self.spec.gated_boundaries_ahead
+        if RELEASE_STRETCHES:
+            # (a run-ahead wait on the mark just queued would wait for a release that only comes
+            # later; a poll point's mark lies in a stretch not released yet: no wait there)
+            ahead = max(ahead, 1)
+            if polled:
+                return
         if len(self._marks) > ahead:
             began = time.perf_counter()
             grant = self.spec.grant
@@ -377,6 +414,20 @@ class _Worker:
             waited = time.perf_counter() - began
             self._gpu_wait_s += waited
             self._note_wait(waited)
+
+    def _release(self, stretch: int) -> None:
+        """RELEASE_STRETCHES: let the GPU run every stretch up to ``stretch`` (a store into the
+        flag page's ``RELEASE`` word, as a wrapping 32-bit counter)."""
+        word = self._gate_word
+        if word is not None:
+            word[RELEASE] = (stretch + 2**31) % 2**32 - 2**31
+
+    def _release_all(self) -> None:
+        """RELEASE_STRETCHES: release every stretch queued so far, and number the next ones past
+        them (after a failure that left waits on the stream that no boundary will release)."""
+        if RELEASE_STRETCHES:
+            self._stretch += 1 << 20
+            self._release(self._stretch)
 
     def _timed_event(self) -> torch.cuda.Event:
         """A timed, blocking-sync CUDA event for a mark: one an earlier task's marks used and
@@ -405,6 +456,7 @@ class _Worker:
     def _drop_gate(self, exc: RuntimeError) -> None:
         """A driver error at the gate: pause on the CPU from here on."""
         logger.warning("the trainer's GPU-side pause failed (%s): pausing on the CPU from now on", exc)
+        self._release_all()
         self._gate = None
 
     def _read_gate_pauses(self) -> tuple[list[tuple[int, int, float, float]], list[float], list[float]]:
@@ -416,8 +468,8 @@ class _Worker:
             return [], [], []
         marks[-1].after.synchronize()
         anchor, anchor_s = self._anchor
-        pauses, paused_s = pauses_from_marks(anchor_s, *read_marks(anchor, marks))
-        self._pauses.extend((p.t, p.layer, marks[p.mark].ordinal == POLLED) for p in pauses)
+        pauses, paused_s = pauses_from_marks(anchor_s, *read_marks(anchor, marks), idle_ms=read_idle_ms(marks))
+        self._pauses.extend((p.t, p.layer, marks[p.mark].ordinal == POLLED, p.idle_ms) for p in pauses)
         self._paused_s += paused_s
         # NOTE: the CPU's waits for marks held by a closed gate were pauses, not GPU work.
         self._gpu_wait_s = max(0.0, self._gpu_wait_s - paused_s)
