@@ -391,7 +391,18 @@ def test_with_release_each_stretch_waits_until_the_cpu_queued_it_whole(monkeypat
 
     worker = _gated_cpu_worker(spec, monkeypatch, ReadbackEvent)
     worker._gate = ReleaseGate()  # type: ignore[assignment]
+    gated = worker._gated_boundary
+
+    def boundary(layer: int, polled: bool = False) -> None:
+        calls.append(("boundary", layer, int(flag[RELEASE])))
+        gated(layer, polled)
+
+    worker._gated_boundary = boundary  # type: ignore[method-assign]
     got = worker.run(task)
+    # no release wait at the task's start or the commit (their stretches read back from the GPU)
+    waited_at = [calls[i - 1][1] for i, c in enumerate(calls) if c[0] == "release"]
+    assert waited_at and all(layer >= 0 for layer in waited_at)
+    assert {c[1] for c in calls if c[0] == "boundary"} >= {TASK_START, COMMIT}
     releases = [c for c in calls if c[0] == "release"]
     assert releases and [v for _, v, _ in releases] == list(range(1, len(releases) + 1))
     # at each boundary: the stretch before it released, its own not yet
@@ -433,8 +444,35 @@ def test_gated_worker_with_release_waits_finishes_with_the_same_loss(monkeypatch
         worker._release_all()
         thread.join(timeout=30)
     worker._gate.close()
+    worker.stop_watchdog.set()
     assert not stuck and result, "the task did not finish: a release wait was left unreleased"
     got = result[0]
     assert got.loss_sum == pytest.approx(expected.loss_sum, rel=1e-4)
     assert got.spans and all(ms >= 0.0 for _, _, ms, _ in got.spans)
     assert len(got.pause_idle_ms) == len(got.pause_times)
+    assert worker.watchdog_releases == 0  # no stretch's work waited on the GPU
+
+
+def test_the_release_watchdog_frees_a_stretch_left_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stretch unreleased for RELEASE_TIMEOUT_S while the CPU queues (work in it waited on the
+    GPU) is released by the watchdog; one whose CPU sleeps on the engine's pause is not."""
+    from coserve.trainer import worker as worker_module
+    from coserve.trainer.stream_gate import RELEASE
+
+    monkeypatch.setattr(worker_module, "RELEASE_STRETCHES", True)
+    monkeypatch.setattr(worker_module, "RELEASE_TIMEOUT_S", 0.02)
+    spec, _, _ = _worker_spec("cpu")
+    spec.gate_flag = flag = new_flag()
+    worker = _gated_cpu_worker(spec, monkeypatch)
+    worker._stretch, worker._released, worker._released_at = 5, 4, float("inf")  # the CPU waits
+    threading.Thread(target=worker._watch_releases, daemon=True).start()
+    time.sleep(0.1)
+    assert int(flag[RELEASE]) == 0 and worker.watchdog_releases == 0
+    worker._released_at = time.monotonic()  # the CPU queues again, and stalls
+    deadline = time.monotonic() + 2.0
+    while int(flag[RELEASE]) != 5 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert int(flag[RELEASE]) == 5 and worker.watchdog_releases == 1
+    worker._release(3)  # (never lowered)
+    assert int(flag[RELEASE]) == 5
+    worker.stop_watchdog.set()

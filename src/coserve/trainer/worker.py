@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -55,6 +56,11 @@ the CPU queues a stretch stops the GPU before any of it (today the GPU runs on u
 poll point or boundary: the pause delay's ``gpu_dry`` tail, p99 4–6 ms in session 20), at the
 cost of starting each stretch after its queuing. Off by default: not yet measured on the GPU
 (``DEVELOPERS.md``)."""
+RELEASE_TIMEOUT_S = 0.05
+"""RELEASE_STRETCHES' safety net: a stretch whose release has waited this long is released by a
+watchdog thread (:meth:`_Worker._watch_releases`). Work inside a stretch that waits for the GPU
+(the caching allocator freeing its cache synchronizes the device) would otherwise wait for a
+release that only the same CPU, past that work, can write."""
 
 
 @dataclass
@@ -173,6 +179,13 @@ class _Worker:
         # RELEASE_STRETCHES: the number of the stretch that began at the last boundary (the GPU may
         # run stretch n once the page's RELEASE word is at n)
         self._stretch = 0
+        self._released = 0  # the last value written into RELEASE (only ever raised)
+        self._released_at = time.monotonic()
+        self._release_lock = threading.Lock()
+        self.watchdog_releases = 0  # stretches the watchdog released (a stretch's work waited on the GPU)
+        self.stop_watchdog = threading.Event()  # (the worker's process ends with it; tests set it)
+        if RELEASE_STRETCHES and self._gate is not None:
+            threading.Thread(target=self._watch_releases, name="trainer-release-watchdog", daemon=True).start()
         self._last_layer: int | None = None  # the boundary passed last (on the CPU): the poll points'
         bank = int(spec.meta[0])
         if bank >= 0:
@@ -380,7 +393,9 @@ class _Worker:
             ordinal = last.ordinal + 1 if last is not None and last.layer == layer else 0
         recorded_s, process_s = time.monotonic(), time.process_time()
         idle = None
-        release = RELEASE_STRETCHES and not polled
+        # (not at the task's start or the commit: their stretches read back from the GPU, which an
+        # unreleased wait ahead of them would hold until their own next boundary, never reached)
+        release = RELEASE_STRETCHES and not polled and layer >= 0
         if release:
             # the stretch before this boundary is queued whole: the GPU may run it; the one that
             # begins here waits (before the gate: a gate closed meanwhile stops it whole)
@@ -405,22 +420,41 @@ class _Worker:
             ahead = max(ahead, 1)
             if polled:
                 return
+            if not release:
+                self._release(self._stretch)  # (the start's and the commit's boundaries: all of it)
         if len(self._marks) > ahead:
             began = time.perf_counter()
+            self._released_at = float("inf")  # (the watchdog's clock stops while the CPU waits)
             grant = self.spec.grant
             if grant is not None:
                 grant.wait()
             self._marks[-1 - ahead].after.synchronize()
+            self._released_at = time.monotonic()
             waited = time.perf_counter() - began
             self._gpu_wait_s += waited
             self._note_wait(waited)
 
     def _release(self, stretch: int) -> None:
         """RELEASE_STRETCHES: let the GPU run every stretch up to ``stretch`` (a store into the
-        flag page's ``RELEASE`` word, as a wrapping 32-bit counter)."""
+        flag page's ``RELEASE`` word, as a wrapping 32-bit counter; never lowered)."""
         word = self._gate_word
-        if word is not None:
+        with self._release_lock:
+            if word is None or stretch <= self._released:
+                return
             word[RELEASE] = (stretch + 2**31) % 2**32 - 2**31
+            self._released, self._released_at = stretch, time.monotonic()
+
+    def _watch_releases(self) -> None:
+        """The watchdog thread of :data:`RELEASE_TIMEOUT_S`: a stretch left unreleased that long is
+        released (counted in ``watchdog_releases``, logged once)."""
+        while not self.stop_watchdog.wait(RELEASE_TIMEOUT_S / 4):
+            pending = self._stretch
+            if pending > self._released and time.monotonic() - self._released_at > RELEASE_TIMEOUT_S:
+                self._release(pending)
+                self.watchdog_releases += 1
+                if self.watchdog_releases == 1:
+                    logger.warning("trainer: a stretch waited %.0f ms for its release (work in it waited on "
+                                   "the GPU); released by the watchdog", RELEASE_TIMEOUT_S * 1e3)
 
     def _release_all(self) -> None:
         """RELEASE_STRETCHES: release every stretch queued so far, and number the next ones past
