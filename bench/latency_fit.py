@@ -8,7 +8,8 @@ measured time. A prefill row recorded before the ``i_ctx`` term (the six regress
 form below is this commit's. Per key, in step order, fits on the first ``--train`` share and
 reports the relative error on the rest for:
 
-- ``online``: what the running model predicted (refitted online as it went);
+- ``online``: what the running model predicted (refitted online as it went), and
+  ``online_ratio``: the held-out steps' measured / predicted (p1, p50, p99);
 - ``linear``: the online model's linear form (``TERMS``) refitted by NNLS on relative error
   (prefill sets: with ``context_constant_s``, its fitted ``i_ctx``);
 - ``floor``: ``max(floor, linear)`` — a CPU-bound floor (the ``--floor-quantile`` of the
@@ -211,6 +212,11 @@ def evaluate(rows: list[list[Any]], train: float, floor_q: float,
             "measured_s": {"p10": float(y.quantile(0.1)), "p50": float(y.quantile(0.5)),
                            "p90": float(y.quantile(0.9))},
         }
+        ratio = (yh / online[n_train:])[online[n_train:] > 0]
+        if ratio.numel():
+            # the held-out steps' measured / predicted: which way the online model misses
+            out[key]["online_ratio"] = {q: float(ratio.quantile(v)) for q, v in
+                                        (("p1", 0.01), ("p50", 0.5), ("p99", 0.99))}
         if key.startswith("decode/graph"):
             xb = x.clone()
             xb[:, 0] = torch.tensor([_bucket(float(v), graph_sizes) for v in x[:, 0]], dtype=torch.float64)

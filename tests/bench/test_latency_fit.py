@@ -77,9 +77,13 @@ def test_busy_steps_grouped_by_what_the_trainer_ran() -> None:
         t = 0.01 * (1.3 if at[1] == 1 else 1.0)
         rows.append(["decode/graph/busy", 0.01, t, [8.0, 1000.0, 1.0], [0, 0], at])
     rows.append(["decode/graph/busy", 0.01, 0.011, [8.0, 1000.0, 1.0], [0, 0], None])
-    got = latency_fit.evaluate(rows, 0.5, 0.1)["decode/graph/busy"]["by_trainer_at"]
+    evaluated = latency_fit.evaluate(rows, 0.5, 0.1)["decode/graph/busy"]
+    got = evaluated["by_trainer_at"]
     assert got["layer#1"]["ratio_median"] == pytest.approx(1.3) and got["layer#0"]["ratio_median"] == pytest.approx(1.0)
     assert got["between_tasks"]["n"] == 1
+    # held out: half the steps at 1.0, half at 1.3 (one at 1.1)
+    ratio = evaluated["online_ratio"]
+    assert ratio["p1"] == pytest.approx(1.0) and ratio["p99"] == pytest.approx(1.3)
 
 
 def test_idle_steps_grouped_by_whether_the_trainer_was_in_a_task() -> None:
