@@ -137,6 +137,7 @@ class Segments:
         self.marks: list[tuple[int, int]] = []  # (layer, CLOCK()) on entry
         self.resumed: list[int] = []  # CLOCK() on return (the events' host time left out of the parts)
         self.keys: list[tuple[int, str]] = []  # the stretch each boundary opens
+        self.count: Counter[int] = Counter()  # boundaries per layer so far
         self.current: tuple[int, str] = (num_layers, "#0")
         # CUDA (gpu_hold_cycles > 0): an event at each boundary, the stream held at the first
         self.hold = gpu_hold_cycles
@@ -167,7 +168,8 @@ class Segments:
             event.record()
             self.events.append(event)
         self.resumed.append(CLOCK())
-        ordinal = sum(1 for key in self.keys if key[0] == layer)
+        ordinal = self.count[layer]
+        self.count[layer] += 1
         self.current = (layer, f"#{ordinal}")
         self.keys.append(self.current)
         if self.annotate:

@@ -9,7 +9,7 @@ import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -61,6 +61,17 @@ RELEASE_TIMEOUT_S = 0.05
 watchdog thread (:meth:`_Worker._watch_releases`). Work inside a stretch that waits for the GPU
 (the caching allocator freeing its cache synchronizes the device) would otherwise wait for a
 release that only the same CPU, past that work, can write."""
+
+
+class _Pause(NamedTuple):
+    """A pause of the trainer, as :class:`TaskResult` reports it: when (``time.monotonic()``), at
+    which boundary, whether at a poll point, and how long (ms) the GPU had idled before it waiting
+    for its stretch's release (RELEASE_STRETCHES; 0 otherwise)."""
+
+    t: float
+    layer: int
+    polled: bool
+    idle_ms: float = 0.0
 
 
 @dataclass
@@ -160,9 +171,7 @@ class _Worker:
         self.loss_sum = 0.0
         self.num_targets = 0
         self._events: list[torch.cuda.Event] = []
-        # (time.monotonic(), boundary layer, at a poll point, ms the GPU had idled before it waiting
-        # for its stretch's release: RELEASE_STRETCHES)
-        self._pauses: list[tuple[float, int, bool, float]] = []
+        self._pauses: list[_Pause] = []
         self._polled_closure = -1  # the gate closure (flag[CLOSURES]) a poll point queued a wait for last
         self._paused_s = 0.0
         self._gpu_wait_s = 0.0
@@ -176,6 +185,7 @@ class _Worker:
         self._marks: list[WaitMark] = []
         # the timed events of earlier tasks' marks, read and free for reuse (:meth:`_timed_event`)
         self._free_events: list[torch.cuda.Event] = []
+        self._readback: torch.cuda.Event | None = None  # (:meth:`_before_readback`'s, made once)
         # RELEASE_STRETCHES: the number of the stretch that began at the last boundary (the GPU may
         # run stretch n once the page's RELEASE word is at n)
         self._stretch = 0
@@ -261,9 +271,9 @@ class _Worker:
         paused, self._paused_s = self._paused_s, 0.0
         gpu_wait, self._gpu_wait_s = self._gpu_wait_s, 0.0
         return TaskResult(task.task_id, loss.loss_sum, loss.num_targets, time.perf_counter() - start, info,
-                          tuple(p[0] for p in pauses), paused, gpu_wait, time.thread_time() - cpu_start,
-                          tuple(p[1] for p in pauses), tuple(spans), tuple(lags),
-                          tuple(p[2] for p in pauses), tuple(span_process), tuple(p[3] for p in pauses))
+                          tuple(p.t for p in pauses), paused, gpu_wait, time.thread_time() - cpu_start,
+                          tuple(p.layer for p in pauses), tuple(spans), tuple(lags),
+                          tuple(p.polled for p in pauses), tuple(span_process), tuple(p.idle_ms for p in pauses))
 
     def _backward(self, rows: list[TaskRow], dropout_key: int | None) -> TaskLoss:
         """One task's backward pass, from its start boundary on (a real task or the warm-up)."""
@@ -295,9 +305,10 @@ class _Worker:
         if RELEASE_STRETCHES:
             self._release(self._stretch)  # (the task's last stretch, queued whole now)
         began = time.perf_counter()
-        done = torch.cuda.Event(blocking=True)
-        done.record(torch.cuda.current_stream())
-        done.synchronize()
+        if self._readback is None:
+            self._readback = torch.cuda.Event(blocking=True)
+        self._readback.record(torch.cuda.current_stream())
+        self._readback.synchronize()
         waited = time.perf_counter() - began
         self._gpu_wait_s += waited
         self._note_wait(waited)
@@ -336,7 +347,7 @@ class _Worker:
             began = time.perf_counter()
             if self.spec.store.is_cuda:
                 torch.cuda.current_stream().synchronize()
-            self._pauses.append((time.monotonic(), layer, polled, 0.0))
+            self._pauses.append(_Pause(time.monotonic(), layer, polled))
             grant.wait()
             self._paused_s += time.perf_counter() - began
 
@@ -424,12 +435,14 @@ class _Worker:
                 self._release(self._stretch)  # (the start's and the commit's boundaries: all of it)
         if len(self._marks) > ahead:
             began = time.perf_counter()
-            self._released_at = float("inf")  # (the watchdog's clock stops while the CPU waits)
+            if RELEASE_STRETCHES:
+                self._released_at = float("inf")  # (the watchdog's clock stops while the CPU waits)
             grant = self.spec.grant
             if grant is not None:
                 grant.wait()
             self._marks[-1 - ahead].after.synchronize()
-            self._released_at = time.monotonic()
+            if RELEASE_STRETCHES:
+                self._released_at = time.monotonic()
             waited = time.perf_counter() - began
             self._gpu_wait_s += waited
             self._note_wait(waited)
@@ -503,13 +516,13 @@ class _Worker:
         marks[-1].after.synchronize()
         anchor, anchor_s = self._anchor
         pauses, paused_s = pauses_from_marks(anchor_s, *read_marks(anchor, marks), idle_ms=read_idle_ms(marks))
-        self._pauses.extend((p.t, p.layer, marks[p.mark].ordinal == POLLED, p.idle_ms) for p in pauses)
+        self._pauses.extend(_Pause(p.t, p.layer, marks[p.mark].ordinal == POLLED, p.idle_ms) for p in pauses)
         self._paused_s += paused_s
         # NOTE: the CPU's waits for marks held by a closed gate were pauses, not GPU work.
         self._gpu_wait_s = max(0.0, self._gpu_wait_s - paused_s)
         spans = read_spans(marks)
         # (every mark's events have completed and been read: free for the next task's marks)
-        self._free_events.extend(e for m in marks for e in (m.before, m.after))
+        self._free_events.extend(e for m in marks for e in (m.before, m.after, m.idle) if e is not None)
         return spans, [p.lag_ms for p in pauses], read_span_process_ms(marks)
 
     def _commit(self) -> None:
