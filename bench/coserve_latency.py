@@ -142,45 +142,70 @@ WAITED_SHARE = 0.5
 """:func:`span_summary`'s ``host_waited``: a stretch of at least :data:`WAITED_MIN_MS` host time
 whose process CPU time was below this share of it."""
 WAITED_MIN_MS = 0.5
+LONGEST_SPANS = 12  # (span_summary's longest_cpu: how many)
 
 
 def span_summary(spans: list[tuple[int, int, float, float]], num_layers: int,
-                 process_ms: list[float] | None = None) -> dict[str, Any]:
+                 process_ms: list[float] | None = None, gc_ms: list[float] | None = None,
+                 watchdog_releases: int | None = None) -> dict[str, Any]:
     """The stretches between the trainer's boundaries (``TaskResult.spans``, GPU-side gate
     only), by where they start: ``start``, ``loss``, ``commit`` or ``layer#k`` (the k-th boundary
     of a layer: 0 the attention recompute, then the MLP's pieces, the last the attention
     backward): their GPU time (what a pause that comes during a stretch waits for) and their CPU
     time (``cpu_over_gpu``: the stretches whose queuing took longer than their GPU time, which left
-    the GPU dry — their kernels trickle out as the CPU queues them). With ``process_ms``
+    the GPU dry — their kernels trickle out as the CPU queues them; ``cpu_sum_ms``: the group's
+    share of the trainer's host time). With ``process_ms``
     (``TaskResult.span_process_ms``, parallel to ``spans``; NaN where unknown): the CPU time the
     trainer's threads used in each (``proc_p50_ms`` / ``proc_p99_ms``) and ``host_waited``, the
     stretches whose host time was mostly not CPU work (:data:`WAITED_SHARE`): a lock, the GIL,
-    the driver or the OS's scheduler, not Python and dispatch."""
+    the driver or the OS's scheduler, not Python and dispatch. With ``gc_ms``
+    (``TaskResult.span_gc_ms``): ``gc_ms`` (the garbage collector's time summed over a group's
+    stretches), ``gc_max_ms`` and ``gc_over_1ms`` (the stretches it held 1 ms or more).
+    ``watchdog_releases``: the stretches ``COSERVE_TRAINER_RELEASE``'s watchdog released."""
     if process_ms is None or len(process_ms) != len(spans):
         process_ms = [math.nan] * len(spans)
-    groups: dict[str, list[tuple[float, float, float]]] = {}
-    for (layer, ordinal, ms, cpu_ms), proc in zip(spans, process_ms, strict=True):
-        groups.setdefault(boundary_kind(layer, ordinal, num_layers), []).append((ms, cpu_ms, proc))
+    if gc_ms is None or len(gc_ms) != len(spans):
+        gc_ms = [math.nan] * len(spans)
+    groups: dict[str, list[tuple[float, float, float, float]]] = {}
+    for (layer, ordinal, ms, cpu_ms), proc, gc in zip(spans, process_ms, gc_ms, strict=True):
+        groups.setdefault(boundary_kind(layer, ordinal, num_layers), []).append((ms, cpu_ms, proc, gc))
     everything = [ms for _, _, ms, _ in spans]
 
-    def stats(rows: list[tuple[float, float, float]]) -> dict[str, Any]:
-        gpu, cpu = [g for g, _, _ in rows], [c for _, c, _ in rows]
+    def gc_stats(values: list[float]) -> dict[str, Any]:
+        return {"gc_ms": sum(values), "gc_max_ms": max(values), "gc_over_1ms": sum(v >= 1.0 for v in values)}
+
+    def stats(rows: list[tuple[float, float, float, float]]) -> dict[str, Any]:
+        gpu, cpu = [r[0] for r in rows], [r[1] for r in rows]
         out = {"n": len(rows), "p50_ms": percentile(gpu, 50), "p99_ms": percentile(gpu, 99), "max_ms": max(gpu),
-               "cpu_p50_ms": percentile(cpu, 50), "cpu_p99_ms": percentile(cpu, 99),
-               "cpu_over_gpu": sum(c > g for g, c, _ in rows)}
-        known = [(c, p) for _, c, p in rows if not math.isnan(p)]
+               "cpu_p50_ms": percentile(cpu, 50), "cpu_p99_ms": percentile(cpu, 99), "cpu_max_ms": max(cpu),
+               "cpu_sum_ms": sum(cpu), "cpu_over_gpu": sum(c > g for g, c, _, _ in rows)}
+        known = [(c, p) for _, c, p, _ in rows if not math.isnan(p)]
         if known:
             procs = [p for _, p in known]
             out |= {"proc_p50_ms": percentile(procs, 50), "proc_p99_ms": percentile(procs, 99),
                     "host_waited": sum(c >= WAITED_MIN_MS and p < WAITED_SHARE * c for c, p in known)}
+        collected = [g for *_, g in rows if not math.isnan(g)]
+        if collected:
+            out |= gc_stats(collected)
         return out
 
-    return {
+    out: dict[str, Any] = {
         "n": len(everything),
         "over_2ms": sum(ms > 2.0 for ms in everything),
         "cpu_over_gpu": sum(c > g for _, _, g, c in spans),
-        "by_start": {k: stats(v) for k, v in sorted(groups.items())},
     }
+    collected = [g for g in gc_ms if not math.isnan(g)]
+    if collected:
+        out |= gc_stats(collected)
+    if watchdog_releases is not None:
+        out["watchdog_releases"] = watchdog_releases
+    # the stretches of the most host time, with what their host did (a full launch queue spins,
+    # a collection holds the GIL, a sleep uses no CPU)
+    order = sorted(range(len(spans)), key=lambda i: -spans[i][3])[:LONGEST_SPANS]
+    out["longest_cpu"] = [{"at": boundary_kind(spans[i][0], spans[i][1], num_layers), "gpu_ms": spans[i][2],
+                           "cpu_ms": spans[i][3], "proc_ms": process_ms[i], "gc_ms": gc_ms[i]} for i in order]
+    out["by_start"] = {k: stats(v) for k, v in sorted(groups.items())}
+    return out
 
 
 def longest_steps(steps: list[tuple[Any, ...]], top: int) -> dict[str, list[dict[str, Any]]]:
@@ -351,7 +376,8 @@ def main() -> None:
                                       num_layers, co.pause_observed_lags or None,
                                       co.pause_window_at if co.pause_observed_lags else None,
                                       co.pause_observed_polled or None, co.pause_observed_idle_ms or None),
-        "trainer_spans": (span_summary(co.trainer_spans, num_layers, co.trainer_span_process_ms)
+        "trainer_spans": (span_summary(co.trainer_spans, num_layers, co.trainer_span_process_ms,
+                                       co.trainer_span_gc_ms, co.trainer_watchdog_releases)
                           if co.trainer_spans else None),
         "ft_only_interruption": {
             "requests": len(ft_only), "interrupted_steps": co.num_interrupted,

@@ -36,3 +36,23 @@ def freeze_startup_objects(what: str) -> None:
         _unfreeze_at_exit = True
     logger.info("%s: %d objects frozen out of the garbage collector (%.0f ms)",
                 what, gc.get_freeze_count(), (time.perf_counter() - start) * 1e3)
+
+
+class GCClock:
+    """Seconds spent in Python's garbage collector (``gc.callbacks``), for the interruption
+    points' record and the trainer's stretches: a collection is one reason a host stalls."""
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+        self._began = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.total_s += time.perf_counter() - self._began
+
+    def close(self) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)

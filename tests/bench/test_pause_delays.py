@@ -70,10 +70,27 @@ def test_spans_tell_host_work_from_a_host_that_waited() -> None:
     got = coserve_latency.span_summary(spans, num_layers=2, process_ms=[3.8, 0.4, 0.1, float("nan")])
     by = got["by_start"]
     assert by["layer#0"]["host_waited"] == 1 and by["layer#0"]["proc_p99_ms"] == pytest.approx(3.8, rel=0.02)
+    assert by["layer#0"]["cpu_sum_ms"] == pytest.approx(7.0) and by["layer#0"]["cpu_max_ms"] == pytest.approx(4.0)
     assert by["layer#1"]["host_waited"] == 0  # (0.3 ms of host time: too short to say)
     assert "proc_p50_ms" not in by["commit"]
     # a list that does not match the spans is ignored
     assert "host_waited" not in coserve_latency.span_summary(spans, 2, process_ms=[1.0])["by_start"]["layer#0"]
+
+
+def test_spans_carry_the_garbage_collectors_time_and_the_watchdogs_releases() -> None:
+    spans = [(1, 0, 0.5, 4.0), (0, 0, 0.7, 3.0), (0, 1, 0.2, 0.3), (-1, 0, 0.1, 2.0)]
+    got = coserve_latency.span_summary(spans, num_layers=2, gc_ms=[0.0, 2.5, 0.25, float("nan")], watchdog_releases=3)
+    assert got["gc_ms"] == pytest.approx(2.75) and got["gc_max_ms"] == pytest.approx(2.5) and got["gc_over_1ms"] == 1
+    assert got["watchdog_releases"] == 3
+    assert [(d["at"], d["cpu_ms"], d["gc_ms"]) for d in got["longest_cpu"][:2]] == [("layer#0", 4.0, 0.0),
+                                                                                 ("layer#0", 3.0, 2.5)]
+    by = got["by_start"]
+    assert by["layer#0"]["gc_over_1ms"] == 1 and by["layer#0"]["gc_ms"] == pytest.approx(2.5)  # (both layers)
+    assert by["layer#1"]["gc_ms"] == pytest.approx(0.25) and by["layer#1"]["gc_over_1ms"] == 0
+    assert "gc_ms" not in by["commit"]
+    # without them: neither key (the older results' layout)
+    plain = coserve_latency.span_summary(spans, num_layers=2)
+    assert "gc_ms" not in plain and "watchdog_releases" not in plain
 
 
 def test_delays_split_by_whether_the_gpu_had_run_dry() -> None:

@@ -476,3 +476,68 @@ def test_the_release_watchdog_frees_a_stretch_left_waiting(monkeypatch: pytest.M
     worker._release(3)  # (never lowered)
     assert int(flag[RELEASE]) == 5
     worker.stop_watchdog.set()
+
+
+def test_each_stretch_carries_the_garbage_collectors_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A collection inside a stretch shows in that stretch's TaskResult.span_gc_ms, and only there."""
+    import gc
+
+    spec, task, _ = _worker_spec("cpu")
+    worker = _gated_cpu_worker(spec, monkeypatch)
+    boundary = worker._layer_boundary
+    collected: list[int] = []
+
+    def collecting(layer: int, polled: bool = False) -> None:
+        if layer == 0 and not polled and not collected:
+            collected.append(gc.collect())  # (before the boundary's mark: in the stretch that ends there)
+        boundary(layer, polled)
+
+    monkeypatch.setattr(worker, "_layer_boundary", collecting)
+    got = worker.run(task)
+    assert collected and len(got.span_gc_ms) == len(got.spans)
+    held = [i for i, ms in enumerate(got.span_gc_ms) if ms > 0.0]
+    assert held, got.span_gc_ms
+    # the collection ran in the stretch before layer 0's first boundary: the one that began at
+    # layer 1's last
+    assert got.spans[held[-1] + 1][:2] == (0, 0)
+    assert all(ms >= 0.0 for ms in got.span_gc_ms)
+
+
+def test_the_release_watchdog_logs_where_the_stalled_cpu_is(monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """The watchdog names the frames the stretch-queuing thread is stalled in (once per place),
+    and the task's result counts the releases."""
+    from coserve.trainer import worker as worker_module
+    from coserve.trainer.stream_gate import RELEASE
+
+    monkeypatch.setattr(worker_module, "RELEASE_STRETCHES", True)
+    monkeypatch.setattr(worker_module, "RELEASE_TIMEOUT_S", 0.02)
+    spec, task, _ = _worker_spec("cpu")
+    spec.gate_flag = flag = new_flag()
+    worker = _gated_cpu_worker(spec, monkeypatch)
+    stalled = threading.Event()
+
+    def _a_sync_inside_a_stretch() -> None:
+        stalled.wait(timeout=5.0)
+
+    queuing = threading.Thread(target=_a_sync_inside_a_stretch, daemon=True)
+    queuing.start()
+    worker._main_thread = queuing.ident
+    worker._stretch, worker._released, worker._released_at = 2, 1, time.monotonic()
+    with caplog.at_level("WARNING", logger="coserve.trainer.worker"):
+        threading.Thread(target=worker._watch_releases, daemon=True).start()
+        deadline = time.monotonic() + 2.0
+        while int(flag[RELEASE]) != 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        worker._stretch, worker._released_at = 3, time.monotonic()  # the same place again
+        while int(flag[RELEASE]) != 3 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        worker.stop_watchdog.set()
+        stalled.set()
+    assert worker.watchdog_releases == 2
+    logged = [r.getMessage() for r in caplog.records if "watchdog released it" in r.getMessage()]
+    assert len(logged) == 1 and "_a_sync_inside_a_stretch" in logged[0]
+    # the next task's result carries both releases, the one after it none
+    monkeypatch.setattr(worker_module, "RELEASE_STRETCHES", False)  # (the fake gate has no release wait)
+    assert worker.run(task).watchdog_releases == 2
+    assert worker.run(task).watchdog_releases == 0

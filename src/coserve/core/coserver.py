@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import time
@@ -26,6 +25,7 @@ from coserve.core.latency import (
 )
 from coserve.core.messages import BackwardTask, TaskResult, TaskSample, row_dropout_key
 from coserve.core.sample_pool import SamplePool
+from coserve.gc_freeze import GCClock
 
 logger = logging.getLogger(__name__)
 
@@ -100,26 +100,6 @@ class CheckPoint(NamedTuple):
     gc_s: float  # seconds in Python's garbage collector since the plan began
     device_allocs: int | None  # CUDA allocations (cudaMalloc, cuMemMap) so far; None off CUDA, at the end of
     # the plan and past the step's first six checks (memory_stats costs host time)
-
-
-class GCClock:
-    """Seconds spent in Python's garbage collector (``gc.callbacks``), for the interruption
-    points' record: a collection is one reason an FT-only step's host stalls."""
-
-    def __init__(self) -> None:
-        self.total_s = 0.0
-        self._began = 0.0
-        gc.callbacks.append(self._callback)
-
-    def _callback(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._began = time.perf_counter()
-        else:
-            self.total_s += time.perf_counter() - self._began
-
-    def close(self) -> None:
-        if self._callback in gc.callbacks:
-            gc.callbacks.remove(self._callback)
 
 
 @dataclass
@@ -218,6 +198,8 @@ class CoServer:
         self.trainer_spans: list[tuple[int, int, float, float]] = []  # TaskResult.spans of every task
         # TaskResult.span_process_ms, parallel to trainer_spans (NaN where a result had none)
         self.trainer_span_process_ms: list[float] = []
+        self.trainer_span_gc_ms: list[float] = []  # TaskResult.span_gc_ms, parallel to trainer_spans (NaN: none)
+        self.trainer_watchdog_releases = 0  # TaskResult.watchdog_releases, summed
         self.pause_observed_lags: list[float] = []  # TaskResult.pause_lags_ms (GPU-side gate only)
         self.pause_observed_polled: list[bool] = []  # TaskResult.pause_polled
         self.pause_observed_idle_ms: list[float] = []  # TaskResult.pause_idle_ms (0 where none)
@@ -618,6 +600,9 @@ class CoServer:
             process = result.span_process_ms
             self.trainer_span_process_ms.extend(process if len(process) == len(result.spans)
                                                 else (math.nan,) * len(result.spans))
+            gc_ms = result.span_gc_ms
+            self.trainer_span_gc_ms.extend(gc_ms if len(gc_ms) == len(result.spans) else (math.nan,) * len(result.spans))
+            self.trainer_watchdog_releases += result.watchdog_releases
             self.pause_observed_lags.extend(result.pause_lags_ms)
             self.pause_observed_polled.extend(result.pause_polled or (False,) * len(result.pause_times))
             self.pause_observed_idle_ms.extend(result.pause_idle_ms or (0.0,) * len(result.pause_times))

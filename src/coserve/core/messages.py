@@ -74,6 +74,11 @@ class TaskResult:
     # for each pause in pause_times: how long (ms) before it the GPU had stopped running the
     # trainer's kernels, waiting for its stretch's release (COSERVE_TRAINER_RELEASE; 0 otherwise)
     pause_idle_ms: tuple[float, ...] = ()
+    # for each of spans: the time (ms) Python's garbage collector ran in it
+    span_gc_ms: tuple[float, ...] = ()
+    # COSERVE_TRAINER_RELEASE: the stretches of this task the watchdog released (their CPU had not
+    # reached the next boundary RELEASE_TIMEOUT_S after the last release)
+    watchdog_releases: int = 0
 
 
 @dataclass(frozen=True)

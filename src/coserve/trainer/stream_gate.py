@@ -202,6 +202,9 @@ class WaitMark(NamedTuple):
     # COSERVE_TRAINER_RELEASE: a timed event before the wait for this stretch's release, where the
     # GPU stops running the trainer's kernels until its CPU has queued the whole stretch
     idle: torch.cuda.Event | None = None
+    # seconds the process had spent in Python's garbage collector by recorded_s (the worker's
+    # GCClock): a stretch's share of it is host time no kernel launch could use
+    gc_s: float = 0.0
 
 
 class GatePause(NamedTuple):
@@ -273,3 +276,10 @@ def read_span_process_ms(marks: Sequence[WaitMark]) -> list[float]:
     waited: on a lock, the GIL, the driver or the OS's scheduler (a sleep or wait on the GPU
     after a boundary uses next to no CPU time, as it is left out of the host time too)."""
     return [(b.process_s - a.process_s) * 1e3 for a, b in zip(marks[:-1], marks[1:], strict=True)]
+
+
+def read_span_gc_ms(marks: Sequence[WaitMark]) -> list[float]:
+    """The time (ms) Python's garbage collector ran in each stretch of :func:`read_spans` (the
+    same order): a collection stops the host thread that queues the stretch, and the GPU with it
+    once it has run what was queued."""
+    return [(b.gc_s - a.gc_s) * 1e3 for a, b in zip(marks[:-1], marks[1:], strict=True)]

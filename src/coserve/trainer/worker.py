@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 import traceback
@@ -15,7 +16,7 @@ import torch
 
 from coserve.core.config import OptimConfig
 from coserve.core.messages import BackwardTask, StepInfo, TaskResult, TrainerFailed
-from coserve.gc_freeze import freeze_startup_objects
+from coserve.gc_freeze import GCClock, freeze_startup_objects
 from coserve.models.llama import LlamaForCausalLM
 from coserve.models.peft_adapter import LoraAdapter
 from coserve.trainer.backward import TaskLoss, TaskRow, task_backward
@@ -35,6 +36,7 @@ from coserve.trainer.stream_gate import (
     pauses_from_marks,
     read_idle_ms,
     read_marks,
+    read_span_gc_ms,
     read_span_process_ms,
     read_spans,
 )
@@ -57,6 +59,8 @@ poll point or boundary: the pause delay's ``gpu_dry`` tail, p99 4–6 ms in sess
 cost of starting each stretch after its queuing. Off by default: not yet measured on the GPU
 (``DEVELOPERS.md``)."""
 RELEASE_TIMEOUT_S = 0.05
+STALL_FRAMES = 8  # (the innermost frames of a stalled stretch's stack the watchdog logs)
+STALL_STACKS_LOGGED = 5  # (distinct stalled stacks logged per trainer)
 """RELEASE_STRETCHES' safety net: a stretch whose release has waited this long is released by a
 watchdog thread (:meth:`_Worker._watch_releases`). Work inside a stretch that waits for the GPU
 (the caching allocator freeing its cache synchronizes the device) would otherwise wait for a
@@ -193,6 +197,10 @@ class _Worker:
         self._released_at = time.monotonic()
         self._release_lock = threading.Lock()
         self.watchdog_releases = 0  # stretches the watchdog released (a stretch's work waited on the GPU)
+        self._watchdog_reported = 0  # (of watchdog_releases, those a TaskResult has carried)
+        self._watchdog_stacks: set[str] = set()  # (the distinct places they were found at, logged once each)
+        self._main_thread = threading.get_ident()  # (the thread that queues the stretches)
+        self._gc = GCClock()  # (each stretch's garbage collector time: TaskResult.span_gc_ms)
         self.stop_watchdog = threading.Event()  # (the worker's process ends with it; tests set it)
         if RELEASE_STRETCHES and self._gate is not None:
             threading.Thread(target=self._watch_releases, name="trainer-release-watchdog", daemon=True).start()
@@ -266,14 +274,16 @@ class _Worker:
                            "and freed its cache (each time the device synchronizes); give the trainer more "
                            "memory or shorter tasks", retries - self._alloc_retries, task.task_id)
             self._alloc_retries = retries
-        spans, lags, span_process = self._read_gate_pauses()
+        spans, lags, span_process, span_gc = self._read_gate_pauses()
+        watchdog, self._watchdog_reported = self.watchdog_releases - self._watchdog_reported, self.watchdog_releases
         pauses, self._pauses = self._pauses, []
         paused, self._paused_s = self._paused_s, 0.0
         gpu_wait, self._gpu_wait_s = self._gpu_wait_s, 0.0
         return TaskResult(task.task_id, loss.loss_sum, loss.num_targets, time.perf_counter() - start, info,
                           tuple(p.t for p in pauses), paused, gpu_wait, time.thread_time() - cpu_start,
                           tuple(p.layer for p in pauses), tuple(spans), tuple(lags),
-                          tuple(p.polled for p in pauses), tuple(span_process), tuple(p.idle_ms for p in pauses))
+                          tuple(p.polled for p in pauses), tuple(span_process), tuple(p.idle_ms for p in pauses),
+                          tuple(span_gc), watchdog)
 
     def _backward(self, rows: list[TaskRow], dropout_key: int | None) -> TaskLoss:
         """One task's backward pass, from its start boundary on (a real task or the warm-up)."""
@@ -403,6 +413,7 @@ class _Worker:
             last = next((m for m in reversed(self._marks) if m.ordinal != POLLED), None)
             ordinal = last.ordinal + 1 if last is not None and last.layer == layer else 0
         recorded_s, process_s = time.monotonic(), time.process_time()
+        gc_s = self._gc.total_s
         idle = None
         # (not at the task's start or the commit: their stretches read back from the GPU, which an
         # unreleased wait ahead of them would hold until their own next boundary, never reached)
@@ -423,7 +434,7 @@ class _Worker:
         if not polled:
             self._gate.mark(stream, encode_progress(layer, min(ordinal, POLLED - 1)))
         self._marks.append(WaitMark(before, after, layer, ordinal, gap_ms, recorded_s, process_s=process_s,
-                                    idle=idle))
+                                    idle=idle, gc_s=gc_s))
         ahead = self.spec.gated_boundaries_ahead
         if RELEASE_STRETCHES:
             # (a run-ahead wait on the mark just queued would wait for a release that only comes
@@ -465,9 +476,22 @@ class _Worker:
             if pending > self._released and time.monotonic() - self._released_at > RELEASE_TIMEOUT_S:
                 self._release(pending)
                 self.watchdog_releases += 1
-                if self.watchdog_releases == 1:
-                    logger.warning("trainer: a stretch waited %.0f ms for its release (work in it waited on "
-                                   "the GPU); released by the watchdog", RELEASE_TIMEOUT_S * 1e3)
+                self._log_stalled_stack()
+
+    def _log_stalled_stack(self) -> None:
+        """Where the stretch-queuing thread is, now that the watchdog released its stretch: the
+        Python frames under which its CPU waited (a synchronization inside a stretch, or a long
+        host stall), logged once per distinct place."""
+        frame = sys._current_frames().get(self._main_thread)
+        if frame is None:
+            return
+        stack = traceback.extract_stack(frame)[-STALL_FRAMES:]
+        where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(stack))
+        if where in self._watchdog_stacks or len(self._watchdog_stacks) >= STALL_STACKS_LOGGED:
+            return
+        self._watchdog_stacks.add(where)
+        logger.warning("trainer: a stretch waited %.0f ms for its release and the watchdog released it "
+                       "(release %d); its CPU was at %s", RELEASE_TIMEOUT_S * 1e3, self.watchdog_releases, where)
 
     def _release_all(self) -> None:
         """RELEASE_STRETCHES: release every stretch queued so far, and number the next ones past
@@ -506,13 +530,14 @@ class _Worker:
         self._release_all()
         self._gate = None
 
-    def _read_gate_pauses(self) -> tuple[list[tuple[int, int, float, float]], list[float], list[float]]:
+    def _read_gate_pauses(self) -> tuple[list[tuple[int, int, float, float]], list[float], list[float], list[float]]:
         """Add the pauses the gate's waits made in this task, from their events (after the last
         completed), as ``(monotonic time, layer)`` like the CPU path's; returns the task's
-        :attr:`TaskResult.spans`, its pauses' ``pause_lags_ms`` and the spans' process CPU ms."""
+        :attr:`TaskResult.spans`, its pauses' ``pause_lags_ms``, the spans' process CPU ms and their
+        garbage collector ms."""
         marks, self._marks = self._marks, []
         if not marks or self._anchor is None:
-            return [], [], []
+            return [], [], [], []
         marks[-1].after.synchronize()
         anchor, anchor_s = self._anchor
         pauses, paused_s = pauses_from_marks(anchor_s, *read_marks(anchor, marks), idle_ms=read_idle_ms(marks))
@@ -523,7 +548,7 @@ class _Worker:
         spans = read_spans(marks)
         # (every mark's events have completed and been read: free for the next task's marks)
         self._free_events.extend(e for m in marks for e in (m.before, m.after, m.idle) if e is not None)
-        return spans, [p.lag_ms for p in pauses], read_span_process_ms(marks)
+        return spans, [p.lag_ms for p in pauses], read_span_process_ms(marks), read_span_gc_ms(marks)
 
     def _commit(self) -> None:
         """Save the new state into the other bank, flip the bank index, then update serving."""
