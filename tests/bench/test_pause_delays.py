@@ -156,3 +156,11 @@ def test_layer0_profile_covers_only_the_first_layer_of_each_step() -> None:
     assert report["steps"] == 2 and calls.count("before layer 0") == 2
     assert "layer_zero_work" in report["cumulative"] and "layer_zero_work" in report["tottime"]
     assert not profile._on  # off again after each step's second check, and after an interruption
+
+
+def test_task_allocs_tell_the_watchdogs_releases_in_tasks_that_asked_the_driver_for_memory() -> None:
+    rows = [(0, 0, 0, 0), (2, 1, 3, 0), (1, 1, 0, 0), (0, 0, 1, 1)]
+    got = coserve_latency.task_allocs_summary(rows)
+    assert got == {"tasks": 4, "with_device_allocs": 2, "device_allocs": 4, "device_frees": 1,
+                   "watchdog_releases": 3, "watchdog_gate_closed": 2, "watchdog_in_allocating_tasks": 2,
+                   "tasks_with_watchdog": 2}

@@ -532,12 +532,36 @@ def test_the_release_watchdog_logs_where_the_stalled_cpu_is(monkeypatch: pytest.
         worker._stretch, worker._released_at = 3, time.monotonic()  # the same place again
         while int(flag[RELEASE]) != 3 and time.monotonic() < deadline:
             time.sleep(0.005)
+        flag[0] = CLOSED  # the same place, the engine holding the gate closed
+        worker._stretch, worker._released_at = 4, time.monotonic()
+        while int(flag[RELEASE]) != 4 and time.monotonic() < deadline:
+            time.sleep(0.005)
         worker.stop_watchdog.set()
         stalled.set()
-    assert worker.watchdog_releases == 2
+    assert worker.watchdog_releases == 3 and worker.watchdog_closed == 1
     logged = [r.getMessage() for r in caplog.records if "watchdog released it" in r.getMessage()]
-    assert len(logged) == 1 and "_a_sync_inside_a_stretch" in logged[0]
-    # the next task's result carries both releases, the one after it none
+    assert len(logged) == 2 and all("_a_sync_inside_a_stretch" in m for m in logged)
+    assert "the gate open" in logged[0] and "the gate closed" in logged[1]
+    # the next task's result carries the releases, the one after it none
+    flag[0] = OPEN
     monkeypatch.setattr(worker_module, "RELEASE_STRETCHES", False)  # (the fake gate has no release wait)
-    assert worker.run(task).watchdog_releases == 2
-    assert worker.run(task).watchdog_releases == 0
+    got = worker.run(task)
+    assert (got.watchdog_releases, got.watchdog_closed) == (3, 1)
+    got = worker.run(task)
+    assert (got.watchdog_releases, got.watchdog_closed) == (0, 0)
+
+
+def test_each_task_reports_its_own_driver_allocations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TaskResult.device_allocs / device_frees are the allocator's cudaMalloc / cudaFree calls in
+    that task alone (the warm-up's are not the first task's)."""
+    from coserve.trainer import worker as worker_module
+
+    counts = iter([(0, 5, 0), (0, 9, 0), (0, 12, 1), (0, 12, 1), (0, 12, 1)])
+    monkeypatch.setattr(worker_module, "_alloc_counts",
+                        lambda device: worker_module._AllocCounts(*next(counts)))
+    spec, task, _ = _worker_spec("cpu")
+    worker = _Worker(spec)  # (5 so far)
+    worker.forget_warm_up()  # (a warm-up's 4 more: 9)
+    first, second = worker.run(task), worker.run(task)
+    assert (first.device_allocs, first.device_frees) == (3, 1)
+    assert (second.device_allocs, second.device_frees) == (0, 0)

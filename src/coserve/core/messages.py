@@ -79,6 +79,11 @@ class TaskResult:
     # COSERVE_TRAINER_RELEASE: the stretches of this task the watchdog released (their CPU had not
     # reached the next boundary RELEASE_TIMEOUT_S after the last release)
     watchdog_releases: int = 0
+    watchdog_closed: int = 0  # of watchdog_releases, those made while the engine held the gate closed
+    # the trainer's CUDA caching allocator in this task: its cudaMalloc and cudaFree calls (a driver
+    # allocation can wait for the device, and so for a stream the gate or a release wait holds)
+    device_allocs: int = 0
+    device_frees: int = 0
 
 
 @dataclass(frozen=True)

@@ -57,14 +57,18 @@ host-bound stretch's kernels then no longer run as they are queued, so a gate th
 the CPU queues a stretch stops the GPU before any of it (today the GPU runs on until the next
 poll point or boundary: the pause delay's ``gpu_dry`` tail, p99 4–6 ms in session 20), at the
 cost of starting each stretch after its queuing. Off by default: not yet measured on the GPU
-(``DEVELOPERS.md``)."""
-RELEASE_TIMEOUT_S = 0.05
+(``DEVELOPERS.md``). Measured in session 21 (``bench/results/latency_h200/README.md``, three
+runs each way): pause p99 1.63 / 1.54 / 2.11 ms against 3.04 / 2.44 / 2.49 ms without, at 12% fewer
+FT tokens/s (2,828 against 3,201 on average) and a worse latency model (p99 19–21% against 16–17%)."""
+RELEASE_TIMEOUT_S = float(os.environ.get("COSERVE_TRAINER_RELEASE_TIMEOUT_MS", "50")) / 1e3
+"""RELEASE_STRETCHES' safety net (``COSERVE_TRAINER_RELEASE_TIMEOUT_MS``, 50 by default): a
+stretch whose release has waited this long is released by a watchdog thread
+(:meth:`_Worker._watch_releases`, which looks four times per timeout). Work inside a stretch that
+waits for the GPU (a device synchronization) would otherwise wait for a release that only the
+same CPU, past that work, can write. Session 21's run with the switch on had 231 such releases
+in 138 tasks, each leaving the GPU idle up to the timeout."""
 STALL_FRAMES = 8  # (the innermost frames of a stalled stretch's stack the watchdog logs)
 STALL_STACKS_LOGGED = 5  # (distinct stalled stacks logged per trainer)
-"""RELEASE_STRETCHES' safety net: a stretch whose release has waited this long is released by a
-watchdog thread (:meth:`_Worker._watch_releases`). Work inside a stretch that waits for the GPU
-(the caching allocator freeing its cache synchronizes the device) would otherwise wait for a
-release that only the same CPU, past that work, can write."""
 
 
 class _Pause(NamedTuple):
@@ -158,12 +162,22 @@ def run_worker(spec: WorkerSpec, tasks: Any, results: Any) -> None:
         raise
 
 
-def _alloc_retries(device: torch.device) -> int:
-    """How often the CUDA caching allocator of ``device`` has freed its cache to retry an
-    allocation so far (0 off CUDA)."""
+class _AllocCounts(NamedTuple):
+    """The CUDA caching allocator's counters of ``device`` so far (all 0 off CUDA): how often it
+    freed its cache to retry an allocation, and how often it asked the driver for memory
+    (``cudaMalloc``) and gave memory back (``cudaFree``)."""
+
+    retries: int = 0
+    device_allocs: int = 0
+    device_frees: int = 0
+
+
+def _alloc_counts(device: torch.device) -> _AllocCounts:
     if device.type != "cuda":
-        return 0
-    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+        return _AllocCounts()
+    stats = torch.cuda.memory_stats(device)
+    return _AllocCounts(int(stats.get("num_alloc_retries", 0)), int(stats.get("num_device_alloc", 0)),
+                        int(stats.get("num_device_free", 0)))
 
 
 class _Worker:
@@ -180,7 +194,7 @@ class _Worker:
         self._paused_s = 0.0
         self._gpu_wait_s = 0.0
         self._gate: StreamGate | None = None
-        self._alloc_retries = _alloc_retries(device)
+        self._allocs = _alloc_counts(device)
         if spec.gate_flag is not None and device.type == "cuda":
             self._gate = StreamGate.open(spec.gate_flag, device)
         # (the gate's word read through numpy at the poll points: a fraction of a tensor index's cost)
@@ -197,8 +211,12 @@ class _Worker:
         self._released_at = time.monotonic()
         self._release_lock = threading.Lock()
         self.watchdog_releases = 0  # stretches the watchdog released (a stretch's work waited on the GPU)
-        self._watchdog_reported = 0  # (of watchdog_releases, those a TaskResult has carried)
-        self._watchdog_stacks: set[str] = set()  # (the distinct places they were found at, logged once each)
+        # of them, those made while the engine held the gate closed (the GPU paused anyway: a CPU that
+        # queued ahead into a full launch queue, say); the others left the GPU idle
+        self.watchdog_closed = 0
+        self._watchdog_reported = (0, 0)  # (of both, those a TaskResult has carried)
+        # (the distinct places they were found at, with the gate closed or open: logged once each)
+        self._watchdog_stacks: dict[bool, set[str]] = {True: set(), False: set()}
         self._main_thread = threading.get_ident()  # (the thread that queues the stretches)
         self._gc = GCClock()  # (each stretch's garbage collector time: TaskResult.span_gc_ms)
         self.stop_watchdog = threading.Event()  # (the worker's process ends with it; tests set it)
@@ -247,6 +265,9 @@ class _Worker:
         self._marks = []
         self._release_all()
         self._pauses, self._paused_s, self._gpu_wait_s = [], 0.0, 0.0
+        # (the first task's counts are its own)
+        self._allocs = _alloc_counts(self.spec.store.device)
+        self._watchdog_reported = (self.watchdog_releases, self.watchdog_closed)
 
     def run(self, task: BackwardTask) -> TaskResult:
         start = time.perf_counter()
@@ -265,17 +286,18 @@ class _Worker:
             self._commit()
             info = StepInfo(task.step, res.lr, res.grad_norm, res.skipped)
         self._mark_task_end()
-        retries = _alloc_retries(self.spec.store.device)
-        if retries > self._alloc_retries:
+        allocs, before = _alloc_counts(self.spec.store.device), self._allocs
+        self._allocs = allocs
+        if allocs.retries > before.retries:
             # NOTE: a retry frees the allocator's cached blocks, and freeing device memory waits
             # for the whole device: for the engine's queued steps, and for a gate that holds this
             # stream paused until the engine's prefill ends. The trainer's CPU stalls there.
             logger.warning("trainer: the CUDA caching allocator ran out of cached memory %d time(s) in task %d "
                            "and freed its cache (each time the device synchronizes); give the trainer more "
-                           "memory or shorter tasks", retries - self._alloc_retries, task.task_id)
-            self._alloc_retries = retries
+                           "memory or shorter tasks", allocs.retries - before.retries, task.task_id)
         spans, lags, span_process, span_gc = self._read_gate_pauses()
-        watchdog, self._watchdog_reported = self.watchdog_releases - self._watchdog_reported, self.watchdog_releases
+        (reported, reported_closed), self._watchdog_reported = (self._watchdog_reported,
+                                                                (self.watchdog_releases, self.watchdog_closed))
         pauses, self._pauses = self._pauses, []
         paused, self._paused_s = self._paused_s, 0.0
         gpu_wait, self._gpu_wait_s = self._gpu_wait_s, 0.0
@@ -283,7 +305,8 @@ class _Worker:
                           tuple(p.t for p in pauses), paused, gpu_wait, time.thread_time() - cpu_start,
                           tuple(p.layer for p in pauses), tuple(spans), tuple(lags),
                           tuple(p.polled for p in pauses), tuple(span_process), tuple(p.idle_ms for p in pauses),
-                          tuple(span_gc), watchdog)
+                          tuple(span_gc), self.watchdog_releases - reported, self.watchdog_closed - reported_closed,
+                          allocs.device_allocs - before.device_allocs, allocs.device_frees - before.device_frees)
 
     def _backward(self, rows: list[TaskRow], dropout_key: int | None) -> TaskLoss:
         """One task's backward pass, from its start boundary on (a real task or the warm-up)."""
@@ -474,24 +497,29 @@ class _Worker:
         while not self.stop_watchdog.wait(RELEASE_TIMEOUT_S / 4):
             pending = self._stretch
             if pending > self._released and time.monotonic() - self._released_at > RELEASE_TIMEOUT_S:
+                word = self._gate_word
+                closed = word is not None and int(word[0]) == CLOSED
                 self._release(pending)
                 self.watchdog_releases += 1
-                self._log_stalled_stack()
+                self.watchdog_closed += closed
+                self._log_stalled_stack(closed)
 
-    def _log_stalled_stack(self) -> None:
+    def _log_stalled_stack(self, closed: bool) -> None:
         """Where the stretch-queuing thread is, now that the watchdog released its stretch: the
         Python frames under which its CPU waited (a synchronization inside a stretch, or a long
-        host stall), logged once per distinct place."""
+        host stall), logged once per distinct place and state of the gate (``closed``)."""
         frame = sys._current_frames().get(self._main_thread)
         if frame is None:
             return
         stack = traceback.extract_stack(frame)[-STALL_FRAMES:]
         where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(stack))
-        if where in self._watchdog_stacks or len(self._watchdog_stacks) >= STALL_STACKS_LOGGED:
+        seen = self._watchdog_stacks[closed]
+        if where in seen or len(seen) >= STALL_STACKS_LOGGED:
             return
-        self._watchdog_stacks.add(where)
+        seen.add(where)
         logger.warning("trainer: a stretch waited %.0f ms for its release and the watchdog released it "
-                       "(release %d); its CPU was at %s", RELEASE_TIMEOUT_S * 1e3, self.watchdog_releases, where)
+                       "(release %d, the gate %s); its CPU was at %s", RELEASE_TIMEOUT_S * 1e3,
+                       self.watchdog_releases, "closed" if closed else "open", where)
 
     def _release_all(self) -> None:
         """RELEASE_STRETCHES: release every stretch queued so far, and number the next ones past
