@@ -61,7 +61,8 @@
 #   latency_prio   latency=50 with --stream-priority high (the engine's stream at the highest priority,
 #                  the trainer a below-normal MPS client)
 #   latency_profile  latency=50 with --profile-layer0 (cProfile of each FT-only step's layer 0 on the host)
-#   latency_env=VAR=VALUE  latency=50 with VAR=VALUE in the environment, e.g. COSERVE_LOSS_CHUNK=256
+#   latency_env=VAR=VALUE[,VAR=VALUE...]  latency=50 with these in the environment, e.g. COSERVE_LOSS_CHUNK=256
+#                  or COSERVE_TRAINER_RELEASE=1,COSERVE_TRAINER_RELEASE_TIMEOUT_MS=5
 #                  (the loss in 256-target chunks) or COSERVE_MLP_CHUNK=1024 (untrained-MLP pieces)
 #   eager          bench/eager_cpu.py without and with --prefill-graphs
 #   eager_small    bench/eager_cpu.py --prefill-graphs on small steps (a short chunk beside 32 decodes), with
@@ -106,9 +107,11 @@ lora_bench() {  # lora_bench NAME PATH_STEM [FLAGS...]: decode and LoRA overhead
     "$@" --out "$stem.json"
 }
 
-latency_bench() {  # latency_bench NAME PATH_STEM [FLAGS...] (with $LATENCY_ENV, VAR=VALUE, set for it)
+latency_bench() {  # latency_bench NAME PATH_STEM [FLAGS...] (with $LATENCY_ENV, VAR=VALUE[,VAR=VALUE...], set for it)
   local name=$1 stem=$2; shift 2
-  run "$name" "$stem.log" env ${LATENCY_ENV:+"$LATENCY_ENV"} python3 bench/coserve_latency.py --trace .traces/azure2023_conv.csv --duration 60 \
+  local -a settings=()
+  [ -n "${LATENCY_ENV:-}" ] && IFS=, read -r -a settings <<< "$LATENCY_ENV"
+  run "$name" "$stem.log" env "${settings[@]}" python3 bench/coserve_latency.py --trace .traces/azure2023_conv.csv --duration 60 \
     "$@" --no-reference --out "$stem.json"
 }
 
@@ -180,7 +183,7 @@ job() {
     latency_nopieces) COSERVE_TRAINER_ATTN_PIECES=0 latency_bench latency_nopieces "$top/coserve_latency_nopieces" \
       --trainer-sm-share 50 ;;
     latency_env=*)
-      # latency=50 with one environment variable set: latency_env=COSERVE_LOSS_CHUNK=256
+      # latency=50 with environment variables set: latency_env=COSERVE_LOSS_CHUNK=256 (commas between several)
       local setting=${1#latency_env=}
       LATENCY_ENV=$setting latency_bench "$1" "$top/coserve_latency_env_${setting//[^A-Za-z0-9_]/_}" \
         --trainer-sm-share 50 ;;
