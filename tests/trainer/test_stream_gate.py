@@ -565,3 +565,10 @@ def test_each_task_reports_its_own_driver_allocations(monkeypatch: pytest.Monkey
     first, second = worker.run(task), worker.run(task)
     assert (first.device_allocs, first.device_frees) == (3, 1)
     assert (second.device_allocs, second.device_frees) == (0, 0)
+
+
+def test_how_far_the_trainer_queues_ahead_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("COSERVE_TRAINER_AHEAD", raising=False)
+    assert _worker_spec("cpu")[0].gated_boundaries_ahead == 16
+    monkeypatch.setenv("COSERVE_TRAINER_AHEAD", "3")
+    assert _worker_spec("cpu")[0].gated_boundaries_ahead == 3

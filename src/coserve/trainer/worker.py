@@ -9,7 +9,7 @@ import threading
 import time
 import traceback
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -56,9 +56,8 @@ word, which the CPU advances on reaching the next boundary, and only then on the
 host-bound stretch's kernels then no longer run as they are queued, so a gate that closes while
 the CPU queues a stretch stops the GPU before any of it (today the GPU runs on until the next
 poll point or boundary: the pause delay's ``gpu_dry`` tail, p99 4–6 ms in session 20), at the
-cost of starting each stretch after its queuing. Off by default: not yet measured on the GPU
-(``DEVELOPERS.md``). Measured in session 21 (``bench/results/latency_h200/README.md``, three
-runs each way): pause p99 1.63 / 1.54 / 2.11 ms against 3.04 / 2.44 / 2.49 ms without, at 12% fewer
+cost of starting each stretch after its queuing. Off by default, measured in session 21
+(``bench/results/latency_h200/README.md``, three runs each way): pause p99 1.63 / 1.54 / 2.11 ms against 3.04 / 2.44 / 2.49 ms without, at 12% fewer
 FT tokens/s (2,828 against 3,201 on average) and a worse latency model (p99 19–21% against 16–17%)."""
 RELEASE_TIMEOUT_S = float(os.environ.get("COSERVE_TRAINER_RELEASE_TIMEOUT_MS", "50")) / 1e3
 """RELEASE_STRETCHES' safety net (``COSERVE_TRAINER_RELEASE_TIMEOUT_MS``, 50 by default): a
@@ -109,8 +108,9 @@ class WorkerSpec:
     # The GPU-side gate's shared flag (coserve.trainer.stream_gate); the grant stays the CPU's.
     gate_flag: torch.Tensor | None = None
     # With the gate: how many boundaries the CPU may queue ahead of the GPU (a bound on memory
-    # and on work queued behind a pause, not on the pause delay).
-    gated_boundaries_ahead: int = 16
+    # and on work queued behind a pause, not on the pause delay; COSERVE_TRAINER_AHEAD for A/B runs:
+    # fewer keep a CPU that queues on while the gate is closed out of a full launch queue).
+    gated_boundaries_ahead: int = field(default_factory=lambda: int(os.environ.get("COSERVE_TRAINER_AHEAD", "16")))
     # Row lengths of one synthetic backward task the worker runs before its first real one
     # (_Worker.warm_up; empty: none): kernels compiled, library handles made, allocator grown.
     warmup_rows: tuple[int, ...] = ()
