@@ -447,6 +447,39 @@ def test_loss_in_chunks_gives_the_same_loss_and_gradients(
     assert_close_scaled(lora.flat.grad, expected, rtol=1e-5)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU"))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_loss_workspace_gives_the_same_bits(hf_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+                                                dtype: torch.dtype, device: str) -> None:
+    """LOSS_WORKSPACE's buffers, kept across chunks of several sizes (one above LOSS_CHUNK: the
+    buffers grow), give the per-chunk tensors' loss and gradient bit for bit, a boundary between
+    the same stretches."""
+    import coserve.trainer.backward as backward
+
+    model = load_model(hf_models["llama"], num_lora_slots=1, max_lora_rank=16, dtype=dtype, device=device)
+    monkeypatch.setattr(backward, "LOSS_CHUNK", 8)
+    for name in ("_key", "_low", "_f32"):  # (a fresh workspace: earlier tests' is for their chunk)
+        monkeypatch.setattr(backward._LossWorkspace, name, None)
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.lm_head_weight.shape[0]
+    for n in (7, 3, 9, 8):
+        final = (torch.randn(n, model.lm_head_weight.shape[1], generator=gen) * 4).to(device, dtype)
+        targets = torch.randint(0, vocab, (n,), generator=gen).to(device)
+        got = {}
+        for workspace in (False, True):
+            monkeypatch.setattr(backward, "LOSS_WORKSPACE", workspace)
+            leaf = final.clone().requires_grad_(True)
+            seen: list[int] = []
+            loss = backward._split_loss_chunk(model, leaf, targets, lambda: seen.append(1))
+            got[workspace] = (loss, leaf.grad, len(seen))
+        assert torch.equal(got[True][0], got[False][0]), n
+        assert torch.equal(got[True][1], got[False][1]), n
+        assert got[True][2] == got[False][2] == 2
+    low, f32 = backward._LossWorkspace.get(9, vocab, dtype, model.lm_head_weight.device)
+    assert low.dtype == dtype and f32.dtype == torch.float32 and backward._LossWorkspace._low.shape[0] == 9
+
+
 @pytest.mark.parametrize("kept_mlp", [False, True])
 def test_untrained_mlp_in_pieces_gives_the_same_gradients(
     models: dict[str, LlamaForCausalLM], monkeypatch: pytest.MonkeyPatch, kept_mlp: bool

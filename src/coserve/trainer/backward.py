@@ -97,6 +97,36 @@ class _TaskBatch(NamedTuple):
 
 
 
+LOSS_WORKSPACE = os.environ.get("COSERVE_LOSS_WORKSPACE", "1") == "1"
+""":func:`_split_loss_chunk` computes into two buffers kept across chunks and tasks (the LM head's
+``[LOSS_CHUNK, V]`` logits in the weight's dtype and in fp32) instead of four ``[n, V]`` tensors
+allocated per chunk (the logits twice, ``logsumexp``'s temporary, the gradient's cast): at the
+Llama-3 shape and 512 targets, 0.8 GB of allocations a chunk. Session 21's trainer stalled in the
+loss stretches for up to 0.36 s of host time, its stacks inside ops that allocate
+(``bench/results/latency_h200/README.md``). The same loss and gradients bit for bit (tests).
+``COSERVE_LOSS_WORKSPACE=0``: the per-chunk tensors."""
+
+
+class _LossWorkspace:
+    """:data:`LOSS_WORKSPACE`'s buffers, for one (device, dtype, vocabulary) at a time: grown to
+    the largest chunk seen, never shrunk; the last set is kept (a trainer has one LM head)."""
+
+    _key: tuple[torch.device, torch.dtype, int] | None = None
+    _low: torch.Tensor | None = None  # [n, V] in the head's dtype: the logits, then the gradient
+    _f32: torch.Tensor | None = None  # [n, V] fp32: the logits, then exp(x − max), then the softmax
+
+    @classmethod
+    def get(cls, n: int, vocab: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (device, dtype, vocab)
+        if cls._key != key or cls._low is None or cls._f32 is None or cls._low.shape[0] < n:
+            rows = max(n, LOSS_CHUNK)
+            cls._low = cls._f32 = None  # (the old pair freed before the new is allocated)
+            cls._low = torch.empty((rows, vocab), dtype=dtype, device=device)
+            cls._f32 = torch.empty((rows, vocab), dtype=torch.float32, device=device)
+            cls._key = key
+        return cls._low[:n], cls._f32[:n]
+
+
 def _split_loss_chunk(model: LlamaForCausalLM, final: torch.Tensor, targets: torch.Tensor,
                       boundary: Callable[[], None]) -> torch.Tensor:
     """``Σ CE(lm_head(norm(final)), targets)`` (fp32, summed) with its gradient pulled back into
@@ -105,19 +135,43 @@ def _split_loss_chunk(model: LlamaForCausalLM, final: torch.Tensor, targets: tor
     normed = model.model.norm(final)
     weight = model.lm_head_weight
     with torch.no_grad():
-        logits = model.compute_logits(normed.detach())  # [n, V] fp32
-        boundary()
-        lse = torch.logsumexp(logits, dim=1)
         rows = torch.arange(targets.shape[0], device=targets.device)
-        loss = (lse - logits[rows, targets]).sum(dtype=torch.float64)
-        grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place
-        grad[rows, targets] -= 1.0
-        grad_normed = grad.to(weight.dtype)
-        del logits, grad
+        if LOSS_WORKSPACE:
+            loss, grad_low = _loss_into_workspace(normed.detach(), weight, targets, rows, boundary)
+        else:
+            logits = model.compute_logits(normed.detach())  # [n, V] fp32
+            boundary()
+            lse = torch.logsumexp(logits, dim=1)
+            loss = (lse - logits[rows, targets]).sum(dtype=torch.float64)
+            grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place
+            grad[rows, targets] -= 1.0
+            grad_low = grad.to(weight.dtype)
+            del logits, grad
         boundary()
-        grad_normed = grad_normed @ weight
+        grad_normed = grad_low @ weight
+        del grad_low
     normed.backward(grad_normed)
     return loss
+
+
+def _loss_into_workspace(normed: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor,
+                         boundary: Callable[[], None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_split_loss_chunk`'s first two stretches in :class:`_LossWorkspace`'s buffers:
+    ``(loss sum, softmax − onehot in the head's dtype)``, the bits of the per-chunk path
+    (``compute_logits``, ``torch.logsumexp``: ``m + log Σ exp(x − m)`` with infinite maxima taken
+    as 0, then ``exp(x − lse)``), the logits cast to fp32 twice instead of kept."""
+    low, x = _LossWorkspace.get(normed.shape[0], weight.shape[0], weight.dtype, weight.device)
+    torch.mm(normed, weight.t(), out=low)  # (compute_logits: the head's GEMM, then fp32)
+    x.copy_(low)
+    boundary()
+    picked = x[rows, targets]
+    m = x.amax(dim=1, keepdim=True)
+    m.masked_fill_(m.abs() == float("inf"), 0.0)
+    lse = x.sub_(m).exp_().sum(dim=1).log_().add_(m.squeeze(1))
+    loss = (lse - picked).sum(dtype=torch.float64)
+    grad = x.copy_(low).sub_(lse[:, None]).exp_()  # softmax, in place
+    grad[rows, targets] -= 1.0
+    return loss, low.copy_(grad)
 
 def task_backward(
     model: LlamaForCausalLM,
