@@ -7,6 +7,7 @@ The builders here (samples, engine-style capture) are shared with ``test_peft_pa
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -471,7 +472,7 @@ def test_the_loss_workspace_gives_the_same_bits(hf_models: dict[str, Path], monk
             monkeypatch.setattr(backward, "LOSS_WORKSPACE", workspace)
             leaf = final.clone().requires_grad_(True)
             seen: list[int] = []
-            loss = backward._split_loss_chunk(model, leaf, targets, lambda: seen.append(1))
+            loss = backward._split_loss_chunk(model, leaf, targets, functools.partial(seen.append, 1))
             got[workspace] = (loss, leaf.grad, len(seen))
         assert torch.equal(got[True][0], got[False][0]), n
         assert torch.equal(got[True][1], got[False][1]), n
