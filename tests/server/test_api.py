@@ -539,6 +539,12 @@ def test_coserving_trains_while_serving(tmp_path: Path) -> None:
                      "coserve_slo_requests_total"):
             assert name in text, name
         assert "coserve_finetune_tokens_trained_total" in text
+        # what the progress lines read: requests answered, the samples of all epochs, the first loss
+        answered = re.search(r"coserve_requests_served_total ([0-9.]+)", text)
+        assert answered is not None and float(answered.group(1)) == served_requests + 1  # (+ the "live" one)
+        stats = s.engine_thread.stats
+        assert stats.ft_samples_total == 64 and 0 < stats.ft_samples_retired <= 64  # tiny_facts: 64 rows, one epoch
+        assert stats.ft_first_loss is not None and stats.ft_loss is not None
         # why steps did or did not carry FT rows: at least some had rows added
         assert 'coserve_finetune_admission_steps_total{outcome="added",step=' in text
         # the trainer worked on tasks (and its paused time is reported too)

@@ -107,6 +107,7 @@ def test_slo_counter_sorts_finished_requests_by_the_coserving_slos() -> None:
     from coserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
     from coserve.server.api import ServerMetrics
     from coserve.server.engine_thread import EngineStats, EngineThread
+    from coserve.server.progress import RequestCounts
 
     def finished(ttft: float, total: float, tokens: int) -> RequestOutput:
         return RequestOutput("r", None, [1, 2], [CompletionOutput(0, "", list(range(tokens)), finish_reason="length")],
@@ -125,6 +126,8 @@ def test_slo_counter_sorts_finished_requests_by_the_coserving_slos() -> None:
     text = generate_latest(metrics.registry).decode()
     assert 'coserve_slo_requests_total{result="met"} 2.0' in text
     assert 'coserve_slo_requests_total{result="missed"} 2.0' in text
+    # the progress lines' counters: the four that ended, every generated token
+    assert metrics.counts() == RequestCounts(served=4, generated_tokens=34, slo_met=2, slo_missed=2)
 
 
 def test_lora_modules_flag() -> None:
@@ -176,3 +179,11 @@ def test_the_demo_serves_both_runs_trains_an_adapter_and_shows_it(tmp_path: Path
     assert float(idle[6]) > 0 and float(idle[-2].strip("(")) == pytest.approx(2.0, abs=1.0)
     assert (tmp_path / "adapter" / "adapter_config.json").exists() and (tmp_path / "train_log.jsonl").exists()
     assert "question -> base model | with the fine-tuned adapter" in out
+
+
+def test_a_negative_stats_interval_stops_the_start(capsys: pytest.CaptureFixture[str]) -> None:
+    from coserve.server.cli import main
+
+    assert parse("--model", "tiny").log_stats_interval == 10.0
+    assert main(["serve", "--model", "tiny", "--device", "cpu", "--port", "0", "--log-stats-interval", "-1"]) == 2
+    assert "--log-stats-interval must be >= 0" in capsys.readouterr().err

@@ -175,6 +175,7 @@ class CoServer:
         self._skipped = SkippedSteps()
         self.failure: str | None = None
         self.last_loss: float | None = None
+        self.first_loss: float | None = None  # of this run's first optimizer step
         # Set by the host: True when an inference request is waiting to be scheduled.
         self.arrival_probe: Callable[[], bool] | None = None
         self.num_interrupted = 0
@@ -626,6 +627,8 @@ class CoServer:
         self.steps_done += 1
         self.tokens_trained += opened.tokens
         self.last_loss = loss
+        if self.first_loss is None:
+            self.first_loss = loss
         if info.skipped:
             logger.warning("optimizer step %d skipped: non-finite loss or gradient", opened.index)
         stop = self._skipped.record(info.skipped, self.optim.max_skipped_steps, loss)

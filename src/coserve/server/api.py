@@ -31,6 +31,7 @@ from coserve.engine.outputs import RequestOutput
 from coserve.engine.sampling_params import SamplingParams
 from coserve.engine.sequence import LoRARequest
 from coserve.server.engine_thread import EngineDeadError, EngineThread, RequestHandle
+from coserve.server.progress import RequestCounts
 from coserve.server.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -97,6 +98,7 @@ class ServerMetrics:
                               ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("coserve_prompt_tokens", "Prompt tokens of served requests.", registry=r)
         self.generation_tokens = Counter("coserve_generation_tokens", "Generated tokens.", registry=r)
+        self.served = Counter("coserve_requests_served", "Requests answered to their end.", registry=r)
         buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
         self.ttft = Histogram("coserve_time_to_first_token_seconds", "Time to first token.", buckets=buckets,
                               registry=r)
@@ -111,6 +113,8 @@ class ServerMetrics:
 
     def observe(self, out: RequestOutput) -> None:
         m, n = out.metrics, len(out.outputs[0].token_ids)
+        if m.finish_time is not None:  # (None: aborted before its end)
+            self.served.inc()
         self.prompt_tokens.inc(len(out.prompt_token_ids))
         self.generation_tokens.inc(n)
         if m.first_token_time is None:
@@ -123,6 +127,15 @@ class ServerMetrics:
         if self.slo_requests is not None and self.slo is not None and m.finish_time is not None:
             met = ttft <= self.slo.ttft_slo_s and (tpot is None or tpot <= self.slo.tpot_slo_s)
             self.slo_requests.labels(result="met" if met else "missed").inc()
+
+    def counts(self) -> RequestCounts:
+        """The request counters since start, for the progress lines."""
+        def value(name: str, **labels: str) -> int:
+            return int(self.registry.get_sample_value(name, labels) or 0)
+
+        return RequestCounts(value("coserve_requests_served_total"), value("coserve_generation_tokens_total"),
+                             value("coserve_slo_requests_total", result="met"),
+                             value("coserve_slo_requests_total", result="missed"))
 
 
 # ---------------------------------------------------------------------- the app

@@ -91,6 +91,9 @@ class EngineStats:
     ft_tokens_trained: int = 0
     ft_optimizer_steps: int = 0
     ft_loss: float | None = None  # of the last optimizer step
+    ft_first_loss: float | None = None  # of the run's first optimizer step
+    ft_samples_retired: int = 0  # samples of all epochs trained (SamplePool.progress)
+    ft_samples_total: int = 0
     ft_trainer_restarts: int = 0
     ft_failed: bool = False  # fine-tuning gave up (the trainer kept dying); serving goes on
     # planned steps by (step kind, outcome): whether FT rows were added to a step, or why not
@@ -103,9 +106,11 @@ class EngineStats:
 
 def _finetune_stats(coserver: CoServer) -> dict[str, Any]:
     """The :class:`EngineStats` fields read from the co-server (copies: safe to publish)."""
+    pool = coserver.pool.progress
     return {
         "ft_tokens_trained": coserver.tokens_trained, "ft_optimizer_steps": coserver.steps_done,
-        "ft_loss": coserver.last_loss, "ft_trainer_restarts": coserver.num_restarts,
+        "ft_samples_retired": pool.samples_retired, "ft_samples_total": pool.samples_total,
+        "ft_loss": coserver.last_loss, "ft_first_loss": coserver.first_loss, "ft_trainer_restarts": coserver.num_restarts,
         "ft_failed": coserver.failure is not None, "ft_admission": dict(coserver.admission_counts),
         "ft_trainer_seconds": dict(coserver.trainer_seconds),
     }

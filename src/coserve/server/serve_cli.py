@@ -60,6 +60,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PEFT_DIR",
                    help="serve these PEFT adapters, each under its model name NAME (at most --max-loras "
                         "of them in one batch; more are swapped in least-recently-used first)")
+    p.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="every SECONDS in which something happened, print a line: requests answered, running "
+                        "and waiting, generated tokens/s and, while co-serving, the share that met the SLOs "
+                        "and fine-tuning's progress (steps, samples, loss, FT tokens/s, time left); 0: none. "
+                        "The end of fine-tuning is printed at once either way")
     p.add_argument("--allow-runtime-lora", action="store_true",
                    help="let clients load and unload adapters while the server runs (POST "
                         "/v1/load_lora_adapter {lora_name, lora_path}, /v1/unload_lora_adapter {lora_name}); "
@@ -125,7 +130,10 @@ def serve(args: argparse.Namespace) -> int:
     from coserve.server.api import create_app
     from coserve.server.engine_thread import EngineThread
     from coserve.server.finetune import FinetuneSession
+    from coserve.server.progress import ProgressReporter, snapshot_reader
 
+    if args.log_stats_interval < 0:  # (before the model loads)
+        raise ValueError(f"--log-stats-interval must be >= 0 seconds, got {args.log_stats_interval:g}")
     spec = serve_spec(args)
     name = args.served_model_name or args.model
     adapters = lora_modules(args.lora_modules, name)
@@ -155,9 +163,12 @@ def serve(args: argparse.Namespace) -> int:
         f"TPOT <= {spec.slo.tpot_slo_s * 1e3:g} ms)")
     adapters_note = f" and adapters {', '.join(map(repr, adapters))}" if adapters else ""
     print(f"coserve: serving {name!r}{adapters_note} at {url}{coserve_note}", flush=True)
+    reporter = ProgressReporter(snapshot_reader(lambda: engine_thread.stats, app.state.api.metrics.counts),
+                                args.log_stats_interval).start()
     try:
         server.run()  # returns after uvicorn's own graceful shutdown on SIGINT/SIGTERM
     finally:
+        reporter.stop()  # (before the shutdown's export: the last line below says it)
         engine_thread.shutdown()
     stats = engine_thread.stats
     if stats.adapter_path is not None:

@@ -1,0 +1,144 @@
+"""The progress lines ``coserve serve`` prints while it runs (``--log-stats-interval``).
+
+Every interval in which something happened, one line: requests answered, running and waiting,
+generated tokens/s, and, while co-serving, the share that met the SLOs and how far fine-tuning
+is (optimizer steps, samples of all epochs, loss, FT tokens/s, time left at the interval's
+rate). When fine-tuning ends (its epochs done, or given up), one line at once with the adapter's
+path: the server keeps serving.
+
+A thread reads what is already published: the engine loop's :class:`EngineStats` snapshot and
+the API's request counters. Nothing runs on the engine's per-step path.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+from coserve.server.engine_thread import EngineStats
+
+
+class RequestCounts(NamedTuple):
+    """The API's request counters since start (:meth:`ServerMetrics.counts`)."""
+
+    served: int  # requests answered to their end
+    generated_tokens: int
+    slo_met: int  # of the served ones, while co-serving (0 otherwise)
+    slo_missed: int
+
+
+class Snapshot(NamedTuple):
+    """What one progress line compares: the counters and the engine's stats at one time."""
+
+    time: float  # time.monotonic()
+    requests: RequestCounts
+    stats: EngineStats
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def progress_line(prev: Snapshot, cur: Snapshot) -> str | None:
+    """The line for the interval from ``prev`` to ``cur``; None when nothing happened in it (no
+    request answered, running or waiting, and no optimizer step of a fine-tuning still on)."""
+    dt = max(cur.time - prev.time, 1e-9)
+    s, p = cur.stats, prev.stats
+    served = cur.requests.served - prev.requests.served
+    finetuning = s.coserving and s.adapter_path is None  # (a path: fine-tuning has ended)
+    if not (served or s.num_running or s.num_waiting or (finetuning and s.ft_optimizer_steps > p.ft_optimizer_steps)):
+        return None
+    generated = cur.requests.generated_tokens - prev.requests.generated_tokens
+    line = (f"coserve: {served} requests answered in the last {_duration(dt)} ({s.num_running} running, "
+            f"{s.num_waiting} waiting), {generated / dt:.1f} generated tokens/s")
+    met = cur.requests.slo_met - prev.requests.slo_met
+    missed = cur.requests.slo_missed - prev.requests.slo_missed
+    if met + missed:
+        total_met, total = cur.requests.slo_met, cur.requests.slo_met + cur.requests.slo_missed
+        line += f"; SLOs met by {100 * met / (met + missed):.1f}% ({100 * total_met / total:.1f}% of {total} so far)"
+    if finetuning:
+        line += "; " + _finetune_part(p, s, dt)
+    return line
+
+
+def _loss(s: EngineStats) -> str:
+    """``, loss FIRST -> LAST`` of the run's optimizer steps (what of it is finite), or ''."""
+    losses = [f"{x:.3f}" for x in (s.ft_first_loss, s.ft_loss) if x is not None and math.isfinite(x)]
+    return f", loss {' -> '.join(losses)}" if losses else ""
+
+
+def _finetune_part(p: EngineStats, s: EngineStats, dt: float) -> str:
+    part = f"fine-tuning: {s.ft_optimizer_steps} optimizer steps"
+    if s.ft_samples_total:
+        done = s.ft_samples_retired / s.ft_samples_total
+        part += f", {s.ft_samples_retired}/{s.ft_samples_total} samples ({100 * done:.0f}%)"
+        rate = (s.ft_samples_retired - p.ft_samples_retired) / dt
+        if rate > 0 and s.ft_samples_retired < s.ft_samples_total:
+            part += f", ~{_duration((s.ft_samples_total - s.ft_samples_retired) / rate)} left at this rate"
+    part += f"{_loss(s)}, {(s.ft_tokens_trained - p.ft_tokens_trained) / dt:.0f} FT tokens/s"
+    if s.ft_trainer_restarts:
+        part += f", {s.ft_trainer_restarts} trainer restarts"
+    return part
+
+
+def finished_line(s: EngineStats) -> str:
+    """The line printed when fine-tuning ends (``s.adapter_path`` set)."""
+    how = "gave up (see the log), the last good step exported" if s.ft_failed else "finished"
+    return (f"coserve: fine-tuning {how}: {s.ft_optimizer_steps} optimizer steps, {s.ft_tokens_trained} tokens"
+            f"{_loss(s)}; adapter: {s.adapter_path}; serving goes on")
+
+
+class ProgressReporter:
+    """Prints :func:`progress_line` every ``interval_s`` (0: never) and :func:`finished_line`
+    within ``tick_s`` of fine-tuning's end, from a daemon thread (:meth:`start`, :meth:`stop`).
+
+    ``read`` takes a :class:`Snapshot`; ``write`` prints a line. :meth:`check` is one tick.
+    """
+
+    def __init__(self, read: Callable[[], Snapshot], interval_s: float = 10.0,
+                 write: Callable[[str], None] = lambda line: print(line, flush=True), tick_s: float = 1.0) -> None:
+        if interval_s < 0:
+            raise ValueError(f"--log-stats-interval must be >= 0 seconds, got {interval_s:g}")
+        self.read, self.interval_s, self.write, self.tick_s = read, interval_s, write, tick_s
+        self._last = read()
+        self._ended = self._last.stats.adapter_path is not None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def check(self) -> None:
+        cur = self.read()
+        if cur.stats.coserving and not self._ended and cur.stats.adapter_path is not None:
+            self._ended = True
+            self.write(finished_line(cur.stats))
+        if self.interval_s and cur.time - self._last.time >= self.interval_s:
+            line = progress_line(self._last, cur)
+            if line is not None:
+                self.write(line)
+            self._last = cur
+
+    def start(self) -> ProgressReporter:
+        self._thread = threading.Thread(target=self._run, name="coserve-progress", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.tick_s):
+            self.check()
+
+
+def snapshot_reader(stats: Callable[[], EngineStats], counts: Callable[[], RequestCounts],
+                    clock: Callable[[], float] = time.monotonic) -> Callable[[], Snapshot]:
+    """A ``read`` for :class:`ProgressReporter` from the engine thread's and the API's counters."""
+    return lambda: Snapshot(clock(), counts(), stats())

@@ -1,0 +1,126 @@
+"""The progress lines of ``coserve serve``: what each says, when it is printed, and its counters."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from coserve.server.engine_thread import EngineStats
+from coserve.server.progress import (
+    ProgressReporter,
+    RequestCounts,
+    Snapshot,
+    finished_line,
+    progress_line,
+)
+
+IDLE = EngineStats()
+FT = EngineStats(coserving=True, ft_samples_total=200)
+
+
+def snap(t: float, stats: EngineStats = IDLE, served: int = 0, generated: int = 0, met: int = 0,
+         missed: int = 0) -> Snapshot:
+    return Snapshot(t, RequestCounts(served, generated, met, missed), stats)
+
+
+def test_an_interval_in_which_nothing_happened_prints_nothing() -> None:
+    assert progress_line(snap(0.0), snap(10.0)) is None
+    assert progress_line(snap(0.0, FT), snap(10.0, FT)) is None  # co-serving, but no step and no request
+
+
+def test_requests_answered_running_waiting_and_generated_rate() -> None:
+    line = progress_line(snap(0.0, served=3, generated=40), snap(10.0, replace(IDLE, num_running=2, num_waiting=1),
+                                                                 served=8, generated=240))
+    assert line == ("coserve: 5 requests answered in the last 10 s (2 running, 1 waiting), 20.0 generated tokens/s")
+    # requests still running count as activity even when none finished in the interval
+    assert progress_line(snap(0.0), snap(10.0, replace(IDLE, num_running=1))) is not None
+
+
+def test_slo_share_of_the_interval_and_of_the_run() -> None:
+    line = progress_line(snap(0.0, FT, served=10, met=10), snap(10.0, FT, served=14, met=13, missed=1))
+    assert line is not None and "SLOs met by 75.0% (92.9% of 14 so far)" in line
+
+
+def test_finetuning_progress_loss_rate_and_time_left() -> None:
+    before = replace(FT, ft_optimizer_steps=4, ft_samples_retired=20, ft_tokens_trained=1_000, ft_first_loss=7.5,
+                     ft_loss=5.0)
+    after = replace(before, ft_optimizer_steps=9, ft_samples_retired=60, ft_tokens_trained=21_000, ft_loss=2.25)
+    line = progress_line(snap(0.0, before), snap(10.0, after))
+    assert line == ("coserve: 0 requests answered in the last 10 s (0 running, 0 waiting), 0.0 generated tokens/s; "
+                    "fine-tuning: 9 optimizer steps, 60/200 samples (30%), ~35 s left at this rate, "
+                    "loss 7.500 -> 2.250, 2000 FT tokens/s")
+    # a non-finite loss is left out, and a trainer that restarted is said
+    odd = replace(after, ft_loss=float("nan"), ft_trainer_restarts=2)
+    line = progress_line(snap(0.0, before), snap(10.0, odd))
+    assert line is not None and "loss 7.500," in line and "nan" not in line and "2 trainer restarts" in line
+
+
+def test_no_finetuning_part_once_it_has_ended() -> None:
+    ended = replace(FT, ft_optimizer_steps=9, adapter_path=Path("/out/adapter"))
+    assert progress_line(snap(0.0, replace(FT, ft_optimizer_steps=7)), snap(10.0, ended)) is None
+    line = progress_line(snap(0.0, ended), snap(10.0, ended, served=1))
+    assert line is not None and "fine-tuning" not in line
+
+
+def test_finished_and_failed_lines() -> None:
+    done = replace(FT, ft_optimizer_steps=12, ft_tokens_trained=3_000, ft_first_loss=7.0, ft_loss=0.5,
+                   adapter_path=Path("/out/adapter"))
+    assert finished_line(done) == ("coserve: fine-tuning finished: 12 optimizer steps, 3000 tokens, loss 7.000 -> "
+                                   "0.500; adapter: /out/adapter; serving goes on")
+    assert finished_line(replace(done, ft_failed=True)).startswith("coserve: fine-tuning gave up")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.stats = FT
+        self.served = 0
+
+    def read(self) -> Snapshot:
+        return snap(self.t, self.stats, served=self.served)
+
+
+def test_the_reporter_prints_each_interval_and_the_end_once() -> None:
+    clock, lines = Clock(), []
+    reporter = ProgressReporter(clock.read, interval_s=10.0, write=lines.append)
+    clock.t, clock.served = 5.0, 1
+    reporter.check()
+    assert lines == [], "before the interval is over"
+    clock.t = 10.0
+    reporter.check()
+    assert len(lines) == 1 and lines[0].startswith("coserve: 1 requests answered in the last 10 s")
+    clock.t, clock.stats = 11.0, replace(FT, ft_optimizer_steps=3, adapter_path=Path("/out/adapter"))
+    reporter.check()
+    reporter.check()
+    assert lines[1:] == [finished_line(clock.stats)], "the end, at once and once"
+    clock.t = 30.0
+    reporter.check()
+    assert len(lines) == 2, "nothing happened since"
+
+
+def test_interval_zero_prints_only_the_end_and_a_negative_one_is_refused() -> None:
+    clock, lines = Clock(), []
+    reporter = ProgressReporter(clock.read, interval_s=0.0, write=lines.append)
+    clock.t, clock.served = 100.0, 5
+    reporter.check()
+    assert lines == []
+    clock.stats = replace(FT, adapter_path=Path("/out/adapter"))
+    reporter.check()
+    assert len(lines) == 1 and "finished" in lines[0]
+    with pytest.raises(ValueError, match="--log-stats-interval"):
+        ProgressReporter(clock.read, interval_s=-1.0)
+
+
+def test_the_reporter_thread_writes_and_stops() -> None:
+    clock, lines = Clock(), []
+    reporter = ProgressReporter(clock.read, interval_s=10.0, write=lines.append, tick_s=0.01).start()
+    clock.stats = replace(FT, adapter_path=Path("/out/adapter"))
+    for _ in range(500):
+        if lines:
+            break
+        time.sleep(0.01)
+    reporter.stop()
+    assert lines == [finished_line(clock.stats)]
