@@ -91,7 +91,7 @@ def test_the_reporter_prints_each_interval_and_the_end_once() -> None:
     assert lines == [], "before the interval is over"
     clock.t = 10.0
     reporter.check()
-    assert len(lines) == 1 and lines[0].startswith("coserve: 1 requests answered in the last 10 s")
+    assert len(lines) == 1 and lines[0].startswith("coserve: 1 request answered in the last 10 s")
     clock.t, clock.stats = 11.0, replace(FT, ft_optimizer_steps=3, adapter_path=Path("/out/adapter"))
     reporter.check()
     reporter.check()

@@ -277,6 +277,12 @@ def test_resume_from_checkpoint_continues_the_run(model_dir: Path, tmp_path: Pat
     first.close()  # the run stops here; its checkpoint holds step 3 (or a later one)
     engine, second = session(resume=True)
     assert second.coserver.steps_done >= 3
+    # the server's stats start from the resumed counts (its first progress interval's rates too)
+    from coserve.server.engine_thread import EngineThread
+    stats = EngineThread(engine, second).stats
+    assert (stats.ft_optimizer_steps, stats.ft_tokens_trained) == (second.coserver.steps_done,
+                                                                   second.coserver.tokens_trained)
+    assert stats.ft_samples_retired == second.pool.progress.samples_retired > 0
     while not second.done:
         if not engine.step():
             second.wait(0.05)

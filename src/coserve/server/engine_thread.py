@@ -155,7 +155,9 @@ class EngineThread:
         self.engine = engine
         self.session = session
         self.idle_wait_s = idle_wait_s
-        self.stats = EngineStats(coserving=session is not None)
+        # (a resumed session's counts from the start: rates over the first interval start there)
+        self.stats = EngineStats(coserving=session is not None,
+                                 **(_finetune_stats(session.coserver) if session is not None else {}))
         # the SLOs that co-serving keeps (None: inference only), for the server's metrics
         self.slo = session.spec.slo if session is not None else None
         self._inbox: deque[_Submission] = deque()
