@@ -287,11 +287,35 @@ def _config_section(
     }
 
 
+def fit_to_context(spec: BenchSpec, context: int, say: Callable[[str], None]) -> BenchSpec:
+    """``spec`` with its prompts clipped so that every request, prompt and output, fits a model
+    context of ``context`` tokens (the trace's longest prompts exceed a small model's); unchanged
+    when they fit. Raises ValueError when ``--max-output`` alone leaves no room for a prompt."""
+    scaling = spec.scaling
+    room = context - scaling.max_output
+    if room < 1:
+        raise ValueError(
+            f"--max-output {scaling.max_output} leaves no room for a prompt in the model's context "
+            f"({context} tokens)"
+        )
+    if scaling.max_prompt <= room:
+        return spec
+    say(
+        f"prompts clipped to {room} tokens (--max-prompt {scaling.max_prompt}): the model's context "
+        f"is {context} tokens and outputs go up to {scaling.max_output}"
+    )
+    return replace(spec, scaling=replace(scaling, max_prompt=room))
+
+
 def _setup(
     spec: BenchSpec, work: Path, say: Callable[[str], None]
-) -> tuple[BenchContext, Workload]:
-    """Cut the workload, build and warm up the engine, write the FT data into ``work``."""
+) -> tuple[BenchSpec, BenchContext, Workload]:
+    """Build the engine, cut the workload to fit its context, warm the engine up, write the FT
+    data into ``work``; the spec with the workload's scaling as run."""
     engine_cfg = _engine_config(spec, work)
+    t0 = time.perf_counter()
+    engine = LLMEngine(engine_cfg)
+    spec = fit_to_context(spec, engine.max_model_len, say)
     workload = load_workload(spec.workload, spec.duration_s, spec.scaling, spec.seed)
     if not workload.arrivals:
         raise ValueError(
@@ -301,8 +325,6 @@ def _setup(
         f"workload {workload.name}: {len(workload.arrivals)} requests in {spec.duration_s:g} s "
         f"from {workload.window_start_s:.1f} s of {workload.source}"
     )
-    t0 = time.perf_counter()
-    engine = LLMEngine(engine_cfg)
     ft = spec.ft
     if ft.lengths.hi > engine.max_model_len:
         raise ValueError(
@@ -349,7 +371,7 @@ def _setup(
         profile_window=spec.profile_window,
         prefill_graphs=spec.engine.prefill_graphs,
     )
-    return ctx, workload
+    return spec, ctx, workload
 
 
 def bracket_rate(
@@ -424,7 +446,7 @@ def run_bench(
         torch.set_num_threads(spec.engine_threads)
     work = Path(tempfile.mkdtemp(prefix="coserve-bench-"))
     try:
-        ctx, workload = _setup(spec, work, say)
+        spec, ctx, workload = _setup(spec, work, say)
         freeze_startup_objects("benchmark")
         if spec.latency_state is not None:
             ctx.latency_state = json.loads(spec.latency_state.read_text())
