@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from coserve.bench.configs import CONFIGS, RunKind
-from coserve.bench.harness import BenchSpec, bracket_rate, fit_to_context, run_bench
+from coserve.bench.harness import BenchSpec, bracket_rate, run_bench
 from coserve.bench.plots import MISSING, write_plots
 from coserve.bench.runners import RUNNERS
 from coserve.core.admission import Reason
@@ -391,19 +391,3 @@ def test_the_default_drain_is_as_long_as_a_request_that_meets_the_slo_can_take(t
     assert replace(spec, drain_s=None).drain_limit_s == pytest.approx(0.5 + 7 * 0.05 + 1.0)
     assert replace(spec, drain_s=3.0).drain_limit_s == 3.0
 
-
-def test_prompts_are_clipped_to_fit_the_models_context(tmp_path: Path) -> None:
-    """A trace's long prompts would stop a small model's run at the first request over its context."""
-    from coserve.server.bench_cli import add_bench_args, bench_spec
-
-    p = argparse.ArgumentParser()
-    add_bench_args(p)
-    spec = bench_spec(p.parse_args(["--workload", "burst-light", "--out", str(tmp_path), "--max-output", "100"]))
-    said: list[str] = []
-    fitted = fit_to_context(spec, 2048, said.append)
-    assert (fitted.scaling.max_prompt, fitted.scaling.max_output) == (1948, 100)
-    assert said == ["prompts clipped to 1948 tokens (--max-prompt 4096): the model's context is 2048 tokens "
-                    "and outputs go up to 100"]
-    assert fit_to_context(spec, 8192, said.append) is spec and len(said) == 1  # they fit: unchanged, nothing said
-    with pytest.raises(ValueError, match="--max-output 100 leaves no room"):
-        fit_to_context(spec, 100, said.append)

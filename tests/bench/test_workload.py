@@ -116,3 +116,17 @@ def test_model_shape_directory(tmp_path: Path) -> None:
     assert Tokenizer.from_dir(path).vocab_size == 1024
     with pytest.raises(ValueError, match="shape:llama3-8b"):
         materialize("shape:gpt5", tmp_path)
+
+
+def test_prompts_are_clipped_to_fit_the_models_context() -> None:
+    """A trace's long prompts would stop a small model's run at the first request over its context."""
+    scaling = Scaling(max_prompt=4096, max_output=100)
+    said: list[str] = []
+    fitted = scaling.fit(2048, said.append)
+    assert (fitted.max_prompt, fitted.max_output) == (1948, 100)
+    assert said == ["prompts clipped to 1948 tokens (--max-prompt 4096): the model's context is 2048 tokens "
+                    "and outputs go up to 100"]
+    assert fitted.apply(load_workload("burst-light", 10, Scaling()).arrivals[0]).prompt_tokens <= 1948
+    assert scaling.fit(8192, said.append) is scaling and len(said) == 1  # they fit: unchanged, nothing said
+    with pytest.raises(ValueError, match="--max-output 100 leaves no room"):
+        scaling.fit(100, said.append)

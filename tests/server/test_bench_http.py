@@ -63,3 +63,17 @@ def test_bench_http_command_writes_its_result(served: Served, tmp_path: Path) ->
     assert figures["requests"] == len(result["per_request"]) > 0 and figures["errors"] == 0
     assert figures["attainment_abs"] == 1.0 and figures["output_tokens_per_s"] > 0
     assert result["config"]["workload"]["name"] == "burst-light" and "commit" in result
+
+
+def test_prompts_are_fitted_to_the_context_the_server_gives(served: Served, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from coserve.server.cli import main
+
+    assert HttpDriver(served.url, MODEL).context() == 2048  # /v1/models' max_model_len (the tiny model's)
+    assert HttpDriver(served.url, "not-served").context() is None
+    out = tmp_path / "r.json"
+    assert main(["bench-http", "--url", served.url, "--model", MODEL, "--vocab-size", "1024", "--workload",
+                 "burst-light", "--duration", "1", "--rate-scale", "0.05", "--max-prompt", "4096", "--max-output",
+                 "2040", "--length-scale", "0.01", "--out", str(out)]) == 0
+    assert "prompts clipped to 8 tokens (--max-prompt 4096)" in capsys.readouterr().out
+    assert json.loads(out.read_text())["config"]["workload"]["scaling"]["max_prompt"] == 8

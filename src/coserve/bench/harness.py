@@ -287,26 +287,6 @@ def _config_section(
     }
 
 
-def fit_to_context(spec: BenchSpec, context: int, say: Callable[[str], None]) -> BenchSpec:
-    """``spec`` with its prompts clipped so that every request, prompt and output, fits a model
-    context of ``context`` tokens (the trace's longest prompts exceed a small model's); unchanged
-    when they fit. Raises ValueError when ``--max-output`` alone leaves no room for a prompt."""
-    scaling = spec.scaling
-    room = context - scaling.max_output
-    if room < 1:
-        raise ValueError(
-            f"--max-output {scaling.max_output} leaves no room for a prompt in the model's context "
-            f"({context} tokens)"
-        )
-    if scaling.max_prompt <= room:
-        return spec
-    say(
-        f"prompts clipped to {room} tokens (--max-prompt {scaling.max_prompt}): the model's context "
-        f"is {context} tokens and outputs go up to {scaling.max_output}"
-    )
-    return replace(spec, scaling=replace(scaling, max_prompt=room))
-
-
 def _setup(
     spec: BenchSpec, work: Path, say: Callable[[str], None]
 ) -> tuple[BenchSpec, BenchContext, Workload]:
@@ -315,7 +295,7 @@ def _setup(
     engine_cfg = _engine_config(spec, work)
     t0 = time.perf_counter()
     engine = LLMEngine(engine_cfg)
-    spec = fit_to_context(spec, engine.max_model_len, say)
+    spec = replace(spec, scaling=spec.scaling.fit(engine.max_model_len, say))
     workload = load_workload(spec.workload, spec.duration_s, spec.scaling, spec.seed)
     if not workload.arrivals:
         raise ValueError(

@@ -62,6 +62,22 @@ class HttpDriver:
                 "temperature": self.temperature, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
 
+    def context(self) -> int | None:
+        """The model's context in tokens as ``/v1/models`` gives it (``max_model_len``: coserve,
+        vLLM); None where the server does not say."""
+        import httpx
+
+        try:
+            reply = httpx.get(f"{self.base_url}/v1/models", timeout=30.0)
+            reply.raise_for_status()
+            cards = reply.json().get("data", [])
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        for card in cards:
+            if isinstance(card, dict) and card.get("id") == self.model and isinstance(card.get("max_model_len"), int):
+                return int(card["max_model_len"])
+        return None
+
     def run(self, arrivals: Sequence[Arrival], *, duration_s: float, drain_s: float = 30.0) -> HttpReplay:
         """Replay the arrivals in ``[0, duration_s)``, then wait for the ones in flight (at most
         ``drain_s``; those still running then count as unfinished)."""

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import csv
 import random
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 
@@ -34,6 +35,21 @@ class Scaling:
     def __post_init__(self) -> None:
         if self.rate <= 0 or self.length <= 0:
             raise ValueError(f"rate and length scales must be positive, got {self.rate}, {self.length}")
+
+    def fit(self, context: int, say: Callable[[str], None]) -> Scaling:
+        """This scaling with prompts clipped so that a request, prompt and output, fits a model
+        context of ``context`` tokens (a trace's longest prompts exceed a small model's), said
+        through ``say``; itself when they fit. Raises ValueError when ``max_output`` alone leaves
+        no room for a prompt."""
+        room = context - self.max_output
+        if room < 1:
+            raise ValueError(f"--max-output {self.max_output} leaves no room for a prompt in the model's context "
+                             f"({context} tokens)")
+        if self.max_prompt <= room:
+            return self
+        say(f"prompts clipped to {room} tokens (--max-prompt {self.max_prompt}): the model's context is "
+            f"{context} tokens and outputs go up to {self.max_output}")
+        return replace(self, max_prompt=room)
 
     def apply(self, a: Arrival) -> Arrival:
         return Arrival(

@@ -584,8 +584,9 @@ def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str,
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
+        # (max_model_len as vLLM gives it: a client can fit its prompts, as coserve bench-http does)
         card = {"id": model_name, "object": "model", "created": 0, "owned_by": "coserve", "root": model_name,
-                "parent": None}
+                "parent": None, "max_model_len": engine_thread.engine.max_model_len}
         cards = [card] + [{**card, "id": name, "root": lora.path, "parent": model_name}
                           for name, lora in api.adapters.items()]
         return {"object": "list", "data": cards}

@@ -50,8 +50,11 @@ def bench_http(args: argparse.Namespace) -> int:
 
     scaling = Scaling(rate=args.rate_scale, length=args.length_scale, max_prompt=args.max_prompt,
                       max_output=args.max_output)
-    workload = load_workload(args.workload, args.duration, scaling, seed=args.seed)
     driver = HttpDriver(args.url, args.model, seed=args.seed, vocab_size=args.vocab_size)
+    context = driver.context()
+    if context is not None:
+        scaling = scaling.fit(context, lambda line: print(f"coserve bench-http: {line}", flush=True))
+    workload = load_workload(args.workload, args.duration, scaling, seed=args.seed)
     print(f"coserve bench-http: {len(workload.arrivals)} requests of {workload.name} over {args.duration:g} s "
           f"to {args.url} ({args.model})", flush=True)
     replay = driver.run(workload.arrivals, duration_s=args.duration, drain_s=args.drain)
