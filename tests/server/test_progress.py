@@ -124,3 +124,22 @@ def test_the_reporter_thread_writes_and_stops() -> None:
         time.sleep(0.01)
     reporter.stop()
     assert lines == [finished_line(clock.stats)]
+
+
+def test_a_failing_read_is_logged_and_the_reporter_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    clock, lines, calls = Clock(), [], [0]
+
+    def read() -> Snapshot:
+        calls[0] += 1
+        if calls[0] == 2:  # (the first read is the reporter's start)
+            raise RuntimeError("a registry hiccup")
+        return clock.read()
+
+    reporter = ProgressReporter(read, interval_s=10.0, write=lines.append, tick_s=0.01).start()
+    clock.stats = replace(FT, adapter_path=Path("/out/adapter"))
+    for _ in range(500):
+        if lines:
+            break
+        time.sleep(0.01)
+    reporter.stop()
+    assert lines == [finished_line(clock.stats)] and "the progress line failed" in caplog.text

@@ -12,6 +12,7 @@ the API's request counters. Nothing runs on the engine's per-step path.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -19,6 +20,8 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from coserve.server.engine_thread import EngineStats
+
+logger = logging.getLogger(__name__)
 
 
 class RequestCounts(NamedTuple):
@@ -139,7 +142,10 @@ class ProgressReporter:
 
     def _run(self) -> None:
         while not self._stop.wait(self.tick_s):
-            self.check()
+            try:
+                self.check()
+            except Exception:  # a progress line is never worth the server: say it, go on
+                logger.exception("the progress line failed")
 
 
 def snapshot_reader(stats: Callable[[], EngineStats], counts: Callable[[], RequestCounts],
