@@ -52,4 +52,6 @@ def test_finetune_reports_the_eval_loss_before_and_after(tmp_path: Path, capsys:
     report = json.loads((out / "eval.json").read_text())
     assert report["tokens"] > 0 and report["optimizer_steps"] > 0
     assert report["loss_after"] < report["loss_before"] - 1.0, report  # it learned the facts it was shown
-    assert "eval loss" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "eval loss" in printed
+    assert f"dataset {DATA}: 64 samples, 2243 tokens (0 malformed rows skipped, 0 truncated)" in printed

@@ -223,9 +223,7 @@ def finetune(args: argparse.Namespace) -> int:
         print(f"eval {args.eval_data}: {before.samples} samples, {before.tokens} target tokens; "
               f"loss before training {before.loss:.4f}")
     session = FinetuneSession(engine, spec)
-    stats = session.dataset.stats
-    print(f"dataset {spec.data}: {stats.num_samples} samples, {stats.num_tokens} tokens "
-          f"({stats.num_skipped} malformed rows skipped, {stats.num_truncated} truncated)")
+    print(session.dataset_line())
     path = run_to_completion(engine, session)
     if session.coserver.failure is not None:
         print(f"coserve finetune: error: {session.coserver.failure}; adapter of the last committed step: {path}",

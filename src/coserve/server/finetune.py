@@ -148,6 +148,12 @@ class FinetuneSession:
         self._write_run_config()
         self.started = time.monotonic()
 
+    def dataset_line(self) -> str:
+        """``dataset PATH: N samples, T tokens (K malformed rows skipped, M truncated)``."""
+        stats = self.dataset.stats
+        return (f"dataset {self.spec.data}: {stats.num_samples} samples, {stats.num_tokens} tokens "
+                f"({stats.num_skipped} malformed rows skipped, {stats.num_truncated} truncated)")
+
     def estimate_steps(self) -> int:
         """Optimizer steps the run will take (for the LR schedule): tasks close at the first sample
         that brings them to ``backward_tokens``, so this is an estimate unless samples are uniform."""

@@ -41,7 +41,8 @@ class Snapshot(NamedTuple):
     stats: EngineStats
 
 
-def _count(n: int, noun: str) -> str:
+def counted(n: int, noun: str) -> str:
+    """``1 step``, ``2 steps``."""
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
@@ -63,7 +64,7 @@ def progress_line(prev: Snapshot, cur: Snapshot) -> str | None:
     if not (served or s.num_running or s.num_waiting or (finetuning and s.ft_optimizer_steps > p.ft_optimizer_steps)):
         return None
     generated = cur.requests.generated_tokens - prev.requests.generated_tokens
-    line = (f"coserve: {_count(served, 'request')} answered in the last {_duration(dt)} ({s.num_running} running, "
+    line = (f"coserve: {counted(served, 'request')} answered in the last {_duration(dt)} ({s.num_running} running, "
             f"{s.num_waiting} waiting), {generated / dt:.1f} generated tokens/s")
     met = cur.requests.slo_met - prev.requests.slo_met
     missed = cur.requests.slo_missed - prev.requests.slo_missed
@@ -82,7 +83,7 @@ def _loss(s: EngineStats) -> str:
 
 
 def _finetune_part(p: EngineStats, s: EngineStats, dt: float) -> str:
-    part = f"fine-tuning: {_count(s.ft_optimizer_steps, 'optimizer step')}"
+    part = f"fine-tuning: {counted(s.ft_optimizer_steps, 'optimizer step')}"
     if s.ft_samples_total:
         done = s.ft_samples_retired / s.ft_samples_total
         part += f", {s.ft_samples_retired}/{s.ft_samples_total} samples ({100 * done:.0f}%)"
@@ -91,14 +92,14 @@ def _finetune_part(p: EngineStats, s: EngineStats, dt: float) -> str:
             part += f", ~{_duration((s.ft_samples_total - s.ft_samples_retired) / rate)} left at this rate"
     part += f"{_loss(s)}, {(s.ft_tokens_trained - p.ft_tokens_trained) / dt:.0f} FT tokens/s"
     if s.ft_trainer_restarts:
-        part += f", {_count(s.ft_trainer_restarts, 'trainer restart')}"
+        part += f", {counted(s.ft_trainer_restarts, 'trainer restart')}"
     return part
 
 
 def finished_line(s: EngineStats) -> str:
     """The line printed when fine-tuning ends (``s.adapter_path`` set)."""
     how = "gave up (see the log), the last good step exported" if s.ft_failed else "finished"
-    return (f"coserve: fine-tuning {how}: {_count(s.ft_optimizer_steps, 'optimizer step')}, {s.ft_tokens_trained} tokens"
+    return (f"coserve: fine-tuning {how}: {counted(s.ft_optimizer_steps, 'optimizer step')}, {s.ft_tokens_trained} tokens"
             f"{_loss(s)}; adapter: {s.adapter_path}; serving goes on")
 
 

@@ -130,7 +130,7 @@ def serve(args: argparse.Namespace) -> int:
     from coserve.server.api import create_app
     from coserve.server.engine_thread import EngineThread
     from coserve.server.finetune import FinetuneSession
-    from coserve.server.progress import ProgressReporter, snapshot_reader
+    from coserve.server.progress import ProgressReporter, counted, snapshot_reader
 
     if args.log_stats_interval < 0:  # (before the model loads)
         raise ValueError(f"--log-stats-interval must be >= 0 seconds, got {args.log_stats_interval:g}")
@@ -143,6 +143,7 @@ def serve(args: argparse.Namespace) -> int:
     kwargs = engine_kwargs(args)
     if spec is not None:
         kwargs["max_lora_rank"] = max(int(kwargs["max_lora_rank"]), spec.lora.rank)  # type: ignore[call-overload]
+    print(f"coserve: loading {args.model!r}", flush=True)
     engine = LLMEngine(EngineConfig(model=args.model, num_training_slots=1 if spec is not None else 0,
                                     **kwargs))  # type: ignore[arg-type]
     for adapter, path in adapters.items():  # read and checked now: a bad one stops the start, not a request
@@ -150,7 +151,13 @@ def serve(args: argparse.Namespace) -> int:
     if spec is not None and live is not None:
         engine.lora_manager.bind_training_slot(live)
         adapters[live] = f"{spec.output / 'adapter'} (training)"
-    session = FinetuneSession(engine, spec) if spec is not None else None
+    session = None
+    if spec is not None:
+        if spec.calibrate and spec.latency_state is None:
+            print("coserve: starting the trainer and calibrating the latency model on this machine "
+                  "(--latency-state OUTPUT/latency_state.json skips it next time)", flush=True)
+        session = FinetuneSession(engine, spec)
+        print(f"coserve: {session.dataset_line()}", flush=True)
     engine_thread = EngineThread(engine, session).start()
     app = create_app(engine_thread, name, adapters, runtime_lora=args.allow_runtime_lora)
     freeze_startup_objects("server")
@@ -172,6 +179,6 @@ def serve(args: argparse.Namespace) -> int:
         engine_thread.shutdown()
     stats = engine_thread.stats
     if stats.adapter_path is not None:
-        print(f"coserve: fine-tuned {stats.ft_optimizer_steps} optimizer steps, {stats.ft_tokens_trained} tokens; "
+        print(f"coserve: fine-tuned {counted(stats.ft_optimizer_steps, 'optimizer step')}, {stats.ft_tokens_trained} tokens; "
               f"adapter: {stats.adapter_path}", flush=True)
     return 0 if engine_thread.failure is None else 1
