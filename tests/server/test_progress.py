@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -114,15 +115,19 @@ def test_interval_zero_prints_only_the_end_and_a_negative_one_is_refused() -> No
         ProgressReporter(clock.read, interval_s=-1.0)
 
 
-def test_the_reporter_thread_writes_and_stops() -> None:
-    clock, lines = Clock(), []
-    reporter = ProgressReporter(clock.read, interval_s=10.0, write=lines.append, tick_s=0.01).start()
+def run_until_the_end_is_said(read: Callable[[], Snapshot], clock: Clock, lines: list[str]) -> None:
+    """A reporter thread on ``read``; fine-tuning ends; stopped once a line is written (5 s at most)."""
+    reporter = ProgressReporter(read, interval_s=10.0, write=lines.append, tick_s=0.01).start()
     clock.stats = replace(FT, adapter_path=Path("/out/adapter"))
-    for _ in range(500):
-        if lines:
-            break
+    deadline = time.monotonic() + 5.0
+    while not lines and time.monotonic() < deadline:
         time.sleep(0.01)
     reporter.stop()
+
+
+def test_the_reporter_thread_writes_and_stops() -> None:
+    clock, lines = Clock(), []
+    run_until_the_end_is_said(clock.read, clock, lines)
     assert lines == [finished_line(clock.stats)]
 
 
@@ -135,11 +140,5 @@ def test_a_failing_read_is_logged_and_the_reporter_goes_on(caplog: pytest.LogCap
             raise RuntimeError("a registry hiccup")
         return clock.read()
 
-    reporter = ProgressReporter(read, interval_s=10.0, write=lines.append, tick_s=0.01).start()
-    clock.stats = replace(FT, adapter_path=Path("/out/adapter"))
-    for _ in range(500):
-        if lines:
-            break
-        time.sleep(0.01)
-    reporter.stop()
+    run_until_the_end_is_said(read, clock, lines)
     assert lines == [finished_line(clock.stats)] and "the progress line failed" in caplog.text
