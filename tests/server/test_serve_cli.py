@@ -187,3 +187,14 @@ def test_a_negative_stats_interval_stops_the_start(capsys: pytest.CaptureFixture
     assert parse("--model", "tiny").log_stats_interval == 10.0
     assert main(["serve", "--model", "tiny", "--device", "cpu", "--port", "0", "--log-stats-interval", "-1"]) == 2
     assert "--log-stats-interval must be >= 0" in capsys.readouterr().err
+
+
+def test_the_top_level_help_names_every_command_with_what_it_does(capsys: pytest.CaptureFixture[str]) -> None:
+    from coserve.server.cli import COMMANDS, HELP, main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert set(COMMANDS) == {"generate", "finetune", "demo", "bench-http", "serve", "bench"}
+    for name in COMMANDS:
+        assert HELP[name] and f"{name} {' '.join(HELP[name].split()[:3])}" in text, name

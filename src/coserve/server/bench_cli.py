@@ -266,7 +266,8 @@ def bench_spec(args: argparse.Namespace) -> BenchSpec:
     )
 
 
-@command("bench", add_bench_args)
+@command("bench", add_bench_args, "the evaluation: replay a trace or burst pattern through inference-only, co-serving "
+         "and baseline configurations on the same arrivals; JSON, table and plots")
 def bench(args: argparse.Namespace) -> int:
     """Replay one workload under every configuration; write the JSON result, table and plots."""
     from coserve.bench.harness import run_bench

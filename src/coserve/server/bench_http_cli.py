@@ -40,7 +40,8 @@ def add_bench_http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=None, help="write the result JSON here")
 
 
-@command("bench-http", add_bench_http_args)
+@command("bench-http", add_bench_http_args, "replay a trace or burst pattern against any OpenAI-compatible "
+         "server (coserve serve, vLLM): SLO attainment and latencies")
 def bench_http(args: argparse.Namespace) -> int:
     """Replay the workload against the server; print and write attainment and latencies."""
     from coserve.bench.http_driver import HttpDriver

@@ -1,4 +1,10 @@
-"""The ``coserve`` command line."""
+"""coserve: an LLM inference server that fine-tunes LoRA adapters in the GPU time and memory that
+inference leaves idle, within the requests' latency SLOs.
+
+    coserve demo                                      # co-serving on the built-in tiny model (CPU, ~1 min)
+    coserve serve --model DIR --finetune-data FILE --output DIR   # serve, fine-tuning as it serves
+    coserve COMMAND --help                            # each command's flags
+"""
 
 from __future__ import annotations
 
@@ -14,11 +20,14 @@ if TYPE_CHECKING:
 
 Command = Callable[[argparse.Namespace], int]
 COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Command]] = {}
+HELP: dict[str, str] = {}  # each command's line in ``coserve --help``
 
 
-def command(name: str, add_args: Callable[[argparse.ArgumentParser], None]) -> Callable[[Command], Command]:
+def command(name: str, add_args: Callable[[argparse.ArgumentParser], None],
+            help: str = "") -> Callable[[Command], Command]:
     def register(fn: Command) -> Command:
         COMMANDS[name] = (add_args, fn)
+        HELP[name] = help
         return fn
 
     return register
@@ -106,7 +115,7 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora", default=None, help="NAME=PEFT_DIR: apply this adapter to every prompt")
 
 
-@command("generate", _generate_args)
+@command("generate", _generate_args, "generate text for prompts, optionally with LoRA adapters")
 def generate(args: argparse.Namespace) -> int:
     from coserve import LLM, LoRARequest, SamplingParams
 
@@ -194,7 +203,8 @@ def _finetune_args(p: argparse.ArgumentParser) -> None:
                         "trained adapter, printed and written to OUTPUT/eval.json")
 
 
-@command("finetune", _finetune_args)
+@command("finetune", _finetune_args, "fine-tune a LoRA adapter alone (no serving): PEFT adapter, train log, "
+         "checkpoints")
 def finetune(args: argparse.Namespace) -> int:
     """Fine-tune alone, through the engine's FT-only steps."""
     from coserve.engine.config import EngineConfig
@@ -252,7 +262,8 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
     add_demo_args(p)
 
 
-@command("demo", _demo_args)
+@command("demo", _demo_args, "the main job on the built-in tiny model: a bursty workload served with and "
+         "without fine-tuning, side by side")
 def demo(args: argparse.Namespace) -> int:
     """Serve a bursty workload and fine-tune in the same engine; compare with inference alone."""
     from coserve.server.demo import run_demo
@@ -266,11 +277,12 @@ from coserve.server import bench_cli  # noqa: E402, F401  (registers the bench c
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="coserve", description=__doc__)
-    parser.add_argument("--log-level", default="WARNING")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="coserve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default) or ERROR")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (add_args, _) in COMMANDS.items():
-        add_args(sub.add_parser(name))
+        add_args(sub.add_parser(name, help=HELP[name], description=HELP[name]))
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

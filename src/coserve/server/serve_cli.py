@@ -119,7 +119,8 @@ def serve_spec(args: argparse.Namespace) -> FinetuneSpec | None:
                    latency_state=args.latency_state, trainer_sm_share=args.trainer_sm_share)
 
 
-@command("serve", add_serve_args)
+@command("serve", add_serve_args, "the OpenAI-compatible HTTP server; with --finetune-data it fine-tunes "
+         "while it serves, within the latency SLOs")
 def serve(args: argparse.Namespace) -> int:
     """Serve until Ctrl-C; then close the trainer and export the adapter (when co-serving)."""
     import uvicorn
