@@ -293,10 +293,13 @@ def _setup(
     """Build the engine, cut the workload to fit its context, warm the engine up, write the FT
     data into ``work``; the spec with the workload's scaling as run."""
     engine_cfg = _engine_config(spec, work)
+    workload = load_workload(spec.workload, spec.duration_s, spec.scaling, spec.seed)  # (a bad one fails first)
     t0 = time.perf_counter()
     engine = LLMEngine(engine_cfg)
-    spec = replace(spec, scaling=spec.scaling.fit(engine.max_model_len, say))
-    workload = load_workload(spec.workload, spec.duration_s, spec.scaling, spec.seed)
+    fitted = spec.scaling.fit(engine.max_model_len, say)
+    if fitted is not spec.scaling:
+        spec = replace(spec, scaling=fitted)
+        workload = load_workload(spec.workload, spec.duration_s, spec.scaling, spec.seed)
     if not workload.arrivals:
         raise ValueError(
             f"--workload {spec.workload}: no arrival in the {spec.duration_s:g} s window"
