@@ -47,7 +47,8 @@ class Served:
 
 @contextmanager
 def serve(engine: LLMEngine, session: FinetuneSession | None = None,
-          adapters: dict[str, str] | None = None, runtime_lora: bool = False) -> Iterator[Served]:
+          adapters: dict[str, str] | None = None, runtime_lora: bool = False,
+          finetune_name: str | None = None) -> Iterator[Served]:
     """Run the app under uvicorn in a background thread on a pre-bound free port."""
     batch_sizes: list[int] = []
     step = engine.step
@@ -64,7 +65,8 @@ def serve(engine: LLMEngine, session: FinetuneSession | None = None,
     port = sock.getsockname()[1]
     for name, path in (adapters or {}).items():
         engine.lora_manager.register(name, path)
-    server = uvicorn.Server(uvicorn.Config(create_app(engine_thread, MODEL, adapters, runtime_lora), log_level="warning"))
+    app = create_app(engine_thread, MODEL, adapters, runtime_lora, finetune_name)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10

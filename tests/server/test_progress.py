@@ -60,7 +60,7 @@ def test_finetuning_progress_loss_rate_and_time_left() -> None:
 
 
 def test_no_finetuning_part_once_it_has_ended() -> None:
-    ended = replace(FT, ft_optimizer_steps=9, adapter_path=Path("/out/adapter"))
+    ended = replace(FT, ft_optimizer_steps=9, adapter_path=Path("/out/adapter"), ft_outcome="succeeded")
     assert progress_line(snap(0.0, replace(FT, ft_optimizer_steps=7)), snap(10.0, ended)) is None
     line = progress_line(snap(0.0, ended), snap(10.0, ended, served=1))
     assert line is not None and "fine-tuning" not in line
@@ -68,10 +68,12 @@ def test_no_finetuning_part_once_it_has_ended() -> None:
 
 def test_finished_and_failed_lines() -> None:
     done = replace(FT, ft_optimizer_steps=12, ft_tokens_trained=3_000, ft_first_loss=7.0, ft_loss=0.5,
-                   adapter_path=Path("/out/adapter"))
+                   adapter_path=Path("/out/adapter"), ft_outcome="succeeded")
     assert finished_line(done) == ("coserve: fine-tuning finished: 12 optimizer steps, 3000 tokens, loss 7.000 -> "
                                    "0.500; adapter: /out/adapter; serving goes on")
-    assert finished_line(replace(done, ft_failed=True)).startswith("coserve: fine-tuning gave up")
+    assert finished_line(replace(done, ft_failed=True, ft_outcome="failed")).startswith("coserve: fine-tuning gave up")
+    cancelled = finished_line(replace(done, ft_outcome="cancelled", adapter_path=None))
+    assert cancelled.startswith("coserve: fine-tuning stopped early") and "adapter: not exported" in cancelled
 
 
 class Clock:
@@ -93,7 +95,7 @@ def test_the_reporter_prints_each_interval_and_the_end_once() -> None:
     clock.t = 10.0
     reporter.check()
     assert len(lines) == 1 and lines[0].startswith("coserve: 1 request answered in the last 10 s")
-    clock.t, clock.stats = 11.0, replace(FT, ft_optimizer_steps=3, adapter_path=Path("/out/adapter"))
+    clock.t, clock.stats = 11.0, replace(FT, ft_optimizer_steps=3, adapter_path=Path("/out/adapter"), ft_outcome="succeeded")
     reporter.check()
     reporter.check()
     assert lines[1:] == [finished_line(clock.stats)], "the end, at once and once"
@@ -108,7 +110,7 @@ def test_interval_zero_prints_only_the_end_and_a_negative_one_is_refused() -> No
     clock.t, clock.served = 100.0, 5
     reporter.check()
     assert lines == []
-    clock.stats = replace(FT, adapter_path=Path("/out/adapter"))
+    clock.stats = replace(FT, adapter_path=Path("/out/adapter"), ft_outcome="succeeded")
     reporter.check()
     assert len(lines) == 1 and "finished" in lines[0]
     with pytest.raises(ValueError, match="--log-stats-interval"):
@@ -118,7 +120,7 @@ def test_interval_zero_prints_only_the_end_and_a_negative_one_is_refused() -> No
 def run_until_the_end_is_said(read: Callable[[], Snapshot], clock: Clock, lines: list[str]) -> None:
     """A reporter thread on ``read``; fine-tuning ends; stopped once a line is written (5 s at most)."""
     reporter = ProgressReporter(read, interval_s=10.0, write=lines.append, tick_s=0.01).start()
-    clock.stats = replace(FT, adapter_path=Path("/out/adapter"))
+    clock.stats = replace(FT, adapter_path=Path("/out/adapter"), ft_outcome="succeeded")
     deadline = time.monotonic() + 5.0
     while not lines and time.monotonic() < deadline:
         time.sleep(0.01)

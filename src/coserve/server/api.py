@@ -31,6 +31,7 @@ from coserve.engine.outputs import RequestOutput
 from coserve.engine.sampling_params import SamplingParams
 from coserve.engine.sequence import LoRARequest
 from coserve.server.engine_thread import EngineDeadError, EngineThread, RequestHandle
+from coserve.server.finetune_jobs import FinetuneJob, add_finetune_job_routes
 from coserve.server.progress import RequestCounts
 from coserve.server.protocol import (
     ChatChoice,
@@ -536,15 +537,17 @@ class _Api:
 
 
 def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str, str] | None = None,
-               runtime_lora: bool = False) -> FastAPI:
+               runtime_lora: bool = False, finetune_name: str | None = None) -> FastAPI:
     """The API app for ``engine_thread`` (started by the caller), serving ``model_name`` and each of
     ``adapters`` (model name -> PEFT directory) on it; with ``runtime_lora`` adapters can be
-    loaded and unloaded while it serves (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``)."""
+    loaded and unloaded while it serves (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``).
+    A co-serving engine thread's run is the fine-tuning job of ``/v1/fine_tuning/jobs``, its adapter
+    served as ``finetune_name`` (when given)."""
     app = FastAPI(title="coserve", docs_url=None, redoc_url=None)
     api = _Api(engine_thread, model_name, adapters, runtime_lora)
     app.state.api = api
     endpoints = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/v1/load_lora_adapter",
-                 "/v1/unload_lora_adapter"}
+                 "/v1/unload_lora_adapter", "/v1/fine_tuning/jobs"}
 
     @app.middleware("http")
     async def count(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
@@ -581,6 +584,8 @@ def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str,
     app.post("/v1/chat/completions", response_model=None)(api.chat)
     app.post("/v1/load_lora_adapter", response_model=None)(api.load_adapter)
     app.post("/v1/unload_lora_adapter", response_model=None)(api.unload_adapter)
+
+    add_finetune_job_routes(app, engine_thread, FinetuneJob.of(engine_thread, model_name, finetune_name))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

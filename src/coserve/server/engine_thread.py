@@ -102,6 +102,12 @@ class EngineStats:
     # the trainer's seconds working on tasks and paused for inference (CoServer.trainer_seconds)
     ft_trainer_seconds: Mapping[str, float] = field(default_factory=dict)
     adapter_path: Path | None = None
+    # how fine-tuning ended (None while it runs): "succeeded" (its epochs done), "failed" (given up,
+    # ft_failure says why: the last good step exported) or "cancelled" (stopped early: the API's
+    # cancel, or the server's shutdown); and when (time.time())
+    ft_outcome: str | None = None
+    ft_finished_at: float | None = None
+    ft_failure: str | None = None
 
 
 def _finetune_stats(coserver: CoServer) -> dict[str, Any]:
@@ -111,7 +117,8 @@ def _finetune_stats(coserver: CoServer) -> dict[str, Any]:
         "ft_tokens_trained": coserver.tokens_trained, "ft_optimizer_steps": coserver.steps_done,
         "ft_samples_retired": pool.samples_retired, "ft_samples_total": pool.samples_total,
         "ft_loss": coserver.last_loss, "ft_first_loss": coserver.first_loss, "ft_trainer_restarts": coserver.num_restarts,
-        "ft_failed": coserver.failure is not None, "ft_admission": dict(coserver.admission_counts),
+        "ft_failed": coserver.failure is not None, "ft_failure": coserver.failure,
+        "ft_admission": dict(coserver.admission_counts),
         "ft_trainer_seconds": dict(coserver.trainer_seconds),
     }
 
@@ -223,6 +230,17 @@ class EngineThread:
             self._aborts.append(request_id)
             self._cond.notify()
 
+    async def cancel_finetuning(self) -> bool:
+        """Stop fine-tuning between two steps: the last committed optimizer step is exported, the
+        session closed, and serving goes on. False when no fine-tuning is running."""
+        def cancel(_: LLMEngine) -> bool:
+            if self.session is None:
+                return False
+            self._finish_session(self.session)
+            return True
+
+        return await self.call(cancel)
+
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the loop: pending requests fail with :class:`EngineDeadError`; a co-serving
         session exports its adapter and is closed. Idempotent."""
@@ -310,13 +328,14 @@ class EngineThread:
                     self._cond.wait(self.idle_wait_s)
 
     def _finish_session(self, session: FinetuneSession) -> None:
+        """Export the session's adapter and close it (its epochs done, given up, or stopped early)."""
         coserver = session.coserver
+        outcome = "failed" if coserver.failure is not None else "succeeded" if session.done else "cancelled"
         if coserver.failure is not None:
             logger.error("fine-tuning failed: %s; exporting the last committed step", coserver.failure)
         try:
             path: Path | None = session.export()
-            logger.info("fine-tuning %s: %d optimizer steps, %d tokens; adapter: %s",
-                        "finished" if session.done else "stopped", coserver.steps_done,
+            logger.info("fine-tuning %s: %d optimizer steps, %d tokens; adapter: %s", outcome, coserver.steps_done,
                         coserver.tokens_trained, path)
         except Exception:
             logger.exception("exporting the fine-tuned adapter failed")
@@ -324,7 +343,8 @@ class EngineThread:
         finally:
             session.close()
             self.session = None
-        self.stats = replace(self.stats, coserving=True, adapter_path=path, **_finetune_stats(coserver))
+        self.stats = replace(self.stats, coserving=True, adapter_path=path, ft_outcome=outcome,
+                             ft_finished_at=time.time(), **_finetune_stats(coserver))
 
     def _publish(self) -> None:
         sched = self.engine.scheduler

@@ -60,7 +60,7 @@ def progress_line(prev: Snapshot, cur: Snapshot) -> str | None:
     dt = max(cur.time - prev.time, 1e-9)
     s, p = cur.stats, prev.stats
     served = cur.requests.served - prev.requests.served
-    finetuning = s.coserving and s.adapter_path is None  # (a path: fine-tuning has ended)
+    finetuning = s.coserving and s.ft_outcome is None
     if not (served or s.num_running or s.num_waiting or (finetuning and s.ft_optimizer_steps > p.ft_optimizer_steps)):
         return None
     generated = cur.requests.generated_tokens - prev.requests.generated_tokens
@@ -96,11 +96,16 @@ def _finetune_part(p: EngineStats, s: EngineStats, dt: float) -> str:
     return part
 
 
+ENDINGS = {"succeeded": "finished", "cancelled": "stopped early, the last committed step exported",
+           "failed": "gave up (see the log), the last committed step exported"}
+
+
 def finished_line(s: EngineStats) -> str:
-    """The line printed when fine-tuning ends (``s.adapter_path`` set)."""
-    how = "gave up (see the log), the last good step exported" if s.ft_failed else "finished"
-    return (f"coserve: fine-tuning {how}: {counted(s.ft_optimizer_steps, 'optimizer step')}, {s.ft_tokens_trained} tokens"
-            f"{_loss(s)}; adapter: {s.adapter_path}; serving goes on")
+    """The line printed when fine-tuning ends (``s.ft_outcome`` set)."""
+    adapter = s.adapter_path if s.adapter_path is not None else "not exported (see the log)"
+    return (f"coserve: fine-tuning {ENDINGS.get(s.ft_outcome or '', s.ft_outcome)}: "
+            f"{counted(s.ft_optimizer_steps, 'optimizer step')}, {s.ft_tokens_trained} tokens{_loss(s)}; "
+            f"adapter: {adapter}; serving goes on")
 
 
 class ProgressReporter:
@@ -116,13 +121,13 @@ class ProgressReporter:
             raise ValueError(f"--log-stats-interval must be >= 0 seconds, got {interval_s:g}")
         self.read, self.interval_s, self.write, self.tick_s = read, interval_s, write, tick_s
         self._last = read()
-        self._ended = self._last.stats.adapter_path is not None
+        self._ended = self._last.stats.ft_outcome is not None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def check(self) -> None:
         cur = self.read()
-        if cur.stats.coserving and not self._ended and cur.stats.adapter_path is not None:
+        if cur.stats.coserving and not self._ended and cur.stats.ft_outcome is not None:
             self._ended = True
             self.write(finished_line(cur.stats))
         if self.interval_s and cur.time - self._last.time >= self.interval_s:

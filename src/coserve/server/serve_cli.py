@@ -160,7 +160,7 @@ def serve(args: argparse.Namespace) -> int:
         session = FinetuneSession(engine, spec)
         print(f"coserve: {session.dataset_line()}", flush=True)
     engine_thread = EngineThread(engine, session).start()
-    app = create_app(engine_thread, name, adapters, runtime_lora=args.allow_runtime_lora)
+    app = create_app(engine_thread, name, adapters, runtime_lora=args.allow_runtime_lora, finetune_name=live)
     freeze_startup_objects("server")
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level=str(args.log_level).lower(), access_log=False))

@@ -1,0 +1,169 @@
+"""The co-serving run as an OpenAI fine-tuning job: ``/v1/fine_tuning/jobs`` (list, retrieve,
+events, cancel), so that the ``openai`` client and scripts written for it can watch and stop the
+fine-tuning ``coserve serve --finetune-data`` runs.
+
+One server runs one job: the one it was started with. Creating a job through the API is refused
+with a 400 that says so (the dataset, the trainer and the latency model are set up at start-up).
+
+A job's figures come from the engine loop's published :class:`EngineStats`; its events are the
+run's ``train_log.jsonl`` (one line per optimizer step, on disk: they outlive the session),
+newest first as OpenAI lists them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Query
+
+from coserve.server.engine_thread import EngineStats, EngineThread
+
+OBJECT = "fine_tuning.job"
+
+
+@dataclass(frozen=True)
+class FinetuneJob:
+    """What a job says that does not change while it runs (read from the session at start-up)."""
+
+    id: str
+    created_at: int
+    model: str
+    training_file: str
+    train_log: Path
+    n_epochs: int
+    learning_rate: float
+    total_steps: int
+    seed: int
+    fine_tuned_model: str | None  # the name the trained adapter is served under (--finetune-name)
+
+    @classmethod
+    def of(cls, engine_thread: EngineThread, model: str, fine_tuned_model: str | None) -> FinetuneJob | None:
+        session = engine_thread.session
+        if session is None:
+            return None
+        spec = session.spec
+        return cls(f"ftjob-{uuid.uuid4().hex[:24]}", int(time.time()), model, str(spec.data),
+                   spec.output / "train_log.jsonl", spec.coserve.epochs, session.optim.lr, session.optim.total_steps,
+                   spec.coserve.seed, fine_tuned_model)
+
+
+def job_object(job: FinetuneJob, s: EngineStats, now: float | None = None) -> dict[str, Any]:
+    """The OpenAI ``fine_tuning.job`` of ``job`` at ``s`` (coserve's own figures under ``coserve``)."""
+    now = time.time() if now is None else now
+    status = s.ft_outcome or "running"
+    estimated_finish = None
+    if status == "running" and 0 < s.ft_samples_retired < s.ft_samples_total:
+        rate = s.ft_samples_retired / max(now - job.created_at, 1e-9)
+        estimated_finish = int(now + (s.ft_samples_total - s.ft_samples_retired) / rate)
+    error = None
+    if status == "failed":
+        error = {"code": "trainer_failed", "message": s.ft_failure or "fine-tuning gave up", "param": None}
+    return {
+        "object": OBJECT, "id": job.id, "created_at": job.created_at, "model": job.model,
+        "organization_id": "coserve", "status": status, "error": error,
+        "fine_tuned_model": job.fine_tuned_model,
+        "finished_at": int(s.ft_finished_at) if s.ft_finished_at is not None else None,
+        "estimated_finish": estimated_finish,
+        "hyperparameters": {"n_epochs": job.n_epochs, "batch_size": "auto", "learning_rate_multiplier": None},
+        "method": {"type": "supervised"},
+        "result_files": [str(s.adapter_path)] if s.adapter_path is not None else [],
+        "seed": job.seed, "trained_tokens": s.ft_tokens_trained, "training_file": job.training_file,
+        "validation_file": None,
+        "coserve": {
+            "learning_rate": job.learning_rate, "optimizer_steps": s.ft_optimizer_steps,
+            "total_steps": job.total_steps, "samples_trained": s.ft_samples_retired,
+            "samples_total": s.ft_samples_total, "loss": _finite(s.ft_loss), "first_loss": _finite(s.ft_first_loss),
+            "trainer_restarts": s.ft_trainer_restarts,
+        },
+    }
+
+
+def _finite(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def job_events(job: FinetuneJob, s: EngineStats) -> list[dict[str, Any]]:
+    """The job's events, newest first: its end (once it has ended), one ``metrics`` event per
+    optimizer step of ``train_log.jsonl`` (OpenAI's ``Step k/n: training loss=x``), its start."""
+    def event(eid: str, created: float, message: str, level: str = "info", kind: str = "message",
+              data: dict[str, Any] | None = None) -> dict[str, Any]:
+        return {"object": "fine_tuning.job.event", "id": eid, "created_at": int(created), "level": level,
+                "message": message, "type": kind, "data": data}
+
+    events = [event(f"{job.id}-start", job.created_at, f"Fine-tuning {job.model} on {job.training_file} started")]
+    try:
+        lines = job.train_log.read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+            step, created, loss = int(entry["step"]) + 1, float(entry["wall_time"]), entry.get("loss")
+        except (ValueError, KeyError, TypeError):
+            continue  # (a line being written)
+        if entry.get("skipped"):
+            events.append(event(f"{job.id}-step-{step}", created, f"Step {step}/{job.total_steps}: skipped "
+                                f"(non-finite loss or gradient)", level="warn"))
+            continue
+        shown = f"{loss:.4f}" if isinstance(loss, (int, float)) else "n/a"
+        events.append(event(f"{job.id}-step-{step}", created, f"Step {step}/{job.total_steps}: training loss={shown}",
+                            kind="metrics", data={"step": step, "total_steps": job.total_steps, "train_loss": loss,
+                                                  "tokens": entry.get("tokens"), "learning_rate": entry.get("lr")}))
+    if s.ft_outcome is not None:
+        end = {"succeeded": ("The job has successfully completed", "info"),
+               "cancelled": ("The job was cancelled; the last committed step was exported", "info"),
+               "failed": (f"The job failed: {s.ft_failure}; the last committed step was exported", "error")}
+        message, level = end.get(s.ft_outcome, (f"The job ended: {s.ft_outcome}", "info"))
+        if s.adapter_path is not None:
+            message += f" to {s.adapter_path}"
+        events.append(event(f"{job.id}-end", s.ft_finished_at or time.time(), message, level))
+    return events[::-1]
+
+
+def add_finetune_job_routes(app: FastAPI, engine_thread: EngineThread, job: FinetuneJob | None) -> None:
+    """``/v1/fine_tuning/jobs`` for ``job`` (None: a server that does not fine-tune lists none)."""
+
+    def find(job_id: str) -> FinetuneJob:
+        if job is None or job_id != job.id:
+            raise HTTPException(404, f"no fine-tuning job {job_id!r} on this server"
+                                     + (f"; its job is {job.id!r}" if job is not None else ""))
+        return job
+
+    @app.get("/v1/fine_tuning/jobs")
+    async def list_jobs() -> dict[str, Any]:
+        data = [] if job is None else [job_object(job, engine_thread.stats)]
+        return {"object": "list", "data": data, "has_more": False}
+
+    @app.post("/v1/fine_tuning/jobs")
+    async def create_job() -> dict[str, Any]:
+        raise HTTPException(400, "this server runs the fine-tuning job it was started with (coserve serve "
+                                 "--finetune-data FILE --output DIR); jobs cannot be created through the API")
+
+    @app.get("/v1/fine_tuning/jobs/{job_id}")
+    async def retrieve_job(job_id: str) -> dict[str, Any]:
+        return job_object(find(job_id), engine_thread.stats)
+
+    @app.get("/v1/fine_tuning/jobs/{job_id}/events")
+    async def list_events(job_id: str, after: str | None = None,
+                          limit: int = Query(20, ge=1, le=1000)) -> dict[str, Any]:
+        events = job_events(find(job_id), engine_thread.stats)
+        if after is not None:
+            ids = [e["id"] for e in events]
+            if after not in ids:
+                raise HTTPException(400, f"after: no event {after!r} in job {job_id!r}")
+            events = events[ids.index(after) + 1:]
+        return {"object": "list", "data": events[:limit], "has_more": len(events) > limit}
+
+    @app.post("/v1/fine_tuning/jobs/{job_id}/cancel")
+    async def cancel_job(job_id: str) -> dict[str, Any]:
+        found = find(job_id)
+        if engine_thread.stats.ft_outcome is None:
+            await engine_thread.cancel_finetuning()
+        # (one that has ended already comes back as it ended, as OpenAI's does)
+        return job_object(found, engine_thread.stats)

@@ -1,0 +1,114 @@
+"""The co-serving run as an OpenAI fine-tuning job: the ``openai`` client lists it, retrieves it,
+reads its events and cancels it while the server keeps serving; the job and event objects alone."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import openai
+import pytest
+
+from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig
+from coserve.engine.config import EngineConfig
+from coserve.engine.llm_engine import LLMEngine
+from coserve.server.engine_thread import EngineStats
+from coserve.server.finetune import FinetuneSession, FinetuneSpec
+from coserve.server.finetune_jobs import FinetuneJob, job_events, job_object
+from tests.server.test_api import DATA, MODEL, http, serve
+
+
+def test_the_coserving_run_is_a_job_the_openai_client_watches_and_cancels(tmp_path: Path) -> None:
+    engine = LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8))
+    spec = FinetuneSpec(data=DATA, output=tmp_path / "out", lora=LoRAConfig(rank=8, alpha=16),
+                        optim=OptimConfig(lr=1e-3), coserve=CoServeConfig(backward_tokens=32, max_seq_len=64, epochs=500),
+                        trainer_threads=1, save_every=0)
+    session = FinetuneSession(engine, spec)
+    engine.lora_manager.bind_training_slot("live")
+    with serve(engine, session, adapters={"live": "(training)"}, finetune_name="live") as s:
+        (job,) = s.client.fine_tuning.jobs.list().data
+        assert (job.object, job.status, job.model, job.fine_tuned_model) == ("fine_tuning.job", "running", MODEL, "live")
+        assert job.training_file == str(DATA) and job.hyperparameters.n_epochs == 500 and job.finished_at is None
+        deadline = time.monotonic() + 60
+        while s.engine_thread.stats.ft_optimizer_steps < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        job = s.client.fine_tuning.jobs.retrieve(job.id)
+        assert job.status == "running" and job.trained_tokens is not None and job.trained_tokens > 0
+        assert job.estimated_finish is not None and job.estimated_finish >= job.created_at
+
+        # events: newest first, one per optimizer step in OpenAI's words, pages through `after`
+        first_page = s.client.fine_tuning.jobs.list_events(job.id, limit=2)
+        assert len(first_page.data) == 2 and first_page.has_more
+        newest = first_page.data[0]
+        assert newest.type == "metrics" and newest.message.startswith("Step ") and "training loss=" in newest.message
+        assert newest.data is not None and newest.data["step"] > first_page.data[1].data["step"]  # type: ignore[index]
+        rest = s.client.fine_tuning.jobs.list_events(job.id, after=first_page.data[1].id, limit=1000)
+        assert not rest.has_more and rest.data[-1].message.startswith(f"Fine-tuning {MODEL} on ")
+
+        cancelled = s.client.fine_tuning.jobs.cancel(job.id)
+        assert cancelled.status == "cancelled" and cancelled.finished_at is not None
+        assert cancelled.result_files == [str(tmp_path / "out" / "adapter")]
+        assert (tmp_path / "out" / "adapter" / "adapter_config.json").is_file()
+        assert s.engine_thread.session is None and engine.coserver is None, "fine-tuning stopped"
+        steps = s.engine_thread.stats.ft_optimizer_steps
+        # serving goes on, the trained adapter too, and fine-tuning does not
+        for model in (MODEL, "live"):
+            r = s.client.completions.create(model=model, prompt="Where is the candle?", max_tokens=3)
+            assert r.usage is not None and r.usage.completion_tokens >= 1
+        assert s.engine_thread.stats.ft_optimizer_steps == steps
+        end = s.client.fine_tuning.jobs.list_events(job.id, limit=1).data[0]
+        assert end.message.startswith("The job was cancelled") and str(tmp_path / "out" / "adapter") in end.message
+        assert s.client.fine_tuning.jobs.cancel(job.id).status == "cancelled"  # (again: as it ended)
+
+        with pytest.raises(openai.NotFoundError, match="no fine-tuning job 'ftjob-nope'"):
+            s.client.fine_tuning.jobs.retrieve("ftjob-nope")
+        with pytest.raises(openai.BadRequestError, match="jobs cannot be created through the API"):
+            s.client.fine_tuning.jobs.create(model=MODEL, training_file="file-abc")
+        status, _ = http(s.url + f"/v1/fine_tuning/jobs/{job.id}/events?after=nope")
+        assert status == 400
+
+
+def test_a_server_that_does_not_fine_tune_lists_no_job() -> None:
+    with serve(LLMEngine(EngineConfig(model=MODEL, device="cpu"))) as s:
+        assert s.client.fine_tuning.jobs.list().data == []
+        with pytest.raises(openai.NotFoundError):
+            s.client.fine_tuning.jobs.list_events("ftjob-x")
+
+
+JOB = FinetuneJob("ftjob-1", 1_000, MODEL, "data.jsonl", Path("unused"), 2, 1e-3, 40, 0, None)
+
+
+def test_job_object_status_error_and_estimated_finish() -> None:
+    running = EngineStats(coserving=True, ft_samples_retired=25, ft_samples_total=100, ft_tokens_trained=900,
+                          ft_optimizer_steps=5, ft_loss=float("nan"))
+    obj = job_object(JOB, running, now=1_100.0)
+    assert obj["status"] == "running" and obj["estimated_finish"] == 1_400  # 25 samples a 100 s: 75 more in 300 s
+    assert obj["trained_tokens"] == 900 and obj["error"] is None and obj["coserve"]["loss"] is None
+    failed = replace(running, ft_outcome="failed", ft_failure="the trainer died 3 times in a row",
+                     ft_finished_at=1_200.5, adapter_path=Path("/out/adapter"))
+    obj = job_object(JOB, failed, now=1_300.0)
+    assert (obj["status"], obj["finished_at"], obj["estimated_finish"]) == ("failed", 1_200, None)
+    assert obj["error"]["message"] == "the trainer died 3 times in a row" and obj["result_files"] == ["/out/adapter"]
+
+
+def test_job_events_from_the_train_log(tmp_path: Path) -> None:
+    log = tmp_path / "train_log.jsonl"
+    rows = [{"step": 0, "loss": 2.5, "wall_time": 1_001.0, "tokens": 64, "lr": 1e-3, "skipped": False},
+            {"step": 1, "loss": None, "wall_time": 1_002.0, "tokens": 64, "lr": 1e-3, "skipped": True},
+            {"step": 2, "loss": 1.25, "wall_time": 1_003.0, "tokens": 64, "lr": 1e-3, "skipped": False}]
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "lo')  # a line being written
+    job = replace(JOB, train_log=log)
+    events = job_events(job, EngineStats(coserving=True))
+    assert [e["message"] for e in events] == [
+        "Step 3/40: training loss=1.2500",
+        "Step 2/40: skipped (non-finite loss or gradient)",
+        "Step 1/40: training loss=2.5000",
+        f"Fine-tuning {MODEL} on data.jsonl started",
+    ]
+    assert events[0]["type"] == "metrics" and events[0]["data"]["train_loss"] == 1.25 and events[1]["level"] == "warn"
+    ended = job_events(job, EngineStats(coserving=True, ft_outcome="succeeded", ft_finished_at=1_010.0,
+                                        adapter_path=Path("/out/adapter")))
+    assert ended[0]["message"] == "The job has successfully completed to /out/adapter"
+    assert ended[0]["created_at"] == 1_010 and len(ended) == len(events) + 1
