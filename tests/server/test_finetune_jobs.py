@@ -16,7 +16,7 @@ from coserve.engine.config import EngineConfig
 from coserve.engine.llm_engine import LLMEngine
 from coserve.server.engine_thread import EngineStats
 from coserve.server.finetune import FinetuneSession, FinetuneSpec
-from coserve.server.finetune_jobs import FinetuneJob, job_events, job_object
+from coserve.server.finetune_jobs import FinetuneJob, job_events, job_object, total_steps
 from tests.server.test_api import DATA, MODEL, http, serve
 
 
@@ -112,3 +112,14 @@ def test_job_events_from_the_train_log(tmp_path: Path) -> None:
                                         adapter_path=Path("/out/adapter")))
     assert ended[0]["message"] == "The job has successfully completed to /out/adapter"
     assert ended[0]["created_at"] == 1_010 and len(ended) == len(events) + 1
+
+
+def test_total_steps_the_estimate_then_the_progress_then_the_count() -> None:
+    """The LR schedule's estimate (JOB: 40) is what ``Step k/n`` shows only until samples are
+    trained; a run whose tasks pack fewer samples takes more steps than estimated."""
+    assert total_steps(JOB, EngineStats(coserving=True)) == 40
+    running = EngineStats(coserving=True, ft_optimizer_steps=30, ft_samples_retired=50, ft_samples_total=100)
+    assert total_steps(JOB, running) == 60
+    assert job_object(JOB, running, now=2_000.0)["coserve"]["total_steps"] == 60
+    assert total_steps(JOB, replace(running, ft_outcome="succeeded", ft_optimizer_steps=61)) == 61
+    assert total_steps(JOB, replace(running, ft_outcome="cancelled")) == 60

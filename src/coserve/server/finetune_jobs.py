@@ -77,11 +77,21 @@ def job_object(job: FinetuneJob, s: EngineStats, now: float | None = None) -> di
         "validation_file": None,
         "coserve": {
             "learning_rate": job.learning_rate, "optimizer_steps": s.ft_optimizer_steps,
-            "total_steps": job.total_steps, "samples_trained": s.ft_samples_retired,
+            "total_steps": total_steps(job, s), "samples_trained": s.ft_samples_retired,
             "samples_total": s.ft_samples_total, "loss": _finite(s.ft_loss), "first_loss": _finite(s.ft_first_loss),
             "trainer_restarts": s.ft_trainer_restarts,
         },
     }
+
+
+def total_steps(job: FinetuneJob, s: EngineStats) -> int:
+    """The job's optimizer steps in all: the count, once its epochs are done; before, the steps so
+    far scaled by the share of samples trained (the LR schedule's estimate until one is)."""
+    if s.ft_outcome == "succeeded":
+        return s.ft_optimizer_steps
+    if s.ft_samples_retired > 0:
+        return max(s.ft_optimizer_steps, round(s.ft_optimizer_steps * s.ft_samples_total / s.ft_samples_retired))
+    return job.total_steps
 
 
 def _finite(x: float | None) -> float | None:
@@ -90,12 +100,14 @@ def _finite(x: float | None) -> float | None:
 
 def job_events(job: FinetuneJob, s: EngineStats) -> list[dict[str, Any]]:
     """The job's events, newest first: its end (once it has ended), one ``metrics`` event per
-    optimizer step of ``train_log.jsonl`` (OpenAI's ``Step k/n: training loss=x``), its start."""
+    optimizer step of ``train_log.jsonl`` (OpenAI's ``Step k/n: training loss=x``, ``n`` from
+    :func:`total_steps`), its start."""
     def event(eid: str, created: float, message: str, level: str = "info", kind: str = "message",
               data: dict[str, Any] | None = None) -> dict[str, Any]:
         return {"object": "fine_tuning.job.event", "id": eid, "created_at": int(created), "level": level,
                 "message": message, "type": kind, "data": data}
 
+    total = total_steps(job, s)
     events = [event(f"{job.id}-start", job.created_at, f"Fine-tuning {job.model} on {job.training_file} started")]
     try:
         lines = job.train_log.read_text().splitlines()
@@ -108,12 +120,12 @@ def job_events(job: FinetuneJob, s: EngineStats) -> list[dict[str, Any]]:
         except (ValueError, KeyError, TypeError):
             continue  # (a line being written)
         if entry.get("skipped"):
-            events.append(event(f"{job.id}-step-{step}", created, f"Step {step}/{job.total_steps}: skipped "
+            events.append(event(f"{job.id}-step-{step}", created, f"Step {step}/{total}: skipped "
                                 f"(non-finite loss or gradient)", level="warn"))
             continue
         shown = f"{loss:.4f}" if isinstance(loss, (int, float)) else "n/a"
-        events.append(event(f"{job.id}-step-{step}", created, f"Step {step}/{job.total_steps}: training loss={shown}",
-                            kind="metrics", data={"step": step, "total_steps": job.total_steps, "train_loss": loss,
+        events.append(event(f"{job.id}-step-{step}", created, f"Step {step}/{total}: training loss={shown}",
+                            kind="metrics", data={"step": step, "total_steps": total, "train_loss": loss,
                                                   "tokens": entry.get("tokens"), "learning_rate": entry.get("lr")}))
     if s.ft_outcome is not None:
         end = {"succeeded": ("The job has successfully completed", "info"),
