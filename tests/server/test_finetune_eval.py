@@ -55,3 +55,12 @@ def test_finetune_reports_the_eval_loss_before_and_after(tmp_path: Path, capsys:
     printed = capsys.readouterr().out
     assert "eval loss" in printed
     assert f"dataset {DATA}: 64 samples, 2243 tokens (0 malformed rows skipped, 0 truncated)" in printed
+
+
+def test_an_output_that_cannot_be_made_stops_the_start(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from coserve.server.cli import main
+
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / "a-file" / "run"
+    assert main(["finetune", "--model", "tiny", "--device", "cpu", "--data", str(DATA), "--output", str(out)]) == 2
+    assert f"--output {out}: cannot create it" in capsys.readouterr().err

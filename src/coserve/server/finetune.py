@@ -81,6 +81,10 @@ class FinetuneSession:
                              f"{engine.config.max_lora_rank}")
         self.engine = engine
         self.spec = spec
+        try:  # (before anything starts: the trainer process would outlive a late failure)
+            spec.output.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--output {spec.output}: cannot create it: {e.strerror or e}") from e
         cfg = spec.coserve
         if cfg.max_seq_len > engine.max_model_len:
             raise ValueError(f"--max-seq-len {cfg.max_seq_len} exceeds the model's context {engine.max_model_len}")
@@ -129,7 +133,6 @@ class FinetuneSession:
             on_step_logged=self._log_step,
         )
         self.history: list[OptimizerStepLog] = []
-        spec.output.mkdir(parents=True, exist_ok=True)
         self._log_path = spec.output / "train_log.jsonl"
         if checkpoint is not None:
             self._resume(checkpoint)

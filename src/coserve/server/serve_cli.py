@@ -155,8 +155,8 @@ def serve(args: argparse.Namespace) -> int:
     session = None
     if spec is not None:
         if spec.calibrate and spec.latency_state is None:
-            print("coserve: starting the trainer and calibrating the latency model on this machine "
-                  "(--latency-state OUTPUT/latency_state.json skips it next time)", flush=True)
+            print("coserve: reading the dataset, starting the trainer and calibrating the latency model on this "
+                  "machine (--latency-state OUTPUT/latency_state.json skips the calibration next time)", flush=True)
         session = FinetuneSession(engine, spec)
         print(f"coserve: {session.dataset_line()}", flush=True)
     engine_thread = EngineThread(engine, session).start()
