@@ -12,6 +12,7 @@ newest first as OpenAI lists them.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
@@ -164,7 +165,8 @@ def add_finetune_job_routes(app: FastAPI, engine_thread: EngineThread, job: Fine
     @app.get("/v1/fine_tuning/jobs/{job_id}/events")
     async def list_events(job_id: str, after: str | None = None,
                           limit: int = Query(20, ge=1, le=1000)) -> dict[str, Any]:
-        events = job_events(find(job_id), engine_thread.stats)
+        # (the train log grows by a line a step: read off the event loop)
+        events = await asyncio.to_thread(job_events, find(job_id), engine_thread.stats)
         if after is not None:
             ids = [e["id"] for e in events]
             if after not in ids:
