@@ -50,9 +50,12 @@ def test_finetuning_progress_loss_rate_and_time_left() -> None:
                      ft_loss=5.0)
     after = replace(before, ft_optimizer_steps=9, ft_samples_retired=60, ft_tokens_trained=21_000, ft_loss=2.25)
     line = progress_line(snap(0.0, before), snap(10.0, after))
-    assert line == ("coserve: 0 requests answered in the last 10 s (0 running, 0 waiting), 0.0 generated tokens/s; "
-                    "fine-tuning: 9 optimizer steps, 60/200 samples (30%), ~35 s left at this rate, "
-                    "loss 7.500 -> 2.250, 2000 FT tokens/s")
+    assert line == ("coserve: fine-tuning: 9 optimizer steps in all, 60/200 samples (30%), ~35 s left at this rate, "
+                    "loss 7.500 -> 2.250, 2000 FT tokens/s in the last 10 s")
+    # with requests too, both parts
+    both = progress_line(snap(0.0, before, served=1, generated=5), snap(10.0, after, served=3, generated=25))
+    assert both is not None and both.startswith("coserve: 2 requests answered in the last 10 s (0 running, 0 waiting), "
+                                                "2.0 generated tokens/s; fine-tuning: 9 optimizer steps in all")
     # a non-finite loss is left out, and a trainer that restarted is said
     odd = replace(after, ft_loss=float("nan"), ft_trainer_restarts=2)
     line = progress_line(snap(0.0, before), snap(10.0, odd))

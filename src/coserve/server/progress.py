@@ -63,17 +63,20 @@ def progress_line(prev: Snapshot, cur: Snapshot) -> str | None:
     finetuning = s.coserving and s.ft_outcome is None
     if not (served or s.num_running or s.num_waiting or (finetuning and s.ft_optimizer_steps > p.ft_optimizer_steps)):
         return None
-    generated = cur.requests.generated_tokens - prev.requests.generated_tokens
-    line = (f"coserve: {counted(served, 'request')} answered in the last {_duration(dt)} ({s.num_running} running, "
-            f"{s.num_waiting} waiting), {generated / dt:.1f} generated tokens/s")
-    met = cur.requests.slo_met - prev.requests.slo_met
-    missed = cur.requests.slo_missed - prev.requests.slo_missed
-    if met + missed:
-        total_met, total = cur.requests.slo_met, cur.requests.slo_met + cur.requests.slo_missed
-        line += f"; SLOs met by {100 * met / (met + missed):.1f}% ({100 * total_met / total:.1f}% of {total} so far)"
+    parts = []
+    if served or s.num_running or s.num_waiting:  # (an interval of fine-tuning alone: its part alone)
+        generated = cur.requests.generated_tokens - prev.requests.generated_tokens
+        parts.append(f"{counted(served, 'request')} answered in the last {_duration(dt)} ({s.num_running} running, "
+                     f"{s.num_waiting} waiting), {generated / dt:.1f} generated tokens/s")
+        met = cur.requests.slo_met - prev.requests.slo_met
+        missed = cur.requests.slo_missed - prev.requests.slo_missed
+        if met + missed:
+            total_met, total = cur.requests.slo_met, cur.requests.slo_met + cur.requests.slo_missed
+            parts.append(f"SLOs met by {100 * met / (met + missed):.1f}% ({100 * total_met / total:.1f}% of {total} "
+                         f"so far)")
     if finetuning:
-        line += "; " + _finetune_part(p, s, dt)
-    return line
+        parts.append(_finetune_part(p, s, dt))
+    return "coserve: " + "; ".join(parts)
 
 
 def _loss(s: EngineStats) -> str:
@@ -83,14 +86,14 @@ def _loss(s: EngineStats) -> str:
 
 
 def _finetune_part(p: EngineStats, s: EngineStats, dt: float) -> str:
-    part = f"fine-tuning: {counted(s.ft_optimizer_steps, 'optimizer step')}"
+    part = f"fine-tuning: {counted(s.ft_optimizer_steps, 'optimizer step')} in all"
     if s.ft_samples_total:
         done = s.ft_samples_retired / s.ft_samples_total
         part += f", {s.ft_samples_retired}/{s.ft_samples_total} samples ({100 * done:.0f}%)"
         rate = (s.ft_samples_retired - p.ft_samples_retired) / dt
         if rate > 0 and s.ft_samples_retired < s.ft_samples_total:
             part += f", ~{_duration((s.ft_samples_total - s.ft_samples_retired) / rate)} left at this rate"
-    part += f"{_loss(s)}, {(s.ft_tokens_trained - p.ft_tokens_trained) / dt:.0f} FT tokens/s"
+    part += f"{_loss(s)}, {(s.ft_tokens_trained - p.ft_tokens_trained) / dt:.0f} FT tokens/s in the last {_duration(dt)}"
     if s.ft_trainer_restarts:
         part += f", {counted(s.ft_trainer_restarts, 'trainer restart')}"
     return part
