@@ -74,7 +74,8 @@ def test_finished_and_failed_lines() -> None:
                    adapter_path=Path("/out/adapter"), ft_outcome="succeeded")
     assert finished_line(done) == ("coserve: fine-tuning finished: 12 optimizer steps, 3000 tokens, loss 7.000 -> "
                                    "0.500; adapter: /out/adapter; serving goes on")
-    assert finished_line(replace(done, ft_failed=True, ft_outcome="failed")).startswith("coserve: fine-tuning gave up")
+    assert finished_line(replace(done, ft_failure="the trainer died", ft_outcome="failed")).startswith(
+        "coserve: fine-tuning gave up")
     cancelled = finished_line(replace(done, ft_outcome="cancelled", adapter_path=None))
     assert cancelled.startswith("coserve: fine-tuning stopped early") and "adapter: not exported" in cancelled
 
@@ -147,3 +148,19 @@ def test_a_failing_read_is_logged_and_the_reporter_goes_on(caplog: pytest.LogCap
 
     run_until_the_end_is_said(read, clock, lines)
     assert lines == [finished_line(clock.stats)] and "the progress line failed" in caplog.text
+
+
+def test_the_shutdown_says_an_end_the_reporter_has_not_said_and_no_more() -> None:
+    clock, lines = Clock(), []
+    reporter = ProgressReporter(clock.read, interval_s=10.0, write=lines.append)
+    stopped = replace(FT, ft_optimizer_steps=4, adapter_path=Path("/out/adapter"), ft_outcome="cancelled")
+    reporter.close(stopped)  # Ctrl-C while it trained: the end comes at the shutdown
+    assert lines == [finished_line(stopped, serving=False)] and not lines[0].endswith("serving goes on")
+    reporter.close(stopped)
+    assert len(lines) == 1, "said once"
+    early: list[str] = []
+    said = ProgressReporter(clock.read, interval_s=10.0, write=early.append)
+    clock.stats = replace(FT, adapter_path=Path("/out/adapter"), ft_outcome="succeeded")
+    said.check()  # (fine-tuning ended while serving: said then, not again at the shutdown)
+    said.close(clock.stats)
+    assert early == [finished_line(clock.stats)]

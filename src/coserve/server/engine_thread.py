@@ -95,7 +95,6 @@ class EngineStats:
     ft_samples_retired: int = 0  # samples of all epochs trained (SamplePool.progress)
     ft_samples_total: int = 0
     ft_trainer_restarts: int = 0
-    ft_failed: bool = False  # fine-tuning gave up (the trainer kept dying); serving goes on
     # planned steps by (step kind, outcome): whether FT rows were added to a step, or why not
     # (a copy of CoServer.admission_counts)
     ft_admission: Mapping[tuple[str, str], int] = field(default_factory=dict)
@@ -107,7 +106,11 @@ class EngineStats:
     # cancel, or the server's shutdown); and when (time.time())
     ft_outcome: str | None = None
     ft_finished_at: float | None = None
-    ft_failure: str | None = None
+    ft_failure: str | None = None  # why fine-tuning gave up (the trainer kept dying, ...): serving goes on
+
+    @property
+    def ft_failed(self) -> bool:
+        return self.ft_failure is not None
 
 
 def _finetune_stats(coserver: CoServer) -> dict[str, Any]:
@@ -117,7 +120,7 @@ def _finetune_stats(coserver: CoServer) -> dict[str, Any]:
         "ft_tokens_trained": coserver.tokens_trained, "ft_optimizer_steps": coserver.steps_done,
         "ft_samples_retired": pool.samples_retired, "ft_samples_total": pool.samples_total,
         "ft_loss": coserver.last_loss, "ft_first_loss": coserver.first_loss, "ft_trainer_restarts": coserver.num_restarts,
-        "ft_failed": coserver.failure is not None, "ft_failure": coserver.failure,
+        "ft_failure": coserver.failure,
         "ft_admission": dict(coserver.admission_counts),
         "ft_trainer_seconds": dict(coserver.trainer_seconds),
     }

@@ -41,7 +41,7 @@ class Snapshot(NamedTuple):
     stats: EngineStats
 
 
-def counted(n: int, noun: str) -> str:
+def _counted(n: int, noun: str) -> str:
     """``1 step``, ``2 steps``."""
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
@@ -66,7 +66,7 @@ def progress_line(prev: Snapshot, cur: Snapshot) -> str | None:
     parts = []
     if served or s.num_running or s.num_waiting:  # (an interval of fine-tuning alone: its part alone)
         generated = cur.requests.generated_tokens - prev.requests.generated_tokens
-        parts.append(f"{counted(served, 'request')} answered in the last {_duration(dt)} ({s.num_running} running, "
+        parts.append(f"{_counted(served, 'request')} answered in the last {_duration(dt)} ({s.num_running} running, "
                      f"{s.num_waiting} waiting), {generated / dt:.1f} generated tokens/s")
         met = cur.requests.slo_met - prev.requests.slo_met
         missed = cur.requests.slo_missed - prev.requests.slo_missed
@@ -86,7 +86,7 @@ def _loss(s: EngineStats) -> str:
 
 
 def _finetune_part(p: EngineStats, s: EngineStats, dt: float) -> str:
-    part = f"fine-tuning: {counted(s.ft_optimizer_steps, 'optimizer step')} in all"
+    part = f"fine-tuning: {_counted(s.ft_optimizer_steps, 'optimizer step')} in all"
     if s.ft_samples_total:
         done = s.ft_samples_retired / s.ft_samples_total
         part += f", {s.ft_samples_retired}/{s.ft_samples_total} samples ({100 * done:.0f}%)"
@@ -95,7 +95,7 @@ def _finetune_part(p: EngineStats, s: EngineStats, dt: float) -> str:
             part += f", ~{_duration((s.ft_samples_total - s.ft_samples_retired) / rate)} left at this rate"
     part += f"{_loss(s)}, {(s.ft_tokens_trained - p.ft_tokens_trained) / dt:.0f} FT tokens/s in the last {_duration(dt)}"
     if s.ft_trainer_restarts:
-        part += f", {counted(s.ft_trainer_restarts, 'trainer restart')}"
+        part += f", {_counted(s.ft_trainer_restarts, 'trainer restart')}"
     return part
 
 
@@ -103,12 +103,13 @@ ENDINGS = {"succeeded": "finished", "cancelled": "stopped early, the last commit
            "failed": "gave up (see the log), the last committed step exported"}
 
 
-def finished_line(s: EngineStats) -> str:
-    """The line printed when fine-tuning ends (``s.ft_outcome`` set)."""
+def finished_line(s: EngineStats, serving: bool = True) -> str:
+    """The line printed when fine-tuning ends (``s.ft_outcome`` set); ``serving``: the server
+    goes on (False: it is shutting down)."""
     adapter = s.adapter_path if s.adapter_path is not None else "not exported (see the log)"
     return (f"coserve: fine-tuning {ENDINGS.get(s.ft_outcome or '', s.ft_outcome)}: "
-            f"{counted(s.ft_optimizer_steps, 'optimizer step')}, {s.ft_tokens_trained} tokens{_loss(s)}; "
-            f"adapter: {adapter}; serving goes on")
+            f"{_counted(s.ft_optimizer_steps, 'optimizer step')}, {s.ft_tokens_trained} tokens{_loss(s)}; "
+            f"adapter: {adapter}" + ("; serving goes on" if serving else ""))
 
 
 class ProgressReporter:
@@ -130,9 +131,7 @@ class ProgressReporter:
 
     def check(self) -> None:
         cur = self.read()
-        if cur.stats.coserving and not self._ended and cur.stats.ft_outcome is not None:
-            self._ended = True
-            self.write(finished_line(cur.stats))
+        self._say_end(cur.stats)
         if self.interval_s and cur.time - self._last.time >= self.interval_s:
             line = progress_line(self._last, cur)
             if line is not None:
@@ -148,6 +147,16 @@ class ProgressReporter:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5.0)
+
+    def close(self, stats: EngineStats) -> None:
+        """At the server's shutdown (after :meth:`stop` and the engine's): fine-tuning's end, unless
+        it was said while serving."""
+        self._say_end(stats, serving=False)
+
+    def _say_end(self, s: EngineStats, serving: bool = True) -> None:
+        if s.coserving and not self._ended and s.ft_outcome is not None:
+            self._ended = True
+            self.write(finished_line(s, serving))
 
     def _run(self) -> None:
         while not self._stop.wait(self.tick_s):

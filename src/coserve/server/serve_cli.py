@@ -131,7 +131,7 @@ def serve(args: argparse.Namespace) -> int:
     from coserve.server.api import create_app
     from coserve.server.engine_thread import EngineThread
     from coserve.server.finetune import FinetuneSession
-    from coserve.server.progress import ProgressReporter, counted, snapshot_reader
+    from coserve.server.progress import ProgressReporter, snapshot_reader
 
     if args.log_stats_interval < 0:  # (before the model loads)
         raise ValueError(f"--log-stats-interval must be >= 0 seconds, got {args.log_stats_interval:g}")
@@ -176,10 +176,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         server.run()  # returns after uvicorn's own graceful shutdown on SIGINT/SIGTERM
     finally:
-        reporter.stop()  # (before the shutdown's export: the last line below says it)
+        reporter.stop()  # (before the shutdown's export: reporter.close says it)
         engine_thread.shutdown()
-    stats = engine_thread.stats
-    if stats.adapter_path is not None:
-        print(f"coserve: fine-tuned {counted(stats.ft_optimizer_steps, 'optimizer step')}, {stats.ft_tokens_trained} tokens; "
-              f"adapter: {stats.adapter_path}", flush=True)
+    reporter.close(engine_thread.stats)  # (fine-tuning stopped by the shutdown: said now)
     return 0 if engine_thread.failure is None else 1
