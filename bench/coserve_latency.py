@@ -233,6 +233,21 @@ def longest_steps(steps: list[tuple[Any, ...]], top: int) -> dict[str, list[dict
             for kind, rows in by_kind.items()}
 
 
+def ft_only_layer(steps: list[tuple[Any, ...]], num_layers: int) -> dict[str, Any]:
+    """The completed (not interrupted) FT-only steps of a run (the probe run's, between its
+    sparse requests: the trainer paused for each, as for every step with FT rows): how many, their
+    median FT tokens and time, and that time over the layers — one layer of the FT-only steps that
+    arrivals actually meet, beside the synthetic 1,024-token step's (``one_layer_ms``), which
+    ranged 0.83–1.68 ms on one commit's runs (sessions 20–23)."""
+    kind, col, tok = (STEP_COLUMNS.index(c) for c in ("kind", "seconds", "ft_tokens"))
+    done = [s for s in steps if s[kind] == "ft-only"]
+    if not done:
+        return {"n": 0, "tokens_p50": None, "step_p50_ms": None, "one_layer_ms": None}
+    step_ms = percentile([s[col] for s in done], 50) * 1e3
+    return {"n": len(done), "tokens_p50": percentile([s[tok] for s in done], 50), "step_p50_ms": step_ms,
+            "one_layer_ms": step_ms / num_layers}
+
+
 def check_summary(checks: list[CheckPoint]) -> dict[str, Any]:
     """One interrupted FT-only step's interruption points (``CoServer.interrupted_checks``): how
     many, the first and last (ms since its plan began), the longest gap between two and where it
@@ -360,7 +375,8 @@ def main() -> None:
     calibration_s = time.perf_counter() - t
     co = session.coserver
     num_layers = engine.model_config.num_layers
-    ft_only_step = min(engine.run_batch(BatchSpec(ft_lens=(1024,))) for _ in range(3))
+    ft_only_samples = [engine.run_batch(BatchSpec(ft_lens=(1024,))) for _ in range(3)]
+    ft_only_step = min(ft_only_samples)
     co.track = True
     layer0 = Layer0Profile(co) if args.profile_layer0 else None
     result = driver.run(arrivals, duration_s=args.duration, ft_tokens=lambda: co.tokens_trained,
@@ -399,6 +415,8 @@ def main() -> None:
             "requests": len(ft_only), "interrupted_steps": co.num_interrupted,
             "delay_p50_ms": percentile(ft_only, 50) * 1e3, "delay_p99_ms": percentile(ft_only, 99) * 1e3,
             "ft_only_step_1024_tokens_ms": ft_only_step * 1e3,
+            "ft_only_step_1024_samples_ms": [t * 1e3 for t in ft_only_samples],
+            "probe_ft_only_steps": ft_only_layer(probe_run.steps, num_layers),
             # where an arrival's wait to enter can come from: the replay's longest steps by kind
             # (STEP_COLUMNS) and its seconds per step kind and in idle waits
             "longest_steps": longest_steps(result.steps, 5),

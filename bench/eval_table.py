@@ -74,8 +74,8 @@ def table(results: dict[str, dict[str, Any]]) -> str:
                 cells.append("not run")
                 continue
             cell = f"{f['attainment_abs'] * 100:.1f}%"
-            if f.get("ft_tokens_per_s"):
-                cell += f" · {f['ft_tokens_per_s']:,.0f}"
+            if f.get("kind", "inference") != "inference" or f.get("ft_tokens_per_s"):
+                cell += f" · {f.get('ft_tokens_per_s') or 0:,.0f}"  # a fine-tuning run that trained nothing: 0
             cells.append(cell)
         lines.append(f"| `{c}` | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -84,3 +84,14 @@ def test_one_evaluation_over_two_calls_is_one_table() -> None:
     assert split["value"] == pytest.approx(7392 / 4904, rel=1e-3) and split["met"]
     older = eval_table.load(s12 / "call3", ROOT / "bench" / "results" / "eval_h200" / "session11" / "call3")
     assert "naive" not in older["burst-dense"]["figures"]  # session 11's, another commit
+
+
+def test_a_fine_tuning_run_that_trained_nothing_shows_0() -> None:
+    # session 23's azure2023_conv: `temporal` found no step without inference work in its window
+    results = eval_table.load(ROOT / "bench" / "results" / "eval_h200" / "session23")
+    assert list(results) == ["azure2023_conv", "burst-light", "burst-dense"]
+    lines = eval_table.table(results).splitlines()
+    assert "| `temporal` | 100.0% · 0 | 100.0% · 7,104 | 100.0% · 6,357 |" in lines
+    assert "| `inference` | 100.0% | 100.0% | 100.0% |" in lines
+    conv = eval_table.goals(results)["azure2023_conv"]["ft_over_split"]
+    assert conv["baseline"] == "split-30" and conv["baseline_attainment_worse"]  # 94.2% against 100.0%

@@ -16,6 +16,7 @@ import pytest
 from coserve.bench.configs import CONFIGS, RunKind
 from coserve.bench.harness import BenchSpec, bracket_rate, run_bench
 from coserve.bench.plots import MISSING, write_plots
+from coserve.bench.report import markdown_table
 from coserve.bench.runners import RUNNERS
 from coserve.core.admission import Reason
 from coserve.server.cli import main
@@ -223,6 +224,20 @@ def test_markdown_table_and_plots(bench_run: tuple[Path, dict[str, Any]]) -> Non
     else:
         assert pngs == [f"burst-light-{k}.png" for k in ("attainment", "latency", "throughput")]
         assert result["outputs"]["plots"] and result["outputs"]["plots_skipped"] is None
+
+
+def test_the_table_compares_with_a_baseline_run_at_its_own_setting(bench_run: tuple[Path, dict[str, Any]]) -> None:
+    # an evaluation with `split-30` and no `split` (session 23's): the split column is split-30's
+    _, result = bench_run
+    figures = {n: f for n, f in result["figures"].items() if n != "split"}
+    comp = {k: v for k, v in result["comparisons"].items() if k != "ft_over_split"}
+    table = markdown_table({**result, "figures": figures, "comparisons": comp})
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    head = [c.strip() for c in rows[0].split("|")]
+    assert "FT vs split-30" in head and "FT vs naive" in head
+    full = next(r for r in rows if r.split("|")[1].strip() == "full")
+    cell = [c.strip() for c in full.split("|")][head.index("FT vs split-30")]
+    assert cell == f"{comp['ft_over_split-30']['full']:.2f}×"
 
 
 def test_plots_skipped_with_a_message_without_matplotlib(

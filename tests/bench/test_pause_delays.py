@@ -164,3 +164,21 @@ def test_task_allocs_tell_the_watchdogs_releases_in_tasks_that_asked_the_driver_
     assert got == {"tasks": 4, "with_device_allocs": 2, "device_allocs": 4, "device_frees": 1,
                    "watchdog_releases": 3, "watchdog_gate_closed": 2, "watchdog_in_allocating_tasks": 2,
                    "tasks_with_watchdog": 2}
+
+
+def test_one_layer_of_the_completed_ft_only_steps() -> None:
+    cols = coserve_latency.STEP_COLUMNS
+
+    def step(kind: str, seconds: float, ft_tokens: int) -> tuple[object, ...]:
+        row = dict.fromkeys(cols, 0)
+        row.update(kind=kind, seconds=seconds, ft_tokens=ft_tokens)
+        return tuple(row[c] for c in cols)
+
+    # three completed FT-only steps (median 0.036 s, 1,327 tokens); an interrupted one and an
+    # inference step do not count
+    steps = [step("ft-only", 0.040, 1500), step("ft-only-interrupted", 0.004, 1061), step("ft-only", 0.036, 1327),
+             step("inference", 0.100, 0), step("ft-only", 0.030, 1100)]
+    got = coserve_latency.ft_only_layer(steps, num_layers=32)
+    assert got["n"] == 3 and got["tokens_p50"] == 1327
+    assert got["step_p50_ms"] == pytest.approx(36.0) and got["one_layer_ms"] == pytest.approx(36.0 / 32)
+    assert coserve_latency.ft_only_layer([steps[1]], num_layers=32)["one_layer_ms"] is None
