@@ -52,6 +52,37 @@ The trainer's phase comes from each step's ``trainer_at`` through
 coefficient stays at the calibration's, and a table recorded before the term was calibrated
 without it (0), so the prefill sets predict as the recorded model did.
 
+``prefill_forms`` (per table, prefill sets of tables with the ``chunks`` … ``enqueue_s`` columns,
+since session 20): the prefill set replayed online as ``replay``'s ``after`` (same calibration,
+window, refit schedule and prior; ``after`` here equals ``replay``'s, so the forms compare on the
+same footing), each form's held-out error, and ``prefill_forms_summary`` over the files: per
+form, on how many tables its held-out p99 is below ``after``'s and its largest held-out median.
+Forms (:data:`PREFILL_FORMS`), each known before the step runs:
+
+- ``context_kv``: plus ``Σ_i ctx_i``, the cached tokens the chunks read (a chunk of a few tokens
+  over a 4k context reads all of it; ``h_ctx = Σ n_i·ctx_i`` prices it at almost nothing and the
+  ``i_ctx`` constant the same as over a 100-token context);
+- ``context_tiles``: ``h_ctx`` replaced by ``Σ_i ⌈n_i / 128⌉·ctx_i`` (the context read once per
+  query tile);
+- ``small_set``: a separate set (own refits, same prior) for steps of at most 512 bucketed tokens;
+- ``host_floor`` / ``host_floor_soft``: ``max(linear, H)`` / ``(linear⁸ + H⁸)^⅛``, the linear
+  form refitted on the steps that were not host-bound (below), where ``H`` is
+  a host form over (1, chunks, decodes, FT rows, ``[some ctx_j > 0]``, whether the step samples)
+  refitted on the previous small steps' ``enqueue_s``, plus the median ``measured − enqueue_s``
+  of the previous small steps that were host-bound (``enqueue_s`` over 0.7 of the step). Whether
+  a step samples is read from ``event_timed`` (a step that samples nothing is timed by events):
+  the scheduler knows it before the step.
+
+On the eleven H200 tables of sessions 20, 21 (``share50``, ``release``) and 23, no form's
+held-out p99 is below ``after``'s on every table (``context_tiles`` on 10, ``context_kv`` on 8,
+the others on 4 or fewer), and none brings any table's to 10%
+(``bench/results/latency_h200/session23/latency_fit_forms.json``; ``--out`` that file):
+
+    python bench/latency_fit.py bench/results/latency_h200/session20/*.json.gz
+        bench/results/latency_h200/session21/*share50*.json.gz
+        bench/results/latency_h200/session21/*release*.json.gz
+        bench/results/latency_h200/session23/*.json.gz
+
     python bench/latency_fit.py bench/results/.../burst-light.json [--config full] [--out fit.json]
 """
 
@@ -63,6 +94,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from coserve.bench.provenance import provenance
@@ -345,6 +377,109 @@ def replay(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
     return report
 
 
+PREFILL_FORMS = ("context_kv", "context_tiles", "small_set", "host_floor", "host_floor_soft")
+TILE = 128
+"""Query tokens per attention tile (``context_tiles``)."""
+SMALL_TOKENS = 512
+"""The most bucketed tokens of a step in ``small_set``'s small set and ``host_floor``'s fits."""
+HOST_BOUND = 0.7
+"""``host_floor``: a step whose ``enqueue_s`` is over this share of its time was host-bound."""
+
+
+def _online(x: np.ndarray, y: np.ndarray, prior: list[float], model: LatencyModel,
+            fitted: np.ndarray | None = None) -> np.ndarray:
+    """Each step's prediction before it is observed by an idle set refitted as
+    ``LatencyModel.observe_regressors`` refits one (``model``'s window, schedule and prior weight;
+    ``prior``: the calibration), in any regressors ``x: [steps, k]``; ``fitted``: the steps its
+    refits use (all by default)."""
+    coef, pred, unfitted = np.asarray(prior, np.float64), np.empty(len(y)), 0
+    for i in range(len(y)):
+        pred[i] = x[i] @ coef
+        lo, unfitted = max(0, i + 1 - model.window), unfitted + 1
+        if unfitted >= min(model.refit_every, max(10, (i + 1 - lo) // 4)):
+            keep = slice(None) if fitted is None else fitted[lo:i + 1]
+            xs, ys = x[lo:i + 1][keep], y[lo:i + 1][keep]
+            coef, unfitted = np.asarray(fit_relative(xs, ys, 1.0 / ys, prior, model.prior_weight)), 0
+    return pred
+
+
+def _host_floor(x: np.ndarray, z: np.ndarray, y: np.ndarray, enqueue: np.ndarray, small: np.ndarray,
+                prior: list[float], model: LatencyModel, soft: bool) -> np.ndarray:
+    """``_online``'s linear form, refitted on the steps that were not host-bound, under a host
+    floor refitted on the previous small steps (module docstring, ``host_floor``)."""
+    linear = _online(x, y, prior, model, fitted=~(small & (enqueue / y > HOST_BOUND)))
+    host, offset, pred = None, 0.0, np.empty(len(y))
+    for i in range(len(y)):
+        h = float(z[i] @ host) + offset if host is not None and small[i] else 0.0
+        pred[i] = (linear[i] ** 8 + h ** 8) ** 0.125 if soft else max(linear[i], h)
+        seen = small[:i + 1] & (enqueue[:i + 1] > 0)
+        if (i + 1) % 10 == 0 and int(seen.sum()) >= 2 * z.shape[1]:
+            zs, es, ys = z[:i + 1][seen], enqueue[:i + 1][seen], y[:i + 1][seen]
+            host = np.asarray(fit_relative(zs, es, 1.0 / es))
+            bound = es / ys > HOST_BOUND
+            offset = float(np.median((ys - es)[bound])) if int(bound.sum()) >= 5 else 0.0
+    return pred
+
+
+def prefill_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
+                  prefill_buckets: tuple[int, ...] | None) -> dict[str, Any]:
+    """Held-out error of the prefill sets replayed online in :data:`PREFILL_FORMS` (module
+    docstring, ``prefill_forms``); ``{}`` for a table without the chunk columns."""
+    model = LatencyModel()
+    model.graph_bucket = lambda n: int(_bucket(n, graph_sizes))
+    if prefill_buckets is not None:
+        model.prefill_bucket = lambda n: int(_bucket(n, prefill_buckets))
+    steps = [r for r in rows if r[2] > 0]
+    calibration = recovered_calibration(steps, model)
+    out: dict[str, Any] = {}
+    for key in sorted({s[0] for s in steps if s[0].startswith("prefill/") and s[0].endswith("/idle")}):
+        # [key, predicted, measured, regressors, rows, trainer_at, event_timed, chunks, decodes, _, enqueue_s]
+        own = [s for s in steps if s[0] == key]
+        if any(len(s) < 11 for s in own) or len(own) < 8:
+            continue
+        base = key.rsplit("/", 1)[0]
+        x = np.asarray([model.bucketed(current_regressors(base, s[3]), base) for s in own], np.float64)
+        y = np.asarray([s[2] for s in own], np.float64)
+        prior = list(calibration[base])
+        ctx = np.asarray([sum(c[1] for c in s[7]) for s in own], np.float64)
+        tiles = np.asarray([sum(-(-c[0] // TILE) * c[1] for c in s[7]) for s in own], np.float64)
+        small = x[:, 1] <= SMALL_TOKENS
+        h, c = TERMS["prefill"].index("h_ctx"), len(TERMS["prefill"]) - 1
+        with_kv = np.concatenate([x[:, :c], ctx[:, None], x[:, c:]], 1)
+        with_tiles = x.copy()
+        with_tiles[:, h] = tiles
+        z = np.asarray([[1.0, len(s[7]), s[8], s[4][1], v[I_CTX], 0.0 if s[6] else 1.0]
+                        for s, v in zip(own, x, strict=True)], np.float64)
+        enqueue = np.asarray([s[10] or 0.0 for s in own], np.float64)
+        split = np.empty(len(y))
+        for part in (small, ~small):
+            split[part] = _online(x[part], y[part], prior, model)
+        preds = {
+            "after": _online(x, y, prior, model),
+            "context_kv": _online(with_kv, y, [*prior[:c], 0.0, prior[c]], model),
+            "context_tiles": _online(with_tiles, y, [*prior[:h], 0.0, *prior[h + 1:]], model),
+            "small_set": split,
+            "host_floor": _host_floor(x, z, y, enqueue, small, prior, model, soft=False),
+            "host_floor_soft": _host_floor(x, z, y, enqueue, small, prior, model, soft=True),
+        }
+        held = int(len(y) * train)
+        out[key] = {"held_out_steps": len(y) - held, **{
+            form: _errors(torch.from_numpy(p[held:]), torch.from_numpy(y[held:])) for form, p in preds.items()}}
+    return out
+
+
+def forms_summary(report: dict[str, Any]) -> dict[str, Any]:
+    """Per :data:`PREFILL_FORMS` form, over every table's prefill sets: on how many its held-out
+    p99 is below ``after``'s, and its largest held-out median (``after``'s beside it)."""
+    sets = [entry for table in report.values() for entry in table.get("prefill_forms", {}).values()]
+    out: dict[str, Any] = {"sets": len(sets), "after_max_median_rel": max(
+        (e["after"]["median_rel"] for e in sets), default=math.nan)}
+    for form in PREFILL_FORMS:
+        out[form] = {"lower_p99_sets": sum(e[form]["p99_rel"] < e["after"]["p99_rel"] for e in sets),
+                     "max_median_rel": max((e[form]["median_rel"] for e in sets), default=math.nan)}
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", nargs="+", help="result JSON files with step tables")
@@ -371,7 +506,10 @@ def main() -> None:
         for name, rows in tables.items():
             entry = evaluate(rows, args.train, args.floor_quantile, graph_sizes)
             entry["replay"] = replay(rows, args.train, graph_sizes, buckets if graphs else None)
+            entry["prefill_forms"] = prefill_forms(rows, args.train, graph_sizes, buckets if graphs else None)
             report[f"{Path(path).name}:{name}"] = entry
+    if any(e.get("prefill_forms") for e in report.values()):
+        report["prefill_forms_summary"] = forms_summary(report)
     text = json.dumps(report, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)
     if args.out:
         # the analysis runs here on the CPU: its device is this machine's, its inputs the files

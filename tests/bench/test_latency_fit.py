@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -202,3 +203,49 @@ def test_a_table_recorded_before_i_ctx_is_replayed_with_the_context_constant() -
     assert fit["linear"]["context_constant_s"] == pytest.approx(4.2e-3, rel=0.05)
     assert fit["linear"]["p99_rel"] < 0.03 < fit["no_context_constant"]["p99_rel"]
     assert fit["rows"]["p99_rel"] < 0.03  # (the rows form, in this commit's terms too)
+
+
+def _prefill_table(seed: int, time_of: Any) -> list[list[object]]:
+    """Prefill steps in the eleven-column table, each predicted by a server before it observed
+    the step; ``time_of(n, ctx, decodes) -> (seconds, enqueue_s)``."""
+    from coserve.core.latency import Chunk, LatencyModel, StepFeatures
+
+    calibration = {"prefill/eager": [0.0, 3e-5, 0.0, 0.0, 2e-9, 1e-3, 5e-3]}
+    server = LatencyModel()
+    server.load_state_dict({"version": 2, "coefficients": calibration, "calibration": calibration})
+    rng = random.Random(seed)
+    rows: list[list[object]] = []
+    for _ in range(600):
+        n, ctx, decodes = rng.randint(8, 1024), rng.choice([0, rng.randint(1, 4096)]), rng.randint(0, 30)
+        vec = list(StepFeatures((Chunk(n, ctx),), num_decodes=decodes, kv_tokens=decodes * 500).vector())
+        t, enqueue = time_of(n, ctx, decodes)
+        t *= rng.uniform(0.99, 1.01)
+        predicted = server.observe_regressors("prefill/eager", vec, t)
+        rows.append(["prefill/eager/idle", predicted, t, vec, [1, 0], None, False, [[n, ctx]], decodes, 5e-4,
+                     enqueue])
+    return rows
+
+
+def test_prefill_forms_find_a_context_read_cost_per_chunk() -> None:
+    """Steps that read each chunk's whole cached context (1 µs per context token, whatever the
+    chunk's length): the context_kv form predicts the held-out steps, the model's form cannot;
+    its ``after`` is the replay's."""
+    rows = _prefill_table(6, lambda n, ctx, d: (3e-5 * (n + d) + 2e-9 * n * ctx + 1e-6 * ctx + 5e-3, 2e-3))
+    got = latency_fit.prefill_forms(rows, 0.5, latency_fit.GRAPH_SIZES, None)["prefill/eager/idle"]
+    assert got["context_kv"]["p99_rel"] < 0.03 < got["after"]["p99_rel"]
+    assert got["after"] == latency_fit.replay(rows, 0.5, latency_fit.GRAPH_SIZES, None)["prefill/eager/idle"]["after"]
+    summary = latency_fit.forms_summary({"t": {"prefill_forms": {"prefill/eager/idle": got}}})
+    assert summary["sets"] == 1 and summary["context_kv"]["lower_p99_sets"] == 1
+    assert latency_fit.prefill_forms([r[:7] for r in rows], 0.5, latency_fit.GRAPH_SIZES, None) == {}
+
+
+def test_host_floor_prices_host_bound_small_steps() -> None:
+    """Small steps whose host takes 9 ms + 0.2 ms per decode to queue them, ending 1 ms after
+    their queuing where that is later than their GPU work: the host floor predicts them, the
+    linear form cannot."""
+    def time_of(n: int, ctx: int, d: int) -> tuple[float, float]:
+        host = 9e-3 + 2e-4 * d
+        return max(3e-5 * (n + d) + 2e-9 * n * ctx + 1e-3 * (ctx > 0) + 2e-3, host + 1e-3), host
+
+    got = latency_fit.prefill_forms(_prefill_table(7, time_of), 0.5, latency_fit.GRAPH_SIZES, None)
+    assert got["prefill/eager/idle"]["host_floor"]["p99_rel"] < 0.05 < got["prefill/eager/idle"]["after"]["p99_rel"]
