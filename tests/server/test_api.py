@@ -32,6 +32,7 @@ from coserve.models.peft_adapter import new_lora_adapter, save_peft_adapter
 from coserve.server.api import create_app
 from coserve.server.engine_thread import EngineThread
 from coserve.server.finetune import FinetuneSession, FinetuneSpec
+from coserve.server.job_board import JobsConfig
 
 DATA = Path(__file__).resolve().parents[2] / "src" / "coserve" / "data" / "tiny_facts.jsonl"
 MODEL = "tiny"
@@ -48,7 +49,7 @@ class Served:
 @contextmanager
 def serve(engine: LLMEngine, session: FinetuneSession | None = None,
           adapters: dict[str, str] | None = None, runtime_lora: bool = False,
-          finetune_name: str | None = None) -> Iterator[Served]:
+          finetune_name: str | None = None, jobs: JobsConfig | None = None) -> Iterator[Served]:
     """Run the app under uvicorn in a background thread on a pre-bound free port."""
     batch_sizes: list[int] = []
     step = engine.step
@@ -59,13 +60,13 @@ def serve(engine: LLMEngine, session: FinetuneSession | None = None,
         return outputs
 
     engine.step = recording_step  # type: ignore[method-assign]
-    engine_thread = EngineThread(engine, session).start()
+    engine_thread = EngineThread(engine, session, slo=jobs.template.slo if jobs is not None else None).start()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     for name, path in (adapters or {}).items():
         engine.lora_manager.register(name, path)
-    app = create_app(engine_thread, MODEL, adapters, runtime_lora, finetune_name)
+    app = create_app(engine_thread, MODEL, adapters, runtime_lora, finetune_name, jobs)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

@@ -198,3 +198,19 @@ def test_the_top_level_help_names_every_command_with_what_it_does(capsys: pytest
     assert set(COMMANDS) == {"generate", "finetune", "demo", "bench-http", "serve", "bench"}
     for name in COMMANDS:
         assert HELP[name] and f"{name} {' '.join(HELP[name].split()[:3])}" in text, name
+
+
+def test_finetune_jobs_take_the_finetuning_flags_and_never_calibrate(tmp_path: Path) -> None:
+    from coserve.server.serve_cli import jobs_config
+
+    assert jobs_config(parse("--model", "tiny")) is None
+    jobs = jobs_config(parse("--finetune-jobs", str(tmp_path / "j"), "--lora-rank", "4", "--epochs", "2",
+                             "--lr", "1e-3", "--latency-state", "s.json", "--tpot-slo-ms", "40"))
+    assert jobs is not None and (tmp_path / "j" / "jobs").is_dir()
+    t = jobs.template
+    assert (t.lora.rank, t.coserve.epochs, t.optim.lr, t.calibrate, t.latency_state) == (4, 2, 1e-3, False, Path("s.json"))
+    assert t.slo.tpot_slo_s == pytest.approx(0.04) and jobs.latency_path == tmp_path / "j" / "latency_state.json"
+    # beside --finetune-data's run, which calibrates as before
+    args = parse("--finetune-jobs", str(tmp_path / "j"), "--finetune-data", "d.jsonl", "--output", str(tmp_path / "o"))
+    spec = serve_spec(args)
+    assert spec is not None and spec.calibrate and jobs_config(args) is not None

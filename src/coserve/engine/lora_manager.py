@@ -55,6 +55,11 @@ class LoRAManager:
             raise ValueError(f"adapter name {name!r} is already in use")
         self._bound[name] = slot
 
+    def unbind_training_slot(self, name: str) -> None:
+        """Stop serving a training slot under ``name`` (:meth:`bind_training_slot`); KeyError if it
+        is not bound. A sequence admitted under it keeps reading the slot until it finishes."""
+        del self._bound[name]
+
     def register(self, name: str, path: str | Path, adapter: LoraAdapter | None = None) -> None:
         """Read and validate the adapter at ``path`` under ``name`` (or take ``adapter``, read
         from there by :meth:`load` elsewhere); raises AdapterError/ValueError. (A name bound to a

@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, cast
 
 from fastapi import FastAPI, Request
@@ -27,11 +28,14 @@ from prometheus_client.registry import Collector
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
+from coserve.core.finetune import FTDataset, load_dataset
 from coserve.engine.outputs import RequestOutput
 from coserve.engine.sampling_params import SamplingParams
 from coserve.engine.sequence import LoRARequest
 from coserve.server.engine_thread import EngineDeadError, EngineThread, RequestHandle
-from coserve.server.finetune_jobs import FinetuneJob, add_finetune_job_routes
+from coserve.server.files import FileStore, add_file_routes
+from coserve.server.finetune_jobs import add_finetune_job_routes
+from coserve.server.job_board import JobBoard, JobsConfig
 from coserve.server.progress import RequestCounts
 from coserve.server.protocol import (
     ChatChoice,
@@ -536,18 +540,32 @@ class _Api:
         return StreamingResponse(events(), media_type="text/event-stream")
 
 
+def _dataset_loader(engine_thread: EngineThread, jobs: JobsConfig) -> Callable[[Path], FTDataset]:
+    """``load_dataset`` as ``--finetune-data`` reads a file: the engine's tokenizer, the server's
+    ``--max-seq-len`` and ``--train-on-prompt`` (what a job trained on the file will read)."""
+    engine, cfg = engine_thread.engine, jobs.template.coserve
+    tokenizer = engine.tokenizer
+    if tokenizer is None:
+        raise ValueError("--finetune-jobs needs the model's tokenizer")
+    vocab = min(tokenizer.vocab_size, engine.model_config.vocab_size)
+    return lambda path: load_dataset(path, tokenizer, max_seq_len=cfg.max_seq_len,
+                                     train_on_prompt=cfg.train_on_prompt, vocab_size=vocab)
+
+
 def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str, str] | None = None,
-               runtime_lora: bool = False, finetune_name: str | None = None) -> FastAPI:
+               runtime_lora: bool = False, finetune_name: str | None = None,
+               jobs: JobsConfig | None = None) -> FastAPI:
     """The API app for ``engine_thread`` (started by the caller), serving ``model_name`` and each of
     ``adapters`` (model name -> PEFT directory) on it; with ``runtime_lora`` adapters can be
     loaded and unloaded while it serves (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``).
     A co-serving engine thread's run is the fine-tuning job of ``/v1/fine_tuning/jobs``, its adapter
-    served as ``finetune_name`` (when given)."""
+    served as ``finetune_name`` (when given); with ``jobs`` clients upload data (``/v1/files``) and
+    create jobs, each one's adapter served, once trained, under its ``fine_tuned_model`` name."""
     app = FastAPI(title="coserve", docs_url=None, redoc_url=None)
     api = _Api(engine_thread, model_name, adapters, runtime_lora)
     app.state.api = api
     endpoints = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/v1/load_lora_adapter",
-                 "/v1/unload_lora_adapter", "/v1/fine_tuning/jobs"}
+                 "/v1/unload_lora_adapter", "/v1/fine_tuning/jobs", "/v1/files"}
 
     @app.middleware("http")
     async def count(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
@@ -585,7 +603,18 @@ def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str,
     app.post("/v1/load_lora_adapter", response_model=None)(api.load_adapter)
     app.post("/v1/unload_lora_adapter", response_model=None)(api.unload_adapter)
 
-    add_finetune_job_routes(app, engine_thread, FinetuneJob.of(engine_thread, model_name, finetune_name))
+    files = None if jobs is None else FileStore(jobs.root / "files", _dataset_loader(engine_thread, jobs))
+
+    def serve_adapter(name: str, path: str) -> None:
+        """(the loop thread) Serve the adapter at ``path`` as ``name``, read and checked now."""
+        engine_thread.engine.lora_manager.register(name, path)
+        # NOTE: a new dict, not a change to the one the event loop may be iterating (/v1/models)
+        api.adapters = {**api.adapters, name: LoRARequest(name, path)}
+
+    board = JobBoard(engine_thread, model_name, files, jobs, serve_adapter, finetune_name)
+    app.state.jobs = board
+    add_file_routes(app, files)
+    add_finetune_job_routes(app, board)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -25,6 +25,7 @@ from coserve.engine.sampling_params import SamplingParams
 from coserve.engine.sequence import LoRARequest
 
 if TYPE_CHECKING:
+    from coserve.core.config import SLOConfig
     from coserve.core.coserver import CoServer
     from coserve.server.finetune import FinetuneSession
 
@@ -88,6 +89,7 @@ class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
     coserving: bool = False
+    ft_job: str | None = None  # the fine-tuning job the ft_ figures are of (FinetuneSession.job_id)
     ft_tokens_trained: int = 0
     ft_optimizer_steps: int = 0
     ft_loss: float | None = None  # of the last optimizer step
@@ -111,6 +113,10 @@ class EngineStats:
     @property
     def ft_failed(self) -> bool:
         return self.ft_failure is not None
+
+
+def _session_stats(session: FinetuneSession) -> dict[str, Any]:
+    return {"ft_job": session.job_id, **_finetune_stats(session.coserver)}
 
 
 def _finetune_stats(coserver: CoServer) -> dict[str, Any]:
@@ -146,14 +152,15 @@ def _settle(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], result
 
 
 class EngineThread:
-    """Owns an :class:`LLMEngine` (and optionally a :class:`FinetuneSession`) and steps it.
+    """Owns an :class:`LLMEngine` (and, one at a time, :class:`FinetuneSession` s) and steps it.
 
     Contract: :meth:`submit` and :meth:`abort` may be called from any thread; everything else
     that touches the engine happens on the loop thread. Errors raised by ``add_request``
     (``InvalidRequestError``, ``AdapterError``: both ``ValueError``) go to that request's
     handle and the loop keeps running. With a session, FT-only steps fill idle time; an HTTP
     arrival interrupts one at the next layer (``engine.external_arrivals``); when the session
-    is done its adapter is exported, the session closed, and serving continues.
+    is done its adapter is exported, the session closed, and serving continues; then
+    :meth:`start_session` may attach the next one.
     """
 
     def __init__(
@@ -161,15 +168,22 @@ class EngineThread:
         engine: LLMEngine,
         session: FinetuneSession | None = None,
         idle_wait_s: float = 0.02,
+        slo: SLOConfig | None = None,
     ) -> None:
         self.engine = engine
         self.session = session
         self.idle_wait_s = idle_wait_s
         # (a resumed session's counts from the start: rates over the first interval start there)
         self.stats = EngineStats(coserving=session is not None,
-                                 **(_finetune_stats(session.coserver) if session is not None else {}))
+                                 **(_session_stats(session) if session is not None else {}))
         # the SLOs that co-serving keeps (None: inference only), for the server's metrics
-        self.slo = session.spec.slo if session is not None else None
+        self.slo = session.spec.slo if session is not None else slo
+        # each ended session's last figures, by job id (written by the loop thread only)
+        self.ended: dict[str, EngineStats] = {}
+        # called on the loop thread when a session has ended and exported its adapter, before
+        # its figures are published (the server serves the adapter from then on)
+        # (it returns the figures to publish: the job's outcome may change there)
+        self.on_session_end: Callable[[FinetuneSession, EngineStats], EngineStats] | None = None
         self._inbox: deque[_Submission] = deque()
         self._aborts: deque[str] = deque()
         self._calls: deque[tuple[Callable[[LLMEngine], Any], asyncio.AbstractEventLoop, asyncio.Future[Any]]] = deque()
@@ -233,11 +247,28 @@ class EngineThread:
             self._aborts.append(request_id)
             self._cond.notify()
 
-    async def cancel_finetuning(self) -> bool:
+    async def start_session(self, session: FinetuneSession) -> None:
+        """Co-serve ``session`` (built off the loop with ``attach=False``): its engine mutations
+        (:meth:`FinetuneSession.attach`) run on the loop thread between two steps, and the
+        published fine-tuning figures restart at the session's. RuntimeError while another runs."""
+        def start(engine: LLMEngine) -> None:
+            if self.session is not None:
+                raise RuntimeError(f"fine-tuning job {self.session.job_id} is running")
+            session.attach()
+            self.session = session
+            sched = engine.scheduler
+            self.stats = EngineStats(num_running=len(sched.running), num_waiting=len(sched.waiting),
+                                     coserving=True, **_session_stats(session))
+            self.slo = session.spec.slo
+
+        await self.call(start)
+
+    async def cancel_finetuning(self, job_id: str | None = None) -> bool:
         """Stop fine-tuning between two steps: the last committed optimizer step is exported, the
-        session closed, and serving goes on. False when no fine-tuning is running."""
+        session closed, and serving goes on. False when no fine-tuning is running (or not
+        ``job_id``'s, when given)."""
         def cancel(_: LLMEngine) -> bool:
-            if self.session is None:
+            if self.session is None or job_id not in (None, self.session.job_id):
                 return False
             self._finish_session(self.session)
             return True
@@ -346,8 +377,15 @@ class EngineThread:
         finally:
             session.close()
             self.session = None
-        self.stats = replace(self.stats, coserving=True, adapter_path=path, ft_outcome=outcome,
-                             ft_finished_at=time.time(), **_finetune_stats(coserver))
+        final = replace(self.stats, coserving=True, adapter_path=path, ft_outcome=outcome,
+                        ft_finished_at=time.time(), **_session_stats(session))
+        if self.on_session_end is not None:
+            try:
+                final = self.on_session_end(session, final)
+            except Exception:
+                logger.exception("after fine-tuning job %s ended", session.job_id)
+        self.ended[session.job_id] = final
+        self.stats = final
 
     def _publish(self) -> None:
         sched = self.engine.scheduler

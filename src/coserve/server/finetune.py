@@ -7,6 +7,7 @@ import logging
 import math
 import shutil
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -71,7 +72,12 @@ class FinetuneSession:
             raise ValueError(f"trainer_warmup must be auto, on or off, got {mode!r}")
         return mode == "on" or (mode == "auto" and self.engine.runner.device.type == "cuda")
 
-    def __init__(self, engine: LLMEngine, spec: FinetuneSpec) -> None:
+    def __init__(self, engine: LLMEngine, spec: FinetuneSpec, *, job_id: str | None = None,
+                 attach: bool = True) -> None:
+        """Read the dataset, allocate the activation store and start the trainer (seconds: the
+        heavy part, which touches no engine state a step reads, so that a serving engine's
+        ``EngineThread`` can run it in a worker thread); then, with ``attach``, :meth:`attach`.
+        ``job_id`` names the run as a fine-tuning job (default: a new ``ftjob-...``)."""
         if engine.tokenizer is None:
             raise ValueError("fine-tuning needs the model's tokenizer (skip_tokenizer_init is set)")
         if engine.config.num_training_slots < 1:
@@ -81,6 +87,7 @@ class FinetuneSession:
                              f"{engine.config.max_lora_rank}")
         self.engine = engine
         self.spec = spec
+        self.job_id = job_id or f"ftjob-{uuid.uuid4().hex[:24]}"
         try:  # (before anything starts: the trainer process would outlive a late failure)
             spec.output.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -111,6 +118,7 @@ class FinetuneSession:
         self.pool = SamplePool(self.dataset.samples, epochs=cfg.epochs, seed=cfg.seed, shuffle=cfg.shuffle,
                                window=cfg.candidate_window)
         adapter = self._initial_adapter()
+        self._adapter_targets = tuple(adapter.weights)
         model = engine.model
         # Two regions let the next task of an optimizer step be captured during the backward of
         # the previous one (same adapter weights); with one task per step there is nothing to overlap.
@@ -125,8 +133,6 @@ class FinetuneSession:
             below_normal=engine.stream is not None,
             warmup_rows=warmup_rows(cfg.backward_tokens, cfg.max_seq_len) if self._trainer_warms_up() else (),
         )
-        # the trainer writes the adapter's targets into its slot, and nothing else
-        engine.declare_training_adapter(engine.lora_manager.training_slot(0), adapter.weights)
         self.coserver = CoServer(
             pool=self.pool, samples={s.sample_id: s for s in self.dataset.samples}, store=self.store,
             trainer=self.trainer, config=cfg, optim=optim, slo=spec.slo, latency=latency,
@@ -140,6 +146,18 @@ class FinetuneSession:
             self._log_path.write_text("")
         self.coserver.lora_dropout = spec.lora.dropout
         self.coserver.dropout_seed = cfg.seed
+        self._write_run_config()
+        self.started = time.monotonic()
+        if attach:
+            self.attach()
+
+    def attach(self) -> None:
+        """Co-serve: the engine mutations of the run, for the engine's own thread (between two
+        steps, once it serves): the training slot's targets declared, the co-server attached,
+        and, with ``spec.calibrate`` (and no ``latency_state``), the calibration sweep."""
+        engine, spec = self.engine, self.spec
+        # the trainer writes the adapter's targets into its slot, and nothing else
+        engine.declare_training_adapter(engine.lora_manager.training_slot(0), self._adapter_targets)
         engine.attach(self.coserver, 0)
         if spec.latency_state is not None:
             logger.info("latency model loaded from %s", spec.latency_state)
@@ -148,7 +166,6 @@ class FinetuneSession:
             n = engine.calibrate()
             logger.info("latency model calibrated on %d batches in %.1fs", n, time.perf_counter() - t)
             (spec.output / "latency_state.json").write_text(json.dumps(self.coserver.latency.state_dict()))
-        self._write_run_config()
         self.started = time.monotonic()
 
     def dataset_line(self) -> str:

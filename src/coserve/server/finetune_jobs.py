@@ -1,13 +1,11 @@
-"""The co-serving run as an OpenAI fine-tuning job: ``/v1/fine_tuning/jobs`` (list, retrieve,
-events, cancel), so that the ``openai`` client and scripts written for it can watch and stop the
-fine-tuning ``coserve serve --finetune-data`` runs.
+"""Co-serving runs as OpenAI fine-tuning jobs: ``/v1/fine_tuning/jobs`` (create, list, retrieve,
+events, cancel), so that the ``openai`` client and scripts written for it can start, watch and
+stop the fine-tuning ``coserve serve`` runs: the one it was started with (``--finetune-data``)
+and, with ``--finetune-jobs DIR``, those clients create (:mod:`coserve.server.job_board`).
 
-One server runs one job: the one it was started with. Creating a job through the API is refused
-with a 400 that says so (the dataset, the trainer and the latency model are set up at start-up).
-
-A job's figures come from the engine loop's published :class:`EngineStats`; its events are the
-run's ``train_log.jsonl`` (one line per optimizer step, on disk: they outlive the session),
-newest first as OpenAI lists them.
+A job's figures come from the engine loop's published :class:`EngineStats` (an ended job's are
+kept); its events are the run's ``train_log.jsonl`` (one line per optimizer step, on disk: they
+outlive the session), newest first as OpenAI lists them.
 """
 
 from __future__ import annotations
@@ -16,21 +14,25 @@ import asyncio
 import json
 import math
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, HTTPException, Query
 
 from coserve.server.engine_thread import EngineStats, EngineThread
+from coserve.server.protocol import CreateJobRequest
+
+if TYPE_CHECKING:
+    from coserve.server.job_board import JobBoard
 
 OBJECT = "fine_tuning.job"
 
 
 @dataclass(frozen=True)
 class FinetuneJob:
-    """What a job says that does not change while it runs (read from the session at start-up)."""
+    """What a job says that does not change while it runs (read from the session at start-up,
+    or from the create request)."""
 
     id: str
     created_at: int
@@ -42,6 +44,11 @@ class FinetuneJob:
     total_steps: int
     seed: int
     fine_tuned_model: str | None  # the name the trained adapter is served under (--finetune-name)
+    learning_rate_multiplier: float | None = None
+    suffix: str | None = None
+    # the adapter is served under fine_tuned_model while it trains (--finetune-name); else only
+    # once the job has succeeded or was cancelled (as OpenAI's: null until then)
+    live: bool = True
 
     @classmethod
     def of(cls, engine_thread: EngineThread, model: str, fine_tuned_model: str | None) -> FinetuneJob | None:
@@ -49,15 +56,18 @@ class FinetuneJob:
         if session is None:
             return None
         spec = session.spec
-        return cls(f"ftjob-{uuid.uuid4().hex[:24]}", int(time.time()), model, str(spec.data),
+        return cls(session.job_id, int(time.time()), model, str(spec.data),
                    spec.output / "train_log.jsonl", spec.coserve.epochs, session.optim.lr, session.optim.total_steps,
                    spec.coserve.seed, fine_tuned_model)
 
 
-def job_object(job: FinetuneJob, s: EngineStats, now: float | None = None) -> dict[str, Any]:
-    """The OpenAI ``fine_tuning.job`` of ``job`` at ``s`` (coserve's own figures under ``coserve``)."""
+def job_object(job: FinetuneJob, s: EngineStats, now: float | None = None,
+               status: str | None = None) -> dict[str, Any]:
+    """The OpenAI ``fine_tuning.job`` of ``job`` at ``s`` (coserve's own figures under ``coserve``);
+    ``status`` overrides the one of ``s`` (``validating_files`` while the job is set up)."""
     now = time.time() if now is None else now
-    status = s.ft_outcome or "running"
+    status = status or s.ft_outcome or "running"
+    served = job.live or (s.ft_outcome in ("succeeded", "cancelled") and s.adapter_path is not None)
     estimated_finish = None
     if status == "running" and 0 < s.ft_samples_retired < s.ft_samples_total:
         rate = s.ft_samples_retired / max(now - job.created_at, 1e-9)
@@ -68,10 +78,12 @@ def job_object(job: FinetuneJob, s: EngineStats, now: float | None = None) -> di
     return {
         "object": OBJECT, "id": job.id, "created_at": job.created_at, "model": job.model,
         "organization_id": "coserve", "status": status, "error": error,
-        "fine_tuned_model": job.fine_tuned_model,
+        "fine_tuned_model": job.fine_tuned_model if served else None,
         "finished_at": int(s.ft_finished_at) if s.ft_finished_at is not None else None,
         "estimated_finish": estimated_finish,
-        "hyperparameters": {"n_epochs": job.n_epochs, "batch_size": "auto", "learning_rate_multiplier": None},
+        "hyperparameters": {"n_epochs": job.n_epochs, "batch_size": "auto",
+                            "learning_rate_multiplier": job.learning_rate_multiplier},
+        "user_provided_suffix": job.suffix,
         "method": {"type": "supervised"},
         "result_files": [str(s.adapter_path)] if s.adapter_path is not None else [],
         "seed": job.seed, "trained_tokens": s.ft_tokens_trained, "training_file": job.training_file,
@@ -139,34 +151,36 @@ def job_events(job: FinetuneJob, s: EngineStats) -> list[dict[str, Any]]:
     return events[::-1]
 
 
-def add_finetune_job_routes(app: FastAPI, engine_thread: EngineThread, job: FinetuneJob | None) -> None:
-    """``/v1/fine_tuning/jobs`` for ``job`` (None: a server that does not fine-tune lists none)."""
-
-    def find(job_id: str) -> FinetuneJob:
-        if job is None or job_id != job.id:
-            raise HTTPException(404, f"no fine-tuning job {job_id!r} on this server"
-                                     + (f"; its job is {job.id!r}" if job is not None else ""))
-        return job
+def add_finetune_job_routes(app: FastAPI, board: JobBoard) -> None:
+    """``/v1/fine_tuning/jobs`` over ``board`` (a server that does not fine-tune lists none)."""
+    def obj(job: FinetuneJob) -> dict[str, Any]:
+        return job_object(job, board.stats(job), status=board.status(job))
 
     @app.get("/v1/fine_tuning/jobs")
-    async def list_jobs() -> dict[str, Any]:
-        data = [] if job is None else [job_object(job, engine_thread.stats)]
-        return {"object": "list", "data": data, "has_more": False}
+    async def list_jobs(after: str | None = None, limit: int = Query(20, ge=1, le=1000)) -> dict[str, Any]:
+        jobs = board.newest_first()
+        if after is not None:
+            ids = [j.id for j in jobs]
+            if after not in ids:
+                raise HTTPException(400, f"after: no fine-tuning job {after!r} on this server")
+            jobs = jobs[ids.index(after) + 1:]
+        return {"object": "list", "data": [obj(j) for j in jobs[:limit]], "has_more": len(jobs) > limit}
 
-    @app.post("/v1/fine_tuning/jobs")
-    async def create_job() -> dict[str, Any]:
-        raise HTTPException(400, "this server runs the fine-tuning job it was started with (coserve serve "
-                                 "--finetune-data FILE --output DIR); jobs cannot be created through the API")
+    async def create_job(req: CreateJobRequest) -> dict[str, Any]:
+        return obj(board.create(req))
+
+    app.post("/v1/fine_tuning/jobs")(create_job)
 
     @app.get("/v1/fine_tuning/jobs/{job_id}")
     async def retrieve_job(job_id: str) -> dict[str, Any]:
-        return job_object(find(job_id), engine_thread.stats)
+        return obj(board.find(job_id))
 
     @app.get("/v1/fine_tuning/jobs/{job_id}/events")
     async def list_events(job_id: str, after: str | None = None,
                           limit: int = Query(20, ge=1, le=1000)) -> dict[str, Any]:
+        job = board.find(job_id)
         # (the train log grows by a line a step: read off the event loop)
-        events = await asyncio.to_thread(job_events, find(job_id), engine_thread.stats)
+        events = await asyncio.to_thread(job_events, job, board.stats(job))
         if after is not None:
             ids = [e["id"] for e in events]
             if after not in ids:
@@ -176,8 +190,7 @@ def add_finetune_job_routes(app: FastAPI, engine_thread: EngineThread, job: Fine
 
     @app.post("/v1/fine_tuning/jobs/{job_id}/cancel")
     async def cancel_job(job_id: str) -> dict[str, Any]:
-        found = find(job_id)
-        if engine_thread.stats.ft_outcome is None:
-            await engine_thread.cancel_finetuning()
+        job = board.find(job_id)
+        await board.cancel(job)
         # (one that has ended already comes back as it ended, as OpenAI's does)
-        return job_object(found, engine_thread.stats)
+        return obj(board.jobs[job_id])

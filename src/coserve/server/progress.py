@@ -59,6 +59,8 @@ def progress_line(prev: Snapshot, cur: Snapshot) -> str | None:
     request answered, running or waiting, and no optimizer step of a fine-tuning still on)."""
     dt = max(cur.time - prev.time, 1e-9)
     s, p = cur.stats, prev.stats
+    if p.ft_job != s.ft_job:  # (a new job's figures start at zero)
+        p = EngineStats(coserving=True, ft_job=s.ft_job)
     served = cur.requests.served - prev.requests.served
     finetuning = s.coserving and s.ft_outcome is None
     if not (served or s.num_running or s.num_waiting or (finetuning and s.ft_optimizer_steps > p.ft_optimizer_steps)):
@@ -125,7 +127,8 @@ class ProgressReporter:
             raise ValueError(f"--log-stats-interval must be >= 0 seconds, got {interval_s:g}")
         self.read, self.interval_s, self.write, self.tick_s = read, interval_s, write, tick_s
         self._last = read()
-        self._ended = self._last.stats.ft_outcome is not None
+        # the jobs whose end was said (each job's end is said once)
+        self._ended: set[str | None] = {self._last.stats.ft_job} if self._last.stats.ft_outcome is not None else set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -154,8 +157,8 @@ class ProgressReporter:
         self._say_end(stats, serving=False)
 
     def _say_end(self, s: EngineStats, serving: bool = True) -> None:
-        if s.coserving and not self._ended and s.ft_outcome is not None:
-            self._ended = True
+        if s.coserving and s.ft_outcome is not None and s.ft_job not in self._ended:
+            self._ended.add(s.ft_job)
             self.write(finished_line(s, serving))
 
     def _run(self) -> None:

@@ -254,4 +254,44 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+# ---------------------------------------------------------------------- fine-tuning jobs
+
+
+class Hyperparameters(BaseModel):
+    """A fine-tuning job's ``hyperparameters`` (unknown ones refused)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    n_epochs: Literal["auto"] | int = "auto"  # (auto: the server's --epochs)
+    learning_rate_multiplier: Literal["auto"] | float = "auto"  # times the server's --lr
+    batch_size: Literal["auto"] | int = "auto"
+
+
+class CreateJobRequest(BaseModel):
+    """OpenAI's ``POST /v1/fine_tuning/jobs`` body (supervised fine-tuning of a LoRA adapter)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    training_file: str
+    hyperparameters: Hyperparameters | None = None
+    suffix: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    seed: int | None = None
+    validation_file: str | None = None
+    method: dict[str, Any] | None = None
+    integrations: list[Any] | None = None
+    metadata: dict[str, str] | None = None
+
+    def resolved_hyperparameters(self) -> Hyperparameters:
+        """``hyperparameters``, or ``method.supervised.hyperparameters`` (newer clients send those)."""
+        if self.method is not None:
+            kind = self.method.get("type", "supervised")
+            if kind != "supervised":
+                raise ValueError(f"method.type: coserve fine-tunes supervised only, got {kind!r}")
+            nested = (self.method.get("supervised") or {}).get("hyperparameters")
+            if nested is not None and self.hyperparameters is None:
+                return Hyperparameters.model_validate(nested)
+        return self.hyperparameters or Hyperparameters()
+
+
 # ---------------------------------------------------------------------- metrics

@@ -3,6 +3,7 @@
     coserve serve --model tiny --host 127.0.0.1 --port 8000
     coserve serve --model tiny --lora-modules support=adapters/support sql=adapters/sql
     coserve serve --model tiny --finetune-data data.jsonl --output out/ --backward-tokens 128
+    coserve serve --model tiny --finetune-jobs jobs/ --epochs 3    # clients create jobs (/v1/files, /v1/fine_tuning/jobs)
 
 ``--lora-modules NAME=PEFT_DIR`` serves each adapter under its own model name (the vLLM flag): a
 request whose ``model`` is NAME runs with it; every adapter is read and checked at start-up. With
@@ -10,7 +11,10 @@ request whose ``model`` is NAME runs with it; every adapter is read and checked 
 
 With ``--finetune-data`` the engine co-serves: fine-tuning rows fill the batches' spare room
 and idle time; when the dataset's epochs are done (or at Ctrl-C) the adapter is exported to
-``OUTPUT/adapter`` and the server keeps serving (or stops).
+``OUTPUT/adapter`` and the server keeps serving (or stops). With ``--finetune-jobs DIR`` clients
+upload datasets and create fine-tuning jobs through the OpenAI API, one at a time, each trained
+with the fine-tuning flags' settings (the request's epochs, learning-rate multiplier and seed
+aside) and served, once trained, under its ``fine_tuned_model`` name.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from coserve.server.cli import (
 
 if TYPE_CHECKING:
     from coserve.server.finetune import FinetuneSpec
+    from coserve.server.job_board import JobsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +80,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     group.add_argument("--trainer-sm-share", type=int, default=None,
                        help="the trainer's share of the GPU's SMs under CUDA MPS, 1-100 (default: no limit): "
                             "a share keeps decode steps beside the backward steadier, at some FT throughput")
+    group.add_argument("--finetune-jobs", type=Path, default=None, metavar="DIR",
+                       help="let clients create fine-tuning jobs through the OpenAI API (POST /v1/files, then "
+                            "/v1/fine_tuning/jobs), one at a time, beside --finetune-data's or alone: uploads go "
+                            "to DIR/files, each job's adapter, checkpoint and train log to DIR/jobs/ID, and its "
+                            "adapter is served as its fine_tuned_model once trained. Jobs train with these "
+                            "flags' settings (the request's n_epochs, learning_rate_multiplier x --lr and seed "
+                            "aside; --lora-rank is the largest rank, the engine reserves it). A job does not run "
+                            "the calibration sweep: its latency model starts from --latency-state if given, else "
+                            "from DIR/latency_state.json that the last job left, else from the default (slow) "
+                            "coefficients, which learn online")
     group.add_argument("--finetune-name", default=None, metavar="NAME",
                        help="also serve the adapter being fine-tuned, under this model name: requests "
                             "naming it run with the trainer's latest optimizer step (and, once training "
@@ -119,6 +134,24 @@ def serve_spec(args: argparse.Namespace) -> FinetuneSpec | None:
                    latency_state=args.latency_state, trainer_sm_share=args.trainer_sm_share)
 
 
+def jobs_config(args: argparse.Namespace) -> JobsConfig | None:
+    """``--finetune-jobs DIR``: the settings every job starts from (None: clients create none)."""
+    from coserve.server.job_board import JobsConfig
+
+    if args.finetune_jobs is None:
+        return None
+    if args.trainer_sm_share is not None and not 0 < args.trainer_sm_share <= 100:
+        raise ValueError(f"--trainer-sm-share must be in (0, 100], got {args.trainer_sm_share}")
+    flags = argparse.Namespace(**{**vars(args), "data": args.data or "", "output": args.output or ""})
+    template = replace(finetune_spec(flags), slo=slo_config(args), calibrate=False, latency_state=args.latency_state,
+                       trainer_sm_share=args.trainer_sm_share, resume=False)
+    try:
+        (args.finetune_jobs / "jobs").mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--finetune-jobs {args.finetune_jobs}: cannot create it: {e.strerror or e}") from e
+    return JobsConfig(args.finetune_jobs, template)
+
+
 @command("serve", add_serve_args, "the OpenAI-compatible HTTP server; with --finetune-data it fine-tunes "
          "while it serves, within the latency SLOs")
 def serve(args: argparse.Namespace) -> int:
@@ -136,16 +169,19 @@ def serve(args: argparse.Namespace) -> int:
     if args.log_stats_interval < 0:  # (before the model loads)
         raise ValueError(f"--log-stats-interval must be >= 0 seconds, got {args.log_stats_interval:g}")
     spec = serve_spec(args)
+    jobs = jobs_config(args)
     name = args.served_model_name or args.model
     adapters = lora_modules(args.lora_modules, name)
     live = args.finetune_name if spec is not None else None
     if live is not None and live in (name, *adapters):
         raise ValueError(f"--finetune-name {live!r} is already the name of the base model or of an adapter")
     kwargs = engine_kwargs(args)
-    if spec is not None:
-        kwargs["max_lora_rank"] = max(int(kwargs["max_lora_rank"]), spec.lora.rank)  # type: ignore[call-overload]
+    for s in (spec, jobs.template if jobs is not None else None):
+        if s is not None:
+            kwargs["max_lora_rank"] = max(int(kwargs["max_lora_rank"]), s.lora.rank)  # type: ignore[call-overload]
     print(f"coserve: loading {args.model!r}", flush=True)
-    engine = LLMEngine(EngineConfig(model=args.model, num_training_slots=1 if spec is not None else 0,
+    trains = spec is not None or jobs is not None
+    engine = LLMEngine(EngineConfig(model=args.model, num_training_slots=1 if trains else 0,
                                     **kwargs))  # type: ignore[arg-type]
     for adapter, path in adapters.items():  # read and checked now: a bad one stops the start, not a request
         engine.lora_manager.register(adapter, path)
@@ -159,8 +195,9 @@ def serve(args: argparse.Namespace) -> int:
                   "machine (--latency-state OUTPUT/latency_state.json skips the calibration next time)", flush=True)
         session = FinetuneSession(engine, spec)
         print(f"coserve: {session.dataset_line()}", flush=True)
-    engine_thread = EngineThread(engine, session).start()
-    app = create_app(engine_thread, name, adapters, runtime_lora=args.allow_runtime_lora, finetune_name=live)
+    engine_thread = EngineThread(engine, session, slo=jobs.template.slo if jobs is not None else None).start()
+    app = create_app(engine_thread, name, adapters, runtime_lora=args.allow_runtime_lora, finetune_name=live,
+                     jobs=jobs)
     freeze_startup_objects("server")
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level=str(args.log_level).lower(), access_log=False))
@@ -169,6 +206,8 @@ def serve(args: argparse.Namespace) -> int:
     coserve_note = "" if spec is None else (
         f", fine-tuning on {args.data} (policy {spec.slo.policy}, TTFT <= {spec.slo.ttft_slo_s * 1e3:g} ms, "
         f"TPOT <= {spec.slo.tpot_slo_s * 1e3:g} ms)")
+    if jobs is not None:
+        coserve_note += f"; fine-tuning jobs through the API in {jobs.root}"
     adapters_note = f" and adapters {', '.join(map(repr, adapters))}" if adapters else ""
     print(f"coserve: serving {name!r}{adapters_note} at {url}{coserve_note}", flush=True)
     reporter = ProgressReporter(snapshot_reader(lambda: engine_thread.stats, app.state.api.metrics.counts),

@@ -1,0 +1,112 @@
+"""OpenAI's Files API for fine-tuning data: ``POST /v1/files`` (multipart ``file`` and
+``purpose="fine-tune"``), ``GET /v1/files``, ``GET /v1/files/{id}``.
+
+An upload is kept only if the dataset loader of ``--finetune-data`` reads at least one usable
+row from it (run in a worker thread, never on the event loop); malformed rows are counted in
+the file object's ``coserve`` field, as ``coserve finetune`` skips them. Files live in
+``DIR/files`` (``<id>.jsonl`` or ``.json`` and the file object as ``<id>.meta.json``), so a
+restarted server lists them again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import FastAPI, File, Form, HTTPException, UploadFile
+
+from coserve.core.finetune import DatasetError, FTDataset
+
+logger = logging.getLogger(__name__)
+
+NO_FILES = "the Files API needs a directory for uploads: start the server with --finetune-jobs DIR"
+
+
+class FileStore:
+    """The uploaded fine-tuning files of ``root`` (``DIR/files``), by id."""
+
+    def __init__(self, root: Path, load: Callable[[Path], FTDataset]) -> None:
+        self.root = root
+        self.load = load  # the dataset loader jobs use (the engine's tokenizer, the server's --max-seq-len)
+        root.mkdir(parents=True, exist_ok=True)
+        self.files: dict[str, dict[str, Any]] = {}
+        for meta in sorted(root.glob("*.meta.json"), key=lambda p: p.stat().st_mtime):
+            try:
+                obj = json.loads(meta.read_text())
+                self.files[obj["id"]] = obj
+            except (OSError, ValueError, KeyError) as e:
+                logger.warning("%s: not a file object, skipped: %s", meta, e)
+
+    def path(self, file_id: str) -> Path:
+        """The data of file ``file_id``; KeyError when there is none."""
+        return self.root / self.files[file_id]["coserve"]["stored_as"]
+
+    def get(self, file_id: str) -> dict[str, Any]:
+        obj = self.files.get(file_id)
+        if obj is None:
+            raise HTTPException(404, f"no file {file_id!r} on this server (POST /v1/files uploads one; "
+                                     "GET /v1/files lists them)")
+        return obj
+
+    def add(self, filename: str, data: bytes) -> dict[str, Any]:
+        """Store ``data`` if it holds a usable row (blocking: call it off the event loop);
+        ValueError (DatasetError) saying why not: the first malformed rows' lines and reasons."""
+        file_id = f"file-{uuid.uuid4().hex[:24]}"
+        suffix = ".json" if filename.lower().endswith(".json") else ".jsonl"
+        path = self.root / f"{file_id}{suffix}"
+        path.write_bytes(data)
+        try:
+            dataset = self.load(path)
+        except DatasetError as e:
+            path.unlink()
+            raise ValueError(f"{filename}: {str(e).removeprefix(f'{path}: ')}") from e
+        except BaseException:
+            path.unlink()
+            raise
+        stats = dataset.stats
+        skipped = dataset.skipped
+        obj = {
+            "id": file_id, "object": "file", "bytes": len(data), "created_at": int(time.time()),
+            "filename": filename, "purpose": "fine-tune", "status": "processed", "status_details": None,
+            "coserve": {
+                "stored_as": path.name, "rows": stats.num_rows, "samples": stats.num_samples,
+                "malformed_rows": stats.num_skipped, "tokens": stats.num_tokens,
+                "first_malformed": {"line": skipped[0].line, "reason": skipped[0].reason} if skipped else None,
+            },
+        }
+        (self.root / f"{file_id}.meta.json").write_text(json.dumps(obj))
+        self.files[file_id] = obj
+        return obj
+
+
+def add_file_routes(app: FastAPI, store: FileStore | None) -> None:
+    """The Files API over ``store`` (None: a server without --finetune-jobs answers 404 saying so)."""
+
+    def files() -> FileStore:
+        if store is None:
+            raise HTTPException(404, NO_FILES)
+        return store
+
+    @app.post("/v1/files")
+    async def upload(file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()]) -> dict[str, Any]:
+        s = files()
+        if purpose != "fine-tune":
+            raise HTTPException(400, f"purpose: this server takes fine-tuning data only ('fine-tune'), got {purpose!r}")
+        data = await file.read()
+        # (the loader tokenizes every row: seconds for a large file)
+        return await asyncio.to_thread(s.add, file.filename or "upload.jsonl", data)
+
+    @app.get("/v1/files")
+    async def list_files() -> dict[str, Any]:
+        data = sorted(files().files.values(), key=lambda f: f["created_at"], reverse=True)
+        return {"object": "list", "data": data, "has_more": False}
+
+    @app.get("/v1/files/{file_id}")
+    async def retrieve(file_id: str) -> dict[str, Any]:
+        return files().get(file_id)

@@ -1,0 +1,218 @@
+"""The server's fine-tuning jobs: the one it was started with (``--finetune-data``) and those
+clients create through ``POST /v1/fine_tuning/jobs`` (``--finetune-jobs DIR``), one at a time.
+
+A created job is set up off the event loop and off the engine's loop (dataset, activation
+store, trainer process: seconds, in a worker thread), then attached between two steps
+(:meth:`EngineThread.start_session`). It does not calibrate the latency model: it starts from
+``--latency-state``, else from ``DIR/latency_state.json`` that an earlier job left, else from
+the default coefficients, which learn online. When a job ends its adapter is exported to
+``DIR/jobs/<id>/adapter`` and (succeeded or cancelled) served as its ``fine_tuned_model``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from fastapi import HTTPException
+
+from coserve.server.engine_thread import EngineStats, EngineThread
+from coserve.server.files import FileStore
+from coserve.server.finetune import FinetuneSession, FinetuneSpec
+from coserve.server.finetune_jobs import FinetuneJob
+from coserve.server.protocol import CreateJobRequest
+
+logger = logging.getLogger(__name__)
+
+NO_JOBS = ("this server runs only the fine-tuning job it was started with (if any); jobs cannot be created "
+           "through the API unless the server is started with --finetune-jobs DIR")
+# outcomes whose exported adapter is served under the job's fine_tuned_model name
+SERVED_OUTCOMES = ("succeeded", "cancelled")
+
+
+@dataclass(frozen=True)
+class JobsConfig:
+    """``--finetune-jobs DIR``: uploads in ``root/files``, each job's run in ``root/jobs/<id>``;
+    ``template``: the server's fine-tuning flags, which every job starts from."""
+
+    root: Path
+    template: FinetuneSpec
+
+    @property
+    def latency_path(self) -> Path:
+        return self.root / "latency_state.json"
+
+
+class JobBoard:
+    """Every job of this server's life, newest first, and the one that runs (at most one).
+
+    Lives on the event loop, except :meth:`session_ended`, the engine thread's hook (loop thread).
+    """
+
+    def __init__(self, engine_thread: EngineThread, model: str, files: FileStore | None,
+                 config: JobsConfig | None, serve_adapter: Callable[[str, str], None],
+                 startup_name: str | None = None) -> None:
+        self.et = engine_thread
+        self.model = model
+        self.files = files
+        self.config = config
+        self.serve_adapter = serve_adapter  # (loop thread) serve the adapter at a path under a model name
+        self.jobs: dict[str, FinetuneJob] = {}  # oldest first
+        self.setting_up: dict[str, asyncio.Task[None]] = {}
+        self.cancel_asked: set[str] = set()
+        self.unstarted: dict[str, EngineStats] = {}  # how a job ended that never ran (its set-up failed)
+        startup = FinetuneJob.of(engine_thread, model, startup_name)
+        if startup is not None:
+            self.jobs[startup.id] = startup
+        engine_thread.on_session_end = self.session_ended
+
+    # ------------------------------------------------------------------ reading
+
+    def newest_first(self) -> list[FinetuneJob]:
+        return list(self.jobs.values())[::-1]
+
+    def find(self, job_id: str) -> FinetuneJob:
+        job = self.jobs.get(job_id)
+        if job is None:
+            known = ", ".join(repr(j) for j in list(self.jobs)[::-1][:5])
+            raise HTTPException(404, f"no fine-tuning job {job_id!r} on this server"
+                                     + (f"; its jobs: {known}" if known else ""))
+        return job
+
+    def stats(self, job: FinetuneJob) -> EngineStats:
+        """The figures of ``job``: its last ones once it has ended, the engine thread's while it
+        runs, none while it is being set up."""
+        ended = self.et.ended.get(job.id) or self.unstarted.get(job.id)
+        if ended is not None:
+            return ended
+        s = self.et.stats
+        if s.ft_job == job.id:  # (one that has ended is in `ended` before its figures are published)
+            return s
+        return EngineStats(coserving=True, ft_job=job.id)
+
+    def status(self, job: FinetuneJob) -> str | None:
+        """``validating_files`` while set up (None: the figures' status)."""
+        return "validating_files" if job.id in self.setting_up else None
+
+    def running(self) -> FinetuneJob | None:
+        """The job being set up or trained, if any."""
+        for job_id in self.setting_up:
+            return self.jobs[job_id]
+        session = self.et.session
+        return self.jobs.get(session.job_id) if session is not None else None
+
+    # ------------------------------------------------------------------ creating and cancelling
+
+    def create(self, req: CreateJobRequest) -> FinetuneJob:
+        """Check ``req``, register the job and start its set-up (400/404/409 saying what is wrong)."""
+        if self.config is None or self.files is None:
+            raise HTTPException(400, NO_JOBS)
+        if req.model != self.model:
+            raise HTTPException(400, f"model: this server fine-tunes its base model {self.model!r}, not {req.model!r}")
+        if req.validation_file is not None:
+            raise HTTPException(400, "validation_file: not supported (coserve finetune --eval-data scores a "
+                                     "held-out set offline)")
+        if req.integrations:
+            raise HTTPException(400, "integrations: not supported")
+        hp = req.resolved_hyperparameters()
+        if hp.batch_size != "auto":
+            raise HTTPException(400, "hyperparameters.batch_size: coserve batches by tokens, not samples (the "
+                                     "server's --backward-tokens per backward task, --grad-accum tasks per "
+                                     "optimizer step): send 'auto'")
+        if hp.n_epochs != "auto" and not 1 <= hp.n_epochs <= 1000:
+            raise HTTPException(400, f"hyperparameters.n_epochs must be in [1, 1000], got {hp.n_epochs}")
+        if hp.learning_rate_multiplier != "auto" and not 0 < hp.learning_rate_multiplier <= 100:
+            raise HTTPException(400, "hyperparameters.learning_rate_multiplier must be in (0, 100], got "
+                                     f"{hp.learning_rate_multiplier}")
+        data = self.files.path(self.files.get(req.training_file)["id"])
+        running = self.running()
+        if running is not None:
+            raise HTTPException(409, f"fine-tuning job {running.id!r} is running and this server runs one job at "
+                                     f"a time: wait for it to end or cancel it (POST /v1/fine_tuning/jobs/"
+                                     f"{running.id}/cancel)")
+        job_id = f"ftjob-{uuid.uuid4().hex[:24]}"
+        t = self.config.template
+        mult = 1.0 if hp.learning_rate_multiplier == "auto" else float(hp.learning_rate_multiplier)
+        epochs = t.coserve.epochs if hp.n_epochs == "auto" else int(hp.n_epochs)
+        seed = t.coserve.seed if req.seed is None else req.seed
+        latency = t.latency_state
+        if latency is None and self.config.latency_path.is_file():
+            latency = self.config.latency_path
+        output = self.config.root / "jobs" / job_id
+        spec = replace(t, data=data, output=output, optim=replace(t.optim, lr=t.optim.lr * mult),
+                       coserve=replace(t.coserve, epochs=epochs, seed=seed), calibrate=False,
+                       latency_state=latency, resume=False)
+        name = f"ft:{self.model}:coserve:{req.suffix + ':' if req.suffix else ''}{job_id}"
+        job = FinetuneJob(job_id, int(time.time()), self.model, req.training_file, output / "train_log.jsonl",
+                          epochs, spec.optim.lr, 0, seed, name, learning_rate_multiplier=mult, suffix=req.suffix,
+                          live=False)
+        self.jobs[job_id] = job
+        self.setting_up[job_id] = asyncio.get_running_loop().create_task(self._start(job, spec))
+        logger.info("fine-tuning job %s created: %s, %d epochs, lr %g", job_id, data, epochs, spec.optim.lr)
+        return job
+
+    async def _start(self, job: FinetuneJob, spec: FinetuneSpec) -> None:
+        session: FinetuneSession | None = None
+        try:
+            session = await asyncio.to_thread(FinetuneSession, self.et.engine, spec, job_id=job.id, attach=False)
+            self.jobs[job.id] = replace(job, total_steps=session.optim.total_steps, learning_rate=session.optim.lr)
+            if job.id in self.cancel_asked:
+                await asyncio.to_thread(session.close)
+                self._never_ran(job, "cancelled")
+                return
+            await self.et.start_session(session)
+        except Exception as e:
+            logger.exception("fine-tuning job %s could not start", job.id)
+            if session is not None:
+                await asyncio.to_thread(session.close)
+            self._never_ran(job, "failed", f"setting up the job: {e}")
+        finally:
+            del self.setting_up[job.id]
+
+    def _never_ran(self, job: FinetuneJob, outcome: str, failure: str | None = None) -> None:
+        self.unstarted[job.id] = EngineStats(coserving=True, ft_job=job.id, ft_outcome=outcome,
+                                             ft_failure=failure, ft_finished_at=time.time())
+
+    async def cancel(self, job: FinetuneJob) -> None:
+        """Stop ``job`` (one being set up once its set-up is done); one that has ended stays as it ended."""
+        task = self.setting_up.get(job.id)
+        if task is not None:
+            self.cancel_asked.add(job.id)
+            await asyncio.shield(task)
+        await self.et.cancel_finetuning(job.id)
+
+    # ------------------------------------------------------------------ the engine thread's hook
+
+    def session_ended(self, session: FinetuneSession, final: EngineStats) -> EngineStats:
+        """(loop thread, between two steps) A session has ended and exported its adapter: serve it
+        under the job's name and keep the latency model for the next job; returns the job's figures."""
+        job = self.jobs.get(session.job_id)
+        if self.config is not None:
+            tmp = self.config.latency_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(session.coserver.latency.state_dict()))
+            tmp.replace(self.config.latency_path)
+        path = final.adapter_path
+        if job is None or job.fine_tuned_model is None or path is None:
+            return final
+        if job.live:
+            # NOTE: the training slot serves the name until here; the next job will write that slot,
+            # so the name moves to the exported adapter (only where a next job can come)
+            if self.config is not None:
+                self.et.engine.lora_manager.unbind_training_slot(job.fine_tuned_model)
+                self.serve_adapter(job.fine_tuned_model, str(path))
+            return final
+        if final.ft_outcome not in SERVED_OUTCOMES:
+            return final
+        try:
+            self.serve_adapter(job.fine_tuned_model, str(path))
+        except Exception as e:
+            logger.exception("serving the adapter of job %s failed", job.id)
+            return replace(final, ft_outcome="failed", ft_failure=f"the trained adapter could not be served: {e}")
+        logger.info("fine-tuning job %s %s: serving %r from %s", job.id, final.ft_outcome, job.fine_tuned_model, path)
+        return final

@@ -1,0 +1,136 @@
+"""Fine-tuning jobs created through the API (``coserve serve --finetune-jobs DIR``), end to end:
+the ``openai`` client uploads a dataset, creates a job, watches it succeed and chats with its
+adapter, while the server keeps answering; then a second job, and one that fails."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig
+from coserve.core.finetune import load_dataset
+from coserve.engine.config import EngineConfig
+from coserve.engine.llm_engine import LLMEngine
+from coserve.server.finetune import FinetuneSpec
+from coserve.server.job_board import JobsConfig
+from tests.server.test_api import DATA, MODEL, Served, http, serve
+
+ROWS = DATA.read_text().splitlines()[:8]
+TEMPLATE = FinetuneSpec(data=Path(""), output=Path(""), lora=LoRAConfig(rank=8, alpha=16), optim=OptimConfig(lr=1e-3),
+                        coserve=CoServeConfig(backward_tokens=32, max_seq_len=64), trainer_threads=1, save_every=0)
+
+
+def wait_for(s: Served, job_id: str, statuses: tuple[str, ...], timeout: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout
+    while (status := s.client.fine_tuning.jobs.retrieve(job_id).status) not in statuses:
+        assert time.monotonic() < deadline, f"job {job_id} still {status}"
+        time.sleep(0.1)
+    return status
+
+
+def ask(s: Served, model: str) -> str:
+    r = s.client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Where is the candle?"}],
+                                         max_tokens=4, temperature=0)
+    return r.choices[0].message.content or ""
+
+
+def test_clients_upload_data_create_jobs_and_chat_with_their_adapters(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import coserve.server.finetune as finetune
+
+    def slow_load(*args: object, **kwargs: object) -> object:  # a set-up that takes a while, as a big one does
+        time.sleep(1.0)
+        return load_dataset(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(finetune, "load_dataset", slow_load)
+    engine = LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8))
+    with serve(engine, jobs=JobsConfig(tmp_path, TEMPLATE)) as s:
+        jobs = s.client.fine_tuning.jobs
+        # the Files API: malformed rows counted, a file with no usable row refused with the first reasons
+        data = "\n".join([*ROWS, '{"instruction": "no output"}', "not json"]) + "\n"
+        f = s.client.files.create(file=("facts.jsonl", data.encode()), purpose="fine-tune")
+        assert (f.object, f.purpose, f.filename, f.status) == ("file", "fine-tune", "facts.jsonl", "processed")
+        extra = f.coserve  # type: ignore[attr-defined]
+        assert (extra["rows"], extra["samples"], extra["malformed_rows"]) == (10, 8, 2)
+        assert extra["first_malformed"]["line"] == 9
+        with pytest.raises(openai.BadRequestError, match=r"bad.jsonl: no usable rows \(2 rows read\); line 1: "):
+            s.client.files.create(file=("bad.jsonl", b'{"output": "x"}\n[1, 2]\n'), purpose="fine-tune")
+        with pytest.raises(openai.BadRequestError, match="purpose"):
+            s.client.files.create(file=("facts.jsonl", data.encode()), purpose="assistants")
+        assert [x.id for x in s.client.files.list().data] == [f.id]
+        assert s.client.files.retrieve(f.id).bytes == len(data.encode())
+
+        # bad requests: each a 4xx that says what is wrong
+        with pytest.raises(openai.BadRequestError, match="its base model 'tiny'"):
+            jobs.create(model="gpt-4o-mini", training_file=f.id)
+        with pytest.raises(openai.NotFoundError, match="no file 'file-nope'"):
+            jobs.create(model=MODEL, training_file="file-nope")
+        with pytest.raises(openai.BadRequestError, match="batch_size: coserve batches by tokens"):
+            jobs.create(model=MODEL, training_file=f.id, hyperparameters={"batch_size": 4})
+        with pytest.raises(openai.BadRequestError, match="n_epochs"):
+            jobs.create(model=MODEL, training_file=f.id, hyperparameters={"n_epochs": "many"})
+        status, body = http(s.url + "/v1/fine_tuning/jobs", raw=b'{"model": "tiny", "training_file": ')
+        assert status == 400 and "JSON" in body["error"]["message"]
+        assert jobs.list().data == []
+
+        # a job: set up off the engine's loop (requests answered meanwhile), then trained
+        job = jobs.create(model=MODEL, training_file=f.id, suffix="facts", seed=3,
+                          hyperparameters={"n_epochs": 3, "learning_rate_multiplier": 2})
+        assert job.status in ("validating_files", "running") and job.fine_tuned_model is None
+        assert job.hyperparameters.n_epochs == 3 and job.seed == 3
+        answered_while_set_up = 0
+        while jobs.retrieve(job.id).status == "validating_files":
+            t = time.monotonic()
+            assert ask(s, MODEL)
+            assert time.monotonic() - t < 2.0
+            answered_while_set_up += 1
+        assert answered_while_set_up >= 1
+        with pytest.raises(openai.ConflictError, match=f"fine-tuning job '{job.id}' is running.*cancel"):
+            jobs.create(model=MODEL, training_file=f.id)
+        assert ask(s, MODEL), "answered while it trains"
+        assert wait_for(s, job.id, ("succeeded", "failed", "cancelled")) == "succeeded"
+        job = jobs.retrieve(job.id)
+        assert job.fine_tuned_model == f"ft:{MODEL}:coserve:facts:{job.id}"
+        assert job.trained_tokens is not None and job.trained_tokens > 0 and job.finished_at is not None
+        assert job.result_files == [str(tmp_path / "jobs" / job.id / "adapter")]
+        assert job.hyperparameters.learning_rate_multiplier == 2
+        events = jobs.list_events(job.id, limit=1000).data
+        assert events[0].message.startswith("The job has successfully completed")
+        assert any(e.type == "metrics" and e.message.startswith("Step 1/") for e in events)
+        assert (tmp_path / "latency_state.json").is_file(), "the next job starts from this job's latency model"
+        assert job.fine_tuned_model in [m.id for m in s.client.models.list().data]
+        answer = ask(s, job.fine_tuned_model)
+        assert answer
+
+        # a second job: its figures start at zero, the first's are kept and its adapter still served
+        second = jobs.create(model=MODEL, training_file=f.id, hyperparameters={"n_epochs": 1})
+        assert second.trained_tokens in (None, 0) and second.id != job.id
+        assert wait_for(s, second.id, ("succeeded", "failed", "cancelled")) == "succeeded"
+        listed = jobs.list().data
+        assert [j.id for j in listed] == [second.id, job.id]
+        assert listed[1].trained_tokens == job.trained_tokens
+        assert 0 < (listed[0].trained_tokens or 0) < (job.trained_tokens or 0)
+        assert listed[0].fine_tuned_model == f"ft:{MODEL}:coserve:{second.id}"
+        assert ask(s, job.fine_tuned_model) == answer
+
+        # a job that fails (its data gone before it is read) leaves serving and the adapters intact
+        (tmp_path / "files" / f.coserve["stored_as"]).unlink()  # type: ignore[attr-defined]
+        failing = jobs.create(model=MODEL, training_file=f.id)
+        assert wait_for(s, failing.id, ("succeeded", "failed", "cancelled")) == "failed"
+        failed = jobs.retrieve(failing.id)
+        assert failed.error is not None and "setting up the job" in failed.error.message
+        assert failed.fine_tuned_model is None
+        assert ask(s, job.fine_tuned_model) == answer and ask(s, MODEL)
+
+
+def test_without_finetune_jobs_the_routes_name_the_flag() -> None:
+    with serve(LLMEngine(EngineConfig(model=MODEL, device="cpu"))) as s:
+        with pytest.raises(openai.NotFoundError, match="--finetune-jobs DIR"):
+            s.client.files.create(file=("facts.jsonl", b"{}"), purpose="fine-tune")
+        with pytest.raises(openai.NotFoundError, match="--finetune-jobs DIR"):
+            s.client.files.list()
+        with pytest.raises(openai.BadRequestError, match="--finetune-jobs DIR"):
+            s.client.fine_tuning.jobs.create(model=MODEL, training_file="file-abc")
