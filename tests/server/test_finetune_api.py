@@ -4,7 +4,9 @@ adapter, while the server keeps answering; then a second job, and one that fails
 
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import openai
@@ -12,10 +14,11 @@ import pytest
 
 from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig
 from coserve.core.finetune import load_dataset
+from coserve.core.latency import LatencyModel
 from coserve.engine.config import EngineConfig
 from coserve.engine.llm_engine import LLMEngine
 from coserve.server.finetune import FinetuneSpec
-from coserve.server.job_board import JobsConfig
+from coserve.server.job_board import JobsConfig, prepare_latency
 from tests.server.test_api import DATA, MODEL, Served, http, serve
 
 ROWS = DATA.read_text().splitlines()[:8]
@@ -134,3 +137,21 @@ def test_without_finetune_jobs_the_routes_name_the_flag() -> None:
             s.client.files.list()
         with pytest.raises(openai.BadRequestError, match="--finetune-jobs DIR"):
             s.client.fine_tuning.jobs.create(model=MODEL, training_file="file-abc")
+
+
+def test_jobs_start_from_a_latency_model_calibrated_at_start_up(tmp_path: Path) -> None:
+    # (before the server serves: a job created later must not stall requests with the sweep)
+    engine = LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8))
+    config = JobsConfig(tmp_path / "jobs", TEMPLATE)
+    said = prepare_latency(config, engine, None, calibrate=True)
+    assert said.startswith("latency model calibrated for the jobs on") and config.latency_path.is_file()
+    state = json.loads(config.latency_path.read_text())
+    assert state != LatencyModel().state_dict(), "the sweep moved the coefficients"
+    LatencyModel().load_state_dict(state)  # what a job's FinetuneSpec.latency_state loads
+    # a later start finds it; --latency-state wins; --no-calibrate leaves the defaults
+    assert prepare_latency(config, engine, None, calibrate=True) == f"jobs start from {config.latency_path}"
+    given = JobsConfig(tmp_path / "given", replace(TEMPLATE, latency_state=config.latency_path))
+    assert prepare_latency(given, engine, None, calibrate=True).startswith("jobs start from --latency-state")
+    bare = JobsConfig(tmp_path / "bare", TEMPLATE)
+    assert "default latency coefficients" in prepare_latency(bare, engine, None, calibrate=False)
+    assert not given.latency_path.exists() and not bare.latency_path.exists()

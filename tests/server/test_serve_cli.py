@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -214,3 +219,28 @@ def test_finetune_jobs_take_the_finetuning_flags_and_never_calibrate(tmp_path: P
     args = parse("--finetune-jobs", str(tmp_path / "j"), "--finetune-data", "d.jsonl", "--output", str(tmp_path / "o"))
     spec = serve_spec(args)
     assert spec is not None and spec.calibrate and jobs_config(args) is not None
+
+
+def test_ctrl_c_stops_the_server_cleanly(tmp_path: Path) -> None:
+    # uvicorn raises the signal again after its graceful shutdown: a KeyboardInterrupt traceback
+    # (and a cancelled lifespan's) and exit status 130 after a clean stop, until serve_cli's Server
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from coserve.server.cli import main; sys.exit(main())",
+                             "serve", "--model", "tiny", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:  # until it serves
+        lines.append(line)
+        if "serving 'tiny' at" in line:
+            break
+    else:
+        pytest.fail("the server did not start: " + "".join(lines))
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, "".join(lines) + out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out

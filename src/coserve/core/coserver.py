@@ -20,7 +20,7 @@ from coserve.core.latency import (
     BatchSpec,
     LatencyModel,
     StepFeatures,
-    calibration_plan,
+    calibrate,
     trainer_phase,
 )
 from coserve.core.messages import BackwardTask, TaskResult, TaskSample, row_dropout_key
@@ -695,13 +695,8 @@ class CoServer:
         (``graph`` is dropped where this co-server's FT rows keep steps eager)."""
         if self.ft_rows_force_eager(ft_only=False):
             ft_modes = tuple(m for m in ft_modes if m != "graph") or ("eager",)
-        records = []
-        for spec in calibration_plan(max_tokens, max_decodes, max_kv, modes=modes, max_context=max_context,
-                                     ft_modes=ft_modes):
-            duration = min(run_batch(spec) for _ in range(repeats))
-            records.append(spec.record(duration))
-        self.latency.fit(records)
-        return len(records)
+        return calibrate(self.latency, run_batch, max_tokens=max_tokens, max_decodes=max_decodes, max_kv=max_kv,
+                         max_context=max_context, modes=modes, ft_modes=ft_modes, repeats=repeats)
 
     def close(self) -> None:
         if self._gc_clock is not None:

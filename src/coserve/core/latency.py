@@ -314,6 +314,23 @@ def calibration_plan(
     return specs
 
 
+def calibrate(
+    model: LatencyModel, run_batch: Callable[[BatchSpec], float], *, max_tokens: int, max_decodes: int,
+    max_kv: int, max_context: int | None = None, modes: Sequence[str] = ("eager",),
+    ft_modes: Sequence[str] = ("eager",), repeats: int = 2,
+) -> int:
+    """Hook 5: time :func:`calibration_plan`'s batches through the host's real path and fit
+    ``model``; returns the number of batches timed. ``run_batch`` runs one batch and returns its
+    duration in seconds; the fastest of ``repeats`` runs counts (the first warms up)."""
+    records = []
+    for spec in calibration_plan(max_tokens, max_decodes, max_kv, modes=modes, max_context=max_context,
+                                 ft_modes=ft_modes):
+        duration = min(run_batch(spec) for _ in range(repeats))
+        records.append(spec.record(duration))
+    model.fit(records)
+    return len(records)
+
+
 class ErrorStats(NamedTuple):
     """Relative error ``|T̂ − T| / T`` over ``n`` steps (quantiles interpolate linearly)."""
 

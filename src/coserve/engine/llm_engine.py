@@ -8,12 +8,13 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
 from coserve.core.coserver import CoServer
 from coserve.core.host import FTRow, Interrupted, PrefillView, StepRecord, StepView
-from coserve.core.latency import BatchSpec
+from coserve.core.latency import BatchSpec, LatencyModel, calibrate
 from coserve.engine.block_manager import BlockManager
 from coserve.engine.calibration import run_synthetic_batch
 from coserve.engine.config import EngineConfig
@@ -407,17 +408,22 @@ class LLMEngine:
         with self.on_stream():
             return warm_up(self)
 
-    def calibrate(self, repeats: int = 2) -> int:
-        """Fit the co-server's latency model on this engine's real step path (after warm-up)."""
-        if self.coserver is None:
-            raise RuntimeError("calibrate() needs an attached co-server")
+    def calibrate(self, repeats: int = 2, model: LatencyModel | None = None, ft_eager: bool = False) -> int:
+        """Fit the co-server's latency model on this engine's real step path (after warm-up); or,
+        with ``model``, that model without a co-server (a server that will start fine-tuning jobs
+        later: ``ft_eager`` where their FT rows will keep steps eager, see
+        :meth:`CoServer.ft_rows_force_eager`)."""
         cfg = self.config
-        max_kv = self.block_manager.num_free_blocks * cfg.block_size // 2
-        return self.coserver.calibrate(
-            self.run_batch, max_tokens=cfg.max_num_batched_tokens, max_decodes=min(cfg.max_num_seqs, 64),
-            max_kv=max_kv, max_context=self.max_model_len - 1, repeats=repeats,
-            modes=("graph", "eager") if self.runner.graphs is not None else ("eager",),
-            ft_modes=("graph", "eager") if self.runner.ft_graph_tokens else ("eager",))
+        kwargs: dict[str, Any] = dict(
+            max_tokens=cfg.max_num_batched_tokens, max_decodes=min(cfg.max_num_seqs, 64),
+            max_kv=self.block_manager.num_free_blocks * cfg.block_size // 2, max_context=self.max_model_len - 1,
+            repeats=repeats, modes=("graph", "eager") if self.runner.graphs is not None else ("eager",),
+            ft_modes=("graph", "eager") if self.runner.ft_graph_tokens and not ft_eager else ("eager",))
+        if model is not None:
+            return calibrate(model, self.run_batch, **kwargs)
+        if self.coserver is None:
+            raise RuntimeError("calibrate() needs an attached co-server, or a model")
+        return self.coserver.calibrate(self.run_batch, **kwargs)
 
     def sync(self) -> None:
         if self.runner.device.type == "cuda":

@@ -4,8 +4,9 @@ clients create through ``POST /v1/fine_tuning/jobs`` (``--finetune-jobs DIR``), 
 A created job is set up off the event loop and off the engine's loop (dataset, activation
 store, trainer process: seconds, in a worker thread), then attached between two steps
 (:meth:`EngineThread.start_session`). It does not calibrate the latency model: it starts from
-``--latency-state``, else from ``DIR/latency_state.json`` that an earlier job left, else from
-the default coefficients, which learn online. When a job ends its adapter is exported to
+``--latency-state``, else from ``DIR/latency_state.json`` (calibrated at the server's start,
+:func:`prepare_latency`, and saved again by each job's end), else (``--no-calibrate``) from the
+default coefficients, which learn online. When a job ends its adapter is exported to
 ``DIR/jobs/<id>/adapter`` and (succeeded or cancelled) served as its ``fine_tuned_model``.
 """
 
@@ -22,6 +23,8 @@ from pathlib import Path
 
 from fastapi import HTTPException
 
+from coserve.core.latency import LatencyModel
+from coserve.engine.llm_engine import LLMEngine
 from coserve.server.engine_thread import EngineStats, EngineThread
 from coserve.server.files import FileStore
 from coserve.server.finetune import FinetuneSession, FinetuneSpec
@@ -47,6 +50,37 @@ class JobsConfig:
     @property
     def latency_path(self) -> Path:
         return self.root / "latency_state.json"
+
+
+def prepare_latency(config: JobsConfig, engine: LLMEngine, startup: FinetuneSession | None, calibrate: bool) -> str:
+    """Give the jobs of ``config`` a calibrated latency model at start-up, before the engine
+    serves (the sweep runs on the engine: seconds, which a job created while serving must not
+    cost): none where ``--latency-state`` names one or ``DIR/latency_state.json`` exists; the
+    start-up job's calibration where it ran one; else, with ``calibrate``, the sweep, saved to
+    ``DIR/latency_state.json``. Returns what was done, for the start-up message."""
+    target = config.latency_path
+    if config.template.latency_state is not None:
+        return f"jobs start from --latency-state {config.template.latency_state}"
+    if target.is_file():
+        return f"jobs start from {target}"
+    if startup is not None and (startup.spec.calibrate or startup.spec.latency_state is not None):
+        _write_state(target, startup.coserver.latency.state_dict())
+        return f"jobs start from the start-up run's latency model, saved to {target}"
+    if not calibrate:
+        return "jobs start from the default latency coefficients (--no-calibrate), which learn online"
+    t = time.perf_counter()
+    model = LatencyModel()
+    lora, co = config.template.lora, config.template.coserve
+    n = engine.calibrate(model=model, ft_eager=lora.dropout > 0 or co.save_mlp_activations)
+    _write_state(target, model.state_dict())
+    return f"latency model calibrated for the jobs on {n} batches in {time.perf_counter() - t:.1f}s, saved to {target}"
+
+
+def _write_state(path: Path, state: dict[str, object]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state))
+    tmp.replace(path)
 
 
 class JobBoard:
@@ -194,9 +228,7 @@ class JobBoard:
         under the job's name and keep the latency model for the next job; returns the job's figures."""
         job = self.jobs.get(session.job_id)
         if self.config is not None:
-            tmp = self.config.latency_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(session.coserver.latency.state_dict()))
-            tmp.replace(self.config.latency_path)
+            _write_state(self.config.latency_path, session.coserver.latency.state_dict())
         path = final.adapter_path
         if job is None or job.fine_tuned_model is None or path is None:
             return final

@@ -20,7 +20,9 @@ aside) and served, once trained, under its ``fine_tuned_model`` name.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -86,10 +88,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                             "to DIR/files, each job's adapter, checkpoint and train log to DIR/jobs/ID, and its "
                             "adapter is served as its fine_tuned_model once trained. Jobs train with these "
                             "flags' settings (the request's n_epochs, learning_rate_multiplier x --lr and seed "
-                            "aside; --lora-rank is the largest rank, the engine reserves it). A job does not run "
-                            "the calibration sweep: its latency model starts from --latency-state if given, else "
-                            "from DIR/latency_state.json that the last job left, else from the default (slow) "
-                            "coefficients, which learn online")
+                            "aside; --lora-rank is the largest rank, the engine reserves it). Jobs never run the "
+                            "latency model's calibration sweep while the server serves: it runs once at start-up "
+                            "into DIR/latency_state.json (not where --latency-state names a model, that file "
+                            "exists, or --no-calibrate: then the default coefficients, which learn online), and "
+                            "each job's end saves its refitted model there for the next")
     group.add_argument("--finetune-name", default=None, metavar="NAME",
                        help="also serve the adapter being fine-tuned, under this model name: requests "
                             "naming it run with the trainer's latest optimizer step (and, once training "
@@ -101,6 +104,27 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                        help="skip the latency model's calibration sweep at start-up (seconds of timed "
                             "batches; a calibration is saved to OUTPUT/latency_state.json): admission then "
                             "starts from default coefficients and learns online")
+
+
+def _server_class() -> type:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, less the signal it raises again once it has shut down gracefully
+        (uvicorn >= 0.29): raised inside the event loop, that signal made Ctrl-C print a
+        ``KeyboardInterrupt`` and a cancelled lifespan's traceback after a clean stop."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    captured = getattr(self, "_captured_signals", None)
+                    if isinstance(captured, list):
+                        captured.clear()
+
+    return Server
 
 
 def lora_modules(specs: list[str], base_name: str) -> dict[str, str]:
@@ -164,6 +188,7 @@ def serve(args: argparse.Namespace) -> int:
     from coserve.server.api import create_app
     from coserve.server.engine_thread import EngineThread
     from coserve.server.finetune import FinetuneSession
+    from coserve.server.job_board import prepare_latency
     from coserve.server.progress import ProgressReporter, snapshot_reader
 
     if args.log_stats_interval < 0:  # (before the model loads)
@@ -195,12 +220,18 @@ def serve(args: argparse.Namespace) -> int:
                   "machine (--latency-state OUTPUT/latency_state.json skips the calibration next time)", flush=True)
         session = FinetuneSession(engine, spec)
         print(f"coserve: {session.dataset_line()}", flush=True)
+    if jobs is not None:
+        if jobs.template.latency_state is None and not jobs.latency_path.is_file() and not args.no_calibrate \
+                and session is None:
+            print("coserve: calibrating the latency model for fine-tuning jobs on this machine (saved to "
+                  f"{jobs.latency_path}: later starts skip it)", flush=True)
+        print(f"coserve: {prepare_latency(jobs, engine, session, calibrate=not args.no_calibrate)}", flush=True)
     engine_thread = EngineThread(engine, session, slo=jobs.template.slo if jobs is not None else None).start()
     app = create_app(engine_thread, name, adapters, runtime_lora=args.allow_runtime_lora, finetune_name=live,
                      jobs=jobs)
     freeze_startup_objects("server")
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level=str(args.log_level).lower(), access_log=False))
+    server = _server_class()(uvicorn.Config(app, host=args.host, port=args.port,
+                                            log_level=str(args.log_level).lower(), access_log=False))
     url = f"http://{args.host}:{args.port}/v1"
     logger.info("serving %r at %s", name, url)
     coserve_note = "" if spec is None else (
