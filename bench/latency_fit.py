@@ -39,18 +39,35 @@ reports the relative error on the rest for:
 
 ``replay`` (per table, beside the per-key forms): the steps fed in their order, each predicted
 before it is observed, to a ``coserve.core.latency.LatencyModel`` started from the calibration
-that the recorded predictions imply (each set's first 10 predictions came from it before any
-refit: a least-squares solve recovers it), with the engine's buckets (``--graph-sizes``,
-``--prefill-buckets`` where the run used prefill graphs). Per recorded key, on the same held-out
-share as above: ``recorded`` (the server's predictions), and the model replayed as
-:data:`REPLAY_FORMS` configure it — ``before`` (one busy set, no level, no ``i_ctx``: the model
-the recorded run used; ``matches_recorded`` says how closely it reproduces the recorded
-predictions), ``phases`` (busy sets per trainer phase), ``level`` (each set's level),
-``context`` (the prefill sets' ``i_ctx``), ``after`` (all three: the model the server now runs).
-The trainer's phase comes from each step's ``trainer_at`` through
-``coserve.core.latency.trainer_phase``. A form without ``i_ctx`` is fed that regressor as 0: its
-coefficient stays at the calibration's, and a table recorded before the term was calibrated
-without it (0), so the prefill sets predict as the recorded model did.
+that the recorded predictions imply (:func:`recover`: each set's first 10 predictions came from it
+before any refit, scaled by the decode sets' level, whose value before each step the level's rule
+gives from the set's earlier predictions and times; a least-squares solve then recovers it, under
+the recorded level that reproduces them best), with the engine's buckets (``--graph-sizes``,
+``--prefill-buckets`` where the run used prefill graphs) and refits put off to the cap as
+``CoServer`` puts them off (``--immediate-refits``: as soon as due). Per recorded key, on the
+same held-out share as above: ``recorded`` (the server's predictions), and the model replayed as
+:data:`REPLAY_FORMS` configure it — ``before`` (one busy set, no level, no ``i_ctx``),
+``phases`` (busy sets per trainer phase), ``level`` (each set's level), ``context`` (the prefill
+sets' ``i_ctx``), ``after`` (all three: the model the server now runs); ``matches_recorded``
+per form: how closely it reproduces the recorded predictions (median and p99 of
+``|replayed − recorded| / recorded`` over the key's steps). On the eleven tables below, ``after``
+does to a median of 0.6–1.5e-6 (the table's six digits) and a p99 of at most 3.4e-3 on the busy
+decode set (before :func:`recover` divided the level out: 0.6–3.5×). The trainer's phase comes
+from each step's ``trainer_at`` through ``coserve.core.latency.trainer_phase``. A form without
+``i_ctx`` is fed that regressor as 0: its coefficient stays at the calibration's, and a table
+recorded before the term was calibrated without it (0), so the prefill sets predict as the
+recorded model did.
+
+``decode_forms`` (per table, decode sets): the decode sets replayed as ``replay``'s ``after`` and
+with their level or window changed (``latency_decode.DECODE_FORMS``, each from what is known
+before the step), each form's held-out error, and ``decode_forms_summary``: per form, on how many
+tables its held-out p99 is below ``after``'s, how many medians it raises over 3%, and whether it
+``wins`` (a lower p99 on every table and no median raised over 3%). On the eleven tables,
+``shared_level`` (one level over a key's busy phases) and ``shared_rate_0.3`` win; the model is
+unchanged: over all steps, not the held-out half, the shared level's p99 is higher on 4 of the
+11 (a phase not yet refitted, its busy term the running backward's, moves every phase's level;
+``bench/results/latency_h200/README.md``, "Offline after session 23: decode forms";
+``session23/latency_fit_decode.json.gz``, ``--out`` that file).
 
 ``prefill_forms`` (per table, prefill sets of tables with the ``chunks`` … ``enqueue_s`` columns,
 since session 20): the prefill set replayed online as ``replay``'s ``after`` (same calibration,
@@ -76,7 +93,8 @@ Forms (:data:`PREFILL_FORMS`), each known before the step runs:
 On the eleven H200 tables of sessions 20, 21 (``share50``, ``release``) and 23, no form's
 held-out p99 is below ``after``'s on every table (``context_tiles`` on 10, ``context_kv`` on 8,
 the others on 4 or fewer), and none brings any table's to 10%
-(``bench/results/latency_h200/session23/latency_fit_forms.json``; ``--out`` that file):
+(``bench/results/latency_h200/session23/latency_fit_forms.json``, written when refits ran as
+soon as due: ``--immediate-refits``; ``--out`` that file):
 
     python bench/latency_fit.py bench/results/latency_h200/session20/*.json.gz
         bench/results/latency_h200/session21/*share50*.json.gz
@@ -89,10 +107,13 @@ the others on 4 or fewer), and none brings any table's to 10%
 from __future__ import annotations
 
 import argparse
+import gzip
+import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -100,7 +121,10 @@ import torch
 from coserve.bench.provenance import provenance
 from coserve.bench.result_file import read_result
 from coserve.core.latency import (
+    DEFER_CAP,
     LEGACY_PREFILL_TERMS,
+    LEVEL_CLIP,
+    LEVEL_FORMS,
     LEVEL_RATE,
     TERMS,
     LatencyModel,
@@ -110,6 +134,19 @@ from coserve.core.latency import (
 )
 from coserve.core.nnls import fit_relative
 from coserve.trainer.stream_gate import boundary_kind
+
+
+def _beside(name: str) -> Any:
+    """The module ``name``.py beside this script (run as a script, or loaded from its path)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+        assert spec is not None and spec.loader is not None
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+latency_decode = _beside("latency_decode")
 
 
 def step_tables(result: dict[str, Any], config: str | None) -> dict[str, list[list[Any]]]:
@@ -291,56 +328,127 @@ REPLAY_FORMS: dict[str, dict[str, Any]] = {
 }
 CALIBRATED_STEPS = 10
 """A set's first refit comes after this many observations: its predictions until then are the
-calibration's."""
+calibration's (scaled by the set's level, where it carries one)."""
+RECORDED_MODELS: tuple[tuple[float, bool], ...] = ((0.0, False), (LEVEL_RATE, True), (LEVEL_RATE, False))
+"""The ``(level_rate, level per trainer phase)`` that :func:`recover` tries for the recorded
+server: no level (tables recorded before it), the level per busy set of each phase (since
+374eab1), one level for a key's busy steps."""
 
 
-def recovered_calibration(rows: list[list[Any]], model: LatencyModel) -> dict[str, list[float]]:
-    """``form/mode -> coefficients`` that reproduce each key's first :data:`CALIBRATED_STEPS`
-    recorded predictions (idle ones, else busy ones made before any busy term existed: the idle
-    set alone). A direction those steps leave unexcited gets 0 (the least-norm solution). Solved
-    in the recorded regressors: a table recorded before ``i_ctx`` came from a model without it,
-    whose prefill sets get ``i_ctx = 0`` (as ``LatencyModel.load_state_dict`` migrates them)."""
-    first: dict[str, list[list[Any]]] = {}
-    for key, predicted, _, vec, *_ in rows:
-        first.setdefault(key, []).append([predicted, model.bucketed(vec, key.rsplit("/", 1)[0])])
-    out: dict[str, list[float]] = {}
-    for key in sorted(first, key=lambda k: not k.endswith("/idle")):  # idle sets first
-        base = key.rsplit("/", 1)[0]
-        steps = first[key][:CALIBRATED_STEPS]
-        if base in out or len(steps) < 1:
-            continue
-        x = torch.tensor([s[1] for s in steps], dtype=torch.float64)
-        p = torch.tensor([s[0] for s in steps], dtype=torch.float64)
-        theta = torch.linalg.lstsq(x, p.unsqueeze(1), driver="gelsd").solution.squeeze(1).clamp(min=0).tolist()
-        legacy = base.startswith("prefill/") and len(theta) == len(LEGACY_PREFILL_TERMS)
-        out[base] = list(from_legacy_prefill(theta, 0.0)) if legacy else theta
-    return out
+class Recovery(NamedTuple):
+    """The recorded server's calibration and level, as :func:`recover` finds them."""
+
+    calibration: dict[str, list[float]]
+    level_rate: float
+    level_per_phase: bool
+    residual: float
+    """The largest relative residual of the solve over the steps it used (~1e-6: the table's
+    six significant digits)."""
 
 
-def replay(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
-           prefill_buckets: tuple[int, ...] | None) -> dict[str, Any]:
-    """Held-out error of the online model replayed step by step (module docstring, ``replay``)."""
-    def new_model(level_rate: float) -> LatencyModel:
-        model = LatencyModel(level_rate=level_rate)
-        model.graph_bucket = lambda n: int(_bucket(n, graph_sizes))
-        if prefill_buckets is not None:
-            model.prefill_bucket = lambda n: int(_bucket(n, prefill_buckets))
-        return model
-
-    steps = [r for r in rows if r[2] > 0]
-    calibration = recovered_calibration(steps, new_model(0.0))
-    state = {**LatencyModel().state_dict(), "coefficients": calibration, "calibration": calibration}
+def replay_phases(steps: list[list[Any]]) -> list[str]:
+    """Each step's trainer phase (``coserve.core.latency.trainer_phase``) from its ``trainer_at``
+    (``[key, predicted, measured, regressors, rows, trainer_at, ...]``) and the step before."""
     phases, previous = [], "starting"
-    for row in steps:  # [key, predicted, measured, regressors, rows, trainer_at, event_timed]
+    for row in steps:
         key, at = row[0], row[5] if len(row) > 5 else None
         if key.endswith("/busy"):
             previous = trainer_phase(None if at is None else tuple(at), previous)
         else:  # the trainer paused, or no task in flight (then a later one starts from scratch)
             previous = "starting" if at is None else trainer_phase(tuple(at), previous)
         phases.append(previous)
+    return phases
+
+
+def _solve_calibration(rows: list[list[Any]], phases: list[str], model: LatencyModel, level_rate: float,
+                       per_phase: bool) -> tuple[dict[str, list[float]], float]:
+    """:func:`recover` for one recorded model: each key's first :data:`CALIBRATED_STEPS`
+    predictions divided by the level they carried, then solved for the coefficients."""
+    first: dict[str, list[tuple[tuple[float, ...], float]]] = {}
+    level: dict[tuple[str, str], float] = {}
+    for (key, predicted, measured, vec, *_), phase in zip(rows, phases, strict=True):
+        base, busy = key.rsplit("/", 1)
+        seen = first.setdefault(key, [])
+        if len(seen) >= CALIBRATED_STEPS:
+            continue
+        linear = predicted
+        if level_rate > 0 and base.startswith(LEVEL_FORMS):
+            # the level's rule (LatencyModel.observe_regressors): its value before this step is
+            # known from the recorded predictions and times of the set's earlier steps alone
+            s = (base, (phase if per_phase else "active") if busy == "busy" else "idle")
+            now = level.get(s, 0.0)
+            linear = predicted * math.exp(-now)
+            if linear > 0:
+                step = min(max(math.log(measured / linear) - now, -LEVEL_CLIP), LEVEL_CLIP)
+                level[s] = now + level_rate * step
+        seen.append((model.bucketed(vec, base), linear))
+    out: dict[str, list[float]] = {}
+    residual = 0.0
+    for key in sorted(first, key=lambda k: not k.endswith("/idle")):  # idle sets first
+        base = key.rsplit("/", 1)[0]
+        if base in out or not first[key]:
+            continue
+        x = torch.tensor([s[0] for s in first[key]], dtype=torch.float64)
+        p = torch.tensor([s[1] for s in first[key]], dtype=torch.float64)
+        theta = torch.linalg.lstsq(x, p.unsqueeze(1), driver="gelsd").solution.squeeze(1).clamp(min=0)
+        residual = max(residual, float(((x @ theta - p).abs() / p.clamp(min=1e-12)).max()))
+        legacy = base.startswith("prefill/") and len(theta) == len(LEGACY_PREFILL_TERMS)
+        out[base] = list(from_legacy_prefill(theta.tolist(), 0.0)) if legacy else theta.tolist()
+    return out, residual
+
+
+def recover(rows: list[list[Any]], model: LatencyModel, phases: list[str] | None = None) -> Recovery:
+    """``form/mode -> coefficients`` that reproduce each key's first :data:`CALIBRATED_STEPS`
+    recorded predictions (idle ones, else busy ones made before any busy term existed: the idle
+    set alone), under the :data:`RECORDED_MODELS` level that reproduces them best. A decode set's
+    level had moved those predictions (session 23: solved without it, the calibration was off and
+    the replay 0.6–3.5× the recorded busy predictions); the level's rule gives its value before
+    each step from the set's earlier predictions and times, so each is divided by it first. A
+    direction those steps leave unexcited gets 0 (the least-norm solution). Solved in the
+    recorded regressors: a table recorded before ``i_ctx`` came from a model without it, whose
+    prefill sets get ``i_ctx = 0`` (as ``LatencyModel.load_state_dict`` migrates them)."""
+    phases = replay_phases(rows) if phases is None else phases
+    best: Recovery | None = None
+    for rate, per_phase in RECORDED_MODELS:
+        calibration, residual = _solve_calibration(rows, phases, model, rate, per_phase)
+        if best is None or residual < 0.5 * best.residual:  # (ties: the simpler model, first)
+            best = Recovery(calibration, rate, per_phase, residual)
+    assert best is not None
+    return best
+
+
+def recovered_calibration(rows: list[list[Any]], model: LatencyModel) -> dict[str, list[float]]:
+    """:func:`recover`'s calibration."""
+    return recover(rows, model).calibration
+
+
+def _configure(model: LatencyModel, graph_sizes: tuple[int, ...], prefill_buckets: tuple[int, ...] | None,
+               defer: bool) -> LatencyModel:
+    """``model`` with the engine's buckets; ``defer``: refits put off as ``CoServer`` puts them
+    off (``LatencyModel.defer_refits``), with no idle poll to run them, so at the cap."""
+    model.graph_bucket = lambda n: int(_bucket(n, graph_sizes))
+    if prefill_buckets is not None:
+        model.prefill_bucket = lambda n: int(_bucket(n, prefill_buckets))
+    model.defer_refits = defer
+    return model
+
+
+def _replay_model(graph_sizes: tuple[int, ...], prefill_buckets: tuple[int, ...] | None,
+                  level_rate: float = LEVEL_RATE, defer: bool = True) -> LatencyModel:
+    return _configure(LatencyModel(level_rate=level_rate), graph_sizes, prefill_buckets, defer)
+
+
+def replay(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
+           prefill_buckets: tuple[int, ...] | None, defer: bool = True) -> dict[str, Any]:
+    """Held-out error of the online model replayed step by step (module docstring, ``replay``)."""
+    steps = [r for r in rows if r[2] > 0]
+    phases = replay_phases(steps)
+    recovery = recover(steps, _replay_model(graph_sizes, prefill_buckets), phases)
+    calibration = recovery.calibration
+    state = {**LatencyModel().state_dict(), "coefficients": calibration, "calibration": calibration}
     predictions: dict[str, list[float]] = {}
     for form, options in REPLAY_FORMS.items():
-        model = new_model(options["level_rate"])
+        model = _replay_model(graph_sizes, prefill_buckets, options["level_rate"], defer)
         model.load_state_dict(state)
         out = []
         for (key, _, measured, vec, *_), phase in zip(steps, phases, strict=True):
@@ -351,7 +459,9 @@ def replay(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
                 v = [*v[:I_CTX], 0.0, *v[I_CTX + 1:]]
             out.append(model.observe_regressors(base, model.bucketed(v, base), measured, state_of))
         predictions[form] = out
-    report: dict[str, Any] = {"calibration": calibration}
+    report: dict[str, Any] = {"calibration": calibration, "recovery": {
+        "level_rate": recovery.level_rate, "level_per_phase": recovery.level_per_phase,
+        "residual": recovery.residual, "refits": "deferred" if defer else "immediate"}}
     for key in sorted({s[0] for s in steps}):
         idx = [i for i, s in enumerate(steps) if s[0] == key]
         held = idx[int(len(idx) * train):]
@@ -362,9 +472,12 @@ def replay(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
         entry: dict[str, Any] = {"held_out_steps": len(held), "recorded": _errors(recorded, y)}
         for form, pred in predictions.items():
             entry[form] = _errors(torch.tensor([pred[i] for i in held], dtype=torch.float64), y)
-        before = torch.tensor([predictions["before"][i] for i in idx], dtype=torch.float64)
         rec_all = torch.tensor([steps[i][1] for i in idx], dtype=torch.float64)
-        entry["matches_recorded"] = {"median_rel": float(((before - rec_all).abs() / rec_all).median())}
+        entry["matches_recorded"] = {}
+        for form, pred in predictions.items():
+            gap = (torch.tensor([pred[i] for i in idx], dtype=torch.float64) - rec_all).abs() / rec_all
+            entry["matches_recorded"][form] = {"median_rel": float(gap.median()),
+                                               "p99_rel": float(gap.quantile(0.99))}
         if key.endswith("/busy"):
             entry["by_phase"] = {}
             for name in sorted({phases[i] for i in held}):
@@ -389,14 +502,15 @@ HOST_BOUND = 0.7
 def _online(x: np.ndarray, y: np.ndarray, prior: list[float], model: LatencyModel,
             fitted: np.ndarray | None = None) -> np.ndarray:
     """Each step's prediction before it is observed by an idle set refitted as
-    ``LatencyModel.observe_regressors`` refits one (``model``'s window, schedule and prior weight;
-    ``prior``: the calibration), in any regressors ``x: [steps, k]``; ``fitted``: the steps its
-    refits use (all by default)."""
+    ``LatencyModel.observe_regressors`` refits one (``model``'s window, schedule, prior weight
+    and ``defer_refits``, with no idle poll: at the cap; ``prior``: the calibration), in any
+    regressors ``x: [steps, k]``; ``fitted``: the steps its refits use (all by default)."""
     coef, pred, unfitted = np.asarray(prior, np.float64), np.empty(len(y)), 0
+    cap = DEFER_CAP if model.defer_refits else 1
     for i in range(len(y)):
         pred[i] = x[i] @ coef
         lo, unfitted = max(0, i + 1 - model.window), unfitted + 1
-        if unfitted >= min(model.refit_every, max(10, (i + 1 - lo) // 4)):
+        if unfitted >= cap * min(model.refit_every, max(10, (i + 1 - lo) // 4)):
             keep = slice(None) if fitted is None else fitted[lo:i + 1]
             xs, ys = x[lo:i + 1][keep], y[lo:i + 1][keep]
             coef, unfitted = np.asarray(fit_relative(xs, ys, 1.0 / ys, prior, model.prior_weight)), 0
@@ -422,13 +536,10 @@ def _host_floor(x: np.ndarray, z: np.ndarray, y: np.ndarray, enqueue: np.ndarray
 
 
 def prefill_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
-                  prefill_buckets: tuple[int, ...] | None) -> dict[str, Any]:
+                  prefill_buckets: tuple[int, ...] | None, defer: bool = True) -> dict[str, Any]:
     """Held-out error of the prefill sets replayed online in :data:`PREFILL_FORMS` (module
     docstring, ``prefill_forms``); ``{}`` for a table without the chunk columns."""
-    model = LatencyModel()
-    model.graph_bucket = lambda n: int(_bucket(n, graph_sizes))
-    if prefill_buckets is not None:
-        model.prefill_bucket = lambda n: int(_bucket(n, prefill_buckets))
+    model = _replay_model(graph_sizes, prefill_buckets, defer=defer)
     steps = [r for r in rows if r[2] > 0]
     calibration = recovered_calibration(steps, model)
     out: dict[str, Any] = {}
@@ -468,6 +579,19 @@ def prefill_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, .
     return out
 
 
+def decode_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
+                 prefill_buckets: tuple[int, ...] | None, defer: bool = True) -> dict[str, Any]:
+    """Held-out error of the decode sets replayed online in ``latency_decode.DECODE_FORMS``
+    (module docstring, ``decode_forms``), from ``replay``'s calibration."""
+    steps = [r for r in rows if r[2] > 0]
+    phases = replay_phases(steps)
+    calibration = recover(steps, _replay_model(graph_sizes, prefill_buckets), phases).calibration
+    state = {**LatencyModel().state_dict(), "coefficients": calibration, "calibration": calibration}
+    return latency_decode.decode_forms(steps, phases, state, train,
+                                       lambda m: _configure(m, graph_sizes, prefill_buckets, defer),
+                                       current_regressors)
+
+
 def forms_summary(report: dict[str, Any]) -> dict[str, Any]:
     """Per :data:`PREFILL_FORMS` form, over every table's prefill sets: on how many its held-out
     p99 is below ``after``'s, and its largest held-out median (``after``'s beside it)."""
@@ -490,6 +614,9 @@ def main() -> None:
                    help="the engine's CUDA-graph batch sizes (for the bucket form)")
     p.add_argument("--prefill-buckets", default=",".join(map(str, PREFILL_BUCKETS)),
                    help="the engine's prefill graph buckets (replay, runs with prefill graphs)")
+    p.add_argument("--immediate-refits", action="store_true",
+                   help="replay with each set refitted as soon as due (a server without defer_refits, "
+                        "before e025b43); by default put off to the cap, as CoServer runs them")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not 0 < args.train < 1 or not 0 <= args.floor_quantile <= 1:
@@ -505,21 +632,30 @@ def main() -> None:
         graphs = bool(result.get("config", {}).get("prefill_graphs"))
         for name, rows in tables.items():
             entry = evaluate(rows, args.train, args.floor_quantile, graph_sizes)
-            entry["replay"] = replay(rows, args.train, graph_sizes, buckets if graphs else None)
-            entry["prefill_forms"] = prefill_forms(rows, args.train, graph_sizes, buckets if graphs else None)
+            pb = buckets if graphs else None
+            entry["replay"] = replay(rows, args.train, graph_sizes, pb, defer=not args.immediate_refits)
+            entry["prefill_forms"] = prefill_forms(rows, args.train, graph_sizes, pb, defer=not args.immediate_refits)
+            entry["decode_forms"] = decode_forms(rows, args.train, graph_sizes, pb, defer=not args.immediate_refits)
             report[f"{Path(path).name}:{name}"] = entry
     if any(e.get("prefill_forms") for e in report.values()):
         report["prefill_forms_summary"] = forms_summary(report)
+    if any(e.get("decode_forms") for e in report.values()):
+        report["decode_forms_summary"] = latency_decode.decode_summary(report)
     text = json.dumps(report, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)
     if args.out:
         # the analysis runs here on the CPU: its device is this machine's, its inputs the files
         record = {**provenance(), "config": {"results": args.results, "train": args.train,
                                              "floor_quantile": args.floor_quantile,
                                              "graph_sizes": args.graph_sizes,
-                                             "prefill_buckets": args.prefill_buckets},
+                                             "prefill_buckets": args.prefill_buckets,
+                                             "immediate_refits": args.immediate_refits},
                   "figures": report}
-        Path(args.out).write_text(json.dumps(record, indent=1, default=lambda v: None
-                                             if isinstance(v, float) and math.isnan(v) else v))
+        body = json.dumps(record, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)
+        if args.out.endswith(".gz"):
+            with gzip.open(args.out, "wt") as f:
+                f.write(body)
+        else:
+            Path(args.out).write_text(body)
     print(text)
 
 

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-spec = importlib.util.spec_from_file_location("latency_fit", Path(__file__).parents[2] / "bench" / "latency_fit.py")
+BENCH = Path(__file__).parents[2] / "bench"
+spec = importlib.util.spec_from_file_location("latency_fit", BENCH / "latency_fit.py")
 assert spec is not None and spec.loader is not None
 latency_fit = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(latency_fit)
@@ -156,15 +158,18 @@ def test_replay_recovers_the_calibration_and_the_trainer_phases_win() -> None:
              * rng.uniform(0.99, 1.01))
         predicted = server.observe_regressors("decode/graph", server.bucketed(vec, "decode/graph"), t, "active")
         rows.append(["decode/graph/busy", predicted, t, vec, [0, 0], [layer, 0]])
-    report = latency_fit.replay(rows, 0.5, latency_fit.GRAPH_SIZES, None)
+    # (a server that refits as soon as due: the commit's set, one step in 33, has its own term
+    # after 10 of its steps rather than 40)
+    report = latency_fit.replay(rows, 0.5, latency_fit.GRAPH_SIZES, None, defer=False)
     assert report["calibration"]["decode/graph"] == pytest.approx(calibration["decode/graph"], rel=1e-3)
     # the prefill steps excite the square, the tokens and the constant; the rest stays 0
     recovered = report["calibration"]["prefill/eager"]
     assert [recovered[i] for i in (0, 1, 6)] == pytest.approx([calibration["prefill/eager"][i] for i in (0, 1, 6)],
                                                              rel=1e-3)
     assert [recovered[i] for i in (2, 3, 4, 5)] == [0.0, 0.0, 0.0, 0.0]
+    assert report["recovery"]["level_rate"] == 0.0
     decode = report["decode/graph/busy"]
-    assert decode["matches_recorded"]["median_rel"] < 1e-6
+    assert decode["matches_recorded"]["before"]["median_rel"] < 1e-6
     assert decode["before"]["p99_rel"] == pytest.approx(decode["recorded"]["p99_rel"], rel=1e-6)
     assert decode["after"]["p99_rel"] < 0.03 < decode["before"]["p99_rel"]
     assert decode["by_phase"]["quiet"]["after"]["median_rel"] < 0.02
@@ -180,6 +185,7 @@ def test_a_table_recorded_before_i_ctx_is_replayed_with_the_context_constant() -
     old = [0.0, 3e-5, 0.0, 0.0, 2e-9, 5e-3]  # LEGACY_PREFILL_TERMS order
     server = LatencyModel()
     server.load_state_dict({"version": 1, "coefficients": {"prefill/graph": old}, "calibration": {"prefill/graph": old}})
+    server.defer_refits = True
     rng = random.Random(5)
     rows: list[list[object]] = []
     for _ in range(600):
@@ -195,7 +201,7 @@ def test_a_table_recorded_before_i_ctx_is_replayed_with_the_context_constant() -
     report = latency_fit.replay(rows, 0.5, latency_fit.GRAPH_SIZES, None)
     assert len(report["calibration"]["prefill/graph"]) == 7 and report["calibration"]["prefill/graph"][5] == 0.0
     got = report["prefill/graph/idle"]
-    assert got["matches_recorded"]["median_rel"] < 1e-6
+    assert got["matches_recorded"]["before"]["median_rel"] < 1e-6
     assert got["before"]["p99_rel"] == pytest.approx(got["recorded"]["p99_rel"], rel=1e-6)
     assert got["after"]["p99_rel"] < 0.03 < 0.1 < got["before"]["p99_rel"]
     assert got["context"] == got["after"]  # (no busy steps, no level on prefill sets)
@@ -249,3 +255,58 @@ def test_host_floor_prices_host_bound_small_steps() -> None:
 
     got = latency_fit.prefill_forms(_prefill_table(7, time_of), 0.5, latency_fit.GRAPH_SIZES, None)
     assert got["prefill/eager/idle"]["host_floor"]["p99_rel"] < 0.05 < got["prefill/eager/idle"]["after"]["p99_rel"]
+
+
+def _busy_decode_table(server: Any, seed: int) -> list[list[object]]:
+    """Busy graph decode steps that ``server`` predicted before observing each, their time
+    drifting ±12% every 40 steps (one backward task to the next), 35% slower beside the layers
+    than beside the commit (layer -1), 15% slower beside a task's start (-2)."""
+    rng = random.Random(seed)
+    rows: list[list[object]] = []
+    layer, drift = 31, 1.0
+    for i in range(1600):
+        if i % 40 == 0:
+            drift = rng.choice((0.88, 1.0, 1.12))
+        layer = layer - 1 if layer > -2 else 31
+        b, kv = rng.randint(1, 64), rng.randint(100, 60_000)
+        vec = [float(b), float(kv), 1.0]
+        slow = {-1: 0.0, -2: 0.15}.get(layer, 0.35)
+        t = ((1e-5 * latency_fit._bucket(b, latency_fit.GRAPH_SIZES) + 3e-8 * kv + 5e-3) * (1 + slow) * drift
+             * rng.uniform(0.99, 1.01))
+        at = [layer, 0]
+        phase = "quiet" if layer == -1 else "starting" if layer == -2 else "active"
+        predicted = server.observe_regressors("decode/graph", server.bucketed(vec, "decode/graph"), t, phase)
+        rows.append(["decode/graph/busy", predicted, t, vec, [0, 0], at])
+    return rows
+
+
+def test_replay_recovers_the_calibration_under_a_moving_level() -> None:
+    """A table written as the server writes it (a level per busy set of each trainer phase,
+    refits put off to the cap): its first predictions already carry the level, which the recovery
+    divides out by the level's rule. The replay then reproduces the recorded predictions
+    (``after``), and ``decode_forms``' ``after`` is the replay's."""
+    from coserve.core.latency import LEVEL_RATE, LatencyModel
+
+    calibration = {"decode/graph": [1e-5, 3e-8, 5e-3]}
+    server = LatencyModel()
+    server.load_state_dict({"version": 2, "coefficients": calibration, "calibration": calibration})
+    server.graph_bucket = lambda n: int(latency_fit._bucket(n, latency_fit.GRAPH_SIZES))
+    server.defer_refits = True
+    rows = _busy_decode_table(server, 8)
+    first = [r for r in rows[:10]]
+    assert any(abs(math.log(r[1] / (r[3][0] * 1e-5 + r[3][1] * 3e-8 + 5e-3))) > 0.05  # type: ignore[index, operator]
+               for r in first[1:] if r[3][0] in latency_fit.GRAPH_SIZES)  # the level moved them
+    report = latency_fit.replay(rows, 0.5, latency_fit.GRAPH_SIZES, None)
+    assert report["calibration"]["decode/graph"] == pytest.approx(calibration["decode/graph"], rel=1e-6)
+    assert report["recovery"]["level_rate"] == LEVEL_RATE and report["recovery"]["level_per_phase"]
+    decode = report["decode/graph/busy"]
+    assert decode["matches_recorded"]["after"]["p99_rel"] < 1e-9
+    assert decode["after"] == pytest.approx(decode["recorded"], rel=1e-9)
+    assert decode["matches_recorded"]["before"]["median_rel"] > 0.01  # (no level: another model)
+    forms = latency_fit.decode_forms(rows, 0.5, latency_fit.GRAPH_SIZES, None)["decode/graph/busy"]
+    assert forms["after"] == pytest.approx(decode["after"], rel=1e-9)
+    assert forms["shared_level"] != forms["after"]
+    summary = latency_fit.latency_decode.decode_summary({"t": {"decode_forms": {"decode/graph/busy": forms}}})
+    assert summary["sets"] == 1 and summary["baseline"] == "after"
+    assert set(summary) - {"sets", "baseline", "baseline_max_median_rel"} == set(
+        latency_fit.latency_decode.DECODE_FORMS) - {"after"}
