@@ -155,3 +155,42 @@ def test_jobs_start_from_a_latency_model_calibrated_at_start_up(tmp_path: Path) 
     bare = JobsConfig(tmp_path / "bare", TEMPLATE)
     assert "default latency coefficients" in prepare_latency(bare, engine, None, calibrate=False)
     assert not given.latency_path.exists() and not bare.latency_path.exists()
+
+
+def test_a_restarted_server_lists_its_jobs_and_serves_their_adapters(tmp_path: Path) -> None:
+    config = JobsConfig(tmp_path, TEMPLATE)
+    data = ("\n".join(ROWS) + "\n").encode()
+
+    def engine() -> LLMEngine:
+        return LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8))
+
+    with serve(engine(), jobs=config) as s:
+        f = s.client.files.create(file=("facts.jsonl", data), purpose="fine-tune")
+        job = s.client.fine_tuning.jobs.create(model=MODEL, training_file=f.id, suffix="kept",
+                                               hyperparameters={"n_epochs": 1})
+        assert wait_for(s, job.id, ("succeeded", "failed", "cancelled")) == "succeeded"
+        done = s.client.fine_tuning.jobs.retrieve(job.id)
+        answer = ask(s, done.fine_tuned_model or "")
+    # a job that was running when its server stopped (no outcome.json): failed, not served
+    crashed = "ftjob-crashed000000000000000000"
+    fields = json.loads((tmp_path / "jobs" / job.id / "job.json").read_text())
+    fields.update(id=crashed, created_at=fields["created_at"] + 1, fine_tuned_model=f"ft:{MODEL}:coserve:{crashed}",
+                  train_log=str(tmp_path / "jobs" / crashed / "train_log.jsonl"))
+    (tmp_path / "jobs" / crashed).mkdir()
+    (tmp_path / "jobs" / crashed / "job.json").write_text(json.dumps(fields))
+
+    with serve(engine(), jobs=config) as s:
+        listed = s.client.fine_tuning.jobs.list().data
+        assert [j.id for j in listed] == [crashed, job.id]
+        again = listed[1]
+        assert (again.status, again.fine_tuned_model, again.trained_tokens) == (
+            "succeeded", done.fine_tuned_model, done.trained_tokens)
+        assert again.result_files == done.result_files and again.finished_at == done.finished_at
+        assert ask(s, done.fine_tuned_model or "") == answer, "served again under its name"
+        assert done.fine_tuned_model in [m.id for m in s.client.models.list().data]
+        lost = listed[0]
+        assert lost.status == "failed" and lost.fine_tuned_model is None
+        assert lost.error is not None and "the server stopped while this job ran" in lost.error.message
+        assert [x.id for x in s.client.files.list().data] == [f.id]
+        assert s.client.fine_tuning.jobs.list_events(job.id, limit=1).data[0].message.startswith(
+            "The job has successfully completed")

@@ -18,7 +18,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from fastapi import HTTPException
@@ -64,7 +64,7 @@ def prepare_latency(config: JobsConfig, engine: LLMEngine, startup: FinetuneSess
     if target.is_file():
         return f"jobs start from {target}"
     if startup is not None and (startup.spec.calibrate or startup.spec.latency_state is not None):
-        _write_state(target, startup.coserver.latency.state_dict())
+        _write_json(target, startup.coserver.latency.state_dict())
         return f"jobs start from the start-up run's latency model, saved to {target}"
     if not calibrate:
         return "jobs start from the default latency coefficients (--no-calibrate), which learn online"
@@ -72,15 +72,36 @@ def prepare_latency(config: JobsConfig, engine: LLMEngine, startup: FinetuneSess
     model = LatencyModel()
     lora, co = config.template.lora, config.template.coserve
     n = engine.calibrate(model=model, ft_eager=lora.dropout > 0 or co.save_mlp_activations)
-    _write_state(target, model.state_dict())
+    _write_json(target, model.state_dict())
     return f"latency model calibrated for the jobs on {n} batches in {time.perf_counter() - t:.1f}s, saved to {target}"
 
 
-def _write_state(path: Path, state: dict[str, object]) -> None:
+def _write_json(path: Path, value: object) -> None:
+    """``value`` into ``path`` whole or not at all (a crash mid-write leaves the old file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state))
+    tmp.write_text(json.dumps(value))
     tmp.replace(path)
+
+
+OUTCOME_FIELDS = ("ft_outcome", "ft_finished_at", "ft_failure", "ft_tokens_trained", "ft_optimizer_steps", "ft_loss",
+                  "ft_first_loss", "ft_samples_retired", "ft_samples_total")
+"""The :class:`EngineStats` fields an ended job keeps across a restart (``outcome.json``), with its
+adapter's path."""
+
+
+def _read_outcome(path: Path, job_id: str) -> EngineStats:
+    """How job ``job_id`` ended (``outcome.json``); none there: it was running when the server
+    stopped (failed, its last checkpoint on disk)."""
+    try:
+        fields = json.loads(path.read_text())
+        adapter = fields.pop("adapter_path", None)
+        known = {k: fields[k] for k in OUTCOME_FIELDS if k in fields}
+        return EngineStats(coserving=True, ft_job=job_id, adapter_path=Path(adapter) if adapter else None, **known)
+    except (OSError, ValueError, TypeError):
+        return EngineStats(coserving=True, ft_job=job_id, ft_outcome="failed",
+                           ft_failure=f"the server stopped while this job ran (its last checkpoint, if any, is in "
+                                      f"{path.parent / 'checkpoint'})")
 
 
 class JobBoard:
@@ -100,11 +121,39 @@ class JobBoard:
         self.jobs: dict[str, FinetuneJob] = {}  # oldest first
         self.setting_up: dict[str, asyncio.Task[None]] = {}
         self.cancel_asked: set[str] = set()
-        self.unstarted: dict[str, EngineStats] = {}  # how a job ended that never ran (its set-up failed)
+        # how a job ended that never ran (its set-up failed), or one of an earlier server's life
+        self.past: dict[str, EngineStats] = {}
+        if config is not None:
+            self._restore(config.root / "jobs")
         startup = FinetuneJob.of(engine_thread, model, startup_name)
         if startup is not None:
             self.jobs[startup.id] = startup
         engine_thread.on_session_end = self.session_ended
+
+    def _restore(self, jobs_dir: Path) -> None:
+        """The jobs an earlier server of this DIR ran (``ID/job.json``, ``ID/outcome.json``), oldest
+        first, each adapter that was served served again under its name; a job without an outcome
+        was running when that server stopped: failed, its last checkpoint on disk. (Called before
+        uvicorn serves: no request reads the adapters meanwhile.)"""
+        found = []
+        for path in jobs_dir.glob("*/job.json"):
+            try:
+                fields = json.loads(path.read_text())
+                found.append(FinetuneJob(**{**fields, "train_log": Path(fields["train_log"])}))
+            except (OSError, ValueError, TypeError, KeyError) as e:
+                logger.warning("%s: not a fine-tuning job, skipped: %s", path, e)
+        for job in sorted(found, key=lambda j: j.created_at):
+            stats = _read_outcome(job.train_log.parent / "outcome.json", job.id)
+            self.jobs[job.id], self.past[job.id] = job, stats
+            if stats.ft_outcome in SERVED_OUTCOMES and stats.adapter_path is not None and job.fine_tuned_model:
+                try:
+                    self.serve_adapter(job.fine_tuned_model, str(stats.adapter_path))
+                except Exception as e:  # (its adapter deleted meanwhile, say: the server starts anyway)
+                    logger.warning("job %s: its adapter %s cannot be served: %s", job.id, stats.adapter_path, e)
+                    self.past[job.id] = replace(stats, ft_outcome="failed",
+                                                ft_failure=f"its adapter cannot be served any more: {e}")
+        if found:
+            logger.info("%d fine-tuning jobs of an earlier run of %s restored", len(found), jobs_dir)
 
     # ------------------------------------------------------------------ reading
 
@@ -122,7 +171,7 @@ class JobBoard:
     def stats(self, job: FinetuneJob) -> EngineStats:
         """The figures of ``job``: its last ones once it has ended, the engine thread's while it
         runs, none while it is being set up."""
-        ended = self.et.ended.get(job.id) or self.unstarted.get(job.id)
+        ended = self.et.ended.get(job.id) or self.past.get(job.id)
         if ended is not None:
             return ended
         s = self.et.stats
@@ -187,6 +236,7 @@ class JobBoard:
                           epochs, spec.optim.lr, 0, seed, name, learning_rate_multiplier=mult, suffix=req.suffix,
                           live=False)
         self.jobs[job_id] = job
+        self._save_job(job)
         self.setting_up[job_id] = asyncio.get_running_loop().create_task(self._start(job, spec))
         logger.info("fine-tuning job %s created: %s, %d epochs, lr %g", job_id, data, epochs, spec.optim.lr)
         return job
@@ -196,6 +246,7 @@ class JobBoard:
         try:
             session = await asyncio.to_thread(FinetuneSession, self.et.engine, spec, job_id=job.id, attach=False)
             self.jobs[job.id] = replace(job, total_steps=session.optim.total_steps, learning_rate=session.optim.lr)
+            self._save_job(self.jobs[job.id])
             if job.id in self.cancel_asked:
                 await asyncio.to_thread(session.close)
                 self._never_ran(job, "cancelled")
@@ -210,8 +261,24 @@ class JobBoard:
             del self.setting_up[job.id]
 
     def _never_ran(self, job: FinetuneJob, outcome: str, failure: str | None = None) -> None:
-        self.unstarted[job.id] = EngineStats(coserving=True, ft_job=job.id, ft_outcome=outcome,
-                                             ft_failure=failure, ft_finished_at=time.time())
+        self.past[job.id] = EngineStats(coserving=True, ft_job=job.id, ft_outcome=outcome,
+                                        ft_failure=failure, ft_finished_at=time.time())
+        self._save_outcome(job.id, self.past[job.id])
+
+    def _save_job(self, job: FinetuneJob) -> None:
+        """``DIR/jobs/ID/job.json``: what a restarted server lists the job with."""
+        if self.config is None:
+            return
+        fields = {**asdict(job), "train_log": str(job.train_log)}
+        _write_json(job.train_log.parent / "job.json", fields)
+
+    def _save_outcome(self, job_id: str, s: EngineStats) -> None:
+        """``DIR/jobs/ID/outcome.json``: how the job ended, for a restarted server."""
+        job = self.jobs.get(job_id)
+        if self.config is None or job is None or job.live:
+            return
+        _write_json(job.train_log.parent / "outcome.json",
+                    {k: getattr(s, k) for k in OUTCOME_FIELDS} | {"adapter_path": s.adapter_path and str(s.adapter_path)})
 
     async def cancel(self, job: FinetuneJob) -> None:
         """Stop ``job`` (one being set up once its set-up is done); one that has ended stays as it ended."""
@@ -225,10 +292,16 @@ class JobBoard:
 
     def session_ended(self, session: FinetuneSession, final: EngineStats) -> EngineStats:
         """(loop thread, between two steps) A session has ended and exported its adapter: serve it
-        under the job's name and keep the latency model for the next job; returns the job's figures."""
+        under the job's name, keep the latency model for the next job and how it ended for a
+        restarted server; returns the job's figures."""
+        final = self._served(session, final)
+        self._save_outcome(session.job_id, final)
+        return final
+
+    def _served(self, session: FinetuneSession, final: EngineStats) -> EngineStats:
         job = self.jobs.get(session.job_id)
         if self.config is not None:
-            _write_state(self.config.latency_path, session.coserver.latency.state_dict())
+            _write_json(self.config.latency_path, session.coserver.latency.state_dict())
         path = final.adapter_path
         if job is None or job.fine_tuned_model is None or path is None:
             return final
