@@ -79,7 +79,8 @@ def pause_delays(windows: list[tuple[float, float]], observed: list[float],
                  layers: list[int] | None = None, num_layers: int | None = None,
                  lags_ms: list[float] | None = None,
                  window_at: list[tuple[int, int] | None] | None = None,
-                 polled: list[bool] | None = None, idle_ms: list[float] | None = None) -> dict[str, Any]:
+                 polled: list[bool] | None = None, idle_ms: list[float] | None = None,
+                 step_starts: list[float] | None = None) -> dict[str, Any]:
     """For each grant-cleared window, the delay to the first observed pause inside it; windows in
     which the trainer never paused (it reached no layer boundary before the step ended) are
     counted apart with their full length. With ``layers`` (the boundary of each observed pause,
@@ -97,7 +98,10 @@ def pause_delays(windows: list[tuple[float, float]], observed: list[float],
     ``TaskResult.pause_polled``) those pauses count as ``poll`` in ``by_boundary``. With ``idle_ms``
     (``TaskResult.pause_idle_ms``: how long before a pause the trainer's GPU had stopped running
     its kernels, waiting for its stretch's release) a pause's delay runs to that earlier time (not
-    before the window's start)."""
+    before the window's start). With ``step_starts`` (parallel to ``windows``: when the window's
+    step was planned, after the window's start where ``SLOConfig.early_pause_s``'s timer paused the
+    trainer before it) the delay runs from the step's start, and is 0 for a trainer that had stopped
+    by then (``paused_before_step``)."""
     n = len(observed)
     pairs = sorted(zip(observed, layers if layers is not None else [None] * n,
                        lags_ms if lags_ms is not None else [None] * n,
@@ -109,13 +113,16 @@ def pause_delays(windows: list[tuple[float, float]], observed: list[float],
     by_lag: dict[str, list[float]] = {}
     by_at: dict[str, list[float]] = {}
     ats: list[tuple[int, int] | None | bool] = list(window_at) if window_at is not None else [False] * len(windows)
+    steps = step_starts if step_starts is not None else [start for start, _ in windows]
+    before_step = 0
     j = 0
-    for (start, end), at in zip(windows, ats, strict=True):
+    for (start, end), at, step_start in zip(windows, ats, steps, strict=True):
         while j < len(pairs) and pairs[j][0] < start:
             j += 1
         if j < len(pairs) and pairs[j][0] <= end:
-            delay, layer, lag, at_poll = pairs[j][0] - start, pairs[j][1], pairs[j][2], pairs[j][3]
+            delay, layer, lag, at_poll = pairs[j][0] - step_start, pairs[j][1], pairs[j][2], pairs[j][3]
             delay = max(0.0, delay - pairs[j][4] / 1e3)
+            before_step += pairs[j][0] < step_start
             delays.append(delay)
             if layer is not None:
                 kind = "poll" if at_poll else boundary_kind(layer, None, num_layers)
@@ -131,6 +138,7 @@ def pause_delays(windows: list[tuple[float, float]], observed: list[float],
         "delay_p50_ms": percentile(delays, 50) * 1e3, "delay_p99_ms": percentile(delays, 99) * 1e3,
         "delay_max_ms": max(delays) * 1e3 if delays else None,
         "unpaused_window_p99_ms": percentile(missed, 99) * 1e3 if missed else None,
+        "paused_before_step": before_step,
     }
     for name, groups in (("by_boundary", kinds), ("by_gpu_lag", by_lag), ("by_trainer_at_start", by_at)):
         if groups:
@@ -317,6 +325,9 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--attention-backend", default="triton", choices=["torch", "triton"])
     p.add_argument("--no-mps", action="store_true")
+    p.add_argument("--early-pause-ms", type=float, default=0.0,
+                   help="SLOConfig.early_pause_s: pause the backward this long before a decode step's predicted "
+                        "end when a request arrived during it (0: off)")
     p.add_argument("--hold-pause", action="store_true",
                    help="SLOConfig.hold_pause: the backward stays paused between steps while prompt tokens are queued")
     p.add_argument("--trainer-sm-share", type=int, default=None,
@@ -358,6 +369,7 @@ def main() -> None:
     start = busiest_window(every, args.duration)
     arrivals = load_trace(args.trace, scaling, start_s=start, duration_s=args.duration)
     slo = SLOConfig(ttft_slo_s=args.ttft_slo_ms / 1e3, tpot_slo_s=args.tpot_slo_ms / 1e3, hold_pause=args.hold_pause,
+                    early_pause_s=args.early_pause_ms / 1e3,
                     ft_only_mid_layer_check=args.ft_only_mid_layer_check)
     vocab = min(1024, config["vocab_size"])
     spec = FinetuneSpec(
@@ -412,7 +424,10 @@ def main() -> None:
         "trainer_pause": pause_delays(co.pause_windows, co.pause_observed, co.pause_observed_layers,
                                       num_layers, co.pause_observed_lags or None,
                                       co.pause_window_at if co.pause_observed_lags else None,
-                                      co.pause_observed_polled or None, co.pause_observed_idle_ms or None),
+                                      co.pause_observed_polled or None, co.pause_observed_idle_ms or None,
+                                      co.pause_window_step_start),
+        "early_pause": {"lead_ms": args.early_pause_ms, "taken_over": co.early_pauses,
+                        "lifted": co.early_pauses_lifted},
         "trainer_spans": (span_summary(co.trainer_spans, num_layers, co.trainer_span_process_ms,
                                        co.trainer_span_gc_ms, co.trainer_watchdog_releases)
                           if co.trainer_spans else None),

@@ -58,6 +58,8 @@
 #   mps_ops        bench/mps_op_check.py (the split step's ops against fp32) on the whole GPU, at a 20%
 #                  share, and on the whole GPU with --poison
 #   latency_hold   latency=50 with --hold-pause (SLOConfig.hold_pause)
+#   latency_early=MS  latency=50 with --early-pause-ms MS (the backward paused MS before a decode step's
+#                  predicted end when a request arrived during it; the pause delay runs from the step's start)
 #   latency_prio   latency=50 with --stream-priority high (the engine's stream at the highest priority,
 #                  the trainer a below-normal MPS client)
 #   latency_profile  latency=50 with --profile-layer0 (cProfile of each FT-only step's layer 0 on the host)
@@ -243,6 +245,11 @@ job() {
     latency_hold)
       # the 50% latency run with --hold-pause: the pause delay and burst step times against latency=50
       latency_bench "$1" "$top/coserve_latency_hold" --trainer-sm-share 50 --hold-pause ;;
+    latency_early=*)
+      # the 50% latency run with --early-pause-ms MS (SLOConfig.early_pause_s): the backward paused MS
+      # before a decode step's predicted end when a request arrived during it
+      latency_bench "$1" "$top/coserve_latency_early${1#latency_early=}" --trainer-sm-share 50 \
+        --early-pause-ms "${1#latency_early=}" ;;
     latency_prio)
       # the 50% latency run with the engine on the highest-priority stream and the trainer a
       # below-normal MPS client (--stream-priority high): the decode steps' spread beside the backward

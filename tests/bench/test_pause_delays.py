@@ -182,3 +182,13 @@ def test_one_layer_of_the_completed_ft_only_steps() -> None:
     assert got["n"] == 3 and got["tokens_p50"] == 1327
     assert got["step_p50_ms"] == pytest.approx(36.0) and got["one_layer_ms"] == pytest.approx(36.0 / 32)
     assert coserve_latency.ft_only_layer([steps[1]], num_layers=32)["one_layer_ms"] is None
+
+
+def test_delays_run_from_the_step_start_after_an_early_pause() -> None:
+    # two windows that the early-pause timer opened 5 ms before their steps' plans: the trainer
+    # stopped 2 ms into the first window (before its step: 0) and 1 ms after the second's step began
+    windows = [(1.0, 1.1), (2.0, 2.1)]
+    got = coserve_latency.pause_delays(windows, [1.002, 2.006], step_starts=[1.005, 2.005])
+    assert got["paused"] == 2 and got["paused_before_step"] == 1
+    assert got["delay_max_ms"] == pytest.approx(1.0)
+    assert coserve_latency.pause_delays(windows, [1.002, 2.006])["delay_max_ms"] == pytest.approx(6.0)

@@ -4,6 +4,7 @@ backward; under ``"model"`` every inference step on that prediction alone."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import pytest
@@ -420,3 +421,67 @@ def test_latency_refits_wait_for_the_hosts_idle_poll() -> None:
     assert co.latency.coefficients("decode/graph") == before
     co.poll(0.05)
     assert co.latency.coefficients("decode/graph") != before and co.latency.refit_due() == 0
+
+
+def test_early_pause_stops_the_backward_before_the_step_that_carries_an_arrival() -> None:
+    # SLOConfig.early_pause_s: a decode step beside the backward arms a timer at its predicted end
+    # (10 ms here) less the lead (8 ms); a request arrives during it: the timer pauses the backward
+    # and the next plan (a prefill step) takes the pause over, its window from the timer's pause
+    co, trainer = coserver(model(0.01, (0.0, 0.0)))
+    co.slo = replace(co.slo, early_pause_s=0.008)
+    co.track = True
+    arrived = [False]
+    co.arrival_probe = lambda: arrived[0]
+    try:
+        assert co.plan(DECODE) == [] and not trainer.paused
+        arrived[0] = True
+        deadline = time.monotonic() + 2.0
+        while not trainer.paused and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert trainer.paused, "the timer paused the backward before the next plan"
+        co.on_step_end(StepRecord(view=DECODE, ft_tokens=0, duration_s=0.01, trainer_busy=True))
+        assert trainer.paused, "the decode step's end does not lift it"
+        co.plan(PREFILL)
+        assert trainer.paused and trainer.pauses == 2 and co.early_pauses == 1
+        co.on_step_end(StepRecord(view=PREFILL, ft_tokens=0, duration_s=0.01, trainer_busy=True))
+        assert not trainer.paused
+        (start, _), step_start = co.pause_windows[0], co.pause_window_step_start[0]
+        assert start < step_start, "the window began at the timer's pause, before the step's plan"
+
+        # no arrival during the step: the timer does nothing
+        arrived[0] = False
+        co.plan(DECODE)
+        time.sleep(0.05)
+        assert not trainer.paused
+        # an arrival that the next step does not take (a decode step again): the pause is lifted
+        arrived[0] = True
+        co.on_step_end(StepRecord(view=DECODE, ft_tokens=0, duration_s=0.01, trainer_busy=True))
+        co.plan(DECODE)
+        deadline = time.monotonic() + 2.0
+        while not trainer.paused and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert trainer.paused
+        co.on_step_end(StepRecord(view=DECODE, ft_tokens=0, duration_s=0.01, trainer_busy=True))
+        arrived[0] = False
+        co.plan(DECODE)
+        assert not trainer.paused and co.early_pauses_lifted == 1
+        # and the host's idle poll lifts one too
+        arrived[0] = True
+        deadline = time.monotonic() + 2.0
+        while not trainer.paused and time.monotonic() < deadline:
+            time.sleep(0.001)
+        co.on_step_end(StepRecord(view=DECODE, ft_tokens=0, duration_s=0.01, trainer_busy=True))
+        co.poll()
+        assert not trainer.paused and co.early_pauses_lifted == 2
+    finally:
+        co.close()
+
+
+def test_early_pause_is_off_by_default_and_checked() -> None:
+    co, trainer = coserver(model(0.01, (0.0, 0.0)))
+    co.arrival_probe = lambda: True
+    co.plan(DECODE)
+    time.sleep(0.03)
+    assert not trainer.paused and co._early is None
+    with pytest.raises(ValueError, match="--early-pause-ms"):
+        SLOConfig(early_pause_s=-0.001)

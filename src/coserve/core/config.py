@@ -135,6 +135,11 @@ class SLOConfig:
     whose requests left prompt tokens queued stays paused into the next step's planning, which
     resumes it only if that step needs no pause: through a burst of prefill steps the backward
     gets no gap between them in which to launch a layer beside the next one.
+    ``early_pause_s`` (opt-in, 0: off): while a decode-only step runs beside the backward, a timer
+    set to the step's predicted end less this lead pauses the backward if a request has arrived
+    meanwhile (the next step will carry its prefill), so that the trainer has stopped by the time
+    that step starts instead of only after its plan asks it to; the next plan takes the pause
+    over, or lifts it where that step needs none.
     ``ft_only_mid_layer_check``: a second interruption point inside each layer of an FT-only step
     (after the MLP's gate/up projection), which keeps FT-only steps eager. Off by default: an
     eager FT-only step's first layer spent 2-16 ms of host time (its GEMMs' first calls at the
@@ -151,8 +156,11 @@ class SLOConfig:
     pause_prefill: str = "always"
     hold_pause: bool = False
     ft_only_mid_layer_check: bool = False
+    early_pause_s: float = 0.0
 
     def __post_init__(self) -> None:
+        if not self.early_pause_s >= 0:
+            raise ValueError(f"--early-pause-ms must be >= 0, got {self.early_pause_s * 1e3:g}")
         if not self.ttft_slo_s > 0:
             raise ValueError(f"--ttft-slo must be positive, got {self.ttft_slo_s}")
         if not self.tpot_slo_s > 0:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -186,6 +187,12 @@ class CoServer:
         self.trainer_seconds: dict[str, float] = {"working": 0.0, "paused": 0.0}
         self._ft_only = False
         self._paused = False
+        # SLOConfig.early_pause_s: the timer thread (made at the first plan that arms it) and when
+        # it paused the backward for the step being run (None: it did not)
+        self._early: EarlyPauseTimer | None = None
+        self._early_at: float | None = None
+        self.early_pauses = 0  # paused by the timer, taken over by the next plan
+        self.early_pauses_lifted = 0  # paused by the timer, lifted: the next step needed none
         # SLOConfig.hold_pause: the pause of the last step carried over into this step's planning
         self._held = False
         # Measurements for benchmarks (bounded by the run): grant-flag clears and the worker's
@@ -194,6 +201,10 @@ class CoServer:
         self.pause_windows: list[tuple[float, float]] = []
         # where the trainer's GPU was when each window began (as step_log's; GPU-side gate only)
         self.pause_window_at: list[tuple[int, int] | None] = []
+        # when each window's step was planned (its start: after the window's own start where the
+        # timer of SLOConfig.early_pause_s paused the backward earlier)
+        self.pause_window_step_start: list[float] = []
+        self._pause_step_start = 0.0
         self.pause_observed: list[float] = []
         self.pause_observed_layers: list[int] = []  # the boundary of each (TaskResult.pause_layers)
         self.trainer_spans: list[tuple[int, int, float, float]] = []  # TaskResult.spans of every task
@@ -275,6 +286,45 @@ class CoServer:
 
     def plan(self, view: StepView) -> list[FTRow]:
         """Choose the fine-tuning rows of the next step (hook 1)."""
+        early_at = self._take_early_pause()
+        rows = self._plan(view, early_at)
+        if early_at is not None:
+            if self._paused:
+                self.early_pauses += 1
+            else:  # (the step needs no pause after all: the timer's is lifted)
+                self.trainer.resume()
+                self.early_pauses_lifted += 1
+        self._arm_early_pause(view, rows)
+        return rows
+
+    def _take_early_pause(self) -> float | None:
+        """Stop the timer of the step that ended; when it paused the backward (None: it did not)."""
+        if self._early is None:
+            return None
+        with self._early.lock:
+            self._early.deadline = None
+            at, self._early_at = self._early_at, None
+        return at
+
+    def _arm_early_pause(self, view: StepView, rows: list[FTRow]) -> None:
+        """SLOConfig.early_pause_s: for a decode-only step beside the running backward, the timer
+        at its predicted end less the lead."""
+        lead = self.slo.early_pause_s
+        if (lead <= 0 or rows or view.prefills or not view.num_decodes or not self._in_flight or self._paused
+                or self.arrival_probe is None or self.failure is not None):
+            return
+        features = StepFeatures.from_view(view, busy=True, trainer_phase=self._trainer_phase)
+        if self._early is None:
+            self._early = EarlyPauseTimer(self._early_pause)
+        self._early.arm(time.monotonic() + self.latency.predict(features) - lead)
+
+    def _early_pause(self) -> None:
+        """(the timer's thread, under its lock) Pause the backward if a request is waiting."""
+        if self._early_at is None and self.arrival_probe is not None and self.arrival_probe():
+            self.trainer.pause()
+            self._early_at = time.monotonic()
+
+    def _plan(self, view: StepView, early_at: float | None) -> list[FTRow]:
         if self.track:
             if self._gc_clock is None:
                 self._gc_clock = GCClock()
@@ -301,7 +351,7 @@ class CoServer:
         held, self._held = self._held, False
         must_pause = bool(self._in_flight) and self._must_pause(view)
         if must_pause and not self._paused:
-            self._pause()
+            self._pause(early_at)
         elif held and not must_pause:
             self._resume()  # (the held pause ends where this step needs none)
         ft_only = not view.has_inference
@@ -339,7 +389,7 @@ class CoServer:
             # Under "model" admission already priced these rows beside the running backward
             # (trainer_busy) against the same budget, so this pauses only a step whose latency
             # it did not check (the naive policy).
-            self._pause()
+            self._pause(early_at)
         self.pool.claim([s.sample_id for s in picked])
         self._fill_region = region
         offset = self.store.reserve(sum(s.num_tokens for s in picked), region)
@@ -355,11 +405,14 @@ class CoServer:
         key = ("ft-only" if ft_only else "inference", outcome)
         self.admission_counts[key] = self.admission_counts.get(key, 0) + 1
 
-    def _pause(self) -> None:
+    def _pause(self, early_at: float | None = None) -> None:
+        """``early_at``: when the timer of SLOConfig.early_pause_s paused the backward already
+        (the window begins there; the step's start is now)."""
         # NOTE: set again in on_step_end (held: in the next plan or poll), whatever happens in between
         self.trainer.pause()
         self._paused = True
-        self._pause_start = time.monotonic()
+        self._pause_step_start = time.monotonic()
+        self._pause_start = early_at if early_at is not None else self._pause_step_start
 
     def _resume(self) -> None:
         self.trainer.resume()
@@ -368,6 +421,7 @@ class CoServer:
         if self.track:
             self.pause_windows.append((self._pause_start, time.monotonic()))
             self.pause_window_at.append(self._trainer_at)
+            self.pause_window_step_start.append(self._pause_step_start)
 
     def _dropout_key(self, row: int) -> int | None:
         """Row ``row`` of the task being filled is trained as row ``row`` of task ``_next_task_id``;
@@ -571,9 +625,13 @@ class CoServer:
     def poll(self, timeout: float = 0.0) -> None:
         """Take in trainer results (waiting up to ``timeout`` s); recover from a dead trainer. The
         host calls it between steps when it has no step to run: a held pause
-        (``SLOConfig.hold_pause``) ends here, since no step follows at once."""
+        (``SLOConfig.hold_pause``) ends here, since no step follows at once, and so does the early
+        pause (``SLOConfig.early_pause_s``) of the step that ran last."""
         if self._held:
             self._resume()
+        if self._take_early_pause() is not None:
+            self.trainer.resume()
+            self.early_pauses_lifted += 1
         if timeout > 0:
             began = time.monotonic()
             self.latency.refit_due(began + timeout)
@@ -701,4 +759,47 @@ class CoServer:
     def close(self) -> None:
         if self._gc_clock is not None:
             self._gc_clock.close()
+        if self._early is not None:
+            self._early.close()
         self.trainer.close()
+
+
+class EarlyPauseTimer:
+    """One thread that calls ``fire`` (under :attr:`lock`) once :attr:`deadline` (time.monotonic)
+    has passed; :meth:`arm` sets the deadline, and setting it to None under the lock disarms it
+    (SLOConfig.early_pause_s: one long-lived thread, not one timer per step)."""
+
+    def __init__(self, fire: Callable[[], None]) -> None:
+        self.lock = threading.Condition()
+        self.deadline: float | None = None
+        self._fire = fire
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="coserve-early-pause", daemon=True)
+        self._thread.start()
+
+    def arm(self, deadline: float) -> None:
+        with self.lock:
+            self.deadline = deadline
+            self.lock.notify()
+
+    def close(self) -> None:
+        with self.lock:
+            self._closed = True
+            self.lock.notify()
+        self._thread.join(timeout=1.0)
+
+    def _run(self) -> None:
+        with self.lock:
+            while not self._closed:
+                if self.deadline is None:
+                    self.lock.wait()
+                    continue
+                left = self.deadline - time.monotonic()
+                if left > 0:
+                    self.lock.wait(left)
+                    continue
+                self.deadline = None
+                try:
+                    self._fire()
+                except Exception:  # (a failing probe must not end the thread: the step's plan pauses anyway)
+                    logger.exception("the early pause failed")

@@ -92,6 +92,10 @@ def add_slo_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, ttft_m
     p.add_argument("--ft-only-mid-layer-check", action="store_true",
                    help="a second interruption point inside each layer of an FT-only step (keeps those steps "
                         "eager, off the prefill graphs)")
+    p.add_argument("--early-pause-ms", type=float, default=0.0, metavar="MS",
+                   help="(experimental, 0: off) pause the backward this long before a decode step's predicted "
+                        "end when a request has arrived during it, so that the trainer has stopped when the "
+                        "step that carries the new prompt starts")
 
 
 def slo_config(args: argparse.Namespace) -> SLOConfig:
@@ -101,7 +105,7 @@ def slo_config(args: argparse.Namespace) -> SLOConfig:
     return SLOConfig(ttft_slo_s=args.ttft_slo_ms / 1e3, tpot_slo_s=args.tpot_slo_ms / 1e3, margin=args.slo_margin,
                      policy=args.ft_policy, interrupt_ft_only=not args.no_interrupt,
                      pause_prefill=args.pause_prefill, hold_pause=args.hold_pause,
-                     ft_only_mid_layer_check=args.ft_only_mid_layer_check)
+                     ft_only_mid_layer_check=args.ft_only_mid_layer_check, early_pause_s=args.early_pause_ms / 1e3)
 
 
 def _generate_args(p: argparse.ArgumentParser) -> None:
