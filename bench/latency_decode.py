@@ -227,12 +227,12 @@ def decode_forms(steps: list[list[Any]], phases: list[str], state: Mapping[str, 
         held = idx[int(len(idx) * train):]
         if len(held) < 4:
             continue
-        y = [steps[i][2] for i in held]
+        y_held = [steps[i][2] for i in held]
         out[key] = {"held_out_steps": len(held),
-                    **{name: _errors([p[i] for i in held], y) for name, p in preds.items()},
-                    "views": {view: {name: _errors([p[i] for i in at], [steps[i][2] for i in at])
+                    **{name: _errors([p[i] for i in held], y_held) for name, p in preds.items()},
+                    "views": {view: {name: _errors([p[i] for i in part], [steps[i][2] for i in part])
                                      for name, p in preds.items()}
-                              for view, at in (("all_steps", idx), (f"first_{FIRST_STEPS}", idx[:FIRST_STEPS]))}}
+                              for view, part in (("all_steps", idx), (f"first_{FIRST_STEPS}", idx[:FIRST_STEPS]))}}
     return out
 
 
