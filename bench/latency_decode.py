@@ -26,6 +26,7 @@ from coserve.core.latency import (
     LEVEL_RATE,
     LEVEL_RECENTER_STEPS,
     LatencyModel,
+    busy_key,
 )
 from coserve.trainer.stream_gate import boundary_kind
 
@@ -101,6 +102,9 @@ class DecodeForm:
     level: Callable[[], Ewma | Recent]
     keys: Callable[[str, str, Any, int], tuple[str, ...]] = per_phase
     window: int = 2000
+    fitted_only: bool = False
+    """Share ``keys``' level only among the busy phases whose set has its own fitted ``(ρ, δ)``
+    (as the step begins); a phase still priced by a stand-in term keeps its own level."""
 
 
 DECODE_FORMS: dict[str, DecodeForm] = {
@@ -118,6 +122,8 @@ DECODE_FORMS: dict[str, DecodeForm] = {
     "quantile_40": DecodeForm(lambda: Recent(20, 0.4)),
     "quantile_60": DecodeForm(lambda: Recent(20, 0.6)),
     "shared_rate_0.3": DecodeForm(lambda: Ewma(0.3), shared),
+    "shared_fitted": DecodeForm(Ewma, shared, fitted_only=True),
+    "shared_fitted_rate_0.3": DecodeForm(lambda: Ewma(0.3), shared, fitted_only=True),
 }
 """Level forms (module docstring). ``after``: the model as it runs (one level per busy set of
 each trainer phase, rate 0.2), against which the others are judged. Each of the next changes one
@@ -127,8 +133,13 @@ position (``layer#k``, ``loss``, ``commit``, ``start``); ``reset_at_task`` busy 
 as each backward task starts (the phase turns ``starting``); ``window_*`` a shorter refit window;
 ``median_k`` the median of the last k log ratios instead of a mean; ``quantile_q`` the q-th
 percentile of the last 20 (a quantile, not a central value). ``shared_rate_0.3``:
-``shared_level`` at rate 0.3."""
+``shared_level`` at rate 0.3. ``shared_fitted``: ``shared_level`` among the busy phases with their
+own fitted ``(ρ, δ)`` only (a phase still on the ``active`` or another stand-in term keeps its own
+level until its first refit); ``shared_fitted_rate_0.3``: that at rate 0.3."""
 BASELINE = "after"
+FIRST_STEPS = 500
+"""``decode_forms``' ``views``: besides the held-out half, each form's error over all the set's
+steps and over its first this many (start-up, before the phases' busy sets have refitted)."""
 
 
 class _Trace(LatencyModel):
@@ -143,6 +154,10 @@ class _Trace(LatencyModel):
     def _after_refit(self, s: tuple[str, str]) -> None:
         self.refitted.append(s)
         super()._after_refit(s)
+
+    def has_own_busy(self, key: str, phase: str) -> bool:
+        """Whether ``key``'s busy set beside ``phase`` has its own fitted ``(ρ, δ)``."""
+        return busy_key(key, phase) in self._busy
 
 
 def _errors(pred: list[float], y: list[float]) -> dict[str, float]:
@@ -188,6 +203,8 @@ def decode_forms(steps: list[list[Any]], phases: list[str], state: Mapping[str, 
                 linear = trace.predict_regressors(base, v, s[1])
                 for name, form in forms.items():
                     k = form.keys(base, s[1], at, layers)
+                    if form.fitted_only and s[1] != "idle" and not trace.has_own_busy(base, s[1]):
+                        k = (base, s[1])
                     preds[name][i] = linear * math.exp(levels[name].value(k))
                     if linear > 0:
                         levels[name].observe(k, math.log(measured / linear))
@@ -210,9 +227,12 @@ def decode_forms(steps: list[list[Any]], phases: list[str], state: Mapping[str, 
         held = idx[int(len(idx) * train):]
         if len(held) < 4:
             continue
-        y = [steps[i][2] for i in held]
+        y_held = [steps[i][2] for i in held]
         out[key] = {"held_out_steps": len(held),
-                    **{name: _errors([p[i] for i in held], y) for name, p in preds.items()}}
+                    **{name: _errors([p[i] for i in held], y_held) for name, p in preds.items()},
+                    "views": {view: {name: _errors([p[i] for i in part], [steps[i][2] for i in part])
+                                     for name, p in preds.items()}
+                              for view, part in (("all_steps", idx), (f"first_{FIRST_STEPS}", idx[:FIRST_STEPS]))}}
     return out
 
 

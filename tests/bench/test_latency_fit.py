@@ -306,6 +306,11 @@ def test_replay_recovers_the_calibration_under_a_moving_level() -> None:
     forms = latency_fit.decode_forms(rows, 0.5, latency_fit.GRAPH_SIZES, None)["decode/graph/busy"]
     assert forms["after"] == pytest.approx(decode["after"], rel=1e-9)
     assert forms["shared_level"] != forms["after"]
+    assert set(forms["views"]) == {"all_steps", f"first_{latency_fit.latency_decode.FIRST_STEPS}"}
+    assert forms["views"]["all_steps"]["after"]["n"] == sum(r[0] == "decode/graph/busy" for r in rows)
+    # (the commit and task-start phases keep their own levels until their busy sets first refit)
+    assert forms["views"]["first_500"]["shared_fitted"] not in (
+        forms["views"]["first_500"]["shared_level"], forms["views"]["first_500"]["after"])
     summary = latency_fit.latency_decode.decode_summary({"t": {"decode_forms": {"decode/graph/busy": forms}}})
     assert summary["sets"] == 1 and summary["baseline"] == "after"
     assert set(summary) - {"sets", "baseline", "baseline_max_median_rel"} == set(
