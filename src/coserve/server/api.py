@@ -28,12 +28,13 @@ from prometheus_client.registry import Collector
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from coserve.core.finetune import FTDataset, load_dataset
+from coserve.core.finetune import FTDataset
 from coserve.engine.outputs import RequestOutput
 from coserve.engine.sampling_params import SamplingParams
 from coserve.engine.sequence import LoRARequest
 from coserve.server.engine_thread import EngineDeadError, EngineThread, RequestHandle
 from coserve.server.files import FileStore, add_file_routes
+from coserve.server.finetune import read_dataset
 from coserve.server.finetune_jobs import add_finetune_job_routes
 from coserve.server.job_board import JobBoard, JobsConfig
 from coserve.server.progress import RequestCounts
@@ -541,15 +542,10 @@ class _Api:
 
 
 def _dataset_loader(engine_thread: EngineThread, jobs: JobsConfig) -> Callable[[Path], FTDataset]:
-    """``load_dataset`` as ``--finetune-data`` reads a file: the engine's tokenizer, the server's
-    ``--max-seq-len`` and ``--train-on-prompt`` (what a job trained on the file will read)."""
-    engine, cfg = engine_thread.engine, jobs.template.coserve
-    tokenizer = engine.tokenizer
-    if tokenizer is None:
+    """A file read as a job trained on it will read it (:func:`read_dataset`)."""
+    if engine_thread.engine.tokenizer is None:
         raise ValueError("--finetune-jobs needs the model's tokenizer")
-    vocab = min(tokenizer.vocab_size, engine.model_config.vocab_size)
-    return lambda path: load_dataset(path, tokenizer, max_seq_len=cfg.max_seq_len,
-                                     train_on_prompt=cfg.train_on_prompt, vocab_size=vocab)
+    return lambda path: read_dataset(engine_thread.engine, path, jobs.template.coserve)
 
 
 def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str, str] | None = None,

@@ -221,17 +221,14 @@ def finetune(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineConfig(model=args.model, num_training_slots=1, **kwargs))  # type: ignore[arg-type]
     held_out, before = None, None
     if args.eval_data is not None:
-        from coserve.core.finetune import load_dataset
         from coserve.engine.sequence import LoRARequest
-        from coserve.server.finetune import evaluate
+        from coserve.server.finetune import evaluate, read_dataset
 
         if engine.tokenizer is None:
             raise ValueError("--eval-data needs the model's tokenizer")
         if engine.config.max_loras == 0:
             raise ValueError("--eval-data needs --max-loras >= 1 (the trained adapter is evaluated from its files)")
-        held_out = load_dataset(args.eval_data, engine.tokenizer, max_seq_len=spec.coserve.max_seq_len,
-                                train_on_prompt=spec.coserve.train_on_prompt,
-                                vocab_size=min(engine.tokenizer.vocab_size, engine.model_config.vocab_size))
+        held_out = read_dataset(engine, args.eval_data, spec.coserve)
         start = LoRARequest("eval-initial", str(spec.init_adapter)) if spec.init_adapter else None
         before = evaluate(engine, held_out.samples, start)
         print(f"eval {args.eval_data}: {before.samples} samples, {before.tokens} target tokens; "

@@ -62,6 +62,21 @@ class FinetuneSpec:
     # One synthetic backward task in the trainer process before its first real one (auto: on CUDA)
     trainer_warmup: str = "auto"
 
+    def __post_init__(self) -> None:
+        if self.trainer_sm_share is not None and not 0 < self.trainer_sm_share <= 100:
+            raise ValueError(f"--trainer-sm-share must be in (0, 100], got {self.trainer_sm_share}")
+
+
+def read_dataset(engine: LLMEngine, path: Path, cfg: CoServeConfig) -> FTDataset:
+    """``path`` as a run of ``cfg`` trains on it: the engine's tokenizer, ``--max-seq-len``,
+    ``--train-on-prompt``, token ids below the smaller of the tokenizer's and the model's
+    vocabulary (malformed rows skipped and counted)."""
+    tokenizer = engine.tokenizer
+    if tokenizer is None:
+        raise ValueError("fine-tuning needs the model's tokenizer (skip_tokenizer_init is set)")
+    return load_dataset(path, tokenizer, max_seq_len=cfg.max_seq_len, train_on_prompt=cfg.train_on_prompt,
+                        vocab_size=min(tokenizer.vocab_size, engine.model_config.vocab_size))
+
 
 class FinetuneSession:
     """Builds and owns everything a fine-tuning run needs beside the engine."""
@@ -95,9 +110,7 @@ class FinetuneSession:
         cfg = spec.coserve
         if cfg.max_seq_len > engine.max_model_len:
             raise ValueError(f"--max-seq-len {cfg.max_seq_len} exceeds the model's context {engine.max_model_len}")
-        vocab = min(engine.tokenizer.vocab_size, engine.model_config.vocab_size)
-        self.dataset: FTDataset = load_dataset(spec.data, engine.tokenizer, max_seq_len=cfg.max_seq_len,
-                                               train_on_prompt=cfg.train_on_prompt, vocab_size=vocab)
+        self.dataset = read_dataset(engine, spec.data, cfg)
         stats = self.dataset.stats
         if stats.num_skipped:
             logger.warning("%s: %d malformed rows skipped (first: line %d: %s)", spec.data, stats.num_skipped,

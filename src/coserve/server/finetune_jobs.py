@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from coserve.server.job_board import JobBoard
 
 OBJECT = "fine_tuning.job"
+# outcomes whose exported adapter is served under the job's fine_tuned_model name
+SERVED_OUTCOMES = ("succeeded", "cancelled")
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,7 @@ def job_object(job: FinetuneJob, s: EngineStats, now: float | None = None,
     ``status`` overrides the one of ``s`` (``validating_files`` while the job is set up)."""
     now = time.time() if now is None else now
     status = status or s.ft_outcome or "running"
-    served = job.live or (s.ft_outcome in ("succeeded", "cancelled") and s.adapter_path is not None)
+    served = job.live or (s.ft_outcome in SERVED_OUTCOMES and s.adapter_path is not None)
     estimated_finish = None
     if status == "running" and 0 < s.ft_samples_retired < s.ft_samples_total:
         rate = s.ft_samples_retired / max(now - job.created_at, 1e-9)

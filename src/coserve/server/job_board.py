@@ -28,15 +28,13 @@ from coserve.engine.llm_engine import LLMEngine
 from coserve.server.engine_thread import EngineStats, EngineThread
 from coserve.server.files import FileStore
 from coserve.server.finetune import FinetuneSession, FinetuneSpec
-from coserve.server.finetune_jobs import FinetuneJob
+from coserve.server.finetune_jobs import SERVED_OUTCOMES, FinetuneJob
 from coserve.server.protocol import CreateJobRequest
 
 logger = logging.getLogger(__name__)
 
 NO_JOBS = ("this server runs only the fine-tuning job it was started with (if any); jobs cannot be created "
            "through the API unless the server is started with --finetune-jobs DIR")
-# outcomes whose exported adapter is served under the job's fine_tuned_model name
-SERVED_OUTCOMES = ("succeeded", "cancelled")
 
 
 @dataclass(frozen=True)

@@ -152,8 +152,6 @@ def serve_spec(args: argparse.Namespace) -> FinetuneSpec | None:
         return None
     if args.output is None:
         raise ValueError("--output is required with --finetune-data")
-    if args.trainer_sm_share is not None and not 0 < args.trainer_sm_share <= 100:
-        raise ValueError(f"--trainer-sm-share must be in (0, 100], got {args.trainer_sm_share}")
     return replace(finetune_spec(args), slo=slo_config(args), calibrate=not args.no_calibrate,
                    latency_state=args.latency_state, trainer_sm_share=args.trainer_sm_share)
 
@@ -164,8 +162,6 @@ def jobs_config(args: argparse.Namespace) -> JobsConfig | None:
 
     if args.finetune_jobs is None:
         return None
-    if args.trainer_sm_share is not None and not 0 < args.trainer_sm_share <= 100:
-        raise ValueError(f"--trainer-sm-share must be in (0, 100], got {args.trainer_sm_share}")
     flags = argparse.Namespace(**{**vars(args), "data": args.data or "", "output": args.output or ""})
     template = replace(finetune_spec(flags), slo=slo_config(args), calibrate=False, latency_state=args.latency_state,
                        trainer_sm_share=args.trainer_sm_share, resume=False)
