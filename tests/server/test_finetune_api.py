@@ -194,3 +194,84 @@ def test_a_restarted_server_lists_its_jobs_and_serves_their_adapters(tmp_path: P
         assert [x.id for x in s.client.files.list().data] == [f.id]
         assert s.client.fine_tuning.jobs.list_events(job.id, limit=1).data[0].message.startswith(
             "The job has successfully completed")
+
+
+def test_a_validation_file_is_scored_with_the_base_model_and_the_trained_adapter(tmp_path: Path) -> None:
+    """OpenAI's ``validation_file``: its loss and token accuracy with the trained adapter (the
+    ``full_valid_*`` metrics event), and, as ``coserve finetune --eval-data`` reports it, before
+    training; scored through the serving engine and kept for a restarted server."""
+    from coserve.server.finetune import evaluate
+
+    engine = LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8))
+    assert engine.tokenizer is not None
+    reference = evaluate(LLMEngine(EngineConfig(model=MODEL, device="cpu")),
+                         load_dataset(DATA, engine.tokenizer, max_seq_len=64).samples[:8])
+    data = ("\n".join(ROWS) + "\n").encode()
+    with serve(engine, jobs=JobsConfig(tmp_path, TEMPLATE)) as s:
+        train = s.client.files.create(file=("facts.jsonl", data), purpose="fine-tune")
+        valid = s.client.files.create(file=("held.jsonl", data), purpose="fine-tune")
+        with pytest.raises(openai.NotFoundError, match="no file 'file-nope'"):
+            s.client.fine_tuning.jobs.create(model=MODEL, training_file=train.id, validation_file="file-nope")
+        job = s.client.fine_tuning.jobs.create(model=MODEL, training_file=train.id, validation_file=valid.id,
+                                               metadata={"team": "facts"},
+                                               hyperparameters={"n_epochs": 4, "learning_rate_multiplier": 3})
+        assert job.validation_file == valid.id and job.metadata == {"team": "facts"}
+        assert wait_for(s, job.id, ("succeeded", "failed", "cancelled")) == "succeeded"
+        deadline = time.monotonic() + 60
+        while (v := s.client.fine_tuning.jobs.retrieve(job.id).coserve["validation"])["status"] == "running":  # type: ignore[attr-defined]
+            assert time.monotonic() < deadline, v
+            time.sleep(0.1)
+        assert v["status"] == "succeeded", v
+        assert v["samples"] == 8 and v["tokens"] == reference.tokens
+        assert v["loss_before"] == pytest.approx(reference.loss, rel=1e-4), "the base model's loss, as evaluate's"
+        assert v["accuracy_before"] == pytest.approx(reference.accuracy)
+        assert v["loss"] < v["loss_before"] - 0.5, "it learned the rows it is scored on"
+        newest = s.client.fine_tuning.jobs.list_events(job.id, limit=1).data[0]
+        assert newest.type == "metrics" and newest.message.startswith(f"Validation on {reference.tokens} tokens: loss=")
+        assert newest.data["full_valid_loss"] == v["loss"]  # type: ignore[index]
+        assert newest.data["full_valid_mean_token_accuracy"] == v["accuracy"]  # type: ignore[index]
+        assert ask(s, MODEL), "serving went on"
+    with serve(LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8)),
+               jobs=JobsConfig(tmp_path, TEMPLATE)) as s:
+        again = s.client.fine_tuning.jobs.retrieve(job.id)
+        assert again.coserve["validation"] == v and again.metadata == {"team": "facts"}  # type: ignore[attr-defined]
+
+
+def test_clients_read_and_delete_their_files_and_delete_fine_tuned_models(tmp_path: Path) -> None:
+    data = ("\n".join(ROWS) + "\n").encode()
+    config = JobsConfig(tmp_path, TEMPLATE)
+
+    def engine() -> LLMEngine:
+        return LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8))
+
+    with serve(engine(), jobs=config) as s:
+        f = s.client.files.create(file=("facts.jsonl", data), purpose="fine-tune")
+        assert s.client.files.content(f.id).read() == data
+        job = s.client.fine_tuning.jobs.create(model=MODEL, training_file=f.id, hyperparameters={"n_epochs": 500})
+        wait_for(s, job.id, ("running",))
+        with pytest.raises(openai.ConflictError, match=f"in use by fine-tuning job '{job.id}'"):
+            s.client.files.delete(f.id)
+        name = f"ft:{MODEL}:coserve:{job.id}"
+        with pytest.raises(openai.NotFoundError, match="no model"):
+            s.client.models.delete(name)  # (not served until it ends)
+        assert s.client.fine_tuning.jobs.cancel(job.id).status == "cancelled"
+        assert name in [m.id for m in s.client.models.list().data]
+        assert ask(s, name)
+        with pytest.raises(openai.BadRequestError, match="the base model: it cannot be deleted"):
+            s.client.models.delete(MODEL)
+        assert s.client.models.delete(name).deleted
+        assert name not in [m.id for m in s.client.models.list().data]
+        with pytest.raises(openai.NotFoundError):
+            ask(s, name)
+        with pytest.raises(openai.NotFoundError, match="deleted already"):
+            s.client.models.delete(name)
+        assert (tmp_path / "jobs" / job.id / "adapter" / "adapter_config.json").is_file(), "its files are kept"
+        assert s.client.files.delete(f.id).deleted
+        assert s.client.files.list().data == []
+        with pytest.raises(openai.NotFoundError, match=f"no file '{f.id}'"):
+            s.client.files.content(f.id)
+        assert ask(s, MODEL)
+    with serve(engine(), jobs=config) as s:
+        assert [j.id for j in s.client.fine_tuning.jobs.list().data] == [job.id]
+        assert name not in [m.id for m in s.client.models.list().data], "a deleted model stays deleted"
+        assert s.client.files.list().data == []

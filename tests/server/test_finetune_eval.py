@@ -28,7 +28,7 @@ def test_evaluate_is_the_training_loss_of_the_model() -> None:
     from coserve.layers.attention import AttentionMetadata
     from coserve.models.llama import ForwardContext
 
-    total, count = 0.0, 0
+    total, count, correct = 0.0, 0, 0
     for s in samples:
         ids = torch.tensor(s.input_ids)
         meta = AttentionMetadata.build([len(ids)], [0], [[]], [False], 1, 16)
@@ -37,8 +37,10 @@ def test_evaluate_is_the_training_loss_of_the_model() -> None:
         labels = torch.tensor(s.labels[1:])
         total += float(F.cross_entropy(logits[:-1], labels, ignore_index=IGNORE_INDEX, reduction="sum"))
         count += int((labels != IGNORE_INDEX).sum())
+        correct += int(((logits[:-1].argmax(-1) == labels) & (labels != IGNORE_INDEX)).sum())
     assert got.tokens == count and got.samples == 6
     assert got.loss == pytest.approx(total / count, rel=1e-4)
+    assert got.accuracy == correct / count, "the share of target tokens the model ranks first"
     assert not engine.has_unfinished_requests()
 
 

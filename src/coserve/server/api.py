@@ -609,7 +609,7 @@ def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str,
 
     board = JobBoard(engine_thread, model_name, files, jobs, serve_adapter, finetune_name)
     app.state.jobs = board
-    add_file_routes(app, files)
+    add_file_routes(app, files, board.file_user)
     add_finetune_job_routes(app, board)
 
     @app.get("/v1/models")
@@ -620,6 +620,34 @@ def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str,
         cards = [card] + [{**card, "id": name, "root": lora.path, "parent": model_name}
                           for name, lora in api.adapters.items()]
         return {"object": "list", "data": cards}
+
+    @app.delete("/v1/models/{model:path}")
+    async def delete_model(model: str) -> dict[str, Any]:
+        """OpenAI's model deletion: a fine-tuning job's model (or, with --allow-runtime-lora, any
+        adapter) is no longer served; its files stay on disk. 409 while a request uses it."""
+        if model == model_name:
+            raise HTTPException(400, f"{model!r} is the base model: it cannot be deleted")
+        job = board.job_of_model(model)
+        lora = api.adapters.get(model)
+        if lora is None:
+            raise HTTPException(404, f"no model {model!r} is served" + (" (deleted already)" if job else ""))
+        if job is None:
+            api._check_runtime_lora()
+        running = board.running()
+        if job is not None and running is not None and running.id == job.id:
+            raise HTTPException(409, f"model {model!r} is being trained by job {job.id!r}: cancel the job first")
+        api.adapters = {k: v for k, v in api.adapters.items() if k != model}
+        try:
+            await engine_thread.call(lambda engine: engine.remove_lora(model))
+        except ValueError as e:
+            api.adapters = {**api.adapters, model: lora}
+            raise HTTPException(409, str(e)) from e
+        except KeyError:
+            pass  # (never loaded into the engine)
+        if job is not None:
+            board.model_deleted(job)
+        logger.info("model %r deleted (its adapter stays at %s)", model, lora.path)
+        return {"id": model, "object": "model", "deleted": True}
 
     @app.get("/health")
     async def health() -> Response:

@@ -1,5 +1,6 @@
 """OpenAI's Files API for fine-tuning data: ``POST /v1/files`` (multipart ``file`` and
-``purpose="fine-tune"``), ``GET /v1/files``, ``GET /v1/files/{id}``.
+``purpose="fine-tune"``), ``GET /v1/files``, ``GET /v1/files/{id}``, ``GET /v1/files/{id}/content``
+and ``DELETE /v1/files/{id}`` (409 while a job that is being set up or trained reads it).
 
 An upload is kept only if the dataset loader of ``--finetune-data`` reads at least one usable
 row from it (run in a worker thread, never on the event loop); malformed rows are counted in
@@ -19,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import FastAPI, File, Form, HTTPException, UploadFile
+from fastapi import FastAPI, File, Form, HTTPException, Response, UploadFile
 
 from coserve.core.finetune import DatasetError, FTDataset
 
@@ -84,9 +85,18 @@ class FileStore:
         self.files[file_id] = obj
         return obj
 
+    def delete(self, file_id: str) -> None:
+        """Forget ``file_id`` and remove its data (404 if there is none)."""
+        self.get(file_id)
+        path = self.path(file_id)
+        del self.files[file_id]
+        (self.root / f"{file_id}.meta.json").unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
 
-def add_file_routes(app: FastAPI, store: FileStore | None) -> None:
-    """The Files API over ``store`` (None: a server without --finetune-jobs answers 404 saying so)."""
+
+def add_file_routes(app: FastAPI, store: FileStore | None, user: Callable[[str], str | None] = lambda _: None) -> None:
+    """The Files API over ``store`` (None: a server without --finetune-jobs answers 404 saying so);
+    ``user(file_id)``: the job that is being set up or trained on the file, if any."""
 
     def files() -> FileStore:
         if store is None:
@@ -110,3 +120,24 @@ def add_file_routes(app: FastAPI, store: FileStore | None) -> None:
     @app.get("/v1/files/{file_id}")
     async def retrieve(file_id: str) -> dict[str, Any]:
         return files().get(file_id)
+
+    @app.get("/v1/files/{file_id}/content")
+    async def content(file_id: str) -> Response:
+        s = files()
+        s.get(file_id)
+        try:
+            data = await asyncio.to_thread(s.path(file_id).read_bytes)
+        except OSError as e:
+            raise HTTPException(404, f"file {file_id!r}: its data cannot be read: {e}") from e
+        return Response(data, media_type="application/octet-stream")
+
+    @app.delete("/v1/files/{file_id}")
+    async def delete(file_id: str) -> dict[str, Any]:
+        s = files()
+        s.get(file_id)
+        job = user(file_id)
+        if job is not None:
+            raise HTTPException(409, f"file {file_id!r} is in use by fine-tuning job {job!r}: delete it once the "
+                                     "job has ended, or cancel the job")
+        await asyncio.to_thread(s.delete, file_id)
+        return {"id": file_id, "object": "file", "deleted": True}

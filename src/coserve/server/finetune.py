@@ -8,7 +8,7 @@ import math
 import shutil
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -325,11 +325,47 @@ def run_to_completion(engine: LLMEngine, session: FinetuneSession, progress: boo
 @dataclass(frozen=True)
 class EvalResult:
     """Mean cross-entropy over an eval set's target tokens (``labels != -100`` after the first
-    position, the loss the trainer minimizes), and how many tokens and samples it covers."""
+    position, the loss the trainer minimizes), the share of those tokens the model ranks first
+    (its argmax, as OpenAI's ``mean_token_accuracy``), and how many tokens and samples it covers."""
 
     loss: float
     tokens: int
     samples: int
+    accuracy: float = float("nan")
+
+
+# (one prefill per sample; ``1``: the top token beside the target's, for the accuracy)
+EVAL_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+
+
+def _scored(samples: Sequence[FTSample]) -> dict[str, FTSample]:
+    """The samples with a target token, by request id."""
+    return {f"eval-{s.sample_id}": s for s in samples if any(label != IGNORE_INDEX for label in s.labels[1:])}
+
+
+class _Tally:
+    """The running sums of :class:`EvalResult`."""
+
+    def __init__(self) -> None:
+        self.nll, self.tokens, self.correct = 0.0, 0, 0
+
+    def add(self, s: FTSample, prompt_logprobs: Sequence[dict[int, float] | None] | None) -> None:
+        """Score sample ``s`` from its request's ``prompt_logprobs`` (:data:`EVAL_PARAMS`)."""
+        assert prompt_logprobs is not None
+        for tid, label, entry in zip(s.input_ids[1:], s.labels[1:], prompt_logprobs[1:], strict=True):
+            if label == IGNORE_INDEX:
+                continue
+            if label != tid:
+                raise ValueError(f"eval sample {s.sample_id}: a label ({label}) that is not its token ({tid})")
+            assert entry is not None
+            self.nll -= entry[tid]
+            self.tokens += 1
+            self.correct += entry[tid] >= max(entry.values())
+
+    def result(self, samples: int) -> EvalResult:
+        if not self.tokens:
+            return EvalResult(float("nan"), 0, samples)
+        return EvalResult(self.nll / self.tokens, self.tokens, samples, self.correct / self.tokens)
 
 
 def evaluate(engine: LLMEngine, samples: Sequence[FTSample], lora: LoRARequest | None = None) -> EvalResult:
@@ -338,23 +374,45 @@ def evaluate(engine: LLMEngine, samples: Sequence[FTSample], lora: LoRARequest |
     engine until they are done: call it while no fine-tuning is attached."""
     if engine.coserver is not None:
         raise RuntimeError("evaluate() needs an engine without a fine-tuning session attached")
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    todo = {f"eval-{s.sample_id}": s for s in samples if any(label != IGNORE_INDEX for label in s.labels[1:])}
+    todo = _scored(samples)
     for rid, sample in todo.items():
-        engine.add_request(rid, list(sample.input_ids), params, lora)
-    total, count = 0.0, 0
+        engine.add_request(rid, list(sample.input_ids), EVAL_PARAMS, lora)
+    tally = _Tally()
     while todo:
         for out in engine.step():
             s = todo.pop(out.request_id, None) if out.finished else None
-            if s is None:
-                continue
-            assert out.prompt_logprobs is not None
-            for tid, label, entry in zip(s.input_ids[1:], s.labels[1:], out.prompt_logprobs[1:], strict=True):
-                if label == IGNORE_INDEX:
-                    continue
-                if label != tid:
-                    raise ValueError(f"eval sample {s.sample_id}: a label ({label}) that is not its token ({tid})")
-                assert entry is not None
-                total -= entry[tid]
-                count += 1
-    return EvalResult(total / count if count else float("nan"), count, len(samples))
+            if s is not None:
+                tally.add(s, out.prompt_logprobs)
+    return tally.result(len(samples))
+
+
+async def evaluate_served(submit: Callable[..., Any], samples: Sequence[FTSample], lora: LoRARequest | None = None,
+                          *, in_flight: int = 4, prefix: str = "") -> EvalResult:
+    """:func:`evaluate` through a serving engine, beside its clients' requests:
+    ``submit(tokens, params, lora, request_id)`` queues one (``EngineThread.submit``: its handle),
+    at most ``in_flight`` at a time, so that a large set never queues ahead of the clients'
+    requests all at once. Raises what a request raised (the engine gone, the adapter refused);
+    after a failure no more are queued."""
+    import asyncio
+
+    todo = _scored(samples)
+    tally = _Tally()
+    gate = asyncio.Semaphore(in_flight)
+    failed: list[BaseException] = []
+
+    async def one(rid: str, s: FTSample) -> None:
+        async with gate:
+            if failed:
+                return
+            handle = submit(list(s.input_ids), EVAL_PARAMS, lora, prefix + rid)
+            try:
+                out = await handle.get()
+                while not out.finished:
+                    out = await handle.get()
+                tally.add(s, out.prompt_logprobs)
+            except BaseException as e:
+                failed.append(e)
+                raise
+
+    await asyncio.gather(*(one(rid, s) for rid, s in todo.items()))
+    return tally.result(len(samples))

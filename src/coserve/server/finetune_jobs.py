@@ -51,6 +51,8 @@ class FinetuneJob:
     # the adapter is served under fine_tuned_model while it trains (--finetune-name); else only
     # once the job has succeeded or was cancelled (as OpenAI's: null until then)
     live: bool = True
+    validation_file: str | None = None  # a file id: its loss before training and with the adapter
+    metadata: dict[str, str] | None = None  # the client's, returned as given
 
     @classmethod
     def of(cls, engine_thread: EngineThread, model: str, fine_tuned_model: str | None) -> FinetuneJob | None:
@@ -63,10 +65,11 @@ class FinetuneJob:
                    spec.coserve.seed, fine_tuned_model)
 
 
-def job_object(job: FinetuneJob, s: EngineStats, now: float | None = None,
-               status: str | None = None) -> dict[str, Any]:
+def job_object(job: FinetuneJob, s: EngineStats, now: float | None = None, status: str | None = None,
+               validation: dict[str, Any] | None = None) -> dict[str, Any]:
     """The OpenAI ``fine_tuning.job`` of ``job`` at ``s`` (coserve's own figures under ``coserve``);
-    ``status`` overrides the one of ``s`` (``validating_files`` while the job is set up)."""
+    ``status`` overrides the one of ``s`` (``validating_files`` while the job is set up);
+    ``validation``: its validation file's scores so far (``JobBoard.validation``)."""
     now = time.time() if now is None else now
     status = status or s.ft_outcome or "running"
     served = job.live or (s.ft_outcome in SERVED_OUTCOMES and s.adapter_path is not None)
@@ -89,12 +92,12 @@ def job_object(job: FinetuneJob, s: EngineStats, now: float | None = None,
         "method": {"type": "supervised"},
         "result_files": [str(s.adapter_path)] if s.adapter_path is not None else [],
         "seed": job.seed, "trained_tokens": s.ft_tokens_trained, "training_file": job.training_file,
-        "validation_file": None,
+        "validation_file": job.validation_file, "metadata": job.metadata,
         "coserve": {
             "learning_rate": job.learning_rate, "optimizer_steps": s.ft_optimizer_steps,
             "total_steps": total_steps(job, s), "samples_trained": s.ft_samples_retired,
             "samples_total": s.ft_samples_total, "loss": _finite(s.ft_loss), "first_loss": _finite(s.ft_first_loss),
-            "trainer_restarts": s.ft_trainer_restarts,
+            "trainer_restarts": s.ft_trainer_restarts, "validation": validation,
         },
     }
 
@@ -113,15 +116,19 @@ def _finite(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
-def job_events(job: FinetuneJob, s: EngineStats) -> list[dict[str, Any]]:
-    """The job's events, newest first: its end (once it has ended), one ``metrics`` event per
+def event(eid: str, created: float, message: str, level: str = "info", kind: str = "message",
+          data: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One ``fine_tuning.job.event``."""
+    return {"object": "fine_tuning.job.event", "id": eid, "created_at": int(created), "level": level,
+            "message": message, "type": kind, "data": data}
+
+
+def job_events(job: FinetuneJob, s: EngineStats, validation: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The job's events, newest first: its validation file's scores with the trained adapter
+    (once done: a ``metrics`` event with OpenAI's ``full_valid_loss`` and
+    ``full_valid_mean_token_accuracy``), its end (once it has ended), one ``metrics`` event per
     optimizer step of ``train_log.jsonl`` (OpenAI's ``Step k/n: training loss=x``, ``n`` from
     :func:`total_steps`), its start."""
-    def event(eid: str, created: float, message: str, level: str = "info", kind: str = "message",
-              data: dict[str, Any] | None = None) -> dict[str, Any]:
-        return {"object": "fine_tuning.job.event", "id": eid, "created_at": int(created), "level": level,
-                "message": message, "type": kind, "data": data}
-
     total = total_steps(job, s)
     events = [event(f"{job.id}-start", job.created_at, f"Fine-tuning {job.model} on {job.training_file} started")]
     try:
@@ -150,13 +157,29 @@ def job_events(job: FinetuneJob, s: EngineStats) -> list[dict[str, Any]]:
         if s.adapter_path is not None:
             message += f" to {s.adapter_path}"
         events.append(event(f"{job.id}-end", s.ft_finished_at or time.time(), message, level))
+    if validation is not None and validation.get("status") in ("succeeded", "failed"):
+        events.append(validation_event(job, s, validation))
     return events[::-1]
+
+
+def validation_event(job: FinetuneJob, s: EngineStats, v: dict[str, Any]) -> dict[str, Any]:
+    """The event of a validation that has ended (``JobBoard.validation``'s fields)."""
+    eid, created = f"{job.id}-validation", v.get("finished_at") or time.time()
+    if v["status"] == "failed":
+        return event(eid, created, f"Validation on {job.validation_file} failed: {v.get('error')}", level="warn")
+    before = v.get("loss_before")
+    was = f" (before training: loss={before:.4f})" if isinstance(before, float) else ""
+    return event(eid, created, f"Validation on {v['tokens']} tokens: loss={v['loss']:.4f}, "
+                 f"token accuracy={v['accuracy']:.4f}{was}", kind="metrics",
+                 data={"step": s.ft_optimizer_steps, "full_valid_loss": v["loss"],
+                       "full_valid_mean_token_accuracy": v["accuracy"], "valid_loss_before": before,
+                       "valid_mean_token_accuracy_before": v.get("accuracy_before")})
 
 
 def add_finetune_job_routes(app: FastAPI, board: JobBoard) -> None:
     """``/v1/fine_tuning/jobs`` over ``board`` (a server that does not fine-tune lists none)."""
     def obj(job: FinetuneJob) -> dict[str, Any]:
-        return job_object(job, board.stats(job), status=board.status(job))
+        return job_object(job, board.stats(job), status=board.status(job), validation=board.validation.get(job.id))
 
     @app.get("/v1/fine_tuning/jobs")
     async def list_jobs(after: str | None = None, limit: int = Query(20, ge=1, le=1000)) -> dict[str, Any]:
@@ -182,7 +205,7 @@ def add_finetune_job_routes(app: FastAPI, board: JobBoard) -> None:
                           limit: int = Query(20, ge=1, le=1000)) -> dict[str, Any]:
         job = board.find(job_id)
         # (the train log grows by a line a step: read off the event loop)
-        events = await asyncio.to_thread(job_events, job, board.stats(job))
+        events = await asyncio.to_thread(job_events, job, board.stats(job), board.validation.get(job_id))
         if after is not None:
             ids = [e["id"] for e in events]
             if after not in ids:

@@ -8,6 +8,11 @@ store, trainer process: seconds, in a worker thread), then attached between two 
 :func:`prepare_latency`, and saved again by each job's end), else (``--no-calibrate``) from the
 default coefficients, which learn online. When a job ends its adapter is exported to
 ``DIR/jobs/<id>/adapter`` and (succeeded or cancelled) served as its ``fine_tuned_model``.
+
+A job's ``validation_file`` is scored twice through the serving engine, as requests beside the
+clients' (a few at a time): with the base model while the job trains, and with the exported adapter once it
+has ended (OpenAI's ``full_valid_loss`` and ``full_valid_mean_token_accuracy``), kept in
+``DIR/jobs/<id>/validation.json``.
 """
 
 from __future__ import annotations
@@ -15,19 +20,28 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from fastapi import HTTPException
 
+from coserve.core.finetune import FTSample
 from coserve.core.latency import LatencyModel
 from coserve.engine.llm_engine import LLMEngine
+from coserve.engine.sequence import LoRARequest
 from coserve.server.engine_thread import EngineStats, EngineThread
 from coserve.server.files import FileStore
-from coserve.server.finetune import FinetuneSession, FinetuneSpec
+from coserve.server.finetune import (
+    EvalResult,
+    FinetuneSession,
+    FinetuneSpec,
+    evaluate_served,
+    read_dataset,
+)
 from coserve.server.finetune_jobs import SERVED_OUTCOMES, FinetuneJob
 from coserve.server.protocol import CreateJobRequest
 
@@ -82,6 +96,8 @@ def _write_json(path: Path, value: object) -> None:
     tmp.replace(path)
 
 
+DELETED = "model_deleted.json"  # (in a job's directory: its fine-tuned model was deleted)
+
 OUTCOME_FIELDS = ("ft_outcome", "ft_finished_at", "ft_failure", "ft_tokens_trained", "ft_optimizer_steps", "ft_loss",
                   "ft_first_loss", "ft_samples_retired", "ft_samples_total")
 """The :class:`EngineStats` fields an ended job keeps across a restart (``outcome.json``), with its
@@ -102,6 +118,27 @@ def _read_outcome(path: Path, job_id: str) -> EngineStats:
                                       f"{path.parent / 'checkpoint'})")
 
 
+def _read_validation(path: Path) -> dict[str, object]:
+    """A job's validation scores (``validation.json``); still running there: the server stopped."""
+    try:
+        v = dict(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        v = {"status": "running"}
+    if v.get("status") == "running":
+        v.update(status="failed", error="the server stopped before the validation was done")
+    return v
+
+
+def _number(x: float) -> float | None:
+    """``x`` for JSON (NaN, a set with no target token, as null)."""
+    return x if math.isfinite(x) else None
+
+
+def _settle(future: asyncio.Future[EngineStats], final: EngineStats) -> None:
+    if not future.done():
+        future.set_result(final)
+
+
 class JobBoard:
     """Every job of this server's life, newest first, and the one that runs (at most one).
 
@@ -119,6 +156,11 @@ class JobBoard:
         self.jobs: dict[str, FinetuneJob] = {}  # oldest first
         self.setting_up: dict[str, asyncio.Task[None]] = {}
         self.cancel_asked: set[str] = set()
+        # each job's validation file's scores so far (JobsConfig jobs with a validation_file)
+        self.validation: dict[str, dict[str, object]] = {}
+        self._ended: dict[str, asyncio.Future[EngineStats]] = {}  # (set when a validated job has ended)
+        self._validating: set[asyncio.Task[None]] = set()
+        self.deleted: set[str] = set()  # the jobs whose fine-tuned model a client deleted (not served)
         # how a job ended that never ran (its set-up failed), or one of an earlier server's life
         self.past: dict[str, EngineStats] = {}
         if config is not None:
@@ -143,7 +185,11 @@ class JobBoard:
         for job in sorted(found, key=lambda j: j.created_at):
             stats = _read_outcome(job.train_log.parent / "outcome.json", job.id)
             self.jobs[job.id], self.past[job.id] = job, stats
-            if stats.ft_outcome in SERVED_OUTCOMES and stats.adapter_path is not None and job.fine_tuned_model:
+            if job.validation_file is not None:
+                self.validation[job.id] = _read_validation(job.train_log.parent / "validation.json")
+            if (job.train_log.parent / DELETED).is_file():
+                self.deleted.add(job.id)
+            elif stats.ft_outcome in SERVED_OUTCOMES and stats.adapter_path is not None and job.fine_tuned_model:
                 try:
                     self.serve_adapter(job.fine_tuned_model, str(stats.adapter_path))
                 except Exception as e:  # (its adapter deleted meanwhile, say: the server starts anyway)
@@ -165,6 +211,24 @@ class JobBoard:
             raise HTTPException(404, f"no fine-tuning job {job_id!r} on this server"
                                      + (f"; its jobs: {known}" if known else ""))
         return job
+
+    def job_of_model(self, name: str) -> FinetuneJob | None:
+        """The job whose fine-tuned model ``name`` is (served or not), if any."""
+        return next((j for j in self.jobs.values() if j.fine_tuned_model == name), None)
+
+    def file_user(self, file_id: str) -> str | None:
+        """The job being set up or trained on file ``file_id`` (its training or validation file)."""
+        job = self.running()
+        if job is not None and file_id in (job.training_file, job.validation_file):
+            return job.id
+        return None
+
+    def model_deleted(self, job: FinetuneJob) -> None:
+        """``job``'s fine-tuned model is no longer served (a client deleted it), nor after a
+        restart; its adapter stays on disk."""
+        self.deleted.add(job.id)
+        if self.config is not None:
+            _write_json(job.train_log.parent / DELETED, {"deleted_at": time.time()})
 
     def stats(self, job: FinetuneJob) -> EngineStats:
         """The figures of ``job``: its last ones once it has ended, the engine thread's while it
@@ -196,9 +260,6 @@ class JobBoard:
             raise HTTPException(400, NO_JOBS)
         if req.model != self.model:
             raise HTTPException(400, f"model: this server fine-tunes its base model {self.model!r}, not {req.model!r}")
-        if req.validation_file is not None:
-            raise HTTPException(400, "validation_file: not supported (coserve finetune --eval-data scores a "
-                                     "held-out set offline)")
         if req.integrations:
             raise HTTPException(400, "integrations: not supported")
         hp = req.resolved_hyperparameters()
@@ -212,6 +273,7 @@ class JobBoard:
             raise HTTPException(400, "hyperparameters.learning_rate_multiplier must be in (0, 100], got "
                                      f"{hp.learning_rate_multiplier}")
         data = self.files.path(self.files.get(req.training_file)["id"])
+        valid = self.files.path(self.files.get(req.validation_file)["id"]) if req.validation_file else None
         running = self.running()
         if running is not None:
             raise HTTPException(409, f"fine-tuning job {running.id!r} is running and this server runs one job at "
@@ -232,16 +294,19 @@ class JobBoard:
         name = f"ft:{self.model}:coserve:{req.suffix + ':' if req.suffix else ''}{job_id}"
         job = FinetuneJob(job_id, int(time.time()), self.model, req.training_file, output / "train_log.jsonl",
                           epochs, spec.optim.lr, 0, seed, name, learning_rate_multiplier=mult, suffix=req.suffix,
-                          live=False)
+                          live=False, validation_file=req.validation_file, metadata=req.metadata)
         self.jobs[job_id] = job
         self._save_job(job)
-        self.setting_up[job_id] = asyncio.get_running_loop().create_task(self._start(job, spec))
+        self.setting_up[job_id] = asyncio.get_running_loop().create_task(self._start(job, spec, valid))
         logger.info("fine-tuning job %s created: %s, %d epochs, lr %g", job_id, data, epochs, spec.optim.lr)
         return job
 
-    async def _start(self, job: FinetuneJob, spec: FinetuneSpec) -> None:
+    async def _start(self, job: FinetuneJob, spec: FinetuneSpec, valid: Path | None) -> None:
         session: FinetuneSession | None = None
         try:
+            samples = None
+            if valid is not None:
+                samples = (await asyncio.to_thread(read_dataset, self.et.engine, valid, spec.coserve)).samples
             session = await asyncio.to_thread(FinetuneSession, self.et.engine, spec, job_id=job.id, attach=False)
             self.jobs[job.id] = replace(job, total_steps=session.optim.total_steps, learning_rate=session.optim.lr)
             self._save_job(self.jobs[job.id])
@@ -249,14 +314,58 @@ class JobBoard:
                 await asyncio.to_thread(session.close)
                 self._never_ran(job, "cancelled")
                 return
+            if samples is not None:
+                self._ended[job.id] = asyncio.get_running_loop().create_future()
             await self.et.start_session(session)
+            if samples is not None:
+                task = asyncio.get_running_loop().create_task(self._validate(job, samples))
+                self._validating.add(task)
+                task.add_done_callback(self._validating.discard)
         except Exception as e:
             logger.exception("fine-tuning job %s could not start", job.id)
+            self._ended.pop(job.id, None)
             if session is not None:
                 await asyncio.to_thread(session.close)
             self._never_ran(job, "failed", f"setting up the job: {e}")
         finally:
             del self.setting_up[job.id]
+
+    async def _validate(self, job: FinetuneJob, samples: Sequence[FTSample]) -> None:
+        """Score ``job``'s validation set with the base model while it trains, then, once it has
+        ended, with its exported adapter; a failure is noted in the scores, nothing else stops."""
+        v: dict[str, object] = {"status": "running", "samples": len(samples)}
+        self.validation[job.id] = v
+        self._save_validation(job)
+        submit = self.et.submit
+        try:
+            before = await evaluate_served(submit, samples, prefix=f"{job.id}-valid-base-")
+            v.update(loss_before=_number(before.loss), accuracy_before=_number(before.accuracy), tokens=before.tokens)
+            self._save_validation(job)
+            final = await self._ended[job.id]
+            if final.adapter_path is None:
+                raise RuntimeError("the job exported no adapter")
+            name = job.fine_tuned_model if final.ft_outcome in SERVED_OUTCOMES else None
+            lora = LoRARequest(name or f"{job.id}-validation", str(final.adapter_path))
+            try:
+                after: EvalResult = await evaluate_served(submit, samples, lora, prefix=f"{job.id}-valid-")
+            finally:
+                if name is None:  # (registered for the scoring only: not served)
+                    await self.et.call(lambda engine: engine.remove_lora(lora.name))
+            v.update(status="succeeded", loss=_number(after.loss), accuracy=_number(after.accuracy),
+                     tokens=after.tokens)
+            logger.info("fine-tuning job %s: validation loss %.4f (before training %.4f) on %d tokens", job.id,
+                        after.loss, before.loss, after.tokens)
+        except Exception as e:
+            logger.warning("fine-tuning job %s: validation failed: %s", job.id, e)
+            v.update(status="failed", error=str(e) or type(e).__name__)
+        finally:
+            v["finished_at"] = time.time()
+            self._ended.pop(job.id, None)
+            self._save_validation(job)
+
+    def _save_validation(self, job: FinetuneJob) -> None:
+        if self.config is not None and job.id in self.validation:
+            _write_json(job.train_log.parent / "validation.json", self.validation[job.id])
 
     def _never_ran(self, job: FinetuneJob, outcome: str, failure: str | None = None) -> None:
         self.past[job.id] = EngineStats(coserving=True, ft_job=job.id, ft_outcome=outcome,
@@ -294,6 +403,9 @@ class JobBoard:
         restarted server; returns the job's figures."""
         final = self._served(session, final)
         self._save_outcome(session.job_id, final)
+        ended = self._ended.get(session.job_id)
+        if ended is not None:
+            ended.get_loop().call_soon_threadsafe(_settle, ended, final)
         return final
 
     def _served(self, session: FinetuneSession, final: EngineStats) -> EngineStats:
