@@ -67,7 +67,9 @@ tables its held-out p99 is below ``after``'s, how many medians it raises over 3%
 unchanged: over all steps, not the held-out half, the shared level's p99 is higher on 4 of the
 11 (a phase not yet refitted, its busy term the running backward's, moves every phase's level;
 ``bench/results/latency_h200/README.md``, "Offline after session 23: decode forms";
-``session23/latency_fit_decode.json.gz``, ``--out`` that file).
+``session23/latency_fit_decode.json.gz``, ``--out`` that file). ``--decode-forms-only``: per table
+only ``decode_forms`` (seconds per table; the per-key forms, ``replay`` and ``prefill_forms`` are
+left out); ``--decode-forms a,b``: only those forms beside ``after``.
 
 ``prefill_forms`` (per table, prefill sets of tables with the ``chunks`` … ``enqueue_s`` columns,
 since session 20): the prefill set replayed online as ``replay``'s ``after`` (same calibration,
@@ -112,6 +114,7 @@ import importlib.util
 import json
 import math
 import sys
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -580,16 +583,18 @@ def prefill_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, .
 
 
 def decode_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
-                 prefill_buckets: tuple[int, ...] | None, defer: bool = True) -> dict[str, Any]:
+                 prefill_buckets: tuple[int, ...] | None, defer: bool = True,
+                 names: Collection[str] | None = None) -> dict[str, Any]:
     """Held-out error of the decode sets replayed online in ``latency_decode.DECODE_FORMS``
-    (module docstring, ``decode_forms``), from ``replay``'s calibration."""
+    (module docstring, ``decode_forms``), from ``replay``'s calibration; ``names``: only these
+    forms (and ``after``)."""
     steps = [r for r in rows if r[2] > 0]
     phases = replay_phases(steps)
     calibration = recover(steps, _replay_model(graph_sizes, prefill_buckets), phases).calibration
     state = {**LatencyModel().state_dict(), "coefficients": calibration, "calibration": calibration}
     return latency_decode.decode_forms(steps, phases, state, train,
                                        lambda m: _configure(m, graph_sizes, prefill_buckets, defer),
-                                       current_regressors)
+                                       current_regressors, names)
 
 
 def forms_summary(report: dict[str, Any]) -> dict[str, Any]:
@@ -617,6 +622,10 @@ def main() -> None:
     p.add_argument("--immediate-refits", action="store_true",
                    help="replay with each set refitted as soon as due (a server without defer_refits, "
                         "before e025b43); by default put off to the cap, as CoServer runs them")
+    p.add_argument("--decode-forms-only", action="store_true",
+                   help="per table only decode_forms (no per-key forms, replay or prefill_forms)")
+    p.add_argument("--decode-forms", default=None,
+                   help="comma-separated latency_decode.DECODE_FORMS to replay (and after); all by default")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not 0 < args.train < 1 or not 0 <= args.floor_quantile <= 1:
@@ -624,6 +633,9 @@ def main() -> None:
     report: dict[str, Any] = {}
     graph_sizes = tuple(int(v) for v in args.graph_sizes.split(","))
     buckets = tuple(int(v) for v in args.prefill_buckets.split(","))
+    names = None if args.decode_forms is None else args.decode_forms.split(",")
+    if names is not None and set(names) - set(latency_decode.DECODE_FORMS):
+        p.error(f"--decode-forms: unknown {sorted(set(names) - set(latency_decode.DECODE_FORMS))}")
     for path in args.results:
         result = read_result(path)
         tables = step_tables(result, args.config)
@@ -631,11 +643,15 @@ def main() -> None:
             p.error(f"{path}: no step table (a result of this commit's `coserve bench` or coserve_latency.py)")
         graphs = bool(result.get("config", {}).get("prefill_graphs"))
         for name, rows in tables.items():
-            entry = evaluate(rows, args.train, args.floor_quantile, graph_sizes)
             pb = buckets if graphs else None
-            entry["replay"] = replay(rows, args.train, graph_sizes, pb, defer=not args.immediate_refits)
-            entry["prefill_forms"] = prefill_forms(rows, args.train, graph_sizes, pb, defer=not args.immediate_refits)
-            entry["decode_forms"] = decode_forms(rows, args.train, graph_sizes, pb, defer=not args.immediate_refits)
+            entry: dict[str, Any] = {}
+            if not args.decode_forms_only:
+                entry = evaluate(rows, args.train, args.floor_quantile, graph_sizes)
+                entry["replay"] = replay(rows, args.train, graph_sizes, pb, defer=not args.immediate_refits)
+                entry["prefill_forms"] = prefill_forms(rows, args.train, graph_sizes, pb,
+                                                       defer=not args.immediate_refits)
+            entry["decode_forms"] = decode_forms(rows, args.train, graph_sizes, pb, defer=not args.immediate_refits,
+                                                 names=names)
             report[f"{Path(path).name}:{name}"] = entry
     if any(e.get("prefill_forms") for e in report.values()):
         report["prefill_forms_summary"] = forms_summary(report)
@@ -648,7 +664,9 @@ def main() -> None:
                                              "floor_quantile": args.floor_quantile,
                                              "graph_sizes": args.graph_sizes,
                                              "prefill_buckets": args.prefill_buckets,
-                                             "immediate_refits": args.immediate_refits},
+                                             "immediate_refits": args.immediate_refits,
+                                             "decode_forms_only": args.decode_forms_only,
+                                             "decode_forms": args.decode_forms},
                   "figures": report}
         body = json.dumps(record, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)
         if args.out.endswith(".gz"):
