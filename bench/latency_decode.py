@@ -25,6 +25,8 @@ from coserve.core.latency import (
     LEVEL_FORMS,
     LEVEL_RATE,
     LEVEL_RECENTER_STEPS,
+    SHARE_AFTER_STEPS,
+    SHARED_LEVEL_RATE,
     LatencyModel,
     busy_key,
 )
@@ -152,7 +154,9 @@ class DecodeForm:
 
 
 DECODE_FORMS: dict[str, DecodeForm] = {
-    "after": DecodeForm(Ewma),
+    "after": DecodeForm(lambda: Scheduled(0, rate=LEVEL_RATE, shared_rate=SHARED_LEVEL_RATE), shared,
+                        fitted_only=True, share_after=SHARE_AFTER_STEPS),
+    "per_phase": DecodeForm(Ewma),
     "rate_0.1": DecodeForm(lambda: Ewma(0.1)),
     "rate_0.35": DecodeForm(lambda: Ewma(0.35)),
     "rate_0.5": DecodeForm(lambda: Ewma(0.5)),
@@ -179,9 +183,11 @@ DECODE_FORMS: dict[str, DecodeForm] = {
     **{f"shared_fitted_0.3_after_{n}": DecodeForm(lambda: Scheduled(0, rate=LEVEL_RATE, shared_rate=0.3), shared,
                                                   fitted_only=True, share_after=n) for n in (250, 500, 1000)},
 }
-"""Level forms (module docstring). ``after``: the model as it runs (one level per busy set of
-each trainer phase, rate 0.2), against which the others are judged. Each of the next changes one
-thing of it: ``rate_*`` the level's rate; ``shared_level`` one level over a key's busy phases
+"""Level forms (module docstring). ``after``: the model as it runs, against which the others are
+judged: since session 24 ``shared_fitted_0.3_after_500`` (below); ``per_phase``: the model
+before it, which recorded the H200 tables of sessions 20–23 (one level per busy set of each
+trainer phase, rate 0.2; ``after`` until session 24). Each of the next changes one thing of
+``per_phase``: ``rate_*`` the level's rate; ``shared_level`` one level over a key's busy phases
 (each phase keeps its own ``(ρ, δ)``); ``level_by_position`` one level per phase and trainer
 position (``layer#k``, ``loss``, ``commit``, ``start``); ``reset_at_task`` busy levels back to 0
 as each backward task starts (the phase turns ``starting``); ``window_*`` a shorter refit window;
@@ -195,7 +201,7 @@ loss without giving up its later gain); ``shared_fitted_young_n``: that on ``sha
 levels (the shared level counts its steps from its first fitted phase);
 ``shared_fitted_shared_0.3``: ``shared_fitted`` with the shared level at 0.3 and a phase's own
 level at 0.2; ``shared_fitted_young_250_shared_0.3``: that with the shared level at 0.2 for its
-first 250 steps. ``shared_fitted_0.3_after_n``: ``after`` for the key's first n busy steps,
+first 250 steps. ``shared_fitted_0.3_after_n``: ``per_phase`` for the key's first n busy steps,
 then ``shared_fitted_shared_0.3`` (each phase's own level at 0.2 until it joins the shared one at
 0.3; sharing at 0.2 is what raises ``shared_fitted``'s first-500 medians)."""
 BASELINE = "after"
@@ -210,7 +216,7 @@ class _Trace(LatencyModel):
     observation refitted (their levels restart)."""
 
     def __init__(self, window: int) -> None:
-        super().__init__(level_rate=0.0, window=window)
+        super().__init__(level_rate=0.0, window=window, share_after=None)
         self.refitted: list[tuple[str, str]] = []
 
     # NOTE: LatencyModel calls it for each set whose prediction a refit changed

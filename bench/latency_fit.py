@@ -48,18 +48,20 @@ the recorded level that reproduces them best), with the engine's buckets (``--gr
 same held-out share as above: ``recorded`` (the server's predictions), and the model replayed as
 :data:`REPLAY_FORMS` configure it — ``before`` (one busy set, no level, no ``i_ctx``),
 ``phases`` (busy sets per trainer phase), ``level`` (each set's level), ``context`` (the prefill
-sets' ``i_ctx``), ``after`` (all three: the model the server now runs); ``matches_recorded``
-per form: how closely it reproduces the recorded predictions (median and p99 of
-``|replayed − recorded| / recorded`` over the key's steps). On the eleven tables below, ``after``
-does to a median of 0.6–1.5e-6 (the table's six digits) and a p99 of at most 3.4e-3 on the busy
+sets' ``i_ctx``), ``per_phase`` (all three: the model that recorded the tables of sessions
+20–23), ``after`` (the model the server now runs: ``per_phase`` with the busy phases sharing
+one level after a key's first 500 busy steps, ``coserve.core.latency.SHARE_AFTER_STEPS``);
+``matches_recorded`` per form: how closely it reproduces the recorded predictions (median and
+p99 of ``|replayed − recorded| / recorded`` over the key's steps). On the eleven tables below,
+``per_phase`` (``after`` until session 24) does to a median of 0.6–1.5e-6 (the table's six digits) and a p99 of at most 3.4e-3 on the busy
 decode set (before :func:`recover` divided the level out: 0.6–3.5×). The trainer's phase comes
 from each step's ``trainer_at`` through ``coserve.core.latency.trainer_phase``. A form without
 ``i_ctx`` is fed that regressor as 0: its coefficient stays at the calibration's, and a table
 recorded before the term was calibrated without it (0), so the prefill sets predict as the
 recorded model did.
 
-``decode_forms`` (per table, decode sets): the decode sets replayed as ``replay``'s ``after`` and
-with their level or window changed (``latency_decode.DECODE_FORMS``, each from what is known
+``decode_forms`` (per table, decode sets): the decode sets replayed as ``replay``'s ``after`` (and
+``per_phase``) and with their level or window changed (``latency_decode.DECODE_FORMS``, each from what is known
 before the step), each form's held-out error, and ``decode_forms_summary``: per form, on how many
 tables its held-out p99 is below ``after``'s, how many medians it raises over 3%, and whether it
 ``wins`` (a lower p99 on every table and no median raised over 3%). On the eleven tables,
@@ -67,7 +69,10 @@ tables its held-out p99 is below ``after``'s, how many medians it raises over 3%
 unchanged: over all steps, not the held-out half, the shared level's p99 is higher on 4 of the
 11 (a phase not yet refitted, its busy term the running backward's, moves every phase's level;
 ``bench/results/latency_h200/README.md``, "Offline after session 23: decode forms";
-``session23/latency_fit_decode.json.gz``, ``--out`` that file). ``--decode-forms-only``: per table
+``session23/latency_fit_decode.json.gz``, ``--out`` that file). Since session 24 the model is
+``shared_fitted_0.3_after_500`` (``after``; the earlier one is ``per_phase``), which was no worse
+than it on every table held-out, over all steps and over the first 500 (same README, "Offline in
+session 24"; ``session24/latency_decode_schedule.json.gz``). ``--decode-forms-only``: per table
 only ``decode_forms`` (seconds per table; the per-key forms, ``replay`` and ``prefill_forms`` are
 left out); ``--decode-forms a,b``: only those forms beside ``after``.
 
@@ -129,6 +134,7 @@ from coserve.core.latency import (
     LEVEL_CLIP,
     LEVEL_FORMS,
     LEVEL_RATE,
+    SHARE_AFTER_STEPS,
     TERMS,
     LatencyModel,
     error_summary,
@@ -323,11 +329,12 @@ PREFILL_BUCKETS = (128, 256, 512, 768, 1024, 1536, 2048)
 """``EngineConfig.prefill_graph_buckets``' default."""
 
 REPLAY_FORMS: dict[str, dict[str, Any]] = {
-    "before": {"phases": False, "level_rate": 0.0, "context": False},
-    "phases": {"phases": True, "level_rate": 0.0, "context": False},
-    "level": {"phases": False, "level_rate": LEVEL_RATE, "context": False},
-    "context": {"phases": False, "level_rate": 0.0, "context": True},
-    "after": {"phases": True, "level_rate": LEVEL_RATE, "context": True},
+    "before": {"phases": False, "level_rate": 0.0, "context": False, "share_after": None},
+    "phases": {"phases": True, "level_rate": 0.0, "context": False, "share_after": None},
+    "level": {"phases": False, "level_rate": LEVEL_RATE, "context": False, "share_after": None},
+    "context": {"phases": False, "level_rate": 0.0, "context": True, "share_after": None},
+    "per_phase": {"phases": True, "level_rate": LEVEL_RATE, "context": True, "share_after": None},
+    "after": {"phases": True, "level_rate": LEVEL_RATE, "context": True, "share_after": SHARE_AFTER_STEPS},
 }
 CALIBRATED_STEPS = 10
 """A set's first refit comes after this many observations: its predictions until then are the
@@ -437,8 +444,10 @@ def _configure(model: LatencyModel, graph_sizes: tuple[int, ...], prefill_bucket
 
 
 def _replay_model(graph_sizes: tuple[int, ...], prefill_buckets: tuple[int, ...] | None,
-                  level_rate: float = LEVEL_RATE, defer: bool = True) -> LatencyModel:
-    return _configure(LatencyModel(level_rate=level_rate), graph_sizes, prefill_buckets, defer)
+                  level_rate: float = LEVEL_RATE, defer: bool = True,
+                  share_after: int | None = SHARE_AFTER_STEPS) -> LatencyModel:
+    return _configure(LatencyModel(level_rate=level_rate, share_after=share_after), graph_sizes, prefill_buckets,
+                      defer)
 
 
 def replay(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
@@ -451,7 +460,7 @@ def replay(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
     state = {**LatencyModel().state_dict(), "coefficients": calibration, "calibration": calibration}
     predictions: dict[str, list[float]] = {}
     for form, options in REPLAY_FORMS.items():
-        model = _replay_model(graph_sizes, prefill_buckets, options["level_rate"], defer)
+        model = _replay_model(graph_sizes, prefill_buckets, options["level_rate"], defer, options["share_after"])
         model.load_state_dict(state)
         out = []
         for (key, _, measured, vec, *_), phase in zip(steps, phases, strict=True):

@@ -312,9 +312,11 @@ def test_replay_recovers_the_calibration_under_a_moving_level() -> None:
     # (the commit and task-start phases keep their own levels until their busy sets first refit)
     assert forms["views"]["first_500"]["shared_fitted"] not in (
         forms["views"]["first_500"]["shared_level"], forms["views"]["first_500"]["after"])
-    # (the per-phase levels, ``after``'s, for the first 500 busy steps, then shared)
-    assert forms["views"]["first_500"]["shared_fitted_0.3_after_500"] == forms["views"]["first_500"]["after"]
-    assert forms["shared_fitted_0.3_after_500"] not in (forms["after"], forms["shared_fitted_rate_0.3"])
+    # (the model since session 24: per-phase levels for the first 500 busy steps, then shared)
+    assert forms["views"]["first_500"]["after"] == forms["views"]["first_500"]["per_phase"]
+    assert forms["shared_fitted_0.3_after_500"] == forms["after"] != forms["per_phase"]
+    assert forms["after"] != forms["shared_fitted_rate_0.3"]
+    assert decode["matches_recorded"]["per_phase"]["p99_rel"] > 1e-6
     summary = latency_fit.latency_decode.decode_summary({"t": {"decode_forms": {"decode/graph/busy": forms}}})
     assert summary["sets"] == 1 and summary["baseline"] == "after"
     assert set(summary["shared_fitted"]["worse"]) == {"held_out", *forms["views"]}
