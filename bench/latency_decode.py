@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,8 @@ from coserve.core.latency import (
     LEVEL_FORMS,
     LEVEL_RATE,
     LEVEL_RECENTER_STEPS,
+    SHARE_AFTER_STEPS,
+    SHARED_LEVEL_RATE,
     LatencyModel,
     busy_key,
 )
@@ -43,17 +45,53 @@ class Ewma:
     def value(self, k: Any) -> float:
         return self.level.get(k, 0.0)
 
+    def rate_for(self, k: Any) -> float:
+        """The rate at which ``k``'s level moves at its next step."""
+        return self.rate
+
     def observe(self, k: Any, log_ratio: float) -> None:
         now = self.level.get(k, 0.0)
-        self.level[k] = now + self.rate * min(max(log_ratio - now, -LEVEL_CLIP), LEVEL_CLIP)
+        self.level[k] = now + self.rate_for(k) * min(max(log_ratio - now, -LEVEL_CLIP), LEVEL_CLIP)
 
     def recenter(self, k: Any, log_ratios: list[float]) -> None:
         if log_ratios:
             self.level[k] = float(statistics.median(log_ratios))
 
+    def join(self, k: Any, own: Any) -> None:
+        """A phase whose level was ``own`` moves to ``k``: ``k`` starts from ``own``'s if it has
+        no level yet (the first phase to join a shared level brings its own)."""
+        if k not in self.level and own in self.level:
+            self.level[k] = self.level[own]
+
     def task_start(self) -> None:
         if self.reset_at_task:
             self.level = {k: v for k, v in self.level.items() if k[1] == "idle"}
+
+
+class Scheduled(Ewma):
+    """:class:`Ewma` whose rate depends on the level: ``young_rate`` for a level's first
+    ``young_steps`` observed steps (start-up, while its set's busy terms are still stand-ins or
+    freshly fitted: a fast level there learns their error), ``rate`` after (a fast level follows
+    the drift); ``shared_rate`` (if set): the rate of a level shared among a key's busy phases
+    (keys ``(base, "busy")``) once it is past its young steps, a phase's own level keeping ``rate``.
+    A refit's restart of the level does not reset its count."""
+
+    def __init__(self, young_steps: int, young_rate: float = LEVEL_RATE, rate: float = 0.3,
+                 shared_rate: float | None = None) -> None:
+        super().__init__(rate)
+        self.young_steps, self.young_rate, self.shared_rate = young_steps, young_rate, shared_rate
+        self.seen: dict[Any, int] = {}
+
+    def rate_for(self, k: Any) -> float:
+        if self.seen.get(k, 0) < self.young_steps:
+            return self.young_rate
+        if self.shared_rate is not None and k[-1] == "busy":
+            return self.shared_rate
+        return self.rate
+
+    def observe(self, k: Any, log_ratio: float) -> None:
+        super().observe(k, log_ratio)
+        self.seen[k] = self.seen.get(k, 0) + 1
 
 
 class Recent:
@@ -74,6 +112,10 @@ class Recent:
 
     def recenter(self, k: Any, log_ratios: list[float]) -> None:
         self.ratios[k] = deque(log_ratios[-self.k:], maxlen=self.k)
+
+    def join(self, k: Any, own: Any) -> None:
+        if k not in self.ratios and own in self.ratios:
+            self.ratios[k] = deque(self.ratios[own], maxlen=self.k)
 
     def task_start(self) -> None:
         pass
@@ -105,10 +147,16 @@ class DecodeForm:
     fitted_only: bool = False
     """Share ``keys``' level only among the busy phases whose set has its own fitted ``(ρ, δ)``
     (as the step begins); a phase still priced by a stand-in term keeps its own level."""
+    share_after: int = 0
+    """Busy phases keep their own levels (``after``'s) until the key has this many busy steps
+    measured, then share ``keys``' level (as ``fitted_only`` allows), the first to join bringing
+    its own level (:meth:`Ewma.join`); 0: from the start, levels not carried over."""
 
 
 DECODE_FORMS: dict[str, DecodeForm] = {
-    "after": DecodeForm(Ewma),
+    "after": DecodeForm(lambda: Scheduled(0, rate=LEVEL_RATE, shared_rate=SHARED_LEVEL_RATE), shared,
+                        fitted_only=True, share_after=SHARE_AFTER_STEPS),
+    "per_phase": DecodeForm(Ewma),
     "rate_0.1": DecodeForm(lambda: Ewma(0.1)),
     "rate_0.35": DecodeForm(lambda: Ewma(0.35)),
     "rate_0.5": DecodeForm(lambda: Ewma(0.5)),
@@ -124,10 +172,22 @@ DECODE_FORMS: dict[str, DecodeForm] = {
     "shared_rate_0.3": DecodeForm(lambda: Ewma(0.3), shared),
     "shared_fitted": DecodeForm(Ewma, shared, fitted_only=True),
     "shared_fitted_rate_0.3": DecodeForm(lambda: Ewma(0.3), shared, fitted_only=True),
+    "young_250": DecodeForm(lambda: Scheduled(250)),
+    "young_500": DecodeForm(lambda: Scheduled(500)),
+    "shared_fitted_young_250": DecodeForm(lambda: Scheduled(250), shared, fitted_only=True),
+    "shared_fitted_young_500": DecodeForm(lambda: Scheduled(500), shared, fitted_only=True),
+    "shared_fitted_shared_0.3": DecodeForm(lambda: Scheduled(0, rate=LEVEL_RATE, shared_rate=0.3), shared,
+                                           fitted_only=True),
+    "shared_fitted_young_250_shared_0.3": DecodeForm(lambda: Scheduled(250, rate=LEVEL_RATE, shared_rate=0.3),
+                                                     shared, fitted_only=True),
+    **{f"shared_fitted_0.3_after_{n}": DecodeForm(lambda: Scheduled(0, rate=LEVEL_RATE, shared_rate=0.3), shared,
+                                                  fitted_only=True, share_after=n) for n in (250, 500, 1000)},
 }
-"""Level forms (module docstring). ``after``: the model as it runs (one level per busy set of
-each trainer phase, rate 0.2), against which the others are judged. Each of the next changes one
-thing of it: ``rate_*`` the level's rate; ``shared_level`` one level over a key's busy phases
+"""Level forms (module docstring). ``after``: the model as it runs, against which the others are
+judged: since session 24 ``shared_fitted_0.3_after_500`` (below); ``per_phase``: the model
+before it, which recorded the H200 tables of sessions 20–23 (one level per busy set of each
+trainer phase, rate 0.2; ``after`` until session 24). Each of the next changes one thing of
+``per_phase``: ``rate_*`` the level's rate; ``shared_level`` one level over a key's busy phases
 (each phase keeps its own ``(ρ, δ)``); ``level_by_position`` one level per phase and trainer
 position (``layer#k``, ``loss``, ``commit``, ``start``); ``reset_at_task`` busy levels back to 0
 as each backward task starts (the phase turns ``starting``); ``window_*`` a shorter refit window;
@@ -135,11 +195,20 @@ as each backward task starts (the phase turns ``starting``); ``window_*`` a shor
 percentile of the last 20 (a quantile, not a central value). ``shared_rate_0.3``:
 ``shared_level`` at rate 0.3. ``shared_fitted``: ``shared_level`` among the busy phases with their
 own fitted ``(ρ, δ)`` only (a phase still on the ``active`` or another stand-in term keeps its own
-level until its first refit); ``shared_fitted_rate_0.3``: that at rate 0.3."""
+level until its first refit); ``shared_fitted_rate_0.3``: that at rate 0.3. ``young_n``
+(:class:`Scheduled`): rate 0.2 for each level's first n steps, 0.3 after (rate 0.3's start-up
+loss without giving up its later gain); ``shared_fitted_young_n``: that on ``shared_fitted``'s
+levels (the shared level counts its steps from its first fitted phase);
+``shared_fitted_shared_0.3``: ``shared_fitted`` with the shared level at 0.3 and a phase's own
+level at 0.2; ``shared_fitted_young_250_shared_0.3``: that with the shared level at 0.2 for its
+first 250 steps. ``shared_fitted_0.3_after_n``: ``per_phase`` for the key's first n busy steps,
+then ``shared_fitted_shared_0.3`` (each phase's own level at 0.2 until it joins the shared one at
+0.3; sharing at 0.2 is what raises ``shared_fitted``'s first-500 medians)."""
 BASELINE = "after"
 FIRST_STEPS = 500
 """``decode_forms``' ``views``: besides the held-out half, each form's error over all the set's
-steps and over its first this many (start-up, before the phases' busy sets have refitted)."""
+steps, over its first this many (start-up, before the phases' busy sets have refitted) and over
+the next this many (where a form that changes at ``share_after = FIRST_STEPS`` changes)."""
 
 
 class _Trace(LatencyModel):
@@ -147,7 +216,7 @@ class _Trace(LatencyModel):
     observation refitted (their levels restart)."""
 
     def __init__(self, window: int) -> None:
-        super().__init__(level_rate=0.0, window=window)
+        super().__init__(level_rate=0.0, window=window, share_after=None)
         self.refitted: list[tuple[str, str]] = []
 
     # NOTE: LatencyModel calls it for each set whose prediction a refit changed
@@ -168,27 +237,30 @@ def _errors(pred: list[float], y: list[float]) -> dict[str, float]:
 
 def decode_forms(steps: list[list[Any]], phases: list[str], state: Mapping[str, Any], train: float,
                  configure: Callable[[LatencyModel], None],
-                 regressors: Callable[[str, list[float]], list[float]]) -> dict[str, Any]:
+                 regressors: Callable[[str, list[float]], list[float]],
+                 names: Collection[str] | None = None) -> dict[str, Any]:
     """Held-out error of each decode key's steps under :data:`DECODE_FORMS` (module docstring).
 
     ``steps``: the table's timed rows in order; ``phases``: each one's trainer phase; ``state``:
     the recovered calibration as a ``LatencyModel`` state; ``configure``: sets a model's buckets
     and refit deferral as the server's; ``regressors(base, vec)``: a row's regressors in this
-    commit's terms."""
+    commit's terms; ``names``: only these forms (and :data:`BASELINE`), all when ``None``."""
     decode = [i for i, s in enumerate(steps) if s[0].startswith(LEVEL_FORMS)]
     if not decode:
         return {}
-    preds: dict[str, dict[int, float]] = {name: {} for name in DECODE_FORMS}
+    chosen = {name: f for name, f in DECODE_FORMS.items() if names is None or name in names or name == BASELINE}
+    preds: dict[str, dict[int, float]] = {name: {} for name in chosen}
     # (the model's layer count, known before the run: the loss boundary is the highest)
     layers = max((int(s[5][0]) for s in steps if len(s) > 5 and s[5] is not None), default=0)
-    for window in sorted({f.window for f in DECODE_FORMS.values()}):
-        forms = {name: f for name, f in DECODE_FORMS.items() if f.window == window}
+    for window in sorted({f.window for f in chosen.values()}):
+        forms = {name: f for name, f in chosen.items() if f.window == window}
         trace = _Trace(window)
         configure(trace)
         trace.load_state_dict(state)
         levels = {name: f.level() for name, f in forms.items()}
         history: dict[str, dict[Any, list[tuple[str, str, tuple[float, ...], float]]]] = {n: {} for n in forms}
         members: dict[str, dict[tuple[str, str], set[Any]]] = {n: {} for n in forms}
+        busy_steps: dict[str, int] = {}  # per key, its busy steps measured so far
         previous = "starting"
         for i, (row, phase) in enumerate(zip(steps, phases, strict=True)):
             key, measured, at = row[0], row[2], row[5] if len(row) > 5 else None
@@ -203,13 +275,18 @@ def decode_forms(steps: list[list[Any]], phases: list[str], state: Mapping[str, 
                 linear = trace.predict_regressors(base, v, s[1])
                 for name, form in forms.items():
                     k = form.keys(base, s[1], at, layers)
-                    if form.fitted_only and s[1] != "idle" and not trace.has_own_busy(base, s[1]):
+                    if s[1] != "idle" and (form.fitted_only and not trace.has_own_busy(base, s[1])
+                                           or busy_steps.get(base, 0) < form.share_after):
                         k = (base, s[1])
+                    elif form.share_after:
+                        levels[name].join(k, (base, s[1]))
                     preds[name][i] = linear * math.exp(levels[name].value(k))
                     if linear > 0:
                         levels[name].observe(k, math.log(measured / linear))
                     history[name].setdefault(k, []).append((base, s[1], v, measured))
                     members[name].setdefault(s, set()).add(k)
+                if s[1] != "idle":
+                    busy_steps[base] = busy_steps.get(base, 0) + 1
             trace.refitted.clear()
             trace.observe_regressors(base, v, measured, s[1])
             for t in trace.refitted:
@@ -232,24 +309,33 @@ def decode_forms(steps: list[list[Any]], phases: list[str], state: Mapping[str, 
                     **{name: _errors([p[i] for i in held], y_held) for name, p in preds.items()},
                     "views": {view: {name: _errors([p[i] for i in part], [steps[i][2] for i in part])
                                      for name, p in preds.items()}
-                              for view, part in (("all_steps", idx), (f"first_{FIRST_STEPS}", idx[:FIRST_STEPS]))}}
+                              for view, part in (("all_steps", idx), (f"first_{FIRST_STEPS}", idx[:FIRST_STEPS]),
+                                                 (f"steps_{FIRST_STEPS}_{2 * FIRST_STEPS}",
+                                                  idx[FIRST_STEPS:2 * FIRST_STEPS])) if part}}
     return out
 
 
 def decode_summary(report: Mapping[str, Any]) -> dict[str, Any]:
     """Per :data:`DECODE_FORMS` form, over every table's decode sets: on how many its held-out
-    p99 is below :data:`BASELINE`'s, its largest held-out median (the baseline's beside it), and
-    whether it ``wins``: a lower p99 on every set and no median raised over 3%."""
+    p99 is below :data:`BASELINE`'s, its largest held-out median (the baseline's beside it),
+    whether it ``wins``: a lower p99 on every set and no median raised over 3%, and ``worse``: per
+    view (``held_out`` and ``views``), on how many sets its median and its p99 are above the
+    baseline's (a form replaces the model only if it is no worse in every view). Forms that some
+    set did not run are left out."""
     sets = [entry for table in report.values() if isinstance(table, Mapping)
             for entry in table.get("decode_forms", {}).values()]
     out: dict[str, Any] = {"sets": len(sets), "baseline": BASELINE, "baseline_max_median_rel": max(
         (e[BASELINE]["median_rel"] for e in sets), default=math.nan)}
+    views = [v for v in (sets[0].get("views", {}) if sets else {}) if all(v in e.get("views", {}) for e in sets)]
+    parts = {"held_out": sets, **{v: [e["views"][v] for e in sets] for v in views}}
     for form in DECODE_FORMS:
-        if form == BASELINE:
+        if form == BASELINE or any(form not in e for e in sets):
             continue
         lower = sum(e[form]["p99_rel"] < e[BASELINE]["p99_rel"] for e in sets)
         raised = sum(e[form]["median_rel"] > max(0.03, e[BASELINE]["median_rel"]) for e in sets)
+        worse = {view: {stat: sum(e[form][stat] > e[BASELINE][stat] for e in part) for stat in ("median_rel", "p99_rel")}
+                 for view, part in parts.items()}
         out[form] = {"lower_p99_sets": lower, "medians_raised_over_3pct": raised,
                      "max_median_rel": max((e[form]["median_rel"] for e in sets), default=math.nan),
-                     "wins": bool(sets) and lower == len(sets) and raised == 0}
+                     "wins": bool(sets) and lower == len(sets) and raised == 0, "worse": worse}
     return out

@@ -48,18 +48,20 @@ the recorded level that reproduces them best), with the engine's buckets (``--gr
 same held-out share as above: ``recorded`` (the server's predictions), and the model replayed as
 :data:`REPLAY_FORMS` configure it — ``before`` (one busy set, no level, no ``i_ctx``),
 ``phases`` (busy sets per trainer phase), ``level`` (each set's level), ``context`` (the prefill
-sets' ``i_ctx``), ``after`` (all three: the model the server now runs); ``matches_recorded``
-per form: how closely it reproduces the recorded predictions (median and p99 of
-``|replayed − recorded| / recorded`` over the key's steps). On the eleven tables below, ``after``
-does to a median of 0.6–1.5e-6 (the table's six digits) and a p99 of at most 3.4e-3 on the busy
+sets' ``i_ctx``), ``per_phase`` (all three: the model that recorded the tables of sessions
+20–23), ``after`` (the model the server now runs: ``per_phase`` with the busy phases sharing
+one level after a key's first 500 busy steps, ``coserve.core.latency.SHARE_AFTER_STEPS``);
+``matches_recorded`` per form: how closely it reproduces the recorded predictions (median and
+p99 of ``|replayed − recorded| / recorded`` over the key's steps). On the eleven tables below,
+``per_phase`` (``after`` until session 24) does to a median of 0.6–1.5e-6 (the table's six digits) and a p99 of at most 3.4e-3 on the busy
 decode set (before :func:`recover` divided the level out: 0.6–3.5×). The trainer's phase comes
 from each step's ``trainer_at`` through ``coserve.core.latency.trainer_phase``. A form without
 ``i_ctx`` is fed that regressor as 0: its coefficient stays at the calibration's, and a table
 recorded before the term was calibrated without it (0), so the prefill sets predict as the
 recorded model did.
 
-``decode_forms`` (per table, decode sets): the decode sets replayed as ``replay``'s ``after`` and
-with their level or window changed (``latency_decode.DECODE_FORMS``, each from what is known
+``decode_forms`` (per table, decode sets): the decode sets replayed as ``replay``'s ``after`` (and
+``per_phase``) and with their level or window changed (``latency_decode.DECODE_FORMS``, each from what is known
 before the step), each form's held-out error, and ``decode_forms_summary``: per form, on how many
 tables its held-out p99 is below ``after``'s, how many medians it raises over 3%, and whether it
 ``wins`` (a lower p99 on every table and no median raised over 3%). On the eleven tables,
@@ -67,7 +69,12 @@ tables its held-out p99 is below ``after``'s, how many medians it raises over 3%
 unchanged: over all steps, not the held-out half, the shared level's p99 is higher on 4 of the
 11 (a phase not yet refitted, its busy term the running backward's, moves every phase's level;
 ``bench/results/latency_h200/README.md``, "Offline after session 23: decode forms";
-``session23/latency_fit_decode.json.gz``, ``--out`` that file).
+``session23/latency_fit_decode.json.gz``, ``--out`` that file). Since session 24 the model is
+``shared_fitted_0.3_after_500`` (``after``; the earlier one is ``per_phase``), which was no worse
+than it on every table held-out, over all steps and over the first 500 (same README, "Offline in
+session 24"; ``session24/latency_decode_schedule.json.gz``). ``--decode-forms-only``: per table
+only ``decode_forms`` (seconds per table; the per-key forms, ``replay`` and ``prefill_forms`` are
+left out); ``--decode-forms a,b``: only those forms beside ``after``.
 
 ``prefill_forms`` (per table, prefill sets of tables with the ``chunks`` … ``enqueue_s`` columns,
 since session 20): the prefill set replayed online as ``replay``'s ``after`` (same calibration,
@@ -112,6 +119,7 @@ import importlib.util
 import json
 import math
 import sys
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -126,6 +134,7 @@ from coserve.core.latency import (
     LEVEL_CLIP,
     LEVEL_FORMS,
     LEVEL_RATE,
+    SHARE_AFTER_STEPS,
     TERMS,
     LatencyModel,
     error_summary,
@@ -320,11 +329,12 @@ PREFILL_BUCKETS = (128, 256, 512, 768, 1024, 1536, 2048)
 """``EngineConfig.prefill_graph_buckets``' default."""
 
 REPLAY_FORMS: dict[str, dict[str, Any]] = {
-    "before": {"phases": False, "level_rate": 0.0, "context": False},
-    "phases": {"phases": True, "level_rate": 0.0, "context": False},
-    "level": {"phases": False, "level_rate": LEVEL_RATE, "context": False},
-    "context": {"phases": False, "level_rate": 0.0, "context": True},
-    "after": {"phases": True, "level_rate": LEVEL_RATE, "context": True},
+    "before": {"phases": False, "level_rate": 0.0, "context": False, "share_after": None},
+    "phases": {"phases": True, "level_rate": 0.0, "context": False, "share_after": None},
+    "level": {"phases": False, "level_rate": LEVEL_RATE, "context": False, "share_after": None},
+    "context": {"phases": False, "level_rate": 0.0, "context": True, "share_after": None},
+    "per_phase": {"phases": True, "level_rate": LEVEL_RATE, "context": True, "share_after": None},
+    "after": {"phases": True, "level_rate": LEVEL_RATE, "context": True, "share_after": SHARE_AFTER_STEPS},
 }
 CALIBRATED_STEPS = 10
 """A set's first refit comes after this many observations: its predictions until then are the
@@ -434,8 +444,10 @@ def _configure(model: LatencyModel, graph_sizes: tuple[int, ...], prefill_bucket
 
 
 def _replay_model(graph_sizes: tuple[int, ...], prefill_buckets: tuple[int, ...] | None,
-                  level_rate: float = LEVEL_RATE, defer: bool = True) -> LatencyModel:
-    return _configure(LatencyModel(level_rate=level_rate), graph_sizes, prefill_buckets, defer)
+                  level_rate: float = LEVEL_RATE, defer: bool = True,
+                  share_after: int | None = SHARE_AFTER_STEPS) -> LatencyModel:
+    return _configure(LatencyModel(level_rate=level_rate, share_after=share_after), graph_sizes, prefill_buckets,
+                      defer)
 
 
 def replay(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
@@ -448,7 +460,7 @@ def replay(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
     state = {**LatencyModel().state_dict(), "coefficients": calibration, "calibration": calibration}
     predictions: dict[str, list[float]] = {}
     for form, options in REPLAY_FORMS.items():
-        model = _replay_model(graph_sizes, prefill_buckets, options["level_rate"], defer)
+        model = _replay_model(graph_sizes, prefill_buckets, options["level_rate"], defer, options["share_after"])
         model.load_state_dict(state)
         out = []
         for (key, _, measured, vec, *_), phase in zip(steps, phases, strict=True):
@@ -580,16 +592,18 @@ def prefill_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, .
 
 
 def decode_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
-                 prefill_buckets: tuple[int, ...] | None, defer: bool = True) -> dict[str, Any]:
+                 prefill_buckets: tuple[int, ...] | None, defer: bool = True,
+                 names: Collection[str] | None = None) -> dict[str, Any]:
     """Held-out error of the decode sets replayed online in ``latency_decode.DECODE_FORMS``
-    (module docstring, ``decode_forms``), from ``replay``'s calibration."""
+    (module docstring, ``decode_forms``), from ``replay``'s calibration; ``names``: only these
+    forms (and ``after``)."""
     steps = [r for r in rows if r[2] > 0]
     phases = replay_phases(steps)
     calibration = recover(steps, _replay_model(graph_sizes, prefill_buckets), phases).calibration
     state = {**LatencyModel().state_dict(), "coefficients": calibration, "calibration": calibration}
     return latency_decode.decode_forms(steps, phases, state, train,
                                        lambda m: _configure(m, graph_sizes, prefill_buckets, defer),
-                                       current_regressors)
+                                       current_regressors, names)
 
 
 def forms_summary(report: dict[str, Any]) -> dict[str, Any]:
@@ -617,6 +631,10 @@ def main() -> None:
     p.add_argument("--immediate-refits", action="store_true",
                    help="replay with each set refitted as soon as due (a server without defer_refits, "
                         "before e025b43); by default put off to the cap, as CoServer runs them")
+    p.add_argument("--decode-forms-only", action="store_true",
+                   help="per table only decode_forms (no per-key forms, replay or prefill_forms)")
+    p.add_argument("--decode-forms", default=None,
+                   help="comma-separated latency_decode.DECODE_FORMS to replay (and after); all by default")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not 0 < args.train < 1 or not 0 <= args.floor_quantile <= 1:
@@ -624,6 +642,9 @@ def main() -> None:
     report: dict[str, Any] = {}
     graph_sizes = tuple(int(v) for v in args.graph_sizes.split(","))
     buckets = tuple(int(v) for v in args.prefill_buckets.split(","))
+    names = None if args.decode_forms is None else args.decode_forms.split(",")
+    if names is not None and set(names) - set(latency_decode.DECODE_FORMS):
+        p.error(f"--decode-forms: unknown {sorted(set(names) - set(latency_decode.DECODE_FORMS))}")
     for path in args.results:
         result = read_result(path)
         tables = step_tables(result, args.config)
@@ -631,11 +652,15 @@ def main() -> None:
             p.error(f"{path}: no step table (a result of this commit's `coserve bench` or coserve_latency.py)")
         graphs = bool(result.get("config", {}).get("prefill_graphs"))
         for name, rows in tables.items():
-            entry = evaluate(rows, args.train, args.floor_quantile, graph_sizes)
             pb = buckets if graphs else None
-            entry["replay"] = replay(rows, args.train, graph_sizes, pb, defer=not args.immediate_refits)
-            entry["prefill_forms"] = prefill_forms(rows, args.train, graph_sizes, pb, defer=not args.immediate_refits)
-            entry["decode_forms"] = decode_forms(rows, args.train, graph_sizes, pb, defer=not args.immediate_refits)
+            entry: dict[str, Any] = {}
+            if not args.decode_forms_only:
+                entry = evaluate(rows, args.train, args.floor_quantile, graph_sizes)
+                entry["replay"] = replay(rows, args.train, graph_sizes, pb, defer=not args.immediate_refits)
+                entry["prefill_forms"] = prefill_forms(rows, args.train, graph_sizes, pb,
+                                                       defer=not args.immediate_refits)
+            entry["decode_forms"] = decode_forms(rows, args.train, graph_sizes, pb, defer=not args.immediate_refits,
+                                                 names=names)
             report[f"{Path(path).name}:{name}"] = entry
     if any(e.get("prefill_forms") for e in report.values()):
         report["prefill_forms_summary"] = forms_summary(report)
@@ -648,7 +673,9 @@ def main() -> None:
                                              "floor_quantile": args.floor_quantile,
                                              "graph_sizes": args.graph_sizes,
                                              "prefill_buckets": args.prefill_buckets,
-                                             "immediate_refits": args.immediate_refits},
+                                             "immediate_refits": args.immediate_refits,
+                                             "decode_forms_only": args.decode_forms_only,
+                                             "decode_forms": args.decode_forms},
                   "figures": report}
         body = json.dumps(record, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)
         if args.out.endswith(".gz"):

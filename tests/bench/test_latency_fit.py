@@ -306,12 +306,48 @@ def test_replay_recovers_the_calibration_under_a_moving_level() -> None:
     forms = latency_fit.decode_forms(rows, 0.5, latency_fit.GRAPH_SIZES, None)["decode/graph/busy"]
     assert forms["after"] == pytest.approx(decode["after"], rel=1e-9)
     assert forms["shared_level"] != forms["after"]
-    assert set(forms["views"]) == {"all_steps", f"first_{latency_fit.latency_decode.FIRST_STEPS}"}
+    first = latency_fit.latency_decode.FIRST_STEPS
+    assert set(forms["views"]) == {"all_steps", f"first_{first}", f"steps_{first}_{2 * first}"}
     assert forms["views"]["all_steps"]["after"]["n"] == sum(r[0] == "decode/graph/busy" for r in rows)
     # (the commit and task-start phases keep their own levels until their busy sets first refit)
     assert forms["views"]["first_500"]["shared_fitted"] not in (
         forms["views"]["first_500"]["shared_level"], forms["views"]["first_500"]["after"])
+    # (the model since session 24: per-phase levels for the first 500 busy steps, then shared)
+    assert forms["views"]["first_500"]["after"] == forms["views"]["first_500"]["per_phase"]
+    assert forms["shared_fitted_0.3_after_500"] == forms["after"] != forms["per_phase"]
+    assert forms["after"] != forms["shared_fitted_rate_0.3"]
+    assert decode["matches_recorded"]["per_phase"]["p99_rel"] > 1e-6
     summary = latency_fit.latency_decode.decode_summary({"t": {"decode_forms": {"decode/graph/busy": forms}}})
     assert summary["sets"] == 1 and summary["baseline"] == "after"
+    assert set(summary["shared_fitted"]["worse"]) == {"held_out", *forms["views"]}
+    only = latency_fit.decode_forms(rows, 0.5, latency_fit.GRAPH_SIZES, None, names=["young_250"])["decode/graph/busy"]
+    assert only["young_250"] == forms["young_250"] and set(only["views"]["all_steps"]) == {"after", "young_250"}
     assert set(summary) - {"sets", "baseline", "baseline_max_median_rel"} == set(
         latency_fit.latency_decode.DECODE_FORMS) - {"after"}
+
+
+def test_scheduled_level_moves_slowly_while_young_and_its_shared_level_at_its_own_rate() -> None:
+    """``Scheduled``: ``young_rate`` for a level's first ``young_steps`` steps, then ``rate``
+    (``shared_rate`` for a key's shared busy level); a restart does not make it young again; a
+    phase joining a shared level with none yet brings its own."""
+    from coserve.core.latency import LEVEL_CLIP
+
+    decode = latency_fit.latency_decode
+    level = decode.Scheduled(2, young_rate=0.2, rate=0.3)
+    k = ("decode/graph", "active")
+    level.observe(k, 0.1)
+    assert level.value(k) == pytest.approx(0.02)
+    level.observe(k, 0.1)
+    assert level.value(k) == pytest.approx(0.02 + 0.2 * 0.08)
+    level.recenter(k, [0.0, 0.1, 0.2])
+    assert level.value(k) == pytest.approx(0.1) and level.rate_for(k) == 0.3
+    level.observe(k, 0.1 + 2 * LEVEL_CLIP)  # (clipped)
+    assert level.value(k) == pytest.approx(0.1 + 0.3 * LEVEL_CLIP)
+    shared = decode.Scheduled(0, rate=0.2, shared_rate=0.3)
+    assert shared.rate_for(k) == 0.2 and shared.rate_for(("decode/graph", "busy")) == 0.3
+    shared.observe(k, 0.1)
+    shared.join(("decode/graph", "busy"), k)
+    assert shared.value(("decode/graph", "busy")) == pytest.approx(0.02)
+    shared.observe(("decode/graph", "busy"), 0.12)
+    shared.join(("decode/graph", "busy"), ("decode/graph", "quiet"))  # (has one: kept)
+    assert shared.value(("decode/graph", "busy")) == pytest.approx(0.02 + 0.3 * 0.1)

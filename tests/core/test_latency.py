@@ -645,6 +645,46 @@ def test_decode_level_follows_a_drift_that_the_window_refit_cannot() -> None:
     assert a.median_rel < 0.03 < 0.07 < b.median_rel
 
 
+def test_busy_phases_share_one_level_after_the_keys_first_busy_steps() -> None:
+    """Each busy phase keeps its own level (rate LEVEL_RATE) for a decode key's first
+    SHARE_AFTER_STEPS busy steps; then the phases with their own fitted busy term share one level
+    (rate SHARED_LEVEL_RATE), the first to join bringing its own; a phase still priced by the
+    running backward's term keeps its own. Levels are not saved: the state is as before."""
+    from coserve.core.latency import SHARE_AFTER_STEPS, SHARED_LEVEL_RATE
+
+    rng = random.Random(14)
+    plan = [measure(s, random.Random(0), noise=0.0) for s in calibration_plan(512, 64, 64 * 2000, modes=("graph",))]
+    model, per_phase = LatencyModel(), LatencyModel(share_after=None)
+    for m in (model, per_phase):
+        m.fit(plan)
+    steps = [(s, "active" if i % 5 else "quiet", _busy_time(s, "active" if i % 5 else "quiet"))
+             for i, (s, _) in enumerate(_decode_steps(rng, SHARE_AFTER_STEPS))]
+    assert _replayed(model, steps, phases=True) == _replayed(per_phase, steps, phases=True)
+    spec = BatchSpec(decode_kv=(500,) * 8, mode="graph")
+    f = spec.features(busy=True)
+    active, quiet, starting = (replace(f, trainer_phase=p) for p in ("active", "quiet", "starting"))
+
+    def level(features: StepFeatures) -> float:
+        return math.log(model.predict(features) / model._linear("decode/graph", model.regressors(features),
+                                                                 features.trainer_phase))
+
+    own = level(active)
+    assert model.predict(quiet) == pytest.approx(per_phase.predict(quiet))
+    seconds = _busy_time(spec, "active") * 1.1
+    ratio = math.log(seconds / model._linear("decode/graph", model.regressors(active), "active"))
+    model.observe(spec.record(seconds, busy=True), "active")  # (joins the shared level, bringing its own)
+    assert level(active) == pytest.approx(own + SHARED_LEVEL_RATE * (ratio - own))
+    assert level(quiet) == pytest.approx(level(active))  # (its own busy term: it reads the shared level)
+    assert level(starting) == 0.0  # (priced by the active term: keeps its own level, none yet)
+    assert set(model.state_dict()) == set(per_phase.state_dict())
+    restored = LatencyModel()
+    restored.load_state_dict(json.loads(json.dumps(model.state_dict())))
+    assert restored.predict(active) == pytest.approx(
+        restored._linear("decode/graph", restored.regressors(active), "active"))  # (levels start anew)
+    with pytest.raises(ValueError):
+        LatencyModel(share_after=-1)
+
+
 def test_one_stall_moves_the_level_by_at_most_the_clip_and_prefill_sets_have_none() -> None:
     rng = random.Random(13)
     model = LatencyModel()

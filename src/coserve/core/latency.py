@@ -29,7 +29,14 @@ On top of the linear form, each decode set carries a level: an exponentially wei
 Decode steps beside the backward drift by 10–15% for tens of steps at a time (from one backward
 task to the next), which a refit over a 2,000-step window cannot follow; prefill sets mix step
 sizes whose errors differ, and a shared level made their held-out error worse
-(``bench/latency_fit.py``, ``replay``; ``bench/results/latency_h200/session11/``).
+(``bench/latency_fit.py``, ``replay``; ``bench/results/latency_h200/session11/``). A decode key's
+busy sets start with a level each (per trainer phase, rate :data:`LEVEL_RATE`); once the key has
+:data:`SHARE_AFTER_STEPS` busy steps, each phase whose busy set has its own fitted ``(ρ, δ)``
+moves to one level shared by the key's busy phases, at :data:`SHARED_LEVEL_RATE`: the drift is the
+backward's, whatever the phase, so every busy step teaches it (offline on eleven H200 tables, the
+held-out p99 fell on all eleven, from 15.0–20.2% to 13.2–18.7%, and neither all steps nor the
+first 500 got worse; ``bench/latency_decode.py``, ``bench/results/latency_h200/README.md``,
+session 24). Sharing earlier, or at the slower rate, raised start-up error.
 """
 
 from __future__ import annotations
@@ -356,6 +363,13 @@ LEVEL_CLIP = 0.5
 """The most one step's log ratio may differ from the level when the level moves."""
 LEVEL_RECENTER_STEPS = 20
 """After a refit, a set's level restarts from its latest this many steps."""
+SHARED_LEVEL_RATE = 0.3
+"""The rate of a decode key's shared busy level (:data:`SHARE_AFTER_STEPS`)."""
+SHARE_AFTER_STEPS = 500
+"""A decode key's busy phases share one level once the key has this many busy steps measured
+(a phase whose busy set still has no fitted ``(ρ, δ)`` of its own keeps its own level)."""
+SHARED: Final = "busy"
+"""The state under which a key's shared busy level is kept (not a trainer phase)."""
 LEVEL_FORMS: Final = ("decode/",)
 """The sets (by key prefix) that carry a level."""
 
@@ -370,7 +384,9 @@ class LatencyModel:
     excites (steady-state decoding) keep their calibrated values. A set with no fit yet falls back
     to: for ``graph``, the same form's ``eager`` set (slower, so a safe stand-in); else
     :data:`DEFAULT_COEFFICIENTS`. A decode set's level (module docstring) moves by
-    ``level_rate`` of each observed step's log ratio (0: no level).
+    ``level_rate`` of each observed step's log ratio (0: no level); a key's shared busy level by
+    ``shared_level_rate``, its busy phases joining it after ``share_after`` busy steps (None:
+    each phase keeps its own level, the model before session 24).
 
     :meth:`safety` is how far the set's recent steps ran over their predictions (the
     ``safety_quantile`` of measured / predicted over the last ``safety_window`` steps, each
@@ -391,6 +407,8 @@ class LatencyModel:
         safety_window: int = 200,
         safety_min_steps: int = 20,
         level_rate: float = LEVEL_RATE,
+        shared_level_rate: float = SHARED_LEVEL_RATE,
+        share_after: int | None = SHARE_AFTER_STEPS,
     ) -> None:
         if window < 1 or refit_every < 1 or prior_weight < 0:
             raise ValueError("LatencyModel needs window >= 1, refit_every >= 1, prior_weight >= 0")
@@ -399,12 +417,16 @@ class LatencyModel:
                 "LatencyModel needs 0 <= safety_quantile <= 1, safety_window >= 1, "
                 "safety_min_steps >= 1"
             )
-        if not 0.0 <= level_rate < 1.0:
-            raise ValueError("LatencyModel needs 0 <= level_rate < 1")
+        if not 0.0 <= level_rate < 1.0 or not 0.0 <= shared_level_rate < 1.0:
+            raise ValueError("LatencyModel needs 0 <= level_rate < 1 and 0 <= shared_level_rate < 1")
+        if share_after is not None and share_after < 0:
+            raise ValueError("LatencyModel needs share_after >= 0 (or None)")
         self.window = window
         self.refit_every = refit_every
         self.prior_weight = prior_weight
         self.level_rate = level_rate
+        self.shared_level_rate = shared_level_rate
+        self.share_after = share_after
         self._defaults = {form: _checked(form, defaults[form]) for form in TERMS}
         self._coef: dict[str, tuple[float, ...]] = {}
         self._busy: dict[str, tuple[float, ...]] = {}  # by busy_key(key, phase)
@@ -413,6 +435,10 @@ class LatencyModel:
         self._windows: dict[tuple[str, str], deque[tuple[tuple[float, ...], float]]] = {}
         self._unfitted: dict[tuple[str, str], int] = {}
         self._level: dict[tuple[str, str], float] = {}  # log of the set's recent measured / linear
+        self._busy_steps: dict[str, int] = {}  # per decode key, its busy steps observed
+        self._joined: set[tuple[str, str]] = set()  # busy sets that have priced a step by the shared level
+        # per decode key, the shared level's latest steps (state, regressors, time): its restart
+        self._shared_recent: dict[str, deque[tuple[str, tuple[float, ...], float]]] = {}
         self.safety_quantile = safety_quantile
         self.safety_min_steps = safety_min_steps
         self._ratios: dict[tuple[str, str], deque[float]] = {}
@@ -489,7 +515,15 @@ class LatencyModel:
     def predict_regressors(self, key: str, regressors: Sequence[float], state: str = "idle") -> float:
         """:meth:`predict` of a ``key`` step of :meth:`regressors` ``regressors`` in ``state``
         (:attr:`StepFeatures.state`)."""
-        return self._linear(key, regressors, state) * math.exp(self._level.get((key, state), 0.0))
+        return self._linear(key, regressors, state) * math.exp(self._level.get(self._level_key(key, state), 0.0))
+
+    def _level_key(self, key: str, state: str) -> tuple[str, str]:
+        """Whose level scales a ``key`` step in ``state``: ``(key, SHARED)`` for a busy phase
+        that has joined the key's shared level (module docstring), else the set's own."""
+        if (state == "idle" or self.share_after is None or self._busy_steps.get(key, 0) < self.share_after
+                or busy_key(key, state) not in self._busy or not key.startswith(LEVEL_FORMS)):
+            return (key, state)
+        return (key, SHARED)
 
     def _linear(self, key: str, regressors: Sequence[float], state: str) -> float:
         t = sum(c * v for c, v in zip(self.coefficients(key), regressors, strict=True))
@@ -538,7 +572,13 @@ class LatencyModel:
         s = (key, state)
         v = tuple(float(x) for x in regressors)
         linear = self._linear(key, v, state)
-        level = self._level.get(s, 0.0)
+        at = self._level_key(key, state)
+        if at != s:
+            if at not in self._level and s in self._level:
+                self._level[at] = self._level[s]  # (the first phase to join brings its level)
+            self._joined.add(s)
+            self._shared_recent.setdefault(key, deque(maxlen=LEVEL_RECENTER_STEPS)).append((state, v, duration_s))
+        level = self._level.get(at, 0.0)
         predicted = linear * math.exp(level)
         if predicted > 0:
             ratios = self._ratios.setdefault(s, deque(maxlen=self._safety_window))
@@ -554,7 +594,9 @@ class LatencyModel:
             # NOTE: clipped, so that one stalled step (a compile, an allocator retry) moves the
             # level by at most LEVEL_CLIP · level_rate
             step = min(max(math.log(duration_s / linear) - level, -LEVEL_CLIP), LEVEL_CLIP)
-            self._level[s] = level + self.level_rate * step
+            self._level[at] = level + (self.level_rate if at == s else self.shared_level_rate) * step
+        if state != "idle" and key.startswith(LEVEL_FORMS):
+            self._busy_steps[key] = self._busy_steps.get(key, 0) + 1
         win = self._windows.setdefault(s, deque(maxlen=self.window))
         win.append((v, duration_s))
         n = self._unfitted.get(s, 0) + 1
@@ -616,7 +658,13 @@ class LatencyModel:
             ly, lp = y[-LEVEL_RECENTER_STEPS:], linear[-LEVEL_RECENTER_STEPS:]
             if (lp > 0).any():
                 self._level[s] = float(np.median(np.log(ly[lp > 0] / lp[lp > 0])))
-        pred = linear[-self._safety_window:] * math.exp(self._level.get(s, 0.0))
+            if s in self._joined:
+                # the shared level restarts as well, from its own latest steps (of any phase)
+                shared = [(y_, self._linear(key, x_, st)) for st, x_, y_ in self._shared_recent[key]]
+                logs = [math.log(y_ / p_) for y_, p_ in shared if p_ > 0]
+                if logs:
+                    self._level[(key, SHARED)] = float(np.median(logs))
+        pred = linear[-self._safety_window:] * math.exp(self._level.get(self._level_key(key, state), 0.0))
         ratios = y[-self._safety_window:][pred > 0] / pred[pred > 0]
         self._ratios[s] = deque(ratios.tolist(), maxlen=self._safety_window)
         if len(ratios) >= self.safety_min_steps:
@@ -694,6 +742,9 @@ class LatencyModel:
         self._windows.clear()
         self._unfitted.clear()
         self._level.clear()
+        self._busy_steps.clear()
+        self._joined.clear()
+        self._shared_recent.clear()
         self._ratios.clear()
         self._safety.clear()
         self._ratio_count.clear()
