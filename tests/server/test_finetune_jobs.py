@@ -123,3 +123,33 @@ def test_total_steps_the_estimate_then_the_progress_then_the_count() -> None:
     assert job_object(JOB, running, now=2_000.0)["coserve"]["total_steps"] == 60
     assert total_steps(JOB, replace(running, ft_outcome="succeeded", ft_optimizer_steps=61)) == 61
     assert total_steps(JOB, replace(running, ft_outcome="cancelled")) == 60
+
+
+def test_the_trainer_exits_off_the_engine_thread_while_serving_goes_on(tmp_path: Path) -> None:
+    """A cancelled job's trainer finishes its task before it exits (a task's time, longer on a
+    busy CPU); the engine answers meanwhile, and the server's shutdown waits for it."""
+    import threading
+
+    engine = LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8))
+    spec = FinetuneSpec(data=DATA, output=tmp_path / "out", lora=LoRAConfig(rank=8, alpha=16),
+                        optim=OptimConfig(lr=1e-3), coserve=CoServeConfig(backward_tokens=32, max_seq_len=64, epochs=500),
+                        trainer_threads=1, save_every=0)
+    session = FinetuneSession(engine, spec)
+    exiting, release = threading.Event(), threading.Event()
+    stop = session.coserver.close
+
+    def slow_exit() -> None:  # a trainer still in its task
+        exiting.set()
+        release.wait(30)
+        stop()
+
+    session.coserver.close = slow_exit  # type: ignore[method-assign]
+    with serve(engine, session) as s:
+        (job,) = s.client.fine_tuning.jobs.list().data
+        assert s.client.fine_tuning.jobs.cancel(job.id).status == "cancelled"
+        assert exiting.wait(30) and not release.is_set()
+        r = s.client.completions.create(model=MODEL, prompt="Where is the candle?", max_tokens=3)
+        assert r.usage is not None and r.usage.completion_tokens >= 1, "answered while the trainer exits"
+        assert s.engine_thread.session is None and engine.coserver is None
+        release.set()
+    assert session.coserver.trainer.pid is None, "the shutdown waited for the trainer to exit"

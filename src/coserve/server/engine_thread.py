@@ -151,6 +151,13 @@ def _settle(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], result
         pass
 
 
+def _close_session(session: FinetuneSession) -> None:
+    try:
+        session.close()
+    except Exception:
+        logger.exception("stopping the trainer of fine-tuning job %s failed", session.job_id)
+
+
 class EngineThread:
     """Owns an :class:`LLMEngine` (and, one at a time, :class:`FinetuneSession` s) and steps it.
 
@@ -194,6 +201,7 @@ class EngineThread:
         self._closed = False
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None
+        self._exiting: list[threading.Thread] = []  # ended sessions' trainers, stopping
         engine.external_arrivals = lambda: bool(self._inbox)
 
     # ------------------------------------------------------------------ any thread
@@ -285,6 +293,15 @@ class EngineThread:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 logger.warning("the engine thread did not stop within %.0fs", timeout)
+        self.wait_trainers_exited(timeout)
+
+    def wait_trainers_exited(self, timeout: float | None = None) -> None:
+        """Block until the trainers of ended sessions have exited (a new session's set-up waits
+        for them, so that two trainers never hold the device's memory at once)."""
+        for t in list(self._exiting):
+            t.join(timeout)
+            if t.is_alive():
+                logger.warning("a fine-tuning trainer did not exit within %.0fs", timeout)
 
     # ------------------------------------------------------------------ the loop thread
 
@@ -375,8 +392,14 @@ class EngineThread:
             logger.exception("exporting the fine-tuned adapter failed")
             path = None
         finally:
-            session.close()
+            # NOTE: the trainer finishes its task before it exits (a backward task's time, longer on
+            # a busy CPU): off the loop thread, so that serving does not stall meanwhile
+            session.detach()
             self.session = None
+            self._exiting = [t for t in self._exiting if t.is_alive()]
+            exiting = threading.Thread(target=_close_session, args=(session,), name="coserve-trainer-exit", daemon=True)
+            exiting.start()
+            self._exiting.append(exiting)
         final = replace(self.stats, coserving=True, adapter_path=path, ft_outcome=outcome,
                         ft_finished_at=time.time(), **_session_stats(session))
         if self.on_session_end is not None:

@@ -290,9 +290,16 @@ class FinetuneSession:
             self.save_checkpoint()
         return path
 
-    def close(self) -> None:
+    def detach(self) -> None:
+        """Take the run off the engine (the engine's thread, between two steps): its steps carry
+        no more FT rows and its training slot is free. The trainer process is left running."""
         if self.engine.coserver is self.coserver:
             self.engine.detach()
+
+    def close(self) -> None:
+        """:meth:`detach`, then stop the trainer process (it finishes its task first: up to a
+        task's time, which need not be spent on the engine's thread)."""
+        self.detach()
         self.coserver.close()
 
     @property

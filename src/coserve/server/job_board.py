@@ -307,6 +307,7 @@ class JobBoard:
             samples = None
             if valid is not None:
                 samples = (await asyncio.to_thread(read_dataset, self.et.engine, valid, spec.coserve)).samples
+            await asyncio.to_thread(self.et.wait_trainers_exited)
             session = await asyncio.to_thread(FinetuneSession, self.et.engine, spec, job_id=job.id, attach=False)
             self.jobs[job.id] = replace(job, total_steps=session.optim.total_steps, learning_rate=session.optim.lr)
             self._save_job(self.jobs[job.id])
