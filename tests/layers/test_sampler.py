@@ -1,9 +1,11 @@
-"""Sampler: greedy, temperature, top-k/top-p kept sets, seeds, min_tokens, logprobs, dtypes."""
+"""Sampler: greedy, temperature, top-k/top-p/min-p kept sets, seeds, min_tokens, logit bias and penalties,
+logprobs, dtypes."""
 
 from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -366,3 +368,91 @@ def test_empty_batch_and_bad_inputs() -> None:
         sampler(torch.zeros(10), [GREEDY], [None], [0], frozenset())
     with pytest.raises(ValueError):
         sampler(torch.zeros(1, 10, dtype=torch.long), [GREEDY], [None], [0], frozenset())
+
+
+# ---------------------------------------------------------------- logit bias, penalties, min_p
+
+
+def _ref_processed(logits: list[float], p: SamplingParams, prompt: list[int], output: list[int]) -> list[float]:
+    """vLLM's order: the bias, the repetition penalty over prompt and output tokens, then the
+    frequency and presence penalties over the output's counts."""
+    x = list(logits)
+    for t, b in p.logit_bias:
+        x[t] += b
+    for t in set(prompt) | set(output):
+        x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+    counts = Counter(output)
+    for t, n in counts.items():
+        x[t] -= p.frequency_penalty * n + p.presence_penalty
+    return x
+
+
+PROCESSING = [
+    SamplingParams(temperature=0.0, logit_bias={3: 5.0, 7: -100.0}),
+    SamplingParams(temperature=0.0, frequency_penalty=0.7),
+    SamplingParams(temperature=0.0, presence_penalty=-1.5),
+    SamplingParams(temperature=0.0, repetition_penalty=1.8),
+    SamplingParams(temperature=0.0, repetition_penalty=0.5, frequency_penalty=2.0, presence_penalty=0.3,
+                   logit_bias={0: 1.0}),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("params", PROCESSING, ids=range(len(PROCESSING)))
+def test_bias_and_penalties_match_the_reference(device: str, params: SamplingParams) -> None:
+    from coserve.layers.sampler import _process_logits
+
+    torch.manual_seed(0)
+    vocab = 32
+    logits = torch.randn(3, vocab, device=device) * 3
+    histories = [([1, 2, 3, 3], [3, 4, 4, 4, 9]), ([5], []), ([0, 31], [31, 31, 0, 6])]
+    plain = SamplingParams(temperature=0.0)
+    rows = [params, plain, params]  # (a row without processing is left as it was)
+    got = _process_logits(logits.clone(), rows, histories)
+    for i, (p, (prompt, output)) in enumerate(zip(rows, histories, strict=True)):
+        want = _ref_processed(logits[i].tolist(), p, prompt, output)
+        assert got[i].tolist() == pytest.approx(want, rel=1e-6, abs=1e-5), i
+    # through the sampler: greedy rows take the processed argmax; logprobs stay the raw ones
+    out = Sampler()(logits, [replace(p, logprobs=1) for p in rows], [None] * 3, [0] * 3, frozenset(), histories)
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    for i, tok in enumerate(out):
+        assert tok.token_id == int(got[i].argmax())
+        assert tok.logprob == pytest.approx(float(raw[i, tok.token_id]), abs=1e-5)
+
+
+def test_a_penalty_without_token_ids_is_refused() -> None:
+    with pytest.raises(ValueError, match="token ids"):
+        Sampler()(torch.zeros(1, 8), [SamplingParams(frequency_penalty=1.0)], [None], [0], frozenset())
+
+
+@pytest.mark.parametrize("min_p", [0.0, 0.05, 0.3, 1.0])
+def test_min_p_keeps_the_tokens_at_least_min_p_as_likely_as_the_top(min_p: float) -> None:
+    from coserve.layers.sampler import _apply_min_p
+
+    torch.manual_seed(1)
+    x = torch.randn(4, 50) * 2
+    probs = torch.softmax(x, dim=-1)
+    got = _apply_min_p(x.clone(), [SamplingParams(min_p=min_p)] * 4)
+    for i in range(4):
+        want = {j for j in range(50) if probs[i, j] >= min_p * probs[i].max() * (1 - 1e-6)}
+        assert {j for j in range(50) if got[i, j] != -math.inf} == want
+    # sampling draws only from the kept set
+    sampler = Sampler(seed=3)
+    kept = {int(x[0].argmax())}
+    for _ in range(20):
+        (tok,) = sampler(x[:1], [SamplingParams(min_p=1.0, temperature=1.0)], [None], [0], frozenset())
+        assert tok.token_id in kept
+
+
+@pytest.mark.parametrize(("kwargs", "needle"), [
+    ({"presence_penalty": 2.5}, "presence_penalty must be in"),
+    ({"frequency_penalty": -3}, "frequency_penalty must be in"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be in"),
+    ({"min_p": -0.1}, "min_p must be in"),
+    ({"logit_bias": {-1: 1.0}}, "non-negative integers"),
+    ({"logit_bias": {1: 150}}, "biases must be in"),
+    ({"logit_bias": {1: "x"}}, "must map token ids to numbers"),
+])
+def test_bad_processing_settings_are_refused(kwargs: dict[str, object], needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        SamplingParams(**kwargs)  # type: ignore[arg-type]

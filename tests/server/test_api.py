@@ -49,7 +49,8 @@ class Served:
 @contextmanager
 def serve(engine: LLMEngine, session: FinetuneSession | None = None,
           adapters: dict[str, str] | None = None, runtime_lora: bool = False,
-          finetune_name: str | None = None, jobs: JobsConfig | None = None) -> Iterator[Served]:
+          finetune_name: str | None = None, jobs: JobsConfig | None = None,
+          api_key: str | None = None) -> Iterator[Served]:
     """Run the app under uvicorn in a background thread on a pre-bound free port."""
     batch_sizes: list[int] = []
     step = engine.step
@@ -66,7 +67,7 @@ def serve(engine: LLMEngine, session: FinetuneSession | None = None,
     port = sock.getsockname()[1]
     for name, path in (adapters or {}).items():
         engine.lora_manager.register(name, path)
-    app = create_app(engine_thread, MODEL, adapters, runtime_lora, finetune_name, jobs)
+    app = create_app(engine_thread, MODEL, adapters, runtime_lora, finetune_name, jobs, api_key)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -75,7 +76,7 @@ def serve(engine: LLMEngine, session: FinetuneSession | None = None,
         time.sleep(0.01)
     assert server.started, "uvicorn did not start"
     url = f"http://127.0.0.1:{port}"
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=api_key or "unused", max_retries=0, timeout=30)
     try:
         yield Served(engine_thread, url, client, batch_sizes)
     finally:
@@ -213,8 +214,14 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/completions", {"prompt": "a \udcff b"}, "lone surrogate"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "lone surrogate"),
     # fields this server does not implement, with a value that asks for something
-    ("/v1/completions", {"prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty is not supported"),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 100}}, "logit_bias is not supported"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 3}, "best_of is not supported"),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": 2.5}, "frequency_penalty must be in [-2, 2]"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty must be in (0, 100]"),
+    ("/v1/completions", {"prompt": "hi", "min_p": 1.5}, "min_p must be in [0, 1]"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, "keys must be token ids"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "biases must be in [-100, 100]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"99999": 1}},
+     "token id 99999 is outside the vocabulary"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "response_format": {"type": "json_object"}}, "response_format is not supported"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
@@ -342,6 +349,30 @@ def test_echo_gives_the_prompt_and_its_logprobs(served: Served) -> None:
     assert [ch.choices[0].finish_reason for ch in chunks] == ["length"]
     status, reply = http(served.url + "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0})
     assert status == 400 and "max_tokens" in reply["error"]["message"]  # (without echo: nothing to return)
+
+
+def test_logit_bias_and_penalties_through_the_openai_client(served: Served) -> None:
+    """OpenAI's ``logit_bias``, ``presence_penalty`` and ``frequency_penalty`` and vLLM's
+    ``repetition_penalty`` and ``min_p`` reach the sampler: a +100 bias forces its token, and a
+    strong frequency penalty keeps greedy decoding from repeating a token."""
+    c = served.client
+    forced = c.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=4, temperature=0,
+                                  logit_bias={"65": 100}, logprobs=0)
+    assert forced.choices[0].logprobs is not None
+    assert forced.choices[0].logprobs.tokens == [served.engine_thread.engine.tokenizer.decode([65])] * 4  # type: ignore[union-attr]
+    chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                     temperature=0, logit_bias={"65": 100})
+    assert chat.choices[0].message.content == served.engine_thread.engine.tokenizer.decode([65] * 3)  # type: ignore[union-attr]
+    plain = c.completions.create(model=MODEL, prompt=[9, 10, 11], max_tokens=24, temperature=0,
+                                 extra_body={"ignore_eos": True}, logprobs=0)
+    tokens = plain.choices[0].logprobs.tokens  # type: ignore[union-attr]
+    assert tokens is not None and len(set(tokens)) < len(tokens), "greedy decoding repeats itself here"
+    penalized = c.completions.create(model=MODEL, prompt=[9, 10, 11], max_tokens=24, temperature=0,
+                                     frequency_penalty=2, presence_penalty=2, extra_body={"ignore_eos": True})
+    assert penalized.choices[0].text != plain.choices[0].text
+    for body in ({"repetition_penalty": 1.3}, {"min_p": 0.2, "temperature": 1.0, "seed": 1}):
+        r = c.completions.create(model=MODEL, prompt="hi", max_tokens=4, extra_body=body)
+        assert r.usage is not None and r.usage.completion_tokens == 4
 
 
 def test_unsupported_fields_at_their_defaults_are_accepted(served: Served) -> None:
@@ -575,3 +606,16 @@ def test_submit_after_shutdown_fails_cleanly() -> None:
             await et.submit([1, 2, 3], SamplingParams(max_tokens=2)).get()
 
     asyncio.run(scenario())
+
+
+def test_with_an_api_key_the_v1_routes_need_it() -> None:
+    with serve(LLMEngine(EngineConfig(model=MODEL, device="cpu")), api_key="s3cret") as s:
+        r = s.client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert r.usage is not None and r.usage.completion_tokens == 2
+        for key in ("wrong", "s3cre"):
+            other = openai.OpenAI(base_url=f"{s.url}/v1", api_key=key, max_retries=0, timeout=30)
+            with pytest.raises(openai.AuthenticationError, match="a valid API key is needed"):
+                other.models.list()
+        status, reply = http(s.url + "/v1/chat/completions", {"model": MODEL, "messages": []})
+        assert status == 401 and reply["error"]["type"] == "authentication_error"
+        assert http(s.url + "/health")[0] == 200 and http(s.url + "/metrics")[0] == 200

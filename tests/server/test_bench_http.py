@@ -77,3 +77,31 @@ def test_prompts_are_fitted_to_the_context_the_server_gives(served: Served, tmp_
                  "2040", "--length-scale", "0.01", "--out", str(out)]) == 0
     assert "prompts clipped to 8 tokens (--max-prompt 4096)" in capsys.readouterr().out
     assert json.loads(out.read_text())["config"]["workload"]["scaling"]["max_prompt"] == 8
+
+
+def test_a_server_with_an_api_key_is_benchmarked_with_it_and_the_key_is_not_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from coserve.server.cli import main
+
+    monkeypatch.setenv("COSERVE_API_KEY", "env-secret")
+    with serve(LLMEngine(EngineConfig(model=MODEL, device="cpu")), api_key="s3cret") as s:
+        out = tmp_path / "r.json"
+        argv = ["bench-http", "--url", s.url, "--model", MODEL, "--vocab-size", "1024", "--workload", "burst-light",
+                "--duration", "1", "--rate-scale", "0.05", "--max-prompt", "32", "--max-output", "4", "--out", str(out)]
+        assert main([*argv, "--api-key", "s3cret"]) == 0
+        result = json.loads(out.read_text())
+        assert result["figures"]["errors"] == 0 and result["figures"]["requests"] > 0
+        assert "s3cret" not in out.read_text() and "env-secret" not in out.read_text()
+        assert "COSERVE_API_KEY=***" in result["command"]
+        assert main([*argv, "--api-key=wrong"]) == 0
+        result = json.loads(out.read_text())
+        assert result["figures"]["errors"] == result["figures"]["requests"] > 0
+        assert "HTTP 401" in next(iter(result["figures"]["first_errors"].values()))
+        assert "wrong" not in out.read_text()
+
+
+def test_a_result_files_command_hides_api_keys() -> None:
+    from coserve.bench.provenance import provenance
+
+    command = provenance(["coserve", "bench-http", "--api-key", "k1", "--url", "u", "--api-key=k2"])["command"]
+    assert command.endswith("coserve bench-http --api-key '***' --url u '--api-key=***'")

@@ -42,7 +42,7 @@ class HttpDriver:
     realistic ids."""
 
     def __init__(self, base_url: str, model: str, *, seed: int = 0, vocab_size: int = 1000, low_token: int = 10,
-                 timeout_s: float = 600.0, temperature: float = 0.0) -> None:
+                 timeout_s: float = 600.0, temperature: float = 0.0, api_key: str | None = None) -> None:
         if vocab_size <= low_token:
             raise ValueError(f"vocab_size must exceed low_token ({low_token}), got {vocab_size}")
         self.base_url = base_url.rstrip("/")
@@ -52,6 +52,8 @@ class HttpDriver:
         self.low_token = low_token
         self.timeout_s = timeout_s
         self.temperature = temperature
+        # (sent as OpenAI clients send it: a server started with an API key needs it)
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def prompt(self, i: int, n: int) -> list[int]:
         rng = random.Random(self.seed * 1_000_003 + i)
@@ -68,7 +70,7 @@ class HttpDriver:
         import httpx
 
         try:
-            reply = httpx.get(f"{self.base_url}/v1/models", timeout=30.0)
+            reply = httpx.get(f"{self.base_url}/v1/models", timeout=30.0, headers=self.headers)
             reply.raise_for_status()
             cards = reply.json().get("data", [])
         except (httpx.HTTPError, ValueError, AttributeError):
@@ -90,7 +92,8 @@ class HttpDriver:
         timeout = httpx.Timeout(self.timeout_s, connect=30.0)
         records: list[RequestRecord | None] = [None] * len(todo)
         errors: dict[int, str] = {}
-        async with httpx.AsyncClient(base_url=self.base_url, limits=limits, timeout=timeout) as client:
+        async with httpx.AsyncClient(base_url=self.base_url, limits=limits, timeout=timeout,
+                                     headers=self.headers) as client:
             t0 = time.monotonic()
 
             async def one(i: int, a: Arrival) -> None:

@@ -77,12 +77,31 @@ def provenance(argv: list[str] | None = None) -> dict[str, Any]:
             "python": sys.version.split()[0],
         },
         "command": " ".join(
-            [*_switches(), *(shlex.quote(a) for a in [sys.executable, *(sys.argv if argv is None else argv)])]
+            [*_switches(), *(shlex.quote(a) for a in [sys.executable, *_redacted(sys.argv if argv is None else argv)])]
         ),
     }
 
 
+SECRET_FLAGS = ("--api-key",)
+SECRET_VARIABLES = ("COSERVE_API_KEY",)
+"""What a result file's command never shows (an API key is written as ``***``)."""
+
+
+def _redacted(argv: list[str]) -> list[str]:
+    out, hide = [], False
+    for a in argv:
+        flag, eq, _ = a.partition("=")
+        if hide:
+            out.append("***")
+        elif eq and flag in SECRET_FLAGS:
+            out.append(f"{flag}=***")
+        else:
+            out.append(a)
+        hide = a in SECRET_FLAGS
+    return out
+
+
 def _switches() -> list[str]:
     """``NAME=value`` of every ``COSERVE_*`` variable set, except the provenance's own."""
-    return [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
+    return [f"{k}={'***' if k in SECRET_VARIABLES else shlex.quote(v)}" for k, v in sorted(os.environ.items())
             if k.startswith("COSERVE_") and k not in ("COSERVE_COMMIT", "COSERVE_DIRTY")]

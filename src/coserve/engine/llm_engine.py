@@ -206,6 +206,10 @@ class LLMEngine:
                 )
         if not ids:
             raise InvalidRequestError("the prompt is empty")
+        biased = [t for t, _ in params.logit_bias if t >= self.model_config.vocab_size]
+        if biased:
+            raise InvalidRequestError(
+                f"logit_bias: token id {biased[0]} is outside the vocabulary [0, {self.model_config.vocab_size})")
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {len(ids)} tokens; the model's context is {self.max_model_len} tokens "
@@ -465,6 +469,7 @@ class LLMEngine:
             [s.generator for s in sampling],
             [s.num_output_tokens for s in sampling],
             self.eos_token_ids,
+            [(s.prompt_token_ids, s.output_token_ids) for s in sampling],
         ) if sampling else []
         for c in chunks:
             c.seq.num_computed_tokens += c.num_tokens

@@ -4,14 +4,18 @@ The semantics follow vLLM. Each row of the logits belongs to one sequence that s
 
 1. ``min_tokens``: while a request has generated fewer than ``min_tokens`` tokens, its EOS ids
    and its ``stop_token_ids`` get ``-inf``, before anything else.
-2. Greedy rows (``params.greedy``) take the argmax.
-3. Sampled rows divide by the temperature, keep the top-k, then the top-p nucleus, and draw from
+2. Logit processing (:attr:`SamplingParams.processes_logits`): ``logit_bias`` added, then the
+   repetition penalty over the prompt's and the output's tokens, then the frequency and presence
+   penalties over the output's.
+3. Greedy rows (``params.greedy``) take the argmax.
+4. Sampled rows divide by the temperature, keep the top-k, then the top-p nucleus, then the
+   ``min_p`` set, and draw from
    the softmax of what is left with the exponential race (Gumbel-max): ``argmax(p / q)`` with
    ``q ~ Exp(1)`` drawn per row, which is an exact draw from ``p``. A seeded request draws its
    ``q`` only from its own generator, so its tokens do not depend on the rest of the batch or on
    its row; unseeded rows share the sampler's global generator.
-4. Log-probabilities, when asked for, come from the raw logits (before min_tokens, temperature,
-   top-k and top-p), as vLLM reports them by default.
+5. Log-probabilities, when asked for, come from the raw logits (before min_tokens, biases,
+   penalties, temperature, top-k, top-p and min_p), as vLLM reports them by default.
 
 Ties at a filter boundary are kept: top-k keeps every token whose logit equals the k-th largest
 (as vLLM's top-k does), and top-p keeps every token tied with the least probable token of the
@@ -56,6 +60,7 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
         num_generated: Sequence[int],
         eos_token_ids: frozenset[int],
+        token_ids: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
     ) -> list[SampledToken]:
         """Sample one token per row.
 
@@ -70,6 +75,8 @@ class Sampler:
             eos_token_ids: ids that end generation; masked, together with the request's
                 ``stop_token_ids``, while ``num_generated < params.min_tokens``. Ids outside
                 ``[0, V)`` are ignored (they cannot be sampled anyway).
+            token_ids: ``R`` (prompt token ids, output token ids) pairs, which the penalties
+                count; needed only where a row's params have a penalty.
 
         Returns:
             ``R`` :class:`SampledToken`, row-aligned. ``logprob`` and ``top_logprobs`` are set
@@ -92,6 +99,8 @@ class Sampler:
         device = logits.device
         raw = logits.float()  # may alias ``logits`` when already fp32: never modify it in place
         x = _mask_min_tokens(raw, params, num_generated, eos_token_ids)
+        if any(p.processes_logits for p in params):
+            x = _process_logits(x.clone() if x is raw else x, params, token_ids)
 
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if len(sampled_rows) < num_rows:
@@ -131,6 +140,7 @@ class Sampler:
         temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
         x.div_(temps.unsqueeze(1))
         x = _apply_top_k_top_p(x, params)
+        x = _apply_min_p(x, params)
 
         q = torch.empty_like(x)
         unseeded = [i for i, g in enumerate(generators) if g is None]
@@ -181,6 +191,48 @@ def _mask_min_tokens(
         return raw
     index = torch.tensor([rows, cols], device=raw.device)
     return raw.index_put((index[0], index[1]), torch.tensor(float("-inf"), device=raw.device))
+
+
+def _process_logits(x: torch.Tensor, params: Sequence[SamplingParams],
+                    token_ids: Sequence[tuple[Sequence[int], Sequence[int]]] | None) -> torch.Tensor:
+    """Each processing row's bias and penalties (module docstring, step 2), in place on ``x``
+    (``[R, V]`` fp32, owned). Bias ids outside ``[0, V)`` are ignored (the engine refuses them)."""
+    vocab, device = x.shape[1], x.device
+    for i, p in enumerate(params):
+        if not p.processes_logits:
+            continue
+        row = x[i]
+        if p.logit_bias:
+            ids = [t for t, _ in p.logit_bias if t < vocab]
+            bias = [b for t, b in p.logit_bias if t < vocab]
+            if ids:
+                row.index_add_(0, torch.tensor(ids, device=device), torch.tensor(bias, device=device))
+        if p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0:
+            continue
+        if token_ids is None:
+            raise ValueError("a row with a penalty needs its token ids (token_ids)")
+        prompt, output = token_ids[i]
+        out = torch.tensor(list(output), dtype=torch.long, device=device)
+        if p.repetition_penalty != 1.0:
+            seen = torch.cat([torch.tensor(list(prompt), dtype=torch.long, device=device), out]).unique()
+            seen = seen[seen < vocab]
+            v = row.index_select(0, seen)
+            row.index_copy_(0, seen, torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty))
+        if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and out.numel():
+            counts = torch.bincount(out[out < vocab], minlength=vocab).to(row.dtype)
+            row.sub_(counts * p.frequency_penalty + (counts > 0).to(row.dtype) * p.presence_penalty)
+    return x
+
+
+def _apply_min_p(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Set logits of tokens less than ``min_p`` times as likely as the row's most likely one to
+    ``-inf`` (``x``: ``[S, V]`` fp32 scaled and filtered logits, modified in place and returned)."""
+    if not any(p.min_p > 0.0 for p in params):
+        return x
+    min_p = torch.tensor([p.min_p for p in params], dtype=x.dtype, device=x.device)
+    # p_i >= min_p · p_max  <=>  x_i >= x_max + log(min_p)  (min_p = 0: log 0 = -inf keeps all)
+    floor = x.amax(dim=1) + min_p.log()
+    return x.masked_fill_(x < floor.unsqueeze(1), float("-inf"))
 
 
 def _apply_top_k_top_p(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

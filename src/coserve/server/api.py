@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import time
 import uuid
@@ -550,25 +551,34 @@ def _dataset_loader(engine_thread: EngineThread, jobs: JobsConfig) -> Callable[[
 
 def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str, str] | None = None,
                runtime_lora: bool = False, finetune_name: str | None = None,
-               jobs: JobsConfig | None = None) -> FastAPI:
+               jobs: JobsConfig | None = None, api_key: str | None = None) -> FastAPI:
     """The API app for ``engine_thread`` (started by the caller), serving ``model_name`` and each of
     ``adapters`` (model name -> PEFT directory) on it; with ``runtime_lora`` adapters can be
     loaded and unloaded while it serves (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``).
     A co-serving engine thread's run is the fine-tuning job of ``/v1/fine_tuning/jobs``, its adapter
     served as ``finetune_name`` (when given); with ``jobs`` clients upload data (``/v1/files``) and
-    create jobs, each one's adapter served, once trained, under its ``fine_tuned_model`` name."""
+    create jobs, each one's adapter served, once trained, under its ``fine_tuned_model`` name.
+    With ``api_key``, every ``/v1/`` route needs ``Authorization: Bearer <api_key>`` (a 401
+    otherwise; ``/health`` and ``/metrics`` stay open, for probes and scrapers)."""
     app = FastAPI(title="coserve", docs_url=None, redoc_url=None)
     api = _Api(engine_thread, model_name, adapters, runtime_lora)
     app.state.api = api
     endpoints = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/v1/load_lora_adapter",
                  "/v1/unload_lora_adapter", "/v1/fine_tuning/jobs", "/v1/files"}
 
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
     @app.middleware("http")
     async def count(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         endpoint = request.url.path if request.url.path in endpoints else "other"
         if endpoint.startswith("/v1/"):
             api.metrics.requests.labels(endpoint).inc()
-        response = await call_next(request)
+        if (expected is not None and request.url.path.startswith("/v1/")
+                and not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected)):
+            response: Response = _error(401, "a valid API key is needed: send 'Authorization: Bearer <key>' "
+                                             "(the server's --api-key)", "authentication_error")
+        else:
+            response = await call_next(request)
         if response.status_code >= 400:
             api.metrics.errors.labels(endpoint, str(response.status_code)).inc()
         return response

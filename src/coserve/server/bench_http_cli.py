@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -24,6 +25,8 @@ from coserve.server.cli import command
 def add_bench_http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="the model name requests ask for")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), metavar="KEY",
+                   help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY, else none)")
     p.add_argument("--vocab-size", type=int, default=1000,
                    help="prompts are random token ids below this (every model has 1,000 tokens)")
     p.add_argument("--workload", required=True,
@@ -51,7 +54,7 @@ def bench_http(args: argparse.Namespace) -> int:
 
     scaling = Scaling(rate=args.rate_scale, length=args.length_scale, max_prompt=args.max_prompt,
                       max_output=args.max_output)
-    driver = HttpDriver(args.url, args.model, seed=args.seed, vocab_size=args.vocab_size)
+    driver = HttpDriver(args.url, args.model, seed=args.seed, vocab_size=args.vocab_size, api_key=args.api_key)
     context = driver.context()
     if context is not None:
         scaling = scaling.fit(context, lambda line: print(f"coserve bench-http: {line}", flush=True))

@@ -40,11 +40,6 @@ NOT_SUPPORTED: dict[str, Callable[[Any], bool]] = {
     "best_of": _is_none_or(1),
     "echo": _is_none_or(False),
     "suffix": _is_none_or(""),
-    "logit_bias": _is_none_or({}),
-    "frequency_penalty": _is_none_or(0, 0.0),
-    "presence_penalty": _is_none_or(0, 0.0),
-    "repetition_penalty": _is_none_or(1, 1.0),
-    "min_p": _is_none_or(0, 0.0),
     "top_logprobs": _is_none_or(0),
     "tools": _is_none_or([]),
     "functions": _is_none_or([]),
@@ -71,6 +66,12 @@ class _SamplingRequest(_Request):
     # least this many tokens
     ignore_eos: StrictBool = False
     min_tokens: StrictInt = 0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    # OpenAI's: {"token id": bias}; vLLM's extensions: repetition_penalty, min_p
+    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -99,7 +100,18 @@ class _SamplingRequest(_Request):
             top_k=self.top_k or 0, seed=self.seed, logprobs=logprobs,
             stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_p=self.min_p or 0.0, logit_bias=tuple(sorted(self._logit_bias().items())),
         )
+
+    def _logit_bias(self) -> dict[int, float]:
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias: keys must be token ids (decimal strings), got {key!r}")
+            bias[int(key)] = value
+        return bias
 
 
 class CompletionRequest(_SamplingRequest):

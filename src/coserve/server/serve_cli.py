@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -72,6 +73,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "and waiting, generated tokens/s and, while co-serving, the share that met the SLOs "
                         "and fine-tuning's progress (steps, samples, loss, FT tokens/s, time left); 0: none. "
                         "The end of fine-tuning is printed at once either way")
+    p.add_argument("--api-key", default=os.environ.get("COSERVE_API_KEY"), metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every /v1/ route (401 otherwise; /health and "
+                        "/metrics stay open); default: $COSERVE_API_KEY, else none")
     p.add_argument("--allow-runtime-lora", action="store_true",
                    help="let clients load and unload adapters while the server runs (POST "
                         "/v1/load_lora_adapter {lora_name, lora_path}, /v1/unload_lora_adapter {lora_name}); "
@@ -224,7 +228,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"coserve: {prepare_latency(jobs, engine, session, calibrate=not args.no_calibrate)}", flush=True)
     engine_thread = EngineThread(engine, session, slo=jobs.template.slo if jobs is not None else None).start()
     app = create_app(engine_thread, name, adapters, runtime_lora=args.allow_runtime_lora, finetune_name=live,
-                     jobs=jobs)
+                     jobs=jobs, api_key=args.api_key or None)
     freeze_startup_objects("server")
     server = _server_class()(uvicorn.Config(app, host=args.host, port=args.port,
                                             log_level=str(args.log_level).lower(), access_log=False))
@@ -236,6 +240,8 @@ def serve(args: argparse.Namespace) -> int:
     if jobs is not None:
         coserve_note += f"; fine-tuning jobs through the API in {jobs.root}"
     adapters_note = f" and adapters {', '.join(map(repr, adapters))}" if adapters else ""
+    if args.api_key:
+        coserve_note += "; clients need the API key"
     print(f"coserve: serving {name!r}{adapters_note} at {url}{coserve_note}", flush=True)
     reporter = ProgressReporter(snapshot_reader(lambda: engine_thread.stats, app.state.api.metrics.counts),
                                 args.log_stats_interval).start()
