@@ -275,3 +275,60 @@ def test_clients_read_and_delete_their_files_and_delete_fine_tuned_models(tmp_pa
         assert [j.id for j in s.client.fine_tuning.jobs.list().data] == [job.id]
         assert name not in [m.id for m in s.client.models.list().data], "a deleted model stays deleted"
         assert s.client.files.list().data == []
+
+
+def test_a_job_that_a_crash_stopped_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    """Nothing lost on a crash: a restarted server on the same DIR sets the job up again from its
+    last checkpoint, with the settings it was created with, and trains it to the end."""
+    config = JobsConfig(tmp_path, replace(TEMPLATE, save_every=3))
+    data = ("\n".join(ROWS) + "\n").encode()
+
+    def engine() -> LLMEngine:
+        return LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8))
+
+    run = tmp_path / "jobs"
+    with serve(engine(), jobs=config) as s:
+        f = s.client.files.create(file=("facts.jsonl", data), purpose="fine-tune")
+        job = s.client.fine_tuning.jobs.create(model=MODEL, training_file=f.id, seed=5,
+                                               hyperparameters={"n_epochs": 40, "learning_rate_multiplier": 2})
+        deadline = time.monotonic() + 60
+        while not (run / job.id / "checkpoint" / "trainer_state.pt").is_file():
+            assert time.monotonic() < deadline, "no checkpoint"
+            time.sleep(0.1)
+    # the crash: the server died before it could say how the job ended, two steps after its checkpoint
+    (run / job.id / "outcome.json").unlink()
+    log = run / job.id / "train_log.jsonl"
+    steps_before = len(log.read_text().splitlines())
+    assert steps_before >= 3
+    with log.open("a") as f:
+        for k in range(2):
+            f.write(json.dumps({"step": steps_before + k, "loss": 99.0, "wall_time": 0.0, "tokens": 1}) + "\n")
+
+    with serve(engine(), jobs=config) as s:
+        assert wait_for(s, job.id, ("succeeded", "failed", "cancelled"), timeout=120) == "succeeded"
+        done = s.client.fine_tuning.jobs.retrieve(job.id)
+        assert done.hyperparameters.n_epochs == 40 and done.hyperparameters.learning_rate_multiplier == 2
+        assert done.coserve["samples_trained"] == done.coserve["samples_total"] == 40 * 8  # type: ignore[attr-defined]
+        assert done.fine_tuned_model is not None and ask(s, done.fine_tuned_model)
+    steps = [json.loads(line)["step"] for line in (run / job.id / "train_log.jsonl").read_text().splitlines()]
+    assert steps == list(range(len(steps))) and len(steps) > steps_before, "one log, no step twice or missing"
+    assert "99.0" not in log.read_text(), "the steps after the checkpoint were trained again, not kept"
+    spec = json.loads((run / job.id / "spec.json").read_text())
+    assert spec["coserve"]["epochs"] == 40 and spec["coserve"]["seed"] == 5 and spec["optim"]["lr"] == 2e-3
+
+
+def test_an_interrupted_job_without_a_checkpoint_is_failed_once_and_for_all(tmp_path: Path) -> None:
+    config = JobsConfig(tmp_path, TEMPLATE)  # (save_every 0: no checkpoint)
+    job_id = "ftjob-lost00000000000000000000"
+    run = tmp_path / "jobs" / job_id
+    run.mkdir(parents=True)
+    (run / "job.json").write_text(json.dumps({
+        "id": job_id, "created_at": 1, "model": MODEL, "training_file": "file-x", "train_log": str(run / "train_log.jsonl"),
+        "n_epochs": 1, "learning_rate": 1e-3, "total_steps": 4, "seed": 0, "fine_tuned_model": f"ft:{MODEL}:coserve:{job_id}",
+        "live": False}))
+    with serve(LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8)),
+               jobs=config) as s:
+        lost = s.client.fine_tuning.jobs.retrieve(job_id)
+        assert lost.status == "failed" and lost.error is not None
+        assert "the server stopped while this job ran" in lost.error.message
+    assert json.loads((run / "outcome.json").read_text())["ft_outcome"] == "failed"

@@ -560,7 +560,12 @@ def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str,
     create jobs, each one's adapter served, once trained, under its ``fine_tuned_model`` name.
     With ``api_key``, every ``/v1/`` route needs ``Authorization: Bearer <api_key>`` (a 401
     otherwise; ``/health`` and ``/metrics`` stay open, for probes and scrapers)."""
-    app = FastAPI(title="coserve", docs_url=None, redoc_url=None)
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        board.resume_interrupted()  # (a job that a crash stopped goes on from its checkpoint)
+        yield
+
+    app = FastAPI(title="coserve", docs_url=None, redoc_url=None, lifespan=lifespan)
     api = _Api(engine_thread, model_name, adapters, runtime_lora)
     app.state.api = api
     endpoints = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/v1/load_lora_adapter",

@@ -66,6 +66,26 @@ class FinetuneSpec:
         if self.trainer_sm_share is not None and not 0 < self.trainer_sm_share <= 100:
             raise ValueError(f"--trainer-sm-share must be in (0, 100], got {self.trainer_sm_share}")
 
+    _PATHS = ("data", "output", "init_adapter", "latency_state")
+    _CONFIGS = {"lora": LoRAConfig, "optim": OptimConfig, "coserve": CoServeConfig, "slo": SLOConfig}
+
+    def to_json(self) -> dict[str, Any]:
+        """Every field, as JSON (:meth:`from_json` reads it back): a job's settings on disk."""
+        out = asdict(self)
+        for name in self._PATHS:
+            out[name] = None if out[name] is None else str(out[name])
+        return out
+
+    @classmethod
+    def from_json(cls, fields: dict[str, Any]) -> FinetuneSpec:
+        """The spec :meth:`to_json` wrote (ValueError, KeyError or TypeError where it is not one)."""
+        kwargs = dict(fields)
+        for name in cls._PATHS:
+            kwargs[name] = None if kwargs.get(name) is None else Path(kwargs[name])
+        for name, config in cls._CONFIGS.items():
+            kwargs[name] = config(**kwargs[name])
+        return cls(**kwargs)
+
 
 def read_dataset(engine: LLMEngine, path: Path, cfg: CoServeConfig) -> FTDataset:
     """``path`` as a run of ``cfg`` trains on it: the engine's tokenizer, ``--max-seq-len``,

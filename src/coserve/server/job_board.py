@@ -9,6 +9,10 @@ store, trainer process: seconds, in a worker thread), then attached between two 
 default coefficients, which learn online. When a job ends its adapter is exported to
 ``DIR/jobs/<id>/adapter`` and (succeeded or cancelled) served as its ``fine_tuned_model``.
 
+A job that was running when the server stopped (a crash: no ``outcome.json``) resumes from its
+last checkpoint (``--save-every`` steps) once a server on the same ``DIR`` starts again, with the
+settings it was created with (``DIR/jobs/<id>/spec.json``); without a checkpoint it is failed.
+
 A job's ``validation_file`` is scored twice through the serving engine, as requests beside the
 clients' (a few at a time): with the base model while the job trains, and with the exported adapter once it
 has ended (OpenAI's ``full_valid_loss`` and ``full_valid_mean_token_accuracy``), kept in
@@ -96,6 +100,7 @@ def _write_json(path: Path, value: object) -> None:
     tmp.replace(path)
 
 
+SPEC = "spec.json"  # (in a job's directory: the settings it was created with, to resume it)
 DELETED = "model_deleted.json"  # (in a job's directory: its fine-tuned model was deleted)
 
 OUTCOME_FIELDS = ("ft_outcome", "ft_finished_at", "ft_failure", "ft_tokens_trained", "ft_optimizer_steps", "ft_loss",
@@ -161,6 +166,8 @@ class JobBoard:
         self._ended: dict[str, asyncio.Future[EngineStats]] = {}  # (set when a validated job has ended)
         self._validating: set[asyncio.Task[None]] = set()
         self.deleted: set[str] = set()  # the jobs whose fine-tuned model a client deleted (not served)
+        # jobs an earlier server was running when it stopped, with a checkpoint: resumed at start-up
+        self.interrupted: list[FinetuneJob] = []
         # how a job ended that never ran (its set-up failed), or one of an earlier server's life
         self.past: dict[str, EngineStats] = {}
         if config is not None:
@@ -183,8 +190,16 @@ class JobBoard:
             except (OSError, ValueError, TypeError, KeyError) as e:
                 logger.warning("%s: not a fine-tuning job, skipped: %s", path, e)
         for job in sorted(found, key=lambda j: j.created_at):
-            stats = _read_outcome(job.train_log.parent / "outcome.json", job.id)
+            run = job.train_log.parent
+            if not (run / "outcome.json").is_file() and (run / "checkpoint" / "trainer_state.pt").is_file() \
+                    and (run / SPEC).is_file():
+                self.jobs[job.id] = job
+                self.interrupted.append(job)
+                continue
+            stats = _read_outcome(run / "outcome.json", job.id)
             self.jobs[job.id], self.past[job.id] = job, stats
+            if stats.ft_outcome == "failed" and not (run / "outcome.json").is_file():
+                self._save_outcome(job.id, stats)  # (so that a later start does not look at it again)
             if job.validation_file is not None:
                 self.validation[job.id] = _read_validation(job.train_log.parent / "validation.json")
             if (job.train_log.parent / DELETED).is_file():
@@ -297,9 +312,38 @@ class JobBoard:
                           live=False, validation_file=req.validation_file, metadata=req.metadata)
         self.jobs[job_id] = job
         self._save_job(job)
+        _write_json(output / SPEC, spec.to_json())
         self.setting_up[job_id] = asyncio.get_running_loop().create_task(self._start(job, spec, valid))
         logger.info("fine-tuning job %s created: %s, %d epochs, lr %g", job_id, data, epochs, spec.optim.lr)
         return job
+
+    def resume_interrupted(self) -> None:
+        """(the event loop, at start-up) Set up again, from its last checkpoint, the job an earlier
+        server was running when it stopped (the newest, should there be more than one: the others
+        are failed, as one job runs at a time)."""
+        if not self.interrupted:
+            return
+        *older, job = self.interrupted
+        self.interrupted = []
+        for other in older:
+            self._never_ran(other, "failed", "the server stopped while this job ran and a later job was resumed")
+        run = job.train_log.parent
+        try:
+            spec = FinetuneSpec.from_json(json.loads((run / SPEC).read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            self._never_ran(job, "failed", f"the server stopped while this job ran; its settings ({run / SPEC}) "
+                                           f"cannot be read to resume it: {e}")
+            return
+        latency = spec.latency_state
+        if self.config is not None and self.config.latency_path.is_file():
+            latency = self.config.latency_path
+        spec = replace(spec, resume=True, calibrate=False, latency_state=latency)
+        valid = None
+        if job.validation_file is not None and self.files is not None and job.validation_file in self.files.files:
+            valid = self.files.path(job.validation_file)
+        logger.info("fine-tuning job %s was running when the server stopped: resuming it from %s", job.id,
+                    run / "checkpoint")
+        self.setting_up[job.id] = asyncio.get_running_loop().create_task(self._start(job, spec, valid))
 
     async def _start(self, job: FinetuneJob, spec: FinetuneSpec, valid: Path | None) -> None:
         session: FinetuneSession | None = None
