@@ -212,8 +212,9 @@ def task_backward(
     ``loss = Σ_rows Σ_t CE(logits[t], labels[t + 1])`` over targets ``labels[t + 1] != -100``,
     ``logits = lm_head(final_norm(h_L))`` (fp32 cross-entropy) from plane ``L``. Then for
     ``l = L-1 … 0``: ``h_{l+1} = layer_l(h_l)`` is recomputed from ``store[l]`` with autograd
-    (each row causal within itself, positions from 0, no KV cache, LoRA from
-    ``lora.context(dropout_key, row_lens)``) and ``∂loss/∂h_{l+1}`` is pulled back to
+    or by hand (:data:`ATTN_BY_HAND`, an untrained MLP) (each row causal within itself, positions
+    from 0, no KV cache, LoRA from ``lora.context(dropout_key, row_lens)``) and
+    ``∂loss/∂h_{l+1}`` is pulled back to
     ``∂loss/∂h_l`` and the layer's LoRA parameters, the attention half and the MLP half of the
     layer each on its own. ``at_layer_boundary(l)`` runs before the attention recompute, after
     it, within the MLP half (a trained MLP: after its recompute and after its backward; an
