@@ -16,8 +16,8 @@ since there autograd runs each backward on its device thread while the calling t
 host work from a host that waits), the aten ops dispatched (counted with a
 ``TorchDispatchMode`` in a separate run: the ops below autograd, each one dispatch and, for the
 non-view ones, about one kernel launch on the GPU) and the autograd nodes of the graph each
-``torch.autograd.backward`` walks. Last, the loss and a hash of the gradient of one task: a
-change meant to keep the results bit for bit must keep both.
+``torch.autograd.backward`` or ``torch.autograd.grad`` walks. Last, the loss and a hash of the
+gradient of one task: a change meant to keep the results bit for bit must keep both.
 
 NOTE: on the CPU the attention runs one SDPA call per row length and the torch RMSNorm/RoPE
 ops; on CUDA (bf16) one varlen flash call and the fused kernels. ``--same-len`` (one SDPA call)
@@ -210,13 +210,11 @@ def time_parts(model: LlamaForCausalLM, lora: TrainableLoRA, store: torch.Tensor
     cuda = store.is_cuda
     hold = _sleep_cycles(args.gpu_hold_ms) if cuda else 0
     short = 0
-    # NOTE: layer 0's attention backward ends when its torch.autograd.backward returns: the task's
-    # end comes after reading the loss, a sync in which the CPU spins until the GPU is done
-    original = torch.autograd.backward
+    # NOTE: layer 0's last stretch ends at ``before_readback``, once the task's work is queued: the
+    # task's end comes after reading the loss, a sync in which the CPU spins until the GPU is done
     ends: list[tuple[int, torch.cuda.Event | None]] = []
 
-    def backward(*a: Any, **kw: Any) -> None:
-        original(*a, **kw)
+    def queued() -> None:
         event = torch.cuda.Event(enable_timing=True) if cuda else None
         if event is not None:
             event.record()
@@ -225,11 +223,8 @@ def time_parts(model: LlamaForCausalLM, lora: TrainableLoRA, store: torch.Tensor
     for rep in range(args.warmup + args.reps):
         seg = Segments(len(model.model.layers), gpu_hold_cycles=hold)
         ends.clear()
-        torch.autograd.backward = backward  # type: ignore[assignment]
-        try:
-            task_backward(model, lora, store, rows, dropout_key=7, at_layer_boundary=seg, mlp_store=mlp_store)
-        finally:
-            torch.autograd.backward = original
+        task_backward(model, lora, store, rows, dropout_key=7, at_layer_boundary=seg, mlp_store=mlp_store,
+                      before_readback=queued)
         end, done = ends[-1]
         if rep >= args.warmup:
             for key, s in seg.split(end).items():
@@ -266,8 +261,10 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _graph_nodes(roots: Any) -> int:
-    """Autograd nodes reachable from ``roots``' ``grad_fn`` (AccumulateGrad leaves included)."""
+def _graph_nodes(roots: Any, inputs: Any = None) -> int:
+    """Autograd nodes reachable from ``roots``' ``grad_fn`` (AccumulateGrad leaves included, but
+    those of ``inputs``, the tensors a ``torch.autograd.grad`` returns the gradients of: it does
+    not run their AccumulateGrad)."""
     tensors = [roots] if isinstance(roots, torch.Tensor) else list(roots)
     stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
     seen = set()
@@ -277,6 +274,9 @@ def _graph_nodes(roots: Any) -> int:
             continue
         seen.add(node)
         stack.extend(n for n, _ in node.next_functions)
+    if inputs is not None:
+        leaves = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+        seen -= {node for node in seen if any(getattr(node, "variable", None) is t for t in leaves)}
     return len(seen)
 
 
@@ -285,18 +285,23 @@ def count_parts(model: LlamaForCausalLM, lora: TrainableLoRA, store: torch.Tenso
     counter = _OpCounter()
     nodes: dict[tuple[int, str], int] = Counter()
     seg = Segments(len(model.model.layers), on_switch=lambda w: setattr(counter, "where", w))
-    original = torch.autograd.backward
+    original, original_grad = torch.autograd.backward, torch.autograd.grad
 
     def backward(tensors: Any, grad_tensors: Any = None, *a: Any, **kw: Any) -> None:
         nodes[seg.current] += _graph_nodes(tensors)
         original(tensors, grad_tensors, *a, **kw)
 
+    def grad(outputs: Any, inputs: Any, *a: Any, **kw: Any) -> Any:
+        nodes[seg.current] += _graph_nodes(outputs, inputs)
+        return original_grad(outputs, inputs, *a, **kw)
+
     torch.autograd.backward = backward  # type: ignore[assignment]
+    torch.autograd.grad = grad
     try:
         with counter:
             task_backward(model, lora, store, rows, dropout_key=7, at_layer_boundary=seg, mlp_store=mlp_store)
     finally:
-        torch.autograd.backward = original
+        torch.autograd.backward, torch.autograd.grad = original, original_grad
     return counter.counts, dict(nodes)
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import coserve.trainer.backward as trainer_backward
+
 ROOT = Path(__file__).parents[2]
 spec = importlib.util.spec_from_file_location("profile_trainer_cpu", ROOT / "bench" / "profile_trainer_cpu.py")
 assert spec is not None and spec.loader is not None
@@ -17,9 +19,11 @@ profile = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(profile)
 
 
+@pytest.mark.parametrize("by_hand", [False, True])
 @pytest.mark.parametrize("mlp_store", [False, True])
 def test_each_layer_splits_into_the_trainers_stretches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                       mlp_store: bool) -> None:
+                                                       mlp_store: bool, by_hand: bool) -> None:
+    monkeypatch.setattr(trainer_backward, "ATTN_BY_HAND", by_hand)
     out = tmp_path / "profile.json"
     argv = ["profile_trainer_cpu.py", "--layers", "2", "--reps", "2", "--warmup", "0", "--rows", "3",
             "--json", str(out)] + (["--mlp-store"] if mlp_store else [])
@@ -36,13 +40,18 @@ def test_each_layer_splits_into_the_trainers_stretches(tmp_path: Path, monkeypat
     loss = [p for p in f["parts"] if p["layer"] == 2]
     assert loss and all(p["name"] == "loss" for p in loss)
     assert all(p["host_ms"] > 0 for p in f["parts"])
-    # autograd runs in the backward stretches only: o_proj's, the attention's and q/k/v's
+    # autograd runs in the backward stretches only: o_proj's, the attention's and q/k/v's; with
+    # the attention half's pieces by hand (COSERVE_TRAINER_ATTN_BY_HAND) the attention's alone
     backward = {p["part"] for p in f["parts"] if p["layer"] == 1 and p["autograd_nodes"] > 0}
-    assert backward == {f"#{len(expected) - k}" for k in (3, 2, 1)}
+    by_hand = (2,) if trainer_backward.ATTN_BY_HAND else (3, 2, 1)
+    assert backward == {f"#{len(expected) - k}" for k in by_hand}
     assert f["mean_aten_ops"][f"#{len(expected) - 1}"] > 0
 
 
-def test_the_trace_splits_one_layers_host_time_by_stretch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("by_hand", [False, True])
+def test_the_trace_splits_one_layers_host_time_by_stretch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          by_hand: bool) -> None:
+    monkeypatch.setattr(trainer_backward, "ATTN_BY_HAND", by_hand)
     out, chrome = tmp_path / "profile.json", tmp_path / "trace.json"
     monkeypatch.setattr(sys, "argv", ["profile_trainer_cpu.py", "--layers", "3", "--reps", "1", "--warmup", "0",
                                       "--rows", "3", "--trace", "--chrome-trace", str(chrome), "--json", str(out)])
@@ -52,8 +61,11 @@ def test_the_trace_splits_one_layers_host_time_by_stretch(tmp_path: Path, monkey
     for t in traced.values():
         assert 0 <= t["self_us"] <= t["range_us"] and t["top_ops_self_us"]
     # each stretch's own ops: the base GEMMs in the recomputes and backwards, the LoRA nodes' Python
-    assert "aten::mm" in traced["#0"]["top_ops_self_us"] and "_LoRAGroupLinearFn" in traced["#0"]["top_ops_self_us"]
-    assert any("LoRAGroupLinearFnBackward" in name for name in traced["#8"]["top_ops_self_us"])
+    # (none with the attention half's pieces by hand)
+    assert "aten::mm" in traced["#0"]["top_ops_self_us"] and "aten::mm" in traced["#8"]["top_ops_self_us"]
+    nodes = not trainer_backward.ATTN_BY_HAND
+    assert ("_LoRAGroupLinearFn" in traced["#0"]["top_ops_self_us"]) == nodes
+    assert any("LoRAGroupLinearFnBackward" in name for name in traced["#8"]["top_ops_self_us"]) == nodes
     assert chrome.stat().st_size > 0
 
 

@@ -36,9 +36,10 @@ def test_paused_worker_stops_at_a_layer_boundary_until_granted() -> None:
     spec.banks = torch.zeros(2, 3, sum(a.numel() + b.numel() for a, b in adapter.weights.values()))
     worker = _Worker(spec)
     ran: list[int] = []
-    for i, layer in enumerate(model.model.layers):  # the recompute starts with a layer's q/k/v projection
-        original = layer.self_attn.project
-        layer.self_attn.project = lambda *a, _i=i, _f=original, **k: (ran.append(_i), _f(*a, **k))[1]  # type: ignore[method-assign]
+    for i, layer in enumerate(model.model.layers):
+        # the recompute starts with a layer's input norm (by hand or by autograd: the norm's autograd
+        # Function calls the module again inside: one entry a layer)
+        layer.input_layernorm.register_forward_pre_hook(lambda *_, _i=i: None if ran[-1:] == [_i] else ran.append(_i))
     # the loss starts with the final norm on every loss path (the split chunk's workspace never calls
     # compute_logits); the norm's autograd Function calls the module again inside: one entry a chunk
     model.model.norm.register_forward_pre_hook(lambda *_: None if ran[-1:] == [-1] else ran.append(-1))

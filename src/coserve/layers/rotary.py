@@ -76,6 +76,38 @@ class RotaryEmbedding(nn.Module):
         q, k = self.rotate(positions, q, k, self.sin_cache)
         return q, k, v
 
+    def split_rotate(
+        self, positions: torch.Tensor, qkv: torch.Tensor, heads: tuple[int, int, int], tables: RopeTables,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`split_qkv`'s ops with autograd (:class:`_QKVRotaryFn`'s forward), called without
+        it: new ``q``, ``k`` rotated (by the kernel or with ``tables``), ``v`` a view of ``qkv``.
+        The trainer's attention by hand (``coserve.trainer.backward``) calls it too."""
+        q, k, v = split_heads(qkv, heads)
+        q_out, k_out = q.new_empty(q.shape), k.new_empty(k.shape)
+        self._rotate_into(positions, q, k, q_out, k_out, tables, backward=False)
+        return q_out, k_out, v
+
+    def split_rotate_backward(
+        self, positions: torch.Tensor, gq: torch.Tensor | None, gk: torch.Tensor | None, gv: torch.Tensor | None,
+        shape: torch.Size, dtype: torch.dtype, device: torch.device, heads: tuple[int, int, int],
+        tables: RopeTables,
+    ) -> torch.Tensor:
+        """``dqkv`` (``shape``, ``dtype``, ``device``: the fused projection output's) of
+        :meth:`split_rotate` given the gradients of its outputs (None: zeros): ``dq``/``dk`` rotated
+        back straight into their columns, ``dv`` copied beside them."""
+        dqkv = torch.empty(shape, dtype=dtype, device=device)
+        dq, dk, dv = split_heads(dqkv, heads)
+        if gq is None:
+            gq = torch.zeros(dq.shape, dtype=dtype, device=device)
+        if gk is None:
+            gk = torch.zeros(dk.shape, dtype=dtype, device=device)
+        self._rotate_into(positions, gq, gk, dq, dk, tables, backward=True)
+        if gv is None:
+            dv.zero_()
+        else:
+            dv.copy_(gv)
+        return dqkv
+
     def tables(self, positions: torch.Tensor) -> RopeTables:
         """:class:`RopeTables` of ``positions``, made on first use."""
         return RopeTables(self, positions)
@@ -223,11 +255,9 @@ class _QKVRotaryFn(torch.autograd.Function):
         ctx, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
         heads: tuple[int, int, int], tables: RopeTables | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = split_heads(qkv, heads)
-        q_out, k_out = q.new_empty(q.shape), k.new_empty(k.shape)
         # (no tables given: this call's own, gathered on first use and kept for the backward)
         tables = tables if tables is not None else rope.tables(positions)
-        rope._rotate_into(positions, q, k, q_out, k_out, tables, backward=False)
+        q_out, k_out, v = rope.split_rotate(positions, qkv, heads, tables)
         ctx.save_for_backward(positions)
         ctx.rope, ctx.heads, ctx.tables = rope, heads, tables
         ctx.qkv_meta = (qkv.shape, qkv.dtype, qkv.device)
@@ -239,15 +269,5 @@ class _QKVRotaryFn(torch.autograd.Function):
     ) -> tuple[torch.Tensor, None, None, None, None]:
         (positions,) = ctx.saved_tensors
         shape, dtype, device = ctx.qkv_meta
-        dqkv = torch.empty(shape, dtype=dtype, device=device)
-        dq, dk, dv = split_heads(dqkv, ctx.heads)
-        if gq is None:
-            gq = torch.zeros(dq.shape, dtype=dtype, device=device)
-        if gk is None:
-            gk = torch.zeros(dk.shape, dtype=dtype, device=device)
-        ctx.rope._rotate_into(positions, gq, gk, dq, dk, ctx.tables, backward=True)
-        if gv is None:
-            dv.zero_()
-        else:
-            dv.copy_(gv)
+        dqkv = ctx.rope.split_rotate_backward(positions, gq, gk, gv, shape, dtype, device, ctx.heads, ctx.tables)
         return dqkv, None, None, None, None

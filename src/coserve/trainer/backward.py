@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from coserve.layers.activation import silu_and_mul_backward
 from coserve.layers.attention import AttentionMetadata
 from coserve.layers.norm import rms_norm_backward
-from coserve.layers.rotary import RotaryEmbedding
+from coserve.layers.rotary import RopeTables, RotaryEmbedding
 from coserve.models.llama import DecoderLayer, ForwardContext, LlamaForCausalLM
-from coserve.trainer.lora_params import TrainableLoRA
+from coserve.trainer.lora_params import HandLinear, TrainableLoRA, TrainingLoRA
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,28 @@ and a stream wait. On since session 12's latency runs (60 s of azure2023_conv, t
 50% share, one run each): pause delay p99 2.82 ms against 4.65 ms in one piece, FT tokens/s 2,499
 against 2,018. ``COSERVE_TRAINER_ATTN_PIECES=0`` runs the half in one piece. The same gradients bit
 for bit (tests)."""
+
+
+ATTN_BY_HAND = os.environ.get("COSERVE_TRAINER_ATTN_BY_HAND", "1") == "1"
+"""With :data:`ATTN_PIECES`, the attention half's token-wise pieces differentiated by hand, without
+autograd (:func:`_attention_by_hand`): the input norm, the q/k/v projection with its LoRA and RoPE
+recomputed under ``no_grad`` keeping what their backward reads (the normed input, the shrink
+``x Aᵀ``, the cast A/B), ``o_proj`` with its LoRA and the residual likewise, and their backwards
+(``o_proj``'s input gradient and LoRA gradients, RoPE's, the q/k/v LoRA's and input gradient, the
+norm's) called directly, the LoRA gradients added into ``flat.grad`` where ``AccumulateGrad`` adds
+them. Only the attention itself keeps autograd (one ``torch.autograd.grad`` from its output to
+q/k/v). The same ops in the same order as the autograd Functions run (``_LoRAGroupLinearFn``,
+``_QKVRotaryFn``, ``_RMSNormFn``), so the same loss and gradients bit for bit (tests); what goes is
+the Functions' Python (about a third of the q/k/v recompute's and backward's host time on the
+H200, ``bench/results/trainer_h200/README.md``), the autograd nodes and the engine's runs of
+``o_proj``'s and q/k/v's backward (on CUDA on autograd's device thread, the calling thread
+waiting). Layers with LoRA dropout, or a trained linear whose A/B are not one span of ``flat``,
+keep autograd. Same boundaries and poll points. Dev VM (CPU, bf16, ten alternating runs each way,
+``bench/results/trainer_cpu/session24/``): autograd nodes per layer 29.5 → 18.0, aten ops 227.0 →
+216.25 (``detach`` views only: the kernels are the same), host ms of the four stretches it changes
+1.357 → 1.180 (pair ratio 0.88; ``o_proj``'s backward 0.75); the CPU has no device thread to hand
+off to, so the H200's figures are for its next device call (the README there has the commands).
+``COSERVE_TRAINER_ATTN_BY_HAND=0``: autograd's pieces."""
 
 
 @dataclass(frozen=True)
@@ -190,8 +212,9 @@ def task_backward(
     ``loss = Σ_rows Σ_t CE(logits[t], labels[t + 1])`` over targets ``labels[t + 1] != -100``,
     ``logits = lm_head(final_norm(h_L))`` (fp32 cross-entropy) from plane ``L``. Then for
     ``l = L-1 … 0``: ``h_{l+1} = layer_l(h_l)`` is recomputed from ``store[l]`` with autograd
-    (each row causal within itself, positions from 0, no KV cache, LoRA from
-    ``lora.context(dropout_key, row_lens)``) and ``∂loss/∂h_{l+1}`` is pulled back to
+    or by hand (:data:`ATTN_BY_HAND`, an untrained MLP) (each row causal within itself, positions
+    from 0, no KV cache, LoRA from ``lora.context(dropout_key, row_lens)``) and
+    ``∂loss/∂h_{l+1}`` is pulled back to
     ``∂loss/∂h_l`` and the layer's LoRA parameters, the attention half and the MLP half of the
     layer each on its own. ``at_layer_boundary(l)`` runs before the attention recompute, after
     it, within the MLP half (a trained MLP: after its recompute and after its backward; an
@@ -237,8 +260,8 @@ def task_backward(
     )
     # NOTE: what depends only on the rows (attention layout, LoRA routing, RoPE's cos/sin rows) is
     # worked out here or on first use, once for the task, and shared by every layer's recompute.
-    ctx = ForwardContext(attn=meta, kv_cache=None, lora=lora.context(dropout_key, batch.row_lens, poll=at_poll_point),
-                         rope=model.rotary.tables(batch.positions))
+    lora_ctx = lora.context(dropout_key, batch.row_lens, poll=at_poll_point)
+    ctx = ForwardContext(attn=meta, kv_cache=None, lora=lora_ctx, rope=model.rotary.tables(batch.positions))
 
     def boundary(layer: int) -> None:
         if at_layer_boundary is not None:
@@ -276,23 +299,30 @@ def task_backward(
             assert grad is not None
             boundary(layer_idx)
             x = store[layer_idx].index_select(0, batch.tokens)
-            if layer_idx > 0:
-                x.requires_grad_(True)
-            pieces = None
-            if ATTN_PIECES:
-                pieces = _attention_pieces(layer, x, batch.positions, model.rotary, ctx,
-                                           functools.partial(boundary, layer_idx))
-                h = pieces.h
+            pieces: _AttentionPieces | None = None
+            hand: _HandPieces | None = None
+            if ATTN_PIECES and ATTN_BY_HAND and _by_hand(layer, lora_ctx):
+                hand = _attention_by_hand(layer, x, layer_idx > 0, batch.positions, model.rotary, ctx, lora_ctx,
+                                          functools.partial(boundary, layer_idx))
+                h = hand.h
             else:
-                h = layer.attention_half(x, batch.positions, model.rotary, ctx)
+                if layer_idx > 0:
+                    x.requires_grad_(True)
+                if ATTN_PIECES:
+                    pieces = _attention_pieces(layer, x, batch.positions, model.rotary, ctx,
+                                               functools.partial(boundary, layer_idx))
+                    h = pieces.h
+                else:
+                    h = layer.attention_half(x, batch.positions, model.rotary, ctx)
             boundary(layer_idx)
             dh: torch.Tensor | None
             trains_mlp = any(lora.trains(layer_idx, t) for t in MLP_TARGETS)
             if not trains_mlp:
-                dh = _untrained_mlp_input_grad(layer, h.detach(), grad, mlp_store, layer_idx, batch.tokens,
-                                               boundary)
+                # (the hand path's h has no graph: no detach)
+                dh = _untrained_mlp_input_grad(layer, h.detach() if h.requires_grad else h, grad, mlp_store,
+                                               layer_idx, batch.tokens, boundary)
             else:
-                h_in = h.detach().requires_grad_(h.requires_grad)
+                h_in = h.detach().requires_grad_(hand.needs_dh if hand is not None else h.requires_grad)
                 y = layer.mlp_half(h_in, ctx)
                 boundary(layer_idx)
                 if y.requires_grad:
@@ -301,14 +331,16 @@ def task_backward(
                 dh = h_in.grad
                 del y, h_in
             boundary(layer_idx)
-            if pieces is not None:
+            if hand is not None:
+                grad = _attention_by_hand_backward(hand, dh, lora_ctx, functools.partial(boundary, layer_idx))
+            elif pieces is not None:
                 _attention_pieces_backward(pieces, dh, functools.partial(boundary, layer_idx))
                 grad = layer_input_grad(x, dh) if layer_idx > 0 else None
             else:
                 if h.requires_grad:
                     torch.autograd.backward(h, dh)
                 grad = x.grad if layer_idx > 0 else None
-            del x, h, dh, pieces
+            del x, h, dh, pieces, hand
     if before_readback is not None:
         before_readback()
     return TaskLoss(float(loss_total), num_targets)
@@ -372,6 +404,97 @@ def _attention_pieces_backward(p: _AttentionPieces, dh: torch.Tensor | None, bou
     pulled = [(t, g.grad) for t, g in zip(p.qkv, p.qkv_in, strict=True) if g.grad is not None and t.requires_grad]
     if pulled:
         torch.autograd.backward([t for t, _ in pulled], [g for _, g in pulled])
+
+
+class _HandPieces(NamedTuple):
+    """A layer's attention half recomputed by :func:`_attention_by_hand` (:data:`ATTN_BY_HAND`):
+    the layer and its input ``x`` (whose gradient is wanted when ``needs_dx``), the q/k/v
+    projection's and ``o_proj``'s saved values, RoPE's positions and tables, the attention's
+    inputs ``qkv`` (leaves that require grad when the q/k/v path needs a gradient) and output
+    ``o`` (graph to them), and ``h = x + o_proj(o)``; ``needs_dh``: whether anything in the half
+    needs ``∂loss/∂h`` (else its backward has nothing to do)."""
+
+    layer: DecoderLayer
+    x: torch.Tensor
+    needs_dx: bool
+    qkv_proj: HandLinear
+    rope: tuple[RotaryEmbedding, torch.Tensor, RopeTables]
+    qkv_meta: tuple[torch.Size, torch.dtype, torch.device]  # the fused projection output's
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    o: torch.Tensor
+    o_proj: HandLinear
+    h: torch.Tensor
+    needs_dh: bool
+
+
+def _by_hand(layer: DecoderLayer, lora_ctx: TrainingLoRA) -> bool:
+    """Whether :func:`_attention_by_hand` covers this layer's attention half (see
+    :data:`ATTN_BY_HAND`)."""
+    attn = layer.self_attn
+    return all(lin.has_lora and lora_ctx.by_hand(lin.layer, lin.out_slices) for lin in (attn.qkv_proj, attn.o_proj))
+
+
+def _heads(layer: DecoderLayer) -> tuple[int, int, int]:
+    attn = layer.self_attn
+    return attn.num_heads, attn.num_kv_heads, attn.head_dim
+
+
+def _attention_by_hand(layer: DecoderLayer, x: torch.Tensor, needs_dx: bool, positions: torch.Tensor,
+                       rotary: RotaryEmbedding, ctx: ForwardContext, lora_ctx: TrainingLoRA,
+                       boundary: Callable[[], None]) -> _HandPieces:
+    """:func:`_attention_pieces` without autograd but for the attention, ``boundary()`` at the same
+    places: the ops that ``input_layernorm``, ``qkv_proj``, ``split_qkv`` and ``o_proj`` run inside
+    their autograd Functions, under ``no_grad``, keeping what their backwards read. ``x`` need
+    not require grad (``needs_dx`` says whether its gradient is wanted)."""
+    attn = layer.self_attn
+    qkv_lin, o_lin = attn.qkv_proj, attn.o_proj
+    tables = ctx.rope if ctx.rope is not None else rotary.tables(positions)
+    with torch.no_grad():
+        normed = layer.input_layernorm(x)
+        qkv, qkv_saved = lora_ctx.linear_by_hand(qkv_lin.layer, qkv_lin.out_slices, normed, qkv_lin.weight,
+                                                 qkv_lin.bias)
+        q, k, v = rotary.split_rotate(positions, qkv, _heads(layer), tables)
+    qkv_meta = (qkv.shape, qkv.dtype, qkv.device)
+    del qkv
+    if needs_dx or qkv_saved.group is not None:
+        # (fresh tensors and a view of qkv, made without autograd: leaves of the attention's graph)
+        for t in (q, k, v):
+            t.requires_grad_(True)
+    boundary()
+    o = attn.attend(q, k, v, ctx)
+    boundary()
+    with torch.no_grad():
+        y, o_saved = lora_ctx.linear_by_hand(o_lin.layer, o_lin.out_slices, o, o_lin.weight, o_lin.bias)
+        h = x + y
+    needs_dh = o.requires_grad or o_saved.group is not None
+    return _HandPieces(layer, x, needs_dx, qkv_saved, (rotary, positions, tables), qkv_meta, (q, k, v), o, o_saved,
+                       h, needs_dh)
+
+
+def _attention_by_hand_backward(p: _HandPieces, dh: torch.Tensor | None, lora_ctx: TrainingLoRA,
+                                boundary: Callable[[], None]) -> torch.Tensor | None:
+    """Pull ``dh`` back through :func:`_attention_by_hand`'s pieces, ``boundary()`` between two,
+    as :func:`_attention_pieces_backward` does: the LoRA gradients into ``flat.grad``. Returns
+    ``∂loss/∂x`` (None unless ``p.needs_dx``): the q/k/v path's plus the residual's, ``dh``, as
+    :func:`layer_input_grad` adds them."""
+    with torch.no_grad():
+        d_o = lora_ctx.linear_backward_by_hand(p.o_proj, dh, p.o.requires_grad) if dh is not None else None
+    boundary()
+    # (the attention's own backward, autograd's; the leaves' AccumulateGrad nodes are not run)
+    d_qkv = torch.autograd.grad(p.o, p.qkv, d_o) if d_o is not None else None
+    boundary()
+    if d_qkv is None or dh is None:
+        return dh if p.needs_dx else None
+    rotary, positions, tables = p.rope
+    with torch.no_grad():
+        gq, gk, gv = d_qkv
+        dqkv = rotary.split_rotate_backward(positions, gq, gk, gv, *p.qkv_meta, _heads(p.layer), tables)
+        del d_qkv, gq, gk, gv
+        d_normed = lora_ctx.linear_backward_by_hand(p.qkv_proj, dqkv, p.needs_dx)
+        del dqkv
+        if d_normed is None:
+            return None
+        return rms_norm_backward(p.x, p.layer.input_layernorm, d_normed).add_(dh)
 
 
 def _untrained_mlp_input_grad(

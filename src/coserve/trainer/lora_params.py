@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from coserve.layers.lora import LoRAContext, dropout_uniform, keep_mask, row_dropout_key
+from coserve.layers.lora import dropout_uniform, keep_mask, row_dropout_key
 from coserve.models.peft_adapter import LORA_TARGETS, LoraAdapter
 from coserve.trainer.mps import share_of_this_process
 
@@ -306,7 +306,7 @@ class TrainableLoRA:
     def context(
         self, dropout_key: int | None = None, row_lens: Sequence[int] | None = None,
         poll: Callable[[], None] | None = None,
-    ) -> LoRAContext:
+    ) -> TrainingLoRA:
         """A :class:`LoRAContext` under which every token of the batch uses this adapter:
 
         ``y += (drop(x) @ a.T) @ b.T · scaling`` (``a``/``b`` cast to ``x.dtype``; autograd flows
@@ -320,7 +320,7 @@ class TrainableLoRA:
         """
         key = dropout_key if self.dropout > 0 else None
         self.bind_grads()
-        return _TrainingLoRA(self, key, None if row_lens is None else tuple(row_lens), poll or _no_poll)
+        return TrainingLoRA(self, key, None if row_lens is None else tuple(row_lens), poll or _no_poll)
 
 
 def _no_poll() -> None:
@@ -328,14 +328,29 @@ def _no_poll() -> None:
 
 
 class _Route(NamedTuple):
-    """How :meth:`_TrainingLoRA.linear` serves one linear (see :meth:`_TrainingLoRA._route`)."""
+    """How :meth:`TrainingLoRA.linear` serves one linear (see :meth:`TrainingLoRA._route`)."""
 
     names: list[str]
     spans: tuple[tuple[int, int], ...]
     group: LinearGroup | None
 
 
-class _TrainingLoRA:
+class HandLinear(NamedTuple):
+    """What :meth:`TrainingLoRA.linear_backward_by_hand` needs of one linear run by
+    :meth:`TrainingLoRA.linear_by_hand`: its input and base weight, its trained targets' group
+    (None: none trained, the base linear alone) and column spans, and the group's values cast
+    to the input's dtype (``w``), their A stacked (``a_all``) and the shrink ``x A_allᵀ``."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    group: LinearGroup | None
+    spans: tuple[tuple[int, int], ...]
+    w: torch.Tensor | None
+    a_all: torch.Tensor | None
+    xa: torch.Tensor | None
+
+
+class TrainingLoRA:
     """:meth:`TrainableLoRA.context`'s LoRA context."""
 
     def __init__(self, lora: TrainableLoRA, key: int | None, row_lens: tuple[int, ...] | None,
@@ -404,6 +419,48 @@ class _TrainingLoRA:
         out = _LoRALinearFn.apply(x, weight, bias, a_all, self.lora.scaling, spans, self.poll,
                                   *[ab[n][1] for n in names])
         return out
+
+    def by_hand(self, layer: int, out_slices: dict[str, int]) -> bool:
+        """Whether :meth:`linear_by_hand` serves this linear: without dropout, when its trained
+        targets (if any) sit in one :class:`LinearGroup`, where :meth:`linear` makes one
+        :class:`_LoRAGroupLinearFn` node (or none: the base linear)."""
+        if self.key is not None:
+            return False
+        names, _, group = self._route(layer, out_slices)
+        return not names or group is not None
+
+    def linear_by_hand(
+        self, layer: int, out_slices: dict[str, int], x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, HandLinear]:
+        """:meth:`linear`'s output without autograd (call under ``torch.no_grad()``; needs
+        :meth:`by_hand`), the same ops, and what :meth:`linear_backward_by_hand` needs."""
+        names, spans, group = self._route(layer, out_slices)
+        if group is None:
+            return F.linear(x, weight, bias), HandLinear(x, weight, None, spans, None, None, None)
+        y, w, a_all, xa = _group_linear(x, weight, bias, group.leaf, self.lora.scaling, spans, group.layout,
+                                        self.poll)
+        return y, HandLinear(x, weight, group, spans, w, a_all, xa)
+
+    def linear_backward_by_hand(self, saved: HandLinear, dy: torch.Tensor, needs_dx: bool) -> torch.Tensor | None:
+        """The backward of :meth:`linear_by_hand`'s output given its gradient ``dy`` (under
+        ``torch.no_grad()``): the input gradient (None unless ``needs_dx``), and the LoRA
+        targets' gradient added into ``flat.grad`` as autograd's ``AccumulateGrad`` adds it (in
+        place into the group leaf's ``.grad``, a view of ``flat.grad``); the same ops as
+        :class:`_LoRAGroupLinearFn`'s backward, the same polls (at its start and after the input
+        gradient). The base linear alone: ``dy W`` (``mm``'s derivative)."""
+        group = saved.group
+        if group is None:
+            return torch.mm(dy, saved.weight) if needs_dx else None
+        assert saved.w is not None and saved.a_all is not None and saved.xa is not None
+        self.poll()
+        dx, dw = _group_linear_backward(dy, saved.x, saved.weight, saved.w, saved.a_all, saved.xa,
+                                        self.lora.scaling, saved.spans, group.layout, self.poll, needs_dx)
+        grad = group.leaf.grad
+        if grad is None:  # (bind_grads binds it; as AccumulateGrad would, else)
+            group.leaf.grad = dw
+        else:
+            grad.add_(dw)
+        return dx
 
     def _route(self, layer: int, out_slices: dict[str, int]) -> _Route:
         """The trained targets among ``out_slices`` (in order), their ``(offset, size)`` column
@@ -518,9 +575,7 @@ class _LoRAGroupLinearFn(torch.autograd.Function):
         layout: tuple[tuple[int, tuple[int, int], int, tuple[int, int]], ...],
         poll: Callable[[], None],
     ) -> torch.Tensor:
-        w = leaf.to(x.dtype)
-        a_all, bs = _unpack_group(w, layout)
-        y, xa = _lora_linear(x, weight, bias, a_all, bs, scaling, spans, poll)
+        y, w, a_all, xa = _group_linear(x, weight, bias, leaf, scaling, spans, layout, poll)
         ctx.save_for_backward(x, weight, w, a_all, xa)
         ctx.scaling = scaling
         ctx.spans = spans
@@ -532,19 +587,42 @@ class _LoRAGroupLinearFn(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         ctx.poll()
         x, weight, w, a_all, xa = ctx.saved_tensors
-        s: float = ctx.scaling
-        layout = ctx.layout
-        _, bs = _unpack_group(w, layout, stack_a=False)
-        dx, t, dys = _lora_linear_dx(dy, weight, a_all, bs, s, ctx.spans, ctx.needs_input_grad[0])
-        ctx.poll()
-        da = lora_mm(t.t(), x).view(-1)  # [k·r·in]: A_i's gradient is its i-th chunk
-        das = da.chunk(len(bs)) if len(bs) > 1 else (da,)
-        parts = xa.chunk(len(bs), dim=1) if len(bs) > 1 else (xa,)
-        pieces = []
-        for da_i, g, part in zip(das, dys, parts, strict=True):
-            pieces += [da_i, lora_mm(g.t(), part).view(-1)]
-        dw = torch.cat(pieces).mul_(s).to(torch.float32)
+        dx, dw = _group_linear_backward(dy, x, weight, w, a_all, xa, ctx.scaling, ctx.spans, ctx.layout, ctx.poll,
+                                        ctx.needs_input_grad[0])
         return (dx, None, None, dw, None, None, None, None)
+
+
+def _group_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, leaf: torch.Tensor, scaling: float,
+    spans: tuple[tuple[int, int], ...], layout: tuple[tuple[int, tuple[int, int], int, tuple[int, int]], ...],
+    poll: Callable[[], None],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:class:`_LoRAGroupLinearFn`'s forward (without autograd): ``(y, w = leaf in x's dtype, A
+    stacked, x A_allᵀ)``."""
+    w = leaf.to(x.dtype)
+    a_all, bs = _unpack_group(w, layout)
+    y, xa = _lora_linear(x, weight, bias, a_all, bs, scaling, spans, poll)
+    return y, w, a_all, xa
+
+
+def _group_linear_backward(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, w: torch.Tensor, a_all: torch.Tensor,
+    xa: torch.Tensor, s: float, spans: tuple[tuple[int, int], ...],
+    layout: tuple[tuple[int, tuple[int, int], int, tuple[int, int]], ...], poll: Callable[[], None],
+    needs_dx: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """:class:`_LoRAGroupLinearFn`'s backward after its first poll (without autograd): ``(dx or
+    None, the group leaf's gradient, fp32)``; ``poll()`` after the input gradient."""
+    _, bs = _unpack_group(w, layout, stack_a=False)
+    dx, t, dys = _lora_linear_dx(dy, weight, a_all, bs, s, spans, needs_dx)
+    poll()
+    da = lora_mm(t.t(), x).view(-1)  # [k·r·in]: A_i's gradient is its i-th chunk
+    das = da.chunk(len(bs)) if len(bs) > 1 else (da,)
+    parts = xa.chunk(len(bs), dim=1) if len(bs) > 1 else (xa,)
+    pieces = []
+    for da_i, g, part in zip(das, dys, parts, strict=True):
+        pieces += [da_i, lora_mm(g.t(), part).view(-1)]
+    return dx, torch.cat(pieces).mul_(s).to(torch.float32)
 
 
 def _unpack_group(
