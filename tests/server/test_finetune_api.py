@@ -332,3 +332,43 @@ def test_an_interrupted_job_without_a_checkpoint_is_failed_once_and_for_all(tmp_
         assert lost.status == "failed" and lost.error is not None
         assert "the server stopped while this job ran" in lost.error.message
     assert json.loads((run / "outcome.json").read_text())["ft_outcome"] == "failed"
+
+
+def test_a_job_is_paused_at_a_checkpoint_resumed_from_it_and_cancelled_while_paused(tmp_path: Path) -> None:
+    config = JobsConfig(tmp_path, TEMPLATE)  # (save_every 0: the pause writes its own checkpoint)
+    data = ("\n".join(ROWS) + "\n").encode()
+    engine = LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8))
+
+    def steps_reach(s: Served, job_id: str, n: int) -> None:
+        deadline = time.monotonic() + 60
+        while (s.client.fine_tuning.jobs.retrieve(job_id).coserve["optimizer_steps"] or 0) < n:  # type: ignore[attr-defined]
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+    with serve(engine, jobs=config) as s:
+        jobs = s.client.fine_tuning.jobs
+        f = s.client.files.create(file=("facts.jsonl", data), purpose="fine-tune")
+        job = jobs.create(model=MODEL, training_file=f.id, hyperparameters={"n_epochs": 500})
+        wait_for(s, job.id, ("running",))
+        steps_reach(s, job.id, 2)
+        paused = jobs.pause(job.id)
+        assert paused.status == "paused" and paused.finished_at is None and paused.fine_tuned_model is None
+        assert s.engine_thread.session is None and (tmp_path / "jobs" / job.id / "checkpoint").is_dir()
+        first = paused.coserve["optimizer_steps"]  # type: ignore[attr-defined]
+        assert jobs.list_events(job.id, limit=1).data[0].message.startswith("The job was paused")
+        with pytest.raises(openai.ConflictError, match="not running"):
+            jobs.pause(job.id)
+        assert ask(s, MODEL), "serving goes on"
+
+        resumed = jobs.resume(job.id)
+        assert resumed.status in ("validating_files", "running")
+        with pytest.raises(openai.ConflictError, match="not paused"):
+            jobs.resume(job.id)
+        wait_for(s, job.id, ("running",))
+        steps_reach(s, job.id, first + 2)
+        assert jobs.pause(job.id).status == "paused"
+        cancelled = jobs.cancel(job.id)
+        assert cancelled.status == "cancelled" and cancelled.finished_at is not None
+        assert cancelled.fine_tuned_model is not None and ask(s, cancelled.fine_tuned_model), "served once cancelled"
+    steps = [json.loads(line)["step"] for line in (tmp_path / "jobs" / job.id / "train_log.jsonl").read_text().splitlines()]
+    assert steps == list(range(len(steps))) and len(steps) >= first + 2, "one log across the pause"

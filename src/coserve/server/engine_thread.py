@@ -104,8 +104,9 @@ class EngineStats:
     ft_trainer_seconds: Mapping[str, float] = field(default_factory=dict)
     adapter_path: Path | None = None
     # how fine-tuning ended (None while it runs): "succeeded" (its epochs done), "failed" (given up,
-    # ft_failure says why: the last good step exported) or "cancelled" (stopped early: the API's
-    # cancel, or the server's shutdown); and when (time.time())
+    # ft_failure says why: the last good step exported), "cancelled" (stopped early: the API's
+    # cancel, or the server's shutdown) or "paused" (stopped at a checkpoint, to be resumed); and
+    # when (time.time())
     ft_outcome: str | None = None
     ft_finished_at: float | None = None
     ft_failure: str | None = None  # why fine-tuning gave up (the trainer kept dying, ...): serving goes on
@@ -271,14 +272,17 @@ class EngineThread:
 
         await self.call(start)
 
-    async def cancel_finetuning(self, job_id: str | None = None) -> bool:
+    async def cancel_finetuning(self, job_id: str | None = None, pause: bool = False) -> bool:
         """Stop fine-tuning between two steps: the last committed optimizer step is exported, the
-        session closed, and serving goes on. False when no fine-tuning is running (or not
-        ``job_id``'s, when given)."""
+        session closed, and serving goes on; with ``pause``, its checkpoint written too and its
+        outcome ``paused`` (it can be resumed from there). False when no fine-tuning is running (or
+        not ``job_id``'s, when given)."""
         def cancel(_: LLMEngine) -> bool:
             if self.session is None or job_id not in (None, self.session.job_id):
                 return False
-            self._finish_session(self.session)
+            if pause:
+                self.session.save_checkpoint()
+            self._finish_session(self.session, "paused" if pause else None)
             return True
 
         return await self.call(cancel)
@@ -378,10 +382,11 @@ class EngineThread:
                 if not self._has_work():
                     self._cond.wait(self.idle_wait_s)
 
-    def _finish_session(self, session: FinetuneSession) -> None:
-        """Export the session's adapter and close it (its epochs done, given up, or stopped early)."""
+    def _finish_session(self, session: FinetuneSession, stopped: str | None = None) -> None:
+        """Export the session's adapter and close it (its epochs done, given up, or stopped early:
+        ``cancelled``, or ``stopped`` where given)."""
         coserver = session.coserver
-        outcome = "failed" if coserver.failure is not None else "succeeded" if session.done else "cancelled"
+        outcome = "failed" if coserver.failure is not None else "succeeded" if session.done else stopped or "cancelled"
         if coserver.failure is not None:
             logger.error("fine-tuning failed: %s; exporting the last committed step", coserver.failure)
         try:

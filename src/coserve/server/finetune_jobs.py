@@ -1,6 +1,6 @@
 """Co-serving runs as OpenAI fine-tuning jobs: ``/v1/fine_tuning/jobs`` (create, list, retrieve,
-events, cancel), so that the ``openai`` client and scripts written for it can start, watch and
-stop the fine-tuning ``coserve serve`` runs: the one it was started with (``--finetune-data``)
+events, cancel; pause and resume for the jobs clients create), so that the ``openai`` client and
+scripts written for it can start, watch and stop the fine-tuning ``coserve serve`` runs: the one it was started with (``--finetune-data``)
 and, with ``--finetune-jobs DIR``, those clients create (:mod:`coserve.server.job_board`).
 
 A job's figures come from the engine loop's published :class:`EngineStats` (an ended job's are
@@ -84,7 +84,7 @@ def job_object(job: FinetuneJob, s: EngineStats, now: float | None = None, statu
         "object": OBJECT, "id": job.id, "created_at": job.created_at, "model": job.model,
         "organization_id": "coserve", "status": status, "error": error,
         "fine_tuned_model": job.fine_tuned_model if served else None,
-        "finished_at": int(s.ft_finished_at) if s.ft_finished_at is not None else None,
+        "finished_at": int(s.ft_finished_at) if s.ft_finished_at is not None and status != "paused" else None,
         "estimated_finish": estimated_finish,
         "hyperparameters": {"n_epochs": job.n_epochs, "batch_size": "auto",
                             "learning_rate_multiplier": job.learning_rate_multiplier},
@@ -152,6 +152,8 @@ def job_events(job: FinetuneJob, s: EngineStats, validation: dict[str, Any] | No
     if s.ft_outcome is not None:
         end = {"succeeded": ("The job has successfully completed", "info"),
                "cancelled": ("The job was cancelled; the last committed step was exported", "info"),
+               "paused": ("The job was paused at a checkpoint (resume it to go on from there); its last committed "
+                          "step was exported", "info"),
                "failed": (f"The job failed: {s.ft_failure}; the last committed step was exported", "error")}
         message, level = end.get(s.ft_outcome, (f"The job ended: {s.ft_outcome}", "info"))
         if s.adapter_path is not None:
@@ -212,6 +214,18 @@ def add_finetune_job_routes(app: FastAPI, board: JobBoard) -> None:
                 raise HTTPException(400, f"after: no event {after!r} in job {job_id!r}")
             events = events[ids.index(after) + 1:]
         return {"object": "list", "data": events[:limit], "has_more": len(events) > limit}
+
+    @app.post("/v1/fine_tuning/jobs/{job_id}/pause")
+    async def pause_job(job_id: str) -> dict[str, Any]:
+        job = board.find(job_id)
+        await board.pause(job)
+        return obj(board.jobs[job_id])
+
+    @app.post("/v1/fine_tuning/jobs/{job_id}/resume")
+    async def resume_job(job_id: str) -> dict[str, Any]:
+        job = board.find(job_id)
+        board.resume(job)
+        return obj(board.jobs[job_id])
 
     @app.post("/v1/fine_tuning/jobs/{job_id}/cancel")
     async def cancel_job(job_id: str) -> dict[str, Any]:

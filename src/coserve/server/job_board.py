@@ -251,6 +251,8 @@ class JobBoard:
         ended = self.et.ended.get(job.id) or self.past.get(job.id)
         if ended is not None:
             return ended
+        if job.id in self.setting_up:  # (the engine's figures may still be of its run before a pause)
+            return EngineStats(coserving=True, ft_job=job.id)
         s = self.et.stats
         if s.ft_job == job.id:  # (one that has ended is in `ended` before its figures are published)
             return s
@@ -327,23 +329,62 @@ class JobBoard:
         self.interrupted = []
         for other in older:
             self._never_ran(other, "failed", "the server stopped while this job ran and a later job was resumed")
+        try:
+            self._resume(job)
+        except ValueError as e:
+            self._never_ran(job, "failed", f"the server stopped while this job ran; {e}")
+            return
+        logger.info("fine-tuning job %s was running when the server stopped: resumed from its checkpoint", job.id)
+
+    def _resume(self, job: FinetuneJob) -> None:
+        """Set ``job`` up again from its checkpoint with the settings it was created with
+        (ValueError saying why it cannot be)."""
         run = job.train_log.parent
         try:
             spec = FinetuneSpec.from_json(json.loads((run / SPEC).read_text()))
         except (OSError, ValueError, KeyError, TypeError) as e:
-            self._never_ran(job, "failed", f"the server stopped while this job ran; its settings ({run / SPEC}) "
-                                           f"cannot be read to resume it: {e}")
-            return
+            raise ValueError(f"its settings ({run / SPEC}) cannot be read to resume it: {e}") from e
+        if not (run / "checkpoint" / "trainer_state.pt").is_file():
+            raise ValueError(f"it has no checkpoint to resume from ({run / 'checkpoint'})")
         latency = spec.latency_state
         if self.config is not None and self.config.latency_path.is_file():
             latency = self.config.latency_path
         spec = replace(spec, resume=True, calibrate=False, latency_state=latency)
         valid = None
-        if job.validation_file is not None and self.files is not None and job.validation_file in self.files.files:
+        # (a validation waiting for this job's end, since before its pause, goes on waiting)
+        if job.validation_file is not None and job.id not in self._ended and self.files is not None \
+                and job.validation_file in self.files.files:
             valid = self.files.path(job.validation_file)
-        logger.info("fine-tuning job %s was running when the server stopped: resuming it from %s", job.id,
-                    run / "checkpoint")
+        self.past.pop(job.id, None)
+        self.et.ended.pop(job.id, None)
+        (run / "outcome.json").unlink(missing_ok=True)
         self.setting_up[job.id] = asyncio.get_running_loop().create_task(self._start(job, spec, valid))
+
+    async def pause(self, job: FinetuneJob) -> None:
+        """Stop ``job`` at a checkpoint (``paused``: not served, resumed by :meth:`resume`)."""
+        if self.config is None or job.live:
+            raise HTTPException(400, "only jobs created through the API (--finetune-jobs DIR) can be paused")
+        session = self.et.session
+        if session is None or session.job_id != job.id:
+            state = "being set up: pause it once it runs" if job.id in self.setting_up else \
+                f"not running ({self.stats(job).ft_outcome or 'not started'})"
+            raise HTTPException(409, f"fine-tuning job {job.id!r} is {state}")
+        await self.et.cancel_finetuning(job.id, pause=True)
+
+    def resume(self, job: FinetuneJob) -> None:
+        """Go on with a ``paused`` job from its checkpoint (409 while another job runs)."""
+        outcome = self.stats(job).ft_outcome
+        if outcome != "paused":
+            raise HTTPException(409, f"fine-tuning job {job.id!r} is not paused ({outcome or 'running'})")
+        running = self.running()
+        if running is not None:
+            raise HTTPException(409, f"fine-tuning job {running.id!r} is running and this server runs one job at "
+                                     "a time: resume this one once it has ended")
+        try:
+            self._resume(job)
+        except ValueError as e:
+            raise HTTPException(409, f"fine-tuning job {job.id!r} cannot be resumed: {e}") from e
+        logger.info("fine-tuning job %s resumed", job.id)
 
     async def _start(self, job: FinetuneJob, spec: FinetuneSpec, valid: Path | None) -> None:
         session: FinetuneSession | None = None
@@ -433,11 +474,24 @@ class JobBoard:
                     {k: getattr(s, k) for k in OUTCOME_FIELDS} | {"adapter_path": s.adapter_path and str(s.adapter_path)})
 
     async def cancel(self, job: FinetuneJob) -> None:
-        """Stop ``job`` (one being set up once its set-up is done); one that has ended stays as it ended."""
+        """Stop ``job`` (one being set up once its set-up is done; a paused one where it paused,
+        its adapter served from then on); one that has ended stays as it ended."""
         task = self.setting_up.get(job.id)
         if task is not None:
             self.cancel_asked.add(job.id)
             await asyncio.shield(task)
+        paused = self.stats(job)
+        if paused.ft_outcome == "paused":
+            final = replace(paused, ft_outcome="cancelled", ft_finished_at=time.time())
+            if final.adapter_path is not None and job.fine_tuned_model and job.id not in self.deleted:
+                await self.et.call(lambda _: self.serve_adapter(job.fine_tuned_model or "", str(final.adapter_path)))
+            self.et.ended.pop(job.id, None)
+            self.past[job.id] = final
+            self._save_outcome(job.id, final)
+            ended = self._ended.get(job.id)
+            if ended is not None:
+                _settle(ended, final)
+            return
         await self.et.cancel_finetuning(job.id)
 
     # ------------------------------------------------------------------ the engine thread's hook
@@ -449,7 +503,7 @@ class JobBoard:
         final = self._served(session, final)
         self._save_outcome(session.job_id, final)
         ended = self._ended.get(session.job_id)
-        if ended is not None:
+        if ended is not None and final.ft_outcome != "paused":  # (a paused job's validation waits for its end)
             ended.get_loop().call_soon_threadsafe(_settle, ended, final)
         return final
 
