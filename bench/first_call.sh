@@ -52,6 +52,9 @@
 #   trainer_stretches  bench/profile_trainer_cpu.py on CUDA, the 8B shape at a 50% MPS share: each of a
 #                  layer's stretches (layer#k as in the latency run's trainer_spans), host ms in wall
 #                  and in process CPU time, GPU ms, aten ops; bench/gate_cost.py (a boundary's calls)
+#   trainer_by_hand  trainer_stretches' profile (50% MPS share, wall and process clocks) with
+#                  COSERVE_TRAINER_ATTN_BY_HAND=0 and =1, alternating, two runs each (eight profile runs,
+#                  ~14 s each in session 21)
 #   split_check    bench/split_step_check.py at the 8B shape (4 layers, 9 rows) at a 20% MPS share with
 #                  COSERVE_LORA_FP32_MM auto and 0, and on the whole GPU; bench/skinny_mm_check.py at 20%
 #                  (the split baseline's NaN, sessions 10-11)
@@ -215,6 +218,15 @@ job() {
       # and the boundary's own calls, timed one by one (events, the gate's wait and mark, a poll)
       run trainer_gate_cost "$top/trainer_gate_cost.log" env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 \
         python3 bench/gate_cost.py --out "$top/trainer_gate_cost.json" ;;
+    trainer_by_hand)
+      # the attention half by hand against autograd's pieces (session 24): the same stretches, both
+      # ways, alternating; the gradient hash in each log must be the same both ways
+      for i in 1 2; do for sw in 0 1; do for clock in wall process; do
+        run "trainer_by_hand${sw}_${clock}_$i" "$top/trainer_by_hand${sw}_${clock}_$i.log" \
+          env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 COSERVE_TRAINER_ATTN_BY_HAND=$sw \
+          python3 bench/profile_trainer_cpu.py --device cuda --shape llama3-8b --dtype bfloat16 --rank 16 --rows 5 \
+          --min-len 200 --max-len 320 --reps 20 --ops --clock $clock --json "$top/trainer_by_hand${sw}_${clock}_$i.json"
+      done; done; done ;;
     split_check)
       # the split baseline's step at the 8B shape (4 layers, 9 rows: session 11's failing case) at a
       # 20% MPS share with the LoRA products in fp32 (the default there), with them in bf16 (the

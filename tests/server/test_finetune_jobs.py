@@ -153,3 +153,46 @@ def test_the_trainer_exits_off_the_engine_thread_while_serving_goes_on(tmp_path:
         assert s.engine_thread.session is None and engine.coserver is None
         release.set()
     assert session.coserver.trainer.pid is None, "the shutdown waited for the trainer to exit"
+
+
+def test_checkpoints_are_written_off_the_engine_thread_and_a_failed_one_keeps_the_last(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint is hundreds of MB at the 8B shape: the engine's thread copies the state and a
+    writer thread writes it, so that steps do not wait for the disk."""
+    import threading
+
+    import torch
+
+    import coserve.server.finetune as finetune
+
+    engine = LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8))
+    spec = FinetuneSpec(data=DATA, output=tmp_path / "out", lora=LoRAConfig(rank=8, alpha=16), optim=OptimConfig(lr=1e-3),
+                        coserve=CoServeConfig(backward_tokens=32, max_seq_len=64), trainer_threads=1, save_every=0)
+    session = FinetuneSession(engine, spec)
+    try:
+        writing, release = threading.Event(), threading.Event()
+        save = torch.save
+
+        def slow_save(*args: object, **kwargs: object) -> None:
+            writing.set()
+            release.wait(30)
+            save(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(torch, "save", slow_save)
+        path = session.save_checkpoint()
+        assert writing.wait(30) and not (path / "trainer_state.pt").exists(), "returned before the write"
+        release.set()
+        session.flush_checkpoints()
+        assert (path / "trainer_state.pt").is_file() and (path / "adapter" / "adapter_config.json").is_file()
+        monkeypatch.setattr(torch, "save", save)
+
+        def broken(*args: object, **kwargs: object) -> None:
+            raise OSError("disk full")
+
+        monkeypatch.setattr(finetune, "save_peft_adapter", broken)
+        before = (path / "trainer_state.pt").read_bytes()
+        session.save_checkpoint()
+        session.flush_checkpoints()  # (logged, not raised)
+        assert (path / "trainer_state.pt").read_bytes() == before, "the last good checkpoint is kept"
+    finally:
+        session.close()

@@ -280,7 +280,7 @@ class EngineThread:
         def cancel(_: LLMEngine) -> bool:
             if self.session is None or job_id not in (None, self.session.job_id):
                 return False
-            if pause:
+            if pause and not self.session.spec.save_every:  # (else the export writes one)
                 self.session.save_checkpoint()
             self._finish_session(self.session, "paused" if pause else None)
             return True

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import logging
 import math
 import shutil
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -29,6 +33,7 @@ from coserve.models.peft_adapter import (
     check_adapter_fits,
     load_peft_adapter,
     new_lora_adapter,
+    save_peft_adapter,
 )
 from coserve.trainer.process import TrainerProcess
 from coserve.trainer.worker import warmup_rows
@@ -180,6 +185,8 @@ class FinetuneSession:
         self.coserver.lora_dropout = spec.lora.dropout
         self.coserver.dropout_seed = cfg.seed
         self._write_run_config()
+        self._writer: ThreadPoolExecutor | None = None  # (save_checkpoint's, made on first use)
+        self._writes: deque[Future[None]] = deque()
         self.started = time.monotonic()
         if attach:
             self.attach()
@@ -253,33 +260,55 @@ class FinetuneSession:
         return self.spec.output / "checkpoint"
 
     def save_checkpoint(self) -> Path:
-        """Write the committed adapter, optimizer state and data cursor, atomically.
-
-        Called at optimizer-step boundaries, when the trainer's committed state and the pool's
-        retired samples describe the same step.
-        """
-        tmp = self.spec.output / ".checkpoint.tmp"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        self.trainer.export(tmp / "adapter", base_model_name_or_path=str(self.engine.config.model))
+        """Write the committed adapter, optimizer state and data cursor, atomically, in the
+        background: the state is copied here (at an optimizer-step boundary, when the trainer's
+        committed state and the pool's retired samples describe the same step: tens of ms at the
+        8B shape), the files written by one writer thread (hundreds of MB: not on the engine's
+        thread, whose steps would wait). :meth:`flush_checkpoints` (and :meth:`close`) waits for
+        them. A failed write is logged; the last good checkpoint stays."""
+        base = str(self.engine.config.model)
+        adapter = self.trainer.committed_adapter(base_model_name_or_path=base)
         state, steps = self.trainer.committed_state()
-        torch.save({"state": state, "steps": steps, "pool": self.pool.state_dict(),
-                    "tokens_trained": self.coserver.tokens_trained, "optim": asdict(self.optim)},
-                   tmp / "trainer_state.pt")
-        final = self.checkpoint_dir
-        old = self.spec.output / ".checkpoint.old"
-        if final.exists():
-            final.rename(old)
-        tmp.rename(final)
-        if old.exists():
-            shutil.rmtree(old)
-        return final
+        saved = {"state": state, "steps": steps, "pool": copy.deepcopy(self.pool.state_dict()),
+                 "tokens_trained": self.coserver.tokens_trained, "optim": asdict(self.optim)}
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coserve-checkpoint")
+        self._writes.append(self._writer.submit(self._write_checkpoint, adapter, saved))
+        return self.checkpoint_dir
+
+    def _write_checkpoint(self, adapter: LoraAdapter, saved: dict[str, Any]) -> None:
+        try:
+            tmp = self.spec.output / ".checkpoint.tmp"
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+            save_peft_adapter(adapter, tmp / "adapter")
+            torch.save(saved, tmp / "trainer_state.pt")
+            final = self.checkpoint_dir
+            old = self.spec.output / ".checkpoint.old"
+            if final.exists():
+                final.rename(old)
+            tmp.rename(final)
+            if old.exists():
+                shutil.rmtree(old)
+        except Exception:
+            logger.exception("writing the checkpoint of optimizer step %d to %s failed; the last one is kept",
+                             saved["steps"], self.checkpoint_dir)
+            raise
+
+    def flush_checkpoints(self) -> None:
+        """Wait until the checkpoints asked for are written (or have failed, as logged)."""
+        while self._writes:
+            with contextlib.suppress(Exception):
+                self._writes.popleft().result()
 
     def _read_checkpoint(self) -> dict[str, Any]:
         path = self.checkpoint_dir / "trainer_state.pt"
+        aside = self.spec.output / ".checkpoint.old" / "trainer_state.pt"
+        if not path.is_file() and aside.is_file():
+            path = aside  # (a crash between a checkpoint's two renames: the one before it)
         if not path.is_file():
-            raise ValueError(f"--resume: no checkpoint at {path}")
+            raise ValueError(f"--resume: no checkpoint at {self.checkpoint_dir / 'trainer_state.pt'}")
         return dict(torch.load(path, weights_only=True))
 
     def _resume(self, ck: dict[str, Any]) -> None:
@@ -318,9 +347,16 @@ class FinetuneSession:
 
     def close(self) -> None:
         """:meth:`detach`, then stop the trainer process (it finishes its task first: up to a
-        task's time, which need not be spent on the engine's thread)."""
+        task's time, which need not be spent on the engine's thread) and wait for the
+        checkpoints being written."""
         self.detach()
-        self.coserver.close()
+        try:
+            self.coserver.close()
+        finally:
+            self.flush_checkpoints()
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
+                self._writer = None
 
     @property
     def tokens_per_second(self) -> float:
