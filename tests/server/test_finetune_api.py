@@ -373,3 +373,16 @@ def test_a_job_is_paused_at_a_checkpoint_resumed_from_it_and_cancelled_while_pau
         assert cancelled.fine_tuned_model is not None and ask(s, cancelled.fine_tuned_model), "served once cancelled"
     steps = [json.loads(line)["step"] for line in (tmp_path / "jobs" / job.id / "train_log.jsonl").read_text().splitlines()]
     assert steps == list(range(len(steps))) and len(steps) >= first + 2, "one log across the pause"
+
+
+def test_an_upload_larger_than_the_limit_is_a_413_and_leaves_nothing(tmp_path: Path) -> None:
+    data = ("\n".join(ROWS) + "\n").encode()
+    config = JobsConfig(tmp_path, TEMPLATE, max_upload_bytes=len(data))
+    with serve(LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8)),
+               jobs=config) as s:
+        with pytest.raises(openai.APIStatusError, match="larger than this server takes") as raised:
+            s.client.files.create(file=("big.jsonl", data + b"\n"), purpose="fine-tune")
+        assert raised.value.status_code == 413
+        assert s.client.files.list().data == [] and list((tmp_path / "files").iterdir()) == []
+        f = s.client.files.create(file=("facts.jsonl", data), purpose="fine-tune")
+        assert f.bytes == len(data) and s.client.files.content(f.id).read() == data

@@ -614,7 +614,8 @@ def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str,
     app.post("/v1/load_lora_adapter", response_model=None)(api.load_adapter)
     app.post("/v1/unload_lora_adapter", response_model=None)(api.unload_adapter)
 
-    files = None if jobs is None else FileStore(jobs.root / "files", _dataset_loader(engine_thread, jobs))
+    files = None if jobs is None else FileStore(jobs.root / "files", _dataset_loader(engine_thread, jobs),
+                                                jobs.max_upload_bytes)
 
     def serve_adapter(name: str, path: str) -> None:
         """(the loop thread) Serve the adapter at ``path`` as ``name``, read and checked now."""

@@ -12,13 +12,14 @@ restarted server lists them again.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import logging
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, BinaryIO
 
 from fastapi import FastAPI, File, Form, HTTPException, Response, UploadFile
 
@@ -26,15 +27,20 @@ from coserve.core.finetune import DatasetError, FTDataset
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_MAX_UPLOAD = 1 << 30
+"""The largest upload a server takes by default (``--max-upload-mb``: 1,024)."""
+
 NO_FILES = "the Files API needs a directory for uploads: start the server with --finetune-jobs DIR"
 
 
 class FileStore:
-    """The uploaded fine-tuning files of ``root`` (``DIR/files``), by id."""
+    """The uploaded fine-tuning files of ``root`` (``DIR/files``), by id; an upload of more than
+    ``max_bytes`` is refused (413)."""
 
-    def __init__(self, root: Path, load: Callable[[Path], FTDataset]) -> None:
+    def __init__(self, root: Path, load: Callable[[Path], FTDataset], max_bytes: int = DEFAULT_MAX_UPLOAD) -> None:
         self.root = root
         self.load = load  # the dataset loader jobs use (the engine's tokenizer, the server's --max-seq-len)
+        self.max_bytes = max_bytes
         root.mkdir(parents=True, exist_ok=True)
         self.files: dict[str, dict[str, Any]] = {}
         for meta in sorted(root.glob("*.meta.json"), key=lambda p: p.stat().st_mtime):
@@ -55,13 +61,24 @@ class FileStore:
                                      "GET /v1/files lists them)")
         return obj
 
-    def add(self, filename: str, data: bytes) -> dict[str, Any]:
-        """Store ``data`` if it holds a usable row (blocking: call it off the event loop);
-        ValueError (DatasetError) saying why not: the first malformed rows' lines and reasons."""
+    def add(self, filename: str, data: bytes | BinaryIO) -> dict[str, Any]:
+        """Store ``data`` (bytes, or a file read in chunks) if it holds a usable row (blocking:
+        call it off the event loop); ValueError (DatasetError) saying why not: the first
+        malformed rows' lines and reasons; HTTPException 413 past ``max_bytes``."""
         file_id = f"file-{uuid.uuid4().hex[:24]}"
         suffix = ".json" if filename.lower().endswith(".json") else ".jsonl"
         path = self.root / f"{file_id}{suffix}"
-        path.write_bytes(data)
+        source = io.BytesIO(data) if isinstance(data, bytes) else data
+        size = 0
+        with path.open("wb") as out:
+            while chunk := source.read(1 << 20):
+                size += len(chunk)
+                if size > self.max_bytes:
+                    out.close()
+                    path.unlink()
+                    raise HTTPException(413, f"{filename}: larger than this server takes ({self.max_bytes} bytes, "
+                                             "--max-upload-mb)")
+                out.write(chunk)
         try:
             dataset = self.load(path)
         except DatasetError as e:
@@ -73,7 +90,7 @@ class FileStore:
         stats = dataset.stats
         skipped = dataset.skipped
         obj = {
-            "id": file_id, "object": "file", "bytes": len(data), "created_at": int(time.time()),
+            "id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()),
             "filename": filename, "purpose": "fine-tune", "status": "processed", "status_details": None,
             "coserve": {
                 "stored_as": path.name, "rows": stats.num_rows, "samples": stats.num_samples,
@@ -108,9 +125,9 @@ def add_file_routes(app: FastAPI, store: FileStore | None, user: Callable[[str],
         s = files()
         if purpose != "fine-tune":
             raise HTTPException(400, f"purpose: this server takes fine-tuning data only ('fine-tune'), got {purpose!r}")
-        data = await file.read()
-        # (the loader tokenizes every row: seconds for a large file)
-        return await asyncio.to_thread(s.add, file.filename or "upload.jsonl", data)
+        # (the upload is spooled to a temporary file; copied and read in chunks, and the loader
+        # tokenizes every row: seconds for a large file)
+        return await asyncio.to_thread(s.add, file.filename or "upload.jsonl", file.file)
 
     @app.get("/v1/files")
     async def list_files() -> dict[str, Any]:

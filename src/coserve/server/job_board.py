@@ -38,7 +38,7 @@ from coserve.core.latency import LatencyModel
 from coserve.engine.llm_engine import LLMEngine
 from coserve.engine.sequence import LoRARequest
 from coserve.server.engine_thread import EngineStats, EngineThread
-from coserve.server.files import FileStore
+from coserve.server.files import DEFAULT_MAX_UPLOAD, FileStore
 from coserve.server.finetune import (
     EvalResult,
     FinetuneSession,
@@ -62,6 +62,7 @@ class JobsConfig:
 
     root: Path
     template: FinetuneSpec
+    max_upload_bytes: int = DEFAULT_MAX_UPLOAD
 
     @property
     def latency_path(self) -> Path:

@@ -97,6 +97,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                             "into DIR/latency_state.json (not where --latency-state names a model, that file "
                             "exists, or --no-calibrate: then the default coefficients, which learn online), and "
                             "each job's end saves its refitted model there for the next")
+    group.add_argument("--max-upload-mb", type=float, default=1024.0, metavar="MB",
+                       help="with --finetune-jobs: the largest file a client may upload (413 above it)")
     group.add_argument("--finetune-name", default=None, metavar="NAME",
                        help="also serve the adapter being fine-tuned, under this model name: requests "
                             "naming it run with the trainer's latest optimizer step (and, once training "
@@ -173,7 +175,9 @@ def jobs_config(args: argparse.Namespace) -> JobsConfig | None:
         (args.finetune_jobs / "jobs").mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ValueError(f"--finetune-jobs {args.finetune_jobs}: cannot create it: {e.strerror or e}") from e
-    return JobsConfig(args.finetune_jobs, template)
+    if not args.max_upload_mb > 0:
+        raise ValueError(f"--max-upload-mb must be positive, got {args.max_upload_mb:g}")
+    return JobsConfig(args.finetune_jobs, template, max_upload_bytes=int(args.max_upload_mb * 2**20))
 
 
 @command("serve", add_serve_args, "the OpenAI-compatible HTTP server; with --finetune-data it fine-tunes "
