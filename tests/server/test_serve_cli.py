@@ -215,6 +215,11 @@ def test_finetune_jobs_take_the_finetuning_flags_and_never_calibrate(tmp_path: P
     t = jobs.template
     assert (t.lora.rank, t.coserve.epochs, t.optim.lr, t.calibrate, t.latency_state) == (4, 2, 1e-3, False, Path("s.json"))
     assert t.slo.tpot_slo_s == pytest.approx(0.04) and jobs.latency_path == tmp_path / "j" / "latency_state.json"
+    assert jobs.max_upload_bytes == 1 << 30
+    small = jobs_config(parse("--finetune-jobs", str(tmp_path / "j"), "--max-upload-mb", "0.5"))
+    assert small is not None and small.max_upload_bytes == 1 << 19
+    with pytest.raises(ValueError, match="--max-upload-mb must be positive"):
+        jobs_config(parse("--finetune-jobs", str(tmp_path / "j"), "--max-upload-mb", "0"))
     # beside --finetune-data's run, which calibrates as before
     args = parse("--finetune-jobs", str(tmp_path / "j"), "--finetune-data", "d.jsonl", "--output", str(tmp_path / "o"))
     spec = serve_spec(args)
