@@ -410,10 +410,12 @@ class JobBoard:
                 task.add_done_callback(self._validating.discard)
         except Exception as e:
             logger.exception("fine-tuning job %s could not start", job.id)
-            self._ended.pop(job.id, None)
             if session is not None:
                 await asyncio.to_thread(session.close)
             self._never_ran(job, "failed", f"setting up the job: {e}")
+            ended = self._ended.pop(job.id, None)
+            if ended is not None:  # (a validation waiting for the job's end: there is none to score)
+                _settle(ended, self.past[job.id])
         finally:
             del self.setting_up[job.id]
 
