@@ -386,3 +386,26 @@ def test_an_upload_larger_than_the_limit_is_a_413_and_leaves_nothing(tmp_path: P
         assert s.client.files.list().data == [] and list((tmp_path / "files").iterdir()) == []
         f = s.client.files.create(file=("facts.jsonl", data), purpose="fine-tune")
         assert f.bytes == len(data) and s.client.files.content(f.id).read() == data
+
+
+def test_a_paused_jobs_files_are_kept_and_a_resume_that_fails_ends_its_validation(tmp_path: Path) -> None:
+    config = JobsConfig(tmp_path, TEMPLATE)
+    data = ("\n".join(ROWS) + "\n").encode()
+    with serve(LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8)),
+               jobs=config) as s:
+        jobs = s.client.fine_tuning.jobs
+        f = s.client.files.create(file=("facts.jsonl", data), purpose="fine-tune")
+        job = jobs.create(model=MODEL, training_file=f.id, validation_file=f.id, hyperparameters={"n_epochs": 500})
+        wait_for(s, job.id, ("running",))
+        assert jobs.pause(job.id).status == "paused"
+        with pytest.raises(openai.ConflictError, match=f"in use by fine-tuning job '{job.id}'"):
+            s.client.files.delete(f.id)  # (a resume reads it again)
+        (tmp_path / "files" / f.coserve["stored_as"]).unlink()  # type: ignore[attr-defined]
+        jobs.resume(job.id)
+        assert wait_for(s, job.id, ("succeeded", "failed", "cancelled")) == "failed"
+        deadline = time.monotonic() + 30
+        while (v := jobs.retrieve(job.id).coserve["validation"])["status"] == "running":  # type: ignore[attr-defined]
+            assert time.monotonic() < deadline, v
+            time.sleep(0.05)
+        assert v["status"] == "failed" and "exported no adapter" in v["error"]
+        assert ask(s, MODEL)

@@ -233,10 +233,13 @@ class JobBoard:
         return next((j for j in self.jobs.values() if j.fine_tuned_model == name), None)
 
     def file_user(self, file_id: str) -> str | None:
-        """The job being set up or trained on file ``file_id`` (its training or validation file)."""
-        job = self.running()
-        if job is not None and file_id in (job.training_file, job.validation_file):
-            return job.id
+        """The job being set up, trained or paused (it reads the file again to resume) on file
+        ``file_id`` (its training or validation file)."""
+        running = self.running()
+        for job in self.jobs.values():
+            if file_id in (job.training_file, job.validation_file) and (
+                    job is running or self.stats(job).ft_outcome == "paused"):
+                return job.id
         return None
 
     def model_deleted(self, job: FinetuneJob) -> None:
