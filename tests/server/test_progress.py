@@ -108,6 +108,19 @@ def test_the_reporter_prints_each_interval_and_the_end_once() -> None:
     assert len(lines) == 2, "nothing happened since"
 
 
+def test_a_paused_job_says_its_pause_and_later_its_end() -> None:
+    clock, lines = Clock(), []
+    reporter = ProgressReporter(clock.read, interval_s=0.0, write=lines.append)
+    paused = replace(FT, ft_job="ftjob-1", ft_optimizer_steps=3, adapter_path=Path("/a"), ft_outcome="paused")
+    clock.stats = paused
+    reporter.check()
+    reporter.check()
+    assert len(lines) == 1 and "fine-tuning paused at a checkpoint" in lines[0]
+    clock.stats = replace(paused, ft_optimizer_steps=9, ft_outcome="succeeded")
+    reporter.check()
+    assert len(lines) == 2 and "fine-tuning finished: 9 optimizer steps" in lines[1]
+
+
 def test_interval_zero_prints_only_the_end_and_a_negative_one_is_refused() -> None:
     clock, lines = Clock(), []
     reporter = ProgressReporter(clock.read, interval_s=0.0, write=lines.append)

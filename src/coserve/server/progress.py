@@ -102,7 +102,8 @@ def _finetune_part(p: EngineStats, s: EngineStats, dt: float) -> str:
 
 
 ENDINGS = {"succeeded": "finished", "cancelled": "stopped early, the last committed step exported",
-           "failed": "gave up (see the log), the last committed step exported"}
+           "failed": "gave up (see the log), the last committed step exported",
+           "paused": "paused at a checkpoint (a resume goes on from there)"}
 
 
 def finished_line(s: EngineStats, serving: bool = True) -> str:
@@ -112,6 +113,10 @@ def finished_line(s: EngineStats, serving: bool = True) -> str:
     return (f"coserve: fine-tuning {ENDINGS.get(s.ft_outcome or '', s.ft_outcome)}: "
             f"{_counted(s.ft_optimizer_steps, 'optimizer step')}, {s.ft_tokens_trained} tokens{_loss(s)}; "
             f"adapter: {adapter}" + ("; serving goes on" if serving else ""))
+
+
+def _end_of(s: EngineStats) -> tuple[str | None, str, int]:
+    return (s.ft_job, s.ft_outcome or "", s.ft_optimizer_steps)
 
 
 class ProgressReporter:
@@ -127,8 +132,10 @@ class ProgressReporter:
             raise ValueError(f"--log-stats-interval must be >= 0 seconds, got {interval_s:g}")
         self.read, self.interval_s, self.write, self.tick_s = read, interval_s, write, tick_s
         self._last = read()
-        # the jobs whose end was said (each job's end is said once)
-        self._ended: set[str | None] = {self._last.stats.ft_job} if self._last.stats.ft_outcome is not None else set()
+        # the ends said, each once: (job, outcome, optimizer steps), so that a paused job's later end is said too
+        self._ended: set[tuple[str | None, str, int]] = set()
+        if self._last.stats.ft_outcome is not None:
+            self._ended.add(_end_of(self._last.stats))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -157,8 +164,8 @@ class ProgressReporter:
         self._say_end(stats, serving=False)
 
     def _say_end(self, s: EngineStats, serving: bool = True) -> None:
-        if s.coserving and s.ft_outcome is not None and s.ft_job not in self._ended:
-            self._ended.add(s.ft_job)
+        if s.coserving and s.ft_outcome is not None and _end_of(s) not in self._ended:
+            self._ended.add(_end_of(s))
             self.write(finished_line(s, serving))
 
     def _run(self) -> None:
