@@ -283,6 +283,7 @@ def test_resume_from_checkpoint_continues_the_run(model_dir: Path, tmp_path: Pat
     assert (stats.ft_optimizer_steps, stats.ft_tokens_trained) == (second.coserver.steps_done,
                                                                    second.coserver.tokens_trained)
     assert stats.ft_samples_retired == second.pool.progress.samples_retired > 0
+    assert stats.ft_first_loss == first.history[0].loss is not None, "the run's first loss, from before the resume"
     while not second.done:
         if not engine.step():
             second.wait(0.05)

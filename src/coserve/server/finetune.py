@@ -322,6 +322,8 @@ class FinetuneSession:
             kept = [line for line in self._log_path.read_text().splitlines()
                     if line.strip() and json.loads(line)["step"] < steps]
         self._log_path.write_text("".join(line + "\n" for line in kept))
+        # (the run's first loss is its first step's, before the resume: what "loss a -> b" reports)
+        self.coserver.first_loss = next((e["loss"] for e in map(json.loads, kept) if e.get("loss") is not None), None)
         logger.info("resumed from %s at optimizer step %d", self.checkpoint_dir, steps)
 
     @property
