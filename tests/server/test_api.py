@@ -619,3 +619,25 @@ def test_with_an_api_key_the_v1_routes_need_it() -> None:
         status, reply = http(s.url + "/v1/chat/completions", {"model": MODEL, "messages": []})
         assert status == 401 and reply["error"]["type"] == "authentication_error"
         assert http(s.url + "/health")[0] == 200 and http(s.url + "/metrics")[0] == 200
+        assert http(s.url + "/tokenize", {"prompt": "hi"})[0] == 401
+
+
+def test_tokenize_and_detokenize_as_vllm_gives_them(served: Served) -> None:
+    engine = served.engine_thread.engine
+    assert engine.tokenizer is not None
+    status, reply = http(served.url + "/tokenize", {"model": MODEL, "prompt": "Where is the candle?"})
+    assert status == 200 and reply["tokens"] == engine.tokenizer.encode("Where is the candle?")
+    assert reply["count"] == len(reply["tokens"]) and reply["max_model_len"] == engine.max_model_len
+    messages = [{"role": "user", "content": "Where is the candle?"}]
+    status, chat = http(served.url + "/tokenize", {"messages": messages})
+    r = served.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)  # type: ignore[arg-type]
+    assert status == 200 and r.usage is not None and chat["count"] == r.usage.prompt_tokens, "what chat runs"
+    status, text = http(served.url + "/detokenize", {"tokens": reply["tokens"]})
+    assert status == 200 and text["prompt"] == engine.tokenizer.decode(reply["tokens"], skip_special_tokens=False)
+    for path, body, needle in (("/tokenize", {}, "either prompt or messages"),
+                               ("/tokenize", {"prompt": "x", "messages": messages}, "either prompt or messages"),
+                               ("/tokenize", {"prompt": "x", "model": "nope"}, "does not exist"),
+                               ("/detokenize", {"tokens": [10**9]}, "outside the vocabulary"),
+                               ("/detokenize", {"tokens": ["a"]}, "tokens")):
+        status, reply = http(served.url + path, body)
+        assert status in (400, 404) and needle in reply["error"]["message"], (path, reply)

@@ -51,7 +51,9 @@ from coserve.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
     LoadAdapterRequest,
+    TokenizeRequest,
     UnloadAdapterRequest,
     Usage,
 )
@@ -549,6 +551,10 @@ def _dataset_loader(engine_thread: EngineThread, jobs: JobsConfig) -> Callable[[
     return lambda path: read_dataset(engine_thread.engine, path, jobs.template.coserve)
 
 
+OPEN_ROUTES = frozenset({"/health", "/metrics"})
+"""The routes that an API key does not guard."""
+
+
 def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str, str] | None = None,
                runtime_lora: bool = False, finetune_name: str | None = None,
                jobs: JobsConfig | None = None, api_key: str | None = None) -> FastAPI:
@@ -558,8 +564,8 @@ def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str,
     A co-serving engine thread's run is the fine-tuning job of ``/v1/fine_tuning/jobs``, its adapter
     served as ``finetune_name`` (when given); with ``jobs`` clients upload data (``/v1/files``) and
     create jobs, each one's adapter served, once trained, under its ``fine_tuned_model`` name.
-    With ``api_key``, every ``/v1/`` route needs ``Authorization: Bearer <api_key>`` (a 401
-    otherwise; ``/health`` and ``/metrics`` stay open, for probes and scrapers)."""
+    With ``api_key``, every route needs ``Authorization: Bearer <api_key>`` (a 401 otherwise)
+    but :data:`OPEN_ROUTES`, for probes and scrapers."""
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         board.resume_interrupted()  # (a job that a crash stopped goes on from its checkpoint)
@@ -569,16 +575,16 @@ def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str,
     api = _Api(engine_thread, model_name, adapters, runtime_lora)
     app.state.api = api
     endpoints = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/v1/load_lora_adapter",
-                 "/v1/unload_lora_adapter", "/v1/fine_tuning/jobs", "/v1/files"}
+                 "/v1/unload_lora_adapter", "/v1/fine_tuning/jobs", "/v1/files", "/tokenize", "/detokenize"}
 
     expected = f"Bearer {api_key}".encode() if api_key else None
 
     @app.middleware("http")
     async def count(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         endpoint = request.url.path if request.url.path in endpoints else "other"
-        if endpoint.startswith("/v1/"):
+        if endpoint.startswith("/v1/") or endpoint in ("/tokenize", "/detokenize"):
             api.metrics.requests.labels(endpoint).inc()
-        if (expected is not None and request.url.path.startswith("/v1/")
+        if (expected is not None and request.url.path not in OPEN_ROUTES
                 and not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected)):
             response: Response = _error(401, "a valid API key is needed: send 'Authorization: Bearer <key>' "
                                              "(the server's --api-key)", "authentication_error")
@@ -664,6 +670,34 @@ def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str,
             board.model_deleted(job)
         logger.info("model %r deleted (its adapter stays at %s)", model, lora.path)
         return {"id": model, "object": "model", "deleted": True}
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's: the token ids the server would run for a prompt or a chat (its template), their
+        count and the model's context."""
+        api.check_model(req.model)
+        tok = api.tokenizer
+        if tok is None:
+            raise ValueError("this server has no tokenizer: it takes token ids only")
+        if req.messages is not None:
+            ids = list(tok.apply_chat_template([m.as_template_dict() for m in req.messages],
+                                               add_generation_prompt=req.add_generation_prompt, tokenize=True))
+        else:
+            ids = list(tok.encode(req.prompt or "", add_special_tokens=req.add_special_tokens))
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine_thread.engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
+        """vLLM's: the text of token ids (ids outside the vocabulary are a 400)."""
+        api.check_model(req.model)
+        tok = api.tokenizer
+        if tok is None:
+            raise ValueError("this server has no tokenizer")
+        vocab = engine_thread.engine.model_config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        return {"prompt": tok.decode(req.tokens, skip_special_tokens=False)}
 
     @app.get("/health")
     async def health() -> Response:

@@ -185,6 +185,29 @@ class ChatCompletionRequest(_SamplingRequest):
         return k
 
 
+class TokenizeRequest(_Request):
+    """vLLM's ``POST /tokenize``: a ``prompt``, or chat ``messages`` through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool = True
+
+    @model_validator(mode="after")
+    def _one_of(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    """vLLM's ``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
 class LoadAdapterRequest(_Request):
     """``POST /v1/load_lora_adapter`` (vLLM's shape)."""
 

@@ -74,8 +74,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "and fine-tuning's progress (steps, samples, loss, FT tokens/s, time left); 0: none. "
                         "The end of fine-tuning is printed at once either way")
     p.add_argument("--api-key", default=os.environ.get("COSERVE_API_KEY"), metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on every /v1/ route (401 otherwise; /health and "
-                        "/metrics stay open); default: $COSERVE_API_KEY, else none")
+                   help="require 'Authorization: Bearer KEY' on every route (401 otherwise) but /health and "
+                        "/metrics; default: $COSERVE_API_KEY, else none")
     p.add_argument("--allow-runtime-lora", action="store_true",
                    help="let clients load and unload adapters while the server runs (POST "
                         "/v1/load_lora_adapter {lora_name, lora_path}, /v1/unload_lora_adapter {lora_name}); "
