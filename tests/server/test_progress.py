@@ -121,6 +121,24 @@ def test_a_paused_job_says_its_pause_and_later_its_end() -> None:
     assert len(lines) == 2 and "fine-tuning finished: 9 optimizer steps" in lines[1]
 
 
+def test_an_end_the_figures_moved_past_within_a_tick_is_said_from_the_engines_ends() -> None:
+    """A pause and its resume between two ticks: the figures show the resumed run, the pause is
+    in the engine thread's ends."""
+    clock, lines, ends = Clock(), [], []
+    reporter = ProgressReporter(clock.read, interval_s=0.0, write=lines.append, ends=lambda: ends)
+    paused = replace(FT, ft_job="ftjob-1", ft_optimizer_steps=3, adapter_path=Path("/a"), ft_outcome="paused")
+    ends.append(paused)
+    clock.stats = replace(FT, ft_job="ftjob-1", ft_optimizer_steps=4)  # (running again)
+    reporter.check()
+    reporter.check()
+    assert lines == [finished_line(paused)]
+    done = replace(paused, ft_optimizer_steps=9, ft_outcome="succeeded")
+    ends.append(done)
+    clock.stats = done
+    reporter.check()
+    assert lines == [finished_line(paused), finished_line(done)], "each end once"
+
+
 def test_interval_zero_prints_only_the_end_and_a_negative_one_is_refused() -> None:
     clock, lines = Clock(), []
     reporter = ProgressReporter(clock.read, interval_s=0.0, write=lines.append)

@@ -186,8 +186,10 @@ class EngineThread:
                                  **(_session_stats(session) if session is not None else {}))
         # the SLOs that co-serving keeps (None: inference only), for the server's metrics
         self.slo = session.spec.slo if session is not None else slo
-        # each ended session's last figures, by job id (written by the loop thread only)
+        # each ended session's last figures, by job id (written by the loop thread only), and every
+        # end in order (a job paused and resumed ends more than once; append only)
         self.ended: dict[str, EngineStats] = {}
+        self.ends: list[EngineStats] = []
         # called on the loop thread when a session has ended and exported its adapter, before
         # its figures are published (the server serves the adapter from then on)
         # (it returns the figures to publish: the job's outcome may change there)
@@ -413,6 +415,7 @@ class EngineThread:
             except Exception:
                 logger.exception("after fine-tuning job %s ended", session.job_id)
         self.ended[session.job_id] = final
+        self.ends.append(final)
         self.stats = final
 
     def _publish(self) -> None:

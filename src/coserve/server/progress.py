@@ -16,7 +16,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from coserve.server.engine_thread import EngineStats
@@ -127,10 +127,15 @@ class ProgressReporter:
     """
 
     def __init__(self, read: Callable[[], Snapshot], interval_s: float = 10.0,
-                 write: Callable[[str], None] = lambda line: print(line, flush=True), tick_s: float = 1.0) -> None:
+                 write: Callable[[str], None] = lambda line: print(line, flush=True), tick_s: float = 1.0,
+                 ends: Callable[[], Sequence[EngineStats]] = tuple) -> None:
         if interval_s < 0:
             raise ValueError(f"--log-stats-interval must be >= 0 seconds, got {interval_s:g}")
         self.read, self.interval_s, self.write, self.tick_s = read, interval_s, write, tick_s
+        # every fine-tuning end so far, in order (EngineThread.ends): an end the engine's figures
+        # have moved past by the next tick (a pause and its resume within it) is said as well
+        self.ends = ends
+        self._ends_seen = len(ends())
         self._last = read()
         # the ends said, each once: (job, outcome, optimizer steps), so that a paused job's later end is said too
         self._ended: set[tuple[str | None, str, int]] = set()
@@ -141,6 +146,10 @@ class ProgressReporter:
 
     def check(self) -> None:
         cur = self.read()
+        ends = self.ends()
+        for end in ends[self._ends_seen:]:
+            self._say_end(end)
+        self._ends_seen = len(ends)
         self._say_end(cur.stats)
         if self.interval_s and cur.time - self._last.time >= self.interval_s:
             line = progress_line(self._last, cur)

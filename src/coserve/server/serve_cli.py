@@ -248,7 +248,7 @@ def serve(args: argparse.Namespace) -> int:
         coserve_note += "; clients need the API key"
     print(f"coserve: serving {name!r}{adapters_note} at {url}{coserve_note}", flush=True)
     reporter = ProgressReporter(snapshot_reader(lambda: engine_thread.stats, app.state.api.metrics.counts),
-                                args.log_stats_interval).start()
+                                args.log_stats_interval, ends=lambda: engine_thread.ends).start()
     try:
         server.run()  # returns after uvicorn's own graceful shutdown on SIGINT/SIGTERM
     finally:
