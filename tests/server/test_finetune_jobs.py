@@ -196,3 +196,43 @@ def test_checkpoints_are_written_off_the_engine_thread_and_a_failed_one_keeps_th
         assert (path / "trainer_state.pt").read_bytes() == before, "the last good checkpoint is kept"
     finally:
         session.close()
+
+
+def test_a_jobs_adapter_is_written_off_the_engine_thread_and_served_meanwhile(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The export's write takes tens to hundreds of ms at the 8B shape: the engine serves the
+    adapter from memory at once and answers meanwhile; the cancel route returns once the files
+    are there."""
+    import threading
+
+    import coserve.server.finetune as finetune
+
+    engine = LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8))
+    spec = FinetuneSpec(data=DATA, output=tmp_path / "out", lora=LoRAConfig(rank=8, alpha=16),
+                        optim=OptimConfig(lr=1e-3), coserve=CoServeConfig(backward_tokens=32, max_seq_len=64, epochs=500),
+                        trainer_threads=1, save_every=0)
+    session = FinetuneSession(engine, spec)
+    engine.lora_manager.bind_training_slot("live")
+    writing, release = threading.Event(), threading.Event()
+    save = finetune.save_peft_adapter
+
+    def slow_save(*args: object, **kwargs: object) -> None:
+        writing.set()
+        release.wait(30)
+        save(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(finetune, "save_peft_adapter", slow_save)
+    with serve(engine, session, adapters={"live": "(training)"}, finetune_name="live") as s:
+        (job,) = s.client.fine_tuning.jobs.list().data
+        cancelled: list[str] = []
+        cancel = threading.Thread(target=lambda: cancelled.append(s.client.fine_tuning.jobs.cancel(job.id).status))
+        cancel.start()
+        assert writing.wait(30)
+        assert s.client.fine_tuning.jobs.retrieve(job.id).status == "cancelled"
+        for model in (MODEL, "live"):  # (the trained adapter, from memory, its file not yet written)
+            r = s.client.completions.create(model=model, prompt="Where is the candle?", max_tokens=3)
+            assert r.usage is not None and r.usage.completion_tokens >= 1
+        assert not (tmp_path / "out" / "adapter").exists() and cancel.is_alive(), "the route waits for the files"
+        release.set()
+        cancel.join(30)
+        assert cancelled == ["cancelled"] and (tmp_path / "out" / "adapter" / "adapter_config.json").is_file()

@@ -33,6 +33,7 @@ from coserve.core.finetune import FTDataset
 from coserve.engine.outputs import RequestOutput
 from coserve.engine.sampling_params import SamplingParams
 from coserve.engine.sequence import LoRARequest
+from coserve.models.peft_adapter import LoraAdapter
 from coserve.server.engine_thread import EngineDeadError, EngineThread, RequestHandle
 from coserve.server.files import FileStore, add_file_routes
 from coserve.server.finetune import read_dataset
@@ -623,9 +624,10 @@ def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str,
     files = None if jobs is None else FileStore(jobs.root / "files", _dataset_loader(engine_thread, jobs),
                                                 jobs.max_upload_bytes)
 
-    def serve_adapter(name: str, path: str) -> None:
-        """(the loop thread) Serve the adapter at ``path`` as ``name``, read and checked now."""
-        engine_thread.engine.lora_manager.register(name, path)
+    def serve_adapter(name: str, path: str, adapter: LoraAdapter | None = None) -> None:
+        """(the loop thread) Serve the adapter at ``path`` as ``name``: ``adapter``, where given
+        (its files may still be being written), else read and checked now."""
+        engine_thread.engine.lora_manager.register(name, path, adapter)
         # NOTE: a new dict, not a change to the one the event loop may be iterating (/v1/models)
         api.adapters = {**api.adapters, name: LoRARequest(name, path)}
 

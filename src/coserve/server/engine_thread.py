@@ -27,6 +27,7 @@ from coserve.engine.sequence import LoRARequest
 if TYPE_CHECKING:
     from coserve.core.config import SLOConfig
     from coserve.core.coserver import CoServer
+    from coserve.models.peft_adapter import LoraAdapter
     from coserve.server.finetune import FinetuneSession
 
 logger = logging.getLogger(__name__)
@@ -193,7 +194,8 @@ class EngineThread:
         # called on the loop thread when a session has ended and exported its adapter, before
         # its figures are published (the server serves the adapter from then on)
         # (it returns the figures to publish: the job's outcome may change there)
-        self.on_session_end: Callable[[FinetuneSession, EngineStats], EngineStats] | None = None
+        # (with the exported adapter, in memory: its files may still be being written)
+        self.on_session_end: Callable[[FinetuneSession, EngineStats, LoraAdapter | None], EngineStats] | None = None
         self._inbox: deque[_Submission] = deque()
         self._aborts: deque[str] = deque()
         self._calls: deque[tuple[Callable[[LLMEngine], Any], asyncio.AbstractEventLoop, asyncio.Future[Any]]] = deque()
@@ -204,7 +206,7 @@ class EngineThread:
         self._closed = False
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None
-        self._exiting: list[threading.Thread] = []  # ended sessions' trainers, stopping
+        self._exiting: list[tuple[threading.Thread, FinetuneSession]] = []  # ended sessions, their trainers stopping
         engine.external_arrivals = lambda: bool(self._inbox)
 
     # ------------------------------------------------------------------ any thread
@@ -304,10 +306,16 @@ class EngineThread:
     def wait_trainers_exited(self, timeout: float | None = None) -> None:
         """Block until the trainers of ended sessions have exited (a new session's set-up waits
         for them, so that two trainers never hold the device's memory at once)."""
-        for t in list(self._exiting):
+        for t, _ in list(self._exiting):
             t.join(timeout)
             if t.is_alive():
                 logger.warning("a fine-tuning trainer did not exit within %.0fs", timeout)
+
+    def wait_exported(self) -> None:
+        """Block until the files of ended sessions (adapter, checkpoint) are written; their
+        trainers may still be exiting."""
+        for _, session in list(self._exiting):
+            session.flush_checkpoints()
 
     # ------------------------------------------------------------------ the loop thread
 
@@ -391,27 +399,30 @@ class EngineThread:
         outcome = "failed" if coserver.failure is not None else "succeeded" if session.done else stopped or "cancelled"
         if coserver.failure is not None:
             logger.error("fine-tuning failed: %s; exporting the last committed step", coserver.failure)
+        adapter: LoraAdapter | None = None
+        path: Path | None = None
         try:
-            path: Path | None = session.export()
+            # (the files written in the background: the engine's steps do not wait for the disk)
+            path, adapter = session.export_in_background()
             logger.info("fine-tuning %s: %d optimizer steps, %d tokens; adapter: %s", outcome, coserver.steps_done,
                         coserver.tokens_trained, path)
         except Exception:
             logger.exception("exporting the fine-tuned adapter failed")
-            path = None
+            path, adapter = None, None
         finally:
             # NOTE: the trainer finishes its task before it exits (a backward task's time, longer on
             # a busy CPU): off the loop thread, so that serving does not stall meanwhile
             session.detach()
             self.session = None
-            self._exiting = [t for t in self._exiting if t.is_alive()]
+            self._exiting = [(t, s) for t, s in self._exiting if t.is_alive()]
             exiting = threading.Thread(target=_close_session, args=(session,), name="coserve-trainer-exit", daemon=True)
             exiting.start()
-            self._exiting.append(exiting)
+            self._exiting.append((exiting, session))
         final = replace(self.stats, coserving=True, adapter_path=path, ft_outcome=outcome,
                         ft_finished_at=time.time(), **_session_stats(session))
         if self.on_session_end is not None:
             try:
-                final = self.on_session_end(session, final)
+                final = self.on_session_end(session, final, adapter)
             except Exception:
                 logger.exception("after fine-tuning job %s ended", session.job_id)
         self.ended[session.job_id] = final

@@ -271,10 +271,14 @@ class FinetuneSession:
         state, steps = self.trainer.committed_state()
         saved = {"state": state, "steps": steps, "pool": copy.deepcopy(self.pool.state_dict()),
                  "tokens_trained": self.coserver.tokens_trained, "optim": asdict(self.optim)}
+        self._in_background(self._write_checkpoint, adapter, saved)
+        return self.checkpoint_dir
+
+    def _in_background(self, write: Callable[..., None], *args: Any) -> None:
+        """``write(*args)`` on the writer thread, after the writes asked for before."""
         if self._writer is None:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coserve-checkpoint")
-        self._writes.append(self._writer.submit(self._write_checkpoint, adapter, saved))
-        return self.checkpoint_dir
+        self._writes.append(self._writer.submit(write, *args))
 
     def _write_checkpoint(self, adapter: LoraAdapter, saved: dict[str, Any]) -> None:
         try:
@@ -297,10 +301,14 @@ class FinetuneSession:
             raise
 
     def flush_checkpoints(self) -> None:
-        """Wait until the checkpoints asked for are written (or have failed, as logged)."""
-        while self._writes:
+        """Wait until the checkpoints and exports asked for are written (or have failed, as
+        logged); any thread may call it."""
+        for write in list(self._writes):
             with contextlib.suppress(Exception):
-                self._writes.popleft().result()
+                write.result()
+        with contextlib.suppress(IndexError):
+            while self._writes[0].done():
+                self._writes.popleft()
 
     def _read_checkpoint(self) -> dict[str, Any]:
         path = self.checkpoint_dir / "trainer_state.pt"
@@ -333,6 +341,18 @@ class FinetuneSession:
     def wait(self, timeout: float) -> None:
         """Block up to ``timeout`` s for the trainer (when the engine has nothing else to do)."""
         self.coserver.poll(timeout)
+
+    def export_in_background(self) -> tuple[Path, LoraAdapter]:
+        """:meth:`export` with the files written by the writer thread (a write of tens to hundreds
+        of ms at the 8B shape, ``bench/adapter_export_cost.py``, that the engine's thread need not
+        wait for): the committed adapter is copied here and returned, to be served from memory;
+        :meth:`flush_checkpoints` (and :meth:`close`) waits for the files."""
+        path = self.spec.output / "adapter"
+        adapter = self.trainer.committed_adapter(base_model_name_or_path=str(self.engine.config.model))
+        self._in_background(_write_adapter, adapter, path)
+        if self.spec.save_every:
+            self.save_checkpoint()
+        return path, adapter
 
     def export(self) -> Path:
         path = self.spec.output / "adapter"
@@ -385,6 +405,14 @@ def run_to_completion(engine: LLMEngine, session: FinetuneSession, progress: boo
         return session.export()
     finally:
         session.close()
+
+
+def _write_adapter(adapter: LoraAdapter, path: Path) -> None:
+    try:
+        save_peft_adapter(adapter, path)
+    except Exception:
+        logger.exception("writing the fine-tuned adapter to %s failed (it is served from memory)", path)
+        raise
 
 
 @dataclass(frozen=True)

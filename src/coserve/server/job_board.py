@@ -37,6 +37,7 @@ from coserve.core.finetune import FTSample
 from coserve.core.latency import LatencyModel
 from coserve.engine.llm_engine import LLMEngine
 from coserve.engine.sequence import LoRARequest
+from coserve.models.peft_adapter import LoraAdapter
 from coserve.server.engine_thread import EngineStats, EngineThread
 from coserve.server.files import DEFAULT_MAX_UPLOAD, FileStore
 from coserve.server.finetune import (
@@ -152,13 +153,14 @@ class JobBoard:
     """
 
     def __init__(self, engine_thread: EngineThread, model: str, files: FileStore | None,
-                 config: JobsConfig | None, serve_adapter: Callable[[str, str], None],
+                 config: JobsConfig | None, serve_adapter: Callable[[str, str, LoraAdapter | None], None],
                  startup_name: str | None = None) -> None:
         self.et = engine_thread
         self.model = model
         self.files = files
         self.config = config
-        self.serve_adapter = serve_adapter  # (loop thread) serve the adapter at a path under a model name
+        # (loop thread) serve the adapter at a path (or this copy of it) under a model name
+        self.serve_adapter = serve_adapter
         self.jobs: dict[str, FinetuneJob] = {}  # oldest first
         self.setting_up: dict[str, asyncio.Task[None]] = {}
         self.cancel_asked: set[str] = set()
@@ -207,7 +209,7 @@ class JobBoard:
                 self.deleted.add(job.id)
             elif stats.ft_outcome in SERVED_OUTCOMES and stats.adapter_path is not None and job.fine_tuned_model:
                 try:
-                    self.serve_adapter(job.fine_tuned_model, str(stats.adapter_path))
+                    self.serve_adapter(job.fine_tuned_model, str(stats.adapter_path), None)
                 except Exception as e:  # (its adapter deleted meanwhile, say: the server starts anyway)
                     logger.warning("job %s: its adapter %s cannot be served: %s", job.id, stats.adapter_path, e)
                     self.past[job.id] = replace(stats, ft_outcome="failed",
@@ -374,6 +376,7 @@ class JobBoard:
                 f"not running ({self.stats(job).ft_outcome or 'not started'})"
             raise HTTPException(409, f"fine-tuning job {job.id!r} is {state}")
         await self.et.cancel_finetuning(job.id, pause=True)
+        await asyncio.to_thread(self.et.wait_exported)  # (its checkpoint written)
 
     def resume(self, job: FinetuneJob) -> None:
         """Go on with a ``paused`` job from its checkpoint (409 while another job runs)."""
@@ -434,6 +437,7 @@ class JobBoard:
             v.update(loss_before=_number(before.loss), accuracy_before=_number(before.accuracy), tokens=before.tokens)
             self._save_validation(job)
             final = await self._ended[job.id]
+            await asyncio.to_thread(self.et.wait_exported)  # (its adapter's files written)
             if final.adapter_path is None:
                 raise RuntimeError("the job exported no adapter")
             name = job.fine_tuned_model if final.ft_outcome in SERVED_OUTCOMES else None
@@ -490,7 +494,7 @@ class JobBoard:
         if paused.ft_outcome == "paused":
             final = replace(paused, ft_outcome="cancelled", ft_finished_at=time.time())
             if final.adapter_path is not None and job.fine_tuned_model and job.id not in self.deleted:
-                await self.et.call(lambda _: self.serve_adapter(job.fine_tuned_model or "", str(final.adapter_path)))
+                await self.et.call(lambda _: self.serve_adapter(job.fine_tuned_model or "", str(final.adapter_path), None))
             self.et.ended.pop(job.id, None)
             self.past[job.id] = final
             self._save_outcome(job.id, final)
@@ -499,21 +503,23 @@ class JobBoard:
                 _settle(ended, final)
             return
         await self.et.cancel_finetuning(job.id)
+        await asyncio.to_thread(self.et.wait_exported)  # (its files written, off the engine's thread)
 
     # ------------------------------------------------------------------ the engine thread's hook
 
-    def session_ended(self, session: FinetuneSession, final: EngineStats) -> EngineStats:
+    def session_ended(self, session: FinetuneSession, final: EngineStats, adapter: LoraAdapter | None = None
+                      ) -> EngineStats:
         """(loop thread, between two steps) A session has ended and exported its adapter: serve it
         under the job's name, keep the latency model for the next job and how it ended for a
         restarted server; returns the job's figures."""
-        final = self._served(session, final)
+        final = self._served(session, final, adapter)
         self._save_outcome(session.job_id, final)
         ended = self._ended.get(session.job_id)
         if ended is not None and final.ft_outcome != "paused":  # (a paused job's validation waits for its end)
             ended.get_loop().call_soon_threadsafe(_settle, ended, final)
         return final
 
-    def _served(self, session: FinetuneSession, final: EngineStats) -> EngineStats:
+    def _served(self, session: FinetuneSession, final: EngineStats, adapter: LoraAdapter | None) -> EngineStats:
         job = self.jobs.get(session.job_id)
         if self.config is not None:
             _write_json(self.config.latency_path, session.coserver.latency.state_dict())
@@ -525,12 +531,12 @@ class JobBoard:
             # so the name moves to the exported adapter (only where a next job can come)
             if self.config is not None:
                 self.et.engine.lora_manager.unbind_training_slot(job.fine_tuned_model)
-                self.serve_adapter(job.fine_tuned_model, str(path))
+                self.serve_adapter(job.fine_tuned_model, str(path), adapter)
             return final
         if final.ft_outcome not in SERVED_OUTCOMES:
             return final
         try:
-            self.serve_adapter(job.fine_tuned_model, str(path))
+            self.serve_adapter(job.fine_tuned_model, str(path), adapter)
         except Exception as e:
             logger.exception("serving the adapter of job %s failed", job.id)
             return replace(final, ft_outcome="failed", ft_failure=f"the trained adapter could not be served: {e}")
