@@ -228,7 +228,10 @@ def test_a_jobs_adapter_is_written_off_the_engine_thread_and_served_meanwhile(
         cancel = threading.Thread(target=lambda: cancelled.append(s.client.fine_tuning.jobs.cancel(job.id).status))
         cancel.start()
         assert writing.wait(30)
-        assert s.client.fine_tuning.jobs.retrieve(job.id).status == "cancelled"
+        deadline = time.monotonic() + 30  # (published between two steps, once the export is asked for)
+        while s.client.fine_tuning.jobs.retrieve(job.id).status != "cancelled":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         for model in (MODEL, "live"):  # (the trained adapter, from memory, its file not yet written)
             r = s.client.completions.create(model=model, prompt="Where is the candle?", max_tokens=3)
             assert r.usage is not None and r.usage.completion_tokens >= 1
