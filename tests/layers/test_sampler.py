@@ -408,12 +408,13 @@ def test_bias_and_penalties_match_the_reference(device: str, params: SamplingPar
     histories = [([1, 2, 3, 3], [3, 4, 4, 4, 9]), ([5], []), ([0, 31], [31, 31, 0, 6])]
     plain = SamplingParams(temperature=0.0)
     rows = [params, plain, params]  # (a row without processing is left as it was)
-    got = _process_logits(logits.clone(), rows, histories)
+    got = _process_logits(logits.clone(), rows, histories.__getitem__)
     for i, (p, (prompt, output)) in enumerate(zip(rows, histories, strict=True)):
         want = _ref_processed(logits[i].tolist(), p, prompt, output)
         assert got[i].tolist() == pytest.approx(want, rel=1e-6, abs=1e-5), i
     # through the sampler: greedy rows take the processed argmax; logprobs stay the raw ones
-    out = Sampler()(logits, [replace(p, logprobs=1) for p in rows], [None] * 3, [0] * 3, frozenset(), histories)
+    out = Sampler()(logits, [replace(p, logprobs=1) for p in rows], [None] * 3, [0] * 3, frozenset(),
+                    histories.__getitem__)
     raw = torch.log_softmax(logits.float(), dim=-1)
     for i, tok in enumerate(out):
         assert tok.token_id == int(got[i].argmax())

@@ -4,6 +4,7 @@ reads its events and cancels it while the server keeps serving; the job and even
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -20,12 +21,32 @@ from coserve.server.finetune_jobs import FinetuneJob, job_events, job_object, to
 from tests.server.test_api import DATA, MODEL, http, serve
 
 
-def test_the_coserving_run_is_a_job_the_openai_client_watches_and_cancels(tmp_path: Path) -> None:
+def tiny_session(tmp_path: Path, epochs: int) -> tuple[LLMEngine, FinetuneSession]:
+    """A fine-tuning run of the tiny model on the built-in facts, not yet served."""
     engine = LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8))
-    spec = FinetuneSpec(data=DATA, output=tmp_path / "out", lora=LoRAConfig(rank=8, alpha=16),
-                        optim=OptimConfig(lr=1e-3), coserve=CoServeConfig(backward_tokens=32, max_seq_len=64, epochs=500),
-                        trainer_threads=1, save_every=0)
-    session = FinetuneSession(engine, spec)
+    spec = FinetuneSpec(data=DATA, output=tmp_path / "out", lora=LoRAConfig(rank=8, alpha=16), optim=OptimConfig(lr=1e-3),
+                        coserve=CoServeConfig(backward_tokens=32, max_seq_len=64, epochs=epochs), trainer_threads=1,
+                        save_every=0)
+    return engine, FinetuneSession(engine, spec)
+
+
+def held(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> tuple[threading.Event, threading.Event]:
+    """``owner.name`` made to wait, once called, until the second event is set (the first says
+    it was called): a write held on the disk."""
+    call = getattr(owner, name)
+    writing, release = threading.Event(), threading.Event()
+
+    def slow(*args: object, **kwargs: object) -> object:
+        writing.set()
+        release.wait(30)
+        return call(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, slow)
+    return writing, release
+
+
+def test_the_coserving_run_is_a_job_the_openai_client_watches_and_cancels(tmp_path: Path) -> None:
+    engine, session = tiny_session(tmp_path, epochs=500)
     engine.lora_manager.bind_training_slot("live")
     with serve(engine, session, adapters={"live": "(training)"}, finetune_name="live") as s:
         (job,) = s.client.fine_tuning.jobs.list().data
@@ -128,13 +149,7 @@ def test_total_steps_the_estimate_then_the_progress_then_the_count() -> None:
 def test_the_trainer_exits_off_the_engine_thread_while_serving_goes_on(tmp_path: Path) -> None:
     """A cancelled job's trainer finishes its task before it exits (a task's time, longer on a
     busy CPU); the engine answers meanwhile, and the server's shutdown waits for it."""
-    import threading
-
-    engine = LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8))
-    spec = FinetuneSpec(data=DATA, output=tmp_path / "out", lora=LoRAConfig(rank=8, alpha=16),
-                        optim=OptimConfig(lr=1e-3), coserve=CoServeConfig(backward_tokens=32, max_seq_len=64, epochs=500),
-                        trainer_threads=1, save_every=0)
-    session = FinetuneSession(engine, spec)
+    engine, session = tiny_session(tmp_path, epochs=500)
     exiting, release = threading.Event(), threading.Event()
     stop = session.coserver.close
 
@@ -159,26 +174,14 @@ def test_checkpoints_are_written_off_the_engine_thread_and_a_failed_one_keeps_th
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A checkpoint is hundreds of MB at the 8B shape: the engine's thread copies the state and a
     writer thread writes it, so that steps do not wait for the disk."""
-    import threading
-
     import torch
 
     import coserve.server.finetune as finetune
 
-    engine = LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8))
-    spec = FinetuneSpec(data=DATA, output=tmp_path / "out", lora=LoRAConfig(rank=8, alpha=16), optim=OptimConfig(lr=1e-3),
-                        coserve=CoServeConfig(backward_tokens=32, max_seq_len=64), trainer_threads=1, save_every=0)
-    session = FinetuneSession(engine, spec)
+    _, session = tiny_session(tmp_path, epochs=1)
     try:
-        writing, release = threading.Event(), threading.Event()
         save = torch.save
-
-        def slow_save(*args: object, **kwargs: object) -> None:
-            writing.set()
-            release.wait(30)
-            save(*args, **kwargs)  # type: ignore[arg-type]
-
-        monkeypatch.setattr(torch, "save", slow_save)
+        writing, release = held(monkeypatch, torch, "save")
         path = session.save_checkpoint()
         assert writing.wait(30) and not (path / "trainer_state.pt").exists(), "returned before the write"
         release.set()
@@ -203,25 +206,11 @@ def test_a_jobs_adapter_is_written_off_the_engine_thread_and_served_meanwhile(
     """The export's write takes tens to hundreds of ms at the 8B shape: the engine serves the
     adapter from memory at once and answers meanwhile; the cancel route returns once the files
     are there."""
-    import threading
-
     import coserve.server.finetune as finetune
 
-    engine = LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8))
-    spec = FinetuneSpec(data=DATA, output=tmp_path / "out", lora=LoRAConfig(rank=8, alpha=16),
-                        optim=OptimConfig(lr=1e-3), coserve=CoServeConfig(backward_tokens=32, max_seq_len=64, epochs=500),
-                        trainer_threads=1, save_every=0)
-    session = FinetuneSession(engine, spec)
+    engine, session = tiny_session(tmp_path, epochs=500)
     engine.lora_manager.bind_training_slot("live")
-    writing, release = threading.Event(), threading.Event()
-    save = finetune.save_peft_adapter
-
-    def slow_save(*args: object, **kwargs: object) -> None:
-        writing.set()
-        release.wait(30)
-        save(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(finetune, "save_peft_adapter", slow_save)
+    writing, release = held(monkeypatch, finetune, "save_peft_adapter")
     with serve(engine, session, adapters={"live": "(training)"}, finetune_name="live") as s:
         (job,) = s.client.fine_tuning.jobs.list().data
         cancelled: list[str] = []

@@ -469,7 +469,7 @@ class LLMEngine:
             [s.generator for s in sampling],
             [s.num_output_tokens for s in sampling],
             self.eos_token_ids,
-            [(s.prompt_token_ids, s.output_token_ids) for s in sampling],
+            lambda i: (sampling[i].prompt_token_ids, sampling[i].output_token_ids),
         ) if sampling else []
         for c in chunks:
             c.seq.num_computed_tokens += c.num_tokens

@@ -63,6 +63,9 @@ class SamplingParams:
             raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from e
         object.__setattr__(self, "logit_bias", pairs)
         self._validate()
+        # (read for every row of every step: worked out once)
+        object.__setattr__(self, "_processes_logits", bool(pairs) or self.presence_penalty != 0.0
+                           or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0)
 
     def _validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -109,8 +112,7 @@ class SamplingParams:
     @property
     def processes_logits(self) -> bool:
         """Whether the logits change before temperature: a bias or a penalty asked for."""
-        return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 \
-            or self.repetition_penalty != 1.0
+        return self._processes_logits  # type: ignore[no-any-return,attr-defined]
 
 
 @dataclass(frozen=True)

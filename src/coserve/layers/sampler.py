@@ -24,7 +24,7 @@ nucleus, so the kept set never depends on how a sort orders equal values.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -60,7 +60,7 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
         num_generated: Sequence[int],
         eos_token_ids: frozenset[int],
-        token_ids: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
+        token_ids: Callable[[int], tuple[Sequence[int], Sequence[int]]] | None = None,
     ) -> list[SampledToken]:
         """Sample one token per row.
 
@@ -75,8 +75,8 @@ class Sampler:
             eos_token_ids: ids that end generation; masked, together with the request's
                 ``stop_token_ids``, while ``num_generated < params.min_tokens``. Ids outside
                 ``[0, V)`` are ignored (they cannot be sampled anyway).
-            token_ids: ``R`` (prompt token ids, output token ids) pairs, which the penalties
-                count; needed only where a row's params have a penalty.
+            token_ids: row ``i`` -> its (prompt token ids, output token ids), which the
+                penalties count; called only for the rows whose params have a penalty.
 
         Returns:
             ``R`` :class:`SampledToken`, row-aligned. ``logprob`` and ``top_logprobs`` are set
@@ -194,7 +194,7 @@ def _mask_min_tokens(
 
 
 def _process_logits(x: torch.Tensor, params: Sequence[SamplingParams],
-                    token_ids: Sequence[tuple[Sequence[int], Sequence[int]]] | None) -> torch.Tensor:
+                    token_ids: Callable[[int], tuple[Sequence[int], Sequence[int]]] | None) -> torch.Tensor:
     """Each processing row's bias and penalties (module docstring, step 2), in place on ``x``
     (``[R, V]`` fp32, owned). Bias ids outside ``[0, V)`` are ignored (the engine refuses them)."""
     vocab, device = x.shape[1], x.device
@@ -211,7 +211,7 @@ def _process_logits(x: torch.Tensor, params: Sequence[SamplingParams],
             continue
         if token_ids is None:
             raise ValueError("a row with a penalty needs its token ids (token_ids)")
-        prompt, output = token_ids[i]
+        prompt, output = token_ids(i)
         out = torch.tensor(list(output), dtype=torch.long, device=device)
         if p.repetition_penalty != 1.0:
             seen = torch.cat([torch.tensor(list(prompt), dtype=torch.long, device=device), out]).unique()

@@ -12,7 +12,6 @@ restarted server lists them again.
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import logging
 import time
@@ -61,14 +60,13 @@ class FileStore:
                                      "GET /v1/files lists them)")
         return obj
 
-    def add(self, filename: str, data: bytes | BinaryIO) -> dict[str, Any]:
-        """Store ``data`` (bytes, or a file read in chunks) if it holds a usable row (blocking:
-        call it off the event loop); ValueError (DatasetError) saying why not: the first
-        malformed rows' lines and reasons; HTTPException 413 past ``max_bytes``."""
+    def add(self, filename: str, source: BinaryIO) -> dict[str, Any]:
+        """Store the file ``source`` (read in chunks) if it holds a usable row (blocking: call it
+        off the event loop); ValueError (DatasetError) saying why not: the first malformed rows'
+        lines and reasons; HTTPException 413 past ``max_bytes``."""
         file_id = f"file-{uuid.uuid4().hex[:24]}"
         suffix = ".json" if filename.lower().endswith(".json") else ".jsonl"
         path = self.root / f"{file_id}{suffix}"
-        source = io.BytesIO(data) if isinstance(data, bytes) else data
         size = 0
         with path.open("wb") as out:
             while chunk := source.read(1 << 20):

@@ -307,13 +307,10 @@ class JobBoard:
         mult = 1.0 if hp.learning_rate_multiplier == "auto" else float(hp.learning_rate_multiplier)
         epochs = t.coserve.epochs if hp.n_epochs == "auto" else int(hp.n_epochs)
         seed = t.coserve.seed if req.seed is None else req.seed
-        latency = t.latency_state
-        if latency is None and self.config.latency_path.is_file():
-            latency = self.config.latency_path
         output = self.config.root / "jobs" / job_id
         spec = replace(t, data=data, output=output, optim=replace(t.optim, lr=t.optim.lr * mult),
                        coserve=replace(t.coserve, epochs=epochs, seed=seed), calibrate=False,
-                       latency_state=latency, resume=False)
+                       latency_state=self._latency_state(), resume=False)
         name = f"ft:{self.model}:coserve:{req.suffix + ':' if req.suffix else ''}{job_id}"
         job = FinetuneJob(job_id, int(time.time()), self.model, req.training_file, output / "train_log.jsonl",
                           epochs, spec.optim.lr, 0, seed, name, learning_rate_multiplier=mult, suffix=req.suffix,
@@ -324,6 +321,15 @@ class JobBoard:
         self.setting_up[job_id] = asyncio.get_running_loop().create_task(self._start(job, spec, valid))
         logger.info("fine-tuning job %s created: %s, %d epochs, lr %g", job_id, data, epochs, spec.optim.lr)
         return job
+
+    def _latency_state(self) -> Path | None:
+        """The latency model a job starts from: ``--latency-state``, else ``DIR/latency_state.json``
+        (calibrated at start-up, refitted by each job's end), else none (the defaults)."""
+        if self.config is None:
+            return None
+        if self.config.template.latency_state is not None:
+            return self.config.template.latency_state
+        return self.config.latency_path if self.config.latency_path.is_file() else None
 
     def resume_interrupted(self) -> None:
         """(the event loop, at start-up) Set up again, from its last checkpoint, the job an earlier
@@ -352,10 +358,7 @@ class JobBoard:
             raise ValueError(f"its settings ({run / SPEC}) cannot be read to resume it: {e}") from e
         if not (run / "checkpoint" / "trainer_state.pt").is_file():
             raise ValueError(f"it has no checkpoint to resume from ({run / 'checkpoint'})")
-        latency = spec.latency_state
-        if self.config is not None and self.config.latency_path.is_file():
-            latency = self.config.latency_path
-        spec = replace(spec, resume=True, calibrate=False, latency_state=latency)
+        spec = replace(spec, resume=True, calibrate=False, latency_state=self._latency_state() or spec.latency_state)
         valid = None
         # (a validation waiting for this job's end, since before its pause, goes on waiting)
         if job.validation_file is not None and job.id not in self._ended and self.files is not None \
