@@ -376,7 +376,7 @@ def main() -> None:
         data=ft_dataset(work / "ft.jsonl", 4000, (256, 1024), vocab), output=work / "out",
         lora=LoRAConfig(rank=16, alpha=32), optim=OptimConfig(lr=1e-4),
         coserve=CoServeConfig(backward_tokens=args.backward_tokens, max_seq_len=1024, epochs=100, seed=0),
-        slo=slo, save_every=0, calibrate=False, trainer_sm_share=args.trainer_sm_share,
+        slo=slo, save_every=0, epoch_checkpoints=0, calibrate=False, trainer_sm_share=args.trainer_sm_share,
     )
     driver = InProcessDriver(engine, seed=0)
     driver.run(arrivals[:16], duration_s=5.0, drain_s=30.0)  # warm-up (kernels, allocator)

@@ -60,7 +60,7 @@ def coserve_run(model_dir: Path, length: int, step_tokens: int, steps: int, warm
         optim=OptimConfig(lr=1e-4, max_grad_norm=1.0, accumulation_tasks=accumulation),
         coserve=CoServeConfig(backward_tokens=max(length, step_tokens // accumulation), max_seq_len=length,
                               epochs=1, seed=0, shuffle=False, save_mlp_activations=save_mlp),
-        save_every=0,
+        save_every=0, epoch_checkpoints=0,
     )
     session = FinetuneSession(engine, spec)
     co = session.coserver

@@ -91,8 +91,6 @@ def test_clients_upload_data_create_jobs_and_chat_with_their_adapters(tmp_path: 
             assert time.monotonic() - t < 2.0
             answered_while_set_up += 1
         assert answered_while_set_up >= 1
-        with pytest.raises(openai.ConflictError, match=f"fine-tuning job '{job.id}' is running.*cancel"):
-            jobs.create(model=MODEL, training_file=f.id)
         assert ask(s, MODEL), "answered while it trains"
         assert wait_for(s, job.id, ("succeeded", "failed", "cancelled")) == "succeeded"
         job = jobs.retrieve(job.id)
@@ -409,3 +407,109 @@ def test_a_paused_jobs_files_are_kept_and_a_resume_that_fails_ends_its_validatio
             time.sleep(0.05)
         assert v["status"] == "failed" and "exported no adapter" in v["error"]
         assert ask(s, MODEL)
+
+
+def test_jobs_created_while_one_runs_are_queued_and_start_in_turn(tmp_path: Path) -> None:
+    """One job runs at a time: the others wait, oldest first, as OpenAI's ``queued``; a queued job
+    can be cancelled (never run) and its files are kept; a paused job resumed while another runs
+    waits its turn too."""
+    data = ("\n".join(ROWS) + "\n").encode()
+    with serve(LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8)),
+               jobs=JobsConfig(tmp_path, TEMPLATE)) as s:
+        jobs = s.client.fine_tuning.jobs
+        f = s.client.files.create(file=("facts.jsonl", data), purpose="fine-tune")
+        v = s.client.files.create(file=("valid.jsonl", data), purpose="fine-tune")
+        first = jobs.create(model=MODEL, training_file=f.id, hyperparameters={"n_epochs": 500})
+        second = jobs.create(model=MODEL, training_file=f.id, validation_file=v.id, hyperparameters={"n_epochs": 1})
+        third = jobs.create(model=MODEL, training_file=f.id, hyperparameters={"n_epochs": 1})
+        assert first.status in ("validating_files", "running")
+        assert (second.status, third.status) == ("queued", "queued")
+        assert (tmp_path / "jobs" / second.id / "queued.json").is_file()
+        assert [e.message for e in jobs.list_events(second.id).data] == [
+            f"Fine-tuning {MODEL} on {f.id} is queued: it starts once the jobs before it have ended"]
+        with pytest.raises(openai.ConflictError, match="queued: it has not started"):
+            jobs.pause(second.id)
+        with pytest.raises(openai.ConflictError, match=f"in use by fine-tuning job '{second.id}'"):
+            s.client.files.delete(v.id)  # (the queued job reads it when it starts)
+
+        cancelled = jobs.cancel(third.id)  # off the queue: never run, nothing served
+        assert cancelled.status == "cancelled" and cancelled.fine_tuned_model is None
+        assert not (tmp_path / "jobs" / third.id / "queued.json").exists()
+        wait_for(s, first.id, ("running",))
+        assert jobs.retrieve(second.id).status == "queued", "it waits while the first runs"
+        assert jobs.pause(first.id).status == "paused"  # a pause frees the server: the next one starts
+        wait_for(s, second.id, ("validating_files", "running", "succeeded"))
+        resumed = jobs.resume(first.id)  # ... and the paused one waits for it
+        assert resumed.status == "queued"
+        with pytest.raises(openai.ConflictError, match="not paused \\(queued to resume\\)"):
+            jobs.resume(first.id)
+        assert wait_for(s, second.id, ("succeeded", "failed", "cancelled")) == "succeeded"
+        assert wait_for(s, first.id, ("running", "succeeded", "failed", "cancelled")) == "running"
+        deadline = time.monotonic() + 30
+        while (scores := jobs.retrieve(second.id).coserve["validation"])["status"] == "running":  # type: ignore[attr-defined]
+            assert time.monotonic() < deadline, scores
+            time.sleep(0.05)
+        assert scores["status"] == "succeeded"
+        assert jobs.cancel(first.id).status == "cancelled"
+        assert jobs.retrieve(third.id).trained_tokens in (None, 0)
+        assert [j.status for j in jobs.list().data] == ["cancelled", "succeeded", "cancelled"]
+        assert ask(s, MODEL)
+        assert not (tmp_path / "jobs" / third.id / "train_log.jsonl").exists(), "the cancelled queued job never ran"
+
+
+def test_a_restarted_server_starts_the_jobs_still_queued(tmp_path: Path) -> None:
+    config = JobsConfig(tmp_path, TEMPLATE)
+    data = ("\n".join(ROWS) + "\n").encode()
+
+    def engine() -> LLMEngine:
+        return LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8))
+
+    with serve(engine(), jobs=config) as s:
+        f = s.client.files.create(file=("facts.jsonl", data), purpose="fine-tune")
+        first = s.client.fine_tuning.jobs.create(model=MODEL, training_file=f.id, hyperparameters={"n_epochs": 500})
+        queued = s.client.fine_tuning.jobs.create(model=MODEL, training_file=f.id, hyperparameters={"n_epochs": 1})
+        wait_for(s, first.id, ("running",))
+        assert s.client.fine_tuning.jobs.retrieve(queued.id).status == "queued"
+    # the server stopped (its running job ended with it): the queued one did not start then ...
+    assert not (tmp_path / "jobs" / queued.id / "train_log.jsonl").exists()
+    assert (tmp_path / "jobs" / queued.id / "queued.json").is_file()
+    with serve(engine(), jobs=config) as s:
+        # ... but at the next start, and trains to its end
+        assert s.client.fine_tuning.jobs.retrieve(first.id).status == "cancelled"
+        assert wait_for(s, queued.id, ("succeeded", "failed", "cancelled")) == "succeeded"
+        done = s.client.fine_tuning.jobs.retrieve(queued.id)
+        assert done.fine_tuned_model is not None and ask(s, done.fine_tuned_model)
+    assert not (tmp_path / "jobs" / queued.id / "queued.json").exists()
+
+
+def test_a_jobs_epoch_checkpoints_are_listed_and_served_once_it_has_ended(tmp_path: Path) -> None:
+    config = JobsConfig(tmp_path, replace(TEMPLATE, epoch_checkpoints=2))
+    data = ("\n".join(ROWS) + "\n").encode()
+
+    def engine() -> LLMEngine:
+        return LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8))
+
+    with serve(engine(), jobs=config) as s:
+        jobs = s.client.fine_tuning.jobs
+        f = s.client.files.create(file=("facts.jsonl", data), purpose="fine-tune")
+        job = jobs.create(model=MODEL, training_file=f.id, suffix="ck", hyperparameters={"n_epochs": 3})
+        assert wait_for(s, job.id, ("succeeded", "failed", "cancelled")) == "succeeded"
+        job = jobs.retrieve(job.id)
+        listed = jobs.checkpoints.list(job.id).data
+        assert len(listed) == 2 and listed[0].step_number > listed[1].step_number
+        names = [c.fine_tuned_model_checkpoint for c in listed]
+        assert names == [f"{job.fine_tuned_model}:ckpt-step-{c.step_number}" for c in listed]
+        assert all(c.fine_tuning_job_id == job.id and c.metrics.train_loss is not None for c in listed)
+        assert [c.id for c in jobs.checkpoints.list(job.id, after=listed[0].id).data] == [listed[1].id]
+        deadline = time.monotonic() + 30  # (served once their files are written, read off the engine's thread)
+        while not set(names) <= {m.id for m in s.client.models.list().data}:
+            assert time.monotonic() < deadline, "checkpoints not served"
+            time.sleep(0.05)
+        assert ask(s, names[0]) == ask(s, job.fine_tuned_model or ""), "the last epoch's end is the final adapter"
+        assert ask(s, names[1])
+        assert s.client.models.delete(names[1]).deleted
+        assert names[1] not in {m.id for m in s.client.models.list().data}
+    with serve(engine(), jobs=config) as s:  # a restart serves the checkpoints again, not the deleted one
+        served = {m.id for m in s.client.models.list().data}
+        assert names[0] in served and names[1] not in served and job.fine_tuned_model in served
+        assert ask(s, names[0])

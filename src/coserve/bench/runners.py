@@ -253,7 +253,7 @@ def _session_spec(ctx: BenchContext, config: RunConfig) -> FinetuneSpec:
         trainer_threads=t.trainer_threads,
         trainer_sm_share=config.trainer_share or t.trainer_sm_share,
         calibrate=False,
-        save_every=0,
+        save_every=0, epoch_checkpoints=0,
     )
 
 

@@ -571,6 +571,7 @@ def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str,
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         board.resume_interrupted()  # (a job that a crash stopped goes on from its checkpoint)
         yield
+        board.closing = True  # (the jobs still queued start at the next start, not now)
 
     app = FastAPI(title="coserve", docs_url=None, redoc_url=None, lifespan=lifespan)
     api = _Api(engine_thread, model_name, adapters, runtime_lora)
@@ -652,10 +653,11 @@ def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str,
         if model == model_name:
             raise HTTPException(400, f"{model!r} is the base model: it cannot be deleted")
         job = board.job_of_model(model)
+        checkpoint = board.checkpoint_of_model(model) if job is None else None
         lora = api.adapters.get(model)
         if lora is None:
             raise HTTPException(404, f"no model {model!r} is served" + (" (deleted already)" if job else ""))
-        if job is None:
+        if job is None and checkpoint is None:
             api._check_runtime_lora()
         running = board.running()
         if job is not None and running is not None and running.id == job.id:
@@ -670,6 +672,8 @@ def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str,
             pass  # (never loaded into the engine)
         if job is not None:
             board.model_deleted(job)
+        if checkpoint is not None:
+            board.checkpoint_deleted(checkpoint)
         logger.info("model %r deleted (its adapter stays at %s)", model, lora.path)
         return {"id": model, "object": "model", "deleted": True}
 

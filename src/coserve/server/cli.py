@@ -172,6 +172,8 @@ def add_finetune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trainer-threads", type=int, default=0, help="torch threads of the trainer process (0: default)")
     p.add_argument("--save-every", type=int, default=100,
                    help="write OUTPUT/checkpoint every N optimizer steps and at the end (0: never)")
+    p.add_argument("--epoch-checkpoints", type=int, default=3,
+                   help="keep the adapters of the last N epochs' ends in OUTPUT/checkpoints/step-K (0: none)")
     p.add_argument("--resume", action="store_true", help="continue the run whose checkpoint is in OUTPUT")
 
 
@@ -195,6 +197,7 @@ def finetune_spec(args: argparse.Namespace) -> FinetuneSpec:
         init_adapter=Path(args.init_adapter) if args.init_adapter else None,
         trainer_threads=args.trainer_threads,
         save_every=args.save_every,
+        epoch_checkpoints=args.epoch_checkpoints,
         resume=args.resume,
     )
 

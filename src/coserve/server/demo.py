@@ -104,7 +104,7 @@ def run_demo(args: argparse.Namespace) -> int:
         optim=OptimConfig(lr=2e-3, max_grad_norm=1.0),
         coserve=CoServeConfig(backward_tokens=128, max_seq_len=64, epochs=1000, seed=args.seed),
         slo=slo_config(args),
-        trainer_threads=1, calibrate=True,
+        trainer_threads=1, calibrate=True, epoch_checkpoints=0,  # (its epochs: until it stops)
     )
     session = FinetuneSession(engine, spec)
     print(f"latency model calibrated; fine-tuning policy {args.ft_policy!r} on {spec.data.name}", flush=True)

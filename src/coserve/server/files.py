@@ -1,6 +1,6 @@
 """OpenAI's Files API for fine-tuning data: ``POST /v1/files`` (multipart ``file`` and
 ``purpose="fine-tune"``), ``GET /v1/files``, ``GET /v1/files/{id}``, ``GET /v1/files/{id}/content``
-and ``DELETE /v1/files/{id}`` (409 while a job that is being set up, trained or paused reads it).
+and ``DELETE /v1/files/{id}`` (409 while a job that is being set up, trained, queued or paused reads it).
 
 An upload is kept only if the dataset loader of ``--finetune-data`` reads at least one usable
 row from it (run in a worker thread, never on the event loop); malformed rows are counted in

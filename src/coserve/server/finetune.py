@@ -46,7 +46,8 @@ class FinetuneSpec:
     """What to train on and where the results go.
 
     ``output/adapter`` receives the PEFT adapter, ``output/train_log.jsonl`` one line per
-    optimizer step, ``output/run_config.json`` every setting of the run.
+    optimizer step, ``output/run_config.json`` every setting of the run, ``output/checkpoints``
+    the adapters of the last ``epoch_checkpoints`` epochs (:func:`epoch_checkpoints`).
     """
 
     data: Path
@@ -62,12 +63,17 @@ class FinetuneSpec:
     # and engine settings): loaded instead of calibrating. A calibration writes its own there.
     latency_state: Path | None = None
     save_every: int = 100
+    # the adapters of the last N epochs' ends, OUTPUT/checkpoints/step-K (0: none), as OpenAI's
+    # fine-tuning checkpoints: one to fall back to where the last epochs overfit
+    epoch_checkpoints: int = 3
     resume: bool = False
     trainer_sm_share: int | None = None
     # One synthetic backward task in the trainer process before its first real one (auto: on CUDA)
     trainer_warmup: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.epoch_checkpoints < 0:
+            raise ValueError(f"--epoch-checkpoints must be >= 0, got {self.epoch_checkpoints}")
         if self.trainer_sm_share is not None and not 0 < self.trainer_sm_share <= 100:
             raise ValueError(f"--trainer-sm-share must be in (0, 100], got {self.trainer_sm_share}")
 
@@ -178,10 +184,12 @@ class FinetuneSession:
         )
         self.history: list[OptimizerStepLog] = []
         self._log_path = spec.output / "train_log.jsonl"
+        self._epochs_saved = 0  # (the epochs whose end has an epoch checkpoint, or had one)
         if checkpoint is not None:
             self._resume(checkpoint)
         else:
             self._log_path.write_text("")
+            _remove_epoch_checkpoints(spec.output, after_step=0)  # (an earlier run's in this OUTPUT)
         self.coserver.lora_dropout = spec.lora.dropout
         self.coserver.dropout_seed = cfg.seed
         self._write_run_config()
@@ -254,6 +262,19 @@ class FinetuneSession:
             f.write(json.dumps(asdict(entry)) + "\n")
         if self.spec.save_every and self.coserver.steps_done % self.spec.save_every == 0:
             self.save_checkpoint()
+        if self.spec.epoch_checkpoints and self.pool.epoch > self._epochs_saved:
+            self._epochs_saved = self.pool.epoch
+            self.save_epoch_checkpoint(entry)
+
+    def save_epoch_checkpoint(self, entry: OptimizerStepLog) -> None:
+        """Keep the adapter of optimizer step ``entry``, the first after an epoch's samples were all
+        trained, in ``OUTPUT/checkpoints/step-K`` (a PEFT directory with ``checkpoint.json``: step,
+        epoch, loss); the adapter is copied here and written by the writer thread, which then
+        removes the oldest beyond ``epoch_checkpoints``."""
+        adapter = self.trainer.committed_adapter(base_model_name_or_path=str(self.engine.config.model))
+        meta = {"step_number": entry.step + 1, "epoch": self._epochs_saved, "created_at": entry.wall_time,
+                "train_loss": entry.loss, "tokens_trained": self.coserver.tokens_trained}
+        self._in_background(_write_epoch_checkpoint, adapter, meta, self.spec.output, self.spec.epoch_checkpoints)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -332,6 +353,9 @@ class FinetuneSession:
         self._log_path.write_text("".join(line + "\n" for line in kept))
         # (the run's first loss is its first step's, before the resume: what "loss a -> b" reports)
         self.coserver.first_loss = next((e["loss"] for e in map(json.loads, kept) if e.get("loss") is not None), None)
+        # (the steps after the checkpoint are trained again: so are their epochs' ends)
+        self._epochs_saved = self.pool.epoch
+        _remove_epoch_checkpoints(self.spec.output, after_step=steps)
         logger.info("resumed from %s at optimizer step %d", self.checkpoint_dir, steps)
 
     @property
@@ -405,6 +429,48 @@ def run_to_completion(engine: LLMEngine, session: FinetuneSession, progress: boo
         return session.export()
     finally:
         session.close()
+
+
+CHECKPOINTS = "checkpoints"  # (in OUTPUT: the epoch checkpoints, step-K each)
+
+
+def epoch_checkpoints(output: Path) -> list[dict[str, Any]]:
+    """The epoch checkpoints written in ``output`` (each ``checkpoint.json``'s fields and its
+    ``path``), newest first."""
+    found = []
+    for meta in (output / CHECKPOINTS).glob("step-*/checkpoint.json"):
+        try:
+            fields = dict(json.loads(meta.read_text()))
+            found.append({**fields, "step_number": int(fields["step_number"]), "path": str(meta.parent)})
+        except (OSError, ValueError, TypeError, KeyError):
+            continue  # (being replaced, or not one)
+    return sorted(found, key=lambda c: c["step_number"], reverse=True)
+
+
+def _write_epoch_checkpoint(adapter: LoraAdapter, meta: dict[str, Any], output: Path, keep: int) -> None:
+    root = output / CHECKPOINTS
+    final = root / f"step-{meta['step_number']}"
+    tmp = root / f".step-{meta['step_number']}.tmp"
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        save_peft_adapter(adapter, tmp)
+        (tmp / "checkpoint.json").write_text(json.dumps(meta))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        for old in epoch_checkpoints(output)[keep:]:
+            shutil.rmtree(old["path"], ignore_errors=True)
+    except Exception:
+        logger.exception("writing the epoch checkpoint of optimizer step %d to %s failed", meta["step_number"], final)
+        raise
+
+
+def _remove_epoch_checkpoints(output: Path, after_step: int) -> None:
+    """Remove the epoch checkpoints of steps after ``after_step`` (a run that starts again there)."""
+    for ck in epoch_checkpoints(output):
+        if ck["step_number"] > after_step:
+            shutil.rmtree(ck["path"], ignore_errors=True)
 
 
 def _write_adapter(adapter: LoraAdapter, path: Path) -> None:

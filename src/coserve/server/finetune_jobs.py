@@ -1,5 +1,5 @@
 """Co-serving runs as OpenAI fine-tuning jobs: ``/v1/fine_tuning/jobs`` (create, list, retrieve,
-events, cancel; pause and resume for the jobs clients create), so that the ``openai`` client and
+events, cancel; pause and resume for the jobs clients create, which queue behind the one that runs), so that the ``openai`` client and
 scripts written for it can start, watch and stop the fine-tuning ``coserve serve`` runs: the one it was started with (``--finetune-data``)
 and, with ``--finetune-jobs DIR``, those clients create (:mod:`coserve.server.job_board`).
 
@@ -123,13 +123,17 @@ def event(eid: str, created: float, message: str, level: str = "info", kind: str
             "message": message, "type": kind, "data": data}
 
 
-def job_events(job: FinetuneJob, s: EngineStats, validation: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def job_events(job: FinetuneJob, s: EngineStats, validation: dict[str, Any] | None = None,
+               status: str | None = None) -> list[dict[str, Any]]:
     """The job's events, newest first: its validation file's scores with the trained adapter
     (once done: a ``metrics`` event with OpenAI's ``full_valid_loss`` and
     ``full_valid_mean_token_accuracy``), its end (once it has ended), one ``metrics`` event per
     optimizer step of ``train_log.jsonl`` (OpenAI's ``Step k/n: training loss=x``, ``n`` from
-    :func:`total_steps`), its start."""
+    :func:`total_steps`), its start (``status`` ``queued``: that it waits)."""
     total = total_steps(job, s)
+    if status == "queued":
+        return [event(f"{job.id}-queued", job.created_at, f"Fine-tuning {job.model} on {job.training_file} is "
+                      "queued: it starts once the jobs before it have ended")]
     events = [event(f"{job.id}-start", job.created_at, f"Fine-tuning {job.model} on {job.training_file} started")]
     try:
         lines = job.train_log.read_text().splitlines()
@@ -178,6 +182,19 @@ def validation_event(job: FinetuneJob, s: EngineStats, v: dict[str, Any]) -> dic
                        "valid_mean_token_accuracy_before": v.get("accuracy_before")})
 
 
+def checkpoint_object(job: FinetuneJob, ck: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAI ``fine_tuning.job.checkpoint`` of one of ``job``'s epoch checkpoints
+    (``JobBoard.checkpoints``' fields)."""
+    step = int(ck["step_number"])
+    return {
+        "object": "fine_tuning.job.checkpoint", "id": f"ftckpt-{job.id.removeprefix('ftjob-')}-{step}",
+        "created_at": int(ck.get("created_at") or 0), "fine_tuned_model_checkpoint": ck["model"],
+        "fine_tuning_job_id": job.id, "step_number": step,
+        "metrics": {"step": step, "train_loss": _finite(ck.get("train_loss"))},
+        "coserve": {"epoch": ck.get("epoch"), "path": ck["path"], "tokens_trained": ck.get("tokens_trained")},
+    }
+
+
 def add_finetune_job_routes(app: FastAPI, board: JobBoard) -> None:
     """``/v1/fine_tuning/jobs`` over ``board`` (a server that does not fine-tune lists none)."""
     def obj(job: FinetuneJob) -> dict[str, Any]:
@@ -207,13 +224,29 @@ def add_finetune_job_routes(app: FastAPI, board: JobBoard) -> None:
                           limit: int = Query(20, ge=1, le=1000)) -> dict[str, Any]:
         job = board.find(job_id)
         # (the train log grows by a line a step: read off the event loop)
-        events = await asyncio.to_thread(job_events, job, board.stats(job), board.validation.get(job_id))
+        events = await asyncio.to_thread(job_events, job, board.stats(job), board.validation.get(job_id),
+                                         board.status(job))
         if after is not None:
             ids = [e["id"] for e in events]
             if after not in ids:
                 raise HTTPException(400, f"after: no event {after!r} in job {job_id!r}")
             events = events[ids.index(after) + 1:]
         return {"object": "list", "data": events[:limit], "has_more": len(events) > limit}
+
+    @app.get("/v1/fine_tuning/jobs/{job_id}/checkpoints")
+    async def list_checkpoints(job_id: str, after: str | None = None,
+                               limit: int = Query(10, ge=1, le=1000)) -> dict[str, Any]:
+        """OpenAI's checkpoints: the adapters of the job's last epochs' ends (``--epoch-checkpoints``),
+        newest first, each served under its ``fine_tuned_model_checkpoint`` once the job has ended."""
+        job = board.find(job_id)
+        found = [checkpoint_object(job, ck) for ck in await asyncio.to_thread(board.checkpoints, job)]
+        if after is not None:
+            ids = [c["id"] for c in found]
+            if after not in ids:
+                raise HTTPException(400, f"after: no checkpoint {after!r} in job {job_id!r}")
+            found = found[ids.index(after) + 1:]
+        return {"object": "list", "data": found[:limit], "has_more": len(found) > limit,
+                "first_id": found[0]["id"] if found else None, "last_id": found[:limit][-1]["id"] if found else None}
 
     @app.post("/v1/fine_tuning/jobs/{job_id}/pause")
     async def pause_job(job_id: str) -> dict[str, Any]:

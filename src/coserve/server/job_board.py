@@ -1,5 +1,7 @@
 """The server's fine-tuning jobs: the one it was started with (``--finetune-data``) and those
-clients create through ``POST /v1/fine_tuning/jobs`` (``--finetune-jobs DIR``), one at a time.
+clients create through ``POST /v1/fine_tuning/jobs`` (``--finetune-jobs DIR``). One runs at a
+time; a job created (or resumed) while another runs is ``queued`` and starts, oldest first, once
+the ones before it have ended or paused (a queue a restart keeps: ``DIR/jobs/<id>/queued.json``).
 
 A created job is set up off the event loop and off the engine's loop (dataset, activation
 store, trainer process: seconds, in a worker thread), then attached between two steps
@@ -44,6 +46,7 @@ from coserve.server.finetune import (
     EvalResult,
     FinetuneSession,
     FinetuneSpec,
+    epoch_checkpoints,
     evaluate_served,
     read_dataset,
 )
@@ -103,7 +106,9 @@ def _write_json(path: Path, value: object) -> None:
 
 
 SPEC = "spec.json"  # (in a job's directory: the settings it was created with, to resume it)
-DELETED = "model_deleted.json"  # (in a job's directory: its fine-tuned model was deleted)
+QUEUED = "queued.json"  # (in a job's directory: it waits for the jobs before it; {"queued_at", "resume"})
+DELETED = "model_deleted.json"  # (in a job's directory: its fine-tuned model was deleted; in an epoch
+# checkpoint's: its model was)
 
 OUTCOME_FIELDS = ("ft_outcome", "ft_finished_at", "ft_failure", "ft_tokens_trained", "ft_optimizer_steps", "ft_loss",
                   "ft_first_loss", "ft_samples_retired", "ft_samples_total")
@@ -134,6 +139,15 @@ def _read_validation(path: Path) -> dict[str, object]:
     if v.get("status") == "running":
         v.update(status="failed", error="the server stopped before the validation was done")
     return v
+
+
+def _read_queued(path: Path) -> tuple[float, bool] | None:
+    """When a job was queued and whether to resume it (``queued.json``; None: not queued)."""
+    try:
+        fields = json.loads(path.read_text())
+        return float(fields["queued_at"]), bool(fields["resume"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
 
 
 def _number(x: float) -> float | None:
@@ -173,6 +187,10 @@ class JobBoard:
         self.interrupted: list[FinetuneJob] = []
         # how a job ended that never ran (its set-up failed), or one of an earlier server's life
         self.past: dict[str, EngineStats] = {}
+        # the jobs waiting for the one that runs, oldest first: job id -> resumed (a paused job)
+        self.queue: dict[str, bool] = {}
+        self.closing = False  # (the server is stopping: no queued job starts)
+        self._loop: asyncio.AbstractEventLoop | None = None
         if config is not None:
             self._restore(config.root / "jobs")
         startup = FinetuneJob.of(engine_thread, model, startup_name)
@@ -192,8 +210,18 @@ class JobBoard:
                 found.append(FinetuneJob(**{**fields, "train_log": Path(fields["train_log"])}))
             except (OSError, ValueError, TypeError, KeyError) as e:
                 logger.warning("%s: not a fine-tuning job, skipped: %s", path, e)
+        queued: list[tuple[float, str, bool]] = []
         for job in sorted(found, key=lambda j: j.created_at):
             run = job.train_log.parent
+            waiting = _read_queued(run / QUEUED)
+            if waiting is not None and (run / SPEC).is_file() and (waiting[1] or not (run / "outcome.json").is_file()):
+                self.jobs[job.id] = job
+                queued.append((waiting[0], job.id, waiting[1]))
+                if waiting[1]:  # (a paused job queued to resume: paused until it starts)
+                    self.past[job.id] = _read_outcome(run / "outcome.json", job.id)
+                if job.validation_file is not None and (run / "validation.json").is_file():
+                    self.validation[job.id] = _read_validation(run / "validation.json")
+                continue
             if not (run / "outcome.json").is_file() and (run / "checkpoint" / "trainer_state.pt").is_file() \
                     and (run / SPEC).is_file():
                 self.jobs[job.id] = job
@@ -214,8 +242,16 @@ class JobBoard:
                     logger.warning("job %s: its adapter %s cannot be served: %s", job.id, stats.adapter_path, e)
                     self.past[job.id] = replace(stats, ft_outcome="failed",
                                                 ft_failure=f"its adapter cannot be served any more: {e}")
+            if stats.ft_outcome in SERVED_OUTCOMES:
+                for name, where in self.checkpoint_models(job):
+                    try:
+                        self.serve_adapter(name, where, None)
+                    except Exception as e:
+                        logger.warning("job %s: its checkpoint %s cannot be served: %s", job.id, where, e)
+        self.queue = {job_id: resume for _, job_id, resume in sorted(queued)}
         if found:
-            logger.info("%d fine-tuning jobs of an earlier run of %s restored", len(found), jobs_dir)
+            logger.info("%d fine-tuning jobs of an earlier run of %s restored (%d queued)", len(found), jobs_dir,
+                        len(self.queue))
 
     # ------------------------------------------------------------------ reading
 
@@ -230,17 +266,70 @@ class JobBoard:
                                      + (f"; its jobs: {known}" if known else ""))
         return job
 
+    def checkpoints(self, job: FinetuneJob) -> list[dict[str, object]]:
+        """``job``'s epoch checkpoints on disk, newest first (:func:`epoch_checkpoints`), each with
+        the model name it is served under once the job has ended (None: the job has no name)."""
+        return [{**ck, "model": f"{job.fine_tuned_model}:ckpt-step-{ck['step_number']}" if job.fine_tuned_model
+                 else None} for ck in epoch_checkpoints(job.train_log.parent)]
+
+    def checkpoint_models(self, job: FinetuneJob) -> list[tuple[str, str]]:
+        """(model name, path) of ``job``'s epoch checkpoints to serve: those with a name and not
+        deleted."""
+        return [(str(ck["model"]), str(ck["path"])) for ck in self.checkpoints(job)
+                if ck["model"] is not None and not (Path(str(ck["path"])) / DELETED).is_file()]
+
+    def checkpoint_of_model(self, name: str) -> str | None:
+        """The directory of the epoch checkpoint served as ``name``, if it is one."""
+        base, sep, step = name.rpartition(":ckpt-step-")
+        job = self.job_of_model(base) if sep else None
+        if job is None:
+            return None
+        return next((path for model, path in self.checkpoint_models(job) if model == name), None)
+
+    def checkpoint_deleted(self, path: str) -> None:
+        """The epoch checkpoint at ``path`` is no longer served, nor after a restart."""
+        _write_json(Path(path) / DELETED, {"deleted_at": time.time()})
+
+    async def serve_checkpoints(self, job: FinetuneJob) -> None:
+        """(the event loop) Serve ``job``'s epoch checkpoints once their files are written: each
+        read off the engine's thread, then registered between two steps."""
+        try:
+            await asyncio.to_thread(self.et.wait_exported)
+            for name, path in self.checkpoint_models(job):
+                adapter = await asyncio.to_thread(self.et.engine.lora_manager.load, path)
+
+                def register(_: LLMEngine, name: str = name, path: str = path, adapter: LoraAdapter = adapter) -> None:
+                    self.serve_adapter(name, path, adapter)
+
+                await self.et.call(register)
+                logger.info("fine-tuning job %s: serving its checkpoint %r from %s", job.id, name, path)
+        except Exception:
+            logger.exception("serving the epoch checkpoints of job %s failed", job.id)
+
+    def _serve_checkpoints_later(self, job: FinetuneJob) -> None:
+        """(any thread) :meth:`serve_checkpoints` on the event loop."""
+        def start() -> None:
+            task = asyncio.get_running_loop().create_task(self.serve_checkpoints(job))
+            self._validating.add(task)  # (held until done)
+            task.add_done_callback(self._validating.discard)
+
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(start)
+            except RuntimeError:  # (the event loop has closed: served at the next start)
+                pass
+
     def job_of_model(self, name: str) -> FinetuneJob | None:
         """The job whose fine-tuned model ``name`` is (served or not), if any."""
         return next((j for j in self.jobs.values() if j.fine_tuned_model == name), None)
 
     def file_user(self, file_id: str) -> str | None:
-        """The job being set up, trained or paused (it reads the file again to resume) on file
-        ``file_id`` (its training or validation file)."""
+        """The job being set up, trained, queued or paused (it reads the file again to resume) on
+        file ``file_id`` (its training or validation file)."""
         running = self.running()
         for job in self.jobs.values():
             if file_id in (job.training_file, job.validation_file) and (
-                    job is running or self.stats(job).ft_outcome == "paused"):
+                    job is running or job.id in self.queue or self.stats(job).ft_outcome == "paused"):
                 return job.id
         return None
 
@@ -265,7 +354,10 @@ class JobBoard:
         return EngineStats(coserving=True, ft_job=job.id)
 
     def status(self, job: FinetuneJob) -> str | None:
-        """``validating_files`` while set up (None: the figures' status)."""
+        """``queued`` while it waits for the jobs before it, ``validating_files`` while set up (None:
+        the figures' status)."""
+        if job.id in self.queue:
+            return "queued"
         return "validating_files" if job.id in self.setting_up else None
 
     def running(self) -> FinetuneJob | None:
@@ -296,12 +388,8 @@ class JobBoard:
             raise HTTPException(400, "hyperparameters.learning_rate_multiplier must be in (0, 100], got "
                                      f"{hp.learning_rate_multiplier}")
         data = self.files.path(self.files.get(req.training_file)["id"])
-        valid = self.files.path(self.files.get(req.validation_file)["id"]) if req.validation_file else None
-        running = self.running()
-        if running is not None:
-            raise HTTPException(409, f"fine-tuning job {running.id!r} is running and this server runs one job at "
-                                     f"a time: wait for it to end or cancel it (POST /v1/fine_tuning/jobs/"
-                                     f"{running.id}/cancel)")
+        if req.validation_file:
+            self.files.get(req.validation_file)  # (404 where there is none)
         job_id = f"ftjob-{uuid.uuid4().hex[:24]}"
         t = self.config.template
         mult = 1.0 if hp.learning_rate_multiplier == "auto" else float(hp.learning_rate_multiplier)
@@ -318,9 +406,71 @@ class JobBoard:
         self.jobs[job_id] = job
         self._save_job(job)
         _write_json(output / SPEC, spec.to_json())
-        self.setting_up[job_id] = asyncio.get_running_loop().create_task(self._start(job, spec, valid))
-        logger.info("fine-tuning job %s created: %s, %d epochs, lr %g", job_id, data, epochs, spec.optim.lr)
+        ahead = self.running()
+        self._enqueue(job, resume=False)
+        logger.info("fine-tuning job %s created: %s, %d epochs, lr %g%s", job_id, data, epochs, spec.optim.lr,
+                    f"; queued behind {ahead.id}" if ahead is not None else "")
+        self._start_next()
         return job
+
+    # ------------------------------------------------------------------ the queue
+
+    def _enqueue(self, job: FinetuneJob, resume: bool) -> None:
+        """``job`` waits for the jobs before it (kept across a restart)."""
+        self.queue[job.id] = resume
+        if self.config is not None:
+            _write_json(job.train_log.parent / QUEUED, {"queued_at": time.time(), "resume": resume})
+
+    def _dequeue(self, job: FinetuneJob) -> bool:
+        """Take ``job`` off the queue; whether it was queued to resume."""
+        resume = self.queue.pop(job.id)
+        (job.train_log.parent / QUEUED).unlink(missing_ok=True)
+        return resume
+
+    def _start_next(self) -> None:
+        """(the event loop) Set the oldest queued job up, where none runs; one that cannot start
+        is failed, saying why, and the next one tried."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        while self.queue and not self.closing and self.running() is None:
+            job = self.jobs[next(iter(self.queue))]
+            resume = self._dequeue(job)
+            try:
+                if resume:
+                    self._resume(job)
+                    logger.info("fine-tuning job %s resumed", job.id)
+                else:
+                    self._launch(job, self._created_spec(job))
+            except ValueError as e:
+                logger.warning("fine-tuning job %s cannot start: %s", job.id, e)
+                if resume:
+                    self.past[job.id] = replace(self.stats(job), ft_outcome="failed", ft_finished_at=time.time(),
+                                                ft_failure=f"it could not be resumed: {e}")
+                    self._save_outcome(job.id, self.past[job.id])
+                    self._settle_validation(job, self.past[job.id])
+                else:
+                    self._never_ran(job, "failed", str(e))
+
+    def _created_spec(self, job: FinetuneJob) -> FinetuneSpec:
+        """The settings ``job`` was created with (ValueError where they cannot be read)."""
+        path = job.train_log.parent / SPEC
+        try:
+            spec = FinetuneSpec.from_json(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"its settings ({path}) cannot be read: {e}") from e
+        return replace(spec, latency_state=self._latency_state() or spec.latency_state)
+
+    def _validation_path(self, job: FinetuneJob) -> Path | None:
+        """``job``'s validation file on disk, if it has one (ValueError where it is gone)."""
+        if job.validation_file is None:
+            return None
+        if self.files is None or job.validation_file not in self.files.files:
+            raise ValueError(f"its validation file {job.validation_file!r} is gone")
+        return self.files.path(job.validation_file)
+
+    def _launch(self, job: FinetuneJob, spec: FinetuneSpec) -> None:
+        self.setting_up[job.id] = asyncio.get_running_loop().create_task(
+            self._start(job, spec, self._validation_path(job)))
 
     def _latency_state(self) -> Path | None:
         """The latency model a job starts from: ``--latency-state``, else ``DIR/latency_state.json``
@@ -334,31 +484,29 @@ class JobBoard:
     def resume_interrupted(self) -> None:
         """(the event loop, at start-up) Set up again, from its last checkpoint, the job an earlier
         server was running when it stopped (the newest, should there be more than one: the others
-        are failed, as one job runs at a time)."""
-        if not self.interrupted:
-            return
-        *older, job = self.interrupted
-        self.interrupted = []
-        for other in older:
-            self._never_ran(other, "failed", "the server stopped while this job ran and a later job was resumed")
-        try:
-            self._resume(job)
-        except ValueError as e:
-            self._never_ran(job, "failed", f"the server stopped while this job ran; {e}")
-            return
-        logger.info("fine-tuning job %s was running when the server stopped: resumed from its checkpoint", job.id)
+        are failed, as one job runs at a time); the jobs it had queued wait for it."""
+        self._loop = asyncio.get_running_loop()
+        if self.interrupted:
+            *older, job = self.interrupted
+            self.interrupted = []
+            for other in older:
+                self._never_ran(other, "failed", "the server stopped while this job ran and a later job was resumed")
+            try:
+                self._resume(job)
+                logger.info("fine-tuning job %s was running when the server stopped: resumed from its checkpoint",
+                            job.id)
+            except ValueError as e:
+                self._never_ran(job, "failed", f"the server stopped while this job ran; {e}")
+        self._start_next()  # (the jobs queued when it stopped, once that one is done)
 
     def _resume(self, job: FinetuneJob) -> None:
         """Set ``job`` up again from its checkpoint with the settings it was created with
         (ValueError saying why it cannot be)."""
         run = job.train_log.parent
-        try:
-            spec = FinetuneSpec.from_json(json.loads((run / SPEC).read_text()))
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"its settings ({run / SPEC}) cannot be read to resume it: {e}") from e
+        spec = self._created_spec(job)
         if not (run / "checkpoint" / "trainer_state.pt").is_file():
             raise ValueError(f"it has no checkpoint to resume from ({run / 'checkpoint'})")
-        spec = replace(spec, resume=True, calibrate=False, latency_state=self._latency_state() or spec.latency_state)
+        spec = replace(spec, resume=True, calibrate=False)
         valid = None
         # (a validation waiting for this job's end, since before its pause, goes on waiting)
         if job.validation_file is not None and job.id not in self._ended and self.files is not None \
@@ -376,20 +524,24 @@ class JobBoard:
         session = self.et.session
         if session is None or session.job_id != job.id:
             state = "being set up: pause it once it runs" if job.id in self.setting_up else \
+                "queued: it has not started (cancel it to take it off the queue)" if job.id in self.queue else \
                 f"not running ({self.stats(job).ft_outcome or 'not started'})"
             raise HTTPException(409, f"fine-tuning job {job.id!r} is {state}")
         await self.et.cancel_finetuning(job.id, pause=True)
         await asyncio.to_thread(self.et.wait_exported)  # (its checkpoint written)
 
     def resume(self, job: FinetuneJob) -> None:
-        """Go on with a ``paused`` job from its checkpoint (409 while another job runs)."""
-        outcome = self.stats(job).ft_outcome
+        """Go on with a ``paused`` job from its checkpoint: at once where no job runs or waits
+        (409 where it cannot be resumed), else queued behind them."""
+        outcome = "queued to resume" if job.id in self.queue else self.stats(job).ft_outcome
         if outcome != "paused":
             raise HTTPException(409, f"fine-tuning job {job.id!r} is not paused ({outcome or 'running'})")
-        running = self.running()
-        if running is not None:
-            raise HTTPException(409, f"fine-tuning job {running.id!r} is running and this server runs one job at "
-                                     "a time: resume this one once it has ended")
+        ahead = self.running()
+        if ahead is not None or self.queue:
+            self._enqueue(job, resume=True)
+            logger.info("fine-tuning job %s queued to resume behind %s", job.id,
+                        ahead.id if ahead is not None else next(iter(self.queue)))
+            return
         try:
             self._resume(job)
         except ValueError as e:
@@ -422,11 +574,10 @@ class JobBoard:
             if session is not None:
                 await asyncio.to_thread(session.close)
             self._never_ran(job, "failed", f"setting up the job: {e}")
-            ended = self._ended.pop(job.id, None)
-            if ended is not None:  # (a validation waiting for the job's end: there is none to score)
-                _settle(ended, self.past[job.id])
+            self._settle_validation(job, self.past[job.id])
         finally:
             del self.setting_up[job.id]
+            self._start_next()  # (where this one did not start: the next)
 
     async def _validate(self, job: FinetuneJob, samples: Sequence[FTSample]) -> None:
         """Score ``job``'s validation set with the base model while it trains, then, once it has
@@ -462,6 +613,12 @@ class JobBoard:
             self._ended.pop(job.id, None)
             self._save_validation(job)
 
+    def _settle_validation(self, job: FinetuneJob, final: EngineStats) -> None:
+        """A validation waiting for ``job``'s end is told it has ended (``final``)."""
+        ended = self._ended.pop(job.id, None)
+        if ended is not None:
+            _settle(ended, final)
+
     def _save_validation(self, job: FinetuneJob) -> None:
         if self.config is not None and job.id in self.validation:
             _write_json(job.train_log.parent / "validation.json", self.validation[job.id])
@@ -488,7 +645,12 @@ class JobBoard:
 
     async def cancel(self, job: FinetuneJob) -> None:
         """Stop ``job`` (one being set up once its set-up is done; a paused one where it paused,
-        its adapter served from then on); one that has ended stays as it ended."""
+        its adapter served from then on; a queued one taken off the queue, never run, or, queued to
+        resume, as a paused one); one that has ended stays as it ended."""
+        if job.id in self.queue and not self._dequeue(job):
+            self._never_ran(job, "cancelled")
+            self._settle_validation(job, self.past[job.id])
+            return
         task = self.setting_up.get(job.id)
         if task is not None:
             self.cancel_asked.add(job.id)
@@ -498,12 +660,11 @@ class JobBoard:
             final = replace(paused, ft_outcome="cancelled", ft_finished_at=time.time())
             if final.adapter_path is not None and job.fine_tuned_model and job.id not in self.deleted:
                 await self.et.call(lambda _: self.serve_adapter(job.fine_tuned_model or "", str(final.adapter_path), None))
+            await self.serve_checkpoints(job)
             self.et.ended.pop(job.id, None)
             self.past[job.id] = final
             self._save_outcome(job.id, final)
-            ended = self._ended.get(job.id)
-            if ended is not None:
-                _settle(ended, final)
+            self._settle_validation(job, final)
             return
         await self.et.cancel_finetuning(job.id)
         await asyncio.to_thread(self.et.wait_exported)  # (its files written, off the engine's thread)
@@ -520,6 +681,11 @@ class JobBoard:
         ended = self._ended.get(session.job_id)
         if ended is not None and final.ft_outcome != "paused":  # (a paused job's validation waits for its end)
             ended.get_loop().call_soon_threadsafe(_settle, ended, final)
+        if self._loop is not None and self.queue:
+            try:
+                self._loop.call_soon_threadsafe(self._start_next)
+            except RuntimeError:  # (the event loop has closed: the server is stopping)
+                pass
         return final
 
     def _served(self, session: FinetuneSession, final: EngineStats, adapter: LoraAdapter | None) -> EngineStats:
@@ -535,6 +701,8 @@ class JobBoard:
             if self.config is not None:
                 self.et.engine.lora_manager.unbind_training_slot(job.fine_tuned_model)
                 self.serve_adapter(job.fine_tuned_model, str(path), adapter)
+            if final.ft_outcome in SERVED_OUTCOMES:
+                self._serve_checkpoints_later(job)
             return final
         if final.ft_outcome not in SERVED_OUTCOMES:
             return final
@@ -544,4 +712,5 @@ class JobBoard:
             logger.exception("serving the adapter of job %s failed", job.id)
             return replace(final, ft_outcome="failed", ft_failure=f"the trained adapter could not be served: {e}")
         logger.info("fine-tuning job %s %s: serving %r from %s", job.id, final.ft_outcome, job.fine_tuned_model, path)
+        self._serve_checkpoints_later(job)
         return final

@@ -88,7 +88,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                             "a share keeps decode steps beside the backward steadier, at some FT throughput")
     group.add_argument("--finetune-jobs", type=Path, default=None, metavar="DIR",
                        help="let clients create fine-tuning jobs through the OpenAI API (POST /v1/files, then "
-                            "/v1/fine_tuning/jobs), one at a time, beside --finetune-data's or alone: uploads go "
+                            "/v1/fine_tuning/jobs), one running at a time and the others queued, beside --finetune-data's or alone: uploads go "
                             "to DIR/files, each job's adapter, checkpoint and train log to DIR/jobs/ID, and its "
                             "adapter is served as its fine_tuned_model once trained. Jobs train with these "
                             "flags' settings (the request's n_epochs, learning_rate_multiplier x --lr and seed "
