@@ -274,6 +274,21 @@ job() {
     eager_small)  # the piecewise graphs' small steps (a short chunk beside 32 decodes): host time, profiles
       run eager_small "$top/eager_cpu_small.log" python3 bench/eager_cpu.py --conditions idle --prefill-graphs \
         --shapes "1x512_ctx0,1x96_ctx0+32d,1x96_ctx1024+32d,1x448_ctx1024+32d" --out "$top/eager_cpu_small.json" ;;
+    jobs_replay)
+      # a fine-tuning job created through the API (upload, create, pause, resume, cancel) while
+      # coserve serve answers a burst-light replay on the 8B shape, against the same replay with no
+      # job: per job phase, attainment and TTFT/TPOT p99, and the routes' times (bench/jobs_during_replay.py)
+      model_dir=$(python3 -c "from pathlib import Path; from coserve.bench.shapes import materialize; \
+print(materialize('shape:llama3-8b', Path('$top/shape')))")
+      run jobs_replay "$top/jobs_replay.log" python3 bench/jobs_during_replay.py --out "$top/jobs_replay.json" \
+        --workload burst-light --duration 60 --rate-scale 0.833 --max-prompt 4096 --max-output 512 \
+        --ttft-slo-ms 1000 --tpot-slo-ms 100 --synthetic 2000:spread:256-1024 --validation-rows 64 --n-epochs 1 \
+        --job-at 10 --pause-at 30 --resume-at 36 --drain 60 \
+        -- --model "$model_dir" --served-model-name llama3-8b --load-format dummy --device cuda \
+        --max-model-len 8192 --max-num-batched-tokens 2048 --max-loras 4 --gpu-memory-utilization 0.7 \
+        --lora-rank 16 --target-modules q_proj,k_proj,v_proj,o_proj --ttft-slo-ms 1000 --tpot-slo-ms 100 \
+        --max-seq-len 1024 --save-every 0
+      rm -rf "$top/shape" ;;
     eval=*)
       GPUS=$CUDA_VISIBLE_DEVICES OUT=$top run "$1" "$top/eval_${1#eval=}.log" bench/eval_device.sh "${1#eval=}" ;;
     *) echo "unknown job $1" | tee -a "$top/status.txt" ;;

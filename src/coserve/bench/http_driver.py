@@ -54,6 +54,8 @@ class HttpDriver:
         self.temperature = temperature
         # (sent as OpenAI clients send it: a server started with an API key needs it)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # (time.monotonic() at the running replay's time 0: what other threads date events by)
+        self.t0: float | None = None
 
     def prompt(self, i: int, n: int) -> list[int]:
         rng = random.Random(self.seed * 1_000_003 + i)
@@ -94,7 +96,7 @@ class HttpDriver:
         errors: dict[int, str] = {}
         async with httpx.AsyncClient(base_url=self.base_url, limits=limits, timeout=timeout,
                                      headers=self.headers) as client:
-            t0 = time.monotonic()
+            t0 = self.t0 = time.monotonic()
 
             async def one(i: int, a: Arrival) -> None:
                 await asyncio.sleep(max(0.0, a.time_s - (time.monotonic() - t0)))

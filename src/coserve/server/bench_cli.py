@@ -173,12 +173,6 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         help="seconds for the whole benchmark (0: none): a configuration that would not finish "
         "in what is left, judged by the last run of its kind, is skipped and named as such",
     )
-    o.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.85,
-        help="fraction of GPU memory the engine may take (the rest is left to trainer processes)",
-    )
     o.add_argument("--no-plots", action="store_true")
     o.add_argument(
         "--out", required=True, help="directory for WORKLOAD.json, WORKLOAD.md and the plots"
@@ -223,7 +217,6 @@ def bench_spec(args: argparse.Namespace) -> BenchSpec:
         ),
         engine=EngineConfig(
             model=args.model,
-            gpu_memory_utilization=args.gpu_memory_utilization,
             **engine_kwargs(args),  # type: ignore[arg-type]
         ),
         ft=FTSetup(

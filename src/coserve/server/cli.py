@@ -44,6 +44,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-loras", type=int, default=4)
     p.add_argument("--max-lora-rank", type=int, default=16)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+                   help="the share of the GPU's memory the engine takes, weights and KV cache (CUDA; the "
+                        "rest is left to the trainer process's activations and optimizer state)")
     p.add_argument("--warmup", default="auto", choices=["auto", "on", "off"],
                    help="run every eager step shape once at start-up so no kernel compiles while "
                         "serving (auto: on CUDA only)")
@@ -67,6 +70,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         max_num_batched_tokens=args.max_num_batched_tokens, max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank, warmup=args.warmup, stream_priority=args.stream_priority,
         warmup_gemms=args.warmup_gemms, prefill_graphs=args.prefill_graphs,
+        gpu_memory_utilization=args.gpu_memory_utilization,
     )
 
 

@@ -1,0 +1,330 @@
+"""A fine-tuning job created through the API while ``coserve serve`` answers a replayed workload:
+what its create, set-up, training, pause, resume and end cost the clients' requests.
+
+    python bench/jobs_during_replay.py --out RESULT.json [--workload burst-light --duration 40 ...] \\
+        [--job-at 5 --pause-at 20 --resume-at 25] -- SERVE_FLAGS...
+
+It starts ``coserve serve --finetune-jobs DIR SERVE_FLAGS`` on a free port and replays the workload
+twice over HTTP on the same arrivals (``coserve bench-http``'s driver): first with no job (the
+reference), then with a job created at ``--job-at`` s (its dataset uploaded, also as its
+validation file), paused at ``--pause-at`` and resumed at ``--resume-at`` (each optional), and
+cancelled at the replay's end if it still runs. Each request of the second replay falls in the
+job's phase at its arrival (``before``, ``set-up``, ``training``, ``paused``, ``after``), dated
+by polling the job every 0.1 s and by the routes' calls; per phase the result gives the same
+requests' SLO attainment and TTFT/TPOT in both replays, and the routes' call times.
+
+On the dev VM (tiny model, CPU):
+
+    python bench/jobs_during_replay.py --out bench/results/demo_cpu/session25/jobs_during_replay.json \\
+        -- --model tiny --device cpu --lr 1e-3 --ttft-slo-ms 250 --tpot-slo-ms 25
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from coserve.bench.ftdata import parse_lengths, write_ft_dataset
+from coserve.bench.http_driver import HttpDriver, HttpReplay
+from coserve.bench.metrics import RequestRecord, attainment, latency_summary
+from coserve.bench.provenance import provenance
+from coserve.bench.workload import Scaling, load_workload
+
+TINY_FACTS = Path(__file__).resolve().parents[1] / "src" / "coserve" / "data" / "tiny_facts.jsonl"
+TERMINAL = ("succeeded", "failed", "cancelled")
+PHASE_OF_STATUS = {"queued": "set-up", "validating_files": "set-up", "running": "training", "paused": "paused"}
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    serve_flags: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, serve_flags = argv[:i], argv[i + 1:]
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--workload", default="burst-light")
+    p.add_argument("--duration", type=float, default=40.0)
+    p.add_argument("--rate-scale", type=float, default=0.05)
+    p.add_argument("--length-scale", type=float, default=1.0)
+    p.add_argument("--max-prompt", type=int, default=256)
+    p.add_argument("--max-output", type=int, default=32)
+    p.add_argument("--vocab-size", type=int, default=1000, help="the prompts' and the synthetic dataset's ids")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ttft-slo-ms", type=float, default=250.0, help="the attainment's (pass the server's too)")
+    p.add_argument("--tpot-slo-ms", type=float, default=25.0)
+    p.add_argument("--drain", type=float, default=30.0)
+    p.add_argument("--data", type=Path, default=TINY_FACTS, help="the job's dataset (default: the tiny facts)")
+    p.add_argument("--synthetic", default=None, metavar="N:LENGTHS",
+                   help="instead of --data, N synthetic pre-tokenized samples (LENGTHS: fixed:N or spread:LO-HI, as coserve bench's "
+                        "--ft-lengths: 256, spread:128-1024, ...)")
+    p.add_argument("--n-epochs", type=int, default=30)
+    p.add_argument("--job-at", type=float, default=5.0)
+    p.add_argument("--pause-at", type=float, default=None)
+    p.add_argument("--resume-at", type=float, default=None)
+    p.add_argument("--no-validation", action="store_true", help="create the job without a validation file")
+    p.add_argument("--validation-rows", type=int, default=0,
+                   help="the validation file: the dataset's first N rows, uploaded apart (0: the dataset itself)")
+    p.add_argument("--start-timeout", type=float, default=900.0, help="seconds for the server to come up")
+    return p.parse_args(argv), serve_flags
+
+
+class Server:
+    """``coserve serve`` in a child process on a free port, its output in ``log``."""
+
+    def __init__(self, flags: list[str], jobs_dir: Path, log: Path, timeout: float) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-c", "import sys; from coserve.server.cli import main; sys.exit(main(sys.argv[1:]))",
+               "--log-level", "INFO", "serve", "--port", str(self.port), "--finetune-jobs", str(jobs_dir), *flags]
+        self.command = cmd[3:]
+        self.log = log.open("w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"coserve serve exited with {self.proc.returncode}: see {log}")
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"coserve serve did not answer /health within {timeout:g} s: see {log}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+class JobScript:
+    """Creates, pauses and resumes the job at replay times, and polls its status (a thread)."""
+
+    def __init__(self, url: str, driver: HttpDriver, data: Path, args: argparse.Namespace, model: str) -> None:
+        self.client = httpx.Client(base_url=url, timeout=120)
+        self.driver, self.data, self.args, self.model = driver, data, args, model
+        self.job_id: str | None = None
+        self.calls: dict[str, list[float]] = {}  # name -> [start, end] on the replay clock
+        self.timeline: list[tuple[float, str, int]] = []  # (time, status, optimizer steps)
+        self.stop = threading.Event()
+        self.failure: str | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def now(self) -> float:
+        t0 = self.driver.t0
+        return math.nan if t0 is None else time.monotonic() - t0
+
+    def _call(self, name: str, method: str, path: str, **kw: Any) -> dict[str, Any]:
+        start = self.now()
+        reply = self.client.request(method, path, **kw)
+        self.calls[name] = [start, self.now()]
+        if reply.status_code != 200:
+            raise RuntimeError(f"{name}: HTTP {reply.status_code}: {reply.text[:300]}")
+        return dict(reply.json())
+
+    def _wait_until(self, t: float) -> bool:
+        while not self.stop.is_set():
+            now = self.now()
+            if now >= t:
+                return True
+            self._poll()
+            self.stop.wait(min(0.1, t - now) if not math.isnan(now) else 0.05)
+        return False
+
+    def _poll(self) -> None:
+        if self.job_id is None:
+            return
+        job = self.client.get(f"/v1/fine_tuning/jobs/{self.job_id}").json()
+        status, steps = job["status"], int(job["coserve"]["optimizer_steps"] or 0)
+        if not self.timeline or self.timeline[-1][1] != status:
+            self.timeline.append((self.now(), status, steps))
+
+    def _run(self) -> None:
+        a = self.args
+        try:
+            if not self._wait_until(a.job_at):
+                return
+            with self.data.open("rb") as f:
+                upload = self._call("upload", "POST", "/v1/files", files={"file": (self.data.name, f)},
+                                    data={"purpose": "fine-tune"})
+            body = {"model": self.model, "training_file": upload["id"], "hyperparameters": {"n_epochs": a.n_epochs}}
+            if not a.no_validation:
+                body["validation_file"] = upload["id"]
+                if a.validation_rows:
+                    rows = "".join(self.data.read_text().splitlines(keepends=True)[:a.validation_rows])
+                    body["validation_file"] = self._call("upload_validation", "POST", "/v1/files", files={
+                        "file": ("validation.jsonl", rows.encode())}, data={"purpose": "fine-tune"})["id"]
+            self.job_id = self._call("create", "POST", "/v1/fine_tuning/jobs", json=body)["id"]
+            self.timeline.append((self.calls["create"][0], "validating_files", 0))
+            for name, at in (("pause", a.pause_at), ("resume", a.resume_at)):
+                if at is None or not self._wait_until(at):
+                    continue
+                if self.timeline[-1][1] in TERMINAL:
+                    break
+                self._call(name, "POST", f"/v1/fine_tuning/jobs/{self.job_id}/{name}")
+                self._poll()
+            while not self.stop.is_set():
+                self._poll()
+                self.stop.wait(0.1)
+        except Exception as e:  # (the replay goes on; the result says why the script stopped)
+            self.failure = f"{type(e).__name__}: {e}"
+
+    def finish(self) -> dict[str, Any] | None:
+        """Stop the thread; cancel the job if it still runs (timed); the job's last object."""
+        self.stop.set()
+        self.thread.join(30)
+        if self.job_id is None:
+            return None
+        self._poll()
+        if self.timeline[-1][1] not in TERMINAL:
+            self._call("cancel", "POST", f"/v1/fine_tuning/jobs/{self.job_id}/cancel")
+            self._poll()
+        deadline = time.monotonic() + 120  # (its validation scores the exported adapter after its end)
+        while True:
+            job = dict(self.client.get(f"/v1/fine_tuning/jobs/{self.job_id}").json())
+            v = (job.get("coserve") or {}).get("validation")
+            if v is None or v.get("status") != "running" or time.monotonic() > deadline:
+                return job
+            time.sleep(0.2)
+
+
+def phases(timeline: list[tuple[float, str, int]], calls: dict[str, list[float]]) -> list[tuple[float, str]]:
+    """(start, phase) change points: ``before`` until the create call, then the polled statuses'
+    phases; a pause's phase starts at its call, the end's at the cancel call or the first
+    terminal status."""
+    points = [(0.0, "before")]
+    marks = [(t, "after" if status in TERMINAL else PHASE_OF_STATUS.get(status, status)) for t, status, _ in timeline]
+    if "pause" in calls:
+        marks.append((calls["pause"][0], "paused"))
+    if "cancel" in calls:
+        marks.append((calls["cancel"][0], "after"))
+    for t, phase in sorted(marks):
+        if phase != points[-1][1] and not (points[-1][1] == "after"):
+            points.append((t, phase))
+    return points
+
+
+def summarize(ref: list[RequestRecord], job: list[RequestRecord], slo: tuple[float, float]) -> dict[str, Any]:
+    def side(records: list[RequestRecord]) -> dict[str, float]:
+        s = latency_summary(records)
+        return {"attainment": attainment(records, *slo), **{k: s[k] for k in (
+            "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")}}
+
+    return {"requests": len(job), "reference": side(ref), "with_job": side(job)}
+
+
+def main(argv: list[str]) -> int:
+    args, serve_flags = parse_args(argv)
+    def flag(name: str) -> str | None:
+        return serve_flags[serve_flags.index(name) + 1] if name in serve_flags else None
+
+    model = flag("--served-model-name") or flag("--model") or "tiny"
+    work = Path(tempfile.mkdtemp(prefix="coserve-jobs-replay-"))
+    data = args.data
+    if args.synthetic:
+        n, lengths = args.synthetic.split(":", 1)
+        data = write_ft_dataset(work / "synthetic.jsonl", int(n), parse_lengths(lengths), args.vocab_size, args.seed)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    log = args.out.with_suffix(".serve.log")
+    server = Server(serve_flags, work / "jobs", log, args.start_timeout)
+    try:
+        driver = HttpDriver(server.url, model, seed=args.seed, vocab_size=args.vocab_size)
+        scaling = Scaling(rate=args.rate_scale, length=args.length_scale, max_prompt=args.max_prompt,
+                          max_output=args.max_output)
+        context = driver.context()
+        if context is not None:
+            scaling = scaling.fit(context, print)
+        workload = load_workload(args.workload, args.duration, scaling, seed=args.seed)
+        print(f"{len(workload.arrivals)} requests of {workload.name} over {args.duration:g} s, twice: "
+              f"no job, then a job at {args.job_at:g} s", flush=True)
+        reference: HttpReplay = driver.run(workload.arrivals, duration_s=args.duration, drain_s=args.drain)
+        script = JobScript(server.url, driver, data, args, model)
+        driver.t0 = None
+        script.thread.start()
+        with_job: HttpReplay = driver.run(workload.arrivals, duration_s=args.duration, drain_s=args.drain)
+        job = script.finish()
+    finally:
+        server.stop()
+    slo = (args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3)
+    ref, rec = reference.result.records, with_job.result.records
+    points = phases(script.timeline, script.calls)
+    starts = [t for t, _ in points]
+    by_phase: dict[str, list[int]] = {}
+    for i, r in enumerate(rec):
+        by_phase.setdefault(points[bisect.bisect_right(starts, r.arrival_s) - 1][1], []).append(i)
+    figures: dict[str, Any] = {
+        "overall": summarize(ref, rec, slo),
+        "phases": {name: summarize([ref[i] for i in idx], [rec[i] for i in idx], slo) for name, idx in by_phase.items()},
+        "calls_ms": {name: (end - start) * 1e3 for name, (start, end) in script.calls.items()},
+        "errors": {"reference": len(reference.errors), "with_job": len(with_job.errors),
+                   "first": dict(list(sorted(with_job.errors.items()))[:5])},
+        "script_failure": script.failure,
+        "job": None if job is None else {k: job.get(k) for k in (
+            "id", "status", "trained_tokens", "fine_tuned_model", "error", "coserve")},
+    }
+    result = {
+        **provenance(),
+        "config": {"serve": server.command, "workload": {"name": workload.name, "duration_s": args.duration,
+                                                         "requests": len(workload.arrivals), "seed": args.seed,
+                                                         "scaling": asdict(scaling)},
+                   "slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms},
+                   "job": {"data": str(args.synthetic or args.data), "n_epochs": args.n_epochs, "at_s": args.job_at,
+                           "pause_at_s": args.pause_at, "resume_at_s": args.resume_at,
+                           "validation": not args.no_validation, "validation_rows": args.validation_rows}},
+        "figures": figures,
+        "phases": points,
+        "timeline": script.timeline,
+        "calls": script.calls,
+        "per_request": {"reference": [[r.arrival_s, r.first_token_s, r.finish_s, r.prompt_tokens, r.output_tokens]
+                                      for r in ref],
+                        "with_job": [[r.arrival_s, r.first_token_s, r.finish_s, r.prompt_tokens, r.output_tokens]
+                                     for r in rec]},
+        "serve_log": log.name,
+    }
+    args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+
+    def pct(x: float) -> str:
+        return "-" if math.isnan(x) else f"{x:.1%}"
+
+    print(f"{'phase':<10} {'requests':>8} {'attained (ref -> job)':>22} {'TTFT p99 ms':>16} {'TPOT p99 ms':>16}")
+    for name, f in [("overall", figures["overall"]), *figures["phases"].items()]:
+        r, j = f["reference"], f["with_job"]
+        print(f"{name:<10} {f['requests']:>8} {pct(r['attainment']):>10} -> {pct(j['attainment']):>8} "
+              f"{r['ttft_p99_ms']:>7.0f} -> {j['ttft_p99_ms']:<6.0f} {r['tpot_p99_ms']:>7.1f} -> {j['tpot_p99_ms']:<6.1f}")
+    print("calls (ms):", {k: round(v) for k, v in figures["calls_ms"].items()})
+    if job is not None:
+        print(f"job {job['id']}: {job['status']}, {job['trained_tokens']} tokens, "
+              f"{job['coserve']['optimizer_steps']} steps, validation {job['coserve'].get('validation')}")
+    if script.failure:
+        print(f"the job script stopped: {script.failure}")
+    print(f"result: {args.out}")
+    return 0 if script.failure is None else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main(sys.argv[1:]))
