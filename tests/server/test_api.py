@@ -467,6 +467,9 @@ def test_adapters_are_served_under_their_own_model_names(tmp_path: Path) -> None
     with serve(engine, adapters={"mine": str(tmp_path / "mine")}) as s:
         cards = {m.id: m for m in s.client.models.list()}
         assert list(cards) == [MODEL, "mine"] and cards["mine"].parent == MODEL  # type: ignore[attr-defined]
+        assert s.client.models.retrieve("mine") == cards["mine"]
+        with pytest.raises(openai.NotFoundError, match="no model 'other' is served"):
+            s.client.models.retrieve("other")
         kw: dict[str, Any] = {"prompt": prompt, "max_tokens": 8, "temperature": 0.0}
         with ThreadPoolExecutor(2) as pool:  # side by side, in the same steps
             base, mine = pool.map(lambda m: s.client.completions.create(model=m, **kw), [MODEL, "mine"])

@@ -425,6 +425,8 @@ def test_jobs_created_while_one_runs_are_queued_and_start_in_turn(tmp_path: Path
         assert first.status in ("validating_files", "running")
         assert (second.status, third.status) == ("queued", "queued")
         assert (tmp_path / "jobs" / second.id / "queued.json").is_file()
+        _, metrics = http(s.url + "/metrics")
+        assert 'coserve_finetune_jobs{status="queued"} 2.0' in metrics
         assert [e.message for e in jobs.list_events(second.id).data] == [
             f"Fine-tuning {MODEL} on {f.id} is queued: it starts once the jobs before it have ended"]
         with pytest.raises(openai.ConflictError, match="queued: it has not started"):

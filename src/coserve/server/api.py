@@ -98,6 +98,24 @@ class _EngineCollector(Collector):
             yield trainer
 
 
+class _JobsCollector(Collector):
+    """The fine-tuning jobs by status, at scrape time (on the event loop, as the board is)."""
+
+    def __init__(self, board: JobBoard) -> None:
+        self.board = board
+
+    def collect(self) -> Iterable[Metric]:
+        counts: dict[str, int] = {}
+        for job in self.board.jobs.values():
+            status = self.board.status(job) or self.board.stats(job).ft_outcome or "running"
+            counts[status] = counts.get(status, 0) + 1
+        jobs = GaugeMetricFamily("coserve_finetune_jobs", "Fine-tuning jobs of this server by status (queued, "
+                                 "validating_files, running, paused, succeeded, failed, cancelled).", labels=["status"])
+        for status, n in sorted(counts.items()):
+            jobs.add_metric([status], n)
+        yield jobs
+
+
 class ServerMetrics:
     """One registry per app, so that several apps (tests) can live in one process."""
 
@@ -634,17 +652,28 @@ def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str,
 
     board = JobBoard(engine_thread, model_name, files, jobs, serve_adapter, finetune_name)
     app.state.jobs = board
+    if jobs is not None or board.jobs:
+        api.metrics.registry.register(_JobsCollector(board))
     add_file_routes(app, files, board.file_user)
     add_finetune_job_routes(app, board)
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    def model_cards() -> list[dict[str, Any]]:
         # (max_model_len as vLLM gives it: a client can fit its prompts, as coserve bench-http does)
         card = {"id": model_name, "object": "model", "created": 0, "owned_by": "coserve", "root": model_name,
                 "parent": None, "max_model_len": engine_thread.engine.max_model_len}
-        cards = [card] + [{**card, "id": name, "root": lora.path, "parent": model_name}
-                          for name, lora in api.adapters.items()]
-        return {"object": "list", "data": cards}
+        return [card] + [{**card, "id": name, "root": lora.path, "parent": model_name}
+                         for name, lora in api.adapters.items()]
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": model_cards()}
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> dict[str, Any]:
+        card = next((c for c in model_cards() if c["id"] == model), None)
+        if card is None:
+            raise HTTPException(404, f"no model {model!r} is served; see GET /v1/models")
+        return card
 
     @app.delete("/v1/models/{model:path}")
     async def delete_model(model: str) -> dict[str, Any]:
