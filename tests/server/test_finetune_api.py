@@ -26,6 +26,14 @@ TEMPLATE = FinetuneSpec(data=Path(""), output=Path(""), lora=LoRAConfig(rank=8, 
                         coserve=CoServeConfig(backward_tokens=32, max_seq_len=64), trainer_threads=1, save_every=0)
 
 
+DATA_BYTES = ("\n".join(ROWS) + "\n").encode()
+
+
+def jobs_engine() -> LLMEngine:
+    """An engine that fine-tunes (a training slot) and serves adapters of the template's rank."""
+    return LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8))
+
+
 def wait_for(s: Served, job_id: str, statuses: tuple[str, ...], timeout: float = 60.0) -> str:
     deadline = time.monotonic() + timeout
     while (status := s.client.fine_tuning.jobs.retrieve(job_id).status) not in statuses:
@@ -49,7 +57,7 @@ def test_clients_upload_data_create_jobs_and_chat_with_their_adapters(tmp_path: 
         return load_dataset(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(finetune, "load_dataset", slow_load)
-    engine = LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8))
+    engine = jobs_engine()
     with serve(engine, jobs=JobsConfig(tmp_path, TEMPLATE)) as s:
         jobs = s.client.fine_tuning.jobs
         # the Files API: malformed rows counted, a file with no usable row refused with the first reasons
@@ -139,7 +147,7 @@ def test_without_finetune_jobs_the_routes_name_the_flag() -> None:
 
 def test_jobs_start_from_a_latency_model_calibrated_at_start_up(tmp_path: Path) -> None:
     # (before the server serves: a job created later must not stall requests with the sweep)
-    engine = LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8))
+    engine = jobs_engine()
     config = JobsConfig(tmp_path / "jobs", TEMPLATE)
     said = prepare_latency(config, engine, None, calibrate=True)
     assert said.startswith("latency model calibrated for the jobs on") and config.latency_path.is_file()
@@ -157,12 +165,9 @@ def test_jobs_start_from_a_latency_model_calibrated_at_start_up(tmp_path: Path) 
 
 def test_a_restarted_server_lists_its_jobs_and_serves_their_adapters(tmp_path: Path) -> None:
     config = JobsConfig(tmp_path, TEMPLATE)
-    data = ("\n".join(ROWS) + "\n").encode()
+    data = DATA_BYTES
 
-    def engine() -> LLMEngine:
-        return LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8))
-
-    with serve(engine(), jobs=config) as s:
+    with serve(jobs_engine(), jobs=config) as s:
         f = s.client.files.create(file=("facts.jsonl", data), purpose="fine-tune")
         job = s.client.fine_tuning.jobs.create(model=MODEL, training_file=f.id, suffix="kept",
                                                hyperparameters={"n_epochs": 1})
@@ -177,7 +182,7 @@ def test_a_restarted_server_lists_its_jobs_and_serves_their_adapters(tmp_path: P
     (tmp_path / "jobs" / crashed).mkdir()
     (tmp_path / "jobs" / crashed / "job.json").write_text(json.dumps(fields))
 
-    with serve(engine(), jobs=config) as s:
+    with serve(jobs_engine(), jobs=config) as s:
         listed = s.client.fine_tuning.jobs.list().data
         assert [j.id for j in listed] == [crashed, job.id]
         again = listed[1]
@@ -200,11 +205,11 @@ def test_a_validation_file_is_scored_with_the_base_model_and_the_trained_adapter
     training; scored through the serving engine and kept for a restarted server."""
     from coserve.server.finetune import evaluate
 
-    engine = LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8))
+    engine = jobs_engine()
     assert engine.tokenizer is not None
     reference = evaluate(LLMEngine(EngineConfig(model=MODEL, device="cpu")),
                          load_dataset(DATA, engine.tokenizer, max_seq_len=64).samples[:8])
-    data = ("\n".join(ROWS) + "\n").encode()
+    data = DATA_BYTES
     with serve(engine, jobs=JobsConfig(tmp_path, TEMPLATE)) as s:
         train = s.client.files.create(file=("facts.jsonl", data), purpose="fine-tune")
         valid = s.client.files.create(file=("held.jsonl", data), purpose="fine-tune")
@@ -229,20 +234,17 @@ def test_a_validation_file_is_scored_with_the_base_model_and_the_trained_adapter
         assert newest.data["full_valid_loss"] == v["loss"]  # type: ignore[index]
         assert newest.data["full_valid_mean_token_accuracy"] == v["accuracy"]  # type: ignore[index]
         assert ask(s, MODEL), "serving went on"
-    with serve(LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8)),
+    with serve(jobs_engine(),
                jobs=JobsConfig(tmp_path, TEMPLATE)) as s:
         again = s.client.fine_tuning.jobs.retrieve(job.id)
         assert again.coserve["validation"] == v and again.metadata == {"team": "facts"}  # type: ignore[attr-defined]
 
 
 def test_clients_read_and_delete_their_files_and_delete_fine_tuned_models(tmp_path: Path) -> None:
-    data = ("\n".join(ROWS) + "\n").encode()
+    data = DATA_BYTES
     config = JobsConfig(tmp_path, TEMPLATE)
 
-    def engine() -> LLMEngine:
-        return LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8))
-
-    with serve(engine(), jobs=config) as s:
+    with serve(jobs_engine(), jobs=config) as s:
         f = s.client.files.create(file=("facts.jsonl", data), purpose="fine-tune")
         assert s.client.files.content(f.id).read() == data
         job = s.client.fine_tuning.jobs.create(model=MODEL, training_file=f.id, hyperparameters={"n_epochs": 500})
@@ -269,7 +271,7 @@ def test_clients_read_and_delete_their_files_and_delete_fine_tuned_models(tmp_pa
         with pytest.raises(openai.NotFoundError, match=f"no file '{f.id}'"):
             s.client.files.content(f.id)
         assert ask(s, MODEL)
-    with serve(engine(), jobs=config) as s:
+    with serve(jobs_engine(), jobs=config) as s:
         assert [j.id for j in s.client.fine_tuning.jobs.list().data] == [job.id]
         assert name not in [m.id for m in s.client.models.list().data], "a deleted model stays deleted"
         assert s.client.files.list().data == []
@@ -279,13 +281,10 @@ def test_a_job_that_a_crash_stopped_resumes_from_its_checkpoint(tmp_path: Path) 
     """Nothing lost on a crash: a restarted server on the same DIR sets the job up again from its
     last checkpoint, with the settings it was created with, and trains it to the end."""
     config = JobsConfig(tmp_path, replace(TEMPLATE, save_every=3))
-    data = ("\n".join(ROWS) + "\n").encode()
-
-    def engine() -> LLMEngine:
-        return LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8))
+    data = DATA_BYTES
 
     run = tmp_path / "jobs"
-    with serve(engine(), jobs=config) as s:
+    with serve(jobs_engine(), jobs=config) as s:
         f = s.client.files.create(file=("facts.jsonl", data), purpose="fine-tune")
         job = s.client.fine_tuning.jobs.create(model=MODEL, training_file=f.id, seed=5,
                                                hyperparameters={"n_epochs": 6, "learning_rate_multiplier": 2})
@@ -302,7 +301,7 @@ def test_a_job_that_a_crash_stopped_resumes_from_its_checkpoint(tmp_path: Path) 
         for k in range(2):
             f.write(json.dumps({"step": steps_before + k, "loss": 99.0, "wall_time": 0.0, "tokens": 1}) + "\n")
 
-    with serve(engine(), jobs=config) as s:
+    with serve(jobs_engine(), jobs=config) as s:
         assert wait_for(s, job.id, ("succeeded", "failed", "cancelled"), timeout=120) == "succeeded"
         done = s.client.fine_tuning.jobs.retrieve(job.id)
         assert done.hyperparameters.n_epochs == 6 and done.hyperparameters.learning_rate_multiplier == 2
@@ -325,7 +324,7 @@ def test_an_interrupted_job_without_a_checkpoint_is_failed_once_and_for_all(tmp_
         "id": job_id, "created_at": 1, "model": MODEL, "training_file": "file-x", "train_log": str(run / "train_log.jsonl"),
         "n_epochs": 1, "learning_rate": 1e-3, "total_steps": 4, "seed": 0, "fine_tuned_model": f"ft:{MODEL}:coserve:{job_id}",
         "live": False}))
-    with serve(LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8)),
+    with serve(jobs_engine(),
                jobs=config) as s:
         lost = s.client.fine_tuning.jobs.retrieve(job_id)
         assert lost.status == "failed" and lost.error is not None
@@ -335,8 +334,8 @@ def test_an_interrupted_job_without_a_checkpoint_is_failed_once_and_for_all(tmp_
 
 def test_a_job_is_paused_at_a_checkpoint_resumed_from_it_and_cancelled_while_paused(tmp_path: Path) -> None:
     config = JobsConfig(tmp_path, TEMPLATE)  # (save_every 0: the pause writes its own checkpoint)
-    data = ("\n".join(ROWS) + "\n").encode()
-    engine = LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8))
+    data = DATA_BYTES
+    engine = jobs_engine()
 
     def steps_reach(s: Served, job_id: str, n: int) -> None:
         deadline = time.monotonic() + 60
@@ -374,9 +373,9 @@ def test_a_job_is_paused_at_a_checkpoint_resumed_from_it_and_cancelled_while_pau
 
 
 def test_an_upload_larger_than_the_limit_is_a_413_and_leaves_nothing(tmp_path: Path) -> None:
-    data = ("\n".join(ROWS) + "\n").encode()
+    data = DATA_BYTES
     config = JobsConfig(tmp_path, TEMPLATE, max_upload_bytes=len(data))
-    with serve(LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8)),
+    with serve(jobs_engine(),
                jobs=config) as s:
         with pytest.raises(openai.APIStatusError, match="larger than this server takes") as raised:
             s.client.files.create(file=("big.jsonl", data + b"\n"), purpose="fine-tune")
@@ -388,8 +387,8 @@ def test_an_upload_larger_than_the_limit_is_a_413_and_leaves_nothing(tmp_path: P
 
 def test_a_paused_jobs_files_are_kept_and_a_resume_that_fails_ends_its_validation(tmp_path: Path) -> None:
     config = JobsConfig(tmp_path, TEMPLATE)
-    data = ("\n".join(ROWS) + "\n").encode()
-    with serve(LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8)),
+    data = DATA_BYTES
+    with serve(jobs_engine(),
                jobs=config) as s:
         jobs = s.client.fine_tuning.jobs
         f = s.client.files.create(file=("facts.jsonl", data), purpose="fine-tune")
@@ -413,8 +412,8 @@ def test_jobs_created_while_one_runs_are_queued_and_start_in_turn(tmp_path: Path
     """One job runs at a time: the others wait, oldest first, as OpenAI's ``queued``; a queued job
     can be cancelled (never run) and its files are kept; a paused job resumed while another runs
     waits its turn too."""
-    data = ("\n".join(ROWS) + "\n").encode()
-    with serve(LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8)),
+    data = DATA_BYTES
+    with serve(jobs_engine(),
                jobs=JobsConfig(tmp_path, TEMPLATE)) as s:
         jobs = s.client.fine_tuning.jobs
         f = s.client.files.create(file=("facts.jsonl", data), purpose="fine-tune")
@@ -461,12 +460,9 @@ def test_jobs_created_while_one_runs_are_queued_and_start_in_turn(tmp_path: Path
 
 def test_a_restarted_server_starts_the_jobs_still_queued(tmp_path: Path) -> None:
     config = JobsConfig(tmp_path, TEMPLATE)
-    data = ("\n".join(ROWS) + "\n").encode()
+    data = DATA_BYTES
 
-    def engine() -> LLMEngine:
-        return LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8))
-
-    with serve(engine(), jobs=config) as s:
+    with serve(jobs_engine(), jobs=config) as s:
         f = s.client.files.create(file=("facts.jsonl", data), purpose="fine-tune")
         first = s.client.fine_tuning.jobs.create(model=MODEL, training_file=f.id, hyperparameters={"n_epochs": 500})
         queued = s.client.fine_tuning.jobs.create(model=MODEL, training_file=f.id, hyperparameters={"n_epochs": 1})
@@ -475,7 +471,7 @@ def test_a_restarted_server_starts_the_jobs_still_queued(tmp_path: Path) -> None
     # the server stopped (its running job ended with it): the queued one did not start then ...
     assert not (tmp_path / "jobs" / queued.id / "train_log.jsonl").exists()
     assert (tmp_path / "jobs" / queued.id / "queued.json").is_file()
-    with serve(engine(), jobs=config) as s:
+    with serve(jobs_engine(), jobs=config) as s:
         # ... but at the next start, and trains to its end
         assert s.client.fine_tuning.jobs.retrieve(first.id).status == "cancelled"
         assert wait_for(s, queued.id, ("succeeded", "failed", "cancelled")) == "succeeded"
@@ -486,12 +482,9 @@ def test_a_restarted_server_starts_the_jobs_still_queued(tmp_path: Path) -> None
 
 def test_a_jobs_epoch_checkpoints_are_listed_and_served_once_it_has_ended(tmp_path: Path) -> None:
     config = JobsConfig(tmp_path, replace(TEMPLATE, epoch_checkpoints=2))
-    data = ("\n".join(ROWS) + "\n").encode()
+    data = DATA_BYTES
 
-    def engine() -> LLMEngine:
-        return LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8))
-
-    with serve(engine(), jobs=config) as s:
+    with serve(jobs_engine(), jobs=config) as s:
         jobs = s.client.fine_tuning.jobs
         f = s.client.files.create(file=("facts.jsonl", data), purpose="fine-tune")
         job = jobs.create(model=MODEL, training_file=f.id, suffix="ck", hyperparameters={"n_epochs": 3})
@@ -511,7 +504,7 @@ def test_a_jobs_epoch_checkpoints_are_listed_and_served_once_it_has_ended(tmp_pa
         assert ask(s, names[1])
         assert s.client.models.delete(names[1]).deleted
         assert names[1] not in {m.id for m in s.client.models.list().data}
-    with serve(engine(), jobs=config) as s:  # a restart serves the checkpoints again, not the deleted one
+    with serve(jobs_engine(), jobs=config) as s:  # a restart serves the checkpoints again, not the deleted one
         served = {m.id for m in s.client.models.list().data}
         assert names[0] in served and names[1] not in served and job.fine_tuned_model in served
         assert ask(s, names[0])
