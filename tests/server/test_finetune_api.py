@@ -508,3 +508,23 @@ def test_a_jobs_epoch_checkpoints_are_listed_and_served_once_it_has_ended(tmp_pa
         served = {m.id for m in s.client.models.list().data}
         assert names[0] in served and names[1] not in served and job.fine_tuned_model in served
         assert ask(s, names[0])
+
+
+def test_a_job_created_while_the_start_up_run_trains_waits_for_it(tmp_path: Path) -> None:
+    """``--finetune-data`` beside ``--finetune-jobs``: a client's job is queued behind the run the
+    server started with, and starts once that one ends (here: cancelled); both adapters served."""
+    from tests.server.test_finetune_jobs import tiny_session
+
+    engine, session = tiny_session(tmp_path, epochs=500)
+    engine.lora_manager.bind_training_slot("live")
+    with serve(engine, session, adapters={"live": "(training)"}, finetune_name="live",
+               jobs=JobsConfig(tmp_path / "jobs", TEMPLATE)) as s:
+        jobs = s.client.fine_tuning.jobs
+        (startup,) = jobs.list().data
+        f = s.client.files.create(file=("facts.jsonl", DATA_BYTES), purpose="fine-tune")
+        job = jobs.create(model=MODEL, training_file=f.id, hyperparameters={"n_epochs": 1})
+        assert job.status == "queued" and jobs.retrieve(startup.id).status == "running"
+        assert jobs.cancel(startup.id).status == "cancelled"
+        assert wait_for(s, job.id, ("succeeded", "failed", "cancelled")) == "succeeded"
+        job = jobs.retrieve(job.id)
+        assert job.fine_tuned_model is not None and ask(s, job.fine_tuned_model) and ask(s, "live")
