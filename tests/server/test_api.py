@@ -406,6 +406,8 @@ def test_errors_through_the_client_and_server_keeps_serving(served: Served) -> N
 def test_models_health_and_metrics(served: Served) -> None:
     assert [m.id for m in served.client.models.list()] == [MODEL]
     assert http(served.url + "/health") == (200, {"status": "ok"})
+    from coserve import __version__
+    assert http(served.url + "/version") == (200, {"version": __version__})
     served.client.completions.create(model=MODEL, prompt="count me", max_tokens=3)
     http(served.url + "/v1/completions", {"prompt": "hi", "n": 0})
     status, text = http(served.url + "/metrics")

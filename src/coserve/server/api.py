@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
+from coserve import __version__
 from coserve.core.finetune import FTDataset
 from coserve.engine.outputs import RequestOutput
 from coserve.engine.sampling_params import SamplingParams
@@ -739,6 +740,11 @@ def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str,
         if not engine_thread.alive:
             return _error(503, "the engine loop is not running", "service_unavailable")
         return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        """vLLM's: the server's version."""
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def metrics() -> Response:
