@@ -132,7 +132,7 @@ job() {
       run gpu_tests "$top/verify/gpu_tests.txt" python3 -m pytest -q -p no:cacheprovider -p no:warnings \
         tests/layers tests/trainer/test_backward.py tests/trainer/test_stream_gate.py tests/engine/test_cuda_graph.py \
         tests/engine/test_prefill_graphs.py tests/engine/test_stream_priority.py tests/engine/test_host_copy.py \
-        tests/engine/test_step_clock.py \
+        tests/engine/test_step_clock.py tests/engine/test_prefix_caching.py \
         "tests/engine/test_coserve_steps.py::test_a_name_bound_to_the_training_slot_serves_what_is_written_there"
       grep "^gpu_tests rc=" "$top/status.txt" | tail -n 1 | sed 's/gpu_tests/gpu tests/' >> "$top/verify/verify.txt" ;;
     kernel_tests)
@@ -274,6 +274,11 @@ job() {
     eager_small)  # the piecewise graphs' small steps (a short chunk beside 32 decodes): host time, profiles
       run eager_small "$top/eager_cpu_small.log" python3 bench/eager_cpu.py --conditions idle --prefill-graphs \
         --shapes "1x512_ctx0,1x96_ctx0+32d,1x96_ctx1024+32d,1x448_ctx1024+32d" --out "$top/eager_cpu_small.json" ;;
+    prefix_cache)
+      # automatic prefix caching on the 8B shape: 20 requests sharing a 2,048-token system prompt, each
+      # with its own 128 tokens, one after another, with the cache and without (bench/prefix_cache.py)
+      run prefix_cache "$top/prefix_cache.log" python3 bench/prefix_cache.py --model shape:llama3-8b --device cuda \
+        --shared 2048 --own 128 --requests 20 --out "$top/prefix_cache.json" ;;
     jobs_replay)
       # a fine-tuning job created through the API (upload, create, pause, resume, cancel) while
       # coserve serve answers a burst-light replay on the 8B shape, against the same replay with no

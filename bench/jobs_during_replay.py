@@ -92,7 +92,9 @@ class Server:
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-c", "import sys; from coserve.server.cli import main; sys.exit(main(sys.argv[1:]))",
-               "--log-level", "INFO", "serve", "--port", str(self.port), "--finetune-jobs", str(jobs_dir), *flags]
+               "--log-level", "INFO", "serve", "--port", str(self.port), "--finetune-jobs", str(jobs_dir),
+               # (the two replays send the same prompts: the second would find the first's prefixes)
+               "--no-enable-prefix-caching", *flags]
         self.command = cmd[3:]
         self.log = log.open("w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)

@@ -646,3 +646,19 @@ def test_tokenize_and_detokenize_as_vllm_gives_them(served: Served) -> None:
                                ("/detokenize", {"tokens": ["a"]}, "tokens")):
         status, reply = http(served.url + path, body)
         assert status in (400, 404) and needle in reply["error"]["message"], (path, reply)
+
+
+def test_a_repeated_prompt_prefix_is_served_from_the_cache_and_counted() -> None:
+    """``coserve serve``'s default: a second request that starts with the first's prompt reuses its
+    KV (the same answer) and /metrics counts the tokens found."""
+    system = "You are a helpful assistant who answers in one short sentence about the weather. "
+    with serve(LLMEngine(EngineConfig(model=MODEL, device="cpu", enable_prefix_caching=True))) as s:
+        kw: dict[str, Any] = {"model": MODEL, "max_tokens": 6, "temperature": 0.0}
+        first = s.client.completions.create(prompt=system + "Is it raining?", **kw).choices[0].text
+        second = s.client.completions.create(prompt=system + "Is it raining?", **kw).choices[0].text
+        s.client.completions.create(prompt=system + "Is it sunny?", **kw)
+        _, text = http(s.url + "/metrics")
+    assert second == first
+    values = dict(line.split() for line in text.splitlines() if line.startswith("coserve_prefix_cache_"))
+    queried, hits = float(values["coserve_prefix_cache_queries_total"]), float(values["coserve_prefix_cache_hits_total"])
+    assert 0 < hits < queried, text

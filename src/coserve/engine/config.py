@@ -50,6 +50,9 @@ class EngineConfig:
     # 6,546 against 6,095 on azure2023_code (session 10), and the latency model's prefill error is
     # 4.2% median through them against 8-11% eager (DEVELOPERS.md).
     prefill_graphs: bool = True
+    # Automatic prefix caching (engine/block_manager.py): a request whose first tokens (whole
+    # blocks, same adapter) were computed before reuses their KV and prefills only the rest.
+    enable_prefix_caching: bool = False
     prefill_graph_buckets: tuple[int, ...] = (128, 256, 512, 768, 1024, 1536, 2048)
 
     def __post_init__(self) -> None:

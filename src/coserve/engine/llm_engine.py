@@ -15,7 +15,7 @@ import torch
 from coserve.core.coserver import CoServer
 from coserve.core.host import FTRow, Interrupted, PrefillView, StepRecord, StepView
 from coserve.core.latency import BatchSpec, LatencyModel, calibrate
-from coserve.engine.block_manager import BlockManager
+from coserve.engine.block_manager import BlockManager, cache_key
 from coserve.engine.calibration import run_synthetic_batch
 from coserve.engine.config import EngineConfig
 from coserve.engine.lora_manager import LoRAManager
@@ -98,7 +98,7 @@ class LLMEngine:
         if self.runner.device.type == "cuda" and config.stream_priority == "high":
             # NOTE: out-of-range priorities clamp to the highest the device has
             self.stream = torch.cuda.Stream(self.runner.device, priority=-(1 << 10))
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
@@ -169,7 +169,10 @@ class LLMEngine:
                  if s.lora is not None and s.lora.name == name]
         if users:
             raise ValueError(f"adapter {name!r} is in use by {len(users)} unfinished request(s)")
+        path = self.lora_manager.path_of(name)
         self.lora_manager.unregister(name)
+        # (the name may come back with other weights: its cached prefixes must not be found then)
+        self.block_manager.forget(cache_key(name, path))
 
     def arrival_pending(self) -> bool:
         """Is inference work waiting? (An FT-only step gives way to it at the next layer.)"""
@@ -233,11 +236,24 @@ class LLMEngine:
             lora=lora_request,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             generator=generator,
+            cache_key=self._cache_key(params, lora_request),
         )
         self._requests[request_id] = seq
         if self.tokenizer is not None:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         self.scheduler.add(seq)
+
+    def _cache_key(self, params: SamplingParams, lora: LoRARequest | None) -> bytes | None:
+        """What a request's cached prefix is registered and found under (None: it is not cached):
+        its adapter; not where it asks for its prompt's logprobs (every prompt position must run)
+        or where its adapter is the one being trained (its weights change every optimizer step)."""
+        if not self.block_manager.enable_prefix_caching or params.prompt_logprobs is not None:
+            return None
+        if lora is None:
+            return cache_key()
+        if self.lora_manager.is_training(lora.name):
+            return None
+        return cache_key(lora.name, self.lora_manager.path_of(lora.name))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks; returns its final output (None if unknown)."""
@@ -473,6 +489,7 @@ class LLMEngine:
         ) if sampling else []
         for c in chunks:
             c.seq.num_computed_tokens += c.num_tokens
+            self.block_manager.register(c.seq)  # (its full blocks' KV: reusable by later requests)
         now = time.monotonic()
         outputs = []
         for seq, tok in zip(sampling, tokens, strict=True):

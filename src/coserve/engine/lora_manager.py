@@ -75,6 +75,14 @@ class LoRAManager:
             return
         self._adapters[name] = (str(path), adapter if adapter is not None else self.load(path))
 
+    def is_training(self, name: str) -> bool:
+        """Is ``name`` bound to a training slot (its weights change as it trains)?"""
+        return name in self._bound
+
+    def path_of(self, name: str) -> str:
+        """Where the adapter registered as ``name`` was read from (KeyError if none is)."""
+        return self._adapters[name][0]
+
     def load(self, path: str | Path) -> LoraAdapter:
         """The adapter at ``path``, checked against this model (touches no slot: any thread may
         call it)."""

@@ -1,4 +1,5 @@
-"""Continuous batching with chunked prefill, FCFS admission and preemption by recompute."""
+"""Continuous batching with chunked prefill, FCFS admission, preemption by recompute and
+reuse of cached prefixes."""
 
 from __future__ import annotations
 
@@ -133,15 +134,18 @@ class Scheduler:
         out.decodes = [c for c in out.decodes if c.seq is not seq]
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed_tokens, budget)
-            if not self.block_manager.can_allocate(seq, n):
+            cached = bm.match(seq)  # (a prefix whose KV is cached: its prefill starts after it)
+            n = min(seq.num_uncomputed_tokens - len(cached) * bm.block_size, budget)
+            if not bm.can_admit(seq, cached, n):
                 break
             if not self._acquire(seq):
                 break
             self.waiting.popleft()
-            self.block_manager.allocate(seq, n)
+            bm.reuse(seq, cached)
+            bm.allocate(seq, n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.prefills.append(ScheduledChunk(seq, n))

@@ -55,6 +55,12 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    # Prefix caching (BlockManager): the digest of what besides its tokens decides its KV (None:
+    # not cached, e.g. it asks for prompt logprobs, or its adapter trains), its full blocks'
+    # digests so far, and how many of its blocks are registered
+    cache_key: bytes | None = None
+    block_digests: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -73,6 +73,11 @@ class _EngineCollector(Collector):
         s = self.engine_thread.stats
         yield GaugeMetricFamily("coserve_num_requests_running", "Requests being decoded.", s.num_running)
         yield GaugeMetricFamily("coserve_num_requests_waiting", "Requests waiting to start.", s.num_waiting)
+        if s.prefix_cache is not None:
+            queried, hits = s.prefix_cache
+            yield CounterMetricFamily("coserve_prefix_cache_queries", "Prompt tokens of admitted requests that "
+                                      "could be cached.", queried)
+            yield CounterMetricFamily("coserve_prefix_cache_hits", "Of those, tokens whose KV was found cached.", hits)
         if s.coserving:
             yield CounterMetricFamily("coserve_finetune_tokens_trained", "Fine-tuning tokens trained.",
                                       s.ft_tokens_trained)

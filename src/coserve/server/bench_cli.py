@@ -200,6 +200,9 @@ def bench_spec(args: argparse.Namespace) -> BenchSpec:
 
     if args.naive_tokens is not None and args.naive_tokens <= 0:
         raise ValueError(f"--naive-tokens must be positive, got {args.naive_tokens}")
+    if args.enable_prefix_caching:
+        raise ValueError("--enable-prefix-caching: the configurations replay the same prompts on one engine, so "
+                         "each would find the last one's prefixes cached; the evaluation runs without it")
     return BenchSpec(
         workload=args.workload,
         duration_s=args.duration,

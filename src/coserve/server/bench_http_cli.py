@@ -36,7 +36,10 @@ def add_bench_http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--length-scale", type=float, default=1.0)
     p.add_argument("--max-prompt", type=int, default=4096)
     p.add_argument("--max-output", type=int, default=512)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="the prompts' random ids (a server with prefix caching, coserve serve's default, finds "
+                        "a replay's prompts cached when the same seed is replayed again: change it, or start "
+                        "the server with --no-enable-prefix-caching)")
     p.add_argument("--ttft-slo-ms", type=float, default=1000.0)
     p.add_argument("--tpot-slo-ms", type=float, default=100.0)
     p.add_argument("--drain", type=float, default=30.0, help="seconds to wait for requests in flight at the end")

@@ -57,6 +57,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="replay everything but the attention of steps that carry prefill or fine-tuning "
                         "rows from CUDA graphs captured per token-count bucket (CUDA only; "
                         "--no-prefill-graphs runs those steps eagerly)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                   help="reuse the KV of prompt prefixes (whole blocks, same adapter) computed for earlier "
+                        "requests: a chat's next turn, a shared system prompt (default: on for serve)")
     p.add_argument("--stream-priority", default="default", choices=["default", "high"],
                    help="high: run the engine on the GPU's highest-priority stream and start the "
                         "trainer as a below-normal MPS client, so that inference is served first "
@@ -70,7 +73,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         max_num_batched_tokens=args.max_num_batched_tokens, max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank, warmup=args.warmup, stream_priority=args.stream_priority,
         warmup_gemms=args.warmup_gemms, prefill_graphs=args.prefill_graphs,
-        gpu_memory_utilization=args.gpu_memory_utilization,
+        gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
     )
 
 

@@ -89,6 +89,8 @@ class EngineStats:
 
     num_running: int = 0
     num_waiting: int = 0
+    # prompt tokens of admitted requests asked for and found in the prefix cache (None: it is off)
+    prefix_cache: tuple[int, int] | None = None
     coserving: bool = False
     ft_job: str | None = None  # the fine-tuning job the ft_ figures are of (FinetuneSession.job_id)
     ft_tokens_trained: int = 0
@@ -430,14 +432,16 @@ class EngineThread:
         self.stats = final
 
     def _publish(self) -> None:
-        sched = self.engine.scheduler
+        sched, blocks = self.engine.scheduler, self.engine.block_manager
         old = self.stats
         coserver = self.session.coserver if self.session is not None else None
+        cache = (blocks.queried_tokens, blocks.hit_tokens) if blocks.enable_prefix_caching else None
         if coserver is None:
-            self.stats = replace(old, num_running=len(sched.running), num_waiting=len(sched.waiting))
+            self.stats = replace(old, num_running=len(sched.running), num_waiting=len(sched.waiting),
+                                 prefix_cache=cache)
             return
         self.stats = replace(old, num_running=len(sched.running), num_waiting=len(sched.waiting),
-                             **_finetune_stats(coserver))
+                             prefix_cache=cache, **_finetune_stats(coserver))
 
     def _close(self) -> None:
         dead = EngineDeadError("the engine shut down before the request finished")

@@ -62,6 +62,7 @@ class _OptionalFinetuneFlags:
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
+    p.set_defaults(enable_prefix_caching=True)  # (as vLLM's: a server's chats and system prompts repeat)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
