@@ -487,11 +487,20 @@ def test_a_jobs_epoch_checkpoints_are_listed_and_served_once_it_has_ended(tmp_pa
     with serve(jobs_engine(), jobs=config) as s:
         jobs = s.client.fine_tuning.jobs
         f = s.client.files.create(file=("facts.jsonl", data), purpose="fine-tune")
-        job = jobs.create(model=MODEL, training_file=f.id, suffix="ck", hyperparameters={"n_epochs": 3})
+        job = jobs.create(model=MODEL, training_file=f.id, validation_file=f.id, suffix="ck",
+                          hyperparameters={"n_epochs": 3})
         assert wait_for(s, job.id, ("succeeded", "failed", "cancelled")) == "succeeded"
-        job = jobs.retrieve(job.id)
+        deadline = time.monotonic() + 60  # (the checkpoints are scored after the adapter)
+        while (job := jobs.retrieve(job.id)).coserve["validation"]["status"] == "running":  # type: ignore[attr-defined]
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         listed = jobs.checkpoints.list(job.id).data
         assert len(listed) == 2 and listed[0].step_number > listed[1].step_number
+        # each checkpoint scored on the validation file: the last epoch's is the adapter's own
+        assert listed[0].metrics.full_valid_loss == job.coserve["validation"]["loss"]  # type: ignore[attr-defined]
+        assert listed[1].metrics.full_valid_loss is not None
+        assert listed[1].metrics.full_valid_loss != listed[0].metrics.full_valid_loss
+        assert listed[1].metrics.full_valid_mean_token_accuracy is not None
         names = [c.fine_tuned_model_checkpoint for c in listed]
         assert names == [f"{job.fine_tuned_model}:ckpt-step-{c.step_number}" for c in listed]
         assert all(c.fine_tuning_job_id == job.id and c.metrics.train_loss is not None for c in listed)

@@ -190,7 +190,10 @@ def checkpoint_object(job: FinetuneJob, ck: dict[str, Any]) -> dict[str, Any]:
         "object": "fine_tuning.job.checkpoint", "id": f"ftckpt-{job.id.removeprefix('ftjob-')}-{step}",
         "created_at": int(ck.get("created_at") or 0), "fine_tuned_model_checkpoint": ck["model"],
         "fine_tuning_job_id": job.id, "step_number": step,
-        "metrics": {"step": step, "train_loss": _finite(ck.get("train_loss"))},
+        "metrics": {"step": step, "train_loss": _finite(ck.get("train_loss")),
+                    # (the job's validation file, scored with this checkpoint once the job has ended)
+                    "full_valid_loss": _finite(ck.get("valid_loss")),
+                    "full_valid_mean_token_accuracy": _finite(ck.get("valid_accuracy"))},
         "coserve": {"epoch": ck.get("epoch"), "path": ck["path"], "tokens_trained": ck.get("tokens_trained")},
     }
 

@@ -601,10 +601,12 @@ class JobBoard:
             finally:
                 if name is None:  # (registered for the scoring only: not served)
                     await self.et.call(lambda engine: engine.remove_lora(lora.name))
-            v.update(status="succeeded", loss=_number(after.loss), accuracy=_number(after.accuracy),
-                     tokens=after.tokens)
+            v.update(loss=_number(after.loss), accuracy=_number(after.accuracy), tokens=after.tokens)
+            self._save_validation(job)
             logger.info("fine-tuning job %s: validation loss %.4f (before training %.4f) on %d tokens", job.id,
                         after.loss, before.loss, after.tokens)
+            await self._score_checkpoints(job, samples, final, after)
+            v["status"] = "succeeded"
         except Exception as e:
             logger.warning("fine-tuning job %s: validation failed: %s", job.id, e)
             v.update(status="failed", error=str(e) or type(e).__name__)
@@ -612,6 +614,34 @@ class JobBoard:
             v["finished_at"] = time.time()
             self._ended.pop(job.id, None)
             self._save_validation(job)
+
+    async def _score_checkpoints(self, job: FinetuneJob, samples: Sequence[FTSample], final: EngineStats,
+                                 last: EvalResult) -> None:
+        """Score each of ``job``'s epoch checkpoints on its validation set too, into its
+        ``checkpoint.json`` (``valid_loss``, ``valid_accuracy``: OpenAI's checkpoint metrics), so that
+        a client can pick the epoch that generalizes best; the final step's is ``last``, the
+        adapter's own. A checkpoint that cannot be scored is logged and left unscored."""
+        for ck in await asyncio.to_thread(self.checkpoints, job):
+            step, path = int(str(ck["step_number"])), str(ck["path"])
+            try:
+                if step == final.ft_optimizer_steps:
+                    score = last
+                else:
+                    lora = LoRARequest(f"{job.id}-valid-ckpt-{step}", path)
+
+                    def unload(engine: LLMEngine, name: str = lora.name) -> None:
+                        engine.remove_lora(name)
+
+                    try:
+                        score = await evaluate_served(self.et.submit, samples, lora, prefix=f"{job.id}-valid-{step}-")
+                    finally:
+                        await self.et.call(unload)
+                meta = Path(path) / "checkpoint.json"
+                fields = json.loads(meta.read_text())
+                fields.update(valid_loss=_number(score.loss), valid_accuracy=_number(score.accuracy))
+                _write_json(meta, fields)
+            except Exception as e:
+                logger.warning("fine-tuning job %s: scoring its checkpoint %s failed: %s", job.id, path, e)
 
     def _settle_validation(self, job: FinetuneJob, final: EngineStats) -> None:
         """A validation waiting for ``job``'s end is told it has ended (``final``)."""
