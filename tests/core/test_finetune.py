@@ -237,6 +237,28 @@ SHAPE_CASES: list[tuple[str, dict[str, Any], TokenizerLike, bool, tuple[Any, ...
         expect(("<s>S|<u>q1|<a>", False), ("a1|", True), ("<u>q2|<a>", False), ("a2|", True)),
     ),
     (
+        "chat-weight-0-is-context",  # OpenAI's weight: 0 on an assistant message
+        {"messages": [*CHAT[:2], {**CHAT[2], "weight": 0}, *CHAT[3:4], {**CHAT[4], "weight": 1}]},
+        CharTokenizer(),
+        False,
+        expect(("<s>S|<u>q1|<a>a1|<u>q2|<a>", False), ("a2|", True)),
+    ),
+    (
+        "chat-last-weight-0-dropped",  # nothing after the last trained message is kept
+        {"messages": [*CHAT[:4], {**CHAT[4], "weight": 0}]},
+        CharTokenizer(),
+        False,
+        expect(("<s>S|<u>q1|<a>", False), ("a1|", True)),
+    ),
+    (
+        "chat-text-parts-joined",  # OpenAI's content as a list of text parts
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "q"}, {"type": "text", "text": "1"}]},
+                      {"role": "assistant", "content": [{"type": "text", "text": "a1"}]}]},
+        CharTokenizer(),
+        False,
+        expect(("<u>q1|<a>", False), ("a1|", True)),
+    ),
+    (
         "chat-trailing-user-dropped",
         {"messages": [*CHAT, {"role": "user", "content": "more"}]},
         CharTokenizer(),
@@ -495,6 +517,11 @@ MALFORMED: list[tuple[object, str]] = [
     ({"messages": [{"content": "x"}, ASSISTANT]}, "messages[0] has invalid role None"),
     ({"messages": [{"role": "user", "content": 1}, ASSISTANT]}, "messages[0].content must be"),
     ({"messages": [{"role": "user", "content": "q"}]}, "no assistant message"),
+    ({"messages": [{"role": "user", "content": "q"}, {**ASSISTANT, "weight": 2}]}, "messages[1].weight must be 0 or 1"),
+    ({"messages": [{"role": "user", "content": "q", "weight": 1}, ASSISTANT]}, "on a user message"),
+    ({"messages": [{"role": "user", "content": "q"}, {**ASSISTANT, "weight": 0}]}, "every assistant message has weight 0"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, ASSISTANT]},
+     "messages[0].content[0] is not a text part (got 'image_url')"),
     ({"messages": [ASSISTANT, {"role": "user", "content": "q"}]}, "no assistant message after"),
     (
         {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]},

@@ -177,6 +177,23 @@ def _is_token_prefix(prefix: list[int], full: list[int]) -> bool:
     return len(prefix) <= len(full) and full[: len(prefix)] == prefix
 
 
+def _text_content(content: Any, i: int) -> str:
+    """A message's content: a string, or OpenAI's list of parts whose ``text`` parts are joined
+    (a part of another type, an image say, cannot be trained on: the row is refused)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        texts = []
+        for k, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else _type_name(part)
+                raise _RowError(f"messages[{i}].content[{k}] is not a text part (got {kind!r}): only text "
+                                "is trained on")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise _RowError(f"messages[{i}].content must be a string or a list of text parts (got {_type_name(content)})")
+
+
 def _common_prefix_len(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -260,6 +277,7 @@ class _RowEncoder:
         if not raw:
             raise _RowError("empty 'messages'")
         messages: list[dict[str, str]] = []
+        untrained: set[int] = set()  # assistant messages with OpenAI's "weight": 0 (context only)
         for i, m in enumerate(raw):
             if not isinstance(m, dict):
                 raise _RowError(f"messages[{i}] is not an object (got {_type_name(m)})")
@@ -268,17 +286,22 @@ class _RowEncoder:
                 raise _RowError(
                     f"messages[{i}] has invalid role {role!r} (expected system, user or assistant)"
                 )
-            content = m.get("content")
-            if not isinstance(content, str):
-                raise _RowError(
-                    f"messages[{i}].content must be a string (got {_type_name(content)})"
-                )
+            content = _text_content(m.get("content"), i)
             if role == "assistant" and not content.strip():
                 raise _RowError(f"messages[{i}] (assistant) has empty content")
+            weight = m.get("weight", 1)
+            if "weight" in m and (role != "assistant" or weight not in (0, 1) or isinstance(weight, bool)):
+                raise _RowError(f"messages[{i}].weight must be 0 or 1 on an assistant message (got {weight!r} "
+                                f"on a {role} message)")
+            if weight == 0:
+                untrained.add(i)
             messages.append({"role": role, "content": content})
         assistant_idx = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         if not assistant_idx:
             raise _RowError("no assistant message")
+        assistant_idx = [i for i in assistant_idx if i not in untrained]
+        if not assistant_idx:
+            raise _RowError("every assistant message has weight 0: nothing to train on")
         # An opening assistant message has an empty prompt, which templates (and coserve's
         # Tokenizer) cannot render; it stays in the input as context.
         assistant_idx = [i for i in assistant_idx if i > 0]
