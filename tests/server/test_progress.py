@@ -40,6 +40,13 @@ def test_requests_answered_running_waiting_and_generated_rate() -> None:
     assert progress_line(snap(0.0), snap(10.0, replace(IDLE, num_running=1))) is not None
 
 
+def test_the_prefix_caches_share_of_the_intervals_prompt_tokens() -> None:
+    before, after = replace(IDLE, prefix_cache=(1000, 200)), replace(IDLE, prefix_cache=(1400, 500))
+    line = progress_line(snap(0.0, before, served=1), snap(10.0, after, served=3))
+    assert line is not None and line.endswith("; prefix cache 75% of prompt tokens")
+    assert "prefix cache" not in (progress_line(snap(0.0, after), snap(10.0, after, served=1)) or "")  # none asked
+
+
 def test_slo_share_of_the_interval_and_of_the_run() -> None:
     line = progress_line(snap(0.0, FT, served=10, met=10), snap(10.0, FT, served=14, met=13, missed=1))
     assert line is not None and "SLOs met by 75.0% (92.9% of 14 so far)" in line

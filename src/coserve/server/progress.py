@@ -1,7 +1,7 @@
 """The progress lines ``coserve serve`` prints while it runs (``--log-stats-interval``).
 
 Every interval in which something happened, one line: requests answered, running and waiting,
-generated tokens/s, and, while co-serving, the share that met the SLOs and how far fine-tuning
+generated tokens/s, the prompt tokens found in the prefix cache, and, while co-serving, the share that met the SLOs and how far fine-tuning
 is (optimizer steps, samples of all epochs, loss, FT tokens/s, time left at the interval's
 rate). When fine-tuning ends (its epochs done, or given up), one line at once with the adapter's
 path: the server keeps serving.
@@ -70,6 +70,9 @@ def progress_line(prev: Snapshot, cur: Snapshot) -> str | None:
         generated = cur.requests.generated_tokens - prev.requests.generated_tokens
         parts.append(f"{_counted(served, 'request')} answered in the last {_duration(dt)} ({s.num_running} running, "
                      f"{s.num_waiting} waiting), {generated / dt:.1f} generated tokens/s")
+        if s.prefix_cache is not None and p.prefix_cache is not None and s.prefix_cache[0] > p.prefix_cache[0]:
+            asked, found = s.prefix_cache[0] - p.prefix_cache[0], s.prefix_cache[1] - p.prefix_cache[1]
+            parts.append(f"prefix cache {100 * found / asked:.0f}% of prompt tokens")
         met = cur.requests.slo_met - prev.requests.slo_met
         missed = cur.requests.slo_missed - prev.requests.slo_missed
         if met + missed:
