@@ -181,7 +181,7 @@ class JobBoard:
         # each job's validation file's scores so far (JobsConfig jobs with a validation_file)
         self.validation: dict[str, dict[str, object]] = {}
         self._ended: dict[str, asyncio.Future[EngineStats]] = {}  # (set when a validated job has ended)
-        self._validating: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[None]] = set()  # (validations, checkpoint serving: held until done)
         self.deleted: set[str] = set()  # the jobs whose fine-tuned model a client deleted (not served)
         # jobs an earlier server was running when it stopped, with a checkpoint: resumed at start-up
         self.interrupted: list[FinetuneJob] = []
@@ -280,7 +280,7 @@ class JobBoard:
 
     def checkpoint_of_model(self, name: str) -> str | None:
         """The directory of the epoch checkpoint served as ``name``, if it is one."""
-        base, sep, step = name.rpartition(":ckpt-step-")
+        base, sep, _ = name.rpartition(":ckpt-step-")
         job = self.job_of_model(base) if sep else None
         if job is None:
             return None
@@ -310,8 +310,8 @@ class JobBoard:
         """(any thread) :meth:`serve_checkpoints` on the event loop."""
         def start() -> None:
             task = asyncio.get_running_loop().create_task(self.serve_checkpoints(job))
-            self._validating.add(task)  # (held until done)
-            task.add_done_callback(self._validating.discard)
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
         if self._loop is not None:
             try:
@@ -567,8 +567,8 @@ class JobBoard:
             await self.et.start_session(session)
             if samples is not None:
                 task = asyncio.get_running_loop().create_task(self._validate(job, samples))
-                self._validating.add(task)
-                task.add_done_callback(self._validating.discard)
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
         except Exception as e:
             logger.exception("fine-tuning job %s could not start", job.id)
             if session is not None:
