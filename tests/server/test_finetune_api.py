@@ -511,6 +511,17 @@ def test_a_jobs_epoch_checkpoints_are_listed_and_served_once_it_has_ended(tmp_pa
             time.sleep(0.05)
         assert ask(s, names[0]) == ask(s, job.fine_tuned_model or ""), "the last epoch's end is the final adapter"
         assert ask(s, names[1])
+        # a job on a fine-tuned model (OpenAI's continued fine-tuning) starts from its adapter: here
+        # an epoch checkpoint's: its first loss is under the base's and under that step's own (taken before its update)
+        more = jobs.create(model=names[1], training_file=f.id, hyperparameters={"n_epochs": 1})
+        assert more.model == names[1] and more.fine_tuned_model is None
+        assert wait_for(s, more.id, ("succeeded", "failed", "cancelled")) == "succeeded"
+        first = jobs.retrieve(job.id).coserve["first_loss"]  # type: ignore[attr-defined]
+        assert jobs.retrieve(more.id).coserve["first_loss"] < min(first - 1.0, listed[1].metrics.train_loss or 0)  # type: ignore[attr-defined]
+        assert json.loads((tmp_path / "jobs" / more.id / "spec.json").read_text())["init_adapter"] == listed[1].coserve[
+            "path"]  # type: ignore[attr-defined]
+        with pytest.raises(openai.BadRequestError, match="or a fine-tuned model of one of its jobs"):
+            jobs.create(model=f"{job.fine_tuned_model}:ckpt-step-999", training_file=f.id)
         assert s.client.models.delete(names[1]).deleted
         assert names[1] not in {m.id for m in s.client.models.list().data}
     with serve(jobs_engine(), jobs=config) as s:  # a restart serves the checkpoints again, not the deleted one

@@ -373,8 +373,7 @@ class JobBoard:
         """Check ``req``, register the job and start its set-up (400/404/409 saying what is wrong)."""
         if self.config is None or self.files is None:
             raise HTTPException(400, NO_JOBS)
-        if req.model != self.model:
-            raise HTTPException(400, f"model: this server fine-tunes its base model {self.model!r}, not {req.model!r}")
+        init_adapter = None if req.model == self.model else self._adapter_of(req.model)
         if req.integrations:
             raise HTTPException(400, "integrations: not supported")
         hp = req.resolved_hyperparameters()
@@ -398,9 +397,10 @@ class JobBoard:
         output = self.config.root / "jobs" / job_id
         spec = replace(t, data=data, output=output, optim=replace(t.optim, lr=t.optim.lr * mult),
                        coserve=replace(t.coserve, epochs=epochs, seed=seed), calibrate=False,
-                       latency_state=self._latency_state(), resume=False)
+                       latency_state=self._latency_state(), resume=False,
+                       init_adapter=init_adapter or t.init_adapter)
         name = f"ft:{self.model}:coserve:{req.suffix + ':' if req.suffix else ''}{job_id}"
-        job = FinetuneJob(job_id, int(time.time()), self.model, req.training_file, output / "train_log.jsonl",
+        job = FinetuneJob(job_id, int(time.time()), req.model, req.training_file, output / "train_log.jsonl",
                           epochs, spec.optim.lr, 0, seed, name, learning_rate_multiplier=mult, suffix=req.suffix,
                           live=False, validation_file=req.validation_file, metadata=req.metadata)
         self.jobs[job_id] = job
@@ -471,6 +471,21 @@ class JobBoard:
     def _launch(self, job: FinetuneJob, spec: FinetuneSpec) -> None:
         self.setting_up[job.id] = asyncio.get_running_loop().create_task(
             self._start(job, spec, self._validation_path(job)))
+
+    def _adapter_of(self, model: str) -> Path:
+        """The adapter a job on ``model``, a fine-tuned model of this server (a job's or one of its
+        epoch checkpoints), continues from (a 400 naming what can be fine-tuned otherwise)."""
+        job = self.job_of_model(model)
+        if job is not None and job.id not in self.deleted:
+            s = self.stats(job)
+            if s.ft_outcome in SERVED_OUTCOMES and s.adapter_path is not None:
+                return s.adapter_path
+        owner = self.job_of_model(model.rpartition(":ckpt-step-")[0])
+        checkpoint = self.checkpoint_of_model(model)
+        if checkpoint is not None and owner is not None and self.stats(owner).ft_outcome in SERVED_OUTCOMES:
+            return Path(checkpoint)
+        raise HTTPException(400, f"model: this server fine-tunes its base model {self.model!r} or a fine-tuned "
+                                 f"model of one of its jobs that has ended (see GET /v1/models), not {model!r}")
 
     def _latency_state(self) -> Path | None:
         """The latency model a job starts from: ``--latency-state``, else ``DIR/latency_state.json``
