@@ -184,3 +184,11 @@ def test_prompt_logprobs_and_a_removed_adapter_find_no_cached_prefix(hf_models: 
     engine.engine.remove_lora("a")
     engine.generate([SHARED], params, lora_request=lora)  # (loaded again: its prefixes were forgotten)
     assert bm.hit_tokens == hits
+
+
+def test_token_slice_across_the_prompt_and_the_outputs() -> None:
+    """(What the digests of blocks that span both read: without joining the two lists.)"""
+    s = seq(list(range(10)))
+    s.output_token_ids = list(range(100, 107))
+    every = s.prompt_token_ids + s.output_token_ids
+    assert all(s.token_slice(a, b) == every[a:b] for a in range(len(every) + 1) for b in range(a, len(every) + 1))
