@@ -50,7 +50,7 @@ class Served:
 def serve(engine: LLMEngine, session: FinetuneSession | None = None,
           adapters: dict[str, str] | None = None, runtime_lora: bool = False,
           finetune_name: str | None = None, jobs: JobsConfig | None = None,
-          api_key: str | None = None) -> Iterator[Served]:
+          api_key: str | None = None, tool_parser: str | None = None) -> Iterator[Served]:
     """Run the app under uvicorn in a background thread on a pre-bound free port."""
     batch_sizes: list[int] = []
     step = engine.step
@@ -67,7 +67,7 @@ def serve(engine: LLMEngine, session: FinetuneSession | None = None,
     port = sock.getsockname()[1]
     for name, path in (adapters or {}).items():
         engine.lora_manager.register(name, path)
-    app = create_app(engine_thread, MODEL, adapters, runtime_lora, finetune_name, jobs, api_key)
+    app = create_app(engine_thread, MODEL, adapters, runtime_lora, finetune_name, jobs, api_key, tool_parser)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -225,7 +225,10 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "response_format": {"type": "json_object"}}, "response_format is not supported"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools is not supported"),
+                              "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "this server reads no tool calls; start it with --tool-call-parser"),
+    ("/v1/completions", {"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tools is not supported"),
 ]
 
 

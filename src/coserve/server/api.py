@@ -59,6 +59,7 @@ from coserve.server.protocol import (
     UnloadAdapterRequest,
     Usage,
 )
+from coserve.server.tool_calls import PARSERS, Parsed, template_messages
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +221,10 @@ class _Api:
     """The route handlers' shared state."""
 
     def __init__(self, engine_thread: EngineThread, model_name: str, adapters: dict[str, str] | None = None,
-                 runtime_lora: bool = False) -> None:
+                 runtime_lora: bool = False, tool_parser: str | None = None) -> None:
+        if tool_parser is not None and tool_parser not in PARSERS:
+            raise ValueError(f"--tool-call-parser: choose from {', '.join(PARSERS)}, not {tool_parser!r}")
+        self.tool_parser = tool_parser
         self.et = engine_thread
         self.model_name = model_name
         self.adapters = {name: LoRARequest(name, path) for name, path in (adapters or {}).items()}
@@ -532,18 +536,26 @@ class _Api:
         k = req.logprobs_k()
         if self.tokenizer is None:
             raise ValueError("this server has no tokenizer: chat completions need one")
-        ids = self.tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages],
-                                                 add_generation_prompt=True, tokenize=True)
+        tools = req.template_tools()
+        if tools is not None and self.tool_parser is None:
+            raise ValueError("tools: this server reads no tool calls; start it with --tool-call-parser (hermes, "
+                             "llama3_json: the format the model writes its calls in)")
+        parse = PARSERS[self.tool_parser] if tools is not None and self.tool_parser is not None else None
+        ids = self.tokenizer.apply_chat_template(template_messages([m.as_template_dict() for m in req.messages]),
+                                                 add_generation_prompt=True, tokenize=True, tools=tools)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = req.sampling_params(max_tokens, max(1, self.max_model_len - len(ids)), k)
         started = await self.start_all([ids], params, n, lora)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         model = lora.name if lora is not None else self.model_name
-        if not req.stream:
+        if not req.stream or parse is not None:
             outs = await self.finish_all(started, raw)
-            choices = [ChatChoice(index=i, message=ChatMessageOut(role="assistant", content=o.outputs[0].text),
-                                  logprobs=self.chat_logprobs(o, k), finish_reason=o.outputs[0].finish_reason)
-                       for i, o in enumerate(outs)]
+            choices = [_chat_choice(i, o, self.chat_logprobs(o, k), parse) for i, o in enumerate(outs)]
+            if req.stream:  # (with tools: each choice whole, once done, as chunks)
+                return StreamingResponse(_whole_chunks(ChatCompletionResponse(
+                    id=rid, object="chat.completion.chunk", created=created, model=model, choices=choices),
+                    _usage(outs, n) if req.stream_options is not None and req.stream_options.include_usage
+                    else None), media_type="text/event-stream")
             return JSONResponse(ChatCompletionResponse(id=rid, created=created, model=model,
                                                        choices=choices, usage=_usage(outs, n)).model_dump(
                 exclude={"choices": {"__all__": {"delta"}}}))  # (a chunk's field: not in a whole response)
@@ -569,6 +581,38 @@ class _Api:
         return StreamingResponse(events(), media_type="text/event-stream")
 
 
+def _chat_choice(i: int, out: RequestOutput, logprobs: ChatLogprobs | None,
+                 parse: Callable[[str], Parsed] | None) -> ChatChoice:
+    """Choice ``i`` of a chat completion; with ``parse`` (tools offered), its tool calls apart from
+    its content (``finish_reason`` ``tool_calls`` where it made some)."""
+    text, reason = out.outputs[0].text, out.outputs[0].finish_reason
+    if parse is not None:
+        parsed = parse(text)
+        if parsed.calls:
+            message = ChatMessageOut(role="assistant", content=parsed.content,
+                                     tool_calls=[c.as_openai() for c in parsed.calls])
+            return ChatChoice(index=i, message=message, logprobs=logprobs, finish_reason="tool_calls")
+    return ChatChoice(index=i, message=ChatMessageOut(role="assistant", content=text), logprobs=logprobs,
+                      finish_reason=reason)
+
+
+async def _whole_chunks(whole: ChatCompletionResponse, usage: Usage | None) -> AsyncIterator[str]:
+    """A streamed chat completion whose choices are already whole (tools offered: a call can be
+    told from content only once the answer is done): per choice its role, its content and its
+    calls in one delta, then its end."""
+    for c in whole.choices:
+        assert c.message is not None
+        calls = None if c.message.tool_calls is None else [{**call, "index": j}
+                                                            for j, call in enumerate(c.message.tool_calls)]
+        delta = ChatMessageOut(role="assistant", content=c.message.content, tool_calls=calls)
+        yield _sse(whole.model_copy(update={"choices": [ChatChoice(index=c.index, delta=delta, logprobs=c.logprobs)]}))
+        yield _sse(whole.model_copy(update={"choices": [ChatChoice(index=c.index, delta=ChatMessageOut(),
+                                                                   finish_reason=c.finish_reason)]}))
+    if usage is not None:
+        yield _sse(whole.model_copy(update={"choices": [], "usage": usage}))
+    yield _sse("[DONE]")
+
+
 def _dataset_loader(engine_thread: EngineThread, jobs: JobsConfig) -> Callable[[Path], FTDataset]:
     """A file read as a job trained on it will read it (:func:`read_dataset`)."""
     if engine_thread.engine.tokenizer is None:
@@ -582,7 +626,8 @@ OPEN_ROUTES = frozenset({"/health", "/metrics"})
 
 def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str, str] | None = None,
                runtime_lora: bool = False, finetune_name: str | None = None,
-               jobs: JobsConfig | None = None, api_key: str | None = None) -> FastAPI:
+               jobs: JobsConfig | None = None, api_key: str | None = None,
+               tool_parser: str | None = None) -> FastAPI:
     """The API app for ``engine_thread`` (started by the caller), serving ``model_name`` and each of
     ``adapters`` (model name -> PEFT directory) on it; with ``runtime_lora`` adapters can be
     loaded and unloaded while it serves (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``).
@@ -590,7 +635,9 @@ def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str,
     served as ``finetune_name`` (when given); with ``jobs`` clients upload data (``/v1/files``) and
     create jobs, each one's adapter served, once trained, under its ``fine_tuned_model`` name.
     With ``api_key``, every route needs ``Authorization: Bearer <api_key>`` (a 401 otherwise)
-    but :data:`OPEN_ROUTES`, for probes and scrapers."""
+    but :data:`OPEN_ROUTES`, for probes and scrapers. With ``tool_parser`` (a name of
+    :data:`~coserve.server.tool_calls.PARSERS`) chat requests may offer ``tools``, and the calls the
+    model writes come back as ``tool_calls``."""
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         board.resume_interrupted()  # (a job that a crash stopped goes on from its checkpoint)
@@ -598,7 +645,7 @@ def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str,
         board.closing = True  # (the jobs still queued start at the next start, not now)
 
     app = FastAPI(title="coserve", docs_url=None, redoc_url=None, lifespan=lifespan)
-    api = _Api(engine_thread, model_name, adapters, runtime_lora)
+    api = _Api(engine_thread, model_name, adapters, runtime_lora, tool_parser)
     app.state.api = api
     endpoints = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/v1/load_lora_adapter",
                  "/v1/unload_lora_adapter", "/v1/fine_tuning/jobs", "/v1/files", "/tokenize", "/detokenize"}

@@ -156,15 +156,46 @@ class ChatTextPart(_Request):
     text: str
 
 
+class ChatFunctionCall(_Request):
+    name: str
+    arguments: str  # a JSON object, as OpenAI sends it
+
+
+class ChatToolCall(_Request):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ChatFunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ChatTextPart] | None = None
+    tool_calls: list[ChatToolCall] | None = None  # (an assistant's earlier calls)
+    tool_call_id: str | None = None  # (a tool's answer: to which call)
+    name: str | None = None
 
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "".join(p.text for p in content)
-        return {"role": self.role, "content": content}
+        out: dict[str, Any] = {"role": self.role, "content": content}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        for key in ("tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+
+class ChatToolFunction(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: ChatToolFunction
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -172,6 +203,18 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the model may call, for its chat template (None: none, or ``tool_choice``
+        ``none``); raises ValueError (a 400) for a choice that would need constrained decoding."""
+        if self.tool_choice not in (None, "auto", "none"):
+            raise ValueError(f"tool_choice {self.tool_choice!r} is not supported (it would need constrained "
+                             "decoding): send 'auto' (the model decides) or 'none'")
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     def logprobs_k(self) -> int | None:
         """The engine's ``logprobs`` (None: none asked); raises ValueError (a 400)."""
@@ -256,6 +299,7 @@ class CompletionResponse(BaseModel):
 class ChatMessageOut(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatTopLogprob(BaseModel):

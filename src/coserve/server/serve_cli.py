@@ -77,6 +77,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("COSERVE_API_KEY"), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every route (401 otherwise) but /health and "
                         "/metrics; default: $COSERVE_API_KEY, else none")
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                   help="let chat requests offer tools: the format the model writes its calls in (hermes: "
+                        "<tool_call>{json}</tool_call>, Qwen and Hermes models; llama3_json: a JSON object, Llama "
+                        "3.1+); its calls come back as tool_calls (default: none, tools are a 400)")
     p.add_argument("--allow-runtime-lora", action="store_true",
                    help="let clients load and unload adapters while the server runs (POST "
                         "/v1/load_lora_adapter {lora_name, lora_path}, /v1/unload_lora_adapter {lora_name}); "
@@ -233,7 +237,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"coserve: {prepare_latency(jobs, engine, session, calibrate=not args.no_calibrate)}", flush=True)
     engine_thread = EngineThread(engine, session, slo=jobs.template.slo if jobs is not None else None).start()
     app = create_app(engine_thread, name, adapters, runtime_lora=args.allow_runtime_lora, finetune_name=live,
-                     jobs=jobs, api_key=args.api_key or None)
+                     jobs=jobs, api_key=args.api_key or None, tool_parser=args.tool_call_parser)
     freeze_startup_objects("server")
     server = _server_class()(uvicorn.Config(app, host=args.host, port=args.port,
                                             log_level=str(args.log_level).lower(), access_log=False))
