@@ -513,7 +513,7 @@ MALFORMED: list[tuple[object, str]] = [
     ({"messages": "hi"}, "field 'messages' must be a list (got str)"),
     ({"messages": []}, "empty 'messages'"),
     ({"messages": ["x"]}, "messages[0] is not an object (got str)"),
-    ({"messages": [{"role": "tool", "content": "x"}, ASSISTANT]}, "messages[0] has invalid role"),
+    ({"messages": [{"role": "function", "content": "x"}, ASSISTANT]}, "messages[0] has invalid role"),
     ({"messages": [{"content": "x"}, ASSISTANT]}, "messages[0] has invalid role None"),
     ({"messages": [{"role": "user", "content": 1}, ASSISTANT]}, "messages[0].content must be"),
     ({"messages": [{"role": "user", "content": "q"}]}, "no assistant message"),
@@ -972,3 +972,69 @@ def test_pool_calls_stay_cheap_on_a_large_dataset() -> None:
         pool.retire([cands[0].sample_id])
         pool.release([cands[-1].sample_id])
     assert pool.progress.samples_retired == 2_000
+
+
+# ---------------------------------------------------------------------------------------------
+# Function calling rows (OpenAI's fine-tuning format: tools, assistant tool_calls, tool answers)
+# ---------------------------------------------------------------------------------------------
+
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m.get('tool_calls') %}{% for c in m['tool_calls'] %}<tool_call>{{ c['function'] | tojson }}</tool_call>"
+    "{% endfor %}{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TOOL_ROW: dict[str, Any] = {
+    "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
+    "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        {"role": "assistant", "content": "It is sunny in Paris."},
+    ],
+}
+
+
+def tiny_tokenizer(template: str) -> TokenizerLike:
+    from coserve.models.presets import preset_path
+    from coserve.models.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(preset_path("tiny"))
+    tok.chat_template = template
+    return cast(TokenizerLike, tok)
+
+
+def test_function_calling_rows_train_on_the_calls_and_the_answer(tmp_path: Path) -> None:
+    tok = tiny_tokenizer(TOOL_TEMPLATE)
+    ids, labels = one_sample(load_rows(tmp_path, [TOOL_ROW], tok))
+    text = tok.decode(list(ids))
+    assert text.startswith('<|im_start|>system\nTools: [{"type": "function"')
+    trained = tok.decode([t for t, label in zip(ids, labels, strict=True) if label != M])
+    # the call (its arguments written as an object) and the final answer are targets; the tools,
+    # the question and the tool's answer are context
+    assert trained == ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call><|im_end|>\n'
+                       "It is sunny in Paris.<|im_end|>\n")
+
+
+@pytest.mark.parametrize(("change", "reason"), [
+    ({"messages": [TOOL_ROW["messages"][0], {"role": "assistant", "tool_calls": [{"function": {"name": "f",
+                                                                                               "arguments": "{x"}}]}]},
+     "messages[1].tool_calls[0].function.arguments is not JSON"),
+    ({"messages": [TOOL_ROW["messages"][0], {"role": "assistant", "tool_calls": [{"function": {}}]}]},
+     "messages[1].tool_calls[0] has no function name"),
+    ({"tools": "get_weather"}, "field 'tools' must be a list of objects"),
+])
+def test_malformed_function_calling_rows_are_skipped(tmp_path: Path, change: dict[str, Any], reason: str) -> None:
+    ds = load_rows(tmp_path, [TOOL_ROW, {**TOOL_ROW, **change}], tiny_tokenizer(TOOL_TEMPLATE))
+    assert len(ds.samples) == 1 and ds.skipped[0].line == 2 and reason in ds.skipped[0].reason, ds.skipped
+
+
+def test_a_template_that_drops_calls_or_tools_refuses_the_row(tmp_path: Path) -> None:
+    plain = tiny_tokenizer(CHATML)  # (writes only each message's content)
+    no_calls = {**TOOL_ROW, "messages": [TOOL_ROW["messages"][0], TOOL_ROW["messages"][3]]}
+    ds = load_rows(tmp_path, [TOOL_ROW, no_calls, {"messages": no_calls["messages"]}], plain)
+    assert len(ds.samples) == 1, "the row without tools trains"
+    assert "does not write the assistant's tool_calls" in ds.skipped[0].reason
+    assert "does not write the row's tools" in ds.skipped[1].reason

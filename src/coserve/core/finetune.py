@@ -24,7 +24,7 @@ IGNORE_INDEX: Final = -100
 """Label value of positions that do not contribute to the loss."""
 
 _MAX_REASONS_IN_MESSAGE: Final = 5
-_CHAT_ROLES: Final = frozenset({"system", "user", "assistant"})
+_CHAT_ROLES: Final = frozenset({"system", "user", "assistant", "tool"})
 
 
 class TokenizerLike(Protocol):
@@ -177,6 +177,28 @@ def _is_token_prefix(prefix: list[int], full: list[int]) -> bool:
     return len(prefix) <= len(full) and full[: len(prefix)] == prefix
 
 
+def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]] | None:
+    """An assistant message's OpenAI ``tool_calls``, their arguments as objects (as chat templates
+    write them); None where it has none."""
+    if calls is None or calls == []:
+        return None
+    if not isinstance(calls, list):
+        raise _RowError(f"messages[{i}].tool_calls must be a list (got {_type_name(calls)})")
+    out = []
+    for k, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise _RowError(f"messages[{i}].tool_calls[{k}] has no function name")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError as e:
+                raise _RowError(f"messages[{i}].tool_calls[{k}].function.arguments is not JSON: {e}") from e
+        out.append({**c, "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
 def _text_content(content: Any, i: int) -> str:
     """A message's content: a string, or OpenAI's list of parts whose ``text`` parts are joined
     (a part of another type, an image say, cannot be trained on: the row is refused)."""
@@ -276,7 +298,10 @@ class _RowEncoder:
             raise _RowError(f"field 'messages' must be a list (got {_type_name(raw)})")
         if not raw:
             raise _RowError("empty 'messages'")
-        messages: list[dict[str, str]] = []
+        tools = row.get("tools")  # (OpenAI's function-calling rows: the tools the template writes)
+        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+            raise _RowError(f"field 'tools' must be a list of objects (got {_type_name(tools)})")
+        messages: list[dict[str, Any]] = []
         untrained: set[int] = set()  # assistant messages with OpenAI's "weight": 0 (context only)
         for i, m in enumerate(raw):
             if not isinstance(m, dict):
@@ -284,10 +309,11 @@ class _RowEncoder:
             role = m.get("role")
             if not isinstance(role, str) or role not in _CHAT_ROLES:
                 raise _RowError(
-                    f"messages[{i}] has invalid role {role!r} (expected system, user or assistant)"
+                    f"messages[{i}] has invalid role {role!r} (expected system, user, assistant or tool)"
                 )
-            content = _text_content(m.get("content"), i)
-            if role == "assistant" and not content.strip():
+            calls = _tool_calls(m.get("tool_calls"), i) if role == "assistant" else None
+            content = "" if calls and m.get("content") is None else _text_content(m.get("content"), i)
+            if role == "assistant" and not content.strip() and not calls:
                 raise _RowError(f"messages[{i}] (assistant) has empty content")
             weight = m.get("weight", 1)
             if "weight" in m and (role != "assistant" or weight not in (0, 1) or isinstance(weight, bool)):
@@ -295,7 +321,12 @@ class _RowEncoder:
                                 f"on a {role} message)")
             if weight == 0:
                 untrained.add(i)
-            messages.append({"role": role, "content": content})
+            message: dict[str, Any] = {"role": role, "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            if role == "tool" and isinstance(m.get("tool_call_id"), str):
+                message["tool_call_id"] = m["tool_call_id"]
+            messages.append(message)
         assistant_idx = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         if not assistant_idx:
             raise _RowError("no assistant message")
@@ -313,15 +344,23 @@ class _RowEncoder:
         last = assistant_idx[-1]
         messages = messages[: last + 1]
 
-        full_text = self._render(messages, add_generation_prompt=False)
+        full_text = self._render(messages, add_generation_prompt=False, tools=tools)
+        # (a template that drops the calls or the tools would train the model to answer without them)
+        named = [c["function"]["name"] for m in messages for c in m.get("tool_calls", ())]
+        if any(name not in full_text for name in named):
+            raise _RowError("the chat template does not write the assistant's tool_calls: this model's template "
+                            "cannot train on function calling")
+        if tools and full_text == self._render(messages, add_generation_prompt=False):
+            raise _RowError("the chat template does not write the row's tools: this model's template cannot "
+                            "train on function calling")
         full = self._tok.encode(full_text, add_special_tokens=False)
         if self._train_on_prompt:
             return _Encoded(full, list(full), "chat", chat_fallback=False)
 
-        spans = self._assistant_spans(messages, assistant_idx, full)
+        spans = self._assistant_spans(messages, assistant_idx, full, tools)
         fallback = spans is None
         if spans is None:
-            before_text = self._render(messages[:last], add_generation_prompt=True)
+            before_text = self._render(messages[:last], add_generation_prompt=True, tools=tools)
             if not full_text.startswith(before_text):
                 raise _RowError(
                     "chat template renders the conversation inconsistently: the prompt before "
@@ -340,7 +379,8 @@ class _RowEncoder:
         return _Encoded(full, labels, "chat", chat_fallback=fallback)
 
     def _assistant_spans(
-        self, messages: list[dict[str, str]], assistant_idx: list[int], full: list[int]
+        self, messages: list[dict[str, Any]], assistant_idx: list[int], full: list[int],
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[tuple[int, int]] | None:
         """Token spans ``[start, end)`` of ``full`` added by each assistant message.
 
@@ -348,11 +388,11 @@ class _RowEncoder:
         """
         spans: list[tuple[int, int]] = []
         for i in assistant_idx:
-            before = self._encode_rendered(messages[:i], add_generation_prompt=True)
+            before = self._encode_rendered(messages[:i], add_generation_prompt=True, tools=tools)
             after = (
                 full
                 if i == assistant_idx[-1]
-                else self._encode_rendered(messages[: i + 1], add_generation_prompt=False)
+                else self._encode_rendered(messages[: i + 1], add_generation_prompt=False, tools=tools)
             )
             if not (_is_token_prefix(before, after) and _is_token_prefix(after, full)):
                 return None
@@ -385,10 +425,13 @@ class _RowEncoder:
 
     # -- helpers -----------------------------------------------------------------------------
 
-    def _render(self, messages: list[dict[str, str]], *, add_generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
+                tools: list[dict[str, Any]] | None = None) -> str:
+        # (tools only where the row has some: a template, or a tokenizer, may not take them)
+        extra = {} if tools is None else {"tools": tools}
         try:
             text = self._tok.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
             )
         # Templates reject conversations they do not support (raise_exception): a row problem.
         except Exception as e:
@@ -400,9 +443,10 @@ class _RowEncoder:
         return text
 
     def _encode_rendered(
-        self, messages: list[dict[str, str]], *, add_generation_prompt: bool
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        text = self._render(messages, add_generation_prompt=add_generation_prompt)
+        text = self._render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
         return self._tok.encode(text, add_special_tokens=False)
 
 
