@@ -14,7 +14,7 @@ from coserve.engine.llm_engine import LLMEngine
 from coserve.engine.outputs import CompletionOutput, RequestOutput
 from coserve.server.api import _chat_choice
 from coserve.server.tool_calls import ToolCall, parse_hermes, parse_llama3_json, template_messages
-from tests.server.test_api import MODEL, serve
+from tests.server.test_api import MODEL, http, serve
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 
@@ -97,6 +97,8 @@ def test_chat_with_tools_renders_them_and_the_earlier_calls_into_the_prompt() ->
     with serve(engine, tool_parser="hermes") as s:
         r = s.client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=4, temperature=0)
         assert r.usage is not None and r.usage.prompt_tokens == want > without_tools
+        status, counted = http(s.url + "/tokenize", {"messages": MESSAGES, "tools": TOOLS})
+        assert status == 200 and counted["count"] == want, "/tokenize counts the prompt a chat with tools runs"
         # (the tiny random model writes no call: its text comes back as content)
         assert r.choices[0].message.content is not None and r.choices[0].message.tool_calls is None
         none = s.client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="none",

@@ -768,8 +768,10 @@ def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str,
         if tok is None:
             raise ValueError("this server has no tokenizer: it takes token ids only")
         if req.messages is not None:
-            ids = list(tok.apply_chat_template([m.as_template_dict() for m in req.messages],
-                                               add_generation_prompt=req.add_generation_prompt, tokenize=True))
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            ids = list(tok.apply_chat_template(template_messages([m.as_template_dict() for m in req.messages]),
+                                               add_generation_prompt=req.add_generation_prompt, tokenize=True,
+                                               tools=tools))
         else:
             ids = list(tok.encode(req.prompt or "", add_special_tokens=req.add_special_tokens))
         return {"tokens": ids, "count": len(ids), "max_model_len": engine_thread.engine.max_model_len}

@@ -234,6 +234,7 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None  # (with messages: written by the template, as a chat would)
     add_generation_prompt: StrictBool = True
     add_special_tokens: StrictBool = True
 
