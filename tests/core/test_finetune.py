@@ -1038,3 +1038,13 @@ def test_a_template_that_drops_calls_or_tools_refuses_the_row(tmp_path: Path) ->
     assert len(ds.samples) == 1, "the row without tools trains"
     assert "does not write the assistant's tool_calls" in ds.skipped[0].reason
     assert "does not write the row's tools" in ds.skipped[1].reason
+
+
+def test_a_template_that_writes_the_tools_but_not_the_calls_refuses_calls(tmp_path: Path) -> None:
+    tools_only = ("{% if tools %}Tools: {{ tools | tojson }}\n{% endif %}"
+                  "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    ds = load_rows(tmp_path, [TOOL_ROW, {"messages": [{"role": "user", "content": "q"}, {"role": "assistant",
+                                                                                       "content": "a"}]}],
+                   tiny_tokenizer(tools_only))
+    assert len(ds.samples) == 1 and "does not write the assistant's tool_calls" in ds.skipped[0].reason

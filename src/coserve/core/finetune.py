@@ -346,8 +346,7 @@ class _RowEncoder:
 
         full_text = self._render(messages, add_generation_prompt=False, tools=tools)
         # (a template that drops the calls or the tools would train the model to answer without them)
-        named = [c["function"]["name"] for m in messages for c in m.get("tool_calls", ())]
-        if any(name not in full_text for name in named):
+        if any("tool_calls" in m for m in messages) and self._drops_calls(messages, tools, full_text):
             raise _RowError("the chat template does not write the assistant's tool_calls: this model's template "
                             "cannot train on function calling")
         if tools and full_text == self._render(messages, add_generation_prompt=False):
@@ -377,6 +376,15 @@ class _RowEncoder:
         for start, end in spans:
             labels[start:end] = full[start:end]
         return _Encoded(full, labels, "chat", chat_fallback=fallback)
+
+    def _drops_calls(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, full_text: str) -> bool:
+        """Does the template render ``messages`` the same without their tool calls?"""
+        try:
+            bare = self._render([{k: v for k, v in m.items() if k != "tool_calls"} for m in messages],
+                                add_generation_prompt=False, tools=tools)
+        except _RowError:  # (a template that insists on them: it writes them)
+            return False
+        return bare == full_text
 
     def _assistant_spans(
         self, messages: list[dict[str, Any]], assistant_idx: list[int], full: list[int],
