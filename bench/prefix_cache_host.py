@@ -25,6 +25,15 @@ from coserve.engine.sampling_params import SamplingParams
 from coserve.engine.sequence import Sequence
 
 
+def computed(bm: BlockManager, rid: str, tokens: list[int]) -> Sequence:
+    """A sequence of ``tokens`` with all of them computed and registered (caching: ``bm``'s)."""
+    s = Sequence(rid, tokens, SamplingParams(), cache_key=cache_key() if bm.enable_prefix_caching else None)
+    bm.allocate(s, s.num_tokens)
+    s.num_computed_tokens = s.num_tokens
+    bm.register(s)
+    return s
+
+
 def decode_steps(caching: bool, args: argparse.Namespace) -> list[float]:
     """Seconds of the register calls of each decode step over ``--running`` sequences."""
     rng = random.Random(0)
@@ -32,12 +41,7 @@ def decode_steps(caching: bool, args: argparse.Namespace) -> list[float]:
     seqs = []
     for i in range(args.running):
         context = rng.randrange(args.context // 2, args.context * 3 // 2)  # (blocks fill at different steps)
-        s = Sequence(f"r{i}", [rng.randrange(10, 32000) for _ in range(context)], SamplingParams(),
-                     cache_key=cache_key() if caching else None)
-        bm.allocate(s, s.num_tokens)
-        s.num_computed_tokens = s.num_tokens
-        bm.register(s)
-        seqs.append(s)
+        seqs.append(computed(bm, f"r{i}", [rng.randrange(10, 32000) for _ in range(context)]))
     times = []
     for _ in range(args.steps):
         for s in seqs:  # (the scheduler's allocation for the next token, outside the timing)
@@ -57,11 +61,7 @@ def admissions(caching: bool, args: argparse.Namespace) -> list[float]:
     rng = random.Random(1)
     bm = BlockManager(args.blocks, args.block_size, caching)
     shared = [rng.randrange(10, 32000) for _ in range(args.prompt - 16)]
-    first = Sequence("first", shared + [1] * 16, SamplingParams(), cache_key=cache_key() if caching else None)
-    bm.allocate(first, first.num_tokens)
-    first.num_computed_tokens = first.num_tokens
-    bm.register(first)
-    bm.free(first)
+    bm.free(computed(bm, "first", shared + [1] * 16))
     times = []
     for i in range(args.admissions):
         s = Sequence(f"a{i}", shared + [rng.randrange(10, 32000) for _ in range(16)], SamplingParams(),

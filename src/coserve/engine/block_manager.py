@@ -24,6 +24,10 @@ def cache_key(*parts: str) -> bytes:
     return hashlib.blake2b("\0".join(parts).encode(), digest_size=16).digest()
 
 
+BASE_CACHE_KEY = cache_key()
+"""The cache key of a request without an adapter."""
+
+
 class BlockManager:
     """Hands out fixed-size KV blocks (``block_size`` tokens each, all layers) to sequences.
 

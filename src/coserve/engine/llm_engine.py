@@ -15,7 +15,7 @@ import torch
 from coserve.core.coserver import CoServer
 from coserve.core.host import FTRow, Interrupted, PrefillView, StepRecord, StepView
 from coserve.core.latency import BatchSpec, LatencyModel, calibrate
-from coserve.engine.block_manager import BlockManager, cache_key
+from coserve.engine.block_manager import BASE_CACHE_KEY, BlockManager, cache_key
 from coserve.engine.calibration import run_synthetic_batch
 from coserve.engine.config import EngineConfig
 from coserve.engine.lora_manager import LoRAManager
@@ -250,7 +250,7 @@ class LLMEngine:
         if not self.block_manager.enable_prefix_caching or params.prompt_logprobs is not None:
             return None
         if lora is None:
-            return cache_key()
+            return BASE_CACHE_KEY
         if self.lora_manager.is_training(lora.name):
             return None
         return cache_key(lora.name, self.lora_manager.path_of(lora.name))
@@ -489,7 +489,9 @@ class LLMEngine:
         ) if sampling else []
         for c in chunks:
             c.seq.num_computed_tokens += c.num_tokens
-            self.block_manager.register(c.seq)  # (its full blocks' KV: reusable by later requests)
+        if self.block_manager.enable_prefix_caching:  # (their full blocks' KV: reusable by later requests)
+            for c in chunks:
+                self.block_manager.register(c.seq)
         now = time.monotonic()
         outputs = []
         for seq, tok in zip(sampling, tokens, strict=True):
