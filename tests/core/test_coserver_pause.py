@@ -243,6 +243,24 @@ def test_one_task_per_step_closes_admission_during_the_backward() -> None:
     assert run_step(co) == 2
 
 
+def test_a_committed_steps_result_is_taken_in_and_logged_before_its_state_is_copied() -> None:
+    """(FinetuneSession.save_checkpoint) The trainer commits a step before its result comes in;
+    collect_committed takes the result in (logging the step) until steps_done counts the commit,
+    and says so; a result that does not come leaves the count, and says that too."""
+    co, trainer = pipelined(accumulation=2)
+    logged: list[int] = []
+    co.on_step_logged = lambda entry: logged.append(entry.step)
+    assert run_step(co) == 2 and run_step(co) == 2  # tasks 0 and 1 of step 0
+    first, second = trainer.submitted
+    assert co.collect_committed(0, timeout=5.0) and logged == [], "nothing committed: nothing to wait for"
+    trainer.finish(first)
+    assert not co.collect_committed(1, timeout=0.05), "step 0's result has not come in"
+    assert co.steps_done == 0 and logged == [] and co.backward_running
+    trainer.finish(second)
+    assert co.collect_committed(1, timeout=5.0)
+    assert co.steps_done == 1 and logged == [0] and not co.backward_running
+
+
 class DyingTrainer(QueueTrainer):
     """A trainer process that dies on every task."""
 

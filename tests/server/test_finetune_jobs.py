@@ -228,3 +228,49 @@ def test_a_jobs_adapter_is_written_off_the_engine_thread_and_served_meanwhile(
         release.set()
         cancel.join(30)
         assert cancelled == ["cancelled"] and (tmp_path / "out" / "adapter" / "adapter_config.json").is_file()
+
+
+def test_a_checkpoint_taken_after_a_commit_but_before_its_result_holds_the_logged_steps(tmp_path: Path) -> None:
+    """The trainer commits an optimizer step's state before the engine takes in its result (and
+    logs the step): a checkpoint taken in between (a pause, between two engine steps) must still
+    count exactly the steps in the train log, so that the run resumed from it logs every step
+    once and trains none twice. The race forced: the test waits for the commit without letting
+    the co-server poll, then saves."""
+    import torch
+
+    engine, session = tiny_session(tmp_path, epochs=500)
+    try:
+        coserver = session.coserver
+        deadline = time.monotonic() + 60
+        while not coserver.backward_running:  # (its first task ends optimizer step 0)
+            engine.step()
+            assert time.monotonic() < deadline
+        while session.trainer.committed_steps < 1:  # committed, its result not taken in
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert coserver.steps_done == 0 and session.history == []
+        path = session.save_checkpoint()
+        session.flush_checkpoints()
+        saved = torch.load(path / "trainer_state.pt", weights_only=True)
+        assert saved["steps"] == coserver.steps_done == len(session.history) == 1, "the step is logged first"
+        logged = session.history[0]
+        state, steps = session.trainer.committed_state()
+        assert steps == 1 and torch.equal(saved["state"], state)
+        assert saved["pool"] == session.pool.state_dict(), "the step's samples are retired in it"
+    finally:
+        session.close()
+
+    spec = replace(session.spec, resume=True)
+    resumed = FinetuneSession(engine, spec)
+    try:
+        assert resumed.coserver.steps_done == 1
+        assert resumed.pool.progress.samples_retired == len(logged.sample_ids), "no sample trained twice"
+        deadline = time.monotonic() + 60
+        while resumed.coserver.steps_done < 3:
+            if not engine.step():
+                resumed.wait(0.05)
+            assert time.monotonic() < deadline
+    finally:
+        resumed.close()
+    steps_logged = [json.loads(line)["step"] for line in (spec.output / "train_log.jsonl").read_text().splitlines()]
+    assert steps_logged == list(range(len(steps_logged))) and len(steps_logged) >= 3, "every step logged once"

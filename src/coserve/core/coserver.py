@@ -646,6 +646,22 @@ class CoServer:
         elif self._task_rows and not self._step_rows and (self._task_full() or self._pool_drained()):
             self._submit()
 
+    def collect_committed(self, committed_steps: int, timeout: float) -> bool:
+        """Take in trainer results until :attr:`steps_done` reaches ``committed_steps`` (the
+        optimizer steps the trainer has committed), waiting up to ``timeout`` s; whether it did.
+        The host's thread, between two steps (as :meth:`poll`).
+
+        The trainer commits a step's state before its result arrives here: a copy of the
+        committed state taken in between counts one step that ``steps_done``, the train log and
+        the pool's retired samples do not (a checkpoint, which a resume would start from)."""
+        deadline = time.monotonic() + timeout
+        while self.steps_done < committed_steps and self._in_flight:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._collect(min(left, 0.1))  # (in slices: a trainer that died is recovered in the next)
+        return self.steps_done == committed_steps
+
     def _on_result(self, result: TaskResult) -> None:
         if not self._in_flight or result.task_id != self._in_flight[0][0].task_id:
             logger.warning("ignoring a result for unknown task %d", result.task_id)

@@ -40,6 +40,10 @@ from coserve.trainer.worker import warmup_rows
 
 logger = logging.getLogger(__name__)
 
+COMMIT_RESULT_TIMEOUT_S = 10.0
+"""How long a checkpoint or an export waits for the result of an optimizer step the trainer has
+committed (milliseconds after the commit, unless the trainer hangs there)."""
+
 
 @dataclass(frozen=True)
 class FinetuneSpec:
@@ -286,7 +290,15 @@ class FinetuneSession:
         committed state and the pool's retired samples describe the same step: tens of ms at the
         8B shape), the files written by one writer thread (hundreds of MB: not on the engine's
         thread, whose steps would wait). :meth:`flush_checkpoints` (and :meth:`close`) waits for
-        them. A failed write is logged; the last good checkpoint stays."""
+        them. A failed write is logged; the last good checkpoint stays.
+
+        The checkpoint counts exactly the steps in the train log: a step the trainer has committed
+        but whose result the co-server has not taken in is taken in (and logged) first; else a
+        resume would skip its log line and train its samples again."""
+        if not self._take_in_committed_step():
+            logger.error("optimizer step %d is committed but its result did not come in %.0fs: no checkpoint "
+                         "written (the last one is kept)", self.trainer.committed_steps, COMMIT_RESULT_TIMEOUT_S)
+            return self.checkpoint_dir
         base = str(self.engine.config.model)
         adapter = self.trainer.committed_adapter(base_model_name_or_path=base)
         state, steps = self.trainer.committed_state()
@@ -294,6 +306,13 @@ class FinetuneSession:
                  "tokens_trained": self.coserver.tokens_trained, "optim": asdict(self.optim)}
         self._in_background(self._write_checkpoint, adapter, saved)
         return self.checkpoint_dir
+
+    def _take_in_committed_step(self) -> bool:
+        """Take in the result of the optimizer step the trainer has committed and the co-server
+        not yet logged, if any; whether the committed state now counts the logged steps. (On the
+        engine's thread, between two steps: no later step commits before this thread submits its
+        last task, so the state copied next is that of the logged steps.)"""
+        return self.coserver.collect_committed(self.trainer.committed_steps, COMMIT_RESULT_TIMEOUT_S)
 
     def _in_background(self, write: Callable[..., None], *args: Any) -> None:
         """``write(*args)`` on the writer thread, after the writes asked for before."""
@@ -372,6 +391,7 @@ class FinetuneSession:
         wait for): the committed adapter is copied here and returned, to be served from memory;
         :meth:`flush_checkpoints` (and :meth:`close`) waits for the files."""
         path = self.spec.output / "adapter"
+        self._take_in_committed_step()  # (the adapter of the steps logged and counted)
         adapter = self.trainer.committed_adapter(base_model_name_or_path=str(self.engine.config.model))
         self._in_background(_write_adapter, adapter, path)
         if self.spec.save_every:
@@ -380,6 +400,7 @@ class FinetuneSession:
 
     def export(self) -> Path:
         path = self.spec.output / "adapter"
+        self._take_in_committed_step()
         self.trainer.export(path, base_model_name_or_path=str(self.engine.config.model))
         if self.spec.save_every:
             self.save_checkpoint()
