@@ -133,6 +133,7 @@ job() {
         tests/layers tests/trainer/test_backward.py tests/trainer/test_stream_gate.py tests/engine/test_cuda_graph.py \
         tests/engine/test_prefill_graphs.py tests/engine/test_stream_priority.py tests/engine/test_host_copy.py \
         tests/engine/test_step_clock.py tests/engine/test_prefix_caching.py \
+        "tests/trainer/test_attention_by_hand.py::test_the_hand_path_on_the_device" \
         "tests/engine/test_coserve_steps.py::test_a_name_bound_to_the_training_slot_serves_what_is_written_there"
       grep "^gpu_tests rc=" "$top/status.txt" | tail -n 1 | sed 's/gpu_tests/gpu tests/' >> "$top/verify/verify.txt" ;;
     kernel_tests)
