@@ -82,6 +82,10 @@
 set -uo pipefail
 : "${OUT:?OUT must name the output folder}"
 export PYTHONPATH=src PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" > /dev/null; then  # the server's packages, carried (bench/server_wheels.sh)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=src:/tmp/site
+fi
 DEADLINE=${DEADLINE:-565}
 TRACE_RATE=${TRACE_RATE:-3}
 TRACE_SECONDS=${TRACE_SECONDS:-300}
@@ -283,7 +287,8 @@ job() {
     jobs_replay)
       # a fine-tuning job created through the API (upload, create, pause, resume, cancel) while
       # coserve serve answers a burst-light replay on the 8B shape, against the same replay with no
-      # job: per job phase, attainment and TTFT/TPOT p99, and the routes' times (bench/jobs_during_replay.py)
+      # job: per job phase, attainment and TTFT/TPOT p99, and the routes' times (bench/jobs_during_replay.py);
+      # the device has no FastAPI/uvicorn: run bench/server_wheels.sh here first and carry .whl
       model_dir=$(python3 -c "from pathlib import Path; from coserve.bench.shapes import materialize; \
 print(materialize('shape:llama3-8b', Path('$top/shape')))")
       run jobs_replay "$top/jobs_replay.log" python3 bench/jobs_during_replay.py --out "$top/jobs_replay.json" \
