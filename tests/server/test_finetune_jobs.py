@@ -118,17 +118,23 @@ def test_job_events_from_the_train_log(tmp_path: Path) -> None:
     log = tmp_path / "train_log.jsonl"
     rows = [{"step": 0, "loss": 2.5, "wall_time": 1_001.0, "tokens": 64, "lr": 1e-3, "skipped": False},
             {"step": 1, "loss": None, "wall_time": 1_002.0, "tokens": 64, "lr": 1e-3, "skipped": True},
-            {"step": 2, "loss": 1.25, "wall_time": 1_003.0, "tokens": 64, "lr": 1e-3, "skipped": False}]
-    log.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "lo')  # a line being written
+            {"step": 2, "loss": 1.25, "wall_time": 1_003.0, "tokens": 64, "lr": 1e-3, "skipped": False},
+            # (OptimizerStepLog.reported False: committed, then the trainer died before reporting it)
+            {"step": 3, "loss": None, "wall_time": 1_004.0, "tokens": 64, "lr": None, "grad_norm": None,
+             "skipped": False, "reported": False}]
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "lo')  # a line being written
     job = replace(JOB, train_log=log)
     events = job_events(job, EngineStats(coserving=True))
+    json.dumps(events, allow_nan=False)  # (as the API sends them)
     assert [e["message"] for e in events] == [
+        "Step 4/40: trained; its loss is unknown (the trainer died before reporting it)",
         "Step 3/40: training loss=1.2500",
         "Step 2/40: skipped (non-finite loss or gradient)",
         "Step 1/40: training loss=2.5000",
         f"Fine-tuning {MODEL} on data.jsonl started",
     ]
-    assert events[0]["type"] == "metrics" and events[0]["data"]["train_loss"] == 1.25 and events[1]["level"] == "warn"
+    assert events[0]["level"] == "warn" and events[0]["type"] == "message"
+    assert events[1]["type"] == "metrics" and events[1]["data"]["train_loss"] == 1.25 and events[2]["level"] == "warn"
     ended = job_events(job, EngineStats(coserving=True, ft_outcome="succeeded", ft_finished_at=1_010.0,
                                         adapter_path=Path("/out/adapter")))
     assert ended[0]["message"] == "The job has successfully completed to /out/adapter"
@@ -274,3 +280,4 @@ def test_a_checkpoint_taken_after_a_commit_but_before_its_result_holds_the_logge
         resumed.close()
     steps_logged = [json.loads(line)["step"] for line in (spec.output / "train_log.jsonl").read_text().splitlines()]
     assert steps_logged == list(range(len(steps_logged))) and len(steps_logged) >= 3, "every step logged once"
+

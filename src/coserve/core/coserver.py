@@ -54,6 +54,11 @@ class TrainerClient(Protocol):
         """Start a fresh worker from the last committed state; returns the committed step count."""
         ...
 
+    @property
+    def committed_steps(self) -> int:
+        """Optimizer steps in the last committed state (readable after the worker died)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -66,10 +71,13 @@ class OptimizerStepLog:
     tokens: int
     target_tokens: int
     loss: float | None
-    lr: float
-    grad_norm: float
+    lr: float | None
+    grad_norm: float | None
     skipped: bool
     wall_time: float
+    # False: the trainer committed the step, then died before its result came in. The step counts
+    # (its samples are retired: the adapter holds them); its loss, lr and grad_norm are unknown: None.
+    reported: bool = True
 
 
 class StepLogRow(NamedTuple):
@@ -696,60 +704,71 @@ class CoServer:
             return
         opened = self._open
         loss = opened.loss_sum / opened.num_targets if opened.num_targets else None
-        self.pool.retire(opened.sample_ids)
-        self._restarts_in_a_row = 0
-        self.steps_done += 1
-        self.tokens_trained += opened.tokens
-        self.last_loss = loss
-        if self.first_loss is None:
-            self.first_loss = loss
         if info.skipped:
             logger.warning("optimizer step %d skipped: non-finite loss or gradient", opened.index)
-        stop = self._skipped.record(info.skipped, self.optim.max_skipped_steps, loss)
+        self._end_step(OptimizerStepLog(
+            step=opened.index, sample_ids=tuple(opened.sample_ids), tokens=opened.tokens,
+            target_tokens=opened.num_targets, loss=loss, lr=info.lr, grad_norm=info.grad_norm,
+            skipped=info.skipped, wall_time=time.time(),
+        ))
+
+    def _end_step(self, entry: OptimizerStepLog) -> None:
+        """The open optimizer step is done (the trainer committed it): retire its samples, count
+        it and log it."""
+        self.pool.retire(entry.sample_ids)
+        self._restarts_in_a_row = 0
+        self.steps_done += 1
+        self.tokens_trained += entry.tokens
+        if entry.reported:  # (last_loss and first_loss: of the steps whose loss is known)
+            self.last_loss = entry.loss
+            if self.first_loss is None:
+                self.first_loss = entry.loss
+        stop = self._skipped.record(entry.skipped, self.optim.max_skipped_steps, entry.loss)
         if stop is not None and self.failure is None:
             self.failure = stop
             logger.error(stop)
+        self._open = _OpenStep(entry.step + 1)
         if self.on_step_logged is not None:
-            self.on_step_logged(OptimizerStepLog(
-                step=opened.index, sample_ids=tuple(opened.sample_ids), tokens=opened.tokens,
-                target_tokens=opened.num_targets, loss=loss, lr=info.lr, grad_norm=info.grad_norm,
-                skipped=info.skipped, wall_time=time.time(),
-            ))
-        self._open = _OpenStep(opened.index + 1)
+            self.on_step_logged(entry)
 
     def _recover(self) -> None:
-        """The worker died: the unfinished optimizer step is lost; its samples go back."""
+        """The worker died. The optimizer step it was on is lost, its samples go back, unless it
+        had committed it: then the step counts and is logged, its result unknown. A fresh worker
+        goes on from the last committed step."""
         self.num_restarts += 1
-        self._restarts_in_a_row += 1
-        lost = list(self._open.sample_ids)
-        logger.error("trainer process died during task %s; restarting (%d samples go back to the pool)",
-                     self._in_flight[0][0].task_id if self._in_flight else None, len(lost))
+        lost = self._in_flight[0][0].task_id if self._in_flight else None
         self._in_flight = []
+        for region in range(self.store.regions):
+            self.store.reset(region)
+        # Captured-but-unsubmitted rows were forwarded with the committed adapter: still valid,
+        # but their activations sat in the store with the lost task's; recapture them.
+        back = [r.sample_id for r in self._task_rows]
+        self._task_rows = []
+        opened = self._open
+        if self.trainer.committed_steps > self.steps_done:
+            # NOTE: the worker committed the step (an applied one: skipped steps commit no new
+            # count), then died before reporting it. Its samples are in the adapter: not again.
+            logger.error("trainer process died after committing optimizer step %d, before reporting it "
+                         "(task %s); the step counts, its loss unknown; restarting", opened.index, lost)
+            self.pool.release(back)
+            self._end_step(OptimizerStepLog(
+                step=opened.index, sample_ids=tuple(opened.sample_ids), tokens=opened.tokens,
+                target_tokens=sum(self.samples[i].num_target_tokens for i in opened.sample_ids), loss=None,
+                lr=None, grad_norm=None, skipped=False, wall_time=time.time(), reported=False,
+            ))
+        else:
+            self._restarts_in_a_row += 1
+            logger.error("trainer process died during task %s; restarting (%d samples go back to the pool)",
+                         lost, len(opened.sample_ids))
+            self.pool.release(opened.sample_ids + back)
+            self._open = _OpenStep(opened.index)
         if self._restarts_in_a_row > self.max_restarts:
             self.failure = (f"the trainer died {self._restarts_in_a_row} times in a row without finishing "
                             "an optimizer step; fine-tuning stopped (inference goes on, the last committed "
                             "adapter is kept)")
             logger.error(self.failure)
-            self.pool.release(lost + [r.sample_id for r in self._task_rows])
-            self._task_rows = []
             return
-        committed = self.trainer.restart()
-        if committed > self._open.index:
-            # NOTE: the worker committed the step but died before reporting it: keep it.
-            self.pool.retire(lost)
-            self.steps_done += 1
-            self.tokens_trained += self._open.tokens
-            self._open = _OpenStep(committed)
-        else:
-            self.pool.release(lost)
-            self._open = _OpenStep(self._open.index)
-        # Captured-but-unsubmitted rows were forwarded with the committed adapter: still valid,
-        # but their activations sit in the store with the lost task's; recapture them.
-        if self._task_rows:
-            self.pool.release([r.sample_id for r in self._task_rows])
-            self._task_rows = []
-        for region in range(self.store.regions):
-            self.store.reset(region)
+        self.trainer.restart()
 
     def resume(self, steps_done: int, tokens_trained: int) -> None:
         """Continue a run whose first ``steps_done`` optimizer steps are already applied."""
