@@ -15,7 +15,7 @@ import pytest
 from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig
 from coserve.engine.config import EngineConfig
 from coserve.engine.llm_engine import LLMEngine
-from coserve.server.engine_thread import EngineStats
+from coserve.server.engine_thread import EngineStats, EngineThread
 from coserve.server.finetune import FinetuneSession, FinetuneSpec
 from coserve.server.finetune_jobs import FinetuneJob, job_events, job_object, total_steps
 from tests.server.test_api import DATA, MODEL, http, serve
@@ -281,3 +281,40 @@ def test_a_checkpoint_taken_after_a_commit_but_before_its_result_holds_the_logge
     steps_logged = [json.loads(line)["step"] for line in (spec.output / "train_log.jsonl").read_text().splitlines()]
     assert steps_logged == list(range(len(steps_logged))) and len(steps_logged) >= 3, "every step logged once"
 
+
+@pytest.mark.parametrize("stopped", ["paused", None])
+def test_a_job_paused_or_cancelled_as_its_last_step_commits_has_succeeded(tmp_path: Path, stopped: str | None) -> None:
+    """A pause or a cancel that comes between the commit of the job's last optimizer step and its
+    result: the step is taken in before the outcome is decided, so the job has completed
+    (``succeeded``: nothing left to resume), not ``paused`` or ``cancelled``. The race forced as
+    above: the test waits for the commit without letting the co-server poll, then stops the job as
+    ``EngineThread.cancel_finetuning`` does on the loop thread."""
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(DATA.read_text().splitlines(keepends=True)[:4]))
+    engine = LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8))
+    spec = FinetuneSpec(data=data, output=tmp_path / "out", lora=LoRAConfig(rank=8, alpha=16), optim=OptimConfig(lr=1e-3),
+                        coserve=CoServeConfig(backward_tokens=32, max_seq_len=64, epochs=1), trainer_threads=1)
+    session = FinetuneSession(engine, spec)
+    et = EngineThread(engine, session)  # (not started: the test is its loop thread)
+    try:
+        coserver = session.coserver
+        deadline = time.monotonic() + 60
+        def last_task_runs() -> bool:
+            return coserver.backward_running and not session.pool.candidates()
+
+        while not last_task_runs():  # (checked after each call that may submit it: the next would poll)
+            if not engine.step() and not last_task_runs():
+                session.wait(0.05)
+            assert time.monotonic() < deadline
+        while session.trainer.committed_steps <= coserver.steps_done:  # committed, its result not taken in
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert not session.done
+        et._finish_session(session, stopped)
+    finally:
+        et.wait_trainers_exited(30)
+    final = et.ended[session.job_id]
+    assert final.ft_outcome == "succeeded" and final.adapter_path is not None
+    assert final.ft_optimizer_steps == len(session.history) == session.trainer.committed_steps
+    assert final.ft_samples_retired == final.ft_samples_total == 4
+    assert job_object(JOB, final)["status"] == "succeeded"

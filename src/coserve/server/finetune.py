@@ -295,7 +295,7 @@ class FinetuneSession:
         The checkpoint counts exactly the steps in the train log: a step the trainer has committed
         but whose result the co-server has not taken in is taken in (and logged) first; else a
         resume would skip its log line and train its samples again."""
-        if not self._take_in_committed_step():
+        if not self.take_in_committed_step():
             logger.error("optimizer step %d is committed but its result did not come in %.0fs: no checkpoint "
                          "written (the last one is kept)", self.trainer.committed_steps, COMMIT_RESULT_TIMEOUT_S)
             return self.checkpoint_dir
@@ -307,7 +307,7 @@ class FinetuneSession:
         self._in_background(self._write_checkpoint, adapter, saved)
         return self.checkpoint_dir
 
-    def _take_in_committed_step(self) -> bool:
+    def take_in_committed_step(self) -> bool:
         """Take in the result of the optimizer step the trainer has committed and the co-server
         not yet logged, if any; whether the committed state now counts the logged steps. (On the
         engine's thread, between two steps: no later step commits before this thread submits its
@@ -391,7 +391,7 @@ class FinetuneSession:
         wait for): the committed adapter is copied here and returned, to be served from memory;
         :meth:`flush_checkpoints` (and :meth:`close`) waits for the files."""
         path = self.spec.output / "adapter"
-        self._take_in_committed_step()  # (the adapter of the steps logged and counted)
+        self.take_in_committed_step()  # (the adapter of the steps logged and counted)
         adapter = self.trainer.committed_adapter(base_model_name_or_path=str(self.engine.config.model))
         self._in_background(_write_adapter, adapter, path)
         if self.spec.save_every:
@@ -400,7 +400,7 @@ class FinetuneSession:
 
     def export(self) -> Path:
         path = self.spec.output / "adapter"
-        self._take_in_committed_step()
+        self.take_in_committed_step()
         self.trainer.export(path, base_model_name_or_path=str(self.engine.config.model))
         if self.spec.save_every:
             self.save_checkpoint()
