@@ -317,12 +317,14 @@ class CommitThenDie(QueueTrainer):
         return self.committed_steps
 
 
+@pytest.mark.parametrize("first_skipped", [False, True])
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_a_step_the_trainer_committed_before_it_died_is_logged_once_and_not_trained_again(
-        accumulation: int) -> None:
+        accumulation: int, first_skipped: bool) -> None:
     """The worker commits an optimizer step (flips its bank) and dies before its result comes in:
     the step counts, is logged once with its result unknown, and its samples are retired, not
-    trained again on top of the adapter that holds them."""
+    trained again on top of the adapter that holds them. (After a skipped step too: the commit
+    counts applied steps only.)"""
     co, _ = pipelined(accumulation=accumulation)
     trainer = CommitThenDie()
     co.trainer = trainer
@@ -332,7 +334,7 @@ def test_a_step_the_trainer_committed_before_it_died_is_logged_once_and_not_trai
     while len(trainer.submitted) < accumulation:  # optimizer step 0: finished and reported
         assert run_step(co) == 2
     for task in trainer.submitted:
-        trainer.finish(task)
+        trainer.finish(task, skipped=first_skipped)
     while len(trainer.submitted) < 2 * accumulation:  # step 1: committed, the worker dies
         assert run_step(co) == 2
     for task in trainer.submitted[accumulation:-1]:
@@ -343,11 +345,12 @@ def test_a_step_the_trainer_committed_before_it_died_is_logged_once_and_not_trai
     assert run_step(co) == 2, "recovered: the next step's rows"
     assert trainer.restarts == 1 and co.num_restarts == 1 and co.failure is None
     assert [e.step for e in logged] == [0, 1] and co.steps_done == 2
+    assert co.steps_applied == trainer.committed_steps == 2 - first_skipped
     lost = logged[1]
     assert set(lost.sample_ids) == step1 and not lost.reported and not lost.skipped
     assert (lost.loss, lost.lr, lost.grad_norm) == (None, None, None)
     assert lost.tokens == 8 * len(step1) and lost.target_tokens == 7 * len(step1)
-    assert co.last_loss == 1.0 / 4, "the last loss known"
+    assert co.last_loss is logged[0].loss, "the last loss known"
     assert co.tokens_trained == sum(e.tokens for e in logged) == co.pool.progress.tokens_retired
     assert co.pool.progress.samples_retired == 4 * accumulation
     for _ in range(50):  # the rest of the run
@@ -361,6 +364,24 @@ def test_a_step_the_trainer_committed_before_it_died_is_logged_once_and_not_trai
     trained = sorted(i for e in logged for i in e.sample_ids)
     assert trained == list(range(12)), "every sample trained once"
     assert [e.step for e in logged] == list(range(co.steps_done))
+
+
+def test_the_commit_of_a_step_after_a_skipped_one_is_taken_in_before_a_checkpoint() -> None:
+    """The trainer's committed state counts applied optimizer steps (a skipped step changes
+    nothing, its count neither): collect_committed compares it with steps_applied, so a step
+    committed after a skipped one is taken in before its state is copied, not taken for done."""
+    co, trainer = pipelined(accumulation=1)
+    logged: list[int] = []
+    co.on_step_logged = lambda entry: logged.append(entry.step)
+    assert run_step(co) == 2
+    trainer.finish(trainer.submitted[0], skipped=True)
+    assert run_step(co) == 2 and logged == [0]  # step 0 taken in; step 1's task submitted
+    assert (co.steps_done, co.steps_applied, trainer.committed_steps) == (1, 0, 0)
+    assert co.collect_committed(trainer.committed_steps, timeout=5.0), "nothing to wait for"
+    trainer.finish(trainer.submitted[1])  # step 1 applied and committed, its result not taken in
+    assert trainer.committed_steps == 1 and co.steps_done == 1
+    assert co.collect_committed(trainer.committed_steps, timeout=5.0)
+    assert logged == [0, 1] and (co.steps_done, co.steps_applied, co.steps_skipped) == (2, 1, 1)
 
 
 def test_non_finite_steps_in_a_row_stop_fine_tuning_not_serving() -> None:

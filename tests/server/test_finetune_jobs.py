@@ -282,6 +282,53 @@ def test_a_checkpoint_taken_after_a_commit_but_before_its_result_holds_the_logge
     assert steps_logged == list(range(len(steps_logged))) and len(steps_logged) >= 3, "every step logged once"
 
 
+def test_a_run_resumed_after_a_skipped_step_goes_on_from_the_logged_steps(tmp_path: Path) -> None:
+    """A skipped optimizer step (non-finite loss or gradient) is logged and counted, but leaves the
+    trainer's committed count, which counts applied steps, where it was: a checkpoint keeps both
+    counts and the resume goes on from the logged one, the trainer from the applied one. (The
+    tiny run skips none: the skipped last step is written into its checkpoint and log by hand.)"""
+    import torch
+
+    engine, session = tiny_session(tmp_path, epochs=500)
+    try:
+        deadline = time.monotonic() + 60
+        while session.coserver.steps_done < 2:
+            if not engine.step():
+                session.wait(0.05)
+            assert time.monotonic() < deadline
+        path = session.save_checkpoint()
+        session.flush_checkpoints()
+    finally:
+        session.close()
+    saved = torch.load(path / "trainer_state.pt", weights_only=True)
+    applied = saved["steps"]
+    assert saved["steps_done"] == applied == len(session.history)
+    log = session.spec.output / "train_log.jsonl"
+    lines = log.read_text().splitlines()[:applied]
+    skipped = {**json.loads(lines[-1]), "step": applied, "loss": None, "skipped": True}
+    log.write_text("".join(line + "\n" for line in [*lines, json.dumps(skipped)]))
+    torch.save({**saved, "steps_done": applied + 1}, path / "trainer_state.pt")
+
+    resumed = FinetuneSession(engine, replace(session.spec, resume=True))
+    try:
+        coserver = resumed.coserver
+        assert (coserver.steps_done, coserver.steps_applied) == (applied + 1, applied)
+        assert resumed.trainer.committed_steps == applied
+        deadline = time.monotonic() + 60
+        while coserver.steps_done < applied + 3:
+            if not engine.step():
+                resumed.wait(0.05)
+            assert time.monotonic() < deadline
+        resumed.save_checkpoint()
+        resumed.flush_checkpoints()
+    finally:
+        resumed.close()
+    saved = torch.load(path / "trainer_state.pt", weights_only=True)
+    assert saved["steps_done"] == saved["steps"] + 1 == coserver.steps_done, "the checkpoint after it is written"
+    steps_logged = [json.loads(line)["step"] for line in log.read_text().splitlines()]
+    assert steps_logged == list(range(coserver.steps_done)), "the skipped step's line kept, every step logged once"
+
+
 @pytest.mark.parametrize("stopped", ["paused", None])
 def test_a_job_paused_or_cancelled_as_its_last_step_commits_has_succeeded(tmp_path: Path, stopped: str | None) -> None:
     """A pause or a cancel that comes between the commit of the job's last optimizer step and its

@@ -172,7 +172,10 @@ class CoServer:
         self._fill_region = 0
         self._open = _OpenStep(0)
         self._next_task_id = 0
-        self.steps_done = 0
+        self.steps_done = 0  # optimizer steps done (logged), applied or skipped
+        # of those, skipped for a non-finite loss or gradient: the trainer's committed state counts
+        # only the applied ones (its optimizer's step count)
+        self.steps_skipped = 0
         self.tokens_trained = 0
         self.num_restarts = 0
         # The trainer died this many times in a row without finishing a step; past
@@ -260,6 +263,12 @@ class CoServer:
     @property
     def backward_running(self) -> bool:
         return bool(self._in_flight)
+
+    @property
+    def steps_applied(self) -> int:
+        """Optimizer steps applied: what the trainer's committed state counts
+        (``TrainerClient.committed_steps``)."""
+        return self.steps_done - self.steps_skipped
 
     @property
     def skipped_in_a_row(self) -> int:
@@ -655,20 +664,21 @@ class CoServer:
             self._submit()
 
     def collect_committed(self, committed_steps: int, timeout: float) -> bool:
-        """Take in trainer results until :attr:`steps_done` reaches ``committed_steps`` (the
+        """Take in trainer results until :attr:`steps_applied` reaches ``committed_steps`` (the
         optimizer steps the trainer has committed), waiting up to ``timeout`` s; whether it did.
         The host's thread, between two steps (as :meth:`poll`).
 
         The trainer commits a step's state before its result arrives here: a copy of the
         committed state taken in between counts one step that ``steps_done``, the train log and
-        the pool's retired samples do not (a checkpoint, which a resume would start from)."""
+        the pool's retired samples do not (a checkpoint, which a resume would start from). (A
+        skipped step left pending is harmless: it changed no state and its samples go again.)"""
         deadline = time.monotonic() + timeout
-        while self.steps_done < committed_steps and self._in_flight:
+        while self.steps_applied < committed_steps and self._in_flight:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
             self._collect(min(left, 0.1))  # (in slices: a trainer that died is recovered in the next)
-        return self.steps_done == committed_steps
+        return self.steps_applied == committed_steps
 
     def _on_result(self, result: TaskResult) -> None:
         if not self._in_flight or result.task_id != self._in_flight[0][0].task_id:
@@ -718,6 +728,7 @@ class CoServer:
         self.pool.retire(entry.sample_ids)
         self._restarts_in_a_row = 0
         self.steps_done += 1
+        self.steps_skipped += entry.skipped
         self.tokens_trained += entry.tokens
         if entry.reported:  # (last_loss and first_loss: of the steps whose loss is known)
             self.last_loss = entry.loss
@@ -745,7 +756,7 @@ class CoServer:
         back = [r.sample_id for r in self._task_rows]
         self._task_rows = []
         opened = self._open
-        if self.trainer.committed_steps > self.steps_done:
+        if self.trainer.committed_steps > self.steps_applied:
             # NOTE: the worker committed the step (an applied one: skipped steps commit no new
             # count), then died before reporting it. Its samples are in the adapter: not again.
             logger.error("trainer process died after committing optimizer step %d, before reporting it "
@@ -770,12 +781,16 @@ class CoServer:
             return
         self.trainer.restart()
 
-    def resume(self, steps_done: int, tokens_trained: int) -> None:
-        """Continue a run whose first ``steps_done`` optimizer steps are already applied."""
+    def resume(self, steps_done: int, tokens_trained: int, steps_skipped: int = 0) -> None:
+        """Continue a run whose first ``steps_done`` optimizer steps are done (``steps_skipped`` of
+        them skipped, the others applied)."""
         if self._in_flight or self._task_rows or self.steps_done:
             raise RuntimeError("resume() must come before the first step")
+        if not 0 <= steps_skipped <= steps_done:
+            raise ValueError(f"steps_skipped {steps_skipped} is not within the {steps_done} steps done")
         self._open = _OpenStep(steps_done)
         self.steps_done = steps_done
+        self.steps_skipped = steps_skipped
         self.tokens_trained = tokens_trained
 
     def calibrate(self, run_batch: Callable[[BatchSpec], float], *, max_tokens: int, max_decodes: int,

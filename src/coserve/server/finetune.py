@@ -302,8 +302,10 @@ class FinetuneSession:
         base = str(self.engine.config.model)
         adapter = self.trainer.committed_adapter(base_model_name_or_path=base)
         state, steps = self.trainer.committed_state()
-        saved = {"state": state, "steps": steps, "pool": copy.deepcopy(self.pool.state_dict()),
-                 "tokens_trained": self.coserver.tokens_trained, "optim": asdict(self.optim)}
+        # (steps: applied, the optimizer's count; steps_done: logged, skipped ones too)
+        saved = {"state": state, "steps": steps, "steps_done": self.coserver.steps_done,
+                 "pool": copy.deepcopy(self.pool.state_dict()), "tokens_trained": self.coserver.tokens_trained,
+                 "optim": asdict(self.optim)}
         self._in_background(self._write_checkpoint, adapter, saved)
         return self.checkpoint_dir
 
@@ -364,18 +366,20 @@ class FinetuneSession:
         if steps:
             self.trainer.load_state(ck["state"], steps)
         self.pool.load_state_dict(ck["pool"])
-        self.coserver.resume(steps, int(ck["tokens_trained"]))
+        # (steps_done: the log's steps, skipped ones too; not in a checkpoint written before it was)
+        done = int(ck.get("steps_done", steps))
+        self.coserver.resume(done, int(ck["tokens_trained"]), steps_skipped=done - steps)
         kept = []
         if self._log_path.is_file():
             kept = [line for line in self._log_path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] < steps]
+                    if line.strip() and json.loads(line)["step"] < done]
         self._log_path.write_text("".join(line + "\n" for line in kept))
         # (the run's first loss is its first step's, before the resume: what "loss a -> b" reports)
         self.coserver.first_loss = next((e["loss"] for e in map(json.loads, kept) if e.get("loss") is not None), None)
         # (the steps after the checkpoint are trained again: so are their epochs' ends)
         self._epochs_saved = self.pool.epoch
-        _remove_epoch_checkpoints(self.spec.output, after_step=steps)
-        logger.info("resumed from %s at optimizer step %d", self.checkpoint_dir, steps)
+        _remove_epoch_checkpoints(self.spec.output, after_step=done)
+        logger.info("resumed from %s at optimizer step %d", self.checkpoint_dir, done)
 
     @property
     def done(self) -> bool:
