@@ -24,6 +24,7 @@ class FakeTrainer:
     def __init__(self) -> None:
         self.paused = False
         self.pauses = 0
+        self.committed_steps = 0
 
     def submit(self, task: BackwardTask) -> None: ...
 
@@ -41,7 +42,7 @@ class FakeTrainer:
         self.paused = False
 
     def restart(self) -> int:
-        return 0
+        return self.committed_steps
 
     def close(self) -> None: ...
 
@@ -196,6 +197,8 @@ class QueueTrainer(FakeTrainer):
         from coserve.core.messages import StepInfo
 
         info = StepInfo(task.step, 1e-3, float("nan") if skipped else 0.0, skipped) if task.ends_step else None
+        # (as the worker's bank: a skipped step commits no new count)
+        self.committed_steps += task.ends_step and not skipped
         self.results.append(TaskResult(task.task_id, float("nan") if skipped else 1.0, 4, 0.01, info))
 
 
@@ -289,6 +292,96 @@ def test_a_trainer_that_keeps_dying_stops_fine_tuning_not_serving() -> None:
     assert trainer.restarts == co.max_restarts
     assert co.done and co.plan(IDLE) == [], "no more fine-tuning rows; inference steps go on"
     assert co.pool.num_in_flight == 0, "nothing is left claimed"
+
+
+class CommitThenDie(QueueTrainer):
+    """A trainer process that, told to, commits a task's optimizer step and dies before its result
+    is sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dead = False
+        self.restarts = 0
+
+    def commit_and_die(self, task: BackwardTask) -> None:
+        assert task.ends_step
+        self.committed_steps += 1
+        self.dead = True
+
+    def alive(self) -> bool:
+        return not self.dead
+
+    def restart(self) -> int:
+        self.restarts += 1
+        self.dead = False
+        return self.committed_steps
+
+
+@pytest.mark.parametrize("first_skipped", [False, True])
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_a_step_the_trainer_committed_before_it_died_is_logged_once_and_not_trained_again(
+        accumulation: int, first_skipped: bool) -> None:
+    """The worker commits an optimizer step (flips its bank) and dies before its result comes in:
+    the step counts, is logged once with its result unknown, and its samples are retired, not
+    trained again on top of the adapter that holds them. (After a skipped step too: the commit
+    counts applied steps only.)"""
+    co, _ = pipelined(accumulation=accumulation)
+    trainer = CommitThenDie()
+    co.trainer = trainer
+    co.max_restarts = 0  # (a death after a commit is not one "without finishing an optimizer step")
+    logged = []
+    co.on_step_logged = logged.append
+    while len(trainer.submitted) < accumulation:  # optimizer step 0: finished and reported
+        assert run_step(co) == 2
+    for task in trainer.submitted:
+        trainer.finish(task, skipped=first_skipped)
+    while len(trainer.submitted) < 2 * accumulation:  # step 1: committed, the worker dies
+        assert run_step(co) == 2
+    for task in trainer.submitted[accumulation:-1]:
+        trainer.finish(task)
+    trainer.commit_and_die(trainer.submitted[-1])
+    step1 = {s.sample_id for task in trainer.submitted[accumulation:] for s in task.samples}
+    finished = {task.task_id for task in trainer.submitted}
+    assert run_step(co) == 2, "recovered: the next step's rows"
+    assert trainer.restarts == 1 and co.num_restarts == 1 and co.failure is None
+    assert [e.step for e in logged] == [0, 1] and co.steps_done == 2
+    assert co.steps_applied == trainer.committed_steps == 2 - first_skipped
+    lost = logged[1]
+    assert set(lost.sample_ids) == step1 and not lost.reported and not lost.skipped
+    assert (lost.loss, lost.lr, lost.grad_norm) == (None, None, None)
+    assert lost.tokens == 8 * len(step1) and lost.target_tokens == 7 * len(step1)
+    assert co.last_loss is logged[0].loss, "the last loss known"
+    assert co.tokens_trained == sum(e.tokens for e in logged) == co.pool.progress.tokens_retired
+    assert co.pool.progress.samples_retired == 4 * accumulation
+    for _ in range(50):  # the rest of the run
+        if co.done:
+            break
+        for task in trainer.submitted:
+            if task.task_id not in finished:
+                trainer.finish(task)
+                finished.add(task.task_id)
+        run_step(co)
+    trained = sorted(i for e in logged for i in e.sample_ids)
+    assert trained == list(range(12)), "every sample trained once"
+    assert [e.step for e in logged] == list(range(co.steps_done))
+
+
+def test_the_commit_of_a_step_after_a_skipped_one_is_taken_in_before_a_checkpoint() -> None:
+    """The trainer's committed state counts applied optimizer steps (a skipped step changes
+    nothing, its count neither): collect_committed compares it with steps_applied, so a step
+    committed after a skipped one is taken in before its state is copied, not taken for done."""
+    co, trainer = pipelined(accumulation=1)
+    logged: list[int] = []
+    co.on_step_logged = lambda entry: logged.append(entry.step)
+    assert run_step(co) == 2
+    trainer.finish(trainer.submitted[0], skipped=True)
+    assert run_step(co) == 2 and logged == [0]  # step 0 taken in; step 1's task submitted
+    assert (co.steps_done, co.steps_applied, trainer.committed_steps) == (1, 0, 0)
+    assert co.collect_committed(trainer.committed_steps, timeout=5.0), "nothing to wait for"
+    trainer.finish(trainer.submitted[1])  # step 1 applied and committed, its result not taken in
+    assert trainer.committed_steps == 1 and co.steps_done == 1
+    assert co.collect_committed(trainer.committed_steps, timeout=5.0)
+    assert logged == [0, 1] and (co.steps_done, co.steps_applied, co.steps_skipped) == (2, 1, 1)
 
 
 def test_non_finite_steps_in_a_row_stop_fine_tuning_not_serving() -> None:

@@ -15,7 +15,7 @@ import pytest
 from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig
 from coserve.engine.config import EngineConfig
 from coserve.engine.llm_engine import LLMEngine
-from coserve.server.engine_thread import EngineStats
+from coserve.server.engine_thread import EngineStats, EngineThread
 from coserve.server.finetune import FinetuneSession, FinetuneSpec
 from coserve.server.finetune_jobs import FinetuneJob, job_events, job_object, total_steps
 from tests.server.test_api import DATA, MODEL, http, serve
@@ -118,17 +118,23 @@ def test_job_events_from_the_train_log(tmp_path: Path) -> None:
     log = tmp_path / "train_log.jsonl"
     rows = [{"step": 0, "loss": 2.5, "wall_time": 1_001.0, "tokens": 64, "lr": 1e-3, "skipped": False},
             {"step": 1, "loss": None, "wall_time": 1_002.0, "tokens": 64, "lr": 1e-3, "skipped": True},
-            {"step": 2, "loss": 1.25, "wall_time": 1_003.0, "tokens": 64, "lr": 1e-3, "skipped": False}]
-    log.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "lo')  # a line being written
+            {"step": 2, "loss": 1.25, "wall_time": 1_003.0, "tokens": 64, "lr": 1e-3, "skipped": False},
+            # (OptimizerStepLog.reported False: committed, then the trainer died before reporting it)
+            {"step": 3, "loss": None, "wall_time": 1_004.0, "tokens": 64, "lr": None, "grad_norm": None,
+             "skipped": False, "reported": False}]
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "lo')  # a line being written
     job = replace(JOB, train_log=log)
     events = job_events(job, EngineStats(coserving=True))
+    json.dumps(events, allow_nan=False)  # (as the API sends them)
     assert [e["message"] for e in events] == [
+        "Step 4/40: trained; its loss is unknown (the trainer died before reporting it)",
         "Step 3/40: training loss=1.2500",
         "Step 2/40: skipped (non-finite loss or gradient)",
         "Step 1/40: training loss=2.5000",
         f"Fine-tuning {MODEL} on data.jsonl started",
     ]
-    assert events[0]["type"] == "metrics" and events[0]["data"]["train_loss"] == 1.25 and events[1]["level"] == "warn"
+    assert events[0]["level"] == "warn" and events[0]["type"] == "message"
+    assert events[1]["type"] == "metrics" and events[1]["data"]["train_loss"] == 1.25 and events[2]["level"] == "warn"
     ended = job_events(job, EngineStats(coserving=True, ft_outcome="succeeded", ft_finished_at=1_010.0,
                                         adapter_path=Path("/out/adapter")))
     assert ended[0]["message"] == "The job has successfully completed to /out/adapter"
@@ -274,3 +280,88 @@ def test_a_checkpoint_taken_after_a_commit_but_before_its_result_holds_the_logge
         resumed.close()
     steps_logged = [json.loads(line)["step"] for line in (spec.output / "train_log.jsonl").read_text().splitlines()]
     assert steps_logged == list(range(len(steps_logged))) and len(steps_logged) >= 3, "every step logged once"
+
+
+def test_a_run_resumed_after_a_skipped_step_goes_on_from_the_logged_steps(tmp_path: Path) -> None:
+    """A skipped optimizer step (non-finite loss or gradient) is logged and counted, but leaves the
+    trainer's committed count, which counts applied steps, where it was: a checkpoint keeps both
+    counts and the resume goes on from the logged one, the trainer from the applied one. (The
+    tiny run skips none: the skipped last step is written into its checkpoint and log by hand.)"""
+    import torch
+
+    engine, session = tiny_session(tmp_path, epochs=500)
+    try:
+        deadline = time.monotonic() + 60
+        while session.coserver.steps_done < 2:
+            if not engine.step():
+                session.wait(0.05)
+            assert time.monotonic() < deadline
+        path = session.save_checkpoint()
+        session.flush_checkpoints()
+    finally:
+        session.close()
+    saved = torch.load(path / "trainer_state.pt", weights_only=True)
+    applied = saved["steps"]
+    assert saved["steps_done"] == applied == len(session.history)
+    log = session.spec.output / "train_log.jsonl"
+    lines = log.read_text().splitlines()[:applied]
+    skipped = {**json.loads(lines[-1]), "step": applied, "loss": None, "skipped": True}
+    log.write_text("".join(line + "\n" for line in [*lines, json.dumps(skipped)]))
+    torch.save({**saved, "steps_done": applied + 1}, path / "trainer_state.pt")
+
+    resumed = FinetuneSession(engine, replace(session.spec, resume=True))
+    try:
+        coserver = resumed.coserver
+        assert (coserver.steps_done, coserver.steps_applied) == (applied + 1, applied)
+        assert resumed.trainer.committed_steps == applied
+        deadline = time.monotonic() + 60
+        while coserver.steps_done < applied + 3:
+            if not engine.step():
+                resumed.wait(0.05)
+            assert time.monotonic() < deadline
+        resumed.save_checkpoint()
+        resumed.flush_checkpoints()
+    finally:
+        resumed.close()
+    saved = torch.load(path / "trainer_state.pt", weights_only=True)
+    assert saved["steps_done"] == saved["steps"] + 1 == coserver.steps_done, "the checkpoint after it is written"
+    steps_logged = [json.loads(line)["step"] for line in log.read_text().splitlines()]
+    assert steps_logged == list(range(coserver.steps_done)), "the skipped step's line kept, every step logged once"
+
+
+@pytest.mark.parametrize("stopped", ["paused", None])
+def test_a_job_paused_or_cancelled_as_its_last_step_commits_has_succeeded(tmp_path: Path, stopped: str | None) -> None:
+    """A pause or a cancel that comes between the commit of the job's last optimizer step and its
+    result: the step is taken in before the outcome is decided, so the job has completed
+    (``succeeded``: nothing left to resume), not ``paused`` or ``cancelled``. The race forced as
+    above: the test waits for the commit without letting the co-server poll, then stops the job as
+    ``EngineThread.cancel_finetuning`` does on the loop thread."""
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(DATA.read_text().splitlines(keepends=True)[:4]))
+    engine = LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8))
+    spec = FinetuneSpec(data=data, output=tmp_path / "out", lora=LoRAConfig(rank=8, alpha=16), optim=OptimConfig(lr=1e-3),
+                        coserve=CoServeConfig(backward_tokens=32, max_seq_len=64, epochs=1), trainer_threads=1)
+    session = FinetuneSession(engine, spec)
+    et = EngineThread(engine, session)  # (not started: the test is its loop thread)
+    try:
+        coserver = session.coserver
+        deadline = time.monotonic() + 60
+        def last_task_runs() -> bool:
+            return coserver.backward_running and not session.pool.candidates()
+
+        while not last_task_runs():  # (checked after each call that may submit it: the next would poll)
+            if not engine.step() and not last_task_runs():
+                session.wait(0.05)
+            assert time.monotonic() < deadline
+        while session.trainer.committed_steps <= coserver.steps_done:  # committed, its result not taken in
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert not session.done
+        et._finish_session(session, stopped)
+    finally:
+        et.wait_trainers_exited(30)
+    final = et.ended[session.job_id]
+    assert final.ft_outcome == "succeeded" and final.adapter_path is not None
+    assert final.ft_optimizer_steps == len(session.history) == session.trainer.committed_steps
+    assert final.ft_samples_retired == final.ft_samples_total == 4
+    assert job_object(JOB, final)["status"] == "succeeded"

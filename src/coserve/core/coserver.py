@@ -54,6 +54,11 @@ class TrainerClient(Protocol):
         """Start a fresh worker from the last committed state; returns the committed step count."""
         ...
 
+    @property
+    def committed_steps(self) -> int:
+        """Optimizer steps in the last committed state (readable after the worker died)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -66,10 +71,13 @@ class OptimizerStepLog:
     tokens: int
     target_tokens: int
     loss: float | None
-    lr: float
-    grad_norm: float
+    lr: float | None
+    grad_norm: float | None
     skipped: bool
     wall_time: float
+    # False: the trainer committed the step, then died before its result came in. The step counts
+    # (its samples are retired: the adapter holds them); its loss, lr and grad_norm are unknown: None.
+    reported: bool = True
 
 
 class StepLogRow(NamedTuple):
@@ -164,7 +172,10 @@ class CoServer:
         self._fill_region = 0
         self._open = _OpenStep(0)
         self._next_task_id = 0
-        self.steps_done = 0
+        self.steps_done = 0  # optimizer steps done (logged), applied or skipped
+        # of those, skipped for a non-finite loss or gradient: the trainer's committed state counts
+        # only the applied ones (its optimizer's step count)
+        self.steps_skipped = 0
         self.tokens_trained = 0
         self.num_restarts = 0
         # The trainer died this many times in a row without finishing a step; past
@@ -252,6 +263,12 @@ class CoServer:
     @property
     def backward_running(self) -> bool:
         return bool(self._in_flight)
+
+    @property
+    def steps_applied(self) -> int:
+        """Optimizer steps applied: what the trainer's committed state counts
+        (``TrainerClient.committed_steps``)."""
+        return self.steps_done - self.steps_skipped
 
     @property
     def skipped_in_a_row(self) -> int:
@@ -647,20 +664,21 @@ class CoServer:
             self._submit()
 
     def collect_committed(self, committed_steps: int, timeout: float) -> bool:
-        """Take in trainer results until :attr:`steps_done` reaches ``committed_steps`` (the
+        """Take in trainer results until :attr:`steps_applied` reaches ``committed_steps`` (the
         optimizer steps the trainer has committed), waiting up to ``timeout`` s; whether it did.
         The host's thread, between two steps (as :meth:`poll`).
 
         The trainer commits a step's state before its result arrives here: a copy of the
         committed state taken in between counts one step that ``steps_done``, the train log and
-        the pool's retired samples do not (a checkpoint, which a resume would start from)."""
+        the pool's retired samples do not (a checkpoint, which a resume would start from). (A
+        skipped step left pending is harmless: it changed no state and its samples go again.)"""
         deadline = time.monotonic() + timeout
-        while self.steps_done < committed_steps and self._in_flight:
+        while self.steps_applied < committed_steps and self._in_flight:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
             self._collect(min(left, 0.1))  # (in slices: a trainer that died is recovered in the next)
-        return self.steps_done == committed_steps
+        return self.steps_applied == committed_steps
 
     def _on_result(self, result: TaskResult) -> None:
         if not self._in_flight or result.task_id != self._in_flight[0][0].task_id:
@@ -696,67 +714,83 @@ class CoServer:
             return
         opened = self._open
         loss = opened.loss_sum / opened.num_targets if opened.num_targets else None
-        self.pool.retire(opened.sample_ids)
-        self._restarts_in_a_row = 0
-        self.steps_done += 1
-        self.tokens_trained += opened.tokens
-        self.last_loss = loss
-        if self.first_loss is None:
-            self.first_loss = loss
         if info.skipped:
             logger.warning("optimizer step %d skipped: non-finite loss or gradient", opened.index)
-        stop = self._skipped.record(info.skipped, self.optim.max_skipped_steps, loss)
+        self._end_step(OptimizerStepLog(
+            step=opened.index, sample_ids=tuple(opened.sample_ids), tokens=opened.tokens,
+            target_tokens=opened.num_targets, loss=loss, lr=info.lr, grad_norm=info.grad_norm,
+            skipped=info.skipped, wall_time=time.time(),
+        ))
+
+    def _end_step(self, entry: OptimizerStepLog) -> None:
+        """The open optimizer step is done (the trainer committed it): retire its samples, count
+        it and log it."""
+        self.pool.retire(entry.sample_ids)
+        self._restarts_in_a_row = 0
+        self.steps_done += 1
+        self.steps_skipped += entry.skipped
+        self.tokens_trained += entry.tokens
+        if entry.reported:  # (last_loss and first_loss: of the steps whose loss is known)
+            self.last_loss = entry.loss
+            if self.first_loss is None:
+                self.first_loss = entry.loss
+        stop = self._skipped.record(entry.skipped, self.optim.max_skipped_steps, entry.loss)
         if stop is not None and self.failure is None:
             self.failure = stop
             logger.error(stop)
+        self._open = _OpenStep(entry.step + 1)
         if self.on_step_logged is not None:
-            self.on_step_logged(OptimizerStepLog(
-                step=opened.index, sample_ids=tuple(opened.sample_ids), tokens=opened.tokens,
-                target_tokens=opened.num_targets, loss=loss, lr=info.lr, grad_norm=info.grad_norm,
-                skipped=info.skipped, wall_time=time.time(),
-            ))
-        self._open = _OpenStep(opened.index + 1)
+            self.on_step_logged(entry)
 
     def _recover(self) -> None:
-        """The worker died: the unfinished optimizer step is lost; its samples go back."""
+        """The worker died. The optimizer step it was on is lost, its samples go back, unless it
+        had committed it: then the step counts and is logged, its result unknown. A fresh worker
+        goes on from the last committed step."""
         self.num_restarts += 1
-        self._restarts_in_a_row += 1
-        lost = list(self._open.sample_ids)
-        logger.error("trainer process died during task %s; restarting (%d samples go back to the pool)",
-                     self._in_flight[0][0].task_id if self._in_flight else None, len(lost))
+        lost = self._in_flight[0][0].task_id if self._in_flight else None
         self._in_flight = []
+        for region in range(self.store.regions):
+            self.store.reset(region)
+        # Captured-but-unsubmitted rows were forwarded with the committed adapter: still valid,
+        # but their activations sat in the store with the lost task's; recapture them.
+        back = [r.sample_id for r in self._task_rows]
+        self._task_rows = []
+        opened = self._open
+        if self.trainer.committed_steps > self.steps_applied:
+            # NOTE: the worker committed the step (an applied one: skipped steps commit no new
+            # count), then died before reporting it. Its samples are in the adapter: not again.
+            logger.error("trainer process died after committing optimizer step %d, before reporting it "
+                         "(task %s); the step counts, its loss unknown; restarting", opened.index, lost)
+            self.pool.release(back)
+            self._end_step(OptimizerStepLog(
+                step=opened.index, sample_ids=tuple(opened.sample_ids), tokens=opened.tokens,
+                target_tokens=sum(self.samples[i].num_target_tokens for i in opened.sample_ids), loss=None,
+                lr=None, grad_norm=None, skipped=False, wall_time=time.time(), reported=False,
+            ))
+        else:
+            self._restarts_in_a_row += 1
+            logger.error("trainer process died during task %s; restarting (%d samples go back to the pool)",
+                         lost, len(opened.sample_ids))
+            self.pool.release(opened.sample_ids + back)
+            self._open = _OpenStep(opened.index)
         if self._restarts_in_a_row > self.max_restarts:
             self.failure = (f"the trainer died {self._restarts_in_a_row} times in a row without finishing "
                             "an optimizer step; fine-tuning stopped (inference goes on, the last committed "
                             "adapter is kept)")
             logger.error(self.failure)
-            self.pool.release(lost + [r.sample_id for r in self._task_rows])
-            self._task_rows = []
             return
-        committed = self.trainer.restart()
-        if committed > self._open.index:
-            # NOTE: the worker committed the step but died before reporting it: keep it.
-            self.pool.retire(lost)
-            self.steps_done += 1
-            self.tokens_trained += self._open.tokens
-            self._open = _OpenStep(committed)
-        else:
-            self.pool.release(lost)
-            self._open = _OpenStep(self._open.index)
-        # Captured-but-unsubmitted rows were forwarded with the committed adapter: still valid,
-        # but their activations sit in the store with the lost task's; recapture them.
-        if self._task_rows:
-            self.pool.release([r.sample_id for r in self._task_rows])
-            self._task_rows = []
-        for region in range(self.store.regions):
-            self.store.reset(region)
+        self.trainer.restart()
 
-    def resume(self, steps_done: int, tokens_trained: int) -> None:
-        """Continue a run whose first ``steps_done`` optimizer steps are already applied."""
+    def resume(self, steps_done: int, tokens_trained: int, steps_skipped: int = 0) -> None:
+        """Continue a run whose first ``steps_done`` optimizer steps are done (``steps_skipped`` of
+        them skipped, the others applied)."""
         if self._in_flight or self._task_rows or self.steps_done:
             raise RuntimeError("resume() must come before the first step")
+        if not 0 <= steps_skipped <= steps_done:
+            raise ValueError(f"steps_skipped {steps_skipped} is not within the {steps_done} steps done")
         self._open = _OpenStep(steps_done)
         self.steps_done = steps_done
+        self.steps_skipped = steps_skipped
         self.tokens_trained = tokens_trained
 
     def calibrate(self, run_batch: Callable[[BatchSpec], float], *, max_tokens: int, max_decodes: int,

@@ -281,8 +281,9 @@ class EngineThread:
     async def cancel_finetuning(self, job_id: str | None = None, pause: bool = False) -> bool:
         """Stop fine-tuning between two steps: the last committed optimizer step is exported, the
         session closed, and serving goes on; with ``pause``, its checkpoint written too and its
-        outcome ``paused`` (it can be resumed from there). False when no fine-tuning is running (or
-        not ``job_id``'s, when given)."""
+        outcome ``paused`` (it can be resumed from there). A job whose last step was committed
+        meanwhile has completed: ``succeeded``. False when no fine-tuning is running (or not
+        ``job_id``'s, when given)."""
         def cancel(_: LLMEngine) -> bool:
             if self.session is None or job_id not in (None, self.session.job_id):
                 return False
@@ -398,6 +399,12 @@ class EngineThread:
         """Export the session's adapter and close it (its epochs done, given up, or stopped early:
         ``cancelled``, or ``stopped`` where given)."""
         coserver = session.coserver
+        # NOTE: before the outcome: the step the trainer has committed may be the job's last (a
+        # job paused or cancelled as it completed has completed, with nothing left to resume).
+        try:
+            session.take_in_committed_step()
+        except Exception:
+            logger.exception("taking in the result of the last committed optimizer step failed")
         outcome = "failed" if coserver.failure is not None else "succeeded" if session.done else stopped or "cancelled"
         if coserver.failure is not None:
             logger.error("fine-tuning failed: %s; exporting the last committed step", coserver.failure)

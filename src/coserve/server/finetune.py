@@ -295,19 +295,21 @@ class FinetuneSession:
         The checkpoint counts exactly the steps in the train log: a step the trainer has committed
         but whose result the co-server has not taken in is taken in (and logged) first; else a
         resume would skip its log line and train its samples again."""
-        if not self._take_in_committed_step():
+        if not self.take_in_committed_step():
             logger.error("optimizer step %d is committed but its result did not come in %.0fs: no checkpoint "
                          "written (the last one is kept)", self.trainer.committed_steps, COMMIT_RESULT_TIMEOUT_S)
             return self.checkpoint_dir
         base = str(self.engine.config.model)
         adapter = self.trainer.committed_adapter(base_model_name_or_path=base)
         state, steps = self.trainer.committed_state()
-        saved = {"state": state, "steps": steps, "pool": copy.deepcopy(self.pool.state_dict()),
-                 "tokens_trained": self.coserver.tokens_trained, "optim": asdict(self.optim)}
+        # (steps: applied, the optimizer's count; steps_done: logged, skipped ones too)
+        saved = {"state": state, "steps": steps, "steps_done": self.coserver.steps_done,
+                 "pool": copy.deepcopy(self.pool.state_dict()), "tokens_trained": self.coserver.tokens_trained,
+                 "optim": asdict(self.optim)}
         self._in_background(self._write_checkpoint, adapter, saved)
         return self.checkpoint_dir
 
-    def _take_in_committed_step(self) -> bool:
+    def take_in_committed_step(self) -> bool:
         """Take in the result of the optimizer step the trainer has committed and the co-server
         not yet logged, if any; whether the committed state now counts the logged steps. (On the
         engine's thread, between two steps: no later step commits before this thread submits its
@@ -364,18 +366,20 @@ class FinetuneSession:
         if steps:
             self.trainer.load_state(ck["state"], steps)
         self.pool.load_state_dict(ck["pool"])
-        self.coserver.resume(steps, int(ck["tokens_trained"]))
+        # (steps_done: the log's steps, skipped ones too; not in a checkpoint written before it was)
+        done = int(ck.get("steps_done", steps))
+        self.coserver.resume(done, int(ck["tokens_trained"]), steps_skipped=done - steps)
         kept = []
         if self._log_path.is_file():
             kept = [line for line in self._log_path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] < steps]
+                    if line.strip() and json.loads(line)["step"] < done]
         self._log_path.write_text("".join(line + "\n" for line in kept))
         # (the run's first loss is its first step's, before the resume: what "loss a -> b" reports)
         self.coserver.first_loss = next((e["loss"] for e in map(json.loads, kept) if e.get("loss") is not None), None)
         # (the steps after the checkpoint are trained again: so are their epochs' ends)
         self._epochs_saved = self.pool.epoch
-        _remove_epoch_checkpoints(self.spec.output, after_step=steps)
-        logger.info("resumed from %s at optimizer step %d", self.checkpoint_dir, steps)
+        _remove_epoch_checkpoints(self.spec.output, after_step=done)
+        logger.info("resumed from %s at optimizer step %d", self.checkpoint_dir, done)
 
     @property
     def done(self) -> bool:
@@ -391,7 +395,7 @@ class FinetuneSession:
         wait for): the committed adapter is copied here and returned, to be served from memory;
         :meth:`flush_checkpoints` (and :meth:`close`) waits for the files."""
         path = self.spec.output / "adapter"
-        self._take_in_committed_step()  # (the adapter of the steps logged and counted)
+        self.take_in_committed_step()  # (the adapter of the steps logged and counted)
         adapter = self.trainer.committed_adapter(base_model_name_or_path=str(self.engine.config.model))
         self._in_background(_write_adapter, adapter, path)
         if self.spec.save_every:
@@ -400,7 +404,7 @@ class FinetuneSession:
 
     def export(self) -> Path:
         path = self.spec.output / "adapter"
-        self._take_in_committed_step()
+        self.take_in_committed_step()
         self.trainer.export(path, base_model_name_or_path=str(self.engine.config.model))
         if self.spec.save_every:
             self.save_checkpoint()

@@ -129,7 +129,7 @@ def job_events(job: FinetuneJob, s: EngineStats, validation: dict[str, Any] | No
     (once done: a ``metrics`` event with OpenAI's ``full_valid_loss`` and
     ``full_valid_mean_token_accuracy``), its end (once it has ended), one ``metrics`` event per
     optimizer step of ``train_log.jsonl`` (OpenAI's ``Step k/n: training loss=x``, ``n`` from
-    :func:`total_steps`), its start (``status`` ``queued``: that it waits)."""
+    :func:`total_steps`; a warning for a step skipped or one whose loss never came), its start (``status`` ``queued``: that it waits)."""
     total = total_steps(job, s)
     if status == "queued":
         return [event(f"{job.id}-queued", job.created_at, f"Fine-tuning {job.model} on {job.training_file} is "
@@ -148,6 +148,10 @@ def job_events(job: FinetuneJob, s: EngineStats, validation: dict[str, Any] | No
         if entry.get("skipped"):
             events.append(event(f"{job.id}-step-{step}", created, f"Step {step}/{total}: skipped "
                                 f"(non-finite loss or gradient)", level="warn"))
+            continue
+        if entry.get("reported") is False:  # (OptimizerStepLog.reported: no loss to chart)
+            events.append(event(f"{job.id}-step-{step}", created, f"Step {step}/{total}: trained; its loss is "
+                                "unknown (the trainer died before reporting it)", level="warn"))
             continue
         shown = f"{loss:.4f}" if isinstance(loss, (int, float)) else "n/a"
         events.append(event(f"{job.id}-step-{step}", created, f"Step {step}/{total}: training loss={shown}",

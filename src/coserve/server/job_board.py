@@ -533,7 +533,8 @@ class JobBoard:
         self.setting_up[job.id] = asyncio.get_running_loop().create_task(self._start(job, spec, valid))
 
     async def pause(self, job: FinetuneJob) -> None:
-        """Stop ``job`` at a checkpoint (``paused``: not served, resumed by :meth:`resume`)."""
+        """Stop ``job`` at a checkpoint (``paused``: not served, resumed by :meth:`resume`; one
+        whose last step completes meanwhile has ``succeeded``)."""
         if self.config is None or job.live:
             raise HTTPException(400, "only jobs created through the API (--finetune-jobs DIR) can be paused")
         session = self.et.session
