@@ -127,7 +127,8 @@ def test_the_hand_path_beside_a_trained_or_kept_mlp(
 def test_the_hand_path_on_the_device(hf_models: dict[str, Path], dtype: torch.dtype, device: str) -> None:
     """On CUDA the attention's backward (flash or memory-efficient SDPA) need not give the same bits
     twice, so the hand path is held to the autograd path's own spread between two runs, or to
-    fp32 summation noise when that is nil. The loss, a forward, is the same bits either way."""
+    summation noise (fp32; bf16: its rounding) when that is nil. The loss, a forward, is the same
+    bits either way."""
     model = load_model(hf_models["llama"], num_lora_slots=1, max_lora_rank=16, dtype=dtype, device=device)
     lora = TrainableLoRA(perturbed_adapter(model, 8, ATTN, seed=7), device=device)
     store, rows, _ = task(model, LENS["three lengths"], seed=12)
@@ -137,7 +138,8 @@ def test_the_hand_path_on_the_device(hf_models: dict[str, Path], dtype: torch.dt
     assert hand_applied == 0 and (hand_loss, hand_events) == (loss, events)
     assert bool(grad.ne(0).any())
     if float((hand_grad - grad).abs().max()) > 2 * float((again - grad).abs().max()):
-        assert_close_scaled(hand_grad, grad, rtol=1e-5)
+        # (a bf16 attention backward's order noise flips bf16 roundings: a wrong gradient is O(1) off)
+        assert_close_scaled(hand_grad, grad, rtol=1e-5 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.fixture
