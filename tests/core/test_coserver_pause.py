@@ -400,6 +400,20 @@ def test_non_finite_steps_in_a_row_stop_fine_tuning_not_serving() -> None:
     assert co.done and co.plan(IDLE) == [], "no more fine-tuning rows; inference steps go on"
 
 
+def test_a_resumed_run_keeps_counting_the_steps_it_skipped_in_a_row() -> None:
+    """A run stopped while it skipped steps gets no fresh ``max_skipped_steps`` from a resume."""
+    co, trainer = pipelined(accumulation=1)
+    co.optim = replace(co.optim, max_skipped_steps=3)
+    with pytest.raises(ValueError, match="skipped_in_a_row 3 is not within the 2 steps skipped"):
+        co.resume(5, 100, steps_skipped=2, skipped_in_a_row=3)
+    co.resume(5, 100, steps_skipped=2, skipped_in_a_row=2)
+    assert co.skipped_in_a_row == 2 and co.steps_applied == 3
+    assert run_step(co) == 2
+    trainer.finish(trainer.submitted[-1], skipped=True)
+    assert run_step(co) == 0
+    assert "3 optimizer steps in a row had a non-finite loss" in co.failure
+
+
 def test_backward_pauses_for_a_step_with_inference_and_ft_rows() -> None:
     """Pipelined capture (the step's first task in flight): FT rows in a decode step pause the
     backward for that step; FT rows in an FT-only step do not."""

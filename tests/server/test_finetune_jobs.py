@@ -313,6 +313,7 @@ def test_a_run_resumed_after_a_skipped_step_goes_on_from_the_logged_steps(tmp_pa
     try:
         coserver = resumed.coserver
         assert (coserver.steps_done, coserver.steps_applied) == (applied + 1, applied)
+        assert coserver.skipped_in_a_row == 1, "the skipped step still counts towards max_skipped_steps"
         assert resumed.trainer.committed_steps == applied
         deadline = time.monotonic() + 60
         while coserver.steps_done < applied + 3:

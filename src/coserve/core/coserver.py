@@ -781,13 +781,18 @@ class CoServer:
             return
         self.trainer.restart()
 
-    def resume(self, steps_done: int, tokens_trained: int, steps_skipped: int = 0) -> None:
+    def resume(self, steps_done: int, tokens_trained: int, steps_skipped: int = 0,
+               skipped_in_a_row: int = 0) -> None:
         """Continue a run whose first ``steps_done`` optimizer steps are done (``steps_skipped`` of
-        them skipped, the others applied)."""
+        them skipped, the others applied; the last ``skipped_in_a_row`` of them skipped, which
+        count towards ``max_skipped_steps`` as they did before)."""
         if self._in_flight or self._task_rows or self.steps_done:
             raise RuntimeError("resume() must come before the first step")
         if not 0 <= steps_skipped <= steps_done:
             raise ValueError(f"steps_skipped {steps_skipped} is not within the {steps_done} steps done")
+        if not 0 <= skipped_in_a_row <= steps_skipped:
+            raise ValueError(f"skipped_in_a_row {skipped_in_a_row} is not within the {steps_skipped} steps skipped")
+        self._skipped.count = skipped_in_a_row
         self._open = _OpenStep(steps_done)
         self.steps_done = steps_done
         self.steps_skipped = steps_skipped

@@ -368,14 +368,18 @@ class FinetuneSession:
         self.pool.load_state_dict(ck["pool"])
         # (steps_done: the log's steps, skipped ones too; not in a checkpoint written before it was)
         done = int(ck.get("steps_done", steps))
-        self.coserver.resume(done, int(ck["tokens_trained"]), steps_skipped=done - steps)
         kept = []
         if self._log_path.is_file():
             kept = [line for line in self._log_path.read_text().splitlines()
                     if line.strip() and json.loads(line)["step"] < done]
         self._log_path.write_text("".join(line + "\n" for line in kept))
+        entries = [json.loads(line) for line in kept]
+        # (a run that was skipping steps when it stopped does not get a fresh max_skipped_steps)
+        in_a_row = next((i for i, e in enumerate(reversed(entries)) if not e.get("skipped")), len(entries))
+        self.coserver.resume(done, int(ck["tokens_trained"]), steps_skipped=done - steps,
+                             skipped_in_a_row=min(in_a_row, done - steps))
         # (the run's first loss is its first step's, before the resume: what "loss a -> b" reports)
-        self.coserver.first_loss = next((e["loss"] for e in map(json.loads, kept) if e.get("loss") is not None), None)
+        self.coserver.first_loss = next((e["loss"] for e in entries if e.get("loss") is not None), None)
         # (the steps after the checkpoint are trained again: so are their epochs' ends)
         self._epochs_saved = self.pool.epoch
         _remove_epoch_checkpoints(self.spec.output, after_step=done)
