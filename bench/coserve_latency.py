@@ -8,7 +8,11 @@ reports:
 - the delay from the start of a step that carries prefill (grant flag cleared) to the moment the
   trainer has stopped at a layer boundary and its queued GPU work has drained;
 - the delay a request sees when it arrives during an FT-only step (it waits for the next layer
-  boundary), next to the time of one decoder layer in such a step.
+  boundary), next to the time of one decoder layer in such a step;
+- after those, with fine-tuning turned off (policy ``off``) and the trainer's last task done, the
+  trace's first ``--idle-replay-s`` seconds again: the latency model's error on steps with the
+  trainer idle (``latency_model_error_trainer_idle``; the replay's own figure keeps the steps
+  before it), the same model refitting online as a server that stops fine-tuning would.
 
     PYTHONPATH=src python bench/coserve_latency.py --trace .traces/azure2023_conv.csv --duration 60 \\
         --out bench/results/coserve_latency.json
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import json
 import logging
@@ -231,6 +236,38 @@ def span_summary(spans: list[tuple[int, int, float, float]], num_layers: int,
     return out
 
 
+def model_errors(log: Sequence[Any]) -> dict[str, Any]:
+    """The latency model's relative error ``|predicted - measured| / measured`` per step key and
+    over ``all`` of the :class:`~coserve.core.coserver.StepLogRow` rows in ``log`` (each step was
+    predicted before the model observed it)."""
+    groups: dict[str, list[float]] = {}
+    for key, _, predicted, measured, *_ in log:
+        groups.setdefault(key, []).append(abs(predicted - measured) / measured)
+        groups.setdefault("all", []).append(abs(predicted - measured) / measured)
+    errors: dict[str, Any] = {}
+    for key, rel in sorted(groups.items()):
+        stats = error_summary(rel)
+        errors[key] = {"median_rel": stats.median_rel, "p99_rel": stats.p99_rel, "n": stats.n}
+    return errors
+
+
+def idle_replay(driver: InProcessDriver, session: FinetuneSession, arrivals: Sequence[Arrival],
+                duration_s: float, settle_s: float = 60.0) -> Any:
+    """The first ``duration_s`` seconds of ``arrivals`` with fine-tuning off: no FT rows are
+    admitted (policy ``off``), the backward tasks in flight finish first (up to ``settle_s``), so
+    that every step of the replay runs beside an idle trainer. Returns the driver's run."""
+    co = session.coserver
+    co.slo = dataclasses.replace(co.slo, policy="off")
+    deadline = time.monotonic() + settle_s
+    while co.backward_running and time.monotonic() < deadline:
+        session.wait(0.05)
+    if co.backward_running:
+        logging.getLogger(__name__).warning("the trainer still runs a task after %.0f s: the idle replay's "
+                                            "first steps run beside it", settle_s)
+    window = [a for a in arrivals if a.time_s < duration_s]
+    return driver.run(window, duration_s=duration_s, idle_wait=session.wait, drain_s=30.0)
+
+
 def longest_steps(steps: list[tuple[Any, ...]], top: int) -> dict[str, list[dict[str, Any]]]:
     """The ``top`` longest replay steps of each kind, as dicts of :data:`STEP_COLUMNS`."""
     by_kind: dict[str, list[tuple[Any, ...]]] = {}
@@ -347,6 +384,9 @@ def main() -> None:
     p.add_argument("--stream-priority", default="default", choices=["default", "high"],
                    help="the engine's steps on the GPU's highest-priority stream, the trainer a below-normal MPS "
                         "client (EngineConfig.stream_priority; not measured on the GPU before)")
+    p.add_argument("--idle-replay-s", type=float, default=20.0,
+                   help="after the probes, replay the trace's first this many seconds with fine-tuning off "
+                        "(the trainer idle): the latency model's error without the trainer (0: skip)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.threads:
@@ -405,16 +445,11 @@ def main() -> None:
     probes = probe_arrivals(args.probe_requests, seed=1)
     probe_run = driver.run(probes, duration_s=probes[-1].time_s + 0.5 if probes else 0.0,
                            ft_tokens=lambda: co.tokens_trained, idle_wait=session.wait, drain_s=10.0)
+    first_idle = len(co.step_log)
+    idle_run = idle_replay(driver, session, arrivals, args.idle_replay_s) if args.idle_replay_s > 0 else None
     session.close()
 
-    errors: dict[str, Any] = {}
-    groups: dict[str, list[float]] = {}
-    for key, _, predicted, measured, *_ in co.step_log:
-        groups.setdefault(key, []).append(abs(predicted - measured) / measured)
-        groups.setdefault("all", []).append(abs(predicted - measured) / measured)
-    for key, rel in sorted(groups.items()):
-        stats = error_summary(rel)
-        errors[key] = {"median_rel": stats.median_rel, "p99_rel": stats.p99_rel, "n": stats.n}
+    errors = model_errors(co.step_log[:first_idle])
     ft_only = [d for kind, d in result.entry_delays if kind.startswith("ft-only")]
     ft_only_probe = [d for kind, d in probe_run.entry_delays if kind.startswith("ft-only")]
     figures = {
@@ -458,6 +493,11 @@ def main() -> None:
             "attainment": attainment(reference.records, slo.ttft_slo_s, slo.tpot_slo_s),
             **latency_summary(reference.records),
         },
+        # steps with fine-tuning off: each key's error, the steps' kinds as the replay's
+        "latency_model_error_trainer_idle": None if idle_run is None else {
+            **model_errors(co.step_log[first_idle:]), "first_step": first_idle,
+            "attainment": attainment(idle_run.records, slo.ttft_slo_s, slo.tpot_slo_s),
+            "requests": len(idle_run.records), "duration_s": idle_run.duration_s},
         "steps": step_table(co.step_log),
         "replay": {
             "requests": len(result.records),

@@ -87,7 +87,9 @@ def trace_vs_hf(ours: dict[str, Any] | None, peer: dict[str, Any] | None) -> dic
 
 def slo_machinery(result: dict[str, Any]) -> dict[str, Any]:
     f = result["figures"]
-    return {"latency_model_error": f["latency_model_error"], "trainer_pause": f["trainer_pause"],
+    return {"latency_model_error": f["latency_model_error"],
+            "latency_model_error_trainer_idle": f.get("latency_model_error_trainer_idle"),
+            "trainer_pause": f["trainer_pause"],
             "trainer_spans": f.get("trainer_spans"), "ft_only_interruption": f["ft_only_interruption"],
             "replay": f["replay"], "prefill_error_by_size": prefill_error_by_size(f.get("steps"))}
 

@@ -1,0 +1,64 @@
+"""bench/coserve_latency.py's replay with fine-tuning off: the trainer's tasks finish first, then
+the trace's first seconds run with no FT rows admitted, and its steps' errors are their own."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from coserve.bench.workload import Arrival
+from coserve.core.config import SLOConfig
+
+BENCH = Path(__file__).parents[2] / "bench"
+sys.path.insert(0, str(BENCH))  # coserve_latency imports speed_common from its folder
+spec = importlib.util.spec_from_file_location("coserve_latency", BENCH / "coserve_latency.py")
+assert spec is not None and spec.loader is not None
+coserve_latency = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(coserve_latency)
+
+
+class _Session:
+    """A FinetuneSession whose co-server runs a backward task until ``wait`` was called thrice."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+        self.coserver = SimpleNamespace(slo=SLOConfig(ttft_slo_s=0.5, policy="full"), backward_running=True)
+
+    def wait(self, timeout: float) -> None:
+        self.waits += 1
+        self.coserver.backward_running = self.waits < 3
+
+
+class _Driver:
+    def __init__(self, session: _Session) -> None:
+        self.session, self.calls = session, []
+
+    def run(self, arrivals: list[Arrival], **kwargs: Any) -> str:
+        # by the time the replay starts, fine-tuning is off and the trainer idle
+        assert self.session.coserver.slo.policy == "off" and not self.session.coserver.backward_running
+        self.calls.append((arrivals, kwargs))
+        return "run"
+
+
+def test_the_idle_replay_waits_out_the_trainer_and_replays_the_first_seconds_with_ft_off() -> None:
+    session = _Session()
+    driver = _Driver(session)
+    arrivals = [Arrival(t, 16, 4) for t in (0.0, 1.0, 4.9, 5.0, 9.0)]
+    assert coserve_latency.idle_replay(driver, session, arrivals, 5.0) == "run"
+    assert session.waits == 3
+    (window, kwargs), = driver.calls
+    assert [a.time_s for a in window] == [0.0, 1.0, 4.9]
+    assert kwargs["duration_s"] == 5.0 and kwargs["idle_wait"] == session.wait
+    assert session.coserver.slo.ttft_slo_s == 0.5  # only the policy changed
+
+
+def test_model_errors_per_key_and_over_all() -> None:
+    log = [("decode/graph/idle", (), 0.011, 0.010), ("decode/graph/idle", (), 0.010, 0.010),
+           ("prefill/graph/idle", (), 0.030, 0.040)]
+    errors = coserve_latency.model_errors(log)
+    assert errors["decode/graph/idle"]["n"] == 2
+    assert abs(errors["prefill/graph/idle"]["median_rel"] - 0.25) < 1e-9
+    assert errors["all"]["n"] == 3

@@ -1,0 +1,68 @@
+"""bench/latency_noise_floor.py: the oracles find a position's slowdown and a drifting level, and
+leave exactly the steps' own spread."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import math
+import random
+from pathlib import Path
+
+BENCH = Path(__file__).parents[2] / "bench"
+spec = importlib.util.spec_from_file_location("latency_noise_floor", BENCH / "latency_noise_floor.py")
+assert spec is not None and spec.loader is not None
+noise_floor = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(noise_floor)
+
+NUM_LAYERS = 32
+
+
+def _rows(spread: float, n: int = 2000) -> list[list[object]]:
+    """Busy decode steps predicted at 10 ms: 30% slower while the trainer is at its loss, a level
+    that drifts slowly by ±10%, and a uniform ±``spread`` of each step's own."""
+    rng = random.Random(0)
+    rows: list[list[object]] = []
+    for i in range(n):
+        at = [NUM_LAYERS, 0] if i % 10 == 0 else [rng.randrange(1, NUM_LAYERS - 1), rng.randrange(9)]
+        slow = 1.3 if at[0] == NUM_LAYERS else 1.0
+        level = 1.0 + 0.1 * math.sin(i / 150)
+        measured = 0.01 * slow * level * (1 + rng.uniform(-spread, spread))
+        rows.append(["decode/graph/busy", 0.01, measured, [4.0, 4000.0, 1.0], [1, 0], at])
+    return rows
+
+
+def test_the_oracles_remove_the_position_and_the_level_and_leave_the_spread() -> None:
+    floor = noise_floor.floor_of(_rows(spread=0.05), 0.5)
+    assert floor["recorded"]["p99_rel"] > 0.25  # the loss steps' 30%
+    assert floor["oracle_position"]["p99_rel"] < 0.2  # the level's drift is left
+    # both: the drift gone too; what is left is the ±5% of each step (no less) and the error of
+    # a median of ten neighbours
+    assert 0.04 < floor["oracle_both"]["p99_rel"] < 0.08 < floor["oracle_position"]["p99_rel"]
+    within = floor["within_position"]
+    assert abs(within["loss"]["ratio_median"] - 1.3) < 0.05
+    assert set(within) == {"loss", "layers"}
+    quiet = noise_floor.floor_of(_rows(spread=0.01), 0.5)
+    assert quiet["oracle_both"]["p99_rel"] < 0.02
+
+
+def test_positions_follow_the_trainers_boundaries() -> None:
+    assert noise_floor.position(None, NUM_LAYERS) == "between_tasks"
+    assert noise_floor.position([-2, 0], NUM_LAYERS) == "start"
+    assert noise_floor.position([-1, 0], NUM_LAYERS) == "commit"
+    assert noise_floor.position([NUM_LAYERS, 3], NUM_LAYERS) == "loss"
+    assert noise_floor.position([NUM_LAYERS - 1, 3], NUM_LAYERS) == "first_layer"
+    assert noise_floor.position([0, 8], NUM_LAYERS) == "last_layer"
+    assert noise_floor.position([7, 2], NUM_LAYERS) == "layers"
+
+
+def test_main_reads_a_latency_result_and_writes_its_figures(tmp_path: Path) -> None:
+    path = tmp_path / "latency.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"figures": {"steps": {"columns": [], "rows": _rows(spread=0.05)[:400]}}}, f)
+    out = tmp_path / "floor.json"
+    assert noise_floor.main([str(path), "--out", str(out)]) == 0
+    figures = json.loads(out.read_text())["figures"]
+    assert figures["summary"]["decode/graph/busy"]["oracle_both"]["tables"] == 1
+    assert noise_floor.main([str(path), "--min-steps", "1000"]) == 1  # too few steps: said, not a crash
