@@ -45,7 +45,7 @@ from coserve.bench.runners import step_table, task_breakdown
 from coserve.bench.workload import Arrival, busiest_window, load_trace
 from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig, SLOConfig
 from coserve.core.coserver import CheckPoint
-from coserve.core.latency import BatchSpec, error_summary
+from coserve.core.latency import TRAINER_PHASES, BatchSpec, error_summary
 from coserve.engine.config import EngineConfig
 from coserve.engine.llm_engine import LLMEngine
 from coserve.models.presets import preset_path
@@ -515,6 +515,7 @@ def main() -> None:
                    "duration_s": args.duration, "scaling": vars(scaling), "slo": vars(slo),
                    "backward_tokens": args.backward_tokens, "max_num_batched_tokens": args.max_num_batched_tokens,
                    "trainer_sm_share": args.trainer_sm_share, "prefill_graphs": args.prefill_graphs, "threads": torch.get_num_threads(),
+                   "trainer_phases": list(TRAINER_PHASES),
                    "lora": {"rank": 16, "targets": list(LoRAConfig().target_modules)}},
         "figures": figures,
     }

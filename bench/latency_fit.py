@@ -76,6 +76,12 @@ session 24"; ``session24/latency_decode_schedule.json.gz``). ``--decode-forms-on
 only ``decode_forms`` (seconds per table; the per-key forms, ``replay`` and ``prefill_forms`` are
 left out); ``--decode-forms a,b``: only those forms beside ``after``.
 
+``phase_forms`` (``--phase-forms-only``, per table, decode sets): ``after`` replayed with the
+trainer phases before session 27 (``legacy``) and with this commit's (``current``: ``ending``,
+a step beside the backward's last layer, its own busy phase), held-out and in ``decode_forms``'
+views (``session27/latency_fit_phases.json``). Each table is recovered with the phases of the
+model that recorded it (``config.trainer_phases``, the legacy ones where a result has none).
+
 ``prefill_forms`` (per table, prefill sets of tables with the ``chunks`` … ``enqueue_s`` columns,
 since session 20): the prefill set replayed online as ``replay``'s ``after`` (same calibration,
 window, refit schedule and prior; ``after`` here equals ``replay``'s, so the forms compare on the
@@ -136,6 +142,7 @@ from coserve.core.latency import (
     LEVEL_RATE,
     SHARE_AFTER_STEPS,
     TERMS,
+    TRAINER_PHASES,
     LatencyModel,
     error_summary,
     from_legacy_prefill,
@@ -356,18 +363,30 @@ class Recovery(NamedTuple):
     six significant digits)."""
 
 
-def replay_phases(steps: list[list[Any]]) -> list[str]:
+LEGACY_TRAINER_PHASES = ("active", "quiet", "starting")
+"""``TRAINER_PHASES`` before session 27's ``ending``: the phases of the models that recorded the
+tables until then (a result whose config does not list ``trainer_phases``)."""
+
+
+def recorded_phases(result: dict[str, Any]) -> tuple[str, ...]:
+    """The trainer phases of the model that recorded ``result``'s step tables."""
+    return tuple(result.get("config", {}).get("trainer_phases") or LEGACY_TRAINER_PHASES)
+
+
+def replay_phases(steps: list[list[Any]], phases: tuple[str, ...] = TRAINER_PHASES) -> list[str]:
     """Each step's trainer phase (``coserve.core.latency.trainer_phase``) from its ``trainer_at``
-    (``[key, predicted, measured, regressors, rows, trainer_at, ...]``) and the step before."""
-    phases, previous = [], "starting"
+    (``[key, predicted, measured, regressors, rows, trainer_at, ...]``) and the step before, as a
+    model with only ``phases`` had it (a phase it did not have is ``active``: ``ending``, the
+    backward's last layer, for the models before session 27)."""
+    out, previous = [], "starting"
     for row in steps:
         key, at = row[0], row[5] if len(row) > 5 else None
         if key.endswith("/busy"):
             previous = trainer_phase(None if at is None else tuple(at), previous)
         else:  # the trainer paused, or no task in flight (then a later one starts from scratch)
             previous = "starting" if at is None else trainer_phase(tuple(at), previous)
-        phases.append(previous)
-    return phases
+        out.append(previous if previous in phases else "active")
+    return out
 
 
 def _solve_calibration(rows: list[list[Any]], phases: list[str], model: LatencyModel, level_rate: float,
@@ -427,9 +446,10 @@ def recover(rows: list[list[Any]], model: LatencyModel, phases: list[str] | None
     return best
 
 
-def recovered_calibration(rows: list[list[Any]], model: LatencyModel) -> dict[str, list[float]]:
-    """:func:`recover`'s calibration."""
-    return recover(rows, model).calibration
+def recovered_calibration(rows: list[list[Any]], model: LatencyModel,
+                          recorded: tuple[str, ...] = TRAINER_PHASES) -> dict[str, list[float]]:
+    """:func:`recover`'s calibration of a table recorded by a model with the ``recorded`` phases."""
+    return recover(rows, model, replay_phases(rows, recorded)).calibration
 
 
 def _configure(model: LatencyModel, graph_sizes: tuple[int, ...], prefill_buckets: tuple[int, ...] | None,
@@ -451,11 +471,15 @@ def _replay_model(graph_sizes: tuple[int, ...], prefill_buckets: tuple[int, ...]
 
 
 def replay(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
-           prefill_buckets: tuple[int, ...] | None, defer: bool = True) -> dict[str, Any]:
-    """Held-out error of the online model replayed step by step (module docstring, ``replay``)."""
+           prefill_buckets: tuple[int, ...] | None, defer: bool = True,
+           recorded: tuple[str, ...] = TRAINER_PHASES) -> dict[str, Any]:
+    """Held-out error of the online model replayed step by step (module docstring, ``replay``),
+    of a table recorded by a model with the trainer phases ``recorded`` (:func:`recorded_phases`).
+    ``after`` runs this commit's phases, the other forms the phases before ``ending``."""
     steps = [r for r in rows if r[2] > 0]
     phases = replay_phases(steps)
-    recovery = recover(steps, _replay_model(graph_sizes, prefill_buckets), phases)
+    legacy = replay_phases(steps, LEGACY_TRAINER_PHASES)
+    recovery = recover(steps, _replay_model(graph_sizes, prefill_buckets), replay_phases(steps, recorded))
     calibration = recovery.calibration
     state = {**LatencyModel().state_dict(), "coefficients": calibration, "calibration": calibration}
     predictions: dict[str, list[float]] = {}
@@ -463,7 +487,7 @@ def replay(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
         model = _replay_model(graph_sizes, prefill_buckets, options["level_rate"], defer, options["share_after"])
         model.load_state_dict(state)
         out = []
-        for (key, _, measured, vec, *_), phase in zip(steps, phases, strict=True):
+        for (key, _, measured, vec, *_), phase in zip(steps, phases if form == "after" else legacy, strict=True):
             base, busy = key.rsplit("/", 1)
             state_of = ("active" if not options["phases"] else phase) if busy == "busy" else "idle"
             v = current_regressors(base, vec)
@@ -548,12 +572,13 @@ def _host_floor(x: np.ndarray, z: np.ndarray, y: np.ndarray, enqueue: np.ndarray
 
 
 def prefill_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
-                  prefill_buckets: tuple[int, ...] | None, defer: bool = True) -> dict[str, Any]:
+                  prefill_buckets: tuple[int, ...] | None, defer: bool = True,
+                  recorded: tuple[str, ...] = TRAINER_PHASES) -> dict[str, Any]:
     """Held-out error of the prefill sets replayed online in :data:`PREFILL_FORMS` (module
     docstring, ``prefill_forms``); ``{}`` for a table without the chunk columns."""
     model = _replay_model(graph_sizes, prefill_buckets, defer=defer)
     steps = [r for r in rows if r[2] > 0]
-    calibration = recovered_calibration(steps, model)
+    calibration = recovered_calibration(steps, model, recorded)
     out: dict[str, Any] = {}
     for key in sorted({s[0] for s in steps if s[0].startswith("prefill/") and s[0].endswith("/idle")}):
         # [key, predicted, measured, regressors, rows, trainer_at, event_timed, chunks, decodes, _, enqueue_s]
@@ -593,17 +618,38 @@ def prefill_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, .
 
 def decode_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
                  prefill_buckets: tuple[int, ...] | None, defer: bool = True,
-                 names: Collection[str] | None = None) -> dict[str, Any]:
+                 names: Collection[str] | None = None, recorded: tuple[str, ...] = TRAINER_PHASES) -> dict[str, Any]:
     """Held-out error of the decode sets replayed online in ``latency_decode.DECODE_FORMS``
-    (module docstring, ``decode_forms``), from ``replay``'s calibration; ``names``: only these
-    forms (and ``after``)."""
+    (module docstring, ``decode_forms``), from ``replay``'s calibration (of a table recorded with
+    the phases ``recorded``); ``names``: only these forms (and ``after``). Every form runs this
+    commit's trainer phases."""
     steps = [r for r in rows if r[2] > 0]
     phases = replay_phases(steps)
-    calibration = recover(steps, _replay_model(graph_sizes, prefill_buckets), phases).calibration
+    calibration = recovered_calibration(steps, _replay_model(graph_sizes, prefill_buckets), recorded)
     state = {**LatencyModel().state_dict(), "coefficients": calibration, "calibration": calibration}
     return latency_decode.decode_forms(steps, phases, state, train,
                                        lambda m: _configure(m, graph_sizes, prefill_buckets, defer),
                                        current_regressors, names)
+
+
+def phase_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
+                prefill_buckets: tuple[int, ...] | None, defer: bool = True,
+                recorded: tuple[str, ...] = TRAINER_PHASES) -> dict[str, Any]:
+    """The decode sets' ``after`` (the model as it runs) replayed with the trainer phases before
+    session 27 (``legacy``: a step beside the backward's last layer is ``active``) and with this
+    commit's (``ending`` its own phase): held-out error and ``decode_forms``' views of each."""
+    steps = [r for r in rows if r[2] > 0]
+    calibration = recovered_calibration(steps, _replay_model(graph_sizes, prefill_buckets), recorded)
+    state = {**LatencyModel().state_dict(), "coefficients": calibration, "calibration": calibration}
+    out: dict[str, Any] = {}
+    for name, phases in (("legacy", LEGACY_TRAINER_PHASES), ("current", TRAINER_PHASES)):
+        got = latency_decode.decode_forms(steps, replay_phases(steps, phases), state, train,
+                                          lambda m: _configure(m, graph_sizes, prefill_buckets, defer),
+                                          current_regressors, ["after"])
+        for key, entry in got.items():
+            out.setdefault(key, {})[name] = {"held_out": entry["after"],
+                                             **{view: e["after"] for view, e in entry["views"].items()}}
+    return out
 
 
 def forms_summary(report: dict[str, Any]) -> dict[str, Any]:
@@ -635,6 +681,9 @@ def main() -> None:
                    help="per table only decode_forms (no per-key forms, replay or prefill_forms)")
     p.add_argument("--decode-forms", default=None,
                    help="comma-separated latency_decode.DECODE_FORMS to replay (and after); all by default")
+    p.add_argument("--phase-forms-only", action="store_true",
+                   help="per table only phase_forms: the decode sets' after with the trainer phases before "
+                        "session 27 and with this commit's")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not 0 < args.train < 1 or not 0 <= args.floor_quantile <= 1:
@@ -651,16 +700,23 @@ def main() -> None:
         if not tables:
             p.error(f"{path}: no step table (a result of this commit's `coserve bench` or coserve_latency.py)")
         graphs = bool(result.get("config", {}).get("prefill_graphs"))
+        recorded = recorded_phases(result)
         for name, rows in tables.items():
             pb = buckets if graphs else None
             entry: dict[str, Any] = {}
+            if args.phase_forms_only:
+                entry["phase_forms"] = phase_forms(rows, args.train, graph_sizes, pb,
+                                                   defer=not args.immediate_refits, recorded=recorded)
+                report[f"{Path(path).name}:{name}"] = entry
+                continue
             if not args.decode_forms_only:
                 entry = evaluate(rows, args.train, args.floor_quantile, graph_sizes)
-                entry["replay"] = replay(rows, args.train, graph_sizes, pb, defer=not args.immediate_refits)
+                entry["replay"] = replay(rows, args.train, graph_sizes, pb, defer=not args.immediate_refits,
+                                         recorded=recorded)
                 entry["prefill_forms"] = prefill_forms(rows, args.train, graph_sizes, pb,
-                                                       defer=not args.immediate_refits)
+                                                       defer=not args.immediate_refits, recorded=recorded)
             entry["decode_forms"] = decode_forms(rows, args.train, graph_sizes, pb, defer=not args.immediate_refits,
-                                                 names=names)
+                                                 names=names, recorded=recorded)
             report[f"{Path(path).name}:{name}"] = entry
     if any(e.get("prefill_forms") for e in report.values()):
         report["prefill_forms_summary"] = forms_summary(report)
@@ -675,6 +731,7 @@ def main() -> None:
                                              "prefill_buckets": args.prefill_buckets,
                                              "immediate_refits": args.immediate_refits,
                                              "decode_forms_only": args.decode_forms_only,
+                                             "phase_forms_only": args.phase_forms_only,
                                              "decode_forms": args.decode_forms},
                   "figures": report}
         body = json.dumps(record, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)

@@ -257,11 +257,16 @@ def test_host_floor_prices_host_bound_small_steps() -> None:
     assert got["prefill/eager/idle"]["host_floor"]["p99_rel"] < 0.05 < got["prefill/eager/idle"]["after"]["p99_rel"]
 
 
-def _busy_decode_table(server: Any, seed: int) -> list[list[object]]:
+def _busy_decode_table(server: Any, seed: int, legacy: bool = False) -> list[list[object]]:
     """Busy graph decode steps that ``server`` predicted before observing each, their time
     drifting ±12% every 40 steps (one backward task to the next), 35% slower beside the layers
-    than beside the commit (layer -1), 15% slower beside a task's start (-2)."""
+    than beside the commit (layer -1), 15% slower beside a task's start (-2), 20% slower beside
+    the backward's last layer (0). ``server`` reads the trainer's phase as this commit's model
+    does (``trainer_phase``), or as the models before session 27's ``ending`` phase (``legacy``)."""
+    from coserve.core.latency import trainer_phase
+
     rng = random.Random(seed)
+    previous = "starting"
     rows: list[list[object]] = []
     layer, drift = 31, 1.0
     for i in range(1600):
@@ -270,11 +275,13 @@ def _busy_decode_table(server: Any, seed: int) -> list[list[object]]:
         layer = layer - 1 if layer > -2 else 31
         b, kv = rng.randint(1, 64), rng.randint(100, 60_000)
         vec = [float(b), float(kv), 1.0]
-        slow = {-1: 0.0, -2: 0.15}.get(layer, 0.35)
+        slow = {-1: 0.0, -2: 0.15, 0: 0.2}.get(layer, 0.35)
         t = ((1e-5 * latency_fit._bucket(b, latency_fit.GRAPH_SIZES) + 3e-8 * kv + 5e-3) * (1 + slow) * drift
              * rng.uniform(0.99, 1.01))
         at = [layer, 0]
-        phase = "quiet" if layer == -1 else "starting" if layer == -2 else "active"
+        previous = phase = trainer_phase((layer, 0), previous)
+        if legacy and phase == "ending":
+            phase = "active"
         predicted = server.observe_regressors("decode/graph", server.bucketed(vec, "decode/graph"), t, phase)
         rows.append(["decode/graph/busy", predicted, t, vec, [0, 0], at])
     return rows
@@ -324,6 +331,29 @@ def test_replay_recovers_the_calibration_under_a_moving_level() -> None:
     assert only["young_250"] == forms["young_250"] and set(only["views"]["all_steps"]) == {"after", "young_250"}
     assert set(summary) - {"sets", "baseline", "baseline_max_median_rel"} == set(
         latency_fit.latency_decode.DECODE_FORMS) - {"after"}
+
+
+def test_a_table_recorded_before_the_ending_phase_is_recovered_with_its_own_phases() -> None:
+    """A table whose server had no ``ending`` phase (its layer-0 steps priced as ``active``):
+    recovered with the phases its result lists (none: the legacy ones), the calibration comes
+    back and ``per_phase`` (the legacy phases) reproduces its predictions; ``after`` runs the
+    ``ending`` phase, a different model."""
+    from coserve.core.latency import LatencyModel
+
+    calibration = {"decode/graph": [1e-5, 3e-8, 5e-3]}
+    server = LatencyModel(share_after=None)  # per_phase: the model of sessions 20-23
+    server.load_state_dict({"version": 2, "coefficients": calibration, "calibration": calibration})
+    server.graph_bucket = lambda n: int(latency_fit._bucket(n, latency_fit.GRAPH_SIZES))
+    server.defer_refits = True
+    rows = _busy_decode_table(server, 8, legacy=True)
+    recorded = latency_fit.recorded_phases({"config": {}})
+    assert recorded == latency_fit.LEGACY_TRAINER_PHASES
+    assert latency_fit.recorded_phases({"config": {"trainer_phases": ["active", "ending"]}}) == ("active", "ending")
+    report = latency_fit.replay(rows, 0.5, latency_fit.GRAPH_SIZES, None, recorded=recorded)
+    assert report["calibration"]["decode/graph"] == pytest.approx(calibration["decode/graph"], rel=1e-6)
+    decode = report["decode/graph/busy"]
+    assert decode["matches_recorded"]["per_phase"]["p99_rel"] < 1e-9
+    assert decode["matches_recorded"]["after"]["median_rel"] > 0 and "ending" in decode["by_phase"]
 
 
 def test_scheduled_level_moves_slowly_while_young_and_its_shared_level_at_its_own_rate() -> None:

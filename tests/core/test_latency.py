@@ -574,6 +574,9 @@ def test_trainer_phase_follows_the_progress_word() -> None:
     assert trainer_phase(None, "quiet") == "quiet"  # the finished task, not yet read back
     assert trainer_phase(None, "active") == "quiet"
     assert trainer_phase(None, "starting") == "starting"  # a task handed over, not yet begun
+    assert trainer_phase((0, 4), "active") == "ending"  # the backward's last layer
+    assert trainer_phase((1, 8), "active") == "active"
+    assert trainer_phase(None, "ending") == "quiet"
     with pytest.raises(ValueError, match="trainer phase"):
         StepFeatures(busy=True, trainer_phase="resting")
 

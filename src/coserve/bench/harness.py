@@ -69,6 +69,7 @@ from coserve.bench.runners import RUNNERS, BenchContext, TrainingSetup
 from coserve.bench.utilization import UtilizationSampler
 from coserve.bench.workload import Arrival, Scaling, Workload, load_workload
 from coserve.core.config import LoRAConfig, OptimConfig, SLOConfig
+from coserve.core.latency import TRAINER_PHASES
 from coserve.engine.config import EngineConfig
 from coserve.engine.llm_engine import LLMEngine
 from coserve.gc_freeze import freeze_startup_objects
@@ -262,6 +263,9 @@ def _config_section(
             "split_mps_percentage": ft.split_mps_percentage,
             "trainer_sm_share": ft.trainer_sm_share,
         },
+        # the latency model's busy phases: an offline replay of the step tables reads them
+        # (bench/latency_fit.py's recorded_phases)
+        "trainer_phases": list(TRAINER_PHASES),
         "configs": {
             c.name: {
                 "kind": str(c.kind),

@@ -69,12 +69,15 @@ KEYS: Final = tuple(f"{form}/{mode}" for form in TERMS for mode in MODES)
 DEFER_CAP: Final = 4
 """With :attr:`LatencyModel.defer_refits`, a set refits on the step path anyway once this many
 refit intervals have passed without the host asking for its due refits."""
-TRAINER_PHASES: Final = ("active", "quiet", "starting")
+TRAINER_PHASES: Final = ("active", "quiet", "starting", "ending")
 """What a busy step runs beside: ``active`` the backward's layers or loss; ``quiet`` its
 optimizer commit or nothing (the task's GPU work is done, its result not yet read); ``starting``
-a task that the worker is starting (its set-up and first kernels). On the H200, against
+a task that the worker is starting (its set-up and first kernels); ``ending`` the backward's last
+layer (layer 0), after which the task's GPU work stops within the step. On the H200, against
 ``active``, decode steps beside ``quiet`` ran ~0.8× and beside ``starting`` ~1.1×
-(``bench/results/latency_h200/session11/``)."""
+(``bench/results/latency_h200/session11/``), and beside layer 0 0.87–0.97× (session 27, on the
+recorded tables of sessions 20–26: with ``ending`` the replayed held-out p99 of the busy decode
+set fell on 14 of 14 tables, by 0.05–2.4 points; ``bench/results/latency_h200/README.md``)."""
 # NOTE: the stream gate's boundary labels (coserve.trainer.stream_gate COMMIT / TASK_START; core
 # does not import the trainer, tests/core/test_latency.py checks they agree)
 _COMMIT: Final = -1
@@ -93,12 +96,15 @@ def trainer_phase(at: tuple[int, int] | None, previous: str) -> str:
     """The :data:`TRAINER_PHASES` phase of a task in flight whose GPU passed boundary ``at`` last
     (``None``: not in a task), given the phase read for the step before (``"starting"`` when no
     task was in flight then): ``None`` after a commit or a running task is the finished task
-    (``quiet``); before any of its boundaries, the task just handed over (``starting``)."""
+    (``quiet``); before any of its boundaries, the task just handed over (``starting``); a
+    boundary of layer 0, the backward's last layer, ``ending``."""
     if at is None:
-        return "quiet" if previous in ("quiet", "active") else "starting"
+        return "starting" if previous == "starting" else "quiet"
     if at[0] == _COMMIT:
         return "quiet"
-    return "starting" if at[0] == _TASK_START else "active"
+    if at[0] == _TASK_START:
+        return "starting"
+    return "ending" if at[0] == 0 else "active"
 
 
 class Chunk(NamedTuple):
