@@ -265,7 +265,7 @@ def decode_forms(steps: list[list[Any]], phases: list[str], state: Mapping[str, 
         for i, (row, phase) in enumerate(zip(steps, phases, strict=True)):
             key, measured, at = row[0], row[2], row[5] if len(row) > 5 else None
             base, busy = key.rsplit("/", 1)
-            s = (base, phase if busy == "busy" else "idle")
+            s = (base, trace.phase_of(base, phase) if busy == "busy" else "idle")
             v = trace.bucketed(regressors(base, row[3]), base)
             if phase == "starting" and previous != "starting":
                 for level in levels.values():

@@ -404,7 +404,8 @@ def _solve_calibration(rows: list[list[Any]], phases: list[str], model: LatencyM
         if level_rate > 0 and base.startswith(LEVEL_FORMS):
             # the level's rule (LatencyModel.observe_regressors): its value before this step is
             # known from the recorded predictions and times of the set's earlier steps alone
-            s = (base, (phase if per_phase else "active") if busy == "busy" else "idle")
+            # (a key's first steps, before LatencyModel.ending_after: ``ending`` is ``active``)
+            s = (base, (phase if per_phase and phase != "ending" else "active") if busy == "busy" else "idle")
             now = level.get(s, 0.0)
             linear = predicted * math.exp(-now)
             if linear > 0:

@@ -688,6 +688,37 @@ def test_busy_phases_share_one_level_after_the_keys_first_busy_steps() -> None:
         LatencyModel(share_after=-1)
 
 
+def test_the_ending_phase_is_priced_as_active_until_its_key_has_ending_after_busy_steps() -> None:
+    """Beside the backward's last layer a decode step runs faster than beside its other layers:
+    once the key has ``ending_after`` busy steps, ``ending`` is a set of its own and learns that;
+    before, it is the ``active`` set (a new set's level would start from nothing)."""
+    rng = random.Random(15)
+    plan = [measure(s, random.Random(0), noise=0.0) for s in calibration_plan(512, 64, 64 * 2000, modes=("graph",))]
+    model, legacy = LatencyModel(ending_after=40), LatencyModel(ending_after=None)
+    for m in (model, legacy):
+        m.fit(plan)
+    spec = BatchSpec(decode_kv=(500,) * 8, mode="graph")
+    ending = replace(spec.features(busy=True), trainer_phase="ending")
+    active = replace(ending, trainer_phase="active")
+    assert model.phase_of("decode/graph", "ending") == "active"
+    assert model.predict(ending) == model.predict(active)
+    slow = {"active": 0.6, "ending": 0.2}
+    for i, (s, _) in enumerate(_decode_steps(rng, 400)):
+        phase = "ending" if i % 4 == 0 else "active"
+        seconds = true_time(s.features()) * (1 + slow[phase]) * rng.uniform(0.99, 1.01)
+        for m in (model, legacy):
+            m.observe(s.record(seconds, busy=True), phase)
+    assert model.phase_of("decode/graph", "ending") == "ending"
+    assert model.phase_of("prefill/graph", "ending") == "active"  # (no busy steps of its own)
+    truth = true_time(spec.features())
+    assert model.predict(ending) == pytest.approx(truth * 1.2, rel=0.04)
+    assert model.predict(active) == pytest.approx(truth * 1.6, rel=0.04)
+    assert legacy.phase_of("decode/graph", "ending") == "active"
+    assert legacy.predict(ending) == legacy.predict(active)
+    with pytest.raises(ValueError):
+        LatencyModel(ending_after=-1)
+
+
 def test_one_stall_moves_the_level_by_at_most_the_clip_and_prefill_sets_have_none() -> None:
     rng = random.Random(13)
     model = LatencyModel()

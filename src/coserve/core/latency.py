@@ -75,9 +75,14 @@ optimizer commit or nothing (the task's GPU work is done, its result not yet rea
 a task that the worker is starting (its set-up and first kernels); ``ending`` the backward's last
 layer (layer 0), after which the task's GPU work stops within the step. On the H200, against
 ``active``, decode steps beside ``quiet`` ran ~0.8× and beside ``starting`` ~1.1×
-(``bench/results/latency_h200/session11/``), and beside layer 0 0.87–0.97× (session 27, on the
-recorded tables of sessions 20–26: with ``ending`` the replayed held-out p99 of the busy decode
-set fell on 14 of 14 tables, by 0.05–2.4 points; ``bench/results/latency_h200/README.md``)."""
+(``bench/results/latency_h200/session11/``), and beside layer 0 0.87–0.97×. ``ending`` is its
+own phase only for a decode key past :data:`SHARE_AFTER_STEPS` busy steps
+(:attr:`LatencyModel.ending_after`; before, and for prefill keys, it is ``active``): offline on
+the fourteen recorded tables of sessions 20–26, the busy decode set's held-out p99 fell on all
+fourteen (by 0.1–2.6 points), its p99 over all steps on 10 of the 11 default-mode tables (the
+eleventh +0.02), the first 500 steps unchanged by construction; from the first step, a new
+phase set's level starting at 0 raised one table's first-500 p99 from 14.2% to 23.0%
+(``bench/latency_fit.py --phase-forms-only``, ``bench/results/latency_h200/README.md``)."""
 # NOTE: the stream gate's boundary labels (coserve.trainer.stream_gate COMMIT / TASK_START; core
 # does not import the trainer, tests/core/test_latency.py checks they agree)
 _COMMIT: Final = -1
@@ -392,7 +397,10 @@ class LatencyModel:
     :data:`DEFAULT_COEFFICIENTS`. A decode set's level (module docstring) moves by
     ``level_rate`` of each observed step's log ratio (0: no level); a key's shared busy level by
     ``shared_level_rate``, its busy phases joining it after ``share_after`` busy steps (None:
-    each phase keeps its own level, the model before session 24).
+    each phase keeps its own level, the model before session 24). A step beside the backward's
+    last layer (phase ``ending``) is priced as its own phase once its decode key has
+    ``ending_after`` busy steps, as ``active`` before (None: always, the model before session
+    27; :meth:`phase_of`).
 
     :meth:`safety` is how far the set's recent steps ran over their predictions (the
     ``safety_quantile`` of measured / predicted over the last ``safety_window`` steps, each
@@ -415,6 +423,7 @@ class LatencyModel:
         level_rate: float = LEVEL_RATE,
         shared_level_rate: float = SHARED_LEVEL_RATE,
         share_after: int | None = SHARE_AFTER_STEPS,
+        ending_after: int | None = SHARE_AFTER_STEPS,
     ) -> None:
         if window < 1 or refit_every < 1 or prior_weight < 0:
             raise ValueError("LatencyModel needs window >= 1, refit_every >= 1, prior_weight >= 0")
@@ -427,12 +436,15 @@ class LatencyModel:
             raise ValueError("LatencyModel needs 0 <= level_rate < 1 and 0 <= shared_level_rate < 1")
         if share_after is not None and share_after < 0:
             raise ValueError("LatencyModel needs share_after >= 0 (or None)")
+        if ending_after is not None and ending_after < 0:
+            raise ValueError("LatencyModel needs ending_after >= 0 (or None)")
         self.window = window
         self.refit_every = refit_every
         self.prior_weight = prior_weight
         self.level_rate = level_rate
         self.shared_level_rate = shared_level_rate
         self.share_after = share_after
+        self.ending_after = ending_after
         self._defaults = {form: _checked(form, defaults[form]) for form in TERMS}
         self._coef: dict[str, tuple[float, ...]] = {}
         self._busy: dict[str, tuple[float, ...]] = {}  # by busy_key(key, phase)
@@ -521,7 +533,15 @@ class LatencyModel:
     def predict_regressors(self, key: str, regressors: Sequence[float], state: str = "idle") -> float:
         """:meth:`predict` of a ``key`` step of :meth:`regressors` ``regressors`` in ``state``
         (:attr:`StepFeatures.state`)."""
+        state = self.phase_of(key, state)
         return self._linear(key, regressors, state) * math.exp(self._level.get(self._level_key(key, state), 0.0))
+
+    def phase_of(self, key: str, state: str) -> str:
+        """The set a ``key`` step in ``state`` is priced and observed in: ``ending`` is
+        ``active`` until ``key`` has :attr:`ending_after` busy steps (TRAINER_PHASES)."""
+        if state == "ending" and (self.ending_after is None or self._busy_steps.get(key, 0) < self.ending_after):
+            return "active"
+        return state
 
     def _level_key(self, key: str, state: str) -> tuple[str, str]:
         """Whose level scales a ``key`` step in ``state``: ``(key, SHARED)`` for a busy phase
@@ -542,7 +562,8 @@ class LatencyModel:
         """The factor (≥ 1) by which recent steps of ``features``' set ran over their predictions:
         1 until the set has ``safety_min_steps`` observations. A lookup: admission asks it for
         every candidate sample of every step."""
-        return self._safety.get((features.key, features.state), 1.0)
+        key = features.key
+        return self._safety.get((key, self.phase_of(key, features.state)), 1.0)
 
     # -- fitting
 
@@ -550,7 +571,7 @@ class LatencyModel:
         """Calibrate from measured steps: every set with data is refitted and becomes the prior."""
         groups: dict[tuple[str, str], list[tuple[tuple[float, ...], float]]] = {}
         for row, key, state in _rows(records, self.regressors):
-            groups.setdefault((key, state), []).append(row)
+            groups.setdefault((key, self.phase_of(key, state)), []).append(row)
         for (key, state), rows in sorted(groups.items(), key=lambda kv: kv[0][1] != "idle"):
             self._solve(key, state, rows, prior=None)
             slot = _slot(key, state)
@@ -575,6 +596,7 @@ class LatencyModel:
     ) -> float:
         """:meth:`observe` of a ``key`` step of :meth:`regressors` ``regressors`` in ``state``
         that took ``duration_s`` (> 0) seconds (an offline replay of recorded steps calls it)."""
+        state = self.phase_of(key, state)
         s = (key, state)
         v = tuple(float(x) for x in regressors)
         linear = self._linear(key, v, state)
