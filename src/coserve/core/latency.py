@@ -75,7 +75,8 @@ optimizer commit or nothing (the task's GPU work is done, its result not yet rea
 a task that the worker is starting (its set-up and first kernels); ``ending`` the backward's last
 layer (layer 0), after which the task's GPU work stops within the step. On the H200, against
 ``active``, decode steps beside ``quiet`` ran ~0.8× and beside ``starting`` ~1.1×
-(``bench/results/latency_h200/session11/``), and beside layer 0 0.87–0.97×. ``ending`` is its
+(``bench/results/latency_h200/session11/``), and beside layer 0 0.89–0.96× their prediction
+(session 27). ``ending`` is its
 own phase only for a decode key past :data:`SHARE_AFTER_STEPS` busy steps
 (:attr:`LatencyModel.ending_after`; before, and for prefill keys, it is ``active``): offline on
 the fourteen recorded tables of sessions 20–26, the busy decode set's held-out p99 fell on all
