@@ -91,7 +91,26 @@ def slo_machinery(result: dict[str, Any]) -> dict[str, Any]:
             "latency_model_error_trainer_idle": f.get("latency_model_error_trainer_idle"),
             "trainer_pause": f["trainer_pause"],
             "trainer_spans": f.get("trainer_spans"), "ft_only_interruption": f["ft_only_interruption"],
-            "replay": f["replay"], "prefill_error_by_size": prefill_error_by_size(f.get("steps"))}
+            "replay": f["replay"], "prefill_error_by_size": prefill_error_by_size(f.get("steps")),
+            "noise_floor": noise_floor(f.get("steps"))}
+
+
+def noise_floor(steps: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Per step key with enough steps, the held-out p99 of the recorded predictions and of
+    ``bench/latency_noise_floor.py``'s oracles, and the spread inside each trainer position:
+    whether a p99 above the goal is the model's or the steps' own."""
+    if not steps:
+        return None
+    by_key: dict[str, list[list[Any]]] = {}
+    for row in steps["rows"]:
+        by_key.setdefault(row[0], []).append(row)
+    out = {}
+    for key, rows in sorted(by_key.items()):
+        if len(rows) >= 100:
+            floor = _NOISE_FLOOR.floor_of(rows, 0.5)
+            out[key] = {**{form: e["p99_rel"] for form, e in floor.items() if "p99_rel" in e},
+                        "spread_p99_by_position": {g: w["spread_p99"] for g, w in floor["within_position"].items()}}
+    return out
 
 
 def prefill_error_by_size(steps: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -115,6 +134,7 @@ def _load_module(name: str) -> Any:
 
 
 _LATENCY_FIT = _load_module("latency_fit")
+_NOISE_FLOOR = _load_module("latency_noise_floor")
 
 
 def lora_variant(result: dict[str, Any]) -> dict[str, Any]:

@@ -84,6 +84,8 @@ def test_report_reads_the_lora_jobs_profiles_and_other_latency_runs(tmp_path: Pa
     by_size = got["slo_machinery"]["prefill_error_by_size"]["prefill/eager/idle"]
     assert set(by_size) <= {f"{ft}/{size}" for ft in ("ft", "no_ft") for size in ("<512", "<1024", "<1800", ">=1800")}
     assert sum(b["n"] for b in by_size.values()) > 0
+    floor = got["slo_machinery"]["noise_floor"]["decode/graph/busy"]
+    assert floor["oracle_both"] < floor["recorded"] and floor["spread_p99_by_position"]
     other = got["slo_machinery_other"]["coserve_latency_share100"]
     assert other["trainer_pause"]["delay_p99_ms"] == pytest.approx(7.64, abs=0.01)
     assert got["lora_kernels_us_per_layer"] is None  # no lora_kernels job in that call
