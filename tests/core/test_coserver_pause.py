@@ -488,6 +488,28 @@ def test_decode_steps_beside_a_commit_are_learned_and_priced_as_the_quiet_phase(
     assert co.latency.predict(StepFeatures.from_view(DECODE, busy=True)) == pytest.approx(0.02)
 
 
+@pytest.mark.parametrize("ending_after", [0, 500])
+def test_decode_steps_beside_the_backwards_last_layer_are_the_ending_phase_once_the_key_is_old(
+        ending_after: int) -> None:
+    """Beside layer 0 (the backward's last) a step is ``ending``: its own busy set once the decode
+    key has ``ending_after`` busy steps (here from the first), the running backward's before."""
+    latency = model(0.01, (1.0, 0.0))
+    latency.ending_after = ending_after
+    co, trainer = coserver(latency)
+    trainer.progress = lambda: (0, 3)  # type: ignore[attr-defined]
+    for _ in range(12):
+        co.plan(DECODE)
+        co.on_step_end(StepRecord(view=DECODE, ft_tokens=0, duration_s=0.013, mode="graph", trainer_busy=True))
+    ending = StepFeatures.from_view(DECODE, busy=True, trainer_phase="ending")
+    active = StepFeatures.from_view(DECODE, busy=True)
+    assert co.latency.predict(ending) == pytest.approx(0.013, rel=0.05)
+    if ending_after:  # (as active: the running backward's term learned it)
+        assert co.latency.predict(active) == co.latency.predict(ending)
+    else:
+        assert co.latency.busy_term("decode/graph") == (1.0, 0.0)
+        assert co.latency.predict(active) == pytest.approx(0.02)
+
+
 QUEUED = replace(PREFILL, num_waiting=3, oldest_waiting_arrival=0.95, waiting_prefill_tokens=600)
 
 
