@@ -3,16 +3,14 @@ session 4's four workloads in its session4/ folder)."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
+from tests.bench.scripts import load_script
+
 ROOT = Path(__file__).parents[2]
-spec = importlib.util.spec_from_file_location("eval_table", ROOT / "bench" / "eval_table.py")
-assert spec is not None and spec.loader is not None
-eval_table = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(eval_table)
+eval_table = load_script("eval_table")
 
 
 def test_table_and_goals_from_the_committed_evaluation() -> None:

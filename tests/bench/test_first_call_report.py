@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import shutil
 import sys
@@ -11,11 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.bench.scripts import load_script
+
 ROOT = Path(__file__).parents[2]
-spec = importlib.util.spec_from_file_location("first_call_report", ROOT / "bench" / "first_call_report.py")
-assert spec is not None and spec.loader is not None
-first_call_report = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(first_call_report)
+first_call_report = load_script("first_call_report")
 RESULTS = ROOT / "bench" / "results"
 
 
@@ -139,10 +137,7 @@ def test_report_reads_the_skinny_mm_check(tmp_path: Path) -> None:
 def test_report_reads_the_trainer_stretches_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """trainer_stretches_CLOCK.json from bench/profile_trainer_cpu.py (run here on the CPU, with
     --trace) and trainer_gate_cost.json (bench/gate_cost.py's layout: it needs a GPU)."""
-    pspec = importlib.util.spec_from_file_location("profile_trainer_cpu", ROOT / "bench" / "profile_trainer_cpu.py")
-    assert pspec is not None and pspec.loader is not None
-    profile = importlib.util.module_from_spec(pspec)
-    pspec.loader.exec_module(profile)
+    profile = load_script("profile_trainer_cpu")
     monkeypatch.setattr(sys, "argv", ["profile_trainer_cpu.py", "--layers", "2", "--reps", "1", "--warmup", "0",
                                       "--rows", "3", "--clock", "wall", "--trace",
                                       "--json", str(tmp_path / "trainer_stretches_wall.json")])

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import random
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-BENCH = Path(__file__).parents[2] / "bench"
-spec = importlib.util.spec_from_file_location("latency_fit", BENCH / "latency_fit.py")
-assert spec is not None and spec.loader is not None
-latency_fit = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(latency_fit)
+from tests.bench.scripts import load_script
+
+latency_fit = load_script("latency_fit")
 
 
 def _rows(floor: float) -> list[list[object]]:

@@ -3,21 +3,14 @@ the trace's first seconds run with no FT rows admitted, and its steps' errors ar
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 from coserve.bench.workload import Arrival
 from coserve.core.config import SLOConfig
+from tests.bench.scripts import load_script
 
-BENCH = Path(__file__).parents[2] / "bench"
-sys.path.insert(0, str(BENCH))  # coserve_latency imports speed_common from its folder
-spec = importlib.util.spec_from_file_location("coserve_latency", BENCH / "coserve_latency.py")
-assert spec is not None and spec.loader is not None
-coserve_latency = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(coserve_latency)
+coserve_latency = load_script("coserve_latency")
 
 
 class _Session:

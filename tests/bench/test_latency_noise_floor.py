@@ -4,17 +4,14 @@ leave exactly the steps' own spread."""
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import math
 import random
 from pathlib import Path
 
-BENCH = Path(__file__).parents[2] / "bench"
-spec = importlib.util.spec_from_file_location("latency_noise_floor", BENCH / "latency_noise_floor.py")
-assert spec is not None and spec.loader is not None
-noise_floor = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(noise_floor)
+from tests.bench.scripts import load_script
+
+noise_floor = load_script("latency_noise_floor")
 
 NUM_LAYERS = 32
 

@@ -3,18 +3,11 @@ by the boundary the trainer paused at."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCH = Path(__file__).parents[2] / "bench"
-sys.path.insert(0, str(BENCH))  # coserve_latency imports speed_common from its folder
-spec = importlib.util.spec_from_file_location("coserve_latency", BENCH / "coserve_latency.py")
-assert spec is not None and spec.loader is not None
-coserve_latency = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(coserve_latency)
+from tests.bench.scripts import load_script
+
+coserve_latency = load_script("coserve_latency")
 
 
 def test_first_pause_per_window_and_split_by_boundary() -> None:

@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCH = Path(__file__).parents[2] / "bench"
-sys.path.insert(0, str(BENCH))  # profile_lora imports engine_speed and speed_common from its folder
-spec = importlib.util.spec_from_file_location("profile_lora", BENCH / "profile_lora.py")
-assert spec is not None and spec.loader is not None
-profile_lora = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(profile_lora)
+from tests.bench.scripts import load_script
+
+profile_lora = load_script("profile_lora")
 
 
 def test_idle_time_is_the_span_less_the_union_of_activities() -> None:

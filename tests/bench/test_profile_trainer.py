@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -11,12 +10,10 @@ import pytest
 import torch
 
 import coserve.trainer.backward as trainer_backward
+from tests.bench.scripts import load_script
 
 ROOT = Path(__file__).parents[2]
-spec = importlib.util.spec_from_file_location("profile_trainer_cpu", ROOT / "bench" / "profile_trainer_cpu.py")
-assert spec is not None and spec.loader is not None
-profile = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(profile)
+profile = load_script("profile_trainer_cpu")
 
 
 @pytest.mark.parametrize("by_hand", [False, True])
@@ -73,10 +70,7 @@ def test_the_trace_splits_one_layers_host_time_by_stretch(tmp_path: Path, monkey
 def test_the_gate_cost_bench_says_it_needs_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: the bench runs (bench/first_call.sh trainer_stretches)")
-    gspec = importlib.util.spec_from_file_location("gate_cost", ROOT / "bench" / "gate_cost.py")
-    assert gspec is not None and gspec.loader is not None
-    gate_cost = importlib.util.module_from_spec(gspec)
-    gspec.loader.exec_module(gate_cost)
+    gate_cost = load_script("gate_cost")
     monkeypatch.setattr(sys, "argv", ["gate_cost.py"])
     with pytest.raises(SystemExit, match="needs a GPU"):
         gate_cost.main()

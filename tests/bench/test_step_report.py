@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-spec = importlib.util.spec_from_file_location("step_report", Path(__file__).parents[2] / "bench" / "step_report.py")
-assert spec is not None and spec.loader is not None
-step_report = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(step_report)
+from tests.bench.scripts import load_script
+
+step_report = load_script("step_report")
 
 COLUMNS = ["t_s", "kind", "mode", "prefill_tokens", "decode_tokens", "seconds", "schedule_s",
            "forward_enqueue_s", "forward_gpu_s", "prefill_context_tokens", "ft_tokens", "forward_cpu_s"]
