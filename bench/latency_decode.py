@@ -263,7 +263,9 @@ def decode_forms(steps: list[list[Any]], phases: list[str], state: Mapping[str, 
         busy_steps: dict[str, int] = {}  # per key, its busy steps measured so far
         previous = "starting"
         for i, (row, phase) in enumerate(zip(steps, phases, strict=True)):
-            key, measured, at = row[0], row[2], row[5] if len(row) > 5 else None
+            # (the model's part of the step: after admission's decision, planned_s before it)
+            pl = float(row[11] or 0.0) if len(row) > 11 else 0.0
+            key, measured, at = row[0], row[2] - pl, row[5] if len(row) > 5 else None
             base, busy = key.rsplit("/", 1)
             s = (base, trace.phase_of(base, phase) if busy == "busy" else "idle")
             v = trace.bucketed(regressors(base, row[3]), base)
@@ -280,7 +282,7 @@ def decode_forms(steps: list[list[Any]], phases: list[str], state: Mapping[str, 
                         k = (base, s[1])
                     elif form.share_after:
                         levels[name].join(k, (base, s[1]))
-                    preds[name][i] = linear * math.exp(levels[name].value(k))
+                    preds[name][i] = linear * math.exp(levels[name].value(k)) + pl
                     if linear > 0:
                         levels[name].observe(k, math.log(measured / linear))
                     history[name].setdefault(k, []).append((base, s[1], v, measured))

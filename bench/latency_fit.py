@@ -175,6 +175,15 @@ def step_tables(result: dict[str, Any], config: str | None) -> dict[str, list[li
 
 
 I_CTX = TERMS["prefill"].index("i_ctx")
+PLANNED = 11
+"""The step table's ``planned_s`` column (since session 27): the step's host seconds up to
+admission's decision, part of ``predicted_s`` as measured; the model prices the rest."""
+
+
+def planned(row: list[Any]) -> float:
+    """A recorded step's ``planned_s`` (0 for a table recorded before the column: its model
+    priced the whole step)."""
+    return float(row[PLANNED] or 0.0) if len(row) > PLANNED else 0.0
 
 
 def current_regressors(key: str, vec: list[float]) -> list[float]:
@@ -395,7 +404,10 @@ def _solve_calibration(rows: list[list[Any]], phases: list[str], model: LatencyM
     predictions divided by the level they carried, then solved for the coefficients."""
     first: dict[str, list[tuple[tuple[float, ...], float]]] = {}
     level: dict[tuple[str, str], float] = {}
-    for (key, predicted, measured, vec, *_), phase in zip(rows, phases, strict=True):
+    for row, phase in zip(rows, phases, strict=True):
+        key, vec = row[0], row[3]
+        # (the model's part of the step: what it predicted and what it learned from)
+        predicted, measured = row[1] - planned(row), row[2] - planned(row)
         base, busy = key.rsplit("/", 1)
         seen = first.setdefault(key, [])
         if len(seen) >= CALIBRATED_STEPS:
@@ -488,13 +500,14 @@ def replay(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
         model = _replay_model(graph_sizes, prefill_buckets, options["level_rate"], defer, options["share_after"])
         model.load_state_dict(state)
         out = []
-        for (key, _, measured, vec, *_), phase in zip(steps, phases if form == "after" else legacy, strict=True):
+        for row, phase in zip(steps, phases if form == "after" else legacy, strict=True):
+            key, measured, vec, pl = row[0], row[2], row[3], planned(row)
             base, busy = key.rsplit("/", 1)
             state_of = ("active" if not options["phases"] else phase) if busy == "busy" else "idle"
             v = current_regressors(base, vec)
             if not options["context"] and base.startswith("prefill/"):
                 v = [*v[:I_CTX], 0.0, *v[I_CTX + 1:]]
-            out.append(model.observe_regressors(base, model.bucketed(v, base), measured, state_of))
+            out.append(model.observe_regressors(base, model.bucketed(v, base), measured - pl, state_of) + pl)
         predictions[form] = out
     report: dict[str, Any] = {"calibration": calibration, "recovery": {
         "level_rate": recovery.level_rate, "level_per_phase": recovery.level_per_phase,
@@ -588,7 +601,8 @@ def prefill_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, .
             continue
         base = key.rsplit("/", 1)[0]
         x = np.asarray([model.bucketed(current_regressors(base, s[3]), base) for s in own], np.float64)
-        y = np.asarray([s[2] for s in own], np.float64)
+        pl = np.asarray([planned(s) for s in own], np.float64)
+        y = np.asarray([s[2] for s in own], np.float64) - pl  # (the model's part; pl added back below)
         prior = list(calibration[base])
         ctx = np.asarray([sum(c[1] for c in s[7]) for s in own], np.float64)
         tiles = np.asarray([sum(-(-c[0] // TILE) * c[1] for c in s[7]) for s in own], np.float64)
@@ -613,7 +627,8 @@ def prefill_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, .
         }
         held = int(len(y) * train)
         out[key] = {"held_out_steps": len(y) - held, **{
-            form: _errors(torch.from_numpy(p[held:]), torch.from_numpy(y[held:])) for form, p in preds.items()}}
+            form: _errors(torch.from_numpy((p + pl)[held:]), torch.from_numpy((y + pl)[held:]))
+            for form, p in preds.items()}}
     return out
 
 

@@ -352,6 +352,39 @@ def test_a_table_recorded_before_the_ending_phase_is_recovered_with_its_own_phas
     assert decode["matches_recorded"]["after"]["median_rel"] > 0 and "ending" in decode["by_phase"]
 
 
+def test_a_table_with_the_steps_planned_time_is_replayed_on_the_models_part() -> None:
+    """Since session 27 a step's host time up to admission's decision (``planned_s``) is part of
+    its prediction as measured and the model learns the rest: the replay does the same, so it
+    reproduces the recorded predictions, and pricing the whole step instead misses the host's
+    stalls."""
+    from coserve.core.latency import LatencyModel
+
+    calibration = {"decode/graph": [1e-5, 3e-8, 5e-3]}
+    server = LatencyModel()
+    server.load_state_dict({"version": 2, "coefficients": calibration, "calibration": calibration})
+    server.graph_bucket = lambda n: int(latency_fit._bucket(n, latency_fit.GRAPH_SIZES))
+    server.defer_refits = True
+    rng = random.Random(3)
+    rows: list[list[object]] = []
+    for i in range(800):
+        b, kv = rng.randint(1, 64), rng.randint(100, 60_000)
+        vec = [float(b), float(kv), 1.0]
+        forward = (1e-5 * latency_fit._bucket(b, latency_fit.GRAPH_SIZES) + 3e-8 * kv + 5e-3) * rng.uniform(0.99, 1.01)
+        planned = 3e-3 if i % 10 == 0 else 2e-4  # (every tenth step took in a trainer's results)
+        predicted = server.observe_regressors("decode/graph", server.bucketed(vec, "decode/graph"), forward)
+        rows.append(["decode/graph/idle", predicted + planned, planned + forward, vec, [0, 0], None, False, [], b,
+                     planned, 1e-4, planned])
+    report = latency_fit.replay(rows, 0.5, latency_fit.GRAPH_SIZES, None)
+    decode = report["decode/graph/idle"]
+    assert report["calibration"]["decode/graph"] == pytest.approx(calibration["decode/graph"], rel=1e-6)
+    assert decode["matches_recorded"]["after"]["p99_rel"] < 1e-9
+    assert decode["after"]["p99_rel"] < 0.02
+    whole = latency_fit.replay([r[:11] for r in rows], 0.5, latency_fit.GRAPH_SIZES, None)["decode/graph/idle"]
+    assert whole["after"]["p99_rel"] > 0.1  # (the stalled steps, priced as the others)
+    forms = latency_fit.decode_forms(rows, 0.5, latency_fit.GRAPH_SIZES, None, names=["after"])["decode/graph/idle"]
+    assert forms["after"] == pytest.approx(decode["after"], rel=1e-9)
+
+
 def test_scheduled_level_moves_slowly_while_young_and_its_shared_level_at_its_own_rate() -> None:
     """``Scheduled``: ``young_rate`` for a level's first ``young_steps`` steps, then ``rate``
     (``shared_rate`` for a key's shared busy level); a restart does not make it young again; a

@@ -142,6 +142,12 @@ def test_slack_and_prefill_time_by_hand() -> None:
     assert slack(view, model, SLO) == pytest.approx((0.5, 0.1))
     assert latency_budget(view, model, SLO) == pytest.approx(0.09)
     assert slack(IDLE_VIEW, model, SLO) == (INF, INF)
+    # 4 ms of the step spent before the decision (scheduling, taking in the trainer's results):
+    # the decodes' time per token has 4 ms less left; the prompt's TTFT slack counted it already
+    planned = replace(view, step_began=NOW - 0.004)
+    assert planned.planned_s == pytest.approx(0.004)
+    assert slack(planned, model, SLO) == pytest.approx((0.5, 0.096))
+    assert slack(replace(IDLE_VIEW, step_began=NOW - 0.004), model, SLO) == (INF, INF)
     with pytest.raises(ValueError, match="prefill_remaining"):
         slack(replace(view, prefill_remaining=(1, 2)), model, SLO)
 

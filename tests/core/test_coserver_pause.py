@@ -510,6 +510,29 @@ def test_decode_steps_beside_the_backwards_last_layer_are_the_ending_phase_once_
         assert co.latency.predict(active) == pytest.approx(0.02)
 
 
+def test_the_model_prices_the_step_after_admissions_decision_and_adds_the_host_time_before_it() -> None:
+    """A step's host time up to admission's decision (here 20 ms of it, as after taking in a
+    trainer's results) is known when the step is admitted: it is part of the step's predicted
+    time as measured, and the latency model learns only the rest."""
+    co, _ = coserver(model(0.01, (0.0, 0.0)))
+    co.track = True
+    for _ in range(12):
+        view = replace(DECODE, now=time.monotonic(), step_began=time.monotonic() - 0.02)
+        co.plan(view)
+        co.on_step_end(StepRecord(view=view, ft_tokens=0, duration_s=0.02 + 0.013, mode="graph"))
+        assert 0.02 <= co.step_log[-1].planned_s < 0.03
+    last = co.step_log[-1]
+    # (the model's part refitted to the 13 ms after the decision; the rest as measured)
+    assert co.latency.predict(StepFeatures.from_view(DECODE)) == pytest.approx(0.013, rel=0.1)
+    assert last.predicted_s == pytest.approx(last.planned_s + co.latency.predict(StepFeatures.from_view(DECODE)),
+                                             rel=0.1)
+    assert last.measured_s == pytest.approx(0.033)
+    # a host that does not say when the step began: the whole step is the model's
+    co.plan(DECODE)
+    co.on_step_end(StepRecord(view=DECODE, ft_tokens=0, duration_s=0.013, mode="graph"))
+    assert co.step_log[-1].planned_s == 0.0
+
+
 QUEUED = replace(PREFILL, num_waiting=3, oldest_waiting_arrival=0.95, waiting_prefill_tokens=600)
 
 

@@ -101,7 +101,8 @@ def slack(view: StepView, model: LatencyModel, slo: SLOConfig) -> Slack:
     if view.num_waiting > 0 and view.oldest_waiting_arrival is not None:
         after = prefill_time(ahead + view.waiting_prefill_tokens, view, model)
         ttft = min(ttft, slo.ttft_slo_s - (view.now - view.oldest_waiting_arrival) - after)
-    tpot = slo.tpot_slo_s if view.num_decodes > 0 else math.inf
+    # (the step's own host time so far is part of every decode's time per token)
+    tpot = slo.tpot_slo_s - view.planned_s if view.num_decodes > 0 else math.inf
     return Slack(ttft, tpot)
 
 

@@ -96,6 +96,9 @@ class StepLogRow(NamedTuple):
     decodes: int
     schedule_s: float | None  # StepRecord.schedule_s / enqueue_s: the host's parts of the step
     enqueue_s: float | None
+    # the host seconds from the step's start to admission's decision (StepView.planned_s): known
+    # when the step is admitted, added to the model's price as measured (predicted_s includes it)
+    planned_s: float = 0.0
 
 
 class CheckPoint(NamedTuple):
@@ -239,7 +242,9 @@ class CoServer:
         self._trainer_at: tuple[int, int] | None = None
         # untimed steps (StepRecord.timed False) until the host dates them: id(record) -> where
         # the trainer was when the step began
-        self._untimed: dict[int, tuple[tuple[int, int] | None, str]] = {}
+        self._untimed: dict[int, tuple[tuple[int, int] | None, str, float]] = {}
+        # the host time the step being planned had spent when admission decided (StepView.planned_s)
+        self._planned_s = 0.0
         # the trainer's phase beside the step being planned (coserve.core.latency.TRAINER_PHASES),
         # from its GPU's progress word; "active" for a trainer without one
         self._trainer_phase = "active"
@@ -358,6 +363,12 @@ class CoServer:
             at, self._trainer_phase = None, "active"
         if self.track:
             self._trainer_at = at
+        # Admission decides from here: the step's host time so far (scheduling, taking in the
+        # trainer's results: up to ~3 ms after a task ends) is known now and counts as measured;
+        # the latency model prices the rest of the step
+        if view.step_began is not None:  # (a host that says: its clock is time.monotonic())
+            view = replace(view, now=time.monotonic())
+        self._planned_s = view.planned_s
         self._step_rows = []
         if self.failure is not None:
             if self._held:
@@ -549,23 +560,28 @@ class CoServer:
     def observe_late(self, record: StepRecord, duration_s: float) -> None:
         """The duration of a step whose record came untimed (``record.timed`` False): the latency
         model learns from it now, and the step table gets it."""
-        at, phase = self._untimed.pop(id(record), (None, "active"))
-        self._observe(replace(record, duration_s=duration_s, timed=True), at, phase, late=True)
+        at, phase, planned = self._untimed.pop(id(record), (None, "active", 0.0))
+        self._observe(replace(record, duration_s=duration_s, timed=True), at, phase, planned, late=True)
 
     def drop_untimed(self) -> None:
         """The host will not date its untimed steps (it dropped them)."""
         self._untimed.clear()
 
-    def _observe(self, record: StepRecord, trainer_at: tuple[int, int] | None, phase: str,
+    def _observe(self, record: StepRecord, trainer_at: tuple[int, int] | None, phase: str, planned_s: float,
                  late: bool = False) -> None:
-        predicted = self.latency.observe(record, phase)
+        """The latency model learns the step's time after admission's decision (``planned_s``
+        before it, as measured); the step table gets the whole step, predicted and measured."""
+        if not 0.0 <= planned_s < record.duration_s:
+            planned_s = 0.0  # (a host clock that disagrees: the whole step is priced)
+        predicted = self.latency.observe(replace(record, duration_s=record.duration_s - planned_s), phase)
         if self.track and predicted is not None:
             features = StepFeatures.from_record(record)
             key = features.key + ("/busy" if record.trainer_busy else "/idle")
             self.step_log.append(StepLogRow(
-                key, features.vector(), predicted, record.duration_s, (len(features.chunks), len(features.ft_lens)),
+                key, features.vector(), predicted + planned_s, record.duration_s,
+                (len(features.chunks), len(features.ft_lens)),
                 trainer_at, late, tuple((c.num_tokens, c.context_len) for c in features.chunks),
-                features.num_decodes, record.schedule_s, record.enqueue_s))
+                features.num_decodes, record.schedule_s, record.enqueue_s, planned_s))
 
     def _bound_lookahead(self) -> None:
         """Keep the GPU at most one interruption point behind the CPU in an FT-only step, so that
@@ -590,9 +606,9 @@ class CoServer:
             self.interrupted_checks.append(checks)
         if not record.interrupted:
             if record.timed:
-                self._observe(record, self._trainer_at, self._trainer_phase)
+                self._observe(record, self._trainer_at, self._trainer_phase, self._planned_s)
             else:
-                self._untimed[id(record)] = (self._trainer_at, self._trainer_phase)
+                self._untimed[id(record)] = (self._trainer_at, self._trainer_phase, self._planned_s)
         rows, self._step_rows = self._step_rows, []
         if not rows:
             return

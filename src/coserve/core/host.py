@@ -59,6 +59,13 @@ class StepView:
     ``ft_graph_tokens`` the most tokens (inference and FT rows together) a step with FT rows may
     carry and still run in ``graph`` mode, provided none of its FT rows has a ``dropout_key`` and
     the step needs no MLP hook (0: FT rows make the step ``eager``).
+
+    ``now`` is when the view was taken and ``step_began`` when the host began the step, before
+    scheduling it (None: the host does not say). A host that gives ``step_began`` reads both on
+    ``time.monotonic()``; the latency model then prices the step from the point where admission
+    decides (the co-server moves ``now`` there): the host time the step spent before it is known,
+    counts against the step's TPOT slack (:func:`coserve.core.admission.slack`) and is added to
+    the prediction as measured.
     """
 
     now: float
@@ -72,6 +79,12 @@ class StepView:
     waiting_prefill_tokens: int = 0
     prefill_remaining: tuple[int, ...] = ()
     ft_graph_tokens: int = 0
+    step_began: float | None = None
+
+    @property
+    def planned_s(self) -> float:
+        """Host seconds from the step's start to ``now`` (0 where the host does not say)."""
+        return max(0.0, self.now - self.step_began) if self.step_began is not None else 0.0
 
     @property
     def has_inference(self) -> bool:

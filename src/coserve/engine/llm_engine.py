@@ -298,13 +298,14 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
+        step_began = time.monotonic()  # (StepView's clock)
         sched = self.scheduler.schedule()
         rows = self.build_rows(sched)
         ft_rows: list[FTRow] = []
         view = None
         busy = False
         if self.coserver is not None:
-            view = self._view(sched, rows)
+            view = self._view(sched, rows, step_began)
             ft_rows = self.coserver.plan(view)
             busy = self.coserver.trainer_active  # after plan's pause decisions
         if sched.is_empty and not ft_rows:
@@ -402,10 +403,11 @@ class LLMEngine:
             self.coserver.observe_late(earlier, duration)
         self.coserver.on_step_end(replace(record, duration_s=dated[-1][1]))
 
-    def _view(self, sched: SchedulerOutput, rows: list[BatchRow]) -> StepView:
+    def _view(self, sched: SchedulerOutput, rows: list[BatchRow], began: float | None = None) -> StepView:
         waiting = self.scheduler.waiting
         return StepView(
             now=time.monotonic(),
+            step_began=began,
             prefills=tuple(PrefillView(c.num_tokens, c.context_len, c.seq.arrival_time) for c in sched.prefills),
             num_decodes=len(sched.decodes),
             decode_kv_tokens=sum(c.context_len + 1 for c in sched.decodes),
