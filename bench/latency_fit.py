@@ -76,6 +76,11 @@ session 24"; ``session24/latency_decode_schedule.json.gz``). ``--decode-forms-on
 only ``decode_forms`` (seconds per table; the per-key forms, ``replay`` and ``prefill_forms`` are
 left out); ``--decode-forms a,b``: only those forms beside ``after``.
 
+``planned_forms`` (``--planned-forms-only``, per table and key, tables recorded before the
+``planned_s`` column): ``after`` pricing the whole step (``whole``, the model until session 27)
+and the step after its planning with the planning (``schedule_s``) as measured (``planned``,
+the model since), held-out (``session27/latency_fit_planned.json``).
+
 ``phase_forms`` (``--phase-forms-only``, per table, decode sets): ``after`` replayed with the
 trainer phases before session 27 (``legacy``) and with this commit's (``current``: ``ending``,
 a step beside the backward's last layer, its own busy phase), held-out and in ``decode_forms``'
@@ -485,14 +490,17 @@ def _replay_model(graph_sizes: tuple[int, ...], prefill_buckets: tuple[int, ...]
 
 def replay(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
            prefill_buckets: tuple[int, ...] | None, defer: bool = True,
-           recorded: tuple[str, ...] = TRAINER_PHASES) -> dict[str, Any]:
+           recorded: tuple[str, ...] = TRAINER_PHASES, recorded_planned: bool = True) -> dict[str, Any]:
     """Held-out error of the online model replayed step by step (module docstring, ``replay``),
     of a table recorded by a model with the trainer phases ``recorded`` (:func:`recorded_phases`).
-    ``after`` runs this commit's phases, the other forms the phases before ``ending``."""
+    ``after`` runs this commit's phases, the other forms the phases before ``ending``.
+    ``recorded_planned`` False: the rows' ``planned_s`` were not the recording model's (its
+    predictions priced the whole step), so the recovery leaves them out."""
     steps = [r for r in rows if r[2] > 0]
     phases = replay_phases(steps)
     legacy = replay_phases(steps, LEGACY_TRAINER_PHASES)
-    recovery = recover(steps, _replay_model(graph_sizes, prefill_buckets), replay_phases(steps, recorded))
+    as_recorded = steps if recorded_planned else [r[:PLANNED] for r in steps]
+    recovery = recover(as_recorded, _replay_model(graph_sizes, prefill_buckets), replay_phases(steps, recorded))
     calibration = recovery.calibration
     state = {**LatencyModel().state_dict(), "coefficients": calibration, "calibration": calibration}
     predictions: dict[str, list[float]] = {}
@@ -668,6 +676,28 @@ def phase_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...
     return out
 
 
+def planned_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
+                  prefill_buckets: tuple[int, ...] | None, defer: bool = True,
+                  recorded: tuple[str, ...] = TRAINER_PHASES) -> dict[str, Any]:
+    """``replay``'s ``after`` of a table recorded before the ``planned_s`` column, as recorded
+    (``whole``: the model prices the whole step) and with each step's ``schedule_s`` as its
+    ``planned_s`` (``planned``: the model prices the step after its planning, which is added as
+    measured). ``schedule_s`` runs to the end of the step's planning, a little past admission's
+    decision: an upper bound on what the server now knows when it decides. Per key, held-out."""
+    steps = [r for r in rows if r[2] > 0 and len(r) > PLANNED - 1]
+    if not steps:
+        return {}
+    with_planned = [[*r[:PLANNED], r[9] if r[9] is not None and r[9] < r[2] else 0.0] for r in steps]
+    out: dict[str, Any] = {}
+    for name, table in (("whole", [r[:PLANNED] for r in steps]), ("planned", with_planned)):
+        got = replay(table, train, graph_sizes, prefill_buckets, defer=defer, recorded=recorded,
+                     recorded_planned=name == "whole")
+        for key, entry in got.items():
+            if isinstance(entry, dict) and "after" in entry:
+                out.setdefault(key, {"held_out_steps": entry["held_out_steps"]})[name] = entry["after"]
+    return out
+
+
 def forms_summary(report: dict[str, Any]) -> dict[str, Any]:
     """Per :data:`PREFILL_FORMS` form, over every table's prefill sets: on how many its held-out
     p99 is below ``after``'s, and its largest held-out median (``after``'s beside it)."""
@@ -697,6 +727,9 @@ def main() -> None:
                    help="per table only decode_forms (no per-key forms, replay or prefill_forms)")
     p.add_argument("--decode-forms", default=None,
                    help="comma-separated latency_decode.DECODE_FORMS to replay (and after); all by default")
+    p.add_argument("--planned-forms-only", action="store_true",
+                   help="per table only planned_forms: after pricing the whole step, and the step after its "
+                        "planning (schedule_s) with the planning as measured")
     p.add_argument("--phase-forms-only", action="store_true",
                    help="per table only phase_forms: the decode sets' after with the trainer phases before "
                         "session 27 and with this commit's")
@@ -720,6 +753,11 @@ def main() -> None:
         for name, rows in tables.items():
             pb = buckets if graphs else None
             entry: dict[str, Any] = {}
+            if args.planned_forms_only:
+                entry["planned_forms"] = planned_forms(rows, args.train, graph_sizes, pb,
+                                                       defer=not args.immediate_refits, recorded=recorded)
+                report[f"{Path(path).name}:{name}"] = entry
+                continue
             if args.phase_forms_only:
                 entry["phase_forms"] = phase_forms(rows, args.train, graph_sizes, pb,
                                                    defer=not args.immediate_refits, recorded=recorded)
@@ -748,6 +786,7 @@ def main() -> None:
                                              "immediate_refits": args.immediate_refits,
                                              "decode_forms_only": args.decode_forms_only,
                                              "phase_forms_only": args.phase_forms_only,
+                                             "planned_forms_only": args.planned_forms_only,
                                              "decode_forms": args.decode_forms},
                   "figures": report}
         body = json.dumps(record, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)
