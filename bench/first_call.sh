@@ -69,6 +69,8 @@
 #   latency_env=VAR=VALUE[,VAR=VALUE...]  latency=50 with these in the environment, e.g. COSERVE_LOSS_CHUNK=256
 #                  or COSERVE_TRAINER_RELEASE=1,COSERVE_TRAINER_RELEASE_TIMEOUT_MS=5
 #                  (the loss in 256-target chunks) or COSERVE_MLP_CHUNK=1024 (untrained-MLP pieces)
+#   prefill_context  bench/prefill_context.py: the paged prefill kernel with its cached prefix in splits
+#                  and without (COSERVE_PREFILL_SPLITS), a short chunk over a long prefix, one layer
 #   eager          bench/eager_cpu.py without and with --prefill-graphs
 #   eager_small    bench/eager_cpu.py --prefill-graphs on small steps (a short chunk beside 32 decodes), with
 #                  the operator and the Python profiles of one step each
@@ -279,6 +281,11 @@ job() {
     eager_small)  # the piecewise graphs' small steps (a short chunk beside 32 decodes): host time, profiles
       run eager_small "$top/eager_cpu_small.log" python3 bench/eager_cpu.py --conditions idle --prefill-graphs \
         --shapes "1x512_ctx0,1x96_ctx0+32d,1x96_ctx1024+32d,1x448_ctx1024+32d" --out "$top/eager_cpu_small.json" ;;
+    prefill_context)
+      # the paged prefill kernel with its cached prefix in splits and without, one layer at the 8B
+      # shape: a short chunk over a long prefix (bench/prefill_context.py, COSERVE_PREFILL_SPLITS)
+      run prefill_context "$top/prefill_context.log" python3 bench/prefill_context.py \
+        --out "$top/prefill_context.json" ;;
     prefix_cache)
       # automatic prefix caching on the 8B shape: 20 requests sharing a 2,048-token system prompt, each
       # with its own 128 tokens, one after another, with the cache and without (bench/prefix_cache.py)

@@ -113,6 +113,54 @@ def test_attention_matches_reference(
     assert torch.equal(cache.float(), ref_cache)  # same KV written, nothing else touched
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("heads", [(4, 2, 16), (8, 2, 64)])
+@pytest.mark.parametrize("sdpa", [False, "small"])  # every prefill row through the paged kernel
+def test_prefill_with_split_prefixes_matches_reference(
+    dtype: torch.dtype, window: int | None, heads: tuple[int, int, int], sdpa: bool | str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """COSERVE_PREFILL_SPLITS: each tile's cached prefix cut into splits (8 keys at least here, so
+    that the test's short prefixes split), the row's own tokens in split 0, merged per token."""
+    h, kvh, d = heads
+    bs, layers, nblocks = 4, 2, 160
+    rng = random.Random(f"{dtype} {window} {heads} split")
+    q_lens, ctxs, tables, writes, npre = random_batch(rng, nblocks, bs, decode_rows=3)
+    while max(ctxs[:npre]) < 16:  # (a prefix long enough to split)
+        q_lens, ctxs, tables, writes, npre = random_batch(rng, nblocks, bs, decode_rows=3)
+    meta = AttentionMetadata.build(q_lens, ctxs, tables, writes, npre, bs, device=DEVICE)
+    t = sum(q_lens)
+    q = torch.randn(t, h, d, dtype=dtype, device=DEVICE)
+    qkv = torch.randn(t, 2, kvh, d, dtype=dtype, device=DEVICE)
+    k, v = qkv[:, 0], qkv[:, 1]
+    cache = torch.randn(nblocks, layers, 2, bs, kvh, d, dtype=dtype, device=DEVICE)
+    ref_cache = cache.to(torch.float32, copy=True)
+    scale = d**-0.5
+    ref = TorchAttention().forward(q.float(), k.float(), v.float(), ref_cache[:, 1], meta, scale, window)
+    chosen: list[int] = []
+    real = triton_attention.prefill_splits
+    monkeypatch.setattr(triton_attention, "prefill_splits", lambda *a: chosen.append(real(*a)) or chosen[-1])
+    tuning = AttentionTuning(prefill_sdpa=bool(sdpa), prefill_varlen=sdpa == "small",
+                             prefill_paged_tokens=10**6 if sdpa == "small" else 0,
+                             prefill_splits=True, prefill_split_min_keys=8)
+    out = TritonAttention(tuning, sms=64).forward(q, k, v, cache[:, 1], meta, scale, window)
+    assert chosen and chosen[0] > 1  # (the prefixes were split)
+    assert rel_err(out, ref) < TOL[dtype]
+    assert torch.equal(cache.float(), ref_cache)
+
+
+def test_prefill_splits_fill_the_gpu_twice_and_keep_each_split_long() -> None:
+    from coserve.layers.triton_attention import prefill_splits
+
+    # a 26-token chunk over 4,070 cached tokens, 32 heads, 132 SMs: 1 tile x 32 heads
+    assert prefill_splits(1, 32, 4070, 132, 256) == 9
+    assert prefill_splits(1, 32, 1000, 132, 256) == 3  # (each split 256 keys at least)
+    assert prefill_splits(8, 32, 4070, 132, 256) == 2
+    assert prefill_splits(9, 32, 4070, 132, 256) == 1  # (the tiles fill the GPU twice already)
+    assert prefill_splits(1, 32, 100, 132, 256) == 1
+
+
 def test_the_prefill_plan_is_worked_out_once_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every layer of a step attends with the same metadata: the prefill rows' paths and the
     paged kernel's tiles are worked out and copied to the device at the first layer only (a copy

@@ -4,9 +4,13 @@ Same contract as :class:`coserve.layers.attention.TorchAttention` (see that modu
 for the flat batch layout). Three kernels:
 
 - ``store_kv``: ``kv[slot // bs, 0|1, slot % bs] = k|v`` for every token whose slot is not -1.
-- ``prefill``: one program per (query tile of one prefill row, query head). Keys are the row's
-  cached prefix (positions ``< ctx``, read through its block table) followed by the row's own
-  new tokens (read from ``k``/``v``, causal). Prefill rows with no cached prefix (fresh prompts,
+- ``prefill``: one program per (query tile of one prefill row, query head[, split]). Keys are
+  the row's cached prefix (positions ``< ctx``, read through its block table) followed by the
+  row's own new tokens (read from ``k``/``v``, causal). With ``COSERVE_PREFILL_SPLITS=1``, a
+  step whose prefill rows all take this kernel and whose tiles would leave most of the GPU idle
+  (a short chunk over a long cached prefix: a chat's next turn, a prompt's last chunk) cuts each
+  cached prefix into splits as ``decode`` does, the row's own tokens in split 0, and ``merge``
+  combines them. Prefill rows with no cached prefix (fresh prompts,
   fine-tuning rows, which write no KV and attend causally within themselves) go to torch SDPA
   instead (FlashAttention-2 on the GPU: 2.5-3x this kernel on the H200, see
   ``bench/results/engine_speed_h200.json``), unless a sliding window cuts into the row. (Rows
@@ -113,17 +117,18 @@ def _store_kv_kernel(
 
 # The tiles' pointers are two rows of one [2, num_tiles] tensor: the second one's alignment
 # follows the tile count. The block-table width follows the batch's longest row.
-@varying("tile_row_ptr", "tile_m_ptr", "s_bt")
+@varying("tile_row_ptr", "tile_m_ptr", "s_bt", "num_splits")
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, kv_ptr, cu_ptr, ctx_ptr, bt_ptr, tile_row_ptr, tile_m_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, po_ptr, lse_ptr, kv_ptr, cu_ptr, ctx_ptr, bt_ptr, tile_row_ptr, tile_m_ptr,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh,
     s_block, s_kv, s_tok, s_head, s_bt,
-    scale, window,
+    scale, window, num_splits,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     h = tl.program_id(1)
+    sp = tl.program_id(2)
     kvh = h // GROUP
     row = tl.load(tile_row_ptr + tile)
     m0 = tl.load(tile_m_ptr + tile)
@@ -142,13 +147,17 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
 
-    # Cached prefix: keys at positions [lo, ctx) through the block table.
+    # Cached prefix: keys at positions [lo, ctx) through the block table; this split's share of
+    # them (all of them with one split).
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(ctx + m0 - window + 1, 0)
-    for n0 in range(lo, ctx, BLOCK_N):
+    per_split = tl.cdiv(ctx - lo, num_splits)
+    lo = lo + sp * per_split
+    hi = tl.minimum(lo + per_split, ctx)
+    for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < ctx
+        mask_n = offs_n < hi
         page = tl.load(bt_ptr + row * s_bt + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
         base = page * s_block + (offs_n % BLOCK_SIZE) * s_tok + kvh * s_head
         k = tl.load(kv_ptr + base[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
@@ -166,11 +175,11 @@ def _prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
-    # The row's own tokens, causal: local key index j < min(n, m0 + BLOCK_M).
+    # The row's own tokens, causal: local key index j < min(n, m0 + BLOCK_M); split 0's alone.
     lo2 = 0
     if HAS_WINDOW:
         lo2 = tl.maximum(m0 - window + 1, 0)
-    hi2 = tl.minimum(n, m0 + BLOCK_M)
+    hi2 = tl.where(sp == 0, tl.minimum(n, m0 + BLOCK_M), lo2)
     for n0 in range(lo2, hi2, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi2
@@ -190,10 +199,19 @@ def _prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
-    l_i = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_i[:, None]
-    tl.store(o_ptr + tok_m[:, None] * s_ot + h * s_oh + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
-             mask=mask_m[:, None])
+    if not SPLIT:
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_i[:, None]
+        tl.store(o_ptr + tok_m[:, None] * s_ot + h * s_oh + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=mask_m[:, None])
+    else:
+        # Partials [T, H, num_splits, D] and lse [T, H, num_splits] (-inf for an empty split), as
+        # the decode kernel's, merged per (token, head) by _merge_kernel.
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_safe))
+        prow = (tok_m * tl.num_programs(1) + h) * num_splits + sp
+        tl.store(lse_ptr + prow, lse, mask=mask_m)
+        tl.store(po_ptr + prow[:, None] * D + offs_d[None, :], acc / l_safe[:, None], mask=mask_m[:, None])
 
 
 # The decode rows follow the prefill rows: their context lengths and block tables are slices
@@ -329,6 +347,21 @@ def decode_splits(num_rows: int, num_kv_heads: int, max_context: int, num_sms: i
     return max(1, min(want, MAX_DECODE_SPLITS, -(-max_context // 64)))
 
 
+def prefill_splits(num_tiles: int, num_heads: int, max_context: int, num_sms: int, min_keys: int) -> int:
+    """Splits of each prefill tile's cached prefix: enough programs to fill the GPU twice, none
+    with fewer than ``min_keys`` keys (1: no split)."""
+    want = -(-2 * num_sms // max(num_tiles * num_heads, 1))
+    return max(1, min(want, MAX_DECODE_SPLITS, max_context // max(min_keys, 1)))
+
+
+PREFILL_SPLITS = os.environ.get("COSERVE_PREFILL_SPLITS", "0") == "1"
+"""A step whose prefill rows all take the paged ``prefill`` kernel cuts their cached prefixes
+into splits where its tiles would not fill the GPU (:func:`prefill_splits`; module docstring).
+Off by default until measured on the GPU: a 26-token chunk over a 4,070-token cached prefix beside
+13 decodes has one tile per head, 32 programs on the H200's 132 SMs, each reading the whole prefix
+alone (session 26's latency run: such steps took 14-17 ms against ~7 ms for the decodes alone)."""
+
+
 VARLEN_PREFILL = os.environ.get("COSERVE_VARLEN_PREFILL", "1") == "1"
 """The engine's rows without a cached prefix (new prompts, fine-tuning rows) through one varlen
 flash call per run of such rows (:meth:`coserve.layers.attention.AttentionMetadata.plain_prefill_runs`)
@@ -365,6 +398,10 @@ class AttentionTuning:
     # steps of at most this many prefill tokens: every prefill row through the paged kernel
     # (PAGED_SMALL_PREFILL; 0: never)
     prefill_paged_tokens: int = field(default_factory=lambda: PAGED_SMALL_PREFILL)
+    # split a paged-only step's cached prefixes where its tiles leave the GPU idle (PREFILL_SPLITS),
+    # each split at least this many keys
+    prefill_splits: bool = field(default_factory=lambda: PREFILL_SPLITS)
+    prefill_split_min_keys: int = 256
 
 
 class _PrefillPlan(NamedTuple):
@@ -439,16 +476,32 @@ class TritonAttention:
         heads, d = q.shape[1], q.shape[2]
         group = heads // k.shape[1]
         s_block, s_kv, s_tok, s_head, _ = kv_layer.stride()
-        jit(_prefill_kernel)[(plan.tiles.shape[1], heads)](
-            q, k, v, out, kv_layer, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
+        num_tiles = plan.tiles.shape[1]
+        splits = 1
+        if tune.prefill_splits and not plan.runs and not plan.sdpa_rows:
+            # (every prefill token is a tile's: the merge writes them all)
+            max_ctx = max(meta.context_lens_list[:meta.num_prefill_rows], default=0)
+            splits = prefill_splits(num_tiles, heads, max_ctx, self.sms or num_sms(q.device),
+                                    tune.prefill_split_min_keys)
+        tokens = meta.num_prefill_tokens
+        partial = torch.empty(tokens * heads * splits * d if splits > 1 else 1, dtype=torch.float32,
+                              device=q.device)
+        lse = torch.empty(tokens * heads * splits if splits > 1 else 1, dtype=torch.float32, device=q.device)
+        jit(_prefill_kernel)[(num_tiles, heads, splits)](
+            q, k, v, out, partial, lse, kv_layer, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
             plan.tiles[0], plan.tiles[1],
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), s_block, s_kv, s_tok, s_head, meta.block_tables.stride(0),
-            scale, window,
+            scale, window, splits,
             GROUP=group, D=d, BLOCK_SIZE=kv_layer.shape[2], BLOCK_M=tune.prefill_block_m,
-            BLOCK_N=tune.prefill_block_n, HAS_WINDOW=window > 0, num_warps=tune.prefill_warps,
+            BLOCK_N=tune.prefill_block_n, HAS_WINDOW=window > 0, SPLIT=splits > 1, num_warps=tune.prefill_warps,
             num_stages=tune.prefill_stages,
         )
+        if splits > 1:
+            jit(_merge_kernel)[(tokens, heads)](
+                partial, lse, out, out.stride(0), out.stride(1), heads, splits,
+                BLOCK_S=MAX_DECODE_SPLITS, D=d,
+            )
 
     def _prefill_plan(self, q: torch.Tensor, meta: AttentionMetadata, window: int) -> _PrefillPlan:
         """Which prefill rows go to the varlen flash runs, to one SDPA call each, or to the paged
