@@ -533,6 +533,25 @@ def test_the_model_prices_the_step_after_admissions_decision_and_adds_the_host_t
     assert co.step_log[-1].planned_s == 0.0
 
 
+def test_every_timed_step_counts_its_prediction_error_by_step_kind() -> None:
+    """/metrics' histogram: each observed step's |predicted - measured| / measured in its bucket,
+    tracking or not; an interrupted step counts nothing."""
+    from coserve.core.coserver import ERROR_BUCKETS, PredictionErrors
+
+    co, _ = coserver(model(0.01, (0.0, 0.0)))
+    co.plan(DECODE)
+    co.on_step_end(StepRecord(view=DECODE, ft_tokens=0, duration_s=0.008, mode="graph"))  # predicted 0.01
+    co.plan(DECODE)
+    co.on_step_end(StepRecord(view=DECODE, ft_tokens=0, duration_s=0.01, mode="graph", interrupted=True))
+    errors = co.prediction_errors["decode/graph/idle"]
+    assert errors.steps == 1 and errors.total == pytest.approx(0.25)
+    assert errors.counts[ERROR_BUCKETS.index(0.5)] == 1  # (0.25: the bucket (0.2, 0.5])
+    wide = PredictionErrors()
+    for e in (0.0, 0.015, 3.0):
+        wide.add(e)
+    assert wide.counts[0] == 1 and wide.counts[1] == 1 and wide.counts[-1] == 1 and wide.steps == 3
+
+
 QUEUED = replace(PREFILL, num_waiting=3, oldest_waiting_arrival=0.95, waiting_prefill_tokens=600)
 
 

@@ -593,6 +593,12 @@ def test_coserving_trains_while_serving(tmp_path: Path) -> None:
         working = re.search(r'coserve_finetune_trainer_seconds_total\{state="working"\} ([0-9.e+-]+)', text)
         assert working is not None and float(working.group(1)) > 0.0
         assert 'coserve_finetune_trainer_seconds_total{state="paused"}' in text
+        # the latency model's error on the steps it priced, per step kind: a histogram whose +Inf
+        # bucket counts them all
+        steps = re.findall(r'coserve_latency_model_relative_error_count\{step="([a-z/]+)"\} ([0-9.e+]+)', text)
+        assert steps and sum(float(n) for _, n in steps) > 0
+        assert all(k.split("/")[0] in ("prefill", "decode") and k.split("/")[2] in ("busy", "idle") for k, _ in steps)
+        assert 'coserve_latency_model_relative_error_bucket{le="0.1",step=' in text
     assert (tmp_path / "out" / "adapter" / "adapter_config.json").is_file(), "exported at shutdown"
     assert s.engine_thread.stats.adapter_path is not None
     assert engine.coserver is None, "the session was closed"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import threading
@@ -78,6 +79,28 @@ class OptimizerStepLog:
     # False: the trainer committed the step, then died before its result came in. The step counts
     # (its samples are retired: the adapter holds them); its loss, lr and grad_norm are unknown: None.
     reported: bool = True
+
+
+ERROR_BUCKETS: tuple[float, ...] = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+"""Upper bounds of :class:`PredictionErrors`' buckets (relative error; one more bucket above)."""
+
+
+@dataclass
+class PredictionErrors:
+    """How far the latency model's predictions of one step kind were off: counts of
+    ``|predicted − measured| / measured`` per :data:`ERROR_BUCKETS` bucket (the last: above all
+    of them), their sum, and the steps counted (the server's ``/metrics`` histogram)."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(ERROR_BUCKETS) + 1))
+    total: float = 0.0
+
+    def add(self, rel_error: float) -> None:
+        self.counts[bisect.bisect_left(ERROR_BUCKETS, rel_error)] += 1
+        self.total += rel_error
+
+    @property
+    def steps(self) -> int:
+        return sum(self.counts)
 
 
 class StepLogRow(NamedTuple):
@@ -236,6 +259,9 @@ class CoServer:
         # inference work arrived while it was planned) or why admission added none
         # (admission.Reason)): why FT rows did or did not ride (/metrics, bench)
         self.admission_counts: dict[tuple[str, str], int] = {}
+        # the latency model's relative error on every timed step, predicted before it was observed:
+        # per step key (form/mode/busy|idle), counts per ERROR_BUCKETS bucket and their sum
+        self.prediction_errors: dict[str, PredictionErrors] = {}
         # per step, predicted before the model observed it: its error, and the data to refit and
         # judge latency models offline
         self.step_log: list[StepLogRow] = []
@@ -571,12 +597,21 @@ class CoServer:
                  late: bool = False) -> None:
         """The latency model learns the step's time after admission's decision (``planned_s``
         before it, as measured); the step table gets the whole step, predicted and measured."""
+        if record.interrupted or not record.duration_s > 0:
+            return  # (LatencyModel.observe's rule: nothing to learn)
         if not 0.0 <= planned_s < record.duration_s:
             planned_s = 0.0  # (a host clock that disagrees: the whole step is priced)
-        predicted = self.latency.observe(replace(record, duration_s=record.duration_s - planned_s), phase)
-        if self.track and predicted is not None:
-            features = StepFeatures.from_record(record)
-            key = features.key + ("/busy" if record.trainer_busy else "/idle")
+        # (LatencyModel.observe, with the features built once for the model and the step's records)
+        features = StepFeatures.from_record(record, phase)
+        model_key = features.key
+        predicted = self.latency.observe_regressors(model_key, self.latency.regressors(features, model_key),
+                                                    record.duration_s - planned_s, features.state)
+        key = model_key + ("/busy" if record.trainer_busy else "/idle")
+        errors = self.prediction_errors.get(key)
+        if errors is None:
+            errors = self.prediction_errors[key] = PredictionErrors()
+        errors.add(abs(predicted + planned_s - record.duration_s) / record.duration_s)
+        if self.track:
             self.step_log.append(StepLogRow(
                 key, features.vector(), predicted + planned_s, record.duration_s,
                 (len(features.chunks), len(features.ft_lens)),

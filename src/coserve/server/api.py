@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import itertools
 import logging
 import time
 import uuid
@@ -24,12 +25,18 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from coserve import __version__
+from coserve.core.coserver import ERROR_BUCKETS
 from coserve.core.finetune import FTDataset
 from coserve.engine.outputs import RequestOutput
 from coserve.engine.sampling_params import SamplingParams
@@ -103,6 +110,16 @@ class _EngineCollector(Collector):
             for state, seconds in sorted(s.ft_trainer_seconds.items()):
                 trainer.add_metric([state], seconds)
             yield trainer
+            errors = HistogramMetricFamily(
+                "coserve_latency_model_relative_error", "How far the latency model that admission trusts was off: "
+                "|predicted - measured| / measured of each step, predicted before it ran, by step kind "
+                "(prefill or decode / graph or eager / busy beside the trainer or idle).", labels=["step"])
+            for key, (counts, total) in sorted(s.ft_latency_errors.items()):
+                cumulative = list(itertools.accumulate(counts))
+                buckets = [*((str(le), n) for le, n in zip(ERROR_BUCKETS, cumulative, strict=False)),
+                           ("+Inf", cumulative[-1])]
+                errors.add_metric([key], buckets, total)
+            yield errors
 
 
 class _JobsCollector(Collector):

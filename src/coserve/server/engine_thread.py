@@ -105,6 +105,9 @@ class EngineStats:
     ft_admission: Mapping[tuple[str, str], int] = field(default_factory=dict)
     # the trainer's seconds working on tasks and paused for inference (CoServer.trainer_seconds)
     ft_trainer_seconds: Mapping[str, float] = field(default_factory=dict)
+    # the latency model's relative error per step key: (counts per ERROR_BUCKETS bucket, their sum)
+    # (CoServer.prediction_errors)
+    ft_latency_errors: Mapping[str, tuple[tuple[int, ...], float]] = field(default_factory=dict)
     adapter_path: Path | None = None
     # how fine-tuning ended (None while it runs): "succeeded" (its epochs done), "failed" (given up,
     # ft_failure says why: the last good step exported), "cancelled" (stopped early: the API's
@@ -133,6 +136,7 @@ def _finetune_stats(coserver: CoServer) -> dict[str, Any]:
         "ft_failure": coserver.failure,
         "ft_admission": dict(coserver.admission_counts),
         "ft_trainer_seconds": dict(coserver.trainer_seconds),
+        "ft_latency_errors": {key: (tuple(e.counts), e.total) for key, e in coserver.prediction_errors.items()},
     }
 
 
