@@ -351,7 +351,8 @@ def step_table(log: Sequence[StepLogRow]) -> dict[str, Any]:
     ``coserve.engine.step_clock``; chunks: each inference chunk's ``[tokens, cached context]``;
     schedule_s / enqueue_s: the host's seconds planning the step and queuing its device work;
     planned_s: its host seconds up to admission's decision, known then and part of predicted_s,
-    the latency model pricing the rest),
+    the latency model pricing the rest; gpu_s: the device's seconds between two events around the
+    step's forward, where the host timed it, ``coserve.engine.llm_engine.StepStats.forward_gpu_s``),
     6 significant digits: enough to refit the latency model offline, to try forms with other
     terms, to see whether a busy step's time follows what the trainer's kernels were doing, and
     whether a step was bound by its host."""
@@ -363,13 +364,13 @@ def step_table(log: Sequence[StepLogRow]) -> dict[str, Any]:
         "columns": list(STEP_TABLE_COLUMNS),
         "rows": [[r.key, g(r.predicted_s), g(r.measured_s), [g(v) for v in r.regressors], list(r.rows),
                   list(r.trainer_at) if r.trainer_at is not None else None, r.late,
-                  [list(c) for c in r.chunks], r.decodes, g(r.schedule_s), g(r.enqueue_s), g(r.planned_s)]
+                  [list(c) for c in r.chunks], r.decodes, g(r.schedule_s), g(r.enqueue_s), g(r.planned_s), g(r.gpu_s)]
                  for r in log],
     }
 
 
 STEP_TABLE_COLUMNS = ("key", "predicted_s", "measured_s", "regressors", "rows", "trainer_at", "event_timed",
-                      "chunks", "decodes", "schedule_s", "enqueue_s", "planned_s")
+                      "chunks", "decodes", "schedule_s", "enqueue_s", "planned_s", "gpu_s")
 
 
 def run_split(ctx: BenchContext, config: RunConfig) -> RunOutcome:

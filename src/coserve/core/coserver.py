@@ -122,6 +122,7 @@ class StepLogRow(NamedTuple):
     # the host seconds from the step's start to admission's decision (StepView.planned_s): known
     # when the step is admitted, added to the model's price as measured (predicted_s includes it)
     planned_s: float = 0.0
+    gpu_s: float | None = None  # StepRecord.gpu_s: the device's time of the step's forward
 
 
 class CheckPoint(NamedTuple):
@@ -616,7 +617,7 @@ class CoServer:
                 key, features.vector(), predicted + planned_s, record.duration_s,
                 (len(features.chunks), len(features.ft_lens)),
                 trainer_at, late, tuple((c.num_tokens, c.context_len) for c in features.chunks),
-                features.num_decodes, record.schedule_s, record.enqueue_s, planned_s))
+                features.num_decodes, record.schedule_s, record.enqueue_s, planned_s, record.gpu_s))
 
     def _bound_lookahead(self) -> None:
         """Keep the GPU at most one interruption point behind the CPU in an FT-only step, so that

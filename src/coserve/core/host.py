@@ -118,8 +118,10 @@ class StepRecord:
     the host returned before the step's GPU work ended, so ``duration_s`` is only its host time;
     the host hands the real duration to :meth:`coserve.core.coserver.CoServer.observe_late` once
     it knows it (:mod:`coserve.engine.step_clock`). ``schedule_s`` / ``enqueue_s``: host seconds
-    spent planning the step and then queuing its device work (None where the host does not say);
-    they go to the step table only, to tell a host-bound step from a device-bound one.
+    spent planning the step and then queuing its device work, and ``gpu_s`` the device's seconds
+    between two events around the step's forward (its kernels and any wait for the host to queue
+    them; None where the host does not say or did not time it); they go to the step table only,
+    to tell a host-bound step from a device-bound one, and the device's spread from the host's.
     """
 
     view: StepView
@@ -133,3 +135,4 @@ class StepRecord:
     timed: bool = True
     schedule_s: float | None = None
     enqueue_s: float | None = None
+    gpu_s: float | None = None
