@@ -109,7 +109,8 @@ def noise_floor(steps: dict[str, Any] | None) -> dict[str, Any] | None:
         if len(rows) >= 100:
             floor = _NOISE_FLOOR.floor_of(rows, 0.5)
             out[key] = {**{form: e["p99_rel"] for form, e in floor.items() if "p99_rel" in e},
-                        "spread_p99_by_position": {g: w["spread_p99"] for g, w in floor["within_position"].items()}}
+                        "spread_p99_by_position": {g: w["spread_p99"] for g, w in floor["within_position"].items()},
+                        "host_part": floor.get("host_part")}
     return out
 
 

@@ -18,7 +18,11 @@ relative error ``|predicted - measured| / measured`` of:
 - ``oracle_both``: the position's ratio, then the neighbours' (K = 5) of what is left;
 - ``within_position``: per position group, the spread of the held-out ratios around their own
   median (p50 / p99 of ``|ratio / median - 1|``): what is left when both the linear form and the
-  busy term are exact for the group.
+  busy term are exact for the group;
+- ``host_part`` (tables with the ``gpu_s`` column, since session 27): the host's part of each
+  held-out step, ``measured - gpu_s``, around its median, over the step's time (p50 / p99 of
+  ``|host - median host| / measured``), and ``gpu_share`` (median ``gpu_s / measured``): where
+  the spread above is small here, it is the GPU's (the trainer's interference), not the host's.
 
 These oracles use what no server knows before a step (the steps after it, the held-out steps'
 own medians); where even they stay above a goal, the goal is below the steps' own spread and
@@ -43,7 +47,7 @@ import numpy as np
 from coserve.bench.provenance import provenance
 from coserve.bench.result_file import read_result
 
-PREDICTED, MEASURED, TRAINER_AT = 1, 2, 5  # columns of coserve.bench.runners.STEP_TABLE_COLUMNS
+PREDICTED, MEASURED, TRAINER_AT, GPU = 1, 2, 5, 12  # columns of coserve.bench.runners.STEP_TABLE_COLUMNS
 NEIGHBOURS = (2, 5, 10)
 
 
@@ -119,6 +123,14 @@ def floor_of(rows: list[list[Any]], train: float) -> dict[str, Any]:
         within[g] = {"n": int(spread.size), "ratio_median": float(np.exp(by_group[g])),
                      "spread_median": float(np.median(spread)), "spread_p99": float(np.percentile(spread, 99))}
     out["within_position"] = within
+    gpu = [r[GPU] if len(r) > GPU else None for r in rows[start:]]
+    if gpu and all(g is not None and 0 < g for g in gpu):
+        g = np.array(gpu, dtype=np.float64)
+        y = measured[held]
+        host = y - g
+        spread = np.abs(host - np.median(host)) / y
+        out["host_part"] = {"spread_median": float(np.median(spread)), "spread_p99": float(np.percentile(spread, 99)),
+                            "gpu_share": float(np.median(g / y))}
     return out
 
 

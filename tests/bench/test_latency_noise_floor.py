@@ -44,6 +44,17 @@ def test_the_oracles_remove_the_position_and_the_level_and_leave_the_spread() ->
     assert quiet["oracle_both"]["p99_rel"] < 0.02
 
 
+def test_the_host_part_is_told_from_the_gpus_where_the_table_times_the_gpu() -> None:
+    """Steps whose spread is all the GPU's (a constant 1 ms of host time): the host part's spread
+    is 0 and the GPU's share of the step is the rest; a table without gpu_s has no host part."""
+    rows = _rows(spread=0.05)
+    timed = [[*r, None, None, None, None, None, 0.0, r[2] - 0.001] for r in rows]  # type: ignore[operator]
+    floor = noise_floor.floor_of(timed, 0.5)
+    assert floor["host_part"]["spread_p99"] < 1e-9
+    assert 0.85 < floor["host_part"]["gpu_share"] < 0.95  # (1 ms of ~10-13 ms)
+    assert "host_part" not in noise_floor.floor_of(rows, 0.5)
+
+
 def test_positions_follow_the_trainers_boundaries() -> None:
     assert noise_floor.position(None, NUM_LAYERS) == "between_tasks"
     assert noise_floor.position([-2, 0], NUM_LAYERS) == "start"
