@@ -39,13 +39,14 @@ from typing import Any
 import torch
 from speed_common import LLAMA3_8B, TINY, add_trace_args, provenance, trace_scaling, write_model_dir
 
+from coserve.bench.analysis import latency_model_error
 from coserve.bench.metrics import attainment, latency_summary, percentile
 from coserve.bench.replay import STEP_COLUMNS, InProcessDriver
 from coserve.bench.runners import step_table, task_breakdown
 from coserve.bench.workload import Arrival, busiest_window, load_trace
 from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig, SLOConfig
 from coserve.core.coserver import CheckPoint
-from coserve.core.latency import TRAINER_PHASES, BatchSpec, error_summary
+from coserve.core.latency import TRAINER_PHASES, BatchSpec
 from coserve.engine.config import EngineConfig
 from coserve.engine.llm_engine import LLMEngine
 from coserve.models.presets import preset_path
@@ -239,16 +240,8 @@ def span_summary(spans: list[tuple[int, int, float, float]], num_layers: int,
 def model_errors(log: Sequence[Any]) -> dict[str, Any]:
     """The latency model's relative error ``|predicted - measured| / measured`` per step key and
     over ``all`` of the :class:`~coserve.core.coserver.StepLogRow` rows in ``log`` (each step was
-    predicted before the model observed it)."""
-    groups: dict[str, list[float]] = {}
-    for key, _, predicted, measured, *_ in log:
-        groups.setdefault(key, []).append(abs(predicted - measured) / measured)
-        groups.setdefault("all", []).append(abs(predicted - measured) / measured)
-    errors: dict[str, Any] = {}
-    for key, rel in sorted(groups.items()):
-        stats = error_summary(rel)
-        errors[key] = {"median_rel": stats.median_rel, "p99_rel": stats.p99_rel, "n": stats.n}
-    return errors
+    predicted before the model observed it), as ``coserve bench`` reports it."""
+    return latency_model_error([(key, predicted, measured) for key, _, predicted, measured, *_ in log]) or {}
 
 
 def idle_replay(driver: InProcessDriver, session: FinetuneSession, arrivals: Sequence[Arrival],

@@ -753,14 +753,11 @@ def main() -> None:
         for name, rows in tables.items():
             pb = buckets if graphs else None
             entry: dict[str, Any] = {}
-            if args.planned_forms_only:
-                entry["planned_forms"] = planned_forms(rows, args.train, graph_sizes, pb,
-                                                       defer=not args.immediate_refits, recorded=recorded)
-                report[f"{Path(path).name}:{name}"] = entry
-                continue
-            if args.phase_forms_only:
-                entry["phase_forms"] = phase_forms(rows, args.train, graph_sizes, pb,
-                                                   defer=not args.immediate_refits, recorded=recorded)
+            only = "planned_forms" if args.planned_forms_only else "phase_forms" if args.phase_forms_only else None
+            if only is not None:
+                form = planned_forms if only == "planned_forms" else phase_forms
+                entry[only] = form(rows, args.train, graph_sizes, pb, defer=not args.immediate_refits,
+                                   recorded=recorded)
                 report[f"{Path(path).name}:{name}"] = entry
                 continue
             if not args.decode_forms_only:

@@ -602,12 +602,9 @@ class CoServer:
             return  # (LatencyModel.observe's rule: nothing to learn)
         if not 0.0 <= planned_s < record.duration_s:
             planned_s = 0.0  # (a host clock that disagrees: the whole step is priced)
-        # (LatencyModel.observe, with the features built once for the model and the step's records)
-        features = StepFeatures.from_record(record, phase)
-        model_key = features.key
-        predicted = self.latency.observe_regressors(model_key, self.latency.regressors(features, model_key),
-                                                    record.duration_s - planned_s, features.state)
-        key = model_key + ("/busy" if record.trainer_busy else "/idle")
+        features = StepFeatures.from_record(record, phase)  # (once, for the model and the records)
+        predicted = self.latency.observe_features(features, record.duration_s - planned_s)
+        key = features.key + ("/busy" if record.trainer_busy else "/idle")
         errors = self.prediction_errors.get(key)
         if errors is None:
             errors = self.prediction_errors[key] = PredictionErrors()

@@ -588,9 +588,13 @@ class LatencyModel:
         before it was observed (None for an interrupted or untimed step, which is not used)."""
         if record.interrupted or not record.duration_s > 0:
             return None
-        f = StepFeatures.from_record(record, trainer_phase)
-        key = f.key
-        return self.observe_regressors(key, self.regressors(f, key), record.duration_s, f.state)
+        return self.observe_features(StepFeatures.from_record(record, trainer_phase), record.duration_s)
+
+    def observe_features(self, features: StepFeatures, duration_s: float) -> float:
+        """:meth:`observe` of a step of ``features`` that took ``duration_s`` (> 0) seconds (a
+        host that has built the step's features already)."""
+        key = features.key
+        return self.observe_regressors(key, self.regressors(features, key), duration_s, features.state)
 
     def observe_regressors(
         self, key: str, regressors: Sequence[float], duration_s: float, state: str = "idle",

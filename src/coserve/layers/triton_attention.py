@@ -484,9 +484,11 @@ class TritonAttention:
             splits = prefill_splits(num_tiles, heads, max_ctx, self.sms or num_sms(q.device),
                                     tune.prefill_split_min_keys)
         tokens = meta.num_prefill_tokens
-        partial = torch.empty(tokens * heads * splits * d if splits > 1 else 1, dtype=torch.float32,
-                              device=q.device)
-        lse = torch.empty(tokens * heads * splits if splits > 1 else 1, dtype=torch.float32, device=q.device)
+        # (unsplit, the kernel never reads its partials' pointers: out stands in, nothing allocated)
+        partial, lse = out, out
+        if splits > 1:
+            partial = torch.empty(tokens * heads * splits * d, dtype=torch.float32, device=q.device)
+            lse = torch.empty(tokens * heads * splits, dtype=torch.float32, device=q.device)
         jit(_prefill_kernel)[(num_tiles, heads, splits)](
             q, k, v, out, partial, lse, kv_layer, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
             plan.tiles[0], plan.tiles[1],
