@@ -683,7 +683,10 @@ def planned_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, .
     (``whole``: the model prices the whole step) and with each step's ``schedule_s`` as its
     ``planned_s`` (``planned``: the model prices the step after its planning, which is added as
     measured). ``schedule_s`` runs to the end of the step's planning, a little past admission's
-    decision: an upper bound on what the server now knows when it decides. Per key, held-out."""
+    decision: an upper bound on what the server now knows when it decides. Per key, held-out,
+    and ``schedule``: over all the key's steps, ``schedule_s``'s p50 / p99 / max and how many
+    took over 1 ms, and the recorded predictions' residual ``measured − predicted`` against it
+    (correlation, least-squares slope): how far the recorded error followed the planning."""
     steps = [r for r in rows if r[2] > 0 and len(r) > PLANNED - 1]
     if not steps:
         return {}
@@ -695,6 +698,18 @@ def planned_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, .
         for key, entry in got.items():
             if isinstance(entry, dict) and "after" in entry:
                 out.setdefault(key, {"held_out_steps": entry["held_out_steps"]})[name] = entry["after"]
+    for key, entry in out.items():
+        own = [r for r in steps if r[0] == key and r[9] is not None]
+        if len(own) < 2:
+            continue
+        sched = np.asarray([r[9] for r in own], np.float64)
+        residual = np.asarray([r[2] - r[1] for r in own], np.float64)
+        spread = float(np.var(sched))
+        entry["schedule"] = {
+            "p50_s": float(np.median(sched)), "p99_s": float(np.percentile(sched, 99)), "max_s": float(sched.max()),
+            "over_1ms": int((sched > 1e-3).sum()), "steps": len(own),
+            "residual_corr": float(np.corrcoef(sched, residual)[0, 1]) if spread > 0 else None,
+            "residual_slope": float(np.cov(sched, residual, bias=True)[0, 1] / spread) if spread > 0 else None}
     return out
 
 
