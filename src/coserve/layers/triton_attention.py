@@ -359,7 +359,9 @@ PREFILL_SPLITS = os.environ.get("COSERVE_PREFILL_SPLITS", "0") == "1"
 into splits where its tiles would not fill the GPU (:func:`prefill_splits`; module docstring).
 Off by default until measured on the GPU: a 26-token chunk over a 4,070-token cached prefix beside
 13 decodes has one tile per head, 32 programs on the H200's 132 SMs, each reading the whole prefix
-alone (session 26's latency run: such steps took 14-17 ms against ~7 ms for the decodes alone)."""
+alone (in session 26's latency run, ``bench/results/latency_h200/session26/coserve_latency_share50_d67b6ee``'s
+step table, the 22 steps with one chunk of at most 64 tokens over 4,000 or more cached took a
+median of 15.9 ms; decode-only steps of 10-20 decodes, 9.1 ms)."""
 
 
 VARLEN_PREFILL = os.environ.get("COSERVE_VARLEN_PREFILL", "1") == "1"
