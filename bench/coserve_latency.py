@@ -51,7 +51,7 @@ from coserve.engine.config import EngineConfig
 from coserve.engine.llm_engine import LLMEngine
 from coserve.models.presets import preset_path
 from coserve.server.finetune import FinetuneSession, FinetuneSpec
-from coserve.trainer.mps import start_mps_daemon
+from coserve.trainer.mps import share_of_this_process, start_mps_daemon
 from coserve.trainer.stream_gate import boundary_kind
 
 SHAPES = {"llama3-8b": LLAMA3_8B, "tiny": TINY}
@@ -507,7 +507,9 @@ def main() -> None:
         "config": {"shape": args.shape, "trace": Path(args.trace).name, "window_start_s": start,
                    "duration_s": args.duration, "scaling": vars(scaling), "slo": vars(slo),
                    "backward_tokens": args.backward_tokens, "max_num_batched_tokens": args.max_num_batched_tokens,
-                   "trainer_sm_share": args.trainer_sm_share, "prefill_graphs": args.prefill_graphs, "threads": torch.get_num_threads(),
+                   "trainer_sm_share": args.trainer_sm_share,
+                   "engine_sm_share": share_of_this_process(),  # (None: the whole GPU)
+                   "prefill_graphs": args.prefill_graphs, "threads": torch.get_num_threads(),
                    "trainer_phases": list(TRAINER_PHASES),
                    "lora": {"rank": 16, "targets": list(LoRAConfig().target_modules)}},
         "figures": figures,

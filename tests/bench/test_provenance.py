@@ -14,3 +14,11 @@ def test_command_starts_with_the_switches_set(monkeypatch: pytest.MonkeyPatch) -
     assert got["command"].startswith("COSERVE_LORA_EXPAND_FIRST=1 ")
     assert got["command"].endswith("bench/engine_speed.py --sections lora")
     assert "COSERVE_COMMIT" not in got["command"] and got["commit"] == "abc123"
+
+
+def test_command_names_this_process_mps_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    # an engine run as a limited MPS client (first_call.sh's latency_env=CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50)
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "50")
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/tmp/mps")  # where the daemon is: not a switch
+    got = provenance(["bench/coserve_latency.py"])["command"]
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 " in got and "CUDA_MPS_PIPE_DIRECTORY" not in got

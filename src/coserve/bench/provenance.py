@@ -50,8 +50,8 @@ def _device() -> dict[str, Any]:
 def provenance(argv: list[str] | None = None) -> dict[str, Any]:
     """``commit`` (``git``, or ``COSERVE_COMMIT`` / ``COSERVE_DIRTY`` where the tree has no
     ``.git``), ``dirty``, ``device``, ``versions`` and ``command`` (``argv``, default
-    ``sys.argv``, behind the interpreter, after the ``COSERVE_*`` switches set in the
-    environment: the A/B runs differ only there)."""
+    ``sys.argv``, behind the interpreter, after the switches set in the environment, :data:`SWITCH_PREFIXES`:
+    the A/B runs differ only there)."""
     # NOTE: the variables win over git: a copied tree (the device machine) may carry a .git whose
     # status differs from the checkout it was copied from.
     commit = os.environ.get("COSERVE_COMMIT") or _git("rev-parse", "HEAD") or "unknown"
@@ -101,7 +101,12 @@ def _redacted(argv: list[str]) -> list[str]:
     return out
 
 
+SWITCH_PREFIXES = ("COSERVE_", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_CLIENT_PRIORITY")
+"""The variables a result's command names: coserve's switches, and this process's own MPS share and
+priority (an engine run as a limited MPS client times differently; the trainer's share is a flag)."""
+
+
 def _switches() -> list[str]:
-    """``NAME=value`` of every ``COSERVE_*`` variable set, except the provenance's own."""
+    """``NAME=value`` of every variable of :data:`SWITCH_PREFIXES` set, except the provenance's own."""
     return [f"{k}={'***' if k in SECRET_VARIABLES else shlex.quote(v)}" for k, v in sorted(os.environ.items())
-            if k.startswith("COSERVE_") and k not in ("COSERVE_COMMIT", "COSERVE_DIRTY")]
+            if k.startswith(SWITCH_PREFIXES) and k not in ("COSERVE_COMMIT", "COSERVE_DIRTY")]
