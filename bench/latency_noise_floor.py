@@ -22,7 +22,10 @@ relative error ``|predicted - measured| / measured`` of:
 - ``host_part`` (tables with the ``gpu_s`` column, since session 27): the host's part of each
   held-out step, ``measured - gpu_s``, around its median, over the step's time (p50 / p99 of
   ``|host - median host| / measured``), and ``gpu_share`` (median ``gpu_s / measured``): where
-  the spread above is small here, it is the GPU's (the trainer's interference), not the host's.
+  the spread above is small here, it is the GPU's (the trainer's interference), not the host's;
+  ``host_constant_p99``, the recorded error's p99 had the host's part been its median in every
+  step, and ``gpu_alone_p99``, that of the GPU's part alone against the predictions scaled by
+  their median ratio to it: where these are no lower than ``recorded``, the tail is the GPU's.
 
 These oracles use what no server knows before a step (the steps after it, the held-out steps'
 own medians); where even they stay above a goal, the goal is below the steps' own spread and
@@ -129,8 +132,13 @@ def floor_of(rows: list[list[Any]], train: float) -> dict[str, Any]:
         y = measured[held]
         host = y - g
         spread = np.abs(host - np.median(host)) / y
+        p = predicted[held]
         out["host_part"] = {"spread_median": float(np.median(spread)), "spread_p99": float(np.percentile(spread, 99)),
-                            "gpu_share": float(np.median(g / y))}
+                            "gpu_share": float(np.median(g / y)),
+                            # the recorded predictions' error had the host's part been its median every step
+                            "host_constant_p99": float(np.percentile(np.abs(p - (g + np.median(host))) / y, 99)),
+                            # the GPU's part alone against the predictions scaled by their median ratio to it
+                            "gpu_alone_p99": float(np.percentile(np.abs(p * np.median(g / p) - g) / g, 99))}
     return out
 
 

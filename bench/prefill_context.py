@@ -51,7 +51,7 @@ def gpu_seconds(fn: Any, calls: int) -> float:
 
 def case(chunk: int, context: int, decodes: int, *, heads: tuple[int, int, int], block: int, nblocks: int,
          cache: torch.Tensor, device: torch.device, calls: int, rng: random.Random,
-         min_keys: int | None) -> dict[str, Any]:
+         min_keys: int | None, min_splits: int | None) -> dict[str, Any]:
     from coserve.layers.attention import AttentionMetadata
     from coserve.layers.triton_attention import (
         AttentionTuning,
@@ -75,6 +75,8 @@ def case(chunk: int, context: int, decodes: int, *, heads: tuple[int, int, int],
     base = AttentionTuning(prefill_paged_tokens=10**6)
     if min_keys is not None:
         base = replace(base, prefill_split_min_keys=min_keys)
+    if min_splits is not None:
+        base = replace(base, prefill_split_min_splits=min_splits)
     plain, split = TritonAttention(replace(base, prefill_splits=False)), TritonAttention(
         replace(base, prefill_splits=True))
     scale = d**-0.5
@@ -86,7 +88,8 @@ def case(chunk: int, context: int, decodes: int, *, heads: tuple[int, int, int],
     ref, out = run(plain).float(), run(split).float()
     err = float((out - ref).norm() / ref.norm())
     tiles = -(-chunk // base.prefill_block_m)
-    splits = prefill_splits(tiles, h, context, num_sms(device), base.prefill_split_min_keys)
+    splits = prefill_splits(tiles, h, context, num_sms(device), base.prefill_split_min_keys,
+                            base.prefill_split_min_splits)
     plain_s, split_s = gpu_seconds(lambda: run(plain), calls), gpu_seconds(lambda: run(split), calls)
     return {"chunk": chunk, "context": context, "decodes": decodes, "splits": splits,
             "plain_us": plain_s * 1e6, "split_us": split_s * 1e6, "split_over_plain": split_s / plain_s,
@@ -100,7 +103,9 @@ def main() -> None:
     p.add_argument("--decodes", type=int, default=16)
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--min-keys", type=int, default=None,
-                   help="AttentionTuning.prefill_split_min_keys (default: the tuning's)")
+                   help="AttentionTuning.prefill_split_min_keys (default: the tuning's; session 28's run: 256)")
+    p.add_argument("--min-splits", type=int, default=None,
+                   help="AttentionTuning.prefill_split_min_splits (default: the tuning's; session 28's run: 1)")
     p.add_argument("--smoke", action="store_true", help="a tiny shape on the CPU through Triton's interpreter")
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -116,6 +121,7 @@ def main() -> None:
     if args.smoke:
         chunks, contexts, args.decodes, args.calls = [3, 20], [40, 200], 2, 2
         args.min_keys = 8 if args.min_keys is None else args.min_keys
+        args.min_splits = 2 if args.min_splits is None else args.min_splits
     # a KV pool far past L2 (2.6 GB at the 8B shape), one layer
     nblocks = 400 if args.smoke else 40000
     dtype = torch.float32 if args.smoke else torch.bfloat16
@@ -125,12 +131,13 @@ def main() -> None:
     for context in contexts:
         for chunk in chunks:
             row = case(chunk, context, args.decodes, heads=heads, block=block, nblocks=nblocks, cache=cache,
-                       device=device, calls=args.calls, rng=rng, min_keys=args.min_keys)
+                       device=device, calls=args.calls, rng=rng, min_keys=args.min_keys,
+                       min_splits=args.min_splits)
             logger.info("chunk %d over %d: %d splits, %.1f -> %.1f us (x%.2f), rel err %.1e", chunk, context,
                         row["splits"], row["plain_us"], row["split_us"], row["split_over_plain"], row["rel_err"])
             rows.append(row)
     record = {**provenance(), "config": {"heads": heads, "block_size": block, "decodes": args.decodes,
-                                         "min_keys": args.min_keys,
+                                         "min_keys": args.min_keys, "min_splits": args.min_splits,
                                          "calls": args.calls, "smoke": args.smoke, "dtype": str(dtype)},
               "figures": {"cases": rows}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

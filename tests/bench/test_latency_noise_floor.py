@@ -52,6 +52,9 @@ def test_the_host_part_is_told_from_the_gpus_where_the_table_times_the_gpu() -> 
     floor = noise_floor.floor_of(timed, 0.5)
     assert floor["host_part"]["spread_p99"] < 1e-9
     assert 0.85 < floor["host_part"]["gpu_share"] < 0.95  # (1 ms of ~10-13 ms)
+    # a constant host part changes nothing; the GPU's part alone spreads more (1 ms less of each step)
+    assert abs(floor["host_part"]["host_constant_p99"] - floor["recorded"]["p99_rel"]) < 1e-9
+    assert floor["host_part"]["gpu_alone_p99"] > floor["recorded"]["p99_rel"]
     assert "host_part" not in noise_floor.floor_of(rows, 0.5)
 
 

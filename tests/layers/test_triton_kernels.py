@@ -143,7 +143,7 @@ def test_prefill_with_split_prefixes_matches_reference(
     monkeypatch.setattr(triton_attention, "prefill_splits", lambda *a: chosen.append(real(*a)) or chosen[-1])
     tuning = AttentionTuning(prefill_sdpa=bool(sdpa), prefill_varlen=sdpa == "small",
                              prefill_paged_tokens=10**6 if sdpa == "small" else 0,
-                             prefill_splits=True, prefill_split_min_keys=8)
+                             prefill_splits=True, prefill_split_min_keys=8, prefill_split_min_splits=2)
     out = TritonAttention(tuning, sms=64).forward(q, k, v, cache[:, 1], meta, scale, window)
     assert chosen and chosen[0] > 1  # (the prefixes were split)
     assert rel_err(out, ref) < TOL[dtype]
@@ -159,6 +159,26 @@ def test_prefill_splits_fill_the_gpu_twice_and_keep_each_split_long() -> None:
     assert prefill_splits(8, 32, 4070, 132, 256) == 2
     assert prefill_splits(9, 32, 4070, 132, 256) == 1  # (the tiles fill the GPU twice already)
     assert prefill_splits(1, 32, 100, 132, 256) == 1
+
+
+def test_the_default_split_rule_splits_where_the_h100_ran_faster() -> None:
+    """bench/results/engine_h100/session28/prefill_context_3cba91e.json, one layer of the 8B shape
+    (32 heads, 64-token tiles, 132 SMs): faster split for 8-128-token chunks over 4,096 and 8,192
+    cached, slower over 1,024 cached and for 512-token chunks."""
+    from coserve.layers.triton_attention import AttentionTuning, prefill_splits
+
+    tune = AttentionTuning()
+    assert tune.prefill_splits  # (on by default, COSERVE_PREFILL_SPLITS unset)
+
+    def chosen(chunk: int, context: int) -> int:
+        return prefill_splits(-(-chunk // tune.prefill_block_m), 32, context, 132, tune.prefill_split_min_keys,
+                              tune.prefill_split_min_splits)
+
+    for context in (4096, 8192):
+        assert [chosen(c, context) for c in (8, 26, 64)] == [chosen(8, context)] * 3 and chosen(8, context) >= 5
+        assert chosen(128, context) == 5
+        assert chosen(512, context) == 1
+    assert all(chosen(c, 1024) == 1 for c in (8, 26, 64, 128, 512))
 
 
 def test_the_prefill_plan_is_worked_out_once_per_step(monkeypatch: pytest.MonkeyPatch) -> None:

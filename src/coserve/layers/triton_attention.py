@@ -6,7 +6,7 @@ for the flat batch layout). Three kernels:
 - ``store_kv``: ``kv[slot // bs, 0|1, slot % bs] = k|v`` for every token whose slot is not -1.
 - ``prefill``: one program per (query tile of one prefill row, query head[, split]). Keys are
   the row's cached prefix (positions ``< ctx``, read through its block table) followed by the
-  row's own new tokens (read from ``k``/``v``, causal). With ``COSERVE_PREFILL_SPLITS=1``, a
+  row's own new tokens (read from ``k``/``v``, causal). Unless ``COSERVE_PREFILL_SPLITS=0``, a
   step whose prefill rows all take this kernel and whose tiles would leave most of the GPU idle
   (a short chunk over a long cached prefix: a chat's next turn, a prompt's last chunk) cuts each
   cached prefix into splits as ``decode`` does, the row's own tokens in split 0, and ``merge``
@@ -347,21 +347,30 @@ def decode_splits(num_rows: int, num_kv_heads: int, max_context: int, num_sms: i
     return max(1, min(want, MAX_DECODE_SPLITS, -(-max_context // 64)))
 
 
-def prefill_splits(num_tiles: int, num_heads: int, max_context: int, num_sms: int, min_keys: int) -> int:
+def prefill_splits(num_tiles: int, num_heads: int, max_context: int, num_sms: int, min_keys: int,
+                   min_splits: int = 1) -> int:
     """Splits of each prefill tile's cached prefix: enough programs to fill the GPU twice, none
-    with fewer than ``min_keys`` keys (1: no split)."""
+    with fewer than ``min_keys`` keys, and no split at all where fewer than ``min_splits`` would
+    do (1: no split)."""
     want = -(-2 * num_sms // max(num_tiles * num_heads, 1))
-    return max(1, min(want, MAX_DECODE_SPLITS, max_context // max(min_keys, 1)))
+    splits = max(1, min(want, MAX_DECODE_SPLITS, max_context // max(min_keys, 1)))
+    return splits if splits >= min_splits else 1
 
 
-PREFILL_SPLITS = os.environ.get("COSERVE_PREFILL_SPLITS", "0") == "1"
+PREFILL_SPLITS = os.environ.get("COSERVE_PREFILL_SPLITS", "1") == "1"
 """A step whose prefill rows all take the paged ``prefill`` kernel cuts their cached prefixes
-into splits where its tiles would not fill the GPU (:func:`prefill_splits`; module docstring).
-Off by default until measured on the GPU: a 26-token chunk over a 4,070-token cached prefix beside
-13 decodes has one tile per head, 32 programs on the H200's 132 SMs, each reading the whole prefix
-alone (in session 26's latency run, ``bench/results/latency_h200/session26/coserve_latency_share50_d67b6ee``'s
+into splits where its tiles would not fill the GPU (:func:`prefill_splits`; module docstring;
+``0`` turns it off). A 26-token chunk over a 4,070-token cached prefix beside 13 decodes has one
+tile per head, 32 programs on 132 SMs, each reading the whole prefix alone (in session 26's
+latency run on the H200, ``bench/results/latency_h200/session26/coserve_latency_share50_d67b6ee``'s
 step table, the 22 steps with one chunk of at most 64 tokens over 4,000 or more cached took a
-median of 15.9 ms; decode-only steps of 10-20 decodes, 9.1 ms)."""
+median of 15.9 ms; decode-only steps of 10-20 decodes, 9.1 ms). On the H100 (``bench/prefill_context.py``,
+one layer of the 8B shape beside 16 decodes, ``bench/results/engine_h100/session28/prefill_context_3cba91e.json``)
+chunks of 8-128 tokens over 4,096 and 8,192 cached took 0.51-0.86x the unsplit kernel's time in
+5-9 splits, but 1.17-1.27x over 1,024 cached (4 splits of 256 keys) and for 512-token chunks (2
+splits): on by default since session 28 with the split at least :attr:`AttentionTuning.prefill_split_min_keys`
+keys (640) and at least :attr:`AttentionTuning.prefill_split_min_splits` (4) of them, which
+splits exactly the cases that ran faster there."""
 
 
 VARLEN_PREFILL = os.environ.get("COSERVE_VARLEN_PREFILL", "1") == "1"
@@ -401,9 +410,10 @@ class AttentionTuning:
     # (PAGED_SMALL_PREFILL; 0: never)
     prefill_paged_tokens: int = field(default_factory=lambda: PAGED_SMALL_PREFILL)
     # split a paged-only step's cached prefixes where its tiles leave the GPU idle (PREFILL_SPLITS),
-    # each split at least this many keys
+    # each split at least this many keys, and only into this many splits or more
     prefill_splits: bool = field(default_factory=lambda: PREFILL_SPLITS)
-    prefill_split_min_keys: int = 256
+    prefill_split_min_keys: int = 640
+    prefill_split_min_splits: int = 4
 
 
 class _PrefillPlan(NamedTuple):
@@ -484,7 +494,7 @@ class TritonAttention:
             # (every prefill token is a tile's: the merge writes them all)
             max_ctx = max(meta.context_lens_list[:meta.num_prefill_rows], default=0)
             splits = prefill_splits(num_tiles, heads, max_ctx, self.sms or num_sms(q.device),
-                                    tune.prefill_split_min_keys)
+                                    tune.prefill_split_min_keys, tune.prefill_split_min_splits)
         tokens = meta.num_prefill_tokens
         # (unsplit, the kernel never reads its partials' pointers: out stands in, nothing allocated)
         partial, lse = out, out
