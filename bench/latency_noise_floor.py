@@ -25,7 +25,11 @@ relative error ``|predicted - measured| / measured`` of:
   the spread above is small here, it is the GPU's (the trainer's interference), not the host's;
   ``host_constant_p99``, the recorded error's p99 had the host's part been its median in every
   step, and ``gpu_alone_p99``, that of the GPU's part alone against the predictions scaled by
-  their median ratio to it: where these are no lower than ``recorded``, the tail is the GPU's.
+  their median ratio to it: where these are no lower than ``recorded``, the tail is the GPU's;
+- ``by_gap`` (tables with the ``gap_s`` column, since session 28): the recorded errors of the
+  held-out steps that came :data:`GAP_S` or more after the step before (``after_gap``: the GPU
+  left to the trainer or idle, its clocks perhaps down) and of the rest (``back_to_back``), with
+  the median of ``(measured - predicted) / measured`` (positive: slower than predicted).
 
 These oracles use what no server knows before a step (the steps after it, the held-out steps'
 own medians); where even they stay above a goal, the goal is below the steps' own spread and
@@ -50,7 +54,8 @@ import numpy as np
 from coserve.bench.provenance import provenance
 from coserve.bench.result_file import read_result
 
-PREDICTED, MEASURED, TRAINER_AT, GPU = 1, 2, 5, 12  # columns of coserve.bench.runners.STEP_TABLE_COLUMNS
+PREDICTED, MEASURED, TRAINER_AT, GPU, GAP = 1, 2, 5, 12, 13  # columns of coserve.bench.runners.STEP_TABLE_COLUMNS
+GAP_S = 0.005  # a step after this long a gap (gap_s) counts as after_gap
 NEIGHBOURS = (2, 5, 10)
 
 
@@ -126,6 +131,13 @@ def floor_of(rows: list[list[Any]], train: float) -> dict[str, Any]:
         within[g] = {"n": int(spread.size), "ratio_median": float(np.exp(by_group[g])),
                      "spread_median": float(np.median(spread)), "spread_p99": float(np.percentile(spread, 99))}
     out["within_position"] = within
+    gaps = [r[GAP] if len(r) > GAP else None for r in rows[start:]]
+    if any(gap is not None for gap in gaps):
+        after = np.array([gap is not None and gap >= GAP_S for gap in gaps])
+        signed = (measured[held] - predicted[held]) / measured[held]
+        out["by_gap"] = {name: {**errors(predicted[held][m], measured[held][m]),
+                                "signed_median": float(np.median(signed[m]))}
+                         for name, m in (("after_gap", after), ("back_to_back", ~after)) if m.any()}
     gpu = [r[GPU] if len(r) > GPU else None for r in rows[start:]]
     if gpu and all(g is not None and 0 < g for g in gpu):
         g = np.array(gpu, dtype=np.float64)

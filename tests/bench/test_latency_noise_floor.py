@@ -9,6 +9,8 @@ import math
 import random
 from pathlib import Path
 
+import pytest
+
 from tests.bench.scripts import load_script
 
 noise_floor = load_script("latency_noise_floor")
@@ -77,3 +79,20 @@ def test_main_reads_a_latency_result_and_writes_its_figures(tmp_path: Path) -> N
     figures = json.loads(out.read_text())["figures"]
     assert figures["summary"]["decode/graph/busy"]["oracle_both"]["tables"] == 1
     assert noise_floor.main([str(path), "--min-steps", "1000"]) == 1  # too few steps: said, not a crash
+
+
+def test_steps_after_a_gap_are_told_from_back_to_back_ones() -> None:
+    """A table with gap_s: the held-out steps that came 5 ms or more after the step before (here
+    every fourth, 20% of its time slower than predicted) against the rest (as predicted)."""
+    rows: list[list[object]] = []
+    for i in range(400):
+        slow = i % 4 == 0
+        measured = 0.0125 if slow else 0.01
+        rows.append(["decode/graph/busy", 0.01, measured, [4.0, 4000.0, 1.0], [1, 0], [3, 1],
+                     False, [], 4, None, None, 0.0, None, 0.02 if slow else 0.001])
+    floor = noise_floor.floor_of(rows, 0.5)
+    gap = floor["by_gap"]
+    assert gap["after_gap"]["signed_median"] == pytest.approx(0.2)
+    assert gap["back_to_back"]["signed_median"] == pytest.approx(0.0) and gap["back_to_back"]["p99_rel"] < 1e-9
+    assert gap["after_gap"]["n"] + gap["back_to_back"]["n"] == floor["recorded"]["n"] == 200
+    assert "by_gap" not in noise_floor.floor_of([r[:13] for r in rows], 0.5)

@@ -675,3 +675,23 @@ def test_early_pause_is_off_by_default_and_checked() -> None:
     assert not trainer.paused and co._early is None
     with pytest.raises(ValueError, match="--early-pause-ms"):
         SLOConfig(early_pause_s=-0.001)
+
+
+def test_the_step_table_gives_the_gap_before_each_step() -> None:
+    """``gap_s``: from the end of the step before (its on_step_end) to this step's start, how long
+    the engine left the GPU before it; None for the first step and for a host that does not say."""
+    co, _ = coserver(model(0.01, (0.0, 0.0)))
+    co.track = True
+    gaps = []
+    for pause_s in (0.0, 0.03, 0.0):
+        time.sleep(pause_s)
+        view = replace(DECODE, now=time.monotonic(), step_began=time.monotonic())
+        co.plan(view)
+        co.on_step_end(StepRecord(view=view, ft_tokens=0, duration_s=0.01, mode="graph"))
+        gaps.append(co.step_log[-1].gap_s)
+    assert gaps[0] is None
+    assert gaps[1] is not None and 0.03 <= gaps[1] < 0.2
+    assert gaps[2] is not None and 0.0 <= gaps[2] < 0.02
+    co.plan(DECODE)  # (no step_began)
+    co.on_step_end(StepRecord(view=DECODE, ft_tokens=0, duration_s=0.01, mode="graph"))
+    assert co.step_log[-1].gap_s is None

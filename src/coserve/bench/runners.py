@@ -352,7 +352,9 @@ def step_table(log: Sequence[StepLogRow]) -> dict[str, Any]:
     schedule_s / enqueue_s: the host's seconds planning the step and queuing its device work;
     planned_s: its host seconds up to admission's decision, known then and part of predicted_s,
     the latency model pricing the rest; gpu_s: the device's seconds between two events around the
-    step's forward, where the host timed it, ``coserve.engine.llm_engine.StepStats.forward_gpu_s``),
+    step's forward, where the host timed it, ``coserve.engine.llm_engine.StepStats.forward_gpu_s``;
+    gap_s: the host's seconds from the end of the step before to this one's start, how long the
+    GPU was left to the trainer or idle before it),
     6 significant digits: enough to refit the latency model offline, to try forms with other
     terms, to see whether a busy step's time follows what the trainer's kernels were doing, and
     whether a step was bound by its host."""
@@ -364,13 +366,14 @@ def step_table(log: Sequence[StepLogRow]) -> dict[str, Any]:
         "columns": list(STEP_TABLE_COLUMNS),
         "rows": [[r.key, g(r.predicted_s), g(r.measured_s), [g(v) for v in r.regressors], list(r.rows),
                   list(r.trainer_at) if r.trainer_at is not None else None, r.late,
-                  [list(c) for c in r.chunks], r.decodes, g(r.schedule_s), g(r.enqueue_s), g(r.planned_s), g(r.gpu_s)]
+                  [list(c) for c in r.chunks], r.decodes, g(r.schedule_s), g(r.enqueue_s), g(r.planned_s), g(r.gpu_s),
+                  g(r.gap_s)]
                  for r in log],
     }
 
 
 STEP_TABLE_COLUMNS = ("key", "predicted_s", "measured_s", "regressors", "rows", "trainer_at", "event_timed",
-                      "chunks", "decodes", "schedule_s", "enqueue_s", "planned_s", "gpu_s")
+                      "chunks", "decodes", "schedule_s", "enqueue_s", "planned_s", "gpu_s", "gap_s")
 
 
 def run_split(ctx: BenchContext, config: RunConfig) -> RunOutcome:

@@ -123,6 +123,10 @@ class StepLogRow(NamedTuple):
     # when the step is admitted, added to the model's price as measured (predicted_s includes it)
     planned_s: float = 0.0
     gpu_s: float | None = None  # StepRecord.gpu_s: the device's time of the step's forward
+    # the host seconds from the end of the step before (its on_step_end) to this one's start
+    # (StepView.step_began; None: the first step, or a host that does not say): how long the
+    # engine had left the GPU to the trainer or idle before the step
+    gap_s: float | None = None
 
 
 class CheckPoint(NamedTuple):
@@ -269,7 +273,8 @@ class CoServer:
         self._trainer_at: tuple[int, int] | None = None
         # untimed steps (StepRecord.timed False) until the host dates them: id(record) -> where
         # the trainer was when the step began
-        self._untimed: dict[int, tuple[tuple[int, int] | None, str, float]] = {}
+        self._untimed: dict[int, tuple[tuple[int, int] | None, str, float, float | None]] = {}
+        self._last_step_end: float | None = None  # time.monotonic() at the last on_step_end (StepLogRow.gap_s)
         # the host time the step being planned had spent when admission decided (StepView.planned_s)
         self._planned_s = 0.0
         # the trainer's phase beside the step being planned (coserve.core.latency.TRAINER_PHASES),
@@ -588,15 +593,15 @@ class CoServer:
     def observe_late(self, record: StepRecord, duration_s: float) -> None:
         """The duration of a step whose record came untimed (``record.timed`` False): the latency
         model learns from it now, and the step table gets it."""
-        at, phase, planned = self._untimed.pop(id(record), (None, "active", 0.0))
-        self._observe(replace(record, duration_s=duration_s, timed=True), at, phase, planned, late=True)
+        at, phase, planned, gap = self._untimed.pop(id(record), (None, "active", 0.0, None))
+        self._observe(replace(record, duration_s=duration_s, timed=True), at, phase, planned, gap, late=True)
 
     def drop_untimed(self) -> None:
         """The host will not date its untimed steps (it dropped them)."""
         self._untimed.clear()
 
     def _observe(self, record: StepRecord, trainer_at: tuple[int, int] | None, phase: str, planned_s: float,
-                 late: bool = False) -> None:
+                 gap_s: float | None = None, late: bool = False) -> None:
         """The latency model learns the step's time after admission's decision (``planned_s``
         before it, as measured); the step table gets the whole step, predicted and measured."""
         if record.interrupted or not record.duration_s > 0:
@@ -615,7 +620,7 @@ class CoServer:
                 key, features.vector(), predicted + planned_s, record.duration_s,
                 (len(features.chunks), len(features.ft_lens)),
                 trainer_at, late, tuple((c.num_tokens, c.context_len) for c in features.chunks),
-                features.num_decodes, record.schedule_s, record.enqueue_s, planned_s, record.gpu_s))
+                features.num_decodes, record.schedule_s, record.enqueue_s, planned_s, record.gpu_s, gap_s))
 
     def _bound_lookahead(self) -> None:
         """Keep the GPU at most one interruption point behind the CPU in an FT-only step, so that
@@ -638,11 +643,16 @@ class CoServer:
         checks, self._checks = self._checks, []
         if record.interrupted and self.track:
             self.interrupted_checks.append(checks)
+        began, ended = record.view.step_began, time.monotonic()
+        gap = began - self._last_step_end if began is not None and self._last_step_end is not None else None
+        self._last_step_end = ended
+        if gap is not None and gap < 0:
+            gap = None  # (a host clock that disagrees)
         if not record.interrupted:
             if record.timed:
-                self._observe(record, self._trainer_at, self._trainer_phase, self._planned_s)
+                self._observe(record, self._trainer_at, self._trainer_phase, self._planned_s, gap)
             else:
-                self._untimed[id(record)] = (self._trainer_at, self._trainer_phase, self._planned_s)
+                self._untimed[id(record)] = (self._trainer_at, self._trainer_phase, self._planned_s, gap)
         rows, self._step_rows = self._step_rows, []
         if not rows:
             return
