@@ -98,7 +98,8 @@ def slo_machinery(result: dict[str, Any]) -> dict[str, Any]:
 def noise_floor(steps: dict[str, Any] | None) -> dict[str, Any] | None:
     """Per step key with enough steps, the held-out p99 of the recorded predictions and of
     ``bench/latency_noise_floor.py``'s oracles, and the spread inside each trainer position:
-    whether a p99 above the goal is the model's or the steps' own."""
+    whether a p99 above the goal is the model's or the steps' own; ``host_part`` and ``by_gap``
+    where the table has ``gpu_s`` and ``gap_s``."""
     if not steps:
         return None
     by_key: dict[str, list[list[Any]]] = {}
@@ -110,7 +111,7 @@ def noise_floor(steps: dict[str, Any] | None) -> dict[str, Any] | None:
             floor = _NOISE_FLOOR.floor_of(rows, 0.5)
             out[key] = {**{form: e["p99_rel"] for form, e in floor.items() if "p99_rel" in e},
                         "spread_p99_by_position": {g: w["spread_p99"] for g, w in floor["within_position"].items()},
-                        "host_part": floor.get("host_part")}
+                        "host_part": floor.get("host_part"), "by_gap": floor.get("by_gap")}
     return out
 
 

@@ -152,3 +152,17 @@ def test_report_reads_the_trainer_stretches_job(tmp_path: Path, monkeypatch: pyt
     assert last["host_ms"] > 0 and last["gpu_ms"] is None and len(last["trace_top_ops_us"]) <= 5
     assert got["trainer_gate_cost_us"] == {"gate_wait": 2.5, "events_pooled": 1.5}
 
+
+
+def test_report_tells_the_gpus_part_of_a_latency_run_that_timed_it(tmp_path: Path) -> None:
+    """Session 28's H100 run (its step table has gpu_s, not yet gap_s): the busy decode steps'
+    host part, with the recorded p99 had the host's part been constant and the GPU's part alone."""
+    (tmp_path / "verify").mkdir()
+    copy_unzipped(RESULTS / "latency_h100" / "session28" / "coserve_latency_share30_3cba91e.json",
+                  tmp_path / "coserve_latency_share30.json")
+    floor = first_call_report.report(tmp_path)["slo_machinery_other"]["coserve_latency_share30"]["noise_floor"]
+    busy = floor["decode/graph/busy"]
+    assert busy["recorded"] == pytest.approx(0.0945, abs=1e-3)  # (latency_h100/README.md's table)
+    assert busy["host_part"]["host_constant_p99"] == pytest.approx(0.139, abs=1e-3)
+    assert busy["host_part"]["gpu_alone_p99"] == pytest.approx(0.124, abs=1e-3)
+    assert busy["by_gap"] is None
