@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from coserve.bench.runners import STEP_TABLE_COLUMNS
 from coserve.core.latency import (
     LEVEL_CLIP,
     LEVEL_FORMS,
@@ -31,6 +32,16 @@ from coserve.core.latency import (
     busy_key,
 )
 from coserve.trainer.stream_gate import boundary_kind
+
+PLANNED = STEP_TABLE_COLUMNS.index("planned_s")
+"""The step table's ``planned_s`` column (since session 27): the step's host seconds up to
+admission's decision, part of ``predicted_s`` as measured; the model prices the rest."""
+
+
+def planned(row: list[Any]) -> float:
+    """A recorded step's ``planned_s`` (0 for a table recorded before the column: its model
+    priced the whole step)."""
+    return float(row[PLANNED] or 0.0) if len(row) > PLANNED else 0.0
 
 
 class Ewma:
@@ -264,7 +275,7 @@ def decode_forms(steps: list[list[Any]], phases: list[str], state: Mapping[str, 
         previous = "starting"
         for i, (row, phase) in enumerate(zip(steps, phases, strict=True)):
             # (the model's part of the step: after admission's decision, planned_s before it)
-            pl = float(row[11] or 0.0) if len(row) > 11 else 0.0
+            pl = planned(row)
             key, measured, at = row[0], row[2] - pl, row[5] if len(row) > 5 else None
             base, busy = key.rsplit("/", 1)
             s = (base, trace.phase_of(base, phase) if busy == "busy" else "idle")

@@ -180,15 +180,7 @@ def step_tables(result: dict[str, Any], config: str | None) -> dict[str, list[li
 
 
 I_CTX = TERMS["prefill"].index("i_ctx")
-PLANNED = 11
-"""The step table's ``planned_s`` column (since session 27): the step's host seconds up to
-admission's decision, part of ``predicted_s`` as measured; the model prices the rest."""
-
-
-def planned(row: list[Any]) -> float:
-    """A recorded step's ``planned_s`` (0 for a table recorded before the column: its model
-    priced the whole step)."""
-    return float(row[PLANNED] or 0.0) if len(row) > PLANNED else 0.0
+PLANNED, planned = latency_decode.PLANNED, latency_decode.planned
 
 
 def current_regressors(key: str, vec: list[float]) -> list[float]:

@@ -53,8 +53,10 @@ import numpy as np
 
 from coserve.bench.provenance import provenance
 from coserve.bench.result_file import read_result
+from coserve.bench.runners import STEP_TABLE_COLUMNS
 
-PREDICTED, MEASURED, TRAINER_AT, GPU, GAP = 1, 2, 5, 12, 13  # columns of coserve.bench.runners.STEP_TABLE_COLUMNS
+PREDICTED, MEASURED, TRAINER_AT, GPU, GAP = (STEP_TABLE_COLUMNS.index(c) for c in (
+    "predicted_s", "measured_s", "trainer_at", "gpu_s", "gap_s"))
 GAP_S = 0.005  # a step after this long a gap (gap_s) counts as after_gap
 NEIGHBOURS = (2, 5, 10)
 

@@ -148,6 +148,10 @@ def test_prefill_with_split_prefixes_matches_reference(
     assert chosen and chosen[0] > 1  # (the prefixes were split)
     assert rel_err(out, ref) < TOL[dtype]
     assert torch.equal(cache.float(), ref_cache)
+    # another layer of the same step: the step's plan (splits, workspace) is reused, decided once
+    ref0 = TorchAttention().forward(q.float(), k.float(), v.float(), ref_cache[:, 0], meta, scale, window)
+    out0 = TritonAttention(tuning, sms=64).forward(q, k, v, cache[:, 0], meta, scale, window)
+    assert len(chosen) == 1 and rel_err(out0, ref0) < TOL[dtype]
 
 
 def test_prefill_splits_fill_the_gpu_twice_and_keep_each_split_long() -> None:

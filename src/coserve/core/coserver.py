@@ -125,7 +125,7 @@ class StepLogRow(NamedTuple):
     gpu_s: float | None = None  # StepRecord.gpu_s: the device's time of the step's forward
     # the host seconds from the end of the step before (its on_step_end) to this one's start
     # (StepView.step_began; None: the first step, or a host that does not say): how long the
-    # engine had left the GPU to the trainer or idle before the step
+    # engine had left the GPU to the trainer or idle before the step (recorded while tracking)
     gap_s: float | None = None
 
 
@@ -622,6 +622,13 @@ class CoServer:
                 trainer_at, late, tuple((c.num_tokens, c.context_len) for c in features.chunks),
                 features.num_decodes, record.schedule_s, record.enqueue_s, planned_s, record.gpu_s, gap_s))
 
+    def _gap_before(self, record: StepRecord) -> float | None:
+        """:attr:`StepLogRow.gap_s` of the step ending now (None where it cannot be told)."""
+        began, last = record.view.step_began, self._last_step_end
+        self._last_step_end = time.monotonic()
+        gap = began - last if began is not None and last is not None else None
+        return gap if gap is None or gap >= 0 else None  # (negative: a host clock that disagrees)
+
     def _bound_lookahead(self) -> None:
         """Keep the GPU at most one interruption point behind the CPU in an FT-only step, so that
         checking for arrivals there means something."""
@@ -643,11 +650,7 @@ class CoServer:
         checks, self._checks = self._checks, []
         if record.interrupted and self.track:
             self.interrupted_checks.append(checks)
-        began, ended = record.view.step_began, time.monotonic()
-        gap = began - self._last_step_end if began is not None and self._last_step_end is not None else None
-        self._last_step_end = ended
-        if gap is not None and gap < 0:
-            gap = None  # (a host clock that disagrees)
+        gap = self._gap_before(record) if self.track else None  # (the step table's alone)
         if not record.interrupted:
             if record.timed:
                 self._observe(record, self._trainer_at, self._trainer_phase, self._planned_s, gap)

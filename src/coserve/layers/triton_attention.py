@@ -419,11 +419,16 @@ class AttentionTuning:
 class _PrefillPlan(NamedTuple):
     """One step's prefill rows by path (:meth:`TritonAttention._prefill_plan`): the varlen runs,
     the token spans ``[a, b)`` of rows through one SDPA call each, and the paged kernel's tiles
-    (``[2, num_tiles]`` int32: row, first query of the tile; None: no such row)."""
+    (``[2, num_tiles]`` int32: row, first query of the tile; None: no such row), with the splits
+    of each tile's cached prefix (:func:`prefill_splits`) and, where there are several, the fp32
+    partials and log-sum-exps the kernel writes and ``merge`` reads, shared by the step's layers."""
 
     runs: list[PlainRun]
     sdpa_rows: list[tuple[int, int]]
     tiles: torch.Tensor | None
+    splits: int = 1
+    partial: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
 
 
 class TritonAttention:
@@ -488,19 +493,10 @@ class TritonAttention:
         heads, d = q.shape[1], q.shape[2]
         group = heads // k.shape[1]
         s_block, s_kv, s_tok, s_head, _ = kv_layer.stride()
-        num_tiles = plan.tiles.shape[1]
-        splits = 1
-        if tune.prefill_splits and not plan.runs and not plan.sdpa_rows:
-            # (every prefill token is a tile's: the merge writes them all)
-            max_ctx = max(meta.context_lens_list[:meta.num_prefill_rows], default=0)
-            splits = prefill_splits(num_tiles, heads, max_ctx, self.sms or num_sms(q.device),
-                                    tune.prefill_split_min_keys, tune.prefill_split_min_splits)
-        tokens = meta.num_prefill_tokens
-        # (unsplit, the kernel never reads its partials' pointers: out stands in, nothing allocated)
-        partial, lse = out, out
-        if splits > 1:
-            partial = torch.empty(tokens * heads * splits * d, dtype=torch.float32, device=q.device)
-            lse = torch.empty(tokens * heads * splits, dtype=torch.float32, device=q.device)
+        num_tiles, splits = plan.tiles.shape[1], plan.splits
+        # (unsplit, the kernel never reads its partials' pointers: out stands in)
+        partial = plan.partial if plan.partial is not None else out
+        lse = plan.lse if plan.lse is not None else out
         jit(_prefill_kernel)[(num_tiles, heads, splits)](
             q, k, v, out, partial, lse, kv_layer, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
             plan.tiles[0], plan.tiles[1],
@@ -512,7 +508,7 @@ class TritonAttention:
             num_stages=tune.prefill_stages,
         )
         if splits > 1:
-            jit(_merge_kernel)[(tokens, heads)](
+            jit(_merge_kernel)[(meta.num_prefill_tokens, heads)](
                 partial, lse, out, out.stride(0), out.stride(1), heads, splits,
                 BLOCK_S=MAX_DECODE_SPLITS, D=d,
             )
@@ -555,7 +551,18 @@ class TritonAttention:
                     starts.append(m0)
             offset += n
         tiles = device_tensor([rows, starts], torch.int32, q.device) if rows else None
-        plan = meta.prefill_plans[key] = _PrefillPlan(runs, sdpa_rows, tiles)
+        splits, partial, lse = 1, None, None
+        if rows and tune.prefill_splits and not runs and not sdpa_rows:
+            # (every prefill token is a tile's: the merge writes them all)
+            heads, d = q.shape[1], q.shape[2]
+            max_ctx = max(meta.context_lens_list[:meta.num_prefill_rows], default=0)
+            splits = prefill_splits(len(rows), heads, max_ctx, self.sms or num_sms(q.device),
+                                    tune.prefill_split_min_keys, tune.prefill_split_min_splits)
+            if splits > 1:  # (each layer's kernel and merge run in stream order: one workspace)
+                partial = torch.empty(meta.num_prefill_tokens * heads * splits * d, dtype=torch.float32,
+                                      device=q.device)
+                lse = torch.empty(meta.num_prefill_tokens * heads * splits, dtype=torch.float32, device=q.device)
+        plan = meta.prefill_plans[key] = _PrefillPlan(runs, sdpa_rows, tiles, splits, partial, lse)
         return plan
 
     def _decode(
