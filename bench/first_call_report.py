@@ -20,6 +20,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from coserve.bench.provenance import provenance
 from coserve.bench.result_file import read_result
 
 
@@ -292,10 +293,10 @@ def main() -> None:
     p.add_argument("folder", type=Path, help="the unpacked first/ folder")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    text = json.dumps(report(args.folder), indent=1)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text)
+    got = report(args.folder)
+    print(json.dumps(got, indent=1))
+    if args.out is not None:  # (the reading's own commit and command; each run's are in its file)
+        args.out.write_text(json.dumps({**provenance(), **got}, indent=1))
 
 
 if __name__ == "__main__":
