@@ -419,6 +419,10 @@ def main() -> None:
     n_cal = engine.calibrate(repeats=2)
     calibration_s = time.perf_counter() - t
     co = session.coserver
+    # (the calibrated coefficients, so that bench/latency_fit.py replays from them rather than
+    # recovering them from the first predictions: a table whose first steps all carried the same
+    # number of decodes leaves the per-decode and constant terms apart unidentified)
+    calibrated = {k: [float(f"{c:.9g}") for c in v] for k, v in co.latency.state_dict()["calibration"].items()}
     num_layers = engine.model_config.num_layers
     # NOTE: the yardstick of the FT-only goal, a 1,024-token FT-only step, in the mode the serving
     # engine runs FT-only steps in (through the prefill graphs where it has them); until session 23
@@ -447,7 +451,7 @@ def main() -> None:
     ft_only_probe = [d for kind, d in probe_run.entry_delays if kind.startswith("ft-only")]
     figures = {
         "mps": mps,
-        "calibration": {"batches": n_cal, "seconds": calibration_s},
+        "calibration": {"batches": n_cal, "seconds": calibration_s, "coefficients": calibrated},
         "latency_model_error": errors,
         "trainer_pause": pause_delays(co.pause_windows, co.pause_observed, co.pause_observed_layers,
                                       num_layers, co.pause_observed_lags or None,

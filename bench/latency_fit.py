@@ -436,7 +436,8 @@ def _solve_calibration(rows: list[list[Any]], phases: list[str], model: LatencyM
     return out, residual
 
 
-def recover(rows: list[list[Any]], model: LatencyModel, phases: list[str] | None = None) -> Recovery:
+def recover(rows: list[list[Any]], model: LatencyModel, phases: list[str] | None = None,
+            calibration: dict[str, list[float]] | None = None) -> Recovery:
     """``form/mode -> coefficients`` that reproduce each key's first :data:`CALIBRATED_STEPS`
     recorded predictions (idle ones, else busy ones made before any busy term existed: the idle
     set alone), under the :data:`RECORDED_MODELS` level that reproduces them best. A decode set's
@@ -445,21 +446,41 @@ def recover(rows: list[list[Any]], model: LatencyModel, phases: list[str] | None
     each step from the set's earlier predictions and times, so each is divided by it first. A
     direction those steps leave unexcited gets 0 (the least-norm solution). Solved in the
     recorded regressors: a table recorded before ``i_ctx`` came from a model without it, whose
-    prefill sets get ``i_ctx = 0`` (as ``LatencyModel.load_state_dict`` migrates them)."""
+    prefill sets get ``i_ctx = 0`` (as ``LatencyModel.load_state_dict`` migrates them).
+
+    ``calibration`` (:func:`recorded_calibration`: the coefficients the run recorded, since
+    session 29) replaces the solved coefficients of the keys it has; the level is still the one
+    that reproduces the first predictions best. The solve cannot separate terms that those steps
+    move together: session 28's engine-split table began with ten decode steps of 5 decodes each,
+    and its least-norm split (0.83 ms a decode, 0.10 ms constant, against ~7 µs and ~7 ms) made
+    the replay of its busy decode set 0.84 (p99) away from the recorded predictions."""
     phases = replay_phases(rows) if phases is None else phases
     best: Recovery | None = None
     for rate, per_phase in RECORDED_MODELS:
-        calibration, residual = _solve_calibration(rows, phases, model, rate, per_phase)
+        solved, residual = _solve_calibration(rows, phases, model, rate, per_phase)
         if best is None or residual < 0.5 * best.residual:  # (ties: the simpler model, first)
-            best = Recovery(calibration, rate, per_phase, residual)
+            best = Recovery({**solved, **(calibration or {})}, rate, per_phase, residual)
     assert best is not None
     return best
 
 
 def recovered_calibration(rows: list[list[Any]], model: LatencyModel,
-                          recorded: tuple[str, ...] = TRAINER_PHASES) -> dict[str, list[float]]:
-    """:func:`recover`'s calibration of a table recorded by a model with the ``recorded`` phases."""
-    return recover(rows, model, replay_phases(rows, recorded)).calibration
+                          recorded: tuple[str, ...] = TRAINER_PHASES,
+                          calibration: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
+    """:func:`recover`'s calibration of a table recorded by a model with the ``recorded`` phases
+    (and, where the run recorded it, the ``calibration`` it ran from)."""
+    return recover(rows, model, replay_phases(rows, recorded), calibration).calibration
+
+
+def recorded_calibration(result: dict[str, Any]) -> dict[str, list[float]] | None:
+    """The calibrated coefficients that ``result``'s run recorded (``bench/coserve_latency.py``'s
+    ``figures.calibration.coefficients``, since session 29), None before. Those of a key whose
+    length is not this commit's (``TERMS``) are left out, to be recovered."""
+    got = (result.get("figures", {}).get("calibration") or {}).get("coefficients")
+    if not isinstance(got, dict):
+        return None
+    return {k: [float(c) for c in v] for k, v in got.items()
+            if k.split("/")[0] in TERMS and len(v) == len(TERMS[k.split("/")[0]])} or None
 
 
 def _configure(model: LatencyModel, graph_sizes: tuple[int, ...], prefill_buckets: tuple[int, ...] | None,
@@ -482,7 +503,8 @@ def _replay_model(graph_sizes: tuple[int, ...], prefill_buckets: tuple[int, ...]
 
 def replay(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
            prefill_buckets: tuple[int, ...] | None, defer: bool = True,
-           recorded: tuple[str, ...] = TRAINER_PHASES, recorded_planned: bool = True) -> dict[str, Any]:
+           recorded: tuple[str, ...] = TRAINER_PHASES, recorded_planned: bool = True,
+           calibration: dict[str, list[float]] | None = None) -> dict[str, Any]:
     """Held-out error of the online model replayed step by step (module docstring, ``replay``),
     of a table recorded by a model with the trainer phases ``recorded`` (:func:`recorded_phases`).
     ``after`` runs this commit's phases, the other forms the phases before ``ending``.
@@ -492,7 +514,9 @@ def replay(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
     phases = replay_phases(steps)
     legacy = replay_phases(steps, LEGACY_TRAINER_PHASES)
     as_recorded = steps if recorded_planned else [r[:PLANNED] for r in steps]
-    recovery = recover(as_recorded, _replay_model(graph_sizes, prefill_buckets), replay_phases(steps, recorded))
+    recovery = recover(as_recorded, _replay_model(graph_sizes, prefill_buckets), replay_phases(steps, recorded),
+                       calibration)
+    source = "recorded" if calibration else "recovered"
     calibration = recovery.calibration
     state = {**LatencyModel().state_dict(), "coefficients": calibration, "calibration": calibration}
     predictions: dict[str, list[float]] = {}
@@ -511,7 +535,8 @@ def replay(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
         predictions[form] = out
     report: dict[str, Any] = {"calibration": calibration, "recovery": {
         "level_rate": recovery.level_rate, "level_per_phase": recovery.level_per_phase,
-        "residual": recovery.residual, "refits": "deferred" if defer else "immediate"}}
+        "residual": recovery.residual, "refits": "deferred" if defer else "immediate",
+        "calibration": source}}
     for key in sorted({s[0] for s in steps}):
         idx = [i for i, s in enumerate(steps) if s[0] == key]
         held = idx[int(len(idx) * train):]
@@ -587,12 +612,13 @@ def _host_floor(x: np.ndarray, z: np.ndarray, y: np.ndarray, enqueue: np.ndarray
 
 def prefill_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
                   prefill_buckets: tuple[int, ...] | None, defer: bool = True,
-                  recorded: tuple[str, ...] = TRAINER_PHASES) -> dict[str, Any]:
+                  recorded: tuple[str, ...] = TRAINER_PHASES,
+                  calibration: dict[str, list[float]] | None = None) -> dict[str, Any]:
     """Held-out error of the prefill sets replayed online in :data:`PREFILL_FORMS` (module
     docstring, ``prefill_forms``); ``{}`` for a table without the chunk columns."""
     model = _replay_model(graph_sizes, prefill_buckets, defer=defer)
     steps = [r for r in rows if r[2] > 0]
-    calibration = recovered_calibration(steps, model, recorded)
+    calibration = recovered_calibration(steps, model, recorded, calibration)
     out: dict[str, Any] = {}
     for key in sorted({s[0] for s in steps if s[0].startswith("prefill/") and s[0].endswith("/idle")}):
         # [key, predicted, measured, regressors, rows, trainer_at, event_timed, chunks, decodes, _, enqueue_s]
@@ -634,14 +660,15 @@ def prefill_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, .
 
 def decode_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
                  prefill_buckets: tuple[int, ...] | None, defer: bool = True,
-                 names: Collection[str] | None = None, recorded: tuple[str, ...] = TRAINER_PHASES) -> dict[str, Any]:
+                 names: Collection[str] | None = None, recorded: tuple[str, ...] = TRAINER_PHASES,
+                 calibration: dict[str, list[float]] | None = None) -> dict[str, Any]:
     """Held-out error of the decode sets replayed online in ``latency_decode.DECODE_FORMS``
     (module docstring, ``decode_forms``), from ``replay``'s calibration (of a table recorded with
     the phases ``recorded``); ``names``: only these forms (and ``after``). Every form runs this
     commit's trainer phases."""
     steps = [r for r in rows if r[2] > 0]
     phases = replay_phases(steps)
-    calibration = recovered_calibration(steps, _replay_model(graph_sizes, prefill_buckets), recorded)
+    calibration = recovered_calibration(steps, _replay_model(graph_sizes, prefill_buckets), recorded, calibration)
     state = {**LatencyModel().state_dict(), "coefficients": calibration, "calibration": calibration}
     return latency_decode.decode_forms(steps, phases, state, train,
                                        lambda m: _configure(m, graph_sizes, prefill_buckets, defer),
@@ -650,12 +677,13 @@ def decode_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ..
 
 def phase_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
                 prefill_buckets: tuple[int, ...] | None, defer: bool = True,
-                recorded: tuple[str, ...] = TRAINER_PHASES) -> dict[str, Any]:
+                recorded: tuple[str, ...] = TRAINER_PHASES,
+                calibration: dict[str, list[float]] | None = None) -> dict[str, Any]:
     """The decode sets' ``after`` (the model as it runs) replayed with the trainer phases before
     session 27 (``legacy``: a step beside the backward's last layer is ``active``) and with this
     commit's (``ending`` its own phase): held-out error and ``decode_forms``' views of each."""
     steps = [r for r in rows if r[2] > 0]
-    calibration = recovered_calibration(steps, _replay_model(graph_sizes, prefill_buckets), recorded)
+    calibration = recovered_calibration(steps, _replay_model(graph_sizes, prefill_buckets), recorded, calibration)
     state = {**LatencyModel().state_dict(), "coefficients": calibration, "calibration": calibration}
     out: dict[str, Any] = {}
     for name, phases in (("legacy", LEGACY_TRAINER_PHASES), ("current", TRAINER_PHASES)):
@@ -670,7 +698,8 @@ def phase_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...
 
 def planned_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
                   prefill_buckets: tuple[int, ...] | None, defer: bool = True,
-                  recorded: tuple[str, ...] = TRAINER_PHASES) -> dict[str, Any]:
+                  recorded: tuple[str, ...] = TRAINER_PHASES,
+                  calibration: dict[str, list[float]] | None = None) -> dict[str, Any]:
     """``replay``'s ``after`` of a table recorded before the ``planned_s`` column, as recorded
     (``whole``: the model prices the whole step) and with each step's ``schedule_s`` as its
     ``planned_s`` (``planned``: the model prices the step after its planning, which is added as
@@ -686,7 +715,7 @@ def planned_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, .
     out: dict[str, Any] = {}
     for name, table in (("whole", [r[:PLANNED] for r in steps]), ("planned", with_planned)):
         got = replay(table, train, graph_sizes, prefill_buckets, defer=defer, recorded=recorded,
-                     recorded_planned=name == "whole")
+                     recorded_planned=name == "whole", calibration=calibration)
         for key, entry in got.items():
             if isinstance(entry, dict) and "after" in entry:
                 out.setdefault(key, {"held_out_steps": entry["held_out_steps"]})[name] = entry["after"]
@@ -757,6 +786,7 @@ def main() -> None:
             p.error(f"{path}: no step table (a result of this commit's `coserve bench` or coserve_latency.py)")
         graphs = bool(result.get("config", {}).get("prefill_graphs"))
         recorded = recorded_phases(result)
+        calibration = recorded_calibration(result)
         for name, rows in tables.items():
             pb = buckets if graphs else None
             entry: dict[str, Any] = {}
@@ -764,17 +794,18 @@ def main() -> None:
             if only is not None:
                 form = planned_forms if only == "planned_forms" else phase_forms
                 entry[only] = form(rows, args.train, graph_sizes, pb, defer=not args.immediate_refits,
-                                   recorded=recorded)
+                                   recorded=recorded, calibration=calibration)
                 report[f"{Path(path).name}:{name}"] = entry
                 continue
             if not args.decode_forms_only:
                 entry = evaluate(rows, args.train, args.floor_quantile, graph_sizes)
                 entry["replay"] = replay(rows, args.train, graph_sizes, pb, defer=not args.immediate_refits,
-                                         recorded=recorded)
+                                         recorded=recorded, calibration=calibration)
                 entry["prefill_forms"] = prefill_forms(rows, args.train, graph_sizes, pb,
-                                                       defer=not args.immediate_refits, recorded=recorded)
+                                                       defer=not args.immediate_refits, recorded=recorded,
+                                                       calibration=calibration)
             entry["decode_forms"] = decode_forms(rows, args.train, graph_sizes, pb, defer=not args.immediate_refits,
-                                                 names=names, recorded=recorded)
+                                                 names=names, recorded=recorded, calibration=calibration)
             report[f"{Path(path).name}:{name}"] = entry
     if any(e.get("prefill_forms") for e in report.values()):
         report["prefill_forms_summary"] = forms_summary(report)

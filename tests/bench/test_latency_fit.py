@@ -385,6 +385,43 @@ def test_a_table_with_the_steps_planned_time_is_replayed_on_the_models_part() ->
     assert forms["after"] == pytest.approx(decode["after"], rel=1e-9)
 
 
+def test_a_recorded_calibration_replays_a_table_whose_first_steps_leave_terms_apart_unidentified() -> None:
+    """Session 28's engine-split table began with ten decode steps of the same batch size, so the
+    recovery could not tell the per-decode term from the constant (its least-norm split was ~100×
+    off), and the replay missed the recorded predictions. Since session 29 the run records its
+    calibration (``figures.calibration.coefficients``): replayed from it, the table is reproduced;
+    from the recovery alone, it is not."""
+    from coserve.core.latency import LatencyModel
+
+    calibration = {"decode/graph": [1e-5, 3e-8, 5e-3]}
+    server = LatencyModel()
+    server.load_state_dict({"version": 2, "coefficients": calibration, "calibration": calibration})
+    server.graph_bucket = lambda n: int(latency_fit._bucket(n, latency_fit.GRAPH_SIZES))
+    server.defer_refits = True
+    rng = random.Random(5)
+    rows: list[list[object]] = []
+    for i in range(600):
+        b, kv = (5 if i < 10 else rng.randint(1, 64)), 6_000 + 5 * i if i < 10 else rng.randint(100, 60_000)
+        vec = [float(b), float(kv), 1.0]
+        t = (1e-5 * latency_fit._bucket(b, latency_fit.GRAPH_SIZES) + 3e-8 * kv + 5e-3) * rng.uniform(0.97, 1.03)
+        predicted = server.observe_regressors("decode/graph", server.bucketed(vec, "decode/graph"), t)
+        rows.append(["decode/graph/idle", predicted, t, vec, [0, 0], None])
+    result = {"figures": {"calibration": {"batches": 9, "seconds": 1.0, "coefficients": {
+        **calibration, "prefill/graph": [1.0, 2.0]}}}}  # (a key of another commit's length: left out)
+    recorded = latency_fit.recorded_calibration(result)
+    assert recorded == calibration
+    assert latency_fit.recorded_calibration({"figures": {"calibration": {"batches": 9}}}) is None
+    recovered = latency_fit.replay(rows, 0.5, latency_fit.GRAPH_SIZES, None)
+    assert recovered["recovery"]["calibration"] == "recovered"
+    assert recovered["calibration"]["decode/graph"] != pytest.approx(calibration["decode/graph"], rel=0.1)
+    assert recovered["decode/graph/idle"]["matches_recorded"]["after"]["p99_rel"] > 0.05
+    report = latency_fit.replay(rows, 0.5, latency_fit.GRAPH_SIZES, None, calibration=recorded)
+    assert report["recovery"]["calibration"] == "recorded"
+    assert report["decode/graph/idle"]["matches_recorded"]["after"]["p99_rel"] < 1e-9
+    forms = latency_fit.decode_forms(rows, 0.5, latency_fit.GRAPH_SIZES, None, names=["after"], calibration=recorded)
+    assert forms["decode/graph/idle"]["after"] == pytest.approx(report["decode/graph/idle"]["after"], rel=1e-9)
+
+
 def test_scheduled_level_moves_slowly_while_young_and_its_shared_level_at_its_own_rate() -> None:
     """``Scheduled``: ``young_rate`` for a level's first ``young_steps`` steps, then ``rate``
     (``shared_rate`` for a key's shared busy level); a restart does not make it young again; a
