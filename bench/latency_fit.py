@@ -352,6 +352,13 @@ REPLAY_FORMS: dict[str, dict[str, Any]] = {
 CALIBRATED_STEPS = 10
 """A set's first refit comes after this many observations: its predictions until then are the
 calibration's (scaled by the set's level, where it carries one)."""
+EXTENDED_STEPS = 4 * CALIBRATED_STEPS
+"""How far :func:`recover` looks past a set's first :data:`CALIBRATED_STEPS`: the server puts a
+due refit off until the host idles, or to ``DEFER_CAP`` refit intervals (``defer_refits``), so
+the predictions stay the calibration's for a while after the tenth; the steps up to the first
+that the solve no longer reproduces (:data:`EXTENDED_RESIDUAL`: a refit moved it) join it."""
+EXTENDED_RESIDUAL = 1e-5
+"""A relative residual above the table's six significant digits (~1e-6) by a margin."""
 RECORDED_MODELS: tuple[tuple[float, bool], ...] = ((0.0, False), (LEVEL_RATE, True), (LEVEL_RATE, False))
 """The ``(level_rate, level per trainer phase)`` that :func:`recover` tries for the recorded
 server: no level (tables recorded before it), the level per busy set of each phase (since
@@ -395,10 +402,17 @@ def replay_phases(steps: list[list[Any]], phases: tuple[str, ...] = TRAINER_PHAS
     return out
 
 
+def _least_norm(x: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """The least-norm non-negative-clamped solution of ``x θ = p`` and its largest relative residual."""
+    theta = torch.linalg.lstsq(x, p.unsqueeze(1), driver="gelsd").solution.squeeze(1).clamp(min=0)
+    return theta, float(((x @ theta - p).abs() / p.clamp(min=1e-12)).max())
+
+
 def _solve_calibration(rows: list[list[Any]], phases: list[str], model: LatencyModel, level_rate: float,
                        per_phase: bool) -> tuple[dict[str, list[float]], float]:
     """:func:`recover` for one recorded model: each key's first :data:`CALIBRATED_STEPS`
-    predictions divided by the level they carried, then solved for the coefficients."""
+    predictions (and those after, up to its first refit: :data:`EXTENDED_STEPS`) divided by the
+    level they carried, then solved for the coefficients."""
     first: dict[str, list[tuple[tuple[float, ...], float]]] = {}
     level: dict[tuple[str, str], float] = {}
     for row, phase in zip(rows, phases, strict=True):
@@ -407,7 +421,7 @@ def _solve_calibration(rows: list[list[Any]], phases: list[str], model: LatencyM
         predicted, measured = row[1] - planned(row), row[2] - planned(row)
         base, busy = key.rsplit("/", 1)
         seen = first.setdefault(key, [])
-        if len(seen) >= CALIBRATED_STEPS:
+        if len(seen) >= EXTENDED_STEPS:
             continue
         linear = predicted
         if level_rate > 0 and base.startswith(LEVEL_FORMS):
@@ -427,10 +441,17 @@ def _solve_calibration(rows: list[list[Any]], phases: list[str], model: LatencyM
         base = key.rsplit("/", 1)[0]
         if base in out or not first[key]:
             continue
-        x = torch.tensor([s[0] for s in first[key]], dtype=torch.float64)
-        p = torch.tensor([s[1] for s in first[key]], dtype=torch.float64)
-        theta = torch.linalg.lstsq(x, p.unsqueeze(1), driver="gelsd").solution.squeeze(1).clamp(min=0)
-        residual = max(residual, float(((x @ theta - p).abs() / p.clamp(min=1e-12)).max()))
+        x_all = torch.tensor([s[0] for s in first[key]], dtype=torch.float64)
+        p_all = torch.tensor([s[1] for s in first[key]], dtype=torch.float64)
+        theta, worst = _least_norm(x_all[:CALIBRATED_STEPS], p_all[:CALIBRATED_STEPS])
+        if worst <= EXTENDED_RESIDUAL:
+            # (the steps past the tenth, up to the first refit, where they excite a term more)
+            for n in range(CALIBRATED_STEPS + 1, len(p_all) + 1):
+                more, more_worst = _least_norm(x_all[:n], p_all[:n])
+                if more_worst > EXTENDED_RESIDUAL:
+                    break
+                theta, worst = more, more_worst
+        residual = max(residual, worst)
         legacy = base.startswith("prefill/") and len(theta) == len(LEGACY_PREFILL_TERMS)
         out[base] = list(from_legacy_prefill(theta.tolist(), 0.0)) if legacy else theta.tolist()
     return out, residual

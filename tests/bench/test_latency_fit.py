@@ -385,12 +385,9 @@ def test_a_table_with_the_steps_planned_time_is_replayed_on_the_models_part() ->
     assert forms["after"] == pytest.approx(decode["after"], rel=1e-9)
 
 
-def test_a_recorded_calibration_replays_a_table_whose_first_steps_leave_terms_apart_unidentified() -> None:
-    """Session 28's engine-split table began with ten decode steps of the same batch size, so the
-    recovery could not tell the per-decode term from the constant (its least-norm split was ~100×
-    off), and the replay missed the recorded predictions. Since session 29 the run records its
-    calibration (``figures.calibration.coefficients``): replayed from it, the table is reproduced;
-    from the recovery alone, it is not."""
+def _same_batch_first(same: int) -> tuple[dict[str, list[float]], list[list[object]]]:
+    """An idle graph decode table whose first ``same`` steps all carry 5 decodes, as the server
+    records it (refits put off to the cap: the first at the 40th step)."""
     from coserve.core.latency import LatencyModel
 
     calibration = {"decode/graph": [1e-5, 3e-8, 5e-3]}
@@ -401,11 +398,32 @@ def test_a_recorded_calibration_replays_a_table_whose_first_steps_leave_terms_ap
     rng = random.Random(5)
     rows: list[list[object]] = []
     for i in range(600):
-        b, kv = (5 if i < 10 else rng.randint(1, 64)), 6_000 + 5 * i if i < 10 else rng.randint(100, 60_000)
+        b, kv = (5, 6_000 + 5 * i) if i < same else (rng.randint(1, 64), rng.randint(100, 60_000))
         vec = [float(b), float(kv), 1.0]
         t = (1e-5 * latency_fit._bucket(b, latency_fit.GRAPH_SIZES) + 3e-8 * kv + 5e-3) * rng.uniform(0.97, 1.03)
         predicted = server.observe_regressors("decode/graph", server.bucketed(vec, "decode/graph"), t)
         rows.append(["decode/graph/idle", predicted, t, vec, [0, 0], None])
+    return calibration, rows
+
+
+def test_the_recovery_reads_past_the_tenth_step_up_to_the_first_refit() -> None:
+    """Session 28's engine-split table began with ten decode steps of 5 decodes each: from those
+    alone the per-decode term and the constant cannot be told apart (the least-norm split was
+    ~100× off, and the replay missed the recorded busy predictions by 0.84 at p99). The server
+    puts refits off, so the steps after the tenth still carry the calibration's predictions up to
+    the first refit: read too, they separate the terms, and the replay reproduces the table."""
+    calibration, rows = _same_batch_first(10)
+    report = latency_fit.replay(rows, 0.5, latency_fit.GRAPH_SIZES, None)
+    assert report["recovery"]["calibration"] == "recovered"
+    assert report["calibration"]["decode/graph"] == pytest.approx(calibration["decode/graph"], rel=1e-5)
+    assert report["decode/graph/idle"]["matches_recorded"]["after"]["p99_rel"] < 1e-9
+
+
+def test_a_recorded_calibration_replays_a_table_whose_calibrated_steps_leave_terms_apart_unidentified() -> None:
+    """Where every step before the first refit carried the same batch size, only the calibration
+    the run recorded (``figures.calibration.coefficients``, since session 29) reproduces the table;
+    the recovery's least-norm split does not."""
+    calibration, rows = _same_batch_first(60)
     result = {"figures": {"calibration": {"batches": 9, "seconds": 1.0, "coefficients": {
         **calibration, "prefill/graph": [1.0, 2.0]}}}}  # (a key of another commit's length: left out)
     recorded = latency_fit.recorded_calibration(result)
