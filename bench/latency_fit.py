@@ -106,7 +106,16 @@ Forms (:data:`PREFILL_FORMS`), each known before the step runs:
   refitted on the previous small steps' ``enqueue_s``, plus the median ``measured − enqueue_s``
   of the previous small steps that were host-bound (``enqueue_s`` over 0.7 of the step). Whether
   a step samples is read from ``event_timed`` (a step that samples nothing is timed by events):
-  the scheduler knows it before the step.
+  the scheduler knows it before the step;
+- ``knee_256`` / ``knee_512`` / ``knee_1024`` (:data:`KNEES`): plus ``max(0, K − tokens)``, a
+  second slope for the steps below ``K`` bucketed tokens (the weights are read whatever the
+  batch, so a small step's time stops falling with its tokens).
+
+Session 29, on the four H100 tables of session 28 and the fourteen H200 tables of sessions 20–26
+(``bench/results/latency_h100/session28/latency_fit_knee.json.gz``): ``knee_512`` lowers the
+held-out p99 of the three H100 tables whose engine had the whole GPU (19.6 → 12.9, 19.4 → 11.6,
+18.0 → 13.3%) and of 8 of the 14 H200 ones, but raises it on the other six (up to 12.1 → 32.5%)
+and on the engine-split table; so the model keeps its linear form.
 
 On the eleven H200 tables of sessions 20, 21 (``share50``, ``release``) and 23, no form's
 held-out p99 is below ``after``'s on every table (``context_tiles`` on 10, ``context_kv`` on 8,
@@ -586,7 +595,12 @@ def replay(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
     return report
 
 
-PREFILL_FORMS = ("context_kv", "context_tiles", "small_set", "host_floor", "host_floor_soft")
+PREFILL_FORMS = ("context_kv", "context_tiles", "small_set", "host_floor", "host_floor_soft", "knee_256", "knee_512",
+                 "knee_1024")
+KNEES = (256, 512, 1024)
+"""``knee_K``: plus ``max(0, K − tokens)`` (bucketed tokens: prefill, FT and decode rows), a
+second slope below ``K`` tokens, where a step's time stops falling with its tokens (the weights
+are read whatever the batch)."""
 TILE = 128
 """Query tokens per attention tile (``context_tiles``)."""
 SMALL_TOKENS = 512
@@ -671,6 +685,8 @@ def prefill_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, .
             "small_set": split,
             "host_floor": _host_floor(x, z, y, enqueue, small, prior, model, soft=False),
             "host_floor_soft": _host_floor(x, z, y, enqueue, small, prior, model, soft=True),
+            **{f"knee_{k}": _online(np.concatenate([x[:, :c], np.maximum(0.0, k - x[:, 1:2]), x[:, c:]], 1), y,
+                                    [*prior[:c], 0.0, prior[c]], model) for k in KNEES},
         }
         held = int(len(y) * train)
         out[key] = {"held_out_steps": len(y) - held, **{

@@ -253,6 +253,19 @@ def test_host_floor_prices_host_bound_small_steps() -> None:
     assert got["prefill/eager/idle"]["host_floor"]["p99_rel"] < 0.05 < got["prefill/eager/idle"]["after"]["p99_rel"]
 
 
+def test_knee_form_prices_small_steps_that_read_the_weights_whatever_their_tokens() -> None:
+    """Steps whose token-wise time has a second, flatter slope below 512 tokens (a weight read that
+    sets their floor): ``knee_512`` predicts them, the linear form cannot."""
+    def time_of(n: int, ctx: int, d: int) -> tuple[float, float]:
+        tokens = n + d
+        return 5e-3 + 3e-5 * tokens + 2e-5 * max(0, 512 - tokens) + 2e-9 * n * ctx, 1e-3
+
+    got = latency_fit.prefill_forms(_prefill_table(9, time_of), 0.5, latency_fit.GRAPH_SIZES, None)
+    got = got["prefill/eager/idle"]
+    assert got["knee_512"]["p99_rel"] < 0.05 < got["after"]["p99_rel"]
+    assert got["knee_1024"]["p99_rel"] > got["knee_512"]["p99_rel"]
+
+
 def _busy_decode_table(server: Any, seed: int, legacy: bool = False) -> list[list[object]]:
     """Busy graph decode steps that ``server`` predicted before observing each, their time
     drifting ±12% every 40 steps (one backward task to the next), 35% slower beside the layers
