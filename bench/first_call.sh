@@ -63,6 +63,8 @@
 #   latency_hold   latency=50 with --hold-pause (SLOConfig.hold_pause)
 #   latency_early=MS  latency=50 with --early-pause-ms MS (the backward paused MS before a decode step's
 #                  predicted end when a request arrived during it; the pause delay runs from the step's start)
+#   latency_early_hold=MS  latency_early=MS with --hold-pause (SLOConfig.hold_pause: no resume between the
+#                  steps of a burst)
 #   latency_prio   latency=50 with --stream-priority high (the engine's stream at the highest priority,
 #                  the trainer a below-normal MPS client)
 #   latency_profile  latency=50 with --profile-layer0 (cProfile of each FT-only step's layer 0 on the host)
@@ -269,6 +271,11 @@ job() {
       # before a decode step's predicted end when a request arrived during it
       latency_bench "$1" "$top/coserve_latency_early${1#latency_early=}" --trainer-sm-share 50 \
         --early-pause-ms "${1#latency_early=}" ;;
+    latency_early_hold=*)
+      # latency_early=MS with --hold-pause too: the backward stopped before a prefill step both after a
+      # decode step (the early pause) and between the steps of a burst (held over)
+      latency_bench "$1" "$top/coserve_latency_early_hold${1#latency_early_hold=}" --trainer-sm-share 50 \
+        --early-pause-ms "${1#latency_early_hold=}" --hold-pause ;;
     latency_prio)
       # the 50% latency run with the engine on the highest-priority stream and the trainer a
       # below-normal MPS client (--stream-priority high): the decode steps' spread beside the backward
