@@ -677,6 +677,36 @@ def test_early_pause_is_off_by_default_and_checked() -> None:
         SLOConfig(early_pause_s=-0.001)
 
 
+@pytest.mark.parametrize("lead_s", [0.0, 0.003])
+def test_an_interrupted_ft_only_step_pauses_the_backward_before_the_arrivals_step(lead_s: float) -> None:
+    """The backward runs beside FT-only steps; one interrupted by an arrival is followed by that
+    arrival's prefill step. With the early pause on (SLOConfig.early_pause_s), the interruption
+    pauses the backward at once and that step's plan takes the pause over (its window from the
+    interruption); a host that goes idle instead lifts it. Off, the plan pauses it, as before."""
+    co, trainer = pipelined(accumulation=2, slo=SLOConfig(early_pause_s=lead_s))
+    co.track = True
+    assert run_step(co) == 2 and len(trainer.submitted) == 1  # a backward in flight
+    rows = co.plan(IDLE)  # an FT-only step beside it
+    assert rows and not trainer.paused
+    co.on_step_end(StepRecord(view=IDLE, ft_tokens=0, duration_s=0.005, interrupted=True))
+    assert trainer.paused is (lead_s > 0)
+    assert co.num_interrupted == 1 and set(co.pool.in_flight_ids) == {0, 1}, "the step's samples are back in the pool"
+    co.plan(PREFILL)
+    assert trainer.paused and trainer.pauses == (2 if lead_s > 0 else 1)
+    assert co.early_pauses == (1 if lead_s > 0 else 0)
+    co.on_step_end(StepRecord(view=PREFILL, ft_tokens=0, duration_s=0.01, trainer_busy=False))
+    assert not trainer.paused
+    (start, _), step_start = co.pause_windows[0], co.pause_window_step_start[0]
+    assert (start < step_start) is (lead_s > 0)
+    # an interruption after which the host goes idle (the arrival left): the idle poll lifts it
+    co, trainer = pipelined(accumulation=2, slo=SLOConfig(early_pause_s=lead_s))
+    assert run_step(co) == 2 and co.plan(IDLE)
+    co.on_step_end(StepRecord(view=IDLE, ft_tokens=0, duration_s=0.005, interrupted=True))
+    assert trainer.paused is (lead_s > 0)
+    co.poll()
+    assert not trainer.paused and co.early_pauses_lifted == (1 if lead_s > 0 else 0)
+
+
 def test_the_step_table_gives_the_gap_before_each_step() -> None:
     """``gap_s``: from the end of the step before (its on_step_end) to this step's start, how long
     the engine left the GPU before it; None for the first step and for a host that does not say."""

@@ -139,7 +139,8 @@ class SLOConfig:
     set to the step's predicted end less this lead pauses the backward if a request has arrived
     meanwhile (the next step will carry its prefill), so that the trainer has stopped by the time
     that step starts instead of only after its plan asks it to; the next plan takes the pause
-    over, or lifts it where that step needs none.
+    over, or lifts it where that step needs none. An FT-only step that an arrival interrupts
+    (the backward runs beside FT-only steps) pauses it the same way, at the interruption.
     ``ft_only_mid_layer_check``: a second interruption point inside each layer of an FT-only step
     (after the MLP's gate/up projection), which keeps FT-only steps eager. Off by default: an
     eager FT-only step's first layer spent 2-16 ms of host time (its GEMMs' first calls at the

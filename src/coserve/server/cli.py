@@ -102,7 +102,8 @@ def add_slo_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, ttft_m
     p.add_argument("--early-pause-ms", type=float, default=0.0, metavar="MS",
                    help="(experimental, 0: off) pause the backward this long before a decode step's predicted "
                         "end when a request has arrived during it, so that the trainer has stopped when the "
-                        "step that carries the new prompt starts")
+                        "step that carries the new prompt starts (and at once when a request interrupts an "
+                        "FT-only step)")
 
 
 def slo_config(args: argparse.Namespace) -> SLOConfig:
