@@ -111,11 +111,19 @@ Forms (:data:`PREFILL_FORMS`), each known before the step runs:
   second slope for the steps below ``K`` bucketed tokens (the weights are read whatever the
   batch, so a small step's time stops falling with its tokens).
 
+- ``lone``: plus an indicator of a prompt alone (no decodes, no FT rows) after an idle host
+  (``gap_s`` of :data:`LONE_GAP_S` or more; any such step of a table without ``gap_s``).
+
 Session 29, on the four H100 tables of session 28 and the fourteen H200 tables of sessions 20–26
 (``bench/results/latency_h100/session28/latency_fit_knee.json.gz``): ``knee_512`` lowers the
 held-out p99 of the three H100 tables whose engine had the whole GPU (19.6 → 12.9, 19.4 → 11.6,
 18.0 → 13.3%) and of 8 of the 14 H200 ones, but raises it on the other six (up to 12.1 → 32.5%)
-and on the engine-split table; so the model keeps its linear form.
+and on the engine-split table; so the model keeps its linear form. The worst held-out steps of
+session 29's H100 tables are the probes' 32-token prefills on an idle engine (8.3 ms of GPU time
+beside a paused or an idle trainer alike, ~0.79× predicted); ``lone`` leaves their prediction
+where it was (held-out p99 unchanged on all 24 tables, ``latency_fit_session29_lone.json.gz``):
+the 30-odd such steps at a table's end come too late and too few for the online refits
+(``_online``, the model's schedule) to move a coefficient that starts at 0.
 
 On the eleven H200 tables of sessions 20, 21 (``share50``, ``release``) and 23, no form's
 held-out p99 is below ``after``'s on every table (``context_tiles`` on 10, ``context_kv`` on 8,
@@ -596,7 +604,11 @@ def replay(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
 
 
 PREFILL_FORMS = ("context_kv", "context_tiles", "small_set", "host_floor", "host_floor_soft", "knee_256", "knee_512",
-                 "knee_1024")
+                 "knee_1024", "lone")
+GAP = 13
+"""The step table's ``gap_s`` column (``STEP_TABLE_COLUMNS``, since session 28)."""
+LONE_GAP_S = 5e-3
+"""``lone``: the idle host time before a step (``gap_s``) from which it counts as after a gap."""
 KNEES = (256, 512, 1024)
 """``knee_K``: plus ``max(0, K − tokens)`` (bucketed tokens: prefill, FT and decode rows), a
 second slope below ``K`` tokens, where a step's time stops falling with its tokens (the weights
@@ -675,6 +687,9 @@ def prefill_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, .
         z = np.asarray([[1.0, len(s[7]), s[8], s[4][1], v[I_CTX], 0.0 if s[6] else 1.0]
                         for s, v in zip(own, x, strict=True)], np.float64)
         enqueue = np.asarray([s[10] or 0.0 for s in own], np.float64)
+        # (a prompt alone: no decodes, no FT rows; since session 28's gap_s, after an idle host)
+        lone = np.asarray([float(s[8] == 0 and s[4][1] == 0 and (len(s) <= GAP or s[GAP] is None
+                                                                  or s[GAP] >= LONE_GAP_S)) for s in own], np.float64)
         split = np.empty(len(y))
         for part in (small, ~small):
             split[part] = _online(x[part], y[part], prior, model)
@@ -687,6 +702,8 @@ def prefill_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, .
             "host_floor_soft": _host_floor(x, z, y, enqueue, small, prior, model, soft=True),
             **{f"knee_{k}": _online(np.concatenate([x[:, :c], np.maximum(0.0, k - x[:, 1:2]), x[:, c:]], 1), y,
                                     [*prior[:c], 0.0, prior[c]], model) for k in KNEES},
+            "lone": _online(np.concatenate([x[:, :c], lone[:, None], x[:, c:]], 1), y, [*prior[:c], 0.0, prior[c]],
+                            model),
         }
         held = int(len(y) * train)
         out[key] = {"held_out_steps": len(y) - held, **{

@@ -207,9 +207,10 @@ def test_a_table_recorded_before_i_ctx_is_replayed_with_the_context_constant() -
     assert fit["rows"]["p99_rel"] < 0.03  # (the rows form, in this commit's terms too)
 
 
-def _prefill_table(seed: int, time_of: Any) -> list[list[object]]:
+def _prefill_table(seed: int, time_of: Any, alone: float = 0.0) -> list[list[object]]:
     """Prefill steps in the eleven-column table, each predicted by a server before it observed
-    the step; ``time_of(n, ctx, decodes) -> (seconds, enqueue_s)``."""
+    the step; ``time_of(n, ctx, decodes) -> (seconds, enqueue_s)``; ``alone``: the share of steps
+    with no decodes (otherwise 0-30 decodes, uniformly)."""
     from coserve.core.latency import Chunk, LatencyModel, StepFeatures
 
     calibration = {"prefill/eager": [0.0, 3e-5, 0.0, 0.0, 2e-9, 1e-3, 5e-3]}
@@ -219,6 +220,8 @@ def _prefill_table(seed: int, time_of: Any) -> list[list[object]]:
     rows: list[list[object]] = []
     for _ in range(600):
         n, ctx, decodes = rng.randint(8, 1024), rng.choice([0, rng.randint(1, 4096)]), rng.randint(0, 30)
+        if alone and rng.random() < alone:
+            decodes = 0
         vec = list(StepFeatures((Chunk(n, ctx),), num_decodes=decodes, kv_tokens=decodes * 500).vector())
         t, enqueue = time_of(n, ctx, decodes)
         t *= rng.uniform(0.99, 1.01)
@@ -264,6 +267,25 @@ def test_knee_form_prices_small_steps_that_read_the_weights_whatever_their_token
     got = got["prefill/eager/idle"]
     assert got["knee_512"]["p99_rel"] < 0.05 < got["after"]["p99_rel"]
     assert got["knee_1024"]["p99_rel"] > got["knee_512"]["p99_rel"]
+
+
+def test_lone_form_prices_a_prompt_alone_after_an_idle_host() -> None:
+    """Steps with no decodes and no FT rows that follow an idle host (``gap_s`` ≥ 5 ms) take 3 ms
+    more; the same steps back to back do not: spread through the table, ``lone`` learns them, the
+    linear form cannot, and a ``lone`` that ignored the gap would price the back-to-back ones too."""
+    step = iter(range(10**6))
+    after_gap: list[bool] = []
+
+    def time_of(n: int, ctx: int, d: int) -> tuple[float, float]:
+        after_gap.append(d == 0 and next(step) % 3 != 0)
+        return 3e-5 * (n + d) + 2e-9 * n * ctx + 5e-3 + 3e-3 * after_gap[-1], 1e-3
+
+    rows = _prefill_table(10, time_of, alone=0.2)
+    for r, gap in zip(rows, after_gap, strict=True):
+        r.extend([None, None, 0.02 if gap else 1e-4])
+    assert sum(after_gap) > 50 and any(r[8] == 0 and not g for r, g in zip(rows, after_gap, strict=True))
+    got = latency_fit.prefill_forms(rows, 0.5, latency_fit.GRAPH_SIZES, None)["prefill/eager/idle"]
+    assert got["lone"]["p99_rel"] < 0.05 < got["after"]["p99_rel"]
 
 
 def _busy_decode_table(server: Any, seed: int, legacy: bool = False) -> list[list[object]]:
