@@ -50,7 +50,9 @@ same held-out share as above: ``recorded`` (the server's predictions), and the m
 ``phases`` (busy sets per trainer phase), ``level`` (each set's level), ``context`` (the prefill
 sets' ``i_ctx``), ``per_phase`` (all three: the model that recorded the tables of sessions
 20–23), ``after`` (the model the server now runs: ``per_phase`` with the busy phases sharing
-one level after a key's first 500 busy steps, ``coserve.core.latency.SHARE_AFTER_STEPS``);
+one level after a key's first 500 busy steps, ``coserve.core.latency.SHARE_AFTER_STEPS``, and,
+since session 29, the lone prompts' level: :func:`row_lone` reads each step's
+``StepFeatures.lone`` from its row, in tables with ``gap_s``);
 ``matches_recorded`` per form: how closely it reproduces the recorded predictions (median and
 p99 of ``|replayed − recorded| / recorded`` over the key's steps). On the eleven tables below,
 ``per_phase`` (``after`` until session 24) does to a median of 0.6–1.5e-6 (the table's six digits) and a p99 of at most 3.4e-3 on the busy
@@ -130,7 +132,10 @@ the 30-odd such steps at a table's end come too late and too few for the online 
 move them: its held-out p99 is at or below ``after``'s on all 24 tables (the nine H100 ones
 18.0–29.2 → 14.4–22.9%, the H200 ones by at most 1.3 points), medians within 0.06 points above
 and up to 0.62 below (``session29/latency_fit_session29_lone.json.gz``). Chosen on these tables:
-the next device runs are its first out-of-sample test, once the model carries it.
+the next device runs are its first out-of-sample test. The model carries it since session 29
+(``LatencyModel(lone_level=True)``, by default; ``replay``'s ``after``), which replayed gives the
+same held-out p99 on the six session-29 tables (15.2, 17.8, 14.4, 14.4, 22.9, 26.0%); session 28's
+tables have no ``gap_s`` and the H200 tables neither, so the model marks none of their steps lone.
 
 On the eleven H200 tables of sessions 20, 21 (``share50``, ``release``) and 23, no form's
 held-out p99 is below ``after``'s on every table (``context_tiles`` on 10, ``context_kv`` on 8,
@@ -169,6 +174,7 @@ from coserve.core.latency import (
     LEVEL_CLIP,
     LEVEL_FORMS,
     LEVEL_RATE,
+    LONE_GAP_S,
     SHARE_AFTER_STEPS,
     TERMS,
     TRAINER_PHASES,
@@ -366,12 +372,13 @@ PREFILL_BUCKETS = (128, 256, 512, 768, 1024, 1536, 2048)
 """``EngineConfig.prefill_graph_buckets``' default."""
 
 REPLAY_FORMS: dict[str, dict[str, Any]] = {
-    "before": {"phases": False, "level_rate": 0.0, "context": False, "share_after": None},
-    "phases": {"phases": True, "level_rate": 0.0, "context": False, "share_after": None},
-    "level": {"phases": False, "level_rate": LEVEL_RATE, "context": False, "share_after": None},
-    "context": {"phases": False, "level_rate": 0.0, "context": True, "share_after": None},
-    "per_phase": {"phases": True, "level_rate": LEVEL_RATE, "context": True, "share_after": None},
-    "after": {"phases": True, "level_rate": LEVEL_RATE, "context": True, "share_after": SHARE_AFTER_STEPS},
+    "before": {"phases": False, "level_rate": 0.0, "context": False, "share_after": None, "lone": False},
+    "phases": {"phases": True, "level_rate": 0.0, "context": False, "share_after": None, "lone": False},
+    "level": {"phases": False, "level_rate": LEVEL_RATE, "context": False, "share_after": None, "lone": False},
+    "context": {"phases": False, "level_rate": 0.0, "context": True, "share_after": None, "lone": False},
+    "per_phase": {"phases": True, "level_rate": LEVEL_RATE, "context": True, "share_after": None, "lone": False},
+    "after": {"phases": True, "level_rate": LEVEL_RATE, "context": True, "share_after": SHARE_AFTER_STEPS,
+              "lone": True},
 }
 CALIBRATED_STEPS = 10
 """A set's first refit comes after this many observations: its predictions until then are the
@@ -541,9 +548,16 @@ def _configure(model: LatencyModel, graph_sizes: tuple[int, ...], prefill_bucket
 
 def _replay_model(graph_sizes: tuple[int, ...], prefill_buckets: tuple[int, ...] | None,
                   level_rate: float = LEVEL_RATE, defer: bool = True,
-                  share_after: int | None = SHARE_AFTER_STEPS) -> LatencyModel:
-    return _configure(LatencyModel(level_rate=level_rate, share_after=share_after), graph_sizes, prefill_buckets,
-                      defer)
+                  share_after: int | None = SHARE_AFTER_STEPS, lone: bool = True) -> LatencyModel:
+    return _configure(LatencyModel(level_rate=level_rate, share_after=share_after, lone_level=lone), graph_sizes,
+                      prefill_buckets, defer)
+
+
+def row_lone(row: list[Any]) -> bool:
+    """A recorded step's ``StepFeatures.lone``: a prompt with no decodes and no FT rows after
+    ``LONE_GAP_S`` of idle host (``gap_s``; a table without that column has none)."""
+    return (row[0].startswith("prefill/") and len(row) > GAP and row[GAP] is not None and row[GAP] >= LONE_GAP_S
+            and row[8] == 0 and row[4][1] == 0 and row[4][0] > 0)
 
 
 def replay(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
@@ -566,7 +580,8 @@ def replay(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
     state = {**LatencyModel().state_dict(), "coefficients": calibration, "calibration": calibration}
     predictions: dict[str, list[float]] = {}
     for form, options in REPLAY_FORMS.items():
-        model = _replay_model(graph_sizes, prefill_buckets, options["level_rate"], defer, options["share_after"])
+        model = _replay_model(graph_sizes, prefill_buckets, options["level_rate"], defer, options["share_after"],
+                              options["lone"])
         model.load_state_dict(state)
         out = []
         for row, phase in zip(steps, phases if form == "after" else legacy, strict=True):
@@ -576,7 +591,8 @@ def replay(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
             v = current_regressors(base, vec)
             if not options["context"] and base.startswith("prefill/"):
                 v = [*v[:I_CTX], 0.0, *v[I_CTX + 1:]]
-            out.append(model.observe_regressors(base, model.bucketed(v, base), measured - pl, state_of) + pl)
+            out.append(model.observe_regressors(base, model.bucketed(v, base), measured - pl, state_of,
+                                                options["lone"] and row_lone(row)) + pl)
         predictions[form] = out
     report: dict[str, Any] = {"calibration": calibration, "recovery": {
         "level_rate": recovery.level_rate, "level_per_phase": recovery.level_per_phase,
@@ -614,8 +630,6 @@ PREFILL_FORMS = ("context_kv", "context_tiles", "small_set", "host_floor", "host
                  "knee_1024", "lone", "lone_level")
 GAP = 13
 """The step table's ``gap_s`` column (``STEP_TABLE_COLUMNS``, since session 28)."""
-LONE_GAP_S = 5e-3
-"""``lone``: the idle host time before a step (``gap_s``) from which it counts as after a gap."""
 KNEES = (256, 512, 1024)
 """``knee_K``: plus ``max(0, K − tokens)`` (bucketed tokens: prefill, FT and decode rows), a
 second slope below ``K`` tokens, where a step's time stops falling with its tokens (the weights

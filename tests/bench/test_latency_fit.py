@@ -523,3 +523,31 @@ def test_scheduled_level_moves_slowly_while_young_and_its_shared_level_at_its_ow
     shared.observe(("decode/graph", "busy"), 0.12)
     shared.join(("decode/graph", "busy"), ("decode/graph", "quiet"))  # (has one: kept)
     assert shared.value(("decode/graph", "busy")) == pytest.approx(0.02 + 0.3 * 0.1)
+
+
+def test_the_replay_prices_lone_prompts_as_the_model_does() -> None:
+    """A table recorded by a model with the lone prompts' level (session 29): ``after`` replays it
+    to its recorded predictions, reading each step's lone-ness from its row (no decodes, no FT
+    rows, ``gap_s`` of LONE_GAP_S or more); ``per_phase``, the model without that level, does not."""
+    from coserve.core.latency import LONE_GAP_S, Chunk, LatencyModel, StepFeatures
+
+    calibration = {"prefill/eager": [0.0, 3e-5, 0.0, 0.0, 0.0, 0.0, 5e-3]}
+    server = LatencyModel()
+    server.load_state_dict({"version": 2, "coefficients": calibration, "calibration": calibration})
+    server.defer_refits = True  # (as CoServer runs it, with no idle poll: refits at the cap)
+    rng = random.Random(12)
+    rows: list[list[object]] = []
+    for _ in range(600):
+        alone = rng.random() < 0.1
+        n, decodes = (32, 0) if alone else (rng.randint(8, 1024), rng.randint(1, 30))
+        gap = rng.choice([1e-4, 0.05]) if alone else 1e-4
+        f = StepFeatures((Chunk(n),), num_decodes=decodes, kv_tokens=decodes * 500, idle_before_s=gap)
+        t = (3e-5 * (n + decodes) + 5e-3) * (1.3 if f.lone else 1.0) * rng.uniform(0.99, 1.01)
+        predicted = server.observe_features(f, t)
+        rows.append(["prefill/eager/idle", predicted, t, list(f.vector()), [1, 0], None, False, [[n, 0]], decodes,
+                     1e-4, 1e-3, 0.0, None, gap])
+    assert sum(latency_fit.row_lone(r) for r in rows) > 10 and LONE_GAP_S < 0.05
+    got = latency_fit.replay(rows, 0.5, latency_fit.GRAPH_SIZES, None, calibration=calibration)["prefill/eager/idle"]
+    assert got["matches_recorded"]["after"]["p99_rel"] < 1e-9
+    assert got["matches_recorded"]["per_phase"]["p99_rel"] > 0.05
+    assert got["after"]["p99_rel"] < got["per_phase"]["p99_rel"]

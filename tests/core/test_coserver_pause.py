@@ -725,3 +725,22 @@ def test_the_step_table_gives_the_gap_before_each_step() -> None:
     co.plan(DECODE)  # (no step_began)
     co.on_step_end(StepRecord(view=DECODE, ft_tokens=0, duration_s=0.01, mode="graph"))
     assert co.step_log[-1].gap_s is None
+
+
+@pytest.mark.parametrize("idle_s", [0.0, 0.03])
+def test_a_prompt_alone_after_an_idle_host_is_learnt_as_lone(idle_s: float) -> None:
+    """The gap before a step (the step table's gap_s, kept whether or not the table is) makes a
+    prompt with no decodes and no FT rows lone (StepFeatures.lone): the latency model learns its
+    own level for such steps, and not from the same prompt back to back."""
+    from coserve.core.latency import LONE, LONE_GAP_S
+
+    co, _ = coserver(model(0.01, (0.0, 0.0)))
+    first = replace(DECODE, now=time.monotonic(), step_began=time.monotonic())
+    co.plan(first)
+    co.on_step_end(StepRecord(view=first, ft_tokens=0, duration_s=0.01, mode="graph"))
+    time.sleep(idle_s)
+    view = replace(PREFILL, now=time.monotonic(), step_began=time.monotonic())
+    co.plan(view)
+    co.on_step_end(StepRecord(view=view, ft_tokens=0, duration_s=0.03))
+    key = StepFeatures.from_view(view).key
+    assert ((key, LONE) in co.latency._level) is (idle_s >= LONE_GAP_S)

@@ -17,6 +17,7 @@ from coserve.core.latency import (
     LEGACY_PREFILL_TERMS,
     LEVEL_CLIP,
     LEVEL_RATE,
+    LONE_GAP_S,
     TERMS,
     BatchSpec,
     Chunk,
@@ -759,3 +760,36 @@ def test_deferred_refits_wait_for_the_host_then_run_at_the_cap() -> None:
     assert late.coefficients("decode/graph") == before
     feed(late, 1, 10 * DEFER_CAP - 1)  # the cap: refit at once
     assert late.coefficients("decode/graph") != before and late.refit_due() == 0
+
+
+def test_lone_prompts_after_an_idle_host_carry_a_level_of_their_own() -> None:
+    """A prompt alone (no decodes, no FT rows) after LONE_GAP_S of idle host ran 1.3x its set's
+    linear form on the H100 (session 29): its level learns that from those steps alone, moved as a
+    decode set's level moves, while the same prompt back to back, with decodes or with FT rows,
+    keeps the set's own prediction; the switch ``lone_level=False`` is the model before."""
+    calibration = {"prefill/eager": [0.0, 1e-5, 0.0, 0.0, 0.0, 0.0, 5e-3]}
+    m = LatencyModel()
+    m.load_state_dict({"version": 2, "coefficients": calibration, "calibration": calibration})
+    lone = StepFeatures((Chunk(32),), idle_before_s=0.05)
+    assert lone.lone and not replace(lone, idle_before_s=LONE_GAP_S / 2).lone
+    assert not replace(lone, num_decodes=4).lone and not lone.with_ft([16]).lone
+    assert not replace(lone, idle_before_s=None).lone and not StepFeatures(idle_before_s=0.05).lone
+    base = m.predict(replace(lone, idle_before_s=None))
+    assert m.predict(lone) == pytest.approx(base)  # (no lone step seen yet)
+    rng = random.Random(0)
+    for _ in range(40):  # (one lone prompt in ten steps; the others back to back, on the linear form)
+        m.observe_features(lone, 1.3 * base)
+        for _ in range(9):
+            n = rng.randint(16, 512)
+            m.observe_features(StepFeatures((Chunk(n),), idle_before_s=1e-4), 5e-3 + 1e-5 * n)
+    back_to_back = replace(lone, idle_before_s=1e-4)
+    # (the set's linear form is refitted on every step, the lone ones too, so it drifts toward
+    # them; their level makes up the rest of their miss and nothing of the others')
+    assert m.predict(lone) == pytest.approx(1.3 * base, rel=0.03)
+    assert m.predict(back_to_back) == pytest.approx(base, rel=0.15)
+    assert m.predict(lone) / m.predict(back_to_back) > 1.1
+    off = LatencyModel(lone_level=False)
+    off.load_state_dict({"version": 2, "coefficients": calibration, "calibration": calibration})
+    for _ in range(40):
+        off.observe_features(lone, 1.3 * base)
+    assert off.predict(lone) == pytest.approx(off.predict(replace(lone, idle_before_s=None)), rel=1e-9)

@@ -69,7 +69,7 @@ from coserve.bench.runners import RUNNERS, BenchContext, TrainingSetup
 from coserve.bench.utilization import UtilizationSampler
 from coserve.bench.workload import Arrival, Scaling, Workload, load_workload
 from coserve.core.config import LoRAConfig, OptimConfig, SLOConfig
-from coserve.core.latency import TRAINER_PHASES
+from coserve.core.latency import LONE_GAP_S, TRAINER_PHASES
 from coserve.engine.config import EngineConfig
 from coserve.engine.llm_engine import LLMEngine
 from coserve.gc_freeze import freeze_startup_objects
@@ -266,6 +266,7 @@ def _config_section(
         # the latency model's busy phases: an offline replay of the step tables reads them
         # (bench/latency_fit.py's recorded_phases)
         "trainer_phases": list(TRAINER_PHASES),
+        "lone_gap_s": LONE_GAP_S,
         "configs": {
             c.name: {
                 "kind": str(c.kind),

@@ -625,7 +625,8 @@ class CoServer:
             return  # (LatencyModel.observe's rule: nothing to learn)
         if not 0.0 <= planned_s < record.duration_s:
             planned_s = 0.0  # (a host clock that disagrees: the whole step is priced)
-        features = StepFeatures.from_record(record, phase)  # (once, for the model and the records)
+        # (once, for the model and the records; the idle host before it makes a prompt alone lone)
+        features = StepFeatures.from_record(record, phase, idle_before_s=gap_s)
         predicted = self.latency.observe_features(features, record.duration_s - planned_s)
         key = features.key + ("/busy" if record.trainer_busy else "/idle")
         errors = self.prediction_errors.get(key)
@@ -667,7 +668,7 @@ class CoServer:
         checks, self._checks = self._checks, []
         if record.interrupted and self.track:
             self.interrupted_checks.append(checks)
-        gap = self._gap_before(record) if self.track else None  # (the step table's alone)
+        gap = self._gap_before(record)  # (the step table's, and what makes a prompt lone)
         if not record.interrupted:
             if record.timed:
                 self._observe(record, self._trainer_at, self._trainer_phase, self._planned_s, gap)

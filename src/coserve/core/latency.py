@@ -129,7 +129,8 @@ class StepFeatures:
     ``busy``: a backward task runs beside it; ``ft_graph_tokens``: the most tokens a step with FT
     rows may have and still run in ``graph`` mode (0: FT rows make it ``eager``; see
     :attr:`exec_mode`); ``trainer_phase``: what the backward runs as the step begins
-    (:data:`TRAINER_PHASES`; read only when ``busy``).
+    (:data:`TRAINER_PHASES`; read only when ``busy``); ``idle_before_s``: how long the host left
+    the engine idle before the step (None: not known), which makes a prompt alone :attr:`lone`.
     """
 
     chunks: tuple[Chunk, ...] = ()
@@ -140,6 +141,7 @@ class StepFeatures:
     busy: bool = False
     ft_graph_tokens: int = 0
     trainer_phase: str = "active"
+    idle_before_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -158,12 +160,13 @@ class StepFeatures:
                    view.ft_graph_tokens, trainer_phase)
 
     @classmethod
-    def from_record(cls, record: StepRecord, trainer_phase: str = "active") -> StepFeatures:
+    def from_record(cls, record: StepRecord, trainer_phase: str = "active",
+                    idle_before_s: float | None = None) -> StepFeatures:
         """The step as it ran: ``record.mode`` is its mode, FT rows or not. A host that leaves
         ``ft_lens`` empty is taken to have run one FT row of all tokens."""
         lens = record.ft_lens or ((record.ft_tokens,) if record.ft_tokens > 0 else ())
-        return cls.of_mode(cls.from_view(record.view, lens, busy=record.trainer_busy,
-                                         trainer_phase=trainer_phase), record.mode)
+        features = cls.from_view(record.view, lens, busy=record.trainer_busy, trainer_phase=trainer_phase)
+        return cls.of_mode(replace(features, idle_before_s=idle_before_s), record.mode)
 
     @staticmethod
     def of_mode(features: StepFeatures, mode: str) -> StepFeatures:
@@ -194,6 +197,14 @@ class StepFeatures:
     @property
     def key(self) -> str:
         return f"{self.form}/{self.exec_mode}"
+
+    @property
+    def lone(self) -> bool:
+        """A prompt alone after an idle host: prefill chunks, no decodes, no FT rows, at least
+        :data:`LONE_GAP_S` of idle host before it. Priced with a level of its own
+        (:class:`LatencyModel`)."""
+        return (bool(self.chunks) and not self.ft_lens and self.num_decodes == 0
+                and self.idle_before_s is not None and self.idle_before_s >= LONE_GAP_S)
 
     @property
     def state(self) -> str:
@@ -384,6 +395,14 @@ SHARED: Final = "busy"
 """The state under which a key's shared busy level is kept (not a trainer phase)."""
 LEVEL_FORMS: Final = ("decode/",)
 """The sets (by key prefix) that carry a level."""
+LONE: Final = "lone"
+"""The level of a prefill key's lone prompts (:attr:`StepFeatures.lone`), kept beside its sets'."""
+LONE_GAP_S: Final = 5e-3
+"""The idle host time before a step (:attr:`StepFeatures.idle_before_s`) from which a prompt with
+no decodes and no FT rows is :attr:`StepFeatures.lone`. On the H100 in session 29 such prompts (a
+sparse arrival at an idle engine, 32 tokens) took 8.3 ms of GPU time, 1.25-1.30x what the prefill
+sets' linear form gave them, and carried those sets' p99 (``bench/results/latency_h100/README.md``);
+the steps back to back kept to 13-15%."""
 
 
 class LatencyModel:
@@ -401,7 +420,9 @@ class LatencyModel:
     each phase keeps its own level, the model before session 24). A step beside the backward's
     last layer (phase ``ending``) is priced as its own phase once its decode key has
     ``ending_after`` busy steps, as ``active`` before (None: always, the model before session
-    27; :meth:`phase_of`).
+    27; :meth:`phase_of`). An idle prefill set's lone prompts (:attr:`StepFeatures.lone`) carry
+    a level of their own, moved as a decode set's (``lone_level``; False: the model before session
+    29).
 
     :meth:`safety` is how far the set's recent steps ran over their predictions (the
     ``safety_quantile`` of measured / predicted over the last ``safety_window`` steps, each
@@ -425,6 +446,7 @@ class LatencyModel:
         shared_level_rate: float = SHARED_LEVEL_RATE,
         share_after: int | None = SHARE_AFTER_STEPS,
         ending_after: int | None = SHARE_AFTER_STEPS,
+        lone_level: bool = True,
     ) -> None:
         if window < 1 or refit_every < 1 or prior_weight < 0:
             raise ValueError("LatencyModel needs window >= 1, refit_every >= 1, prior_weight >= 0")
@@ -446,6 +468,7 @@ class LatencyModel:
         self.shared_level_rate = shared_level_rate
         self.share_after = share_after
         self.ending_after = ending_after
+        self.lone_level = lone_level
         self._defaults = {form: _checked(form, defaults[form]) for form in TERMS}
         self._coef: dict[str, tuple[float, ...]] = {}
         self._busy: dict[str, tuple[float, ...]] = {}  # by busy_key(key, phase)
@@ -529,13 +552,22 @@ class LatencyModel:
     def predict(self, features: StepFeatures) -> float:
         """Predicted step time in seconds."""
         key = features.key
-        return self.predict_regressors(key, self.regressors(features, key), features.state)
+        return self.predict_regressors(key, self.regressors(features, key), features.state, features.lone)
 
-    def predict_regressors(self, key: str, regressors: Sequence[float], state: str = "idle") -> float:
+    def predict_regressors(self, key: str, regressors: Sequence[float], state: str = "idle",
+                           lone: bool = False) -> float:
         """:meth:`predict` of a ``key`` step of :meth:`regressors` ``regressors`` in ``state``
-        (:attr:`StepFeatures.state`)."""
+        (:attr:`StepFeatures.state`); ``lone``: :attr:`StepFeatures.lone`."""
         state = self.phase_of(key, state)
-        return self._linear(key, regressors, state) * math.exp(self._level.get(self._level_key(key, state), 0.0))
+        level = self._level.get(self._level_key(key, state), 0.0)
+        if lone and self._lone_priced(key, state):
+            level += self._level.get((key, LONE), 0.0)
+        return self._linear(key, regressors, state) * math.exp(level)
+
+    def _lone_priced(self, key: str, state: str) -> bool:
+        """Whether a lone prompt of ``key`` in ``state`` carries the lone level: an idle prefill
+        step, where the model keeps levels (``lone_level``, ``level_rate`` above 0)."""
+        return self.lone_level and self.level_rate > 0 and state == "idle" and key.startswith("prefill/")
 
     def phase_of(self, key: str, state: str) -> str:
         """The set a ``key`` step in ``state`` is priced and observed in: ``ending`` is
@@ -594,13 +626,16 @@ class LatencyModel:
         """:meth:`observe` of a step of ``features`` that took ``duration_s`` (> 0) seconds (a
         host that has built the step's features already)."""
         key = features.key
-        return self.observe_regressors(key, self.regressors(features, key), duration_s, features.state)
+        return self.observe_regressors(key, self.regressors(features, key), duration_s, features.state,
+                                       features.lone)
 
     def observe_regressors(
         self, key: str, regressors: Sequence[float], duration_s: float, state: str = "idle",
+        lone: bool = False,
     ) -> float:
         """:meth:`observe` of a ``key`` step of :meth:`regressors` ``regressors`` in ``state``
-        that took ``duration_s`` (> 0) seconds (an offline replay of recorded steps calls it)."""
+        that took ``duration_s`` (> 0) seconds (an offline replay of recorded steps calls it);
+        ``lone``: :attr:`StepFeatures.lone`, whose level moves as a decode set's does."""
         state = self.phase_of(key, state)
         s = (key, state)
         v = tuple(float(x) for x in regressors)
@@ -613,6 +648,13 @@ class LatencyModel:
             self._shared_recent.setdefault(key, deque(maxlen=LEVEL_RECENTER_STEPS)).append((state, v, duration_s))
         level = self._level.get(at, 0.0)
         predicted = linear * math.exp(level)
+        if lone and predicted > 0 and self._lone_priced(key, state):
+            # the lone prompts' level: the set's linear form (fitted on every step, these too)
+            # times a factor learnt from these steps alone (bench/latency_fit.py's lone_level)
+            base, lone_level = predicted, self._level.get((key, LONE), 0.0)
+            predicted = base * math.exp(lone_level)
+            step = min(max(math.log(duration_s / base) - lone_level, -LEVEL_CLIP), LEVEL_CLIP)
+            self._level[(key, LONE)] = lone_level + self.level_rate * step
         if predicted > 0:
             ratios = self._ratios.setdefault(s, deque(maxlen=self._safety_window))
             ratios.append(duration_s / predicted)
