@@ -793,3 +793,18 @@ def test_lone_prompts_after_an_idle_host_carry_a_level_of_their_own() -> None:
     for _ in range(40):
         off.observe_features(lone, 1.3 * base)
     assert off.predict(lone) == pytest.approx(off.predict(replace(lone, idle_before_s=None)), rel=1e-9)
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, "True"), ("0", "False"), ("1", "True")])
+def test_lone_level_default_follows_its_switch(value: str | None, expected: str) -> None:
+    """COSERVE_LONE_LEVEL=0 gives the model before session 29 (a same-host baseline on the device)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "COSERVE_LONE_LEVEL"}
+    if value is not None:
+        env["COSERVE_LONE_LEVEL"] = value
+    out = subprocess.run([sys.executable, "-c", "from coserve.core.latency import LatencyModel; "
+                          "print(LatencyModel().lone_level)"], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == expected

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -397,6 +398,10 @@ LEVEL_FORMS: Final = ("decode/",)
 """The sets (by key prefix) that carry a level."""
 LONE: Final = "lone"
 """The level of a prefill key's lone prompts (:attr:`StepFeatures.lone`), kept beside its sets'."""
+LONE_LEVEL: Final = os.environ.get("COSERVE_LONE_LEVEL", "1") == "1"
+"""``LatencyModel``'s default ``lone_level`` (``COSERVE_LONE_LEVEL``, on by default; ``0``: the model
+before session 29, for a same-host baseline, e.g. ``first_call.sh``'s
+``latency_env=COSERVE_LONE_LEVEL=0``)."""
 LONE_GAP_S: Final = 5e-3
 """The idle host time before a step (:attr:`StepFeatures.idle_before_s`) from which a prompt with
 no decodes and no FT rows is :attr:`StepFeatures.lone`. On the H100 in session 29 such prompts (a
@@ -446,7 +451,7 @@ class LatencyModel:
         shared_level_rate: float = SHARED_LEVEL_RATE,
         share_after: int | None = SHARE_AFTER_STEPS,
         ending_after: int | None = SHARE_AFTER_STEPS,
-        lone_level: bool = True,
+        lone_level: bool = LONE_LEVEL,
     ) -> None:
         if window < 1 or refit_every < 1 or prior_weight < 0:
             raise ValueError("LatencyModel needs window >= 1, refit_every >= 1, prior_weight >= 0")
