@@ -22,7 +22,6 @@ import torch
 
 from coserve.bench.runners import STEP_TABLE_COLUMNS
 from coserve.core.latency import (
-    LEVEL_CLIP,
     LEVEL_FORMS,
     LEVEL_RATE,
     LEVEL_RECENTER_STEPS,
@@ -30,6 +29,7 @@ from coserve.core.latency import (
     SHARED_LEVEL_RATE,
     LatencyModel,
     busy_key,
+    moved_level,
 )
 from coserve.trainer.stream_gate import boundary_kind
 
@@ -62,7 +62,7 @@ class Ewma:
 
     def observe(self, k: Any, log_ratio: float) -> None:
         now = self.level.get(k, 0.0)
-        self.level[k] = now + self.rate_for(k) * min(max(log_ratio - now, -LEVEL_CLIP), LEVEL_CLIP)
+        self.level[k] = moved_level(now, log_ratio, self.rate_for(k))
 
     def recenter(self, k: Any, log_ratios: list[float]) -> None:
         if log_ratios:

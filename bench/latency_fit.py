@@ -171,7 +171,6 @@ from coserve.bench.result_file import read_result
 from coserve.core.latency import (
     DEFER_CAP,
     LEGACY_PREFILL_TERMS,
-    LEVEL_CLIP,
     LEVEL_FORMS,
     LEVEL_RATE,
     LONE_GAP_S,
@@ -181,6 +180,7 @@ from coserve.core.latency import (
     LatencyModel,
     error_summary,
     from_legacy_prefill,
+    moved_level,
     trainer_phase,
 )
 from coserve.core.nnls import fit_relative
@@ -463,8 +463,7 @@ def _solve_calibration(rows: list[list[Any]], phases: list[str], model: LatencyM
             now = level.get(s, 0.0)
             linear = predicted * math.exp(-now)
             if linear > 0:
-                step = min(max(math.log(measured / linear) - now, -LEVEL_CLIP), LEVEL_CLIP)
-                level[s] = now + level_rate * step
+                level[s] = moved_level(now, math.log(measured / linear), level_rate)
         seen.append((model.bucketed(vec, base), linear))
     out: dict[str, list[float]] = {}
     residual = 0.0
@@ -553,11 +552,15 @@ def _replay_model(graph_sizes: tuple[int, ...], prefill_buckets: tuple[int, ...]
                       prefill_buckets, defer)
 
 
-def row_lone(row: list[Any]) -> bool:
+def row_lone(row: list[Any], without_gap: bool = False) -> bool:
     """A recorded step's ``StepFeatures.lone``: a prompt with no decodes and no FT rows after
-    ``LONE_GAP_S`` of idle host (``gap_s``; a table without that column has none)."""
-    return (row[0].startswith("prefill/") and len(row) > GAP and row[GAP] is not None and row[GAP] >= LONE_GAP_S
-            and row[8] == 0 and row[4][1] == 0 and row[4][0] > 0)
+    ``LONE_GAP_S`` of idle host (``gap_s``). A row without that column is lone for
+    ``without_gap`` (``prefill_forms``' ``lone``: any such prompt), else not (the model's view)."""
+    gap = row[GAP] if len(row) > GAP else None
+    if (gap is None and not without_gap) or len(row) <= 8:
+        return False
+    return (row[0].startswith("prefill/") and row[8] == 0 and row[4][1] == 0 and row[4][0] > 0
+            and (gap is None or gap >= LONE_GAP_S))
 
 
 def replay(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
@@ -662,14 +665,14 @@ def _online(x: np.ndarray, y: np.ndarray, prior: list[float], model: LatencyMode
 
 def _lone_level(pred: np.ndarray, y: np.ndarray, lone: np.ndarray) -> np.ndarray:
     """``lone_level``: ``pred`` with the ``lone`` steps scaled by a level of their own, moved as
-    the decode sets' level moves (``LatencyModel.observe_regressors``: toward each such step's
-    log ratio at :data:`LEVEL_RATE`, clipped at :data:`LEVEL_CLIP`), from what was measured before."""
+    the decode sets' level moves (``coserve.core.latency.moved_level`` at :data:`LEVEL_RATE`), from
+    what was measured before."""
     out, level = pred.copy(), 0.0
     for i in np.flatnonzero(lone):
         if pred[i] <= 0:
             continue
         out[i] = pred[i] * math.exp(level)
-        level += LEVEL_RATE * min(max(math.log(y[i] / pred[i]) - level, -LEVEL_CLIP), LEVEL_CLIP)
+        level = moved_level(level, math.log(y[i] / pred[i]), LEVEL_RATE)
     return out
 
 
@@ -722,8 +725,7 @@ def prefill_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, .
                         for s, v in zip(own, x, strict=True)], np.float64)
         enqueue = np.asarray([s[10] or 0.0 for s in own], np.float64)
         # (a prompt alone: no decodes, no FT rows; since session 28's gap_s, after an idle host)
-        lone = np.asarray([float(s[8] == 0 and s[4][1] == 0 and (len(s) <= GAP or s[GAP] is None
-                                                                  or s[GAP] >= LONE_GAP_S)) for s in own], np.float64)
+        lone = np.asarray([float(row_lone(s, without_gap=True)) for s in own], np.float64)
         split = np.empty(len(y))
         for part in (small, ~small):
             split[part] = _online(x[part], y[part], prior, model)

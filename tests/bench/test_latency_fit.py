@@ -269,20 +269,28 @@ def test_knee_form_prices_small_steps_that_read_the_weights_whatever_their_token
     assert got["knee_1024"]["p99_rel"] > got["knee_512"]["p99_rel"]
 
 
+def _gapped_prefill_table(seed: int, after_gap_at: Any, slower: Any, gap_s: float) -> tuple[list[list[object]], list[bool]]:
+    """:func:`_prefill_table`'s steps, a fifth without decodes, with the ``gap_s`` column:
+    ``after_gap_at(i, k)`` says whether step ``i`` (the ``k``-th without decodes) follows an idle
+    host of ``gap_s`` (else 1e-4), ``slower(t, after_gap)`` its time from the linear one ``t``."""
+    alone = iter(range(10**6))
+    after_gap: list[bool] = []
+
+    def time_of(n: int, ctx: int, d: int) -> tuple[float, float]:
+        after_gap.append(d == 0 and after_gap_at(len(after_gap), next(alone)))
+        return slower(3e-5 * (n + d) + 2e-9 * n * ctx + 5e-3, after_gap[-1]), 1e-3
+
+    rows = _prefill_table(seed, time_of, alone=0.2)
+    for r, gap in zip(rows, after_gap, strict=True):
+        r.extend([None, None, gap_s if gap else 1e-4])
+    return rows, after_gap
+
+
 def test_lone_form_prices_a_prompt_alone_after_an_idle_host() -> None:
     """Steps with no decodes and no FT rows that follow an idle host (``gap_s`` ≥ 5 ms) take 3 ms
     more; the same steps back to back do not: spread through the table, ``lone`` learns them, the
     linear form cannot, and a ``lone`` that ignored the gap would price the back-to-back ones too."""
-    step = iter(range(10**6))
-    after_gap: list[bool] = []
-
-    def time_of(n: int, ctx: int, d: int) -> tuple[float, float]:
-        after_gap.append(d == 0 and next(step) % 3 != 0)
-        return 3e-5 * (n + d) + 2e-9 * n * ctx + 5e-3 + 3e-3 * after_gap[-1], 1e-3
-
-    rows = _prefill_table(10, time_of, alone=0.2)
-    for r, gap in zip(rows, after_gap, strict=True):
-        r.extend([None, None, 0.02 if gap else 1e-4])
+    rows, after_gap = _gapped_prefill_table(10, lambda i, k: k % 3 != 0, lambda t, a: t + 3e-3 * a, 0.02)
     assert sum(after_gap) > 50 and any(r[8] == 0 and not g for r, g in zip(rows, after_gap, strict=True))
     got = latency_fit.prefill_forms(rows, 0.5, latency_fit.GRAPH_SIZES, None)["prefill/eager/idle"]
     assert got["lone"]["p99_rel"] < 0.05 < got["after"]["p99_rel"]
@@ -293,16 +301,7 @@ def test_lone_level_scales_the_lone_prompts_by_their_own_level() -> None:
     few (as the probes at a latency run's end): the ``lone`` term, learned by the online refits
     from 0, does not catch them; a level of their own (``lone_level``) does, and leaves the other
     steps' predictions as they were."""
-    lone_steps = iter(range(10**6))
-    after_gap: list[bool] = []
-
-    def time_of(n: int, ctx: int, d: int) -> tuple[float, float]:
-        after_gap.append(d == 0 and next(lone_steps) >= 0 and len(after_gap) > 450)
-        return (3e-5 * (n + d) + 2e-9 * n * ctx + 5e-3) * (1.3 if after_gap[-1] else 1.0), 1e-3
-
-    rows = _prefill_table(11, time_of, alone=0.2)
-    for r, gap in zip(rows, after_gap, strict=True):
-        r.extend([None, None, 0.05 if gap else 1e-4])
+    rows, after_gap = _gapped_prefill_table(11, lambda i, k: i > 450, lambda t, a: t * (1.3 if a else 1.0), 0.05)
     assert 20 < sum(after_gap) < 60
     got = latency_fit.prefill_forms(rows, 0.5, latency_fit.GRAPH_SIZES, None)["prefill/eager/idle"]
     # (the level starts at 0: its first few steps keep most of the miss, which the p99 counts)

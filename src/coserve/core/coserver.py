@@ -355,11 +355,9 @@ class CoServer:
     def _take_early_pause(self) -> float | None:
         """Stop the timer of the step that ended; when it (or an interruption) paused the backward
         (None: nothing did)."""
-        if self._early is None:
-            at, self._early_at = self._early_at, None
-            return at
-        with self._early.lock:
-            self._early.deadline = None
+        with self._early.lock if self._early is not None else contextlib.nullcontext():
+            if self._early is not None:
+                self._early.deadline = None
             at, self._early_at = self._early_at, None
         return at
 
@@ -367,15 +365,12 @@ class CoServer:
         """SLOConfig.early_pause_s, for an FT-only step that an arrival interrupted: the next step
         carries that arrival's prefill, so the backward (which runs beside FT-only steps) is
         paused now rather than at that step's plan; the plan takes the pause over or lifts it,
-        as the timer's. On the H100 in session 28 the probes' 32-token prefills after an
-        FT-only step ran 1.17-1.22x their prediction (a median): the backward's kernels queued
-        before its pause ran beside them."""
+        as the timer's. Session 29 (H100): with it and the timer the early pause changed neither
+        the pause delay's p99 nor the prefill error (bench/results/latency_h100/README.md)."""
         if self.slo.early_pause_s <= 0 or not self._in_flight or self._paused or self.failure is not None:
             return
         with self._early.lock if self._early is not None else contextlib.nullcontext():
-            if self._early_at is None:
-                self.trainer.pause()
-                self._early_at = time.monotonic()
+            self._pause_early()
 
     def _arm_early_pause(self, view: StepView, rows: list[FTRow]) -> None:
         """SLOConfig.early_pause_s: for a decode-only step beside the running backward, the timer
@@ -391,7 +386,12 @@ class CoServer:
 
     def _early_pause(self) -> None:
         """(the timer's thread, under its lock) Pause the backward if a request is waiting."""
-        if self._early_at is None and self.arrival_probe is not None and self.arrival_probe():
+        if self.arrival_probe is not None and self.arrival_probe():
+            self._pause_early()
+
+    def _pause_early(self) -> None:
+        """(under the timer's lock, where there is a timer) The early pause, once per step."""
+        if self._early_at is None:
             self.trainer.pause()
             self._early_at = time.monotonic()
 

@@ -154,11 +154,11 @@ class StepFeatures:
     @classmethod
     def from_view(
         cls, view: StepView, ft_lens: Sequence[int] = (), *, busy: bool = False,
-        trainer_phase: str = "active",
+        trainer_phase: str = "active", idle_before_s: float | None = None,
     ) -> StepFeatures:
         chunks = tuple(Chunk(p.num_tokens, p.context_len) for p in view.prefills)
         return cls(chunks, tuple(ft_lens), view.num_decodes, view.decode_kv_tokens, view.mode, busy,
-                   view.ft_graph_tokens, trainer_phase)
+                   view.ft_graph_tokens, trainer_phase, idle_before_s)
 
     @classmethod
     def from_record(cls, record: StepRecord, trainer_phase: str = "active",
@@ -166,8 +166,8 @@ class StepFeatures:
         """The step as it ran: ``record.mode`` is its mode, FT rows or not. A host that leaves
         ``ft_lens`` empty is taken to have run one FT row of all tokens."""
         lens = record.ft_lens or ((record.ft_tokens,) if record.ft_tokens > 0 else ())
-        features = cls.from_view(record.view, lens, busy=record.trainer_busy, trainer_phase=trainer_phase)
-        return cls.of_mode(replace(features, idle_before_s=idle_before_s), record.mode)
+        return cls.of_mode(cls.from_view(record.view, lens, busy=record.trainer_busy, trainer_phase=trainer_phase,
+                                         idle_before_s=idle_before_s), record.mode)
 
     @staticmethod
     def of_mode(features: StepFeatures, mode: str) -> StepFeatures:
@@ -396,6 +396,15 @@ SHARED: Final = "busy"
 """The state under which a key's shared busy level is kept (not a trainer phase)."""
 LEVEL_FORMS: Final = ("decode/",)
 """The sets (by key prefix) that carry a level."""
+
+
+def moved_level(level: float, log_ratio: float, rate: float) -> float:
+    """A level after one step whose measured / linear log ratio is ``log_ratio``: moved ``rate`` of
+    the way toward it, the move clipped at :data:`LEVEL_CLIP` so that one stalled step (a compile,
+    an allocator retry) moves the level by at most ``LEVEL_CLIP · rate``."""
+    return level + rate * min(max(log_ratio - level, -LEVEL_CLIP), LEVEL_CLIP)
+
+
 LONE: Final = "lone"
 """The level of a prefill key's lone prompts (:attr:`StepFeatures.lone`), kept beside its sets'."""
 LONE_LEVEL: Final = os.environ.get("COSERVE_LONE_LEVEL", "1") == "1"
@@ -658,8 +667,7 @@ class LatencyModel:
             # times a factor learnt from these steps alone (bench/latency_fit.py's lone_level)
             base, lone_level = predicted, self._level.get((key, LONE), 0.0)
             predicted = base * math.exp(lone_level)
-            step = min(max(math.log(duration_s / base) - lone_level, -LEVEL_CLIP), LEVEL_CLIP)
-            self._level[(key, LONE)] = lone_level + self.level_rate * step
+            self._level[(key, LONE)] = moved_level(lone_level, math.log(duration_s / base), self.level_rate)
         if predicted > 0:
             ratios = self._ratios.setdefault(s, deque(maxlen=self._safety_window))
             ratios.append(duration_s / predicted)
@@ -671,10 +679,8 @@ class LatencyModel:
                     len(ratios) == self.safety_min_steps or n % SAFETY_EVERY == 0):
                 self._set_safety(s, np.fromiter(ratios, np.float64, len(ratios)))
         if linear > 0 and self.level_rate > 0 and key.startswith(LEVEL_FORMS):
-            # NOTE: clipped, so that one stalled step (a compile, an allocator retry) moves the
-            # level by at most LEVEL_CLIP · level_rate
-            step = min(max(math.log(duration_s / linear) - level, -LEVEL_CLIP), LEVEL_CLIP)
-            self._level[at] = level + (self.level_rate if at == s else self.shared_level_rate) * step
+            rate = self.level_rate if at == s else self.shared_level_rate
+            self._level[at] = moved_level(level, math.log(duration_s / linear), rate)
         if state != "idle" and key.startswith(LEVEL_FORMS):
             self._busy_steps[key] = self._busy_steps.get(key, 0) + 1
         win = self._windows.setdefault(s, deque(maxlen=self.window))
