@@ -29,7 +29,10 @@ relative error ``|predicted - measured| / measured`` of:
 - ``by_gap`` (tables with the ``gap_s`` column, since session 28): the recorded errors of the
   held-out steps that came :data:`GAP_S` or more after the step before (``after_gap``: the GPU
   left to the trainer or idle, its clocks perhaps down) and of the rest (``back_to_back``), with
-  the median of ``(measured - predicted) / measured`` (positive: slower than predicted).
+  the median of ``(measured - predicted) / measured`` (positive: slower than predicted); and,
+  of the steps after a gap, the prompts alone (``prompt_alone``: no decodes, no FT rows,
+  ``StepFeatures.lone``) and the FT-only steps apart: how many, their measured / predicted
+  median and their median ``gpu_s``.
 
 These oracles use what no server knows before a step (the steps after it, the held-out steps'
 own medians); where even they stay above a goal, the goal is below the steps' own spread and
@@ -54,10 +57,11 @@ import numpy as np
 from coserve.bench.provenance import provenance
 from coserve.bench.result_file import read_result
 from coserve.bench.runners import STEP_TABLE_COLUMNS
+from coserve.core.latency import LONE_GAP_S
 
-PREDICTED, MEASURED, TRAINER_AT, GPU, GAP = (STEP_TABLE_COLUMNS.index(c) for c in (
-    "predicted_s", "measured_s", "trainer_at", "gpu_s", "gap_s"))
-GAP_S = 0.005  # a step after this long a gap (gap_s) counts as after_gap
+PREDICTED, MEASURED, ROWS, TRAINER_AT, DECODES, GPU, GAP = (STEP_TABLE_COLUMNS.index(c) for c in (
+    "predicted_s", "measured_s", "rows", "trainer_at", "decodes", "gpu_s", "gap_s"))
+GAP_S = LONE_GAP_S  # a step after this long a gap (gap_s) counts as after_gap
 NEIGHBOURS = (2, 5, 10)
 
 
@@ -140,6 +144,17 @@ def floor_of(rows: list[list[Any]], train: float) -> dict[str, Any]:
         out["by_gap"] = {name: {**errors(predicted[held][m], measured[held][m]),
                                 "signed_median": float(np.median(signed[m]))}
                          for name, m in (("after_gap", after), ("back_to_back", ~after)) if m.any()}
+        # the steps after a gap by kind: a prompt alone (StepFeatures.lone) or an FT-only step
+        kinds = {"prompt_alone": [r[ROWS][0] > 0 and r[ROWS][1] == 0 and r[DECODES] == 0 for r in rows[start:]],
+                 "ft_only": [r[ROWS][0] == 0 and r[ROWS][1] > 0 for r in rows[start:]]}
+        gpu_s = [r[GPU] if len(r) > GPU else None for r in rows[start:]]
+        for kind, flags in kinds.items():
+            m = after & np.array(flags)
+            if m.any() and "after_gap" in out["by_gap"]:
+                g = [x for x, k in zip(gpu_s, m, strict=True) if k and x is not None]
+                out["by_gap"]["after_gap"][kind] = {
+                    "n": int(m.sum()), "ratio_median": float(np.median(measured[held][m] / predicted[held][m])),
+                    "gpu_s_median": float(np.median(g)) if g else None}
     gpu = [r[GPU] if len(r) > GPU else None for r in rows[start:]]
     if gpu and all(g is not None and 0 < g for g in gpu):
         g = np.array(gpu, dtype=np.float64)

@@ -96,3 +96,19 @@ def test_steps_after_a_gap_are_told_from_back_to_back_ones() -> None:
     assert gap["back_to_back"]["signed_median"] == pytest.approx(0.0) and gap["back_to_back"]["p99_rel"] < 1e-9
     assert gap["after_gap"]["n"] + gap["back_to_back"]["n"] == floor["recorded"]["n"] == 200
     assert "by_gap" not in noise_floor.floor_of([r[:13] for r in rows], 0.5)
+
+
+def test_the_steps_after_a_gap_are_split_into_prompts_alone_and_ft_only_steps() -> None:
+    """Of the held-out prefill steps after a gap, the prompts alone (no decodes, no FT rows; 1.25x
+    their prediction, 9 ms on the GPU) and the FT-only steps (0.95x) are counted apart."""
+    rows: list[list[object]] = []
+    for i in range(400):
+        after, alone = i % 4 == 0, i % 8 == 0
+        chunks, ft, decodes = (1, 0, 0) if alone else (0, 2, 0) if after else (1, 0, 8)
+        ratio = 1.25 if alone else 0.95 if after else 1.0
+        rows.append(["prefill/graph/idle", 0.02, 0.02 * ratio, [0.0] * 7, [chunks, ft], None, False, [], decodes,
+                     None, None, 0.0, 0.009 if alone else 0.018, 0.05 if after else 0.001])
+    after_gap = noise_floor.floor_of(rows, 0.5)["by_gap"]["after_gap"]
+    assert after_gap["prompt_alone"] == {"n": 25, "ratio_median": pytest.approx(1.25), "gpu_s_median": 0.009}
+    assert after_gap["ft_only"] == {"n": 25, "ratio_median": pytest.approx(0.95), "gpu_s_median": 0.018}
+    assert after_gap["n"] == 50
