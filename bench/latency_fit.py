@@ -123,8 +123,8 @@ Session 29, on the four H100 tables of session 28 and the fourteen H200 tables o
 held-out p99 of the three H100 tables whose engine had the whole GPU (19.6 → 12.9, 19.4 → 11.6,
 18.0 → 13.3%) and of 8 of the 14 H200 ones, but raises it on the other six (up to 12.1 → 32.5%)
 and on the engine-split table; so the model keeps its linear form. The worst held-out steps of
-session 29's H100 tables are the probes' 32-token prefills on an idle engine (8.3 ms of GPU time
-beside a paused or an idle trainer alike, ~0.79× predicted); ``lone`` leaves their prediction
+session 29's H100 tables are the probes' 32-token prefills on an idle engine (8.3 ms of GPU time,
+~0.79× predicted); ``lone`` leaves their prediction
 where it was (held-out p99 within 1.1 points of ``after``'s on all 24 tables,
 ``bench/results/latency_h100/session29/latency_fit_session29_lone.json.gz``):
 the 30-odd such steps at a table's end come too late and too few for the online refits
