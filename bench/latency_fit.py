@@ -503,7 +503,8 @@ def recover(rows: list[list[Any]], model: LatencyModel, phases: list[str] | None
     session 29) replaces the solved coefficients of the keys it has; the level is still the one
     that reproduces the first predictions best. The solve cannot separate terms that those steps
     move together: session 28's engine-split table began with ten decode steps of 5 decodes each,
-    and its least-norm split (0.83 ms a decode, 0.10 ms constant, against ~7 µs and ~7 ms) made
+    and its least-norm split (0.83 ms a decode, 0.10 ms constant, against the ~9 µs and ~6.7 ms
+    recovered from its steps up to the first refit) made
     the replay of its busy decode set 0.84 (p99) away from the recorded predictions."""
     phases = replay_phases(rows) if phases is None else phases
     best: Recovery | None = None
