@@ -1,6 +1,8 @@
 """What automatic prefix caching saves: requests that share a system prompt, each with its own
 question, sent one after another (TTFT: the time to the first token of a request alone), with
-the cache and without it, on the same engine settings.
+the cache and without it, on the same engine settings. Each setting runs in a process of its own:
+in one process the first engine's GPU memory was not all given back before the second's KV cache
+was sized (session 30, the H100: "-18031 MiB left").
 
     python bench/prefix_cache.py --out bench/results/host_cpu/session25/prefix_cache.json
     python bench/prefix_cache.py --model shape:llama3-8b --device cuda --shared 2048 --own 128 --out ...
@@ -12,16 +14,15 @@ Writes per setting the TTFT p50/p90 of the requests after the first and the cach
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from coserve.bench.provenance import provenance
 from coserve.bench.shapes import is_shape, materialize
@@ -43,7 +44,12 @@ def parse_args() -> argparse.Namespace:
                    help="each engine's share of the GPU's memory (two are made, one after the other)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--only", choices=SETTINGS, default=None,
+                   help="run this setting alone and write its figures to --out (what each child process does)")
     return p.parse_args()
+
+
+SETTINGS = ("uncached", "cached")
 
 
 def run(args: argparse.Namespace, model: str, caching: bool, prompts: list[list[int]],
@@ -70,10 +76,6 @@ def run(args: argparse.Namespace, model: str, caching: bool, prompts: list[list[
         ttft.append(first or 0.0)
     later = sorted(ttft[1:]) or [0.0]  # (the first request has nothing cached either way)
     bm = engine.block_manager
-    del engine
-    gc.collect()  # (the engine's captured graphs and runner hold each other: freed only by a collection)
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()  # (the next setting's engine takes the memory)
     return {"ttft_p50_ms": statistics.median(later) * 1e3, "ttft_p90_ms": later[int(0.9 * (len(later) - 1))] * 1e3,
             "ttft_first_ms": ttft[0] * 1e3, "queried_tokens": bm.queried_tokens, "hit_tokens": bm.hit_tokens,
             "ttft_ms": [t * 1e3 for t in ttft]}
@@ -81,6 +83,31 @@ def run(args: argparse.Namespace, model: str, caching: bool, prompts: list[list[
 
 def main() -> int:
     args = parse_args()
+    if args.only is not None:
+        return run_one(args)
+    figures = {}
+    with tempfile.TemporaryDirectory(prefix="coserve-prefix-cache-") as tmp:
+        for name in SETTINGS:
+            part = Path(tmp) / f"{name}.json"
+            cmd = [sys.executable, __file__, *sys.argv[1:], "--only", name, "--out", str(part)]
+            subprocess.run(cmd, check=True)
+            figures[name] = json.loads(part.read_text())
+    off, on = figures["uncached"], figures["cached"]
+    figures["ttft_p50_ratio"] = off["ttft_p50_ms"] / max(on["ttft_p50_ms"], 1e-9)
+    result = {**provenance(), "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+              "figures": figures}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    for name in SETTINGS:
+        f = figures[name]
+        print(f"{name:>8}: TTFT p50 {f['ttft_p50_ms']:.1f} ms, p90 {f['ttft_p90_ms']:.1f} ms (first request "
+              f"{f['ttft_first_ms']:.1f} ms); prompt tokens found cached {f['hit_tokens']:,} of {f['queried_tokens']:,}")
+    print(f"TTFT p50 without / with the cache: {figures['ttft_p50_ratio']:.2f}x; result: {args.out}")
+    return 0
+
+
+def run_one(args: argparse.Namespace) -> int:
+    """One setting (``--only``) in this process: its figures, as JSON, to ``--out``."""
     rng = random.Random(args.seed)
     shared = [rng.randrange(10, args.vocab_size) for _ in range(args.shared)]
     prompts = [shared + [rng.randrange(10, args.vocab_size) for _ in range(args.own)] for _ in range(args.requests)]
@@ -88,20 +115,7 @@ def main() -> int:
     model = args.model
     if is_shape(model):
         model = str(materialize(model, Path(tempfile.mkdtemp(prefix="coserve-shape-"))))
-    figures = {}
-    for caching in (False, True):
-        figures["cached" if caching else "uncached"] = run(args, model, caching, prompts, warm)
-    off, on = figures["uncached"], figures["cached"]
-    figures["ttft_p50_ratio"] = off["ttft_p50_ms"] / max(on["ttft_p50_ms"], 1e-9)
-    result = {**provenance(), "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "figures": figures}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    for name in ("uncached", "cached"):
-        f = figures[name]
-        print(f"{name:>8}: TTFT p50 {f['ttft_p50_ms']:.1f} ms, p90 {f['ttft_p90_ms']:.1f} ms (first request "
-              f"{f['ttft_first_ms']:.1f} ms); prompt tokens found cached {f['hit_tokens']:,} of {f['queried_tokens']:,}")
-    print(f"TTFT p50 without / with the cache: {figures['ttft_p50_ratio']:.2f}x; result: {args.out}")
+    args.out.write_text(json.dumps(run(args, model, args.only == "cached", prompts, warm)) + "\n")
     return 0
 
 

@@ -282,6 +282,48 @@ def test_a_checkpoint_taken_after_a_commit_but_before_its_result_holds_the_logge
     assert steps_logged == list(range(len(steps_logged))) and len(steps_logged) >= 3, "every step logged once"
 
 
+def test_a_checkpoint_taken_while_the_last_task_of_a_step_commits_holds_the_logged_steps(tmp_path: Path) -> None:
+    """A task already in flight may commit its optimizer step at any moment, also between the
+    check that every committed step is logged and the copy of the committed state (session 30: a
+    job paused on the H100 wrote a checkpoint one step ahead of its log, and its resume refused
+    it: "steps_skipped -1"). Forced here: the copy waits for the commit that the check did not
+    see. The checkpoint must still count exactly the logged steps, and resume."""
+    import torch
+
+    engine, session = tiny_session(tmp_path, epochs=500)
+    try:
+        coserver, trainer = session.coserver, session.trainer
+        deadline = time.monotonic() + 60
+        while not coserver.backward_running:  # (its first task ends optimizer step 0)
+            engine.step()
+            assert time.monotonic() < deadline
+        copy_state = trainer.committed_state
+
+        def late_copy() -> tuple[torch.Tensor, int]:
+            while trainer.committed_steps < 1:  # (the commit lands after the check, before the copy)
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            return copy_state()
+
+        trainer.committed_state = late_copy  # type: ignore[method-assign]
+        path = session.save_checkpoint()
+        session.flush_checkpoints()
+        del trainer.committed_state
+        saved = torch.load(path / "trainer_state.pt", weights_only=True)
+        assert saved["steps"] == saved["steps_done"] == coserver.steps_done == len(session.history) == 1
+        assert saved["pool"] == session.pool.state_dict(), "the step's samples are retired in it"
+        logged = session.history[0]
+    finally:
+        session.close()
+
+    resumed = FinetuneSession(engine, replace(session.spec, resume=True))
+    try:
+        assert resumed.coserver.steps_done == 1
+        assert resumed.pool.progress.samples_retired == len(logged.sample_ids), "no sample trained twice"
+    finally:
+        resumed.close()
+
+
 def test_a_run_resumed_after_a_skipped_step_goes_on_from_the_logged_steps(tmp_path: Path) -> None:
     """A skipped optimizer step (non-finite loss or gradient) is logged and counted, but leaves the
     trainer's committed count, which counts applied steps, where it was: a checkpoint keeps both

@@ -294,20 +294,44 @@ class FinetuneSession:
 
         The checkpoint counts exactly the steps in the train log: a step the trainer has committed
         but whose result the co-server has not taken in is taken in (and logged) first; else a
-        resume would skip its log line and train its samples again."""
-        if not self.take_in_committed_step():
+        resume would skip its log line and train its samples again (:meth:`_logged_state`)."""
+        logged = self._logged_state()
+        if logged is None:
             logger.error("optimizer step %d is committed but its result did not come in %.0fs: no checkpoint "
                          "written (the last one is kept)", self.trainer.committed_steps, COMMIT_RESULT_TIMEOUT_S)
             return self.checkpoint_dir
-        base = str(self.engine.config.model)
-        adapter = self.trainer.committed_adapter(base_model_name_or_path=base)
-        state, steps = self.trainer.committed_state()
+        state, steps = logged
+        adapter = self.trainer.committed_adapter(base_model_name_or_path=str(self.engine.config.model), state=state)
         # (steps: applied, the optimizer's count; steps_done: logged, skipped ones too)
         saved = {"state": state, "steps": steps, "steps_done": self.coserver.steps_done,
                  "pool": copy.deepcopy(self.pool.state_dict()), "tokens_trained": self.coserver.tokens_trained,
                  "optim": asdict(self.optim)}
         self._in_background(self._write_checkpoint, adapter, saved)
         return self.checkpoint_dir
+
+    def _logged_state(self) -> tuple[torch.Tensor, int] | None:
+        """A copy of the trainer's committed state whose steps the co-server has all taken in (and
+        logged), or None if a committed step's result did not come in in time. The state is
+        copied first and the results taken in up to its count after: a task already in flight
+        (the last of an optimizer step, submitted before this thread asked) may commit at any
+        moment, also between a check of the committed count and the copy (session 30, a job
+        paused on the H100: a checkpoint one step ahead of its log, which its resume refused).
+        A commit that lands while the results come in is copied again; the engine's thread, which
+        submits the tasks, is this one, so the tasks in flight run out."""
+        deadline = time.monotonic() + COMMIT_RESULT_TIMEOUT_S
+        while True:
+            state, steps = self.trainer.committed_state()
+            if self.coserver.collect_committed(steps, max(0.0, deadline - time.monotonic())):
+                return state, steps
+            if self.coserver.steps_applied < steps or time.monotonic() >= deadline:
+                return None
+
+    def _logged_adapter(self) -> LoraAdapter:
+        """The adapter of the steps logged and counted (:meth:`_logged_state`; the last committed
+        one if a result did not come in)."""
+        logged = self._logged_state()
+        return self.trainer.committed_adapter(base_model_name_or_path=str(self.engine.config.model),
+                                              state=None if logged is None else logged[0])
 
     def take_in_committed_step(self) -> bool:
         """Take in the result of the optimizer step the trainer has committed and the co-server
@@ -399,8 +423,7 @@ class FinetuneSession:
         wait for): the committed adapter is copied here and returned, to be served from memory;
         :meth:`flush_checkpoints` (and :meth:`close`) waits for the files."""
         path = self.spec.output / "adapter"
-        self.take_in_committed_step()  # (the adapter of the steps logged and counted)
-        adapter = self.trainer.committed_adapter(base_model_name_or_path=str(self.engine.config.model))
+        adapter = self._logged_adapter()
         self._in_background(_write_adapter, adapter, path)
         if self.spec.save_every:
             self.save_checkpoint()
@@ -408,8 +431,7 @@ class FinetuneSession:
 
     def export(self) -> Path:
         path = self.spec.output / "adapter"
-        self.take_in_committed_step()
-        self.trainer.export(path, base_model_name_or_path=str(self.engine.config.model))
+        save_peft_adapter(self._logged_adapter(), path)
         if self.spec.save_every:
             self.save_checkpoint()
         return path

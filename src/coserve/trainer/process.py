@@ -155,10 +155,15 @@ class TrainerProcess:
         bank = int(self.meta[0])
         return int(self.meta[1 + bank]) if bank >= 0 else 0
 
-    def committed_adapter(self, base_model_name_or_path: str | None = None) -> LoraAdapter:
-        """The adapter after the last committed optimizer step (the initial one before any)."""
+    def committed_adapter(self, base_model_name_or_path: str | None = None,
+                          state: torch.Tensor | None = None) -> LoraAdapter:
+        """The adapter after the last committed optimizer step (the initial one before any), or
+        that of ``state``, a :meth:`committed_state` copy (its master row)."""
         bank = int(self.meta[0])
-        if bank >= 0:
+        if state is not None and state.numel():
+            with torch.no_grad():
+                self._layout.flat.copy_(state[0])
+        elif bank >= 0:
             with torch.no_grad():
                 self._layout.flat.copy_(self.banks[bank, 0].cpu())
         return self._layout.to_adapter(base_model_name_or_path)
