@@ -116,7 +116,10 @@ Forms (:data:`PREFILL_FORMS`), each known before the step runs:
 - ``lone``: plus an indicator of a prompt alone (no decodes, no FT rows) after an idle host
   (``gap_s`` of :data:`LONE_GAP_S` or more; any such step of a table without ``gap_s``);
 - ``lone_level``: ``after`` with those steps scaled by a level of their own, moved as the decode
-  sets' level moves (:func:`_lone_level`).
+  sets' level moves but at the model's ``LONE_LEVEL_RATE`` (:func:`_lone_level`);
+  ``lone_level_slow``: the same at the decode sets' ``LEVEL_RATE`` (the model's until session 30);
+- ``knee_256_lone`` / ``knee_512_lone`` / ``knee_1024_lone``: ``knee_K`` with ``lone_level``'s
+  level (the lone prompts that a knee over- or under-prices then get their own level).
 
 Session 29, on the four H100 tables of session 28 and the fourteen H200 tables of sessions 20–26
 (``bench/results/latency_h100/session28/latency_fit_knee.json.gz``): ``knee_512`` lowers the
@@ -174,6 +177,7 @@ from coserve.core.latency import (
     LEVEL_FORMS,
     LEVEL_RATE,
     LONE_GAP_S,
+    LONE_LEVEL_RATE,
     SHARE_AFTER_STEPS,
     TERMS,
     TRAINER_PHASES,
@@ -631,7 +635,8 @@ def replay(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
 
 
 PREFILL_FORMS = ("context_kv", "context_tiles", "small_set", "host_floor", "host_floor_soft", "knee_256", "knee_512",
-                 "knee_1024", "lone", "lone_level")
+                 "knee_1024", "lone", "lone_level", "lone_level_slow", "knee_256_lone", "knee_512_lone",
+                 "knee_1024_lone")
 GAP = 13
 """The step table's ``gap_s`` column (``STEP_TABLE_COLUMNS``, since session 28)."""
 KNEES = (256, 512, 1024)
@@ -664,16 +669,17 @@ def _online(x: np.ndarray, y: np.ndarray, prior: list[float], model: LatencyMode
     return pred
 
 
-def _lone_level(pred: np.ndarray, y: np.ndarray, lone: np.ndarray) -> np.ndarray:
+def _lone_level(pred: np.ndarray, y: np.ndarray, lone: np.ndarray, rate: float = LONE_LEVEL_RATE) -> np.ndarray:
     """``lone_level``: ``pred`` with the ``lone`` steps scaled by a level of their own, moved as
-    the decode sets' level moves (``coserve.core.latency.moved_level`` at :data:`LEVEL_RATE`), from
-    what was measured before."""
+    the decode sets' level moves (``coserve.core.latency.moved_level``) but at ``rate`` (the
+    model's :data:`LONE_LEVEL_RATE`; ``lone_level_slow``: the decode sets' :data:`LEVEL_RATE`, the
+    model's until session 30), from what was measured before."""
     out, level = pred.copy(), 0.0
     for i in np.flatnonzero(lone):
         if pred[i] <= 0:
             continue
         out[i] = pred[i] * math.exp(level)
-        level = moved_level(level, math.log(y[i] / pred[i]), LEVEL_RATE)
+        level = moved_level(level, math.log(y[i] / pred[i]), rate)
     return out
 
 
@@ -743,6 +749,9 @@ def prefill_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, .
                             model),
         }
         preds["lone_level"] = _lone_level(preds["after"], y, lone > 0)
+        preds["lone_level_slow"] = _lone_level(preds["after"], y, lone > 0, LEVEL_RATE)
+        for k in KNEES:  # (the knee with the lone prompts' level: the two together)
+            preds[f"knee_{k}_lone"] = _lone_level(preds[f"knee_{k}"], y, lone > 0)
         held = int(len(y) * train)
         out[key] = {"held_out_steps": len(y) - held, **{
             form: _errors(torch.from_numpy((p + pl)[held:]), torch.from_numpy((y + pl)[held:]))
@@ -858,6 +867,8 @@ def main() -> None:
     p.add_argument("--planned-forms-only", action="store_true",
                    help="per table only planned_forms: after pricing the whole step, and the step after its "
                         "planning (schedule_s) with the planning as measured")
+    p.add_argument("--prefill-forms-only", action="store_true",
+                   help="only the prefill sets' forms (prefill_forms), no other view")
     p.add_argument("--phase-forms-only", action="store_true",
                    help="per table only phase_forms: the decode sets' after with the trainer phases before "
                         "session 27 and with this commit's")
@@ -889,6 +900,12 @@ def main() -> None:
                                    recorded=recorded, calibration=calibration)
                 report[f"{Path(path).name}:{name}"] = entry
                 continue
+            if args.prefill_forms_only:
+                entry["prefill_forms"] = prefill_forms(rows, args.train, graph_sizes, pb,
+                                                       defer=not args.immediate_refits, recorded=recorded,
+                                                       calibration=calibration)
+                report[f"{Path(path).name}:{name}"] = entry
+                continue
             if not args.decode_forms_only:
                 entry = evaluate(rows, args.train, args.floor_quantile, graph_sizes)
                 entry["replay"] = replay(rows, args.train, graph_sizes, pb, defer=not args.immediate_refits,
@@ -914,6 +931,7 @@ def main() -> None:
                                              "decode_forms_only": args.decode_forms_only,
                                              "phase_forms_only": args.phase_forms_only,
                                              "planned_forms_only": args.planned_forms_only,
+                                             "prefill_forms_only": args.prefill_forms_only,
                                              "decode_forms": args.decode_forms},
                   "figures": report}
         body = json.dumps(record, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)

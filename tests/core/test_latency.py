@@ -18,6 +18,7 @@ from coserve.core.latency import (
     LEVEL_CLIP,
     LEVEL_RATE,
     LONE_GAP_S,
+    LONE_LEVEL_RATE,
     TERMS,
     BatchSpec,
     Chunk,
@@ -793,6 +794,24 @@ def test_lone_prompts_after_an_idle_host_carry_a_level_of_their_own() -> None:
     for _ in range(40):
         off.observe_features(lone, 1.3 * base)
     assert off.predict(lone) == pytest.approx(off.predict(replace(lone, idle_before_s=None)), rel=1e-9)
+
+
+def test_the_lone_prompts_level_moves_at_its_own_rate() -> None:
+    """The lone prompts' level moves ``lone_level_rate`` of the way toward each one's log ratio
+    (0.5 by default: they come few at a time), not at the decode sets' ``level_rate``."""
+    calibration = {"prefill/eager": [0.0, 1e-5, 0.0, 0.0, 0.0, 0.0, 5e-3]}
+    lone = StepFeatures((Chunk(32),), idle_before_s=0.05)
+    assert LatencyModel().lone_level_rate == LONE_LEVEL_RATE == 0.5
+    for rate in (0.5, 1.0):
+        m = LatencyModel(lone_level_rate=rate)
+        m.load_state_dict({"version": 2, "coefficients": calibration, "calibration": calibration})
+        base = m.predict(lone)
+        m.observe_features(lone, 1.3 * base)  # (one step: no refit; the linear form stays)
+        assert m.predict(replace(lone, idle_before_s=None)) == pytest.approx(base, rel=1e-12)
+        assert m.predict(lone) == pytest.approx(base * 1.3 ** rate, rel=1e-9)
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="lone_level_rate"):
+            LatencyModel(lone_level_rate=bad)
 
 
 @pytest.mark.parametrize(("value", "expected"), [(None, "True"), ("0", "False"), ("1", "True")])

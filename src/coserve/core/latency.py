@@ -411,6 +411,15 @@ LONE_LEVEL: Final = os.environ.get("COSERVE_LONE_LEVEL", "1") == "1"
 """``LatencyModel``'s default ``lone_level`` (``COSERVE_LONE_LEVEL``, on by default; ``0``: the model
 before session 29, for a same-host baseline, e.g. ``first_call.sh``'s
 ``latency_env=COSERVE_LONE_LEVEL=0``)."""
+LONE_LEVEL_RATE: Final = float(os.environ.get("COSERVE_LONE_LEVEL_RATE", "0.5"))
+"""How far the lone prompts' level moves toward each one's log ratio (``LatencyModel``'s
+``lone_level_rate``; ``COSERVE_LONE_LEVEL_RATE``). Faster than a set's :data:`LEVEL_RATE`: these
+prompts come few at a time after idle gaps, and a refit of their set between them moves their
+linear form. On the H100 in session 30 at 0.2 (the decode levels' rate), ten probes went by before
+their level learnt their 1.3x, and a refit later left it 0.81x (``bench/results/latency_h100/README.md``,
+"Session 30"). Offline on the 28 tables of sessions 20-30 (``bench/latency_fit.py``'s
+``lone_level``, ``session30/latency_fit_lone_rate.json``), 0.5 against 0.2: the H100 tables'
+prefill held-out p99 0.3-4.2 points lower but one (+0.4), the H200 ones within 0.5 points."""
 LONE_GAP_S: Final = 5e-3
 """The idle host time before a step (:attr:`StepFeatures.idle_before_s`) from which a prompt with
 no decodes and no FT rows is :attr:`StepFeatures.lone`. On the H100 in session 29 such prompts (a
@@ -435,8 +444,8 @@ class LatencyModel:
     last layer (phase ``ending``) is priced as its own phase once its decode key has
     ``ending_after`` busy steps, as ``active`` before (None: always, the model before session
     27; :meth:`phase_of`). An idle prefill set's lone prompts (:attr:`StepFeatures.lone`) carry
-    a level of their own, moved as a decode set's (``lone_level``; False: the model before session
-    29).
+    a level of their own, moved as a decode set's but at ``lone_level_rate`` (``lone_level``;
+    False: the model before session 29).
 
     :meth:`safety` is how far the set's recent steps ran over their predictions (the
     ``safety_quantile`` of measured / predicted over the last ``safety_window`` steps, each
@@ -461,6 +470,7 @@ class LatencyModel:
         share_after: int | None = SHARE_AFTER_STEPS,
         ending_after: int | None = SHARE_AFTER_STEPS,
         lone_level: bool = LONE_LEVEL,
+        lone_level_rate: float = LONE_LEVEL_RATE,
     ) -> None:
         if window < 1 or refit_every < 1 or prior_weight < 0:
             raise ValueError("LatencyModel needs window >= 1, refit_every >= 1, prior_weight >= 0")
@@ -469,8 +479,9 @@ class LatencyModel:
                 "LatencyModel needs 0 <= safety_quantile <= 1, safety_window >= 1, "
                 "safety_min_steps >= 1"
             )
-        if not 0.0 <= level_rate < 1.0 or not 0.0 <= shared_level_rate < 1.0:
-            raise ValueError("LatencyModel needs 0 <= level_rate < 1 and 0 <= shared_level_rate < 1")
+        if not 0.0 <= level_rate < 1.0 or not 0.0 <= shared_level_rate < 1.0 or not 0.0 < lone_level_rate <= 1.0:
+            raise ValueError("LatencyModel needs 0 <= level_rate < 1, 0 <= shared_level_rate < 1 and "
+                             "0 < lone_level_rate <= 1")
         if share_after is not None and share_after < 0:
             raise ValueError("LatencyModel needs share_after >= 0 (or None)")
         if ending_after is not None and ending_after < 0:
@@ -483,6 +494,7 @@ class LatencyModel:
         self.share_after = share_after
         self.ending_after = ending_after
         self.lone_level = lone_level
+        self.lone_level_rate = lone_level_rate
         self._defaults = {form: _checked(form, defaults[form]) for form in TERMS}
         self._coef: dict[str, tuple[float, ...]] = {}
         self._busy: dict[str, tuple[float, ...]] = {}  # by busy_key(key, phase)
@@ -667,7 +679,7 @@ class LatencyModel:
             # times a factor learnt from these steps alone (bench/latency_fit.py's lone_level)
             base, lone_level = predicted, self._level.get((key, LONE), 0.0)
             predicted = base * math.exp(lone_level)
-            self._level[(key, LONE)] = moved_level(lone_level, math.log(duration_s / base), self.level_rate)
+            self._level[(key, LONE)] = moved_level(lone_level, math.log(duration_s / base), self.lone_level_rate)
         if predicted > 0:
             ratios = self._ratios.setdefault(s, deque(maxlen=self._safety_window))
             ratios.append(duration_s / predicted)
