@@ -418,8 +418,9 @@ prompts come few at a time after idle gaps, and a refit of their set between the
 linear form. On the H100 in session 30 at 0.2 (the decode levels' rate), ten probes went by before
 their level learnt their 1.3x, and a refit later left it 0.81x (``bench/results/latency_h100/README.md``,
 "Session 30"). Offline on the 28 tables of sessions 20-30 (``bench/latency_fit.py``'s
-``lone_level``, ``session30/latency_fit_lone_rate.json``), 0.5 against 0.2: the H100 tables'
-prefill held-out p99 0.3-4.2 points lower but one (+0.4), the H200 ones within 0.5 points."""
+``lone_level`` against ``lone_level_slow``, ``session30/latency_fit_lone_rate.json``), 0.5 against
+0.2: the prefill held-out p99 of 11 of the 14 H100 tables 0.3-4.2 points lower, two unchanged, one
+0.6 higher; of the 14 H200 tables 12 unchanged, two 0.3 and 0.5 higher. Chosen on these tables."""
 LONE_GAP_S: Final = 5e-3
 """The idle host time before a step (:attr:`StepFeatures.idle_before_s`) from which a prompt with
 no decodes and no FT rows is :attr:`StepFeatures.lone`. On the H100 in session 29 such prompts (a
