@@ -324,6 +324,47 @@ def test_a_checkpoint_taken_while_the_last_task_of_a_step_commits_holds_the_logg
         resumed.close()
 
 
+def test_a_checkpoint_ahead_of_its_log_still_resumes(tmp_path: Path) -> None:
+    """A checkpoint written before that race was closed may hold one applied step more than its log
+    and pool (session 30's paused job: "steps_skipped -1", the job failed at its resume). It
+    resumes, with a warning, from the trainer's count: that step's samples train again."""
+    import torch
+
+    engine, session = tiny_session(tmp_path, epochs=500)
+    try:
+        deadline = time.monotonic() + 60
+        while session.coserver.steps_done < 2:
+            if not engine.step():
+                session.wait(0.05)
+            assert time.monotonic() < deadline
+        path = session.save_checkpoint()
+        session.flush_checkpoints()
+    finally:
+        session.close()
+    saved = torch.load(path / "trainer_state.pt", weights_only=True)
+    applied = saved["steps"]
+    log = session.spec.output / "train_log.jsonl"
+    log.write_text("".join(line + "\n" for line in log.read_text().splitlines()[:applied - 1]))
+    torch.save({**saved, "steps_done": applied - 1}, path / "trainer_state.pt")  # (the log one step behind)
+
+    resumed = FinetuneSession(engine, replace(session.spec, resume=True))
+    try:
+        coserver = resumed.coserver
+        assert (coserver.steps_done, coserver.steps_applied, coserver.steps_skipped) == (applied, applied, 0)
+        assert resumed.trainer.committed_steps == applied
+        deadline = time.monotonic() + 60
+        while coserver.steps_done < applied + 2:
+            if not engine.step():
+                resumed.wait(0.05)
+            assert time.monotonic() < deadline
+        resumed.save_checkpoint()
+        resumed.flush_checkpoints()
+    finally:
+        resumed.close()
+    saved = torch.load(path / "trainer_state.pt", weights_only=True)
+    assert saved["steps_done"] == saved["steps"] == coserver.steps_done >= applied + 2, "checkpoints go on"
+
+
 def test_a_run_resumed_after_a_skipped_step_goes_on_from_the_logged_steps(tmp_path: Path) -> None:
     """A skipped optimizer step (non-finite loss or gradient) is logged and counted, but leaves the
     trainer's committed count, which counts applied steps, where it was: a checkpoint keeps both

@@ -392,6 +392,13 @@ class FinetuneSession:
         self.pool.load_state_dict(ck["pool"])
         # (steps_done: the log's steps, skipped ones too; not in a checkpoint written before it was)
         done = int(ck.get("steps_done", steps))
+        if done < steps:
+            # (a checkpoint copied as a task in flight committed, before bc711ca: its state one
+            # step ahead of its log and pool; the step's log line is lost, its samples train again)
+            logger.warning("the checkpoint in %s holds %d applied optimizer steps but logs %d: going on from "
+                           "step %d; the samples of the %d step(s) not logged are trained again",
+                           self.checkpoint_dir, steps, done, steps, steps - done)
+            done = steps
         kept = []
         if self._log_path.is_file():
             kept = [line for line in self._log_path.read_text().splitlines()
