@@ -145,6 +145,29 @@ def test_completion_logprobs_and_stop(served: Served) -> None:
         assert text == full[:full.index(stop)]
 
 
+def test_a_stream_sends_a_chunk_per_token_even_while_its_text_is_held_back(served: Served) -> None:
+    """A stop string longer than the text holds every character back until the end; the stream
+    still sends a chunk as each token comes (its text empty), with that token's logprobs, so a
+    client times the tokens (TTFT, TPOT), not the end. Its logprobs' offsets are those of the
+    whole response (before this, the 8B shape's streams on the GPU came in one chunk: its
+    tokenizer reads most generated ids as empty text)."""
+    stop = "~" * 200
+    kw: Any = dict(model=MODEL, prompt="Hello, my name is", max_tokens=6, temperature=0, stop=[stop], logprobs=1)
+    whole = served.client.completions.create(**kw).choices[0]
+    chunks = [ch for ch in served.client.completions.create(**kw, stream=True) if ch.choices]
+    assert len(chunks) == 6, "one chunk per generated token"
+    assert all(ch.choices[0].text == "" for ch in chunks[:-1]) and chunks[-1].choices[0].text == whole.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert whole.logprobs is not None
+    tokens, offsets = [], []
+    for ch in chunks:
+        lp = ch.choices[0].logprobs
+        assert lp is not None and lp.tokens is not None and lp.text_offset is not None
+        tokens += lp.tokens
+        offsets += lp.text_offset
+    assert tokens == whole.logprobs.tokens and offsets == whole.logprobs.text_offset
+
+
 def test_chat_whole_and_streamed(served: Served) -> None:
     messages: Any = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
     r = served.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0)
