@@ -161,6 +161,7 @@ import gzip
 import importlib.util
 import json
 import math
+import os
 import sys
 from collections.abc import Collection
 from pathlib import Path
@@ -869,6 +870,8 @@ def main() -> None:
                         "planning (schedule_s) with the planning as measured")
     p.add_argument("--prefill-forms-only", action="store_true",
                    help="only the prefill sets' forms (prefill_forms), no other view")
+    p.add_argument("--replay-only", action="store_true",
+                   help="only the replay (e.g. to compare the model under a COSERVE_ switch set and unset)")
     p.add_argument("--phase-forms-only", action="store_true",
                    help="per table only phase_forms: the decode sets' after with the trainer phases before "
                         "session 27 and with this commit's")
@@ -898,6 +901,11 @@ def main() -> None:
                 form = planned_forms if only == "planned_forms" else phase_forms
                 entry[only] = form(rows, args.train, graph_sizes, pb, defer=not args.immediate_refits,
                                    recorded=recorded, calibration=calibration)
+                report[f"{Path(path).name}:{name}"] = entry
+                continue
+            if args.replay_only:
+                entry["replay"] = replay(rows, args.train, graph_sizes, pb, defer=not args.immediate_refits,
+                                         recorded=recorded, calibration=calibration)
                 report[f"{Path(path).name}:{name}"] = entry
                 continue
             if args.prefill_forms_only:
@@ -932,6 +940,9 @@ def main() -> None:
                                              "phase_forms_only": args.phase_forms_only,
                                              "planned_forms_only": args.planned_forms_only,
                                              "prefill_forms_only": args.prefill_forms_only,
+                                             "replay_only": args.replay_only,
+                                             "switches": {k: v for k, v in sorted(os.environ.items())
+                                                          if k.startswith("COSERVE_")},
                                              "decode_forms": args.decode_forms},
                   "figures": report}
         body = json.dumps(record, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)

@@ -814,6 +814,29 @@ def test_the_lone_prompts_level_moves_at_its_own_rate() -> None:
             LatencyModel(lone_level_rate=bad)
 
 
+def test_the_lone_prompts_level_restarts_against_a_refitted_form() -> None:
+    """A refit of the prefill set between two lone prompts moves their linear form; the level,
+    learnt against the old form, restarts from the latest lone prompts' ratios to the new one, so
+    their prediction stays at what they took (session 30, the H100: without it the next four
+    ran 0.81-0.94x). ``lone_recenter=False``: the level goes on, and counts the move twice."""
+    calibration = {"prefill/eager": [0.0, 1e-5, 0.0, 0.0, 0.0, 0.0, 5e-3]}
+    lone = StepFeatures((Chunk(32),), idle_before_s=0.05)
+    predicted = {}
+    for recenter in (True, False):
+        m = LatencyModel(lone_recenter=recenter)
+        m.load_state_dict({"version": 2, "coefficients": calibration, "calibration": calibration})
+        base = m.predict(replace(lone, idle_before_s=None))
+        for _ in range(6):  # (the level learns their 1.3x; no refit yet)
+            m.observe_features(lone, 1.3 * base)
+        assert m.predict(lone) == pytest.approx(1.3 * base, rel=0.02)
+        for n in (64, 128, 256, 512):  # back to back at 1.5x the calibration: the 10th step refits
+            m.observe_features(StepFeatures((Chunk(n),), idle_before_s=1e-4), 1.5 * (5e-3 + 1e-5 * n))
+        assert m.predict(replace(lone, idle_before_s=None)) > 1.3 * base, "the refit moved their form"
+        predicted[recenter] = m.predict(lone)
+    assert predicted[True] == pytest.approx(1.3 * base, rel=0.03)
+    assert predicted[False] > 1.6 * base
+
+
 @pytest.mark.parametrize(("value", "expected"), [(None, "True"), ("0", "False"), ("1", "True")])
 def test_lone_level_default_follows_its_switch(value: str | None, expected: str) -> None:
     """COSERVE_LONE_LEVEL=0 gives the model before session 29 (a same-host baseline on the device)."""

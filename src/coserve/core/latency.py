@@ -421,6 +421,15 @@ their level learnt their 1.3x, and a refit later left it 0.81x (``bench/results/
 ``lone_level`` against ``lone_level_slow``, ``session30/latency_fit_lone_rate.json``), 0.5 against
 0.2: the prefill held-out p99 of 11 of the 14 H100 tables 0.3-4.2 points lower, two unchanged, one
 0.6 higher; of the 14 H200 tables 12 unchanged, two 0.3 and 0.5 higher. Chosen on these tables."""
+LONE_RECENTER: Final = os.environ.get("COSERVE_LONE_RECENTER", "1") == "1"
+"""``LatencyModel``'s default ``lone_recenter``: after a refit of an idle prefill set, its lone
+prompts' level restarts from the median log ratio of its latest :data:`LONE_RECENTER_STEPS` lone
+prompts to the new linear form, as a decode set's level restarts from its latest steps
+(``COSERVE_LONE_RECENTER``; ``0``: the level goes on against the new form). A refit between two
+lone prompts moves their linear form, which the level had been learnt against (session 30,
+the H100: the next four ran 0.81-0.94x before the level caught up)."""
+LONE_RECENTER_STEPS: Final = 5
+"""How many of the latest lone prompts of a key the level restarts from after a refit."""
 LONE_GAP_S: Final = 5e-3
 """The idle host time before a step (:attr:`StepFeatures.idle_before_s`) from which a prompt with
 no decodes and no FT rows is :attr:`StepFeatures.lone`. On the H100 in session 29 such prompts (a
@@ -472,6 +481,7 @@ class LatencyModel:
         ending_after: int | None = SHARE_AFTER_STEPS,
         lone_level: bool = LONE_LEVEL,
         lone_level_rate: float = LONE_LEVEL_RATE,
+        lone_recenter: bool = LONE_RECENTER,
     ) -> None:
         if window < 1 or refit_every < 1 or prior_weight < 0:
             raise ValueError("LatencyModel needs window >= 1, refit_every >= 1, prior_weight >= 0")
@@ -496,6 +506,9 @@ class LatencyModel:
         self.ending_after = ending_after
         self.lone_level = lone_level
         self.lone_level_rate = lone_level_rate
+        self.lone_recenter = lone_recenter
+        # per prefill key, its latest lone prompts (regressors, time): the lone level's restart
+        self._lone_recent: dict[str, deque[tuple[tuple[float, ...], float]]] = {}
         self._defaults = {form: _checked(form, defaults[form]) for form in TERMS}
         self._coef: dict[str, tuple[float, ...]] = {}
         self._busy: dict[str, tuple[float, ...]] = {}  # by busy_key(key, phase)
@@ -681,6 +694,7 @@ class LatencyModel:
             base, lone_level = predicted, self._level.get((key, LONE), 0.0)
             predicted = base * math.exp(lone_level)
             self._level[(key, LONE)] = moved_level(lone_level, math.log(duration_s / base), self.lone_level_rate)
+            self._lone_recent.setdefault(key, deque(maxlen=LONE_RECENTER_STEPS)).append((v, duration_s))
         if predicted > 0:
             ratios = self._ratios.setdefault(s, deque(maxlen=self._safety_window))
             ratios.append(duration_s / predicted)
@@ -732,6 +746,12 @@ class LatencyModel:
         # an idle refit moves the busy sets' predictions too (T_busy = (1 + ρ)·T + δ)
         for t in [s] if state != "idle" else [k for k in self._windows if k[0] == key]:
             self._after_refit(t)
+        if self.lone_recenter and key in self._lone_recent and self._lone_priced(key, state):
+            # (the lone level was learnt against the old form: it restarts against the new one)
+            logs = [math.log(y / p) for x, y in self._lone_recent[key]
+                    if (p := self.predict_regressors(key, x, state)) > 0]
+            if logs:
+                self._level[(key, LONE)] = float(np.median(logs))
 
     def _after_refit(self, s: tuple[str, str]) -> None:
         """Set ``s``'s level and safety factor again against its new prediction, from one pass
@@ -844,6 +864,7 @@ class LatencyModel:
         self._busy_steps.clear()
         self._joined.clear()
         self._shared_recent.clear()
+        self._lone_recent.clear()
         self._ratios.clear()
         self._safety.clear()
         self._ratio_count.clear()
