@@ -427,7 +427,10 @@ prompts' level restarts from the median log ratio of its latest :data:`LONE_RECE
 prompts to the new linear form, as a decode set's level restarts from its latest steps
 (``COSERVE_LONE_RECENTER``; ``0``: the level goes on against the new form). A refit between two
 lone prompts moves their linear form, which the level had been learnt against (session 30,
-the H100: the next four ran 0.81-0.94x before the level caught up)."""
+the H100: the next four ran 0.81-0.94x before the level caught up). Offline, replayed on the ten
+tables with ``gap_s`` (``bench/latency_fit.py --replay-only`` unset and set,
+``bench/results/latency_h100/session30/latency_replay_recenter{0,1}.json.gz``): the prefill
+held-out p99 lower on 8 (22.9 -> 16.0% on one), none higher."""
 LONE_RECENTER_STEPS: Final = 5
 """How many of the latest lone prompts of a key the level restarts from after a refit."""
 LONE_GAP_S: Final = 5e-3
