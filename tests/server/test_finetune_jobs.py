@@ -30,6 +30,29 @@ def tiny_session(tmp_path: Path, epochs: int) -> tuple[LLMEngine, FinetuneSessio
     return engine, FinetuneSession(engine, spec)
 
 
+def train_until(engine: LLMEngine, session: FinetuneSession, steps_done: int, timeout_s: float = 60.0) -> None:
+    """Step the engine (waiting for the trainer when it has nothing to do) until the run has logged
+    ``steps_done`` optimizer steps."""
+    deadline = time.monotonic() + timeout_s
+    while session.coserver.steps_done < steps_done:
+        if not engine.step():
+            session.wait(0.05)
+        assert time.monotonic() < deadline, f"{session.coserver.steps_done} of {steps_done} steps in {timeout_s:g} s"
+
+
+def checkpointed_run(tmp_path: Path, steps_done: int) -> tuple[LLMEngine, FinetuneSession, Path]:
+    """A tiny run trained to ``steps_done`` steps, checkpointed and closed: (engine, its closed
+    session, the checkpoint's folder)."""
+    engine, session = tiny_session(tmp_path, epochs=500)
+    try:
+        train_until(engine, session, steps_done)
+        path = session.save_checkpoint()
+        session.flush_checkpoints()
+    finally:
+        session.close()
+    return engine, session, path
+
+
 def held(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> tuple[threading.Event, threading.Event]:
     """``owner.name`` made to wait, once called, until the second event is set (the first says
     it was called): a write held on the disk."""
@@ -271,11 +294,7 @@ def test_a_checkpoint_taken_after_a_commit_but_before_its_result_holds_the_logge
     try:
         assert resumed.coserver.steps_done == 1
         assert resumed.pool.progress.samples_retired == len(logged.sample_ids), "no sample trained twice"
-        deadline = time.monotonic() + 60
-        while resumed.coserver.steps_done < 3:
-            if not engine.step():
-                resumed.wait(0.05)
-            assert time.monotonic() < deadline
+        train_until(engine, resumed, 3)
     finally:
         resumed.close()
     steps_logged = [json.loads(line)["step"] for line in (spec.output / "train_log.jsonl").read_text().splitlines()]
@@ -330,17 +349,7 @@ def test_a_checkpoint_ahead_of_its_log_still_resumes(tmp_path: Path) -> None:
     resumes, with a warning, from the trainer's count: that step's samples train again."""
     import torch
 
-    engine, session = tiny_session(tmp_path, epochs=500)
-    try:
-        deadline = time.monotonic() + 60
-        while session.coserver.steps_done < 2:
-            if not engine.step():
-                session.wait(0.05)
-            assert time.monotonic() < deadline
-        path = session.save_checkpoint()
-        session.flush_checkpoints()
-    finally:
-        session.close()
+    engine, session, path = checkpointed_run(tmp_path, 2)
     saved = torch.load(path / "trainer_state.pt", weights_only=True)
     applied = saved["steps"]
     log = session.spec.output / "train_log.jsonl"
@@ -352,11 +361,7 @@ def test_a_checkpoint_ahead_of_its_log_still_resumes(tmp_path: Path) -> None:
         coserver = resumed.coserver
         assert (coserver.steps_done, coserver.steps_applied, coserver.steps_skipped) == (applied, applied, 0)
         assert resumed.trainer.committed_steps == applied
-        deadline = time.monotonic() + 60
-        while coserver.steps_done < applied + 2:
-            if not engine.step():
-                resumed.wait(0.05)
-            assert time.monotonic() < deadline
+        train_until(engine, resumed, applied + 2)
         resumed.save_checkpoint()
         resumed.flush_checkpoints()
     finally:
@@ -372,17 +377,7 @@ def test_a_run_resumed_after_a_skipped_step_goes_on_from_the_logged_steps(tmp_pa
     tiny run skips none: the skipped last step is written into its checkpoint and log by hand.)"""
     import torch
 
-    engine, session = tiny_session(tmp_path, epochs=500)
-    try:
-        deadline = time.monotonic() + 60
-        while session.coserver.steps_done < 2:
-            if not engine.step():
-                session.wait(0.05)
-            assert time.monotonic() < deadline
-        path = session.save_checkpoint()
-        session.flush_checkpoints()
-    finally:
-        session.close()
+    engine, session, path = checkpointed_run(tmp_path, 2)
     saved = torch.load(path / "trainer_state.pt", weights_only=True)
     applied = saved["steps"]
     assert saved["steps_done"] == applied == len(session.history)
@@ -398,11 +393,7 @@ def test_a_run_resumed_after_a_skipped_step_goes_on_from_the_logged_steps(tmp_pa
         assert (coserver.steps_done, coserver.steps_applied) == (applied + 1, applied)
         assert coserver.skipped_in_a_row == 1, "the skipped step still counts towards max_skipped_steps"
         assert resumed.trainer.committed_steps == applied
-        deadline = time.monotonic() + 60
-        while coserver.steps_done < applied + 3:
-            if not engine.step():
-                resumed.wait(0.05)
-            assert time.monotonic() < deadline
+        train_until(engine, resumed, applied + 3)
         resumed.save_checkpoint()
         resumed.flush_checkpoints()
     finally:
