@@ -51,7 +51,7 @@ same held-out share as above: ``recorded`` (the server's predictions), and the m
 sets' ``i_ctx``), ``per_phase`` (all three: the model that recorded the tables of sessions
 20–23), ``after`` (the model the server now runs: ``per_phase`` with the busy phases sharing
 one level after a key's first 500 busy steps, ``coserve.core.latency.SHARE_AFTER_STEPS``, and,
-since session 29, the lone prompts' level: :func:`row_lone` reads each step's
+since session 29, the lone prompts' level: ``coserve.bench.runners.row_lone`` reads each step's
 ``StepFeatures.lone`` from its row, in tables with ``gap_s``);
 ``matches_recorded`` per form: how closely it reproduces the recorded predictions (median and
 p99 of ``|replayed − recorded| / recorded`` over the key's steps). On the eleven tables below,
@@ -172,12 +172,12 @@ import torch
 
 from coserve.bench.provenance import provenance
 from coserve.bench.result_file import read_result
+from coserve.bench.runners import row_lone
 from coserve.core.latency import (
     DEFER_CAP,
     LEGACY_PREFILL_TERMS,
     LEVEL_FORMS,
     LEVEL_RATE,
-    LONE_GAP_S,
     LONE_LEVEL_RATE,
     SHARE_AFTER_STEPS,
     TERMS,
@@ -558,17 +558,6 @@ def _replay_model(graph_sizes: tuple[int, ...], prefill_buckets: tuple[int, ...]
                       prefill_buckets, defer)
 
 
-def row_lone(row: list[Any], without_gap: bool = False) -> bool:
-    """A recorded step's ``StepFeatures.lone``: a prompt with no decodes and no FT rows after
-    ``LONE_GAP_S`` of idle host (``gap_s``). A row without that column is lone for
-    ``without_gap`` (``prefill_forms``' ``lone``: any such prompt), else not (the model's view)."""
-    gap = row[GAP] if len(row) > GAP else None
-    if (gap is None and not without_gap) or len(row) <= 8:
-        return False
-    return (row[0].startswith("prefill/") and row[8] == 0 and row[4][1] == 0 and row[4][0] > 0
-            and (gap is None or gap >= LONE_GAP_S))
-
-
 def replay(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
            prefill_buckets: tuple[int, ...] | None, defer: bool = True,
            recorded: tuple[str, ...] = TRAINER_PHASES, recorded_planned: bool = True,
@@ -638,8 +627,6 @@ def replay(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
 PREFILL_FORMS = ("context_kv", "context_tiles", "small_set", "host_floor", "host_floor_soft", "knee_256", "knee_512",
                  "knee_1024", "lone", "lone_level", "lone_level_slow", "knee_256_lone", "knee_512_lone",
                  "knee_1024_lone")
-GAP = 13
-"""The step table's ``gap_s`` column (``STEP_TABLE_COLUMNS``, since session 28)."""
 KNEES = (256, 512, 1024)
 """``knee_K``: plus ``max(0, K − tokens)`` (bucketed tokens: prefill, FT and decode rows), a
 second slope below ``K`` tokens, where a step's time stops falling with its tokens (the weights

@@ -56,11 +56,11 @@ import numpy as np
 
 from coserve.bench.provenance import provenance
 from coserve.bench.result_file import read_result
-from coserve.bench.runners import STEP_TABLE_COLUMNS
+from coserve.bench.runners import STEP_TABLE_COLUMNS, row_lone
 from coserve.core.latency import LONE_GAP_S
 
-PREDICTED, MEASURED, ROWS, TRAINER_AT, DECODES, GPU, GAP = (STEP_TABLE_COLUMNS.index(c) for c in (
-    "predicted_s", "measured_s", "rows", "trainer_at", "decodes", "gpu_s", "gap_s"))
+PREDICTED, MEASURED, ROWS, TRAINER_AT, GPU, GAP = (STEP_TABLE_COLUMNS.index(c) for c in (
+    "predicted_s", "measured_s", "rows", "trainer_at", "gpu_s", "gap_s"))
 GAP_S = LONE_GAP_S  # a step after this long a gap (gap_s) counts as after_gap
 NEIGHBOURS = (2, 5, 10)
 
@@ -137,6 +137,7 @@ def floor_of(rows: list[list[Any]], train: float) -> dict[str, Any]:
         within[g] = {"n": int(spread.size), "ratio_median": float(np.exp(by_group[g])),
                      "spread_median": float(np.median(spread)), "spread_p99": float(np.percentile(spread, 99))}
     out["within_position"] = within
+    gpu = [r[GPU] if len(r) > GPU else None for r in rows[start:]]
     gaps = [r[GAP] if len(r) > GAP else None for r in rows[start:]]
     if any(gap is not None for gap in gaps):
         after = np.array([gap is not None and gap >= GAP_S for gap in gaps])
@@ -145,17 +146,15 @@ def floor_of(rows: list[list[Any]], train: float) -> dict[str, Any]:
                                 "signed_median": float(np.median(signed[m]))}
                          for name, m in (("after_gap", after), ("back_to_back", ~after)) if m.any()}
         # the steps after a gap by kind: a prompt alone (StepFeatures.lone) or an FT-only step
-        kinds = {"prompt_alone": [r[ROWS][0] > 0 and r[ROWS][1] == 0 and r[DECODES] == 0 for r in rows[start:]],
+        kinds = {"prompt_alone": [row_lone(r, without_gap=True) for r in rows[start:]],
                  "ft_only": [r[ROWS][0] == 0 and r[ROWS][1] > 0 for r in rows[start:]]}
-        gpu_s = [r[GPU] if len(r) > GPU else None for r in rows[start:]]
         for kind, flags in kinds.items():
             m = after & np.array(flags)
             if m.any() and "after_gap" in out["by_gap"]:
-                g = [x for x, k in zip(gpu_s, m, strict=True) if k and x is not None]
+                g = [x for x, k in zip(gpu, m, strict=True) if k and x is not None]
                 out["by_gap"]["after_gap"][kind] = {
                     "n": int(m.sum()), "ratio_median": float(np.median(measured[held][m] / predicted[held][m])),
                     "gpu_s_median": float(np.median(g)) if g else None}
-    gpu = [r[GPU] if len(r) > GPU else None for r in rows[start:]]
     if gpu and all(g is not None and 0 < g for g in gpu):
         g = np.array(gpu, dtype=np.float64)
         y = measured[held]

@@ -25,6 +25,7 @@ from coserve.bench.workload import Arrival
 from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig, SLOConfig
 from coserve.core.coserver import StepLogRow
 from coserve.core.finetune import load_dataset
+from coserve.core.latency import LONE_GAP_S, Chunk, StepFeatures
 from coserve.engine.llm_engine import LLMEngine
 from coserve.models.peft_adapter import new_lora_adapter
 from coserve.server.finetune import FinetuneSession, FinetuneSpec
@@ -374,6 +375,19 @@ def step_table(log: Sequence[StepLogRow]) -> dict[str, Any]:
 
 STEP_TABLE_COLUMNS = ("key", "predicted_s", "measured_s", "regressors", "rows", "trainer_at", "event_timed",
                       "chunks", "decodes", "schedule_s", "enqueue_s", "planned_s", "gpu_s", "gap_s")
+
+
+def row_lone(row: Sequence[Any], without_gap: bool = False) -> bool:
+    """A step-table row's ``StepFeatures.lone`` (a prompt with no decodes and no FT rows after
+    ``LONE_GAP_S`` of idle host, by its ``gap_s``). A row without ``gap_s`` (tables before
+    session 28) is lone for ``without_gap`` if the rest holds, else not (what the server knew)."""
+    rows, decodes, gap = (STEP_TABLE_COLUMNS.index(c) for c in ("rows", "decodes", "gap_s"))
+    idle = row[gap] if len(row) > gap else None
+    if len(row) <= decodes or not row[0].startswith("prefill/") or (idle is None and not without_gap):
+        return False
+    prefills, ft_rows = row[rows]
+    return StepFeatures(chunks=(Chunk(1),) * prefills, ft_lens=(1,) * ft_rows, num_decodes=row[decodes],
+                        idle_before_s=LONE_GAP_S if idle is None else idle).lone
 
 
 def run_split(ctx: BenchContext, config: RunConfig) -> RunOutcome:

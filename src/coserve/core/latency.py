@@ -749,12 +749,13 @@ class LatencyModel:
         # an idle refit moves the busy sets' predictions too (T_busy = (1 + ρ)·T + δ)
         for t in [s] if state != "idle" else [k for k in self._windows if k[0] == key]:
             self._after_refit(t)
-        if self.lone_recenter and key in self._lone_recent and self._lone_priced(key, state):
-            # (the lone level was learnt against the old form: it restarts against the new one)
-            logs = [math.log(y / p) for x, y in self._lone_recent[key]
-                    if (p := self.predict_regressors(key, x, state)) > 0]
-            if logs:
-                self._level[(key, LONE)] = float(np.median(logs))
+
+    def _restart_level(self, at: tuple[str, str], measured_predicted: Sequence[tuple[float, float]]) -> None:
+        """Set the level ``at`` to the median log ratio of these (measured, prediction without
+        it) pairs (those predicted above 0; none: the level stays)."""
+        logs = [math.log(y / p) for y, p in measured_predicted if p > 0]
+        if logs:
+            self._level[at] = float(np.median(logs))
 
     def _after_refit(self, s: tuple[str, str]) -> None:
         """Set ``s``'s level and safety factor again against its new prediction, from one pass
@@ -782,10 +783,13 @@ class LatencyModel:
                 self._level[s] = float(np.median(np.log(ly[lp > 0] / lp[lp > 0])))
             if s in self._joined:
                 # the shared level restarts as well, from its own latest steps (of any phase)
-                shared = [(y_, self._linear(key, x_, st)) for st, x_, y_ in self._shared_recent[key]]
-                logs = [math.log(y_ / p_) for y_, p_ in shared if p_ > 0]
-                if logs:
-                    self._level[(key, SHARED)] = float(np.median(logs))
+                self._restart_level((key, SHARED), [(y_, self._linear(key, x_, st))
+                                                    for st, x_, y_ in self._shared_recent[key]])
+        if self.lone_recenter and key in self._lone_recent and self._lone_priced(key, state):
+            # so does the lone prompts' level, from its latest lone prompts (their prediction
+            # without it: the set's new form and level)
+            self._restart_level((key, LONE), [(y_, self.predict_regressors(key, x_, state))
+                                              for x_, y_ in self._lone_recent[key]])
         pred = linear[-self._safety_window:] * math.exp(self._level.get(self._level_key(key, state), 0.0))
         ratios = y[-self._safety_window:][pred > 0] / pred[pred > 0]
         self._ratios[s] = deque(ratios.tolist(), maxlen=self._safety_window)
