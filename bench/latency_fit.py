@@ -120,6 +120,10 @@ Forms (:data:`PREFILL_FORMS`), each known before the step runs:
   ``lone_level_slow``: the same at the decode sets' ``LEVEL_RATE`` (the model's until session 30);
 - ``knee_256_lone`` / ``knee_512_lone`` / ``knee_1024_lone``: ``knee_K`` with ``lone_level``'s
   level (the lone prompts that a knee over- or under-prices then get their own level).
+- ``over_256_lone`` / ``over_512_lone`` / ``over_1024_lone``: the same knee written as a second
+  slope above ``K``, plus ``max(0, tokens − K)``: the same family of prices, but with every
+  coefficient non-negative a longer step never predicts shorter (``knee_K``'s slope below ``K``,
+  ``b − k``, may be negative), as admission's greedy fill assumes.
 
 Session 29, on the four H100 tables of session 28 and the fourteen H200 tables of sessions 20–26
 (``bench/results/latency_h100/session28/latency_fit_knee.json.gz``): ``knee_512`` lowers the
@@ -626,7 +630,7 @@ def replay(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
 
 PREFILL_FORMS = ("context_kv", "context_tiles", "small_set", "host_floor", "host_floor_soft", "knee_256", "knee_512",
                  "knee_1024", "lone", "lone_level", "lone_level_slow", "knee_256_lone", "knee_512_lone",
-                 "knee_1024_lone")
+                 "knee_1024_lone", "over_256_lone", "over_512_lone", "over_1024_lone")
 KNEES = (256, 512, 1024)
 """``knee_K``: plus ``max(0, K − tokens)`` (bucketed tokens: prefill, FT and decode rows), a
 second slope below ``K`` tokens, where a step's time stops falling with its tokens (the weights
@@ -740,6 +744,9 @@ def prefill_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, .
         preds["lone_level_slow"] = _lone_level(preds["after"], y, lone > 0, LEVEL_RATE)
         for k in KNEES:  # (the knee with the lone prompts' level: the two together)
             preds[f"knee_{k}_lone"] = _lone_level(preds[f"knee_{k}"], y, lone > 0)
+            over = _online(np.concatenate([x[:, :c], np.maximum(0.0, x[:, 1:2] - k), x[:, c:]], 1), y,
+                           [*prior[:c], 0.0, prior[c]], model)
+            preds[f"over_{k}_lone"] = _lone_level(over, y, lone > 0)
         held = int(len(y) * train)
         out[key] = {"held_out_steps": len(y) - held, **{
             form: _errors(torch.from_numpy((p + pl)[held:]), torch.from_numpy((y + pl)[held:]))
