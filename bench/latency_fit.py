@@ -178,7 +178,9 @@ from coserve.bench.provenance import provenance
 from coserve.bench.result_file import read_result
 from coserve.bench.runners import row_lone
 from coserve.core.latency import (
+    B_TOKENS,
     DEFER_CAP,
+    KNEE_TOKENS,
     LEGACY_PREFILL_TERMS,
     LEVEL_FORMS,
     LEVEL_RATE,
@@ -186,10 +188,12 @@ from coserve.core.latency import (
     SHARE_AFTER_STEPS,
     TERMS,
     TRAINER_PHASES,
+    V2_PREFILL_TERMS,
     LatencyModel,
     error_summary,
     from_legacy_prefill,
     moved_level,
+    over_knee,
     trainer_phase,
 )
 from coserve.core.nnls import fit_relative
@@ -225,9 +229,12 @@ PLANNED, planned = latency_decode.PLANNED, latency_decode.planned
 def current_regressors(key: str, vec: list[float]) -> list[float]:
     """A recorded step's regressors in this commit's ``TERMS`` order: a prefill row recorded
     before ``i_ctx`` (``LEGACY_PREFILL_TERMS``) gets ``i_ctx = 1`` where its ``h_ctx`` (``Σ n_i·ctx_i``)
-    is above 0 — every chunk has a token, so exactly the steps with a chunk over cached context."""
-    if key.startswith("prefill/") and len(vec) == len(LEGACY_PREFILL_TERMS):
-        return list(from_legacy_prefill(vec, 1.0 if vec[LEGACY_PREFILL_TERMS.index("h_ctx")] > 0 else 0.0))
+    is above 0 — every chunk has a token, so exactly the steps with a chunk over cached context;
+    one recorded before ``k_over`` (``V2_PREFILL_TERMS``) gets its tokens over the knee
+    (``LatencyModel.bucketed`` sets it again at the replaying model's knee)."""
+    if key.startswith("prefill/") and len(vec) != len(TERMS["prefill"]):
+        i_ctx = 1.0 if vec[LEGACY_PREFILL_TERMS.index("h_ctx")] > 0 else 0.0
+        return list(from_legacy_prefill(vec, i_ctx, over_knee(vec[B_TOKENS], KNEE_TOKENS)))
     return vec
 
 
@@ -491,7 +498,7 @@ def _solve_calibration(rows: list[list[Any]], phases: list[str], model: LatencyM
                     break
                 theta, worst = more, more_worst
         residual = max(residual, worst)
-        legacy = base.startswith("prefill/") and len(theta) == len(LEGACY_PREFILL_TERMS)
+        legacy = base.startswith("prefill/") and len(theta) != len(TERMS["prefill"])
         out[base] = list(from_legacy_prefill(theta.tolist(), 0.0)) if legacy else theta.tolist()
     return out, residual
 
@@ -535,13 +542,20 @@ def recovered_calibration(rows: list[list[Any]], model: LatencyModel,
 
 def recorded_calibration(result: dict[str, Any]) -> dict[str, list[float]] | None:
     """The calibrated coefficients that ``result``'s run recorded (``bench/coserve_latency.py``'s
-    ``figures.calibration.coefficients``, since session 29), None before. Those of a key whose
-    length is not this commit's (``TERMS``) are left out, to be recovered."""
+    ``figures.calibration.coefficients``, since session 29), None before: a prefill set of
+    ``V2_PREFILL_TERMS`` (before session 31) with ``k_over = 0`` (the prices it ran with); those
+    of a key of another length are left out, to be recovered."""
     got = (result.get("figures", {}).get("calibration") or {}).get("coefficients")
     if not isinstance(got, dict):
         return None
-    return {k: [float(c) for c in v] for k, v in got.items()
-            if k.split("/")[0] in TERMS and len(v) == len(TERMS[k.split("/")[0]])} or None
+    out = {}
+    for k, v in got.items():
+        form = k.split("/")[0]
+        if form == "prefill" and len(v) == len(V2_PREFILL_TERMS):
+            v = from_legacy_prefill(v, 0.0)
+        if form in TERMS and len(v) == len(TERMS[form]):
+            out[k] = [float(c) for c in v]
+    return out or None
 
 
 def _configure(model: LatencyModel, graph_sizes: tuple[int, ...], prefill_buckets: tuple[int, ...] | None,
@@ -557,9 +571,10 @@ def _configure(model: LatencyModel, graph_sizes: tuple[int, ...], prefill_bucket
 
 def _replay_model(graph_sizes: tuple[int, ...], prefill_buckets: tuple[int, ...] | None,
                   level_rate: float = LEVEL_RATE, defer: bool = True,
-                  share_after: int | None = SHARE_AFTER_STEPS, lone: bool = True) -> LatencyModel:
-    return _configure(LatencyModel(level_rate=level_rate, share_after=share_after, lone_level=lone), graph_sizes,
-                      prefill_buckets, defer)
+                  share_after: int | None = SHARE_AFTER_STEPS, lone: bool = True,
+                  knee_tokens: int = KNEE_TOKENS) -> LatencyModel:
+    return _configure(LatencyModel(level_rate=level_rate, share_after=share_after, lone_level=lone,
+                                   knee_tokens=knee_tokens), graph_sizes, prefill_buckets, defer)
 
 
 def replay(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
@@ -696,10 +711,12 @@ def _host_floor(x: np.ndarray, z: np.ndarray, y: np.ndarray, enqueue: np.ndarray
 def prefill_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
                   prefill_buckets: tuple[int, ...] | None, defer: bool = True,
                   recorded: tuple[str, ...] = TRAINER_PHASES,
-                  calibration: dict[str, list[float]] | None = None) -> dict[str, Any]:
+                  calibration: dict[str, list[float]] | None = None,
+                  knee_tokens: int = KNEE_TOKENS) -> dict[str, Any]:
     """Held-out error of the prefill sets replayed online in :data:`PREFILL_FORMS` (module
-    docstring, ``prefill_forms``); ``{}`` for a table without the chunk columns."""
-    model = _replay_model(graph_sizes, prefill_buckets, defer=defer)
+    docstring, ``prefill_forms``), ``after`` the model's form at a knee of ``knee_tokens`` (0:
+    none, the form before session 31); ``{}`` for a table without the chunk columns."""
+    model = _replay_model(graph_sizes, prefill_buckets, defer=defer, knee_tokens=knee_tokens)
     steps = [r for r in rows if r[2] > 0]
     calibration = recovered_calibration(steps, model, recorded, calibration)
     out: dict[str, Any] = {}

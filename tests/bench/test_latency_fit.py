@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from coserve.core.latency import KNEE_TOKENS
 from tests.bench.scripts import load_script
 
 latency_fit = load_script("latency_fit")
@@ -129,7 +130,7 @@ def test_replay_recovers_the_calibration_and_the_trainer_phases_win() -> None:
     known calibration (one busy set, no level) before it observed the step. The replay recovers
     that calibration, reproduces the recorded predictions (``before``), and with busy sets per
     trainer phase (decode steps beside a commit run faster) predicts the held-out steps better."""
-    from coserve.core.latency import LatencyModel
+    from coserve.core.latency import Chunk, LatencyModel, StepFeatures
 
     calibration = {"decode/graph": [1e-5, 3e-8, 5e-3], "prefill/eager": [1e-9, 3e-5, 5e-6, 3e-8, 2e-9, 1e-3, 6e-3]}
     server = LatencyModel(level_rate=0.0)
@@ -141,9 +142,10 @@ def test_replay_recovers_the_calibration_and_the_trainer_phases_win() -> None:
     for i in range(1500):
         if i % 12 == 0:
             n = rng.randint(16, 2048)
-            vec = [float(n * n), float(n), 0.0, 0.0, 0.0, 0.0, 1.0]
+            vec = list(StepFeatures((Chunk(n),)).vector())  # (n², n, 0, 0, 0, 0, tokens over the knee, 1)
             t = (3e-5 * n + 7e-3) * rng.uniform(0.99, 1.01)
-            rows.append(["prefill/eager/idle", server.observe_regressors("prefill/eager", vec, t), t, vec,
+            predicted = server.observe_regressors("prefill/eager", server.bucketed(vec, "prefill/eager"), t)
+            rows.append(["prefill/eager/idle", predicted, t, vec,
                          [1, 0], [layer, 0]])
             continue
         layer = layer - 1 if layer > -1 else 31
@@ -160,9 +162,10 @@ def test_replay_recovers_the_calibration_and_the_trainer_phases_win() -> None:
     assert report["calibration"]["decode/graph"] == pytest.approx(calibration["decode/graph"], rel=1e-3)
     # the prefill steps excite the square, the tokens and the constant; the rest stays 0
     recovered = report["calibration"]["prefill/eager"]
-    assert [recovered[i] for i in (0, 1, 6)] == pytest.approx([calibration["prefill/eager"][i] for i in (0, 1, 6)],
+    assert [recovered[i] for i in (0, 1, 7)] == pytest.approx([calibration["prefill/eager"][i] for i in (0, 1, 6)],
                                                              rel=1e-3)
-    assert [recovered[i] for i in (2, 3, 4, 5)] == [0.0, 0.0, 0.0, 0.0]
+    # (k_over: the server's calibration had none, and its first refit learnt next to none)
+    assert [recovered[i] for i in (2, 3, 4, 5)] == pytest.approx([0.0] * 4, abs=1e-12) and recovered[6] < 1e-7
     assert report["recovery"]["level_rate"] == 0.0
     decode = report["decode/graph/busy"]
     assert decode["matches_recorded"]["before"]["median_rel"] < 1e-6
@@ -192,10 +195,11 @@ def test_a_table_recorded_before_i_ctx_is_replayed_with_the_context_constant() -
         # the old server: its form had no i_ctx (a 0 regressor is a form without the term)
         predicted = server.observe_regressors("prefill/graph", from_legacy_prefill(vec, 0.0), t)
         rows.append(["prefill/graph/idle", predicted, t, vec, [1, 0], None])
-    assert latency_fit.current_regressors("prefill/graph", rows[0][3]) == list(
-        from_legacy_prefill(rows[0][3], 1.0 if rows[0][3][4] > 0 else 0.0))  # type: ignore[index, arg-type]
+    first = rows[0][3]
+    assert latency_fit.current_regressors("prefill/graph", first) == list(from_legacy_prefill(  # type: ignore[arg-type]
+        first, 1.0 if first[4] > 0 else 0.0, max(0.0, first[1] - KNEE_TOKENS)))  # type: ignore[index, operator]
     report = latency_fit.replay(rows, 0.5, latency_fit.GRAPH_SIZES, None)
-    assert len(report["calibration"]["prefill/graph"]) == 7 and report["calibration"]["prefill/graph"][5] == 0.0
+    assert len(report["calibration"]["prefill/graph"]) == 8 and report["calibration"]["prefill/graph"][5:7] == [0, 0]
     got = report["prefill/graph/idle"]
     assert got["matches_recorded"]["before"]["median_rel"] < 1e-6
     assert got["before"]["p99_rel"] == pytest.approx(got["recorded"]["p99_rel"], rel=1e-6)
@@ -258,15 +262,20 @@ def test_host_floor_prices_host_bound_small_steps() -> None:
 
 def test_knee_form_prices_small_steps_that_read_the_weights_whatever_their_tokens() -> None:
     """Steps whose token-wise time has a second, flatter slope below 512 tokens (a weight read that
-    sets their floor): ``knee_512`` predicts them, the linear form cannot."""
+    sets their floor): ``knee_512`` predicts them, the linear form without the model's knee
+    (``knee_tokens=0``) cannot; the model's form since session 31 (its slope added above 512
+    tokens) does, from a calibration without it."""
     def time_of(n: int, ctx: int, d: int) -> tuple[float, float]:
         tokens = n + d
         return 5e-3 + 3e-5 * tokens + 2e-5 * max(0, 512 - tokens) + 2e-9 * n * ctx, 1e-3
 
-    got = latency_fit.prefill_forms(_prefill_table(9, time_of), 0.5, latency_fit.GRAPH_SIZES, None)
-    got = got["prefill/eager/idle"]
-    assert got["knee_512"]["p99_rel"] < 0.05 < got["after"]["p99_rel"]
-    assert got["knee_1024"]["p99_rel"] > got["knee_512"]["p99_rel"]
+    rows = _prefill_table(9, time_of)
+    linear = latency_fit.prefill_forms(rows, 0.5, latency_fit.GRAPH_SIZES, None, knee_tokens=0)["prefill/eager/idle"]
+    assert linear["knee_512"]["p99_rel"] < 0.05 < linear["after"]["p99_rel"]
+    assert linear["knee_1024"]["p99_rel"] > linear["knee_512"]["p99_rel"]
+    assert linear["over_512_lone"]["p99_rel"] == pytest.approx(linear["knee_512"]["p99_rel"], abs=0.01)
+    got = latency_fit.prefill_forms(rows, 0.5, latency_fit.GRAPH_SIZES, None)["prefill/eager/idle"]
+    assert got["after"]["p99_rel"] < 0.05
 
 
 def _gapped_prefill_table(seed: int, after_gap_at: Any, slower: Any, gap_s: float) -> tuple[list[list[object]], list[bool]]:
@@ -530,9 +539,10 @@ def test_the_replay_prices_lone_prompts_as_the_model_does() -> None:
     rows, ``gap_s`` of LONE_GAP_S or more); ``per_phase``, the model without that level, does not."""
     from coserve.core.latency import LONE_GAP_S, Chunk, LatencyModel, StepFeatures
 
-    calibration = {"prefill/eager": [0.0, 3e-5, 0.0, 0.0, 0.0, 0.0, 5e-3]}
+    calibration = {"prefill/eager": [0.0, 3e-5, 0.0, 0.0, 0.0, 0.0, 0.0, 5e-3]}
     server = LatencyModel()
-    server.load_state_dict({"version": 2, "coefficients": calibration, "calibration": calibration})
+    server.load_state_dict({"version": 3, "knee_tokens": KNEE_TOKENS, "coefficients": calibration,
+                            "calibration": calibration})
     server.defer_refits = True  # (as CoServer runs it, with no idle poll: refits at the cap)
     rng = random.Random(12)
     rows: list[list[object]] = []

@@ -88,7 +88,8 @@ def test_train_step_equals_layerwise_recompute_backward() -> None:
 
     assert full.num_targets == recompute.num_targets == sum(s.num_target_tokens for s in batch)
     assert full.loss_sum == pytest.approx(recompute.loss_sum, rel=1e-5)
-    torch.testing.assert_close(grad_full, lora.flat.grad, rtol=1e-4, atol=1e-6)
+    # (gradients up to ~8 here: float32 sums in another order differ by a few 1e-6 on some CPUs)
+    torch.testing.assert_close(grad_full, lora.flat.grad, rtol=1e-4, atol=1e-5)
     assert grad_full.abs().sum() > 0
 
 

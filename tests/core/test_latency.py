@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import math
 import random
 import time
@@ -14,12 +15,14 @@ from coserve.core.host import PrefillView, StepRecord, StepView
 from coserve.core.latency import (
     DEFAULT_COEFFICIENTS,
     KEYS,
+    KNEE_TOKENS,
     LEGACY_PREFILL_TERMS,
     LEVEL_CLIP,
     LEVEL_RATE,
     LONE_GAP_S,
     LONE_LEVEL_RATE,
     TERMS,
+    V2_PREFILL_TERMS,
     BatchSpec,
     Chunk,
     LatencyModel,
@@ -32,10 +35,11 @@ from coserve.core.latency import (
 from coserve.core.nnls import nnls
 
 # Realistic orders of magnitude (8B model, one H200); g is raised to be identifiable; i (a step
-# with a context chunk) is session 14's 4.2 ms through the prefill graphs.
+# with a context chunk) is session 14's 4.2 ms through the prefill graphs; k (the slope added
+# above the knee's 512 tokens) a quarter of b.
 TRUE = {
-    "prefill/eager": (1.0e-9, 3.4e-5, 5e-6, 3.3e-8, 2e-9, 1e-3, 6e-3),
-    "prefill/graph": (1.0e-9, 3.2e-5, 0.0, 3.3e-8, 2e-9, 4.2e-3, 4e-3),
+    "prefill/eager": (1.0e-9, 3.4e-5, 5e-6, 3.3e-8, 2e-9, 1e-3, 8e-6, 6e-3),
+    "prefill/graph": (1.0e-9, 3.2e-5, 0.0, 3.3e-8, 2e-9, 4.2e-3, 8e-6, 4e-3),
     "decode/eager": (6e-5, 3.3e-8, 1.5e-2),
     "decode/graph": (5e-5, 3.3e-8, 3.7e-3),
 }
@@ -157,10 +161,13 @@ def test_features_vector_by_hand() -> None:
     f = StepFeatures((Chunk(3, 10), Chunk(5)), (2,), num_decodes=4, kv_tokens=100, mode="graph")
     assert f.form == "prefill" and f.exec_mode == "eager" and f.key == "prefill/eager"
     # Σ(n+B_d)² = 7² + 9² + 6², T_in + B_d = 10 + 4, T_ft = 2, K = 100, Σ n·ctx = 30, a context chunk.
-    assert f.vector() == (166.0, 14.0, 2.0, 100.0, 30.0, 1.0, 1.0)
+    assert f.vector() == (166.0, 14.0, 2.0, 100.0, 30.0, 1.0, 0.0, 1.0)  # 14 tokens: below the knee
     fresh = StepFeatures((Chunk(3), Chunk(5)), (2,), num_decodes=4, kv_tokens=100)  # decode KV is no context
-    assert fresh.vector() == (166.0, 14.0, 2.0, 100.0, 0.0, 0.0, 1.0)
-    assert len(f.vector()) == len(TERMS["prefill"]) and TERMS["prefill"][5] == "i_ctx"
+    assert fresh.vector() == (166.0, 14.0, 2.0, 100.0, 0.0, 0.0, 0.0, 1.0)
+    assert len(f.vector()) == len(TERMS["prefill"]) and TERMS["prefill"][5:7] == ("i_ctx", "k_over")
+    # k_over: the tokens (prefill, FT and decode rows) above the knee, 600 + 2 + 4 − 512
+    big = StepFeatures((Chunk(600),), (2,), num_decodes=4, kv_tokens=100)
+    assert big.vector()[6] == 94.0 and big.vector(knee_tokens=1024)[6] == 0.0 and big.vector(knee_tokens=0)[6] == 0.0
     d = StepFeatures(num_decodes=4, kv_tokens=100, mode="graph")
     assert d.key == "decode/graph" and d.vector() == (4.0, 100.0, 1.0)
     assert d.with_ft((7,)).key == "prefill/eager"
@@ -203,10 +210,20 @@ def test_prefill_graph_steps_are_priced_by_their_token_bucket() -> None:
     model = LatencyModel()
     step = StepFeatures((Chunk(100),), (), mode="graph")
     plain = model.regressors(step)
-    model.prefill_bucket = lambda n: 128 if n <= 128 else n
+    model.prefill_bucket = lambda n: 128 if n <= 128 else 768 if n <= 768 else n
     padded = model.regressors(step)
     assert plain[1] == 100.0 and padded == (plain[0], 128.0, *plain[2:])
     assert model.regressors(replace(step, mode="eager")) == plain  # eager steps compute their own
+    # the knee's slope reads the bucketed tokens too, at the model's own knee
+    big = StepFeatures((Chunk(600),), (), mode="graph")
+    assert model.regressors(big)[1:] == (768.0, 0.0, 0.0, 0.0, 0.0, 256.0, 1.0)
+    assert model.regressors(replace(big, mode="eager"))[6] == 88.0
+    no_knee = LatencyModel(knee_tokens=0)
+    no_knee.prefill_bucket = model.prefill_bucket
+    assert no_knee.regressors(big)[6] == 0.0 and no_knee.regressors(big)[1] == 768.0
+    assert model.bucketed(big.vector()[:6] + big.vector()[7:], "prefill/graph")[1] == 768.0  # (recorded v2)
+    with pytest.raises(ValueError, match="knee_tokens"):
+        LatencyModel(knee_tokens=-1)
 
 
 # ---------------------------------------------------------------------------------- plan
@@ -250,7 +267,9 @@ def test_calibration_plan_identifies_the_context_constant_in_every_prefill_set(
         assert len(sizes) >= 3 and any(len(s.chunks) > 1 for s in context), key
         assert all(any(t.num_tokens == n and not any(c.context_len for c in t.chunks) for t in specs)
                    for n in sizes), "each context size also without context"
-        expected = len(TERMS["prefill"]) - (key == "prefill/graph" and "graph" not in ft_modes)
+        # (no step of a plan up to 128 tokens reaches the knee: k_over is 0 throughout)
+        expected = (len(TERMS["prefill"]) - (key == "prefill/graph" and "graph" not in ft_modes)
+                    - (max_tokens <= KNEE_TOKENS))
         rows = torch.tensor([s.features().vector() for s in specs], dtype=torch.float64)
         assert int(torch.linalg.matrix_rank(rows)) == expected, key
         bucketed = torch.tensor([model.regressors(s.features()) for s in specs], dtype=torch.float64)
@@ -370,22 +389,38 @@ def test_state_dict_round_trip_through_json() -> None:
     for _ in range(50):
         f = random_spec(rng, rng.choice(["graph", "eager"])).features(busy=rng.random() < 0.5)
         assert restored.predict(f) == model.predict(f)
-    assert model.state_dict()["version"] == 2
-    for version in (0, 3, None):
+    assert model.state_dict()["version"] == 3 and model.state_dict()["knee_tokens"] == KNEE_TOKENS
+    for version in (0, 4, None):
         with pytest.raises(ValueError, match="version"):
             restored.load_state_dict({"version": version})
     with pytest.raises(ValueError, match="decode coefficients"):
-        restored.load_state_dict({"version": 2, "coefficients": {"decode/eager": [1.0]}})
-    with pytest.raises(ValueError, match="prefill coefficients must be 7"):
-        restored.load_state_dict({"version": 2, "coefficients": {"prefill/eager": [1.0] * 6}})
+        restored.load_state_dict({"version": 3, "knee_tokens": 512, "coefficients": {"decode/eager": [1.0]}})
+    with pytest.raises(ValueError, match="prefill coefficients must be 8"):
+        restored.load_state_dict({"version": 3, "knee_tokens": 512, "coefficients": {"prefill/eager": [1.0] * 7}})
     with pytest.raises(ValueError, match="table"):
-        restored.load_state_dict({"version": 2, "busy": {"mixed/eager": [0.0, 0.0]}})
+        restored.load_state_dict({"version": 3, "knee_tokens": 512, "busy": {"mixed/eager": [0.0, 0.0]}})
+    for knee in (None, -1, 1.5, True):
+        with pytest.raises(ValueError, match="knee_tokens"):
+            restored.load_state_dict({**model.state_dict(), "knee_tokens": knee})
+
+
+def test_a_state_keeps_the_knee_its_slope_was_fitted_with(caplog: pytest.LogCaptureFixture) -> None:
+    """A model built with another knee loads a state at the state's knee (its k_over means
+    nothing at another), says so, and predicts what the saved model did."""
+    rng = random.Random(5)
+    model = calibrated(rng)
+    other = LatencyModel(knee_tokens=1024)
+    with caplog.at_level(logging.WARNING, logger="coserve.core.latency"):
+        other.load_state_dict(json.loads(json.dumps(model.state_dict())))
+    assert other.knee_tokens == KNEE_TOKENS and "knee at 512 tokens, not 1024" in caplog.text
+    f = StepFeatures((Chunk(900),), num_decodes=3, kv_tokens=300, mode="eager")
+    assert other.predict(f) == model.predict(f) and other.coefficients("prefill/eager")[6] > 0
 
 
 def test_a_version_1_state_is_migrated_with_no_context_constant() -> None:
-    """A state saved before i_ctx (six prefill terms) loads as version 2: its prefill sets get
-    i_ctx = 0 and predict exactly what the old form did; busy terms and decode sets are kept; a
-    malformed old state is still refused."""
+    """A state saved before i_ctx (six prefill terms) loads as version 3: its prefill sets get
+    i_ctx = 0 and k_over = 0 and predict exactly what the old form did; busy terms and decode
+    sets are kept; a malformed old state is still refused."""
     old_prefill = [1e-9, 3e-5, 5e-6, 3e-8, 2e-9, 6e-3]  # LEGACY_PREFILL_TERMS order
     v1 = {"version": 1,
           "coefficients": {"prefill/eager": old_prefill, "decode/graph": [5e-5, 3e-8, 4e-3]},
@@ -393,18 +428,42 @@ def test_a_version_1_state_is_migrated_with_no_context_constant() -> None:
           "calibration": {"prefill/eager": old_prefill}, "calibration_busy": {}}
     model = LatencyModel()
     model.load_state_dict(json.loads(json.dumps(v1)))
-    assert model.coefficients("prefill/eager") == (1e-9, 3e-5, 5e-6, 3e-8, 2e-9, 0.0, 6e-3)
+    assert model.coefficients("prefill/eager") == (1e-9, 3e-5, 5e-6, 3e-8, 2e-9, 0.0, 0.0, 6e-3)
     assert model.coefficients("decode/graph") == (5e-5, 3e-8, 4e-3)
     assert model.busy_term("prefill/eager") == (0.1, 5e-4)
     saved = model.state_dict()
-    assert saved["version"] == 2 and saved["calibration"]["prefill/eager"] == list(model.coefficients("prefill/eager"))
-    for f in (StepFeatures((Chunk(300, 700), Chunk(50)), (64,), 8, 4000), StepFeatures((Chunk(300),))):
-        old = dict(zip(LEGACY_PREFILL_TERMS, f.vector()[:5] + f.vector()[6:], strict=True))
+    assert saved["version"] == 3 and saved["calibration"]["prefill/eager"] == list(model.coefficients("prefill/eager"))
+    assert saved["knee_tokens"] == KNEE_TOKENS  # (the model's own: k_over at 0 prices nothing)
+    for f in (StepFeatures((Chunk(300, 700), Chunk(50)), (64,), 8, 4000), StepFeatures((Chunk(300),)),
+              StepFeatures((Chunk(1500),))):
+        old = dict(zip(LEGACY_PREFILL_TERMS, f.vector()[:5] + f.vector()[7:], strict=True))
         assert model.predict(f) == pytest.approx(sum(c * old[t] for c, t in zip(old_prefill, LEGACY_PREFILL_TERMS,
                                                                                  strict=True)), rel=1e-12)
-    assert from_legacy_prefill([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 9.0) == (1.0, 2.0, 3.0, 4.0, 5.0, 9.0, 6.0)
+    assert from_legacy_prefill([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 9.0) == (1.0, 2.0, 3.0, 4.0, 5.0, 9.0, 0.0, 6.0)
+    assert from_legacy_prefill([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], 9.0, 8.0) == (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0,
+                                                                                   7.0)
     with pytest.raises(ValueError, match="version 1.*coefficients"):
-        model.load_state_dict({**v1, "coefficients": {"prefill/eager": [1.0] * 7}})
+        model.load_state_dict({**v1, "coefficients": {"prefill/eager": [1.0] * 8}})
+    with pytest.raises(ValueError, match="6 or 7"):
+        from_legacy_prefill([1.0] * 8, 0.0)
+
+
+def test_a_version_2_state_is_migrated_with_no_knee_slope() -> None:
+    """A state saved before k_over (seven prefill terms) loads with k_over = 0 at this model's
+    knee: it predicts what it did, above the knee too, and serving steps past the knee then teach
+    the slope online."""
+    rng = random.Random(11)
+    old = [c for name, c in zip(TERMS["prefill"], TRUE["prefill/eager"], strict=True) if name != "k_over"]
+    model = LatencyModel(refit_every=50)
+    model.load_state_dict({"version": 2, "coefficients": {"prefill/eager": old}, "calibration": {"prefill/eager": old},
+                           "busy": {}, "calibration_busy": {}})
+    assert model.knee_tokens == KNEE_TOKENS and model.coefficients("prefill/eager")[6] == 0.0
+    f = StepFeatures((Chunk(1500),))
+    v2 = dict(zip(V2_PREFILL_TERMS, f.vector()[:6] + f.vector()[7:], strict=True))
+    assert model.predict(f) == pytest.approx(sum(c * v2[t] for c, t in zip(old, V2_PREFILL_TERMS, strict=True)))
+    for _ in range(400):
+        model.observe(measure(random_spec(rng, "eager"), rng))
+    assert model.coefficients("prefill/eager")[6] == pytest.approx(TRUE["prefill/eager"][6], rel=0.1)
 
 
 def _context_steps(rng: random.Random, n: int) -> list[BatchSpec]:
@@ -434,7 +493,8 @@ def test_the_context_constant_is_recovered_from_calibration_and_from_serving_ste
     held = [measure(s, rng, noise=0.0) for s in _context_steps(rng, 300)]
     assert model.error_stats(held)["prefill/graph/idle"].p99_rel < 0.02
 
-    old = [c for name, c in zip(TERMS["prefill"], TRUE["prefill/graph"], strict=True) if name != "i_ctx"]
+    old = [c for name, c in zip(TERMS["prefill"], TRUE["prefill/graph"], strict=True)
+           if name not in ("i_ctx", "k_over")]
     migrated = LatencyModel(refit_every=50)
     migrated.load_state_dict({"version": 1, "coefficients": {"prefill/graph": old},
                               "calibration": {"prefill/graph": old}})
@@ -850,3 +910,24 @@ def test_lone_level_default_follows_its_switch(value: str | None, expected: str)
     out = subprocess.run([sys.executable, "-c", "from coserve.core.latency import LatencyModel; "
                           "print(LatencyModel().lone_level)"], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == expected
+
+
+def test_a_longer_step_never_predicts_shorter_across_the_knee() -> None:
+    """Admission's greedy fill stops at the first FT sample that does not fit, which holds only
+    if adding rows never lowers a prediction: the knee is a slope added above it (every
+    coefficient non-negative), so a step growing row by row across 512 tokens predicts no less at
+    each row, while the slope above the knee is steeper than below."""
+    rng = random.Random(21)
+    model = calibrated(rng)
+    assert model.coefficients("prefill/eager")[6] == pytest.approx(TRUE["prefill/eager"][6], rel=0.05)
+    for _ in range(50):
+        step = StepFeatures.of_mode(StepFeatures((Chunk(rng.randint(1, 300), rng.choice([0, 500])),),
+                                                 num_decodes=rng.randint(0, 16), kv_tokens=4000), "eager")
+        times = []
+        for _ in range(12):
+            step = step.with_ft((rng.randint(16, 128),))
+            times.append(model.predict(step))
+        assert times == sorted(times)
+    below = model.predict(StepFeatures((Chunk(400),), mode="eager")) - model.predict(StepFeatures((Chunk(300),)))
+    above = model.predict(StepFeatures((Chunk(800),), mode="eager")) - model.predict(StepFeatures((Chunk(700),)))
+    assert above > below > 0

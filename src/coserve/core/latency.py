@@ -3,12 +3,23 @@
 A step is priced by one of two linear forms over its batch composition:
 
 * prefill-carrying (any prefill chunk or FT row):
-  ``T = a·Σ_i (n_i + B_d)² + b·(T_in + B_d) + g·T_ft + e·K + h·Σ_i n_i·ctx_i + i·[some ctx_j > 0] + c``
+  ``T = a·Σ_i (n_i + B_d)² + b·(T_in + B_d) + g·T_ft + e·K + h·Σ_i n_i·ctx_i + i·[some ctx_j > 0]
+  + k·max(0, T_in + B_d − K_knee) + c``
 * decode-only: ``T = b'·B_d + e'·K + c'``
 
 ``n_i`` are the prefill rows' lengths (inference chunks and FT rows), ``T_in = Σ n_i``, ``B_d``
 the decode rows, ``T_ft`` the FT tokens (extra cost of capturing their activations), ``K`` the
 KV tokens read by decode rows and ``ctx_i`` the cached context a chunk attends to (0 for FT rows).
+``k`` is a second slope for the tokens above a knee of ``K_knee`` (:data:`KNEE_TOKENS`, 512): a
+step below it reads the weights whatever its batch, so its time falls more slowly with its tokens
+than one slope from 32 to 2,048 tokens gives; written as the slope added above the knee, every
+coefficient stays non-negative and a longer step never predicts shorter (admission's greedy fill
+relies on it). Offline, replayed on the 28 recorded tables of sessions 20–30 with the lone
+prompts' level (``bench/latency_fit.py``'s ``over_512_lone`` against ``lone_level``,
+``bench/results/latency_h100/session31/latency_fit_over.json``), the prefill sets' held-out p99
+was lower on 24 tables (by up to 10.4 points; on the twelve whole-GPU H100 graph tables 9.5–13.3%
+against 13.4–22.9%) and higher on four (by 2.1–3.4 points: three H200 tables and the engine-split
+H100 one).
 ``i`` is a constant for a step with at least one chunk over cached context, whatever its size:
 on the H200, through the piecewise prefill graphs, such a step took ~4.2 ms more than the rest of
 the form predicts. In two runs, that one term took the refitted form's held-out p99 from 27.0%
@@ -60,12 +71,21 @@ logger = logging.getLogger(__name__)
 
 MODES: Final = ("graph", "eager")
 TERMS: Final[dict[str, tuple[str, ...]]] = {
-    "prefill": ("a_sq", "b_tokens", "g_ft", "e_kv", "h_ctx", "i_ctx", "c"),
+    "prefill": ("a_sq", "b_tokens", "g_ft", "e_kv", "h_ctx", "i_ctx", "k_over", "c"),
     "decode": ("b_decodes", "e_kv", "c"),
 }
 LEGACY_PREFILL_TERMS: Final = ("a_sq", "b_tokens", "g_ft", "e_kv", "h_ctx", "c")
 """``TERMS["prefill"]`` before ``i_ctx``: of a version-1 :meth:`LatencyModel.state_dict` and of
 the step tables recorded until then (see :func:`from_legacy_prefill`)."""
+V2_PREFILL_TERMS: Final = ("a_sq", "b_tokens", "g_ft", "e_kv", "h_ctx", "i_ctx", "c")
+"""``TERMS["prefill"]`` before ``k_over``: of a version-2 state and of the step tables recorded
+until session 31."""
+B_TOKENS: Final = TERMS["prefill"].index("b_tokens")
+K_OVER: Final = TERMS["prefill"].index("k_over")
+KNEE_TOKENS: Final = int(os.environ.get("COSERVE_KNEE_TOKENS", "512"))
+"""``LatencyModel``'s default ``knee_tokens``, ``K_knee`` of the prefill form (module docstring):
+the bucketed tokens (``T_in + B_d``) above which a step pays the slope ``k_over`` too
+(``COSERVE_KNEE_TOKENS``; 0: no knee, the model before session 31, for a same-host baseline)."""
 KEYS: Final = tuple(f"{form}/{mode}" for form in TERMS for mode in MODES)
 DEFER_CAP: Final = 4
 """With :attr:`LatencyModel.defer_refits`, a set refits on the step path anyway once this many
@@ -92,10 +112,10 @@ _TASK_START: Final = -2
 # NOTE: placeholders until calibration, deliberately slow (a few times an 8B model on one H200)
 # so that an uncalibrated server admits little fine-tuning rather than breaking SLOs.
 DEFAULT_COEFFICIENTS: Final[dict[str, tuple[float, ...]]] = {
-    "prefill": (3e-9, 1e-4, 1e-6, 1e-7, 3e-9, 0.01, 0.02),
+    "prefill": (3e-9, 1e-4, 1e-6, 1e-7, 3e-9, 0.01, 0.0, 0.02),
     "decode": (2e-4, 1e-7, 0.02),
 }
-_STATE_VERSION: Final = 2  # 2: i_ctx among the prefill terms (version 1 is migrated on load)
+_STATE_VERSION: Final = 3  # 2: i_ctx among the prefill terms; 3: k_over and knee_tokens (1, 2 migrated on load)
 _ANY_SIZE: Final = 2**62  # ft_graph_tokens of a step known to have run in graph mode
 
 
@@ -212,8 +232,9 @@ class StepFeatures:
         """``idle``, or the trainer's phase beside a busy step: with :attr:`key`, the step's set."""
         return self.trainer_phase if self.busy else "idle"
 
-    def vector(self) -> tuple[float, ...]:
-        """The regressors of :data:`TERMS` ``[form]``, in that order."""
+    def vector(self, knee_tokens: int = KNEE_TOKENS) -> tuple[float, ...]:
+        """The regressors of :data:`TERMS` ``[form]``, in that order (``k_over`` above a knee of
+        ``knee_tokens``; 0: none)."""
         bd = self.num_decodes
         if self.form == "decode":
             return (float(bd), float(self.kv_tokens), 1.0)
@@ -225,20 +246,30 @@ class StepFeatures:
             float(self.kv_tokens),
             float(sum(c.num_tokens * c.context_len for c in self.chunks)),
             1.0 if any(c.context_len > 0 for c in self.chunks) else 0.0,
+            over_knee(sum(lens) + bd, knee_tokens),
             1.0,
         )
 
 
-def from_legacy_prefill(values: Sequence[float], i_ctx: float) -> tuple[float, ...]:
-    """``values`` in :data:`LEGACY_PREFILL_TERMS` order (coefficients or regressors) in
-    ``TERMS["prefill"]`` order, with ``i_ctx`` for the new term: 0 for a coefficient (the old
-    form's predictions unchanged); for a recorded step's regressors, 1 where its ``h_ctx`` is
-    above 0 (every chunk has at least one token, so ``Σ n_i·ctx_i > 0`` exactly when a chunk has
-    context)."""
-    if len(values) != len(LEGACY_PREFILL_TERMS):
-        raise ValueError(f"legacy prefill values must be {len(LEGACY_PREFILL_TERMS)}, got {len(values)}")
-    old = dict(zip(LEGACY_PREFILL_TERMS, values, strict=True))
-    return tuple(float(old[name]) if name in old else float(i_ctx) for name in TERMS["prefill"])
+def over_knee(tokens: float, knee_tokens: int) -> float:
+    """``k_over``'s regressor: the tokens above the knee (0 without one)."""
+    return float(max(0.0, tokens - knee_tokens)) if knee_tokens > 0 else 0.0
+
+
+def from_legacy_prefill(values: Sequence[float], i_ctx: float, k_over: float = 0.0) -> tuple[float, ...]:
+    """``values`` in :data:`LEGACY_PREFILL_TERMS` or :data:`V2_PREFILL_TERMS` order (by their
+    length; coefficients or regressors) in ``TERMS["prefill"]`` order, with ``i_ctx`` and
+    ``k_over`` for the terms they lack. For a coefficient, 0 (the old form's predictions
+    unchanged); for a recorded step's regressors, ``i_ctx`` 1 where its ``h_ctx`` is above 0
+    (every chunk has at least one token, so ``Σ n_i·ctx_i > 0`` exactly when a chunk has context)
+    and ``k_over`` :func:`over_knee` of its tokens."""
+    names = {len(LEGACY_PREFILL_TERMS): LEGACY_PREFILL_TERMS, len(V2_PREFILL_TERMS): V2_PREFILL_TERMS}.get(len(values))
+    if names is None:
+        raise ValueError(f"legacy prefill values must be {len(LEGACY_PREFILL_TERMS)} or {len(V2_PREFILL_TERMS)}, "
+                         f"got {len(values)}")
+    old = dict(zip(names, values, strict=True))
+    added = {"i_ctx": i_ctx, "k_over": k_over}
+    return tuple(float(old[name]) if name in old else float(added[name]) for name in TERMS["prefill"])
 
 
 @dataclass(frozen=True)
@@ -458,7 +489,8 @@ class LatencyModel:
     ``ending_after`` busy steps, as ``active`` before (None: always, the model before session
     27; :meth:`phase_of`). An idle prefill set's lone prompts (:attr:`StepFeatures.lone`) carry
     a level of their own, moved as a decode set's but at ``lone_level_rate`` (``lone_level``;
-    False: the model before session 29).
+    False: the model before session 29). A prefill step's tokens above ``knee_tokens`` pay the
+    slope ``k_over`` too (0: no knee, the model before session 31; module docstring).
 
     :meth:`safety` is how far the set's recent steps ran over their predictions (the
     ``safety_quantile`` of measured / predicted over the last ``safety_window`` steps, each
@@ -485,6 +517,7 @@ class LatencyModel:
         lone_level: bool = LONE_LEVEL,
         lone_level_rate: float = LONE_LEVEL_RATE,
         lone_recenter: bool = LONE_RECENTER,
+        knee_tokens: int = KNEE_TOKENS,
     ) -> None:
         if window < 1 or refit_every < 1 or prior_weight < 0:
             raise ValueError("LatencyModel needs window >= 1, refit_every >= 1, prior_weight >= 0")
@@ -500,6 +533,8 @@ class LatencyModel:
             raise ValueError("LatencyModel needs share_after >= 0 (or None)")
         if ending_after is not None and ending_after < 0:
             raise ValueError("LatencyModel needs ending_after >= 0 (or None)")
+        if knee_tokens < 0:
+            raise ValueError(f"LatencyModel needs knee_tokens >= 0 (0: no knee), got {knee_tokens}")
         self.window = window
         self.refit_every = refit_every
         self.prior_weight = prior_weight
@@ -510,6 +545,7 @@ class LatencyModel:
         self.lone_level = lone_level
         self.lone_level_rate = lone_level_rate
         self.lone_recenter = lone_recenter
+        self.knee_tokens = knee_tokens
         # per prefill key, its latest lone prompts (regressors, time): the lone level's restart
         self._lone_recent: dict[str, deque[tuple[tuple[float, ...], float]]] = {}
         self._defaults = {form: _checked(form, defaults[form]) for form in TERMS}
@@ -557,13 +593,18 @@ class LatencyModel:
 
     def bucketed(self, vector: Sequence[float], key: str) -> tuple[float, ...]:
         """A ``key`` step's :meth:`StepFeatures.vector` as :meth:`regressors` prices it (the
-        decode rows are its first regressor, a prefill step's tokens its second)."""
+        decode rows are its first regressor, a prefill step's tokens its second; ``k_over`` the
+        bucketed tokens over this model's :attr:`knee_tokens`). A prefill vector of an earlier
+        version's length (a recorded table's, :func:`from_legacy_prefill`) has no ``k_over``."""
         v = tuple(vector)
         if self.graph_bucket is not None and v[0] > 0 and key == "decode/graph":
             v = (float(self.graph_bucket(int(v[0]))), *v[1:])
-        elif self.prefill_bucket is not None and key == "prefill/graph":
-            # the token-wise work (everything but the attention) runs over the whole bucket
-            v = (v[0], float(self.prefill_bucket(int(v[1]))), *v[2:])
+        elif key.startswith("prefill/"):
+            if self.prefill_bucket is not None and key == "prefill/graph":
+                # the token-wise work (everything but the attention) runs over the whole bucket
+                v = (v[0], float(self.prefill_bucket(int(v[B_TOKENS]))), *v[2:])
+            if len(v) == len(TERMS["prefill"]):
+                v = (*v[:K_OVER], over_knee(v[B_TOKENS], self.knee_tokens), *v[K_OVER + 1:])
         return v
 
     def coefficients(self, key: str) -> tuple[float, ...]:
@@ -835,10 +876,11 @@ class LatencyModel:
         return {k: error_summary(v) for k, v in errors.items()}
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-serializable coefficients (fitted and calibration); windows and levels are not
-        saved."""
+        """JSON-serializable coefficients (fitted and calibration) and the knee they were fitted
+        with; windows and levels are not saved."""
         return {
             "version": _STATE_VERSION,
+            "knee_tokens": self.knee_tokens,
             "coefficients": {k: list(v) for k, v in self._coef.items()},
             "busy": {k: list(v) for k, v in self._busy.items()},
             "calibration": {k: list(v) for k, v in self._calib.items()},
@@ -848,14 +890,19 @@ class LatencyModel:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output. Raises ``ValueError`` on a malformed state.
 
-        A version-1 state (prefill sets without ``i_ctx``) is migrated: its prefill sets get
-        ``i_ctx = 0``, so that they predict what they did; the online refits learn the term from
-        the steps with a context chunk (recalibrating learns it at once)."""
-        if state.get("version") == 1:
-            state = _migrated_v1(state)
+        A version-1 or -2 state (prefill sets without ``i_ctx``, or without ``k_over``) is
+        migrated: its prefill sets get the missing terms at 0, so that they predict what they did;
+        the online refits learn them from the steps that excite them (recalibrating learns them at
+        once), at this model's knee. A version-3 state's ``knee_tokens`` (what its ``k_over`` was
+        fitted with) replaces this model's, with a warning where they differ."""
+        if state.get("version") in (1, 2):
+            state = {**_migrated(state), "knee_tokens": self.knee_tokens}
         if state.get("version") != _STATE_VERSION:
             raise ValueError(f"unsupported LatencyModel state version {state.get('version')!r} "
-                             f"(expected {_STATE_VERSION}, or 1 to migrate)")
+                             f"(expected {_STATE_VERSION}, or 1 or 2 to migrate)")
+        knee = state.get("knee_tokens")
+        if not isinstance(knee, int) or isinstance(knee, bool) or knee < 0:
+            raise ValueError(f"LatencyModel state: knee_tokens must be an integer >= 0, got {knee!r}")
         tables = []
         for name in ("coefficients", "busy", "calibration", "calibration_busy"):
             table = state.get(name, {})
@@ -865,6 +912,10 @@ class LatencyModel:
             kind = "busy" if "busy" in name else None
             tables.append({k: _checked(kind or k.split("/")[0], v) for k, v in table.items()})
         self._coef, self._busy, self._calib, self._calib_busy = tables
+        if knee != self.knee_tokens:
+            logger.warning("latency model state fitted with a knee at %d tokens, not %d: it keeps its own",
+                           knee, self.knee_tokens)
+            self.knee_tokens = knee
         self._windows.clear()
         self._unfitted.clear()
         self._level.clear()
@@ -892,10 +943,12 @@ def busy_key(key: str, phase: str) -> str:
 BUSY_KEYS: Final = tuple(busy_key(k, p) for k in KEYS for p in TRAINER_PHASES)
 
 
-def _migrated_v1(state: Mapping[str, Any]) -> dict[str, Any]:
-    """A version-1 state as version 2: :func:`from_legacy_prefill` with ``i_ctx = 0`` for every
-    idle prefill set (busy terms are ``(ρ, δ)`` in both versions)."""
-    out = {**state, "version": 2}
+def _migrated(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A version-1 or -2 state as version 3: :func:`from_legacy_prefill` with ``i_ctx = 0`` and
+    ``k_over = 0`` for every idle prefill set (busy terms are ``(ρ, δ)`` in every version); no
+    ``knee_tokens``: at ``k_over = 0`` any knee prices the same."""
+    version = state.get("version")
+    out = {**state, "version": _STATE_VERSION}
     for name in ("coefficients", "calibration"):
         table = state.get(name, {})
         if not isinstance(table, Mapping):
@@ -904,8 +957,9 @@ def _migrated_v1(state: Mapping[str, Any]) -> dict[str, Any]:
             out[name] = {k: from_legacy_prefill(v, 0.0) if str(k).startswith("prefill/") else v
                          for k, v in table.items()}
         except (TypeError, ValueError) as e:
-            raise ValueError(f"LatencyModel state (version 1): bad {name!r} table: {e}") from e
-    logger.info("latency model state of version 1 migrated: prefill sets get i_ctx = 0")
+            raise ValueError(f"LatencyModel state (version {version}): bad {name!r} table: {e}") from e
+    logger.info("latency model state of version %s migrated: prefill sets get %s = 0", version,
+                "i_ctx and k_over" if version == 1 else "k_over")
     return out
 
 
