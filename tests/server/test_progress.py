@@ -69,6 +69,18 @@ def test_finetuning_progress_loss_rate_and_time_left() -> None:
     assert line is not None and "loss 7.500," in line and "nan" not in line and "2 trainer restarts" in line
 
 
+def test_a_resume_behind_the_paused_count_gives_no_negative_rate() -> None:
+    """A job paused after 46 steps and resumed from its checkpoint at 45 (session 31, the H100:
+    "-61 FT tokens/s"): the interval's counters went back, so the line says it resumed instead of
+    a rate, and gives no time left."""
+    paused = replace(FT, ft_optimizer_steps=46, ft_samples_retired=46, ft_tokens_trained=20_440, ft_first_loss=12.51)
+    resumed = replace(paused, ft_optimizer_steps=45, ft_samples_retired=45, ft_tokens_trained=19_830)
+    line = progress_line(snap(0.0, paused), snap(10.0, resumed, served=17))
+    assert line is not None and line.endswith("fine-tuning: 45 optimizer steps in all, 45/200 samples (22%), "
+                                              "loss 12.510, resumed from its checkpoint in the last 10 s")
+    assert "-" not in line.split("fine-tuning")[1] and "left" not in line
+
+
 def test_no_finetuning_part_once_it_has_ended() -> None:
     ended = replace(FT, ft_optimizer_steps=9, adapter_path=Path("/out/adapter"), ft_outcome="succeeded")
     assert progress_line(snap(0.0, replace(FT, ft_optimizer_steps=7)), snap(10.0, ended)) is None

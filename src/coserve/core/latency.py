@@ -85,7 +85,12 @@ K_OVER: Final = TERMS["prefill"].index("k_over")
 KNEE_TOKENS: Final = int(os.environ.get("COSERVE_KNEE_TOKENS", "512"))
 """``LatencyModel``'s default ``knee_tokens``, ``K_knee`` of the prefill form (module docstring):
 the bucketed tokens (``T_in + B_d``) above which a step pays the slope ``k_over`` too
-(``COSERVE_KNEE_TOKENS``; 0: no knee, the model before session 31, for a same-host baseline)."""
+(``COSERVE_KNEE_TOKENS``; 0: no knee, the model before session 31, for a same-host baseline).
+On the H100 in session 31, two runs with it against two without on one host
+(``bench/results/latency_h100/README.md``, "Session 31"): the prefill set's p99 over each table's
+second half 9.7 / 10.9% against 13.1 / 14.8%, the idle replay's prefill 9.5 / 11.1% against
+13.1 / 13.9%; over all steps 17.8 / 13.0% against 12.4 / 13.9% (the first run's tail: mid-size
+prompts beside 31-47 decodes at 1.2-1.3x, in its first half)."""
 KEYS: Final = tuple(f"{form}/{mode}" for form in TERMS for mode in MODES)
 DEFER_CAP: Final = 4
 """With :attr:`LatencyModel.defer_refits`, a set refits on the step path anyway once this many

@@ -98,7 +98,11 @@ def _finetune_part(p: EngineStats, s: EngineStats, dt: float) -> str:
         rate = (s.ft_samples_retired - p.ft_samples_retired) / dt
         if rate > 0 and s.ft_samples_retired < s.ft_samples_total:
             part += f", ~{_duration((s.ft_samples_total - s.ft_samples_retired) / rate)} left at this rate"
-    part += f"{_loss(s)}, {(s.ft_tokens_trained - p.ft_tokens_trained) / dt:.0f} FT tokens/s in the last {_duration(dt)}"
+    trained = s.ft_tokens_trained - p.ft_tokens_trained
+    if trained >= 0:
+        part += f"{_loss(s)}, {trained / dt:.0f} FT tokens/s in the last {_duration(dt)}"
+    else:  # (a resume went back to its checkpoint, behind what the pause had counted: no rate to give)
+        part += f"{_loss(s)}, resumed from its checkpoint in the last {_duration(dt)}"
     if s.ft_trainer_restarts:
         part += f", {_counted(s.ft_trainer_restarts, 'trainer restart')}"
     return part
