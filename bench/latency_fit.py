@@ -194,6 +194,7 @@ from coserve.core.latency import (
     from_legacy_prefill,
     moved_level,
     over_knee,
+    prior_weights,
     trainer_phase,
 )
 from coserve.core.nnls import fit_relative
@@ -672,7 +673,7 @@ def _online(x: np.ndarray, y: np.ndarray, prior: list[float], model: LatencyMode
         if unfitted >= cap * min(model.refit_every, max(10, (i + 1 - lo) // 4)):
             keep = slice(None) if fitted is None else fitted[lo:i + 1]
             xs, ys = x[lo:i + 1][keep], y[lo:i + 1][keep]
-            coef, unfitted = np.asarray(fit_relative(xs, ys, 1.0 / ys, prior, model.prior_weight)), 0
+            coef, unfitted = np.asarray(fit_relative(xs, ys, 1.0 / ys, prior, prior_weights(prior, model.prior_weight))), 0
     return pred
 
 

@@ -8,6 +8,7 @@ import random
 import time
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,6 +22,7 @@ from coserve.core.latency import (
     LEVEL_RATE,
     LONE_GAP_S,
     LONE_LEVEL_RATE,
+    PRIOR_WEIGHT,
     TERMS,
     V2_PREFILL_TERMS,
     BatchSpec,
@@ -30,9 +32,10 @@ from coserve.core.latency import (
     calibration_plan,
     error_summary,
     from_legacy_prefill,
+    prior_weights,
     trainer_phase,
 )
-from coserve.core.nnls import nnls
+from coserve.core.nnls import fit_relative, nnls
 
 # Realistic orders of magnitude (8B model, one H200); g is raised to be identifiable; i (a step
 # with a context chunk) is session 14's 4.2 ms through the prefill graphs; k (the slope added
@@ -931,3 +934,19 @@ def test_a_longer_step_never_predicts_shorter_across_the_knee() -> None:
     below = model.predict(StepFeatures((Chunk(400),), mode="eager")) - model.predict(StepFeatures((Chunk(300),)))
     above = model.predict(StepFeatures((Chunk(800),), mode="eager")) - model.predict(StepFeatures((Chunk(700),)))
     assert above > below > 0
+
+
+def test_the_prior_holds_each_term_by_its_own_weight() -> None:
+    """``fit_relative`` with one prior weight per term: rows that cannot tell two terms apart
+    (the same column twice) split them by the prior's weights, a term of weight 0 taking what
+    the other's prior does not hold; :func:`prior_weights` frees the terms calibrated at 0."""
+    x = np.array([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]])
+    y = x[:, 0] * 3.0  # θ₀ + θ₁ = 3: the rows fix the sum only
+    held = fit_relative(x, y, 1.0 / y, [1.0, 0.0], [10.0, 0.0])
+    assert held[0] == pytest.approx(1.0, abs=0.05) and sum(held) == pytest.approx(3.0, rel=1e-6)
+    other = fit_relative(x, y, 1.0 / y, [1.0, 2.0], [0.0, 10.0])
+    assert other[1] == pytest.approx(2.0, abs=0.05) and sum(other) == pytest.approx(3.0, rel=1e-6)
+    assert fit_relative(x, y, 1.0 / y, [1.0, 2.0], 10.0) == pytest.approx(fit_relative(x, y, 1.0 / y, [1.0, 2.0],
+                                                                                    [10.0, 10.0]))
+    assert prior_weights([0.0, 2e-5, 0.0, 1e-3], 0.3) == [0.0, 0.3, 0.0, 0.3] and prior_weights(None, 0.3) == 0.3
+    assert LatencyModel().prior_weight == PRIOR_WEIGHT

@@ -467,6 +467,20 @@ the H100: the next four ran 0.81-0.94x before the level caught up). Offline, rep
 tables with ``gap_s`` (``bench/latency_fit.py --replay-only`` unset and set,
 ``bench/results/latency_h100/session30/latency_replay_recenter{0,1}.json.gz``): the prefill
 held-out p99 lower on 8 (22.9 -> 16.0% on one), none higher."""
+PRIOR_WEIGHT: Final = float(os.environ.get("COSERVE_PRIOR_WEIGHT", "0.3"))
+"""``LatencyModel``'s default ``prior_weight`` (``COSERVE_PRIOR_WEIGHT``): how hard a refit pulls a
+set's terms toward their calibration, in rows' worth of evidence (``coserve.core.nnls.fit_relative``
+scales each term to its largest weighted value, so 1 is about one step that the term dominates),
+on every term that the calibration found above 0 (:func:`prior_weights`). 1e-3 on every term
+until session 31: a set's first refit, on its first ~40 steps, then moved a term those steps
+barely excite as far as it fitted them (session 31, the H100: ``e_kv`` of the prefill set to 0.4x
+its calibration in one run, 1.9x in another; in the first, steps with many decodes then ran
+1.2-1.4x their prediction until the next refit, 400 steps later). Offline, replayed on the 33
+tables of sessions 20-31 (``bench/latency_fit.py --replay-only`` with ``COSERVE_PRIOR_WEIGHT=0.001``
+and unset, ``bench/results/latency_h100/session31/latency_replay_prior*.json.gz``): 0.3 against
+1e-3, the prefill sets' p99 over all steps (``--train 0``) lower on 24 tables, higher on 9 (by at
+most 2.5 points); over each table's second half lower on 20, higher on 11 (by at most 1.1
+points); decode sets within 0.1."""
 LONE_RECENTER_STEPS: Final = 5
 """How many of the latest lone prompts of a key the level restarts from after a refit."""
 LONE_GAP_S: Final = 5e-3
@@ -510,7 +524,7 @@ class LatencyModel:
         *,
         window: int = 2000,
         refit_every: int = 100,
-        prior_weight: float = 1e-3,
+        prior_weight: float = PRIOR_WEIGHT,
         defaults: Mapping[str, Sequence[float]] = DEFAULT_COEFFICIENTS,
         safety_quantile: float = 0.9,
         safety_window: int = 200,
@@ -860,7 +874,7 @@ class LatencyModel:
             x, y = np.stack([base, np.ones_like(base)], 1), y - base
         if prior is None and x.shape[0] < x.shape[1]:
             return
-        coef = fit_relative(x, y, weight, prior, self.prior_weight)
+        coef = fit_relative(x, y, weight, prior, prior_weights(prior, self.prior_weight))
         if all(math.isfinite(c) for c in coef):
             (self._coef if state == "idle" else self._busy)[_slot(key, state)] = coef
         else:
@@ -931,6 +945,13 @@ class LatencyModel:
         self._ratios.clear()
         self._safety.clear()
         self._ratio_count.clear()
+
+
+def prior_weights(prior: Sequence[float] | None, weight: float) -> list[float] | float:
+    """A refit's prior weight per term: ``weight`` where the calibration ``prior`` is above 0; 0
+    where it is 0 (a term that the calibration found no use for, or that a migrated state or an
+    offline form added: free to move, as every term was before :data:`PRIOR_WEIGHT`)."""
+    return weight if prior is None else [weight if c > 0 else 0.0 for c in prior]
 
 
 def _slot(key: str, state: str) -> str:

@@ -102,14 +102,15 @@ def fit_relative(
     y: torch.Tensor | np.ndarray,
     weight: torch.Tensor | np.ndarray,
     prior: Sequence[float] | None = None,
-    prior_weight: float = 0.0,
+    prior_weight: float | Sequence[float] = 0.0,
 ) -> tuple[float, ...]:
-    """``θ = argmin_{θ ≥ 0} Σ_r (w_r·(x_r·θ − y_r))² + λ‖S·(θ − θ₀)‖²``.
+    """``θ = argmin_{θ ≥ 0} Σ_r (w_r·(x_r·θ − y_r))² + Σ_j λ_j·(S_j·(θ_j − θ₀_j))²``.
 
     Columns are scaled (``S``: the largest weighted magnitude of each feature) so that features
-    spanning orders of magnitude condition alike; the prior ``θ₀`` (weight ``λ``) pins the
-    directions that the rows do not excite. Tall systems are reduced to ``R`` of ``QR`` first.
-    ``x: [m, k]``, ``y: [m]``, ``weight: [m]`` -> ``k`` coefficients.
+    spanning orders of magnitude condition alike; the prior ``θ₀`` (weight ``λ``: one for every
+    term, or one per term) pins the directions that the rows do not excite. Tall systems are
+    reduced to ``R`` of ``QR`` first. ``x: [m, k]``, ``y: [m]``, ``weight: [m]`` -> ``k``
+    coefficients.
     """
     xa, ya, wa = _array(x, 2), _array(y, 1), _array(weight, 1)
     a = xa * wa[:, None]
@@ -117,10 +118,11 @@ def fit_relative(
     scale = np.abs(a).max(0) if a.shape[0] else np.ones(a.shape[1])
     scale = np.where(scale > 0, scale, 1.0)
     a = a / scale
-    if prior is not None and prior_weight > 0:
-        root = math.sqrt(prior_weight)
+    lam = np.broadcast_to(np.asarray(prior_weight, np.float64), (a.shape[1],))
+    if prior is not None and (lam > 0).any():
+        root = np.sqrt(np.maximum(lam, 0.0))
         theta0 = np.asarray(prior, np.float64) * scale
-        a = np.concatenate([a, root * np.eye(a.shape[1])])
+        a = np.concatenate([a, np.diag(root)])
         rhs = np.concatenate([rhs, root * theta0])
     if a.shape[0] > a.shape[1]:
         q, r = np.linalg.qr(a)
