@@ -477,10 +477,12 @@ barely excite as far as it fitted them (session 31, the H100: ``e_kv`` of the pr
 its calibration in one run, 1.9x in another; in the first, steps with many decodes then ran
 1.2-1.4x their prediction until the next refit, 400 steps later). Offline, replayed on the 33
 tables of sessions 20-31 (``bench/latency_fit.py --replay-only`` with ``COSERVE_PRIOR_WEIGHT=0.001``
-and unset, ``bench/results/latency_h100/session31/latency_replay_prior*.json.gz``): 0.3 against
-1e-3, the prefill sets' p99 over all steps (``--train 0``) lower on 24 tables, higher on 9 (by at
-most 2.5 points); over each table's second half lower on 20, higher on 11 (by at most 1.1
-points); decode sets within 0.1."""
+and unset, ``bench/results/latency_h100/session31/latency_replay_prior{0.001,0.3}_{all,held}.json.gz``):
+0.3 against 1e-3, the prefill sets' p99 over all steps (``--train 0.001``) lower on 25 tables,
+higher on 8 (by at most 2.4 points; median -1.6); over each table's second half lower on 21,
+higher on 8 (by at most 0.7); decode sets within 0.3. That first refit still moves such a term
+(the table above: ``e_kv`` to 0.7x, against 0.4x at 1e-3): the prior weighs as 0.3 of a step
+against the window's 40."""
 LONE_RECENTER_STEPS: Final = 5
 """How many of the latest lone prompts of a key the level restarts from after a refit."""
 LONE_GAP_S: Final = 5e-3
