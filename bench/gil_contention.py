@@ -7,9 +7,10 @@ resume, the event loop's HTTP and streaming work), the engine's thread waits for
 it takes it back, up to the switch interval each time (CPython's default: 5 ms). This times the
 engine's steps alone and beside a thread that loads a fine-tuning dataset over and over
 (``coserve.server.finetune.read_dataset``, what a job's create and resume run), at each switch
-interval given, on the same engine:
+interval given, on the same engine. Every torch call lets the GIL go and takes it back, so a step
+of many small ops waits up to one switch interval per op while the other thread runs Python:
 
-    python bench/gil_contention.py --model tiny --device cpu --switch-ms 5,1,0.5 \\
+    python bench/gil_contention.py --model tiny --device cpu \\
         --out bench/results/host_cpu/session31/gil_contention.json
 """
 
@@ -25,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from coserve.bench.ftdata import parse_lengths, write_ft_dataset
 from coserve.bench.provenance import provenance
 from coserve.bench.shapes import is_shape
@@ -39,12 +42,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--switch-ms", default="5,1,0.5", help="switch intervals to time, in ms (5: CPython's default)")
+    p.add_argument("--switch-ms", default="5,1,0.5,0.2,0.1", help="switch intervals to time, in ms (5: CPython's default)")
     p.add_argument("--running", type=int, default=8, help="requests kept decoding")
     p.add_argument("--prompt", type=int, default=64, help="each request's prompt tokens")
-    p.add_argument("--steps", type=int, default=300, help="steps timed per setting, alone and beside the load")
-    p.add_argument("--rows", type=int, default=500, help="the dataset's samples")
+    p.add_argument("--steps", type=int, default=30, help="steps timed per setting, alone and beside the load")
+    p.add_argument("--rows", type=int, default=100, help="the dataset's samples")
     p.add_argument("--lengths", default="spread:256-1024", help="its samples' lengths (coserve bench's form)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="the engine's intra-op threads (torch.set_num_threads): 1, the engine's host work in one "
+                        "thread as a GPU engine's is")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -107,6 +113,7 @@ def time_setting(decoder: Decoder, data: Path, steps: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     switches = [float(v) for v in args.switch_ms.split(",")]
+    torch.set_num_threads(args.threads)
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device,
                                     load_format="dummy" if is_shape(args.model) else "auto"))
     decoder = Decoder(engine, args.running, args.prompt)

@@ -249,3 +249,15 @@ def test_ctrl_c_stops_the_server_cleanly(tmp_path: Path) -> None:
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, "".join(lines) + out
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
+
+
+def test_the_switch_interval_is_checked_and_small_by_default() -> None:
+    """The engine's thread shares the GIL with the server's other threads: the interval each of its
+    takings back may wait is ``--switch-interval-ms``, 0.1 ms unless set (CPython's own: 5)."""
+    from coserve.server.serve_cli import SWITCH_INTERVAL_MS, switch_interval_s
+
+    assert switch_interval_s(parse("--model", "tiny")) == pytest.approx(SWITCH_INTERVAL_MS / 1e3) == pytest.approx(1e-4)
+    assert switch_interval_s(parse("--model", "tiny", "--switch-interval-ms", "5")) == pytest.approx(5e-3)
+    for bad in ("0", "-1", "2000"):
+        with pytest.raises(ValueError, match="--switch-interval-ms"):
+            switch_interval_s(parse("--model", "tiny", "--switch-interval-ms", bad))

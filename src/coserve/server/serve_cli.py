@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -43,6 +44,17 @@ if TYPE_CHECKING:
     from coserve.server.job_board import JobsConfig
 
 logger = logging.getLogger(__name__)
+
+SWITCH_INTERVAL_MS = 0.1
+"""``--switch-interval-ms``' default. The engine's step loop runs in a thread of this process; each
+torch call lets the GIL go and takes it back, and while another thread runs Python (a fine-tuning
+job's dataset load at its create and resume, the event loop's HTTP and stream work) each taking
+back may wait one switch interval. On the H100 in session 31 (``bench/results/verify_h100/
+session31/README.md``) the requests that arrived while a job was created and set up had a TTFT p99
+of 616 ms against 48 ms with no job. On the dev VM (``bench/gil_contention.py``, tiny model, one
+intra-op thread, ``bench/results/host_cpu/session31/gil_contention.json``) a decode step of 8
+requests took ~5 ms alone and, beside a thread loading a dataset, seconds at CPython's 5 ms and at
+1 or 0.5 ms, ~0.1 s at 0.2 ms and ~55 ms at 0.1 ms, the load ~20% slower."""
 
 
 class _OptionalFinetuneFlags:
@@ -81,6 +93,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="let chat requests offer tools: the format the model writes its calls in (hermes: "
                         "<tool_call>{json}</tool_call>, Qwen and Hermes models; llama3_json: a JSON object, Llama "
                         "3.1+); its calls come back as tool_calls (default: none, tools are a 400)")
+    p.add_argument("--switch-interval-ms", type=float, default=SWITCH_INTERVAL_MS, metavar="MS",
+                   help="the interpreter's thread switch interval (sys.setswitchinterval): how long the engine's "
+                        "thread may wait for the GIL, each time it takes it back, while another thread of the "
+                        "server runs Python (HTTP, streams, a fine-tuning job's dataset load); Python's default is 5 "
+                        "(default: %(default)s)")
     p.add_argument("--allow-runtime-lora", action="store_true",
                    help="let clients load and unload adapters while the server runs (POST "
                         "/v1/load_lora_adapter {lora_name, lora_path}, /v1/unload_lora_adapter {lora_name}); "
@@ -188,6 +205,14 @@ def jobs_config(args: argparse.Namespace) -> JobsConfig | None:
 
 @command("serve", add_serve_args, "the OpenAI-compatible HTTP server; with --finetune-data it fine-tunes "
          "while it serves, within the latency SLOs")
+def switch_interval_s(args: argparse.Namespace) -> float:
+    """``--switch-interval-ms`` in seconds, checked."""
+    ms = float(args.switch_interval_ms)
+    if not 0 < ms <= 1000:
+        raise ValueError(f"--switch-interval-ms must be above 0 and at most 1000, got {ms:g}")
+    return ms / 1e3
+
+
 def serve(args: argparse.Namespace) -> int:
     """Serve until Ctrl-C; then close the trainer and export the adapter (when co-serving)."""
     import uvicorn
@@ -203,6 +228,7 @@ def serve(args: argparse.Namespace) -> int:
 
     if args.log_stats_interval < 0:  # (before the model loads)
         raise ValueError(f"--log-stats-interval must be >= 0 seconds, got {args.log_stats_interval:g}")
+    switch_s = switch_interval_s(args)
     spec = serve_spec(args)
     jobs = jobs_config(args)
     name = args.served_model_name or args.model
@@ -236,6 +262,7 @@ def serve(args: argparse.Namespace) -> int:
             print("coserve: calibrating the latency model for fine-tuning jobs on this machine (saved to "
                   f"{jobs.latency_path}: later starts skip it)", flush=True)
         print(f"coserve: {prepare_latency(jobs, engine, session, calibrate=not args.no_calibrate)}", flush=True)
+    sys.setswitchinterval(switch_s)
     engine_thread = EngineThread(engine, session, slo=jobs.template.slo if jobs is not None else None).start()
     app = create_app(engine_thread, name, adapters, runtime_lora=args.allow_runtime_lora, finetune_name=live,
                      jobs=jobs, api_key=args.api_key or None, tool_parser=args.tool_call_parser)
