@@ -203,8 +203,6 @@ def jobs_config(args: argparse.Namespace) -> JobsConfig | None:
     return JobsConfig(args.finetune_jobs, template, max_upload_bytes=int(args.max_upload_mb * 2**20))
 
 
-@command("serve", add_serve_args, "the OpenAI-compatible HTTP server; with --finetune-data it fine-tunes "
-         "while it serves, within the latency SLOs")
 def switch_interval_s(args: argparse.Namespace) -> float:
     """``--switch-interval-ms`` in seconds, checked."""
     ms = float(args.switch_interval_ms)
@@ -213,6 +211,8 @@ def switch_interval_s(args: argparse.Namespace) -> float:
     return ms / 1e3
 
 
+@command("serve", add_serve_args, "the OpenAI-compatible HTTP server; with --finetune-data it fine-tunes "
+         "while it serves, within the latency SLOs")
 def serve(args: argparse.Namespace) -> int:
     """Serve until Ctrl-C; then close the trainer and export the adapter (when co-serving)."""
     import uvicorn
