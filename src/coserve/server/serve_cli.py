@@ -53,8 +53,9 @@ back may wait one switch interval. On the H100 in session 31 (``bench/results/ve
 session31/README.md``) the requests that arrived while a job was created and set up had a TTFT p99
 of 616 ms against 48 ms with no job. On the dev VM (``bench/gil_contention.py``, tiny model, one
 intra-op thread, ``bench/results/host_cpu/session31/gil_contention.json``) a decode step of 8
-requests took ~5 ms alone and, beside a thread loading a dataset, seconds at CPython's 5 ms and at
-1 or 0.5 ms, ~0.1 s at 0.2 ms and ~55 ms at 0.1 ms, the load ~20% slower."""
+requests took 4.8-5.1 ms (p50) alone; beside a thread loading a dataset, p50 / p99 13 ms / 4.3 s at
+CPython's 5 ms, 2.1 / 2.7 s at 1 ms, 1.6 / 2.0 s at 0.5 ms, 110 / 195 ms at 0.2 ms and 56 / 116 ms
+at 0.1 ms, the load 18% slower there (26.9 against 32.7 loads/s)."""
 
 
 class _OptionalFinetuneFlags:
