@@ -73,6 +73,11 @@
 #                  (the loss in 256-target chunks) or COSERVE_MLP_CHUNK=1024 (untrained-MLP pieces)
 #   prefill_context  bench/prefill_context.py: the paged prefill kernel with its cached prefix in splits
 #                  and without (COSERVE_PREFILL_SPLITS), a short chunk over a long prefix, one layer
+#   prefix_cache   bench/prefix_cache.py on the 8B shape, with the prefix cache and without
+#   jobs_replay    bench/jobs_during_replay.py: a fine-tuning job through the API (upload, create, pause,
+#                  resume, cancel) while coserve serve answers a replay (carry .whl: bench/server_wheels.sh);
+#                  jobs_replay_switch=MS: the same with the server's --switch-interval-ms MS (its default 0.1;
+#                  CPython's 5), as jobs_replay_switchMS.{json,log}
 #   eager          bench/eager_cpu.py without and with --prefill-graphs
 #   eager_small    bench/eager_cpu.py --prefill-graphs on small steps (a short chunk beside 32 decodes), with
 #                  the operator and the Python profiles of one step each
@@ -298,21 +303,25 @@ job() {
       # with its own 128 tokens, one after another, with the cache and without (bench/prefix_cache.py)
       run prefix_cache "$top/prefix_cache.log" python3 bench/prefix_cache.py --model shape:llama3-8b --device cuda \
         --shared 2048 --own 128 --requests 20 --out "$top/prefix_cache.json" ;;
-    jobs_replay)
+    jobs_replay|jobs_replay_switch=*)
       # a fine-tuning job created through the API (upload, create, pause, resume, cancel) while
       # coserve serve answers a burst-light replay on the 8B shape, against the same replay with no
       # job: per job phase, attainment and TTFT/TPOT p99, and the routes' times (bench/jobs_during_replay.py);
       # the device has no FastAPI/uvicorn: run bench/server_wheels.sh here first and carry .whl
       model_dir=$(python3 -c "from pathlib import Path; from coserve.bench.shapes import materialize; \
 print(materialize('shape:llama3-8b', Path('$top/shape')))")
-      run jobs_replay "$top/jobs_replay.log" python3 bench/jobs_during_replay.py --out "$top/jobs_replay.json" \
+      name=jobs_replay extra=()
+      if [[ $1 == jobs_replay_switch=* ]]; then
+        name="jobs_replay_switch${1#jobs_replay_switch=}" extra=(--switch-interval-ms "${1#jobs_replay_switch=}")
+      fi
+      run "$name" "$top/$name.log" python3 bench/jobs_during_replay.py --out "$top/$name.json" \
         --workload burst-light --duration 60 --rate-scale 0.833 --max-prompt 4096 --max-output 512 \
         --ttft-slo-ms 1000 --tpot-slo-ms 100 --synthetic 2000:spread:256-1024 --validation-rows 64 --n-epochs 1 \
         --job-at 10 --pause-at 30 --resume-at 36 --drain 60 \
         -- --model "$model_dir" --served-model-name llama3-8b --load-format dummy --device cuda \
         --max-model-len 8192 --max-num-batched-tokens 2048 --max-loras 4 --gpu-memory-utilization 0.7 \
         --lora-rank 16 --target-modules q_proj,k_proj,v_proj,o_proj --ttft-slo-ms 1000 --tpot-slo-ms 100 \
-        --max-seq-len 1024 --save-every 0
+        --max-seq-len 1024 --save-every 0 "${extra[@]}"
       rm -rf "$top/shape" ;;
     eval=*)
       GPUS=$CUDA_VISIBLE_DEVICES OUT=$top run "$1" "$top/eval_${1#eval=}.log" bench/eval_device.sh "${1#eval=}" ;;
