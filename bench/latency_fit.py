@@ -180,6 +180,7 @@ from coserve.bench.runners import row_lone
 from coserve.core.latency import (
     B_TOKENS,
     DEFER_CAP,
+    DEFER_FROM_ROWS,
     KNEE_TOKENS,
     LEGACY_PREFILL_TERMS,
     LEVEL_FORMS,
@@ -666,10 +667,10 @@ def _online(x: np.ndarray, y: np.ndarray, prior: list[float], model: LatencyMode
     and ``defer_refits``, with no idle poll: at the cap; ``prior``: the calibration), in any
     regressors ``x: [steps, k]``; ``fitted``: the steps its refits use (all by default)."""
     coef, pred, unfitted = np.asarray(prior, np.float64), np.empty(len(y)), 0
-    cap = DEFER_CAP if model.defer_refits else 1
     for i in range(len(y)):
         pred[i] = x[i] @ coef
         lo, unfitted = max(0, i + 1 - model.window), unfitted + 1
+        cap = DEFER_CAP if model.defer_refits and i + 1 - lo >= DEFER_FROM_ROWS else 1
         if unfitted >= cap * min(model.refit_every, max(10, (i + 1 - lo) // 4)):
             keep = slice(None) if fitted is None else fitted[lo:i + 1]
             xs, ys = x[lo:i + 1][keep], y[lo:i + 1][keep]

@@ -950,3 +950,27 @@ def test_the_prior_holds_each_term_by_its_own_weight() -> None:
                                                                                     [10.0, 10.0]))
     assert prior_weights([0.0, 2e-5, 0.0, 1e-3], 0.3) == [0.0, 0.3, 0.0, 0.3] and prior_weights(None, 0.3) == 0.3
     assert LatencyModel().prior_weight == PRIOR_WEIGHT
+
+
+def test_a_short_window_refits_on_the_step_path_from_defer_from_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With refits deferred and no idle poll, a set refits at its 40th step and then not before its
+    440th (the cap grows with the window); with ``DEFER_FROM_ROWS`` a window shorter than it refits
+    as soon as due."""
+    from coserve.core import latency
+
+    def refit_steps(defer_from: int) -> list[int]:
+        monkeypatch.setattr(latency, "DEFER_FROM_ROWS", defer_from)
+        model = LatencyModel()
+        model.defer_refits = True
+        done: list[int] = []
+        seen = [0]
+        real = model._refit
+        monkeypatch.setattr(model, "_refit", lambda s: (done.append(seen[0]), real(s)))
+        for _ in range(500):
+            seen[0] += 1
+            model.observe_regressors("decode/eager", (4.0, 400.0, 1.0), 0.01)
+        return done
+
+    assert refit_steps(0) == [40, 440]
+    early = refit_steps(200)
+    assert early[:4] == [10, 20, 30, 40] and all(b - a <= 50 for a, b in zip(early, early[1:], strict=False) if b < 200)
