@@ -93,20 +93,21 @@ second half 9.7 / 10.9% against 13.1 / 14.8%, the idle replay's prefill 9.5 / 11
 prompts beside 31-47 decodes at 1.2-1.3x, in its first half)."""
 KEYS: Final = tuple(f"{form}/{mode}" for form in TERMS for mode in MODES)
 DEFER_CAP: Final = 4
+"""With :attr:`LatencyModel.defer_refits`, a set refits on the step path anyway once this many
+refit intervals have passed without the host asking for its due refits."""
 DEFER_FROM_ROWS: Final = int(os.environ.get("COSERVE_DEFER_FROM_ROWS", "0"))
 """With :attr:`LatencyModel.defer_refits`, a set whose window holds fewer rows than this refits on
 the step path as soon as due (``COSERVE_DEFER_FROM_ROWS``; 0, the default: every refit deferred).
 While a window grows, ``DEFER_CAP`` times its growing refit interval is never reached by the steps
 since the last refit: with no idle host (a busy run) a set refitted at its 40th step and next at
 its 440th (session 31, the H100: prompts beside many decodes at 1.2-1.4x their prediction in
-between, ``bench/latency_refits.py``). A refit of up to 500 rows took ~0.3 ms on the dev VM.
+between, ``bench/latency_refits.py``). Such a refit adds its host time to the step path
+(``bench/refit_cost.py`` times refits there); not yet timed at this setting.
 Offline at 500 against 0, replayed on the 33 tables of sessions 20-31 (``bench/latency_fit.py
 --replay-only``, ``bench/results/latency_h100/session31/latency_replay_defer{0,500}_{all,held}.json.gz``):
 over all steps the prefill sets' p99 lower on 26 of 33 (median -1.0 points), busy decode's on 29
 (median -0.7); over each table's second half higher on 21 and 18 (medians +0.4 and +0.1, at most
 +1.3). Off until a device run decides."""
-"""With :attr:`LatencyModel.defer_refits`, a set refits on the step path anyway once this many
-refit intervals have passed without the host asking for its due refits."""
 TRAINER_PHASES: Final = ("active", "quiet", "starting", "ending")
 """What a busy step runs beside: ``active`` the backward's layers or loss; ``quiet`` its
 optimizer commit or nothing (the task's GPU work is done, its result not yet read); ``starting``
