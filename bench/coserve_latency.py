@@ -12,7 +12,11 @@ reports:
 - after those, with fine-tuning turned off (policy ``off``) and the trainer's last task done, the
   trace's first ``--idle-replay-s`` seconds again: the latency model's error on steps with the
   trainer idle (``latency_model_error_trainer_idle``; the replay's own figure keeps the steps
-  before it), the same model refitting online as a server that stops fine-tuning would.
+  before it), the same model refitting online as a server that stops fine-tuning would;
+- with ``--warm-replays N``, after those, the trace window N times more with fine-tuning back on:
+  the latency model's error on steps that it predicts from what the runs before taught it
+  (``latency_model_error_warm``), as a server restarted with ``--latency-state`` (whose state
+  carries the online windows and levels) or one that has served for a while predicts them.
 
     PYTHONPATH=src python bench/coserve_latency.py --trace .traces/azure2023_conv.csv --duration 60 \\
         --out bench/results/coserve_latency.json
@@ -261,6 +265,25 @@ def idle_replay(driver: InProcessDriver, session: FinetuneSession, arrivals: Seq
     return driver.run(window, duration_s=duration_s, idle_wait=session.wait, drain_s=30.0)
 
 
+def warm_replays(driver: InProcessDriver, session: FinetuneSession, slo: SLOConfig, arrivals: Sequence[Arrival],
+                 duration_s: float, n: int) -> list[dict[str, Any]]:
+    """``--warm-replays``: ``arrivals`` ``n`` times more with ``slo`` (fine-tuning back on after
+    the idle replay), the latency model going on from where the runs before left it. Per replay:
+    the model's error on its own steps (``first_step``: its first row of the step table), its
+    SLO attainment and FT tokens/s."""
+    co, out = session.coserver, []
+    for _ in range(n):
+        co.slo = slo
+        first = len(co.step_log)
+        run = driver.run(arrivals, duration_s=duration_s, ft_tokens=lambda: co.tokens_trained,
+                         idle_wait=session.wait, drain_s=60.0)
+        out.append({**model_errors(co.step_log[first:]), "first_step": first,
+                    "attainment": attainment(run.records, slo.ttft_slo_s, slo.tpot_slo_s),
+                    "requests": len(run.records), "duration_s": run.duration_s,
+                    "ft_tokens_per_s": run.ft_tokens / run.duration_s})
+    return out
+
+
 def longest_steps(steps: list[tuple[Any, ...]], top: int) -> dict[str, list[dict[str, Any]]]:
     """The ``top`` longest replay steps of each kind, as dicts of :data:`STEP_COLUMNS`."""
     by_kind: dict[str, list[tuple[Any, ...]]] = {}
@@ -380,6 +403,11 @@ def main() -> None:
     p.add_argument("--idle-replay-s", type=float, default=20.0,
                    help="after the probes, replay the trace's first this many seconds with fine-tuning off "
                         "(the trainer idle): the latency model's error without the trainer (0: skip)")
+    p.add_argument("--warm-replays", type=int, default=0,
+                   help="after the trainer-idle replay, replay the trace window this many times more with "
+                        "fine-tuning back on and the latency model as the runs before left it (windows, "
+                        "levels: what a server restarted with --latency-state goes on from): the error on "
+                        "these steps, none of which the model had fitted (latency_model_error_warm)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.threads:
@@ -444,6 +472,8 @@ def main() -> None:
                            ft_tokens=lambda: co.tokens_trained, idle_wait=session.wait, drain_s=10.0)
     first_idle = len(co.step_log)
     idle_run = idle_replay(driver, session, arrivals, args.idle_replay_s) if args.idle_replay_s > 0 else None
+    first_warm = len(co.step_log)
+    warm = warm_replays(driver, session, slo, arrivals, args.duration, args.warm_replays)
     session.close()
 
     errors = model_errors(co.step_log[:first_idle])
@@ -492,9 +522,13 @@ def main() -> None:
         },
         # steps with fine-tuning off: each key's error, the steps' kinds as the replay's
         "latency_model_error_trainer_idle": None if idle_run is None else {
-            **model_errors(co.step_log[first_idle:]), "first_step": first_idle,
+            **model_errors(co.step_log[first_idle:first_warm]), "first_step": first_idle,
             "attainment": attainment(idle_run.records, slo.ttft_slo_s, slo.tpot_slo_s),
             "requests": len(idle_run.records), "duration_s": idle_run.duration_s},
+        # each warm replay (--warm-replays): the latency model's error on its steps, predicted by
+        # the model that the replays before had refitted (the step table goes on with them)
+        "latency_model_error_warm": warm or None,
+        "warm_first_step": first_warm if warm else None,
         "steps": step_table(co.step_log),
         "replay": {
             "requests": len(result.records),
@@ -514,6 +548,7 @@ def main() -> None:
                    "trainer_sm_share": args.trainer_sm_share,
                    "engine_sm_share": share_of_this_process(),  # (None: the whole GPU)
                    "prefill_graphs": args.prefill_graphs, "threads": torch.get_num_threads(),
+                   "warm_replays": args.warm_replays,
                    "trainer_phases": list(TRAINER_PHASES), "lone_gap_s": LONE_GAP_S,
                    "lora": {"rank": 16, "targets": list(LoRAConfig().target_modules)}},
         "figures": figures,

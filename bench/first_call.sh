@@ -60,6 +60,9 @@
 #                  (the split baseline's NaN, sessions 10-11)
 #   mps_ops        bench/mps_op_check.py (the split step's ops against fp32) on the whole GPU, at a 20%
 #                  share, and on the whole GPU with --poison
+#   latency_warm   latency=50 with --warm-replays 1: after the trainer-idle replay, the trace window
+#                  once more with fine-tuning on, predicted by the model the runs before refitted
+#                  (latency_model_error_warm: a restarted server's --latency-state, or one serving a while)
 #   latency_hold   latency=50 with --hold-pause (SLOConfig.hold_pause)
 #   latency_early=MS  latency=50 with --early-pause-ms MS (the backward paused MS before a decode step's
 #                  predicted end when a request arrived during it; the pause delay runs from the step's start)
@@ -268,6 +271,7 @@ job() {
       share=${1#latency=}; share_flags=(); (( share < 100 )) && share_flags=(--trainer-sm-share "$share")
       latency_bench "$1" "$top/coserve_latency_share$share" "${share_flags[@]}" ;;
     latency_profile) latency_bench "$1" "$top/coserve_latency_profile" --trainer-sm-share 50 --profile-layer0 ;;
+    latency_warm) latency_bench "$1" "$top/coserve_latency_warm" --trainer-sm-share 50 --warm-replays 1 ;;
     latency_hold)
       # the 50% latency run with --hold-pause: the pause delay and burst step times against latency=50
       latency_bench "$1" "$top/coserve_latency_hold" --trainer-sm-share 50 --hold-pause ;;

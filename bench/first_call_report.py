@@ -92,8 +92,17 @@ def slo_machinery(result: dict[str, Any]) -> dict[str, Any]:
             "latency_model_error_trainer_idle": f.get("latency_model_error_trainer_idle"),
             "trainer_pause": f["trainer_pause"],
             "trainer_spans": f.get("trainer_spans"), "ft_only_interruption": f["ft_only_interruption"],
-            "replay": f["replay"], "prefill_error_by_size": prefill_error_by_size(f.get("steps")),
-            "noise_floor": noise_floor(f.get("steps"))}
+            "latency_model_error_warm": f.get("latency_model_error_warm"),
+            "replay": f["replay"], "prefill_error_by_size": prefill_error_by_size(before_warm(f.get("steps"), f.get("warm_first_step"))),
+            "noise_floor": noise_floor(before_warm(f.get("steps"), f.get("warm_first_step")))}
+
+
+def before_warm(steps: dict[str, Any] | None, first_warm: int | None) -> dict[str, Any] | None:
+    """The step table without the warm replays' rows (``--warm-replays``), so that each key's
+    halves are the first run's, as in a table without them."""
+    if not steps or first_warm is None:
+        return steps
+    return {**steps, "rows": steps["rows"][:first_warm]}
 
 
 def noise_floor(steps: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -55,3 +55,31 @@ def test_model_errors_per_key_and_over_all() -> None:
     assert errors["decode/graph/idle"]["n"] == 2
     assert abs(errors["prefill/graph/idle"]["median_rel"] - 0.25) < 1e-9
     assert errors["all"]["n"] == 3
+
+
+class _WarmDriver:
+    """Each run logs three steps of the co-server, 20% over their prediction, 4 requests met."""
+
+    def __init__(self, co: SimpleNamespace) -> None:
+        self.co, self.policies = co, []
+
+    def run(self, arrivals: list[Arrival], **kwargs: Any) -> SimpleNamespace:
+        self.policies.append(self.co.slo.policy)
+        start = kwargs["ft_tokens"]()
+        self.co.step_log += [("decode/graph/busy", (), 0.010, 0.0125)] * 3
+        self.co.tokens_trained += 500
+        return SimpleNamespace(records=[], duration_s=2.0, ft_tokens=kwargs["ft_tokens"]() - start)
+
+
+def test_warm_replays_turn_fine_tuning_back_on_and_score_their_own_steps() -> None:
+    slo = SLOConfig(ttft_slo_s=0.5, policy="full")
+    co = SimpleNamespace(slo=SLOConfig(ttft_slo_s=0.5, policy="off"), tokens_trained=0,
+                         step_log=[("decode/graph/idle", (), 0.010, 0.010)] * 5)
+    session = SimpleNamespace(coserver=co, wait=lambda timeout: None)
+    driver = _WarmDriver(co)
+    got = coserve_latency.warm_replays(driver, session, slo, [Arrival(0.0, 16, 4)], 2.0, 2)
+    assert driver.policies == ["full", "full"]
+    assert [w["first_step"] for w in got] == [5, 8]
+    for w in got:
+        assert w["decode/graph/busy"]["n"] == 3 and abs(w["all"]["median_rel"] - 0.2) < 1e-9
+        assert "decode/graph/idle" not in w and w["ft_tokens_per_s"] == 250.0

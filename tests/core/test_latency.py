@@ -407,6 +407,109 @@ def test_state_dict_round_trip_through_json() -> None:
             restored.load_state_dict({**model.state_dict(), "knee_tokens": knee})
 
 
+def _served(model: LatencyModel, rng: random.Random, steps: int) -> list[float]:
+    """``steps`` serving steps observed by ``model`` (decode and prefill, idle and busy in every
+    trainer phase, a prompt alone now and then, levels drifting): each one's prediction."""
+    out = []
+    for i in range(steps):
+        mode = "graph" if rng.random() < 0.8 else "eager"
+        spec = (BatchSpec(decode_kv=tuple(rng.randint(16, 700) for _ in range(rng.randint(1, 64))), mode=mode)
+                if rng.random() < 0.7 else random_spec(rng, mode))
+        busy = spec.chunks == () and rng.random() < 0.8
+        phase = rng.choice(["active", "active", "quiet", "starting", "ending"])
+        f = replace(spec.features(busy=busy), trainer_phase=phase,
+                    idle_before_s=rng.choice([0.0, 2 * LONE_GAP_S]))
+        drift = 1.0 + 0.1 * math.sin(i / 40)
+        out.append(model.observe_features(f, true_time(f) * drift * (1 + 0.01 * rng.gauss(0, 1))))
+    return out
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_a_restored_online_state_goes_on_as_the_model_it_was_saved_from(defer: bool) -> None:
+    """Windows, steps since the last refit, levels (shared, lone) and safety ratios travel in
+    ``state_dict``: restored through JSON mid-run, the model predicts the next steps, refits
+    included, as the one that kept running; restored without them (``online=False``), it does
+    not."""
+    rng = random.Random(32)
+    model = calibrated(rng)
+    model.defer_refits = defer
+    _served(model, rng, 1300)
+    if defer:
+        model.refit_due()
+    saved = json.loads(json.dumps(model.state_dict()))
+    assert saved["online"]["windows"] and saved["online"]["levels"] and saved["online"]["joined"]
+    restored, cold = LatencyModel(prior_weight=1e-3), LatencyModel(prior_weight=1e-3)
+    restored.load_state_dict(saved)
+    cold.load_state_dict(model.state_dict(online=False))
+    restored.defer_refits = cold.defer_refits = defer
+    f = BatchSpec(decode_kv=(500,) * 8, mode="graph").features(busy=True)
+    assert restored.safety(f) == model.safety(f) and restored.safety(f) > 1.0 and cold.safety(f) == 1.0
+    seed = rng.random()
+    kept, again, fresh = (_served(m, random.Random(seed), 600) for m in (model, restored, cold))
+    assert again == pytest.approx(kept, rel=1e-12)
+    assert fresh != pytest.approx(kept, rel=1e-3)
+    # a state without the online part (as every state before session 32) starts with empty windows
+    assert "online" not in model.state_dict(online=False)
+
+
+@pytest.mark.parametrize(("online", "match"), [
+    ([], "'online' must be an object"),
+    ({"windows": {"decode/graph|idle": [[1.0, 2.0]]}}, "window row of decode/graph must be 4 numbers"),
+    ({"windows": {"decode/graph|idle": [[1.0, 2.0, 3.0, 0.0]]}}, "bad window row"),
+    ({"windows": {"decode/graph|lone": []}}, "unknown set"),
+    ({"windows": {"mixed/graph|idle": []}}, "unknown set"),
+    ({"levels": {"decode/graph|busy": float("nan")}}, "levels must be finite"),
+    ({"unfitted": {"decode/graph|idle": -1}}, "counts must be integers"),
+    ({"busy_steps": {"decode/fast": 3}}, "unknown key"),
+    ({"shared_recent": {"decode/graph": [["idle", [1.0, 2.0, 3.0], 0.01]]}}, "unknown set"),
+    ({"joined": "decode/graph|active"}, "'joined' must be a list"),
+])
+def test_a_malformed_online_state_is_refused_and_leaves_the_model_as_it_was(online: object, match: str) -> None:
+    rng = random.Random(33)
+    model = calibrated(rng)
+    _served(model, rng, 300)
+    before = model.state_dict()
+    with pytest.raises(ValueError, match=match):
+        model.load_state_dict({**before, "online": online})
+    assert model.state_dict() == before
+
+
+def test_an_idle_refit_refits_the_busy_sets_against_the_new_idle_form() -> None:
+    """A busy set's slowdown ``(ρ, δ)`` is fitted against the idle form ``T``. The idle steps run
+    4 ms over their calibration; the busy steps (``active`` 1.2x + 1 ms, ``quiet`` 2x the idle
+    steps' true time), seen before the idle set's first refit, teach slowdowns against the
+    calibration's ``T``, and both phases join the key's shared level. Then the idle set refits to
+    the slower ``T``: with ``busy_with_idle`` the busy sets refit against it and price each phase
+    to within 1%; without it the old slowdowns scale the new ``T`` and the shared level, restarted
+    from the latest steps, can right only their mean: 2-9% off by phase and size."""
+    errors: dict[bool, list[float]] = {}
+    for with_idle in (True, False):
+        rng = random.Random(34)
+        model = LatencyModel(busy_with_idle=with_idle, share_after=100, ending_after=None)
+        model.fit([measure(s, rng) for s in calibration_plan(512, 64, 64 * 2000, modes=("graph",))])
+
+        def decode(rows: int, rng: random.Random = rng) -> StepFeatures:
+            return BatchSpec(decode_kv=tuple(rng.randint(200, 2000) for _ in range(rows)), mode="graph").features()
+
+        def measured(f: StepFeatures) -> float:
+            idle = true_time(replace(f, busy=False)) + 4e-3
+            return idle if not f.busy else 1.2 * idle + 1e-3 if f.trainer_phase == "active" else 2.0 * idle
+
+        for _ in range(160):
+            for phase in ("active", "active", "active", "quiet"):
+                f = replace(decode(rng.randint(1, 48)), busy=True, trainer_phase=phase)
+                model.observe_features(f, measured(f))
+        for _ in range(40):
+            f = decode(rng.randint(1, 48))
+            model.observe_features(f, measured(f))
+        assert model.coefficients("decode/graph")[2] == pytest.approx(TRUE["decode/graph"][2] + 4e-3, rel=0.05)
+        errors[with_idle] = [model.predict(f) / measured(f) - 1.0
+                             for phase in ("active", "quiet") for rows in (1, 16, 48)
+                             for f in [replace(decode(rows), busy=True, trainer_phase=phase)]]
+    assert max(abs(e) for e in errors[True]) < 0.01
+    assert max(abs(e) for e in errors[False]) > 0.04
+
+
 def test_a_state_keeps_the_knee_its_slope_was_fitted_with(caplog: pytest.LogCaptureFixture) -> None:
     """A model built with another knee loads a state at the state's knee (its k_over means
     nothing at another), says so, and predicts what the saved model did."""
@@ -552,7 +655,10 @@ def test_safety_is_the_overrun_quantile_of_recent_steps_per_set() -> None:
     assert model.safety(StepFeatures(num_decodes=8, kv_tokens=3000, mode="graph")) == pytest.approx(
         1.0, abs=1e-6)
     assert model.safety(spec.features(busy=True)) == 1.0  # another set, no steps
-    model.load_state_dict(model.state_dict())
+    safety = model.safety(f)
+    model.load_state_dict(model.state_dict())  # the online part carries the ratios
+    assert model.safety(f) == safety
+    model.load_state_dict(model.state_dict(online=False))
     assert model.safety(f) == 1.0
     with pytest.raises(ValueError, match="safety_quantile"):
         LatencyModel(safety_quantile=1.5)
@@ -717,7 +823,7 @@ def test_busy_phases_share_one_level_after_the_keys_first_busy_steps() -> None:
     """Each busy phase keeps its own level (rate LEVEL_RATE) for a decode key's first
     SHARE_AFTER_STEPS busy steps; then the phases with their own fitted busy term share one level
     (rate SHARED_LEVEL_RATE), the first to join bringing its own; a phase still priced by the
-    running backward's term keeps its own. Levels are not saved: the state is as before."""
+    running backward's term keeps its own. Levels travel in the state's online part only."""
     from coserve.core.latency import SHARE_AFTER_STEPS, SHARED_LEVEL_RATE
 
     rng = random.Random(14)
@@ -747,6 +853,8 @@ def test_busy_phases_share_one_level_after_the_keys_first_busy_steps() -> None:
     assert set(model.state_dict()) == set(per_phase.state_dict())
     restored = LatencyModel()
     restored.load_state_dict(json.loads(json.dumps(model.state_dict())))
+    assert restored.predict(active) == model.predict(active)  # (the online part carries the levels)
+    restored.load_state_dict(model.state_dict(online=False))
     assert restored.predict(active) == pytest.approx(
         restored._linear("decode/graph", restored.regressors(active), "active"))  # (levels start anew)
     with pytest.raises(ValueError):

@@ -287,7 +287,7 @@ def run_coserve(ctx: BenchContext, config: RunConfig) -> RunOutcome:
             start = time.perf_counter()
             batches = ctx.engine.calibrate()
             ctx.calibration = {"batches": batches, "seconds": time.perf_counter() - start}
-            ctx.latency_state = co.latency.state_dict()
+            ctx.latency_state = co.latency.state_dict(online=False)
         graphs = use_prefill_graphs(ctx, config)
         _warm_up(ctx, session)
         co.latency.load_state_dict(ctx.latency_state)

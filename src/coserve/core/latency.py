@@ -480,6 +480,16 @@ the H100: the next four ran 0.81-0.94x before the level caught up). Offline, rep
 tables with ``gap_s`` (``bench/latency_fit.py --replay-only`` unset and set,
 ``bench/results/latency_h100/session30/latency_replay_recenter{0,1}.json.gz``): the prefill
 held-out p99 lower on 8 (22.9 -> 16.0% on one), none higher."""
+BUSY_WITH_IDLE: Final = os.environ.get("COSERVE_BUSY_WITH_IDLE", "1") == "1"
+"""``LatencyModel``'s default ``busy_with_idle``: a refit of a key's idle set refits the key's busy
+sets as well (``COSERVE_BUSY_WITH_IDLE``; ``0``: the model before session 32, where a busy set's
+``(ρ, δ)`` stayed as fitted against the old idle form until its own next refit). A busy phase with
+few steps (``ending``, ``quiet``, ``starting``: a tenth of a busy run's decode steps between them)
+refits once per 400 of its own steps with refits deferred (``DEFER_CAP`` times ``refit_every``),
+so after an idle refit it kept a slowdown fitted against another ``T``: replayed offline on two
+session-31 H100 tables, each continuing the model of the other run (a warm start), those phases ran
+0.85-1.28x their prediction for the whole table and the busy decode set's p99 was 20.7 / 23.6%
+against 10.1 / 11.4% with this (``bench/latency_warm.py``)."""
 PRIOR_WEIGHT: Final = float(os.environ.get("COSERVE_PRIOR_WEIGHT", "0.3"))
 """``LatencyModel``'s default ``prior_weight`` (``COSERVE_PRIOR_WEIGHT``): how hard a refit pulls a
 set's terms toward their calibration, in rows' worth of evidence (``coserve.core.nnls.fit_relative``
@@ -524,7 +534,9 @@ class LatencyModel:
     27; :meth:`phase_of`). An idle prefill set's lone prompts (:attr:`StepFeatures.lone`) carry
     a level of their own, moved as a decode set's but at ``lone_level_rate`` (``lone_level``;
     False: the model before session 29). A prefill step's tokens above ``knee_tokens`` pay the
-    slope ``k_over`` too (0: no knee, the model before session 31; module docstring).
+    slope ``k_over`` too (0: no knee, the model before session 31; module docstring). A refit of
+    an idle set refits its key's busy sets too (``busy_with_idle``; False: the model before
+    session 32).
 
     :meth:`safety` is how far the set's recent steps ran over their predictions (the
     ``safety_quantile`` of measured / predicted over the last ``safety_window`` steps, each
@@ -552,6 +564,7 @@ class LatencyModel:
         lone_level_rate: float = LONE_LEVEL_RATE,
         lone_recenter: bool = LONE_RECENTER,
         knee_tokens: int = KNEE_TOKENS,
+        busy_with_idle: bool = BUSY_WITH_IDLE,
     ) -> None:
         if window < 1 or refit_every < 1 or prior_weight < 0:
             raise ValueError("LatencyModel needs window >= 1, refit_every >= 1, prior_weight >= 0")
@@ -580,6 +593,7 @@ class LatencyModel:
         self.lone_level_rate = lone_level_rate
         self.lone_recenter = lone_recenter
         self.knee_tokens = knee_tokens
+        self.busy_with_idle = busy_with_idle
         # per prefill key, its latest lone prompts (regressors, time): the lone level's restart
         self._lone_recent: dict[str, deque[tuple[tuple[float, ...], float]]] = {}
         self._defaults = {form: _checked(form, defaults[form]) for form in TERMS}
@@ -814,6 +828,25 @@ class LatencyModel:
 
     def _refit(self, s: tuple[str, str]) -> None:
         key, state = s
+        self._solve_set(s)
+        if state != "idle":
+            self._after_refit(s)
+            return
+        # an idle refit moves the busy sets' predictions too (T_busy = (1 + ρ)·T + δ): their
+        # (ρ, δ) were fitted against the old T, so they are refitted against the new one
+        # (BUSY_WITH_IDLE), then every set of the key gets its level and safety again
+        sets = [k for k in self._windows if k[0] == key]
+        if self.busy_with_idle:
+            for t in sets:
+                if t[1] != "idle":
+                    self._solve_set(t)
+        for t in sets:
+            self._after_refit(t)
+
+    def _solve_set(self, s: tuple[str, str]) -> None:
+        """Refit set ``s`` on its window, pulled toward its calibration (a busy phase with none:
+        the key's ``active`` one); its refit is no longer due."""
+        key, state = s
         self._unfitted[s] = 0
         self._due.pop(s, None)
         slot = _slot(key, state)
@@ -821,9 +854,6 @@ class LatencyModel:
         if prior is None and state not in ("idle", "active"):
             prior = self._calib_busy.get(key)
         self._solve(key, state, list(self._windows[s]), prior=prior)
-        # an idle refit moves the busy sets' predictions too (T_busy = (1 + ρ)·T + δ)
-        for t in [s] if state != "idle" else [k for k in self._windows if k[0] == key]:
-            self._after_refit(t)
 
     def _restart_level(self, at: tuple[str, str], measured_predicted: Sequence[tuple[float, float]]) -> None:
         """Set the level ``at`` to the median log ratio of these (measured, prediction without
@@ -909,10 +939,16 @@ class LatencyModel:
             errors["all"].append(rel)
         return {k: error_summary(v) for k, v in errors.items()}
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, online: bool = True) -> dict[str, Any]:
         """JSON-serializable coefficients (fitted and calibration) and the knee they were fitted
-        with; windows and levels are not saved."""
-        return {
+        with; ``online``: also what the online refits go on from (``"online"``: each set's window
+        of measured steps, its steps since its last refit, the levels and their restart steps,
+        the busy steps per key and the safety ratios), so that a model restored from it predicts
+        and refits as this one would have (a server restarted with ``--latency-state``, the next
+        fine-tuning job). Without it, a restored model starts its windows empty: its first refits
+        come on a few dozen steps, whose error the continued model does not have (offline,
+        ``bench/latency_warm.py``)."""
+        state: dict[str, Any] = {
             "version": _STATE_VERSION,
             "knee_tokens": self.knee_tokens,
             "coefficients": {k: list(v) for k, v in self._coef.items()},
@@ -920,6 +956,19 @@ class LatencyModel:
             "calibration": {k: list(v) for k, v in self._calib.items()},
             "calibration_busy": {k: list(v) for k, v in self._calib_busy.items()},
         }
+        if online:
+            state["online"] = {
+                "windows": {_set_name(s): [[*v, y] for v, y in w] for s, w in self._windows.items()},
+                "unfitted": {_set_name(s): n for s, n in self._unfitted.items()},
+                "levels": {_set_name(s): v for s, v in self._level.items()},
+                "busy_steps": dict(self._busy_steps),
+                "joined": sorted(_set_name(s) for s in self._joined),
+                "shared_recent": {k: [[st, list(v), y] for st, v, y in d] for k, d in self._shared_recent.items()},
+                "lone_recent": {k: [[list(v), y] for v, y in d] for k, d in self._lone_recent.items()},
+                "ratios": {_set_name(s): list(r) for s, r in self._ratios.items()},
+                "ratio_count": {_set_name(s): n for s, n in self._ratio_count.items()},
+            }
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output. Raises ``ValueError`` on a malformed state.
@@ -950,6 +999,7 @@ class LatencyModel:
             logger.warning("latency model state fitted with a knee at %d tokens, not %d: it keeps its own",
                            knee, self.knee_tokens)
             self.knee_tokens = knee
+        online = self._parsed_online(state.get("online"))
         self._windows.clear()
         self._unfitted.clear()
         self._level.clear()
@@ -960,6 +1010,86 @@ class LatencyModel:
         self._ratios.clear()
         self._safety.clear()
         self._ratio_count.clear()
+        self._due.clear()
+        if online is None:
+            return
+        for s, rows in online["windows"].items():
+            self._windows[s] = deque(rows, maxlen=self.window)
+        self._unfitted.update(online["unfitted"])
+        self._level.update(online["levels"])
+        self._busy_steps.update(online["busy_steps"])
+        self._joined.update(online["joined"])
+        for k, shared in online["shared_recent"].items():
+            self._shared_recent[k] = deque(shared, maxlen=LEVEL_RECENTER_STEPS)
+        for k, lone in online["lone_recent"].items():
+            self._lone_recent[k] = deque(lone, maxlen=LONE_RECENTER_STEPS)
+        for s, ratios in online["ratios"].items():
+            self._ratios[s] = deque(ratios, maxlen=self._safety_window)
+            if len(ratios) >= self.safety_min_steps:
+                self._set_safety(s, np.asarray(self._ratios[s], dtype=np.float64))
+        self._ratio_count.update(online["ratio_count"])
+
+    def _parsed_online(self, online: Any) -> dict[str, Any] | None:
+        """:meth:`state_dict`'s ``"online"`` part, checked (``ValueError`` naming what is wrong;
+        None: a state without one)."""
+        if online is None:
+            return None
+        if not isinstance(online, Mapping):
+            raise ValueError("LatencyModel state: 'online' must be an object")
+
+        def table(name: str) -> Mapping[str, Any]:
+            got = online.get(name, {})
+            if not isinstance(got, Mapping):
+                raise ValueError(f"LatencyModel state: online {name!r} must be an object")
+            return got
+
+        def row(key: str, values: Any) -> tuple[tuple[float, ...], float]:
+            size = len(TERMS[key.split("/")[0]])
+            if not isinstance(values, Sequence) or len(values) != size + 1:
+                raise ValueError(f"LatencyModel state: a window row of {key} must be {size + 1} numbers")
+            *v, y = (float(x) for x in values)
+            if not all(math.isfinite(x) and x >= 0 for x in v) or not (math.isfinite(y) and y > 0):
+                raise ValueError(f"LatencyModel state: bad window row of {key}: {values!r}")
+            return tuple(v), y
+
+        def count(name: str, value: Any) -> int:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"LatencyModel state: online {name!r} counts must be integers >= 0")
+            return value
+
+        def key_of(k: Any) -> str:
+            if k not in KEYS:
+                raise ValueError(f"LatencyModel state: unknown key {k!r} in 'online'")
+            return str(k)
+
+        sets = ("idle", *TRAINER_PHASES)
+        try:
+            windows = {_parsed_set(n, sets): [row(n.split("|")[0], r) for r in rows]
+                       for n, rows in table("windows").items()}
+            levels = {_parsed_set(n, (*sets, SHARED, LONE)): float(v) for n, v in table("levels").items()}
+            if not all(math.isfinite(v) for v in levels.values()):
+                raise ValueError("LatencyModel state: online levels must be finite")
+            shared = {key_of(k): [(_parsed_set(f"{k}|{st}", TRAINER_PHASES)[1], *row(k, [*v, y])) for st, v, y in d]
+                      for k, d in table("shared_recent").items()}
+            lone = {key_of(k): [row(k, [*v, y]) for v, y in d] for k, d in table("lone_recent").items()}
+            ratios = {_parsed_set(n, sets): [float(x) for x in r] for n, r in table("ratios").items()}
+            joined = online.get("joined", [])
+            if not isinstance(joined, list):
+                raise ValueError("LatencyModel state: online 'joined' must be a list")
+            return {
+                "windows": windows,
+                "unfitted": {_parsed_set(n, sets): count("unfitted", c) for n, c in table("unfitted").items()},
+                "levels": levels,
+                "busy_steps": {key_of(k): count("busy_steps", c) for k, c in table("busy_steps").items()},
+                "joined": {_parsed_set(n, sets) for n in joined},
+                "shared_recent": shared,
+                "lone_recent": lone,
+                "ratios": ratios,
+                "ratio_count": {_parsed_set(n, sets): count("ratio_count", c)
+                                for n, c in table("ratio_count").items()},
+            }
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"LatencyModel state: bad 'online' part: {e}") from e
 
 
 def prior_weights(prior: Sequence[float] | None, weight: float) -> list[float] | float:
@@ -967,6 +1097,19 @@ def prior_weights(prior: Sequence[float] | None, weight: float) -> list[float] |
     where it is 0 (a term that the calibration found no use for, or that a migrated state or an
     offline form added: free to move, as every term was before :data:`PRIOR_WEIGHT`)."""
     return weight if prior is None else [weight if c > 0 else 0.0 for c in prior]
+
+
+def _set_name(s: tuple[str, str]) -> str:
+    """A set's name in :meth:`LatencyModel.state_dict`: ``"{key}|{state}"``."""
+    return f"{s[0]}|{s[1]}"
+
+
+def _parsed_set(name: Any, states: Sequence[str]) -> tuple[str, str]:
+    """:func:`_set_name`'s inverse, for a key of :data:`KEYS` and a state among ``states``."""
+    key, sep, state = str(name).partition("|")
+    if not sep or key not in KEYS or state not in states:
+        raise ValueError(f"unknown set {name!r}")
+    return key, state
 
 
 def _slot(key: str, state: str) -> str:

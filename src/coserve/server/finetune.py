@@ -217,7 +217,7 @@ class FinetuneSession:
             t = time.perf_counter()
             n = engine.calibrate()
             logger.info("latency model calibrated on %d batches in %.1fs", n, time.perf_counter() - t)
-            (spec.output / "latency_state.json").write_text(json.dumps(self.coserver.latency.state_dict()))
+            write_json(spec.output / "latency_state.json", self.coserver.latency.state_dict())
         self.started = time.monotonic()
 
     def dataset_line(self) -> str:
@@ -457,14 +457,33 @@ class FinetuneSession:
         try:
             self.coserver.close()
         finally:
+            self.save_latency_state()
             self.flush_checkpoints()
             if self._writer is not None:
                 self._writer.shutdown(wait=True)
                 self._writer = None
 
+    def save_latency_state(self) -> None:
+        """OUTPUT/latency_state.json: the latency model as the run leaves it, refitted, with its
+        online part (windows, levels), so that ``--latency-state`` that file goes on from here
+        rather than from the calibration. A failed write is logged, not raised."""
+        path = self.spec.output / "latency_state.json"
+        try:
+            write_json(path, self.coserver.latency.state_dict())
+        except OSError as e:
+            logger.warning("could not save the latency model to %s: %s", path, e)
+
     @property
     def tokens_per_second(self) -> float:
         return self.coserver.tokens_trained / max(1e-9, time.monotonic() - self.started)
+
+
+def write_json(path: Path, value: object) -> None:
+    """``value`` into ``path`` whole or not at all (a crash mid-write leaves the old file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(value))
+    tmp.replace(path)
 
 
 def run_to_completion(engine: LLMEngine, session: FinetuneSession, progress: bool = True) -> Path:

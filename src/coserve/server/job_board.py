@@ -49,6 +49,7 @@ from coserve.server.finetune import (
     epoch_checkpoints,
     evaluate_served,
     read_dataset,
+    write_json,
 )
 from coserve.server.finetune_jobs import SERVED_OUTCOMES, FinetuneJob
 from coserve.server.protocol import CreateJobRequest
@@ -85,7 +86,7 @@ def prepare_latency(config: JobsConfig, engine: LLMEngine, startup: FinetuneSess
     if target.is_file():
         return f"jobs start from {target}"
     if startup is not None and (startup.spec.calibrate or startup.spec.latency_state is not None):
-        _write_json(target, startup.coserver.latency.state_dict())
+        write_json(target, startup.coserver.latency.state_dict())
         return f"jobs start from the start-up run's latency model, saved to {target}"
     if not calibrate:
         return "jobs start from the default latency coefficients (--no-calibrate), which learn online"
@@ -93,16 +94,8 @@ def prepare_latency(config: JobsConfig, engine: LLMEngine, startup: FinetuneSess
     model = LatencyModel()
     lora, co = config.template.lora, config.template.coserve
     n = engine.calibrate(model=model, ft_eager=lora.dropout > 0 or co.save_mlp_activations)
-    _write_json(target, model.state_dict())
+    write_json(target, model.state_dict())
     return f"latency model calibrated for the jobs on {n} batches in {time.perf_counter() - t:.1f}s, saved to {target}"
-
-
-def _write_json(path: Path, value: object) -> None:
-    """``value`` into ``path`` whole or not at all (a crash mid-write leaves the old file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(value))
-    tmp.replace(path)
 
 
 SPEC = "spec.json"  # (in a job's directory: the settings it was created with, to resume it)
@@ -288,7 +281,7 @@ class JobBoard:
 
     def checkpoint_deleted(self, path: str) -> None:
         """The epoch checkpoint at ``path`` is no longer served, nor after a restart."""
-        _write_json(Path(path) / DELETED, {"deleted_at": time.time()})
+        write_json(Path(path) / DELETED, {"deleted_at": time.time()})
 
     async def serve_checkpoints(self, job: FinetuneJob) -> None:
         """(the event loop) Serve ``job``'s epoch checkpoints once their files are written: each
@@ -338,7 +331,7 @@ class JobBoard:
         restart; its adapter stays on disk."""
         self.deleted.add(job.id)
         if self.config is not None:
-            _write_json(job.train_log.parent / DELETED, {"deleted_at": time.time()})
+            write_json(job.train_log.parent / DELETED, {"deleted_at": time.time()})
 
     def stats(self, job: FinetuneJob) -> EngineStats:
         """The figures of ``job``: its last ones once it has ended, the engine thread's while it
@@ -405,7 +398,7 @@ class JobBoard:
                           live=False, validation_file=req.validation_file, metadata=req.metadata)
         self.jobs[job_id] = job
         self._save_job(job)
-        _write_json(output / SPEC, spec.to_json())
+        write_json(output / SPEC, spec.to_json())
         ahead = self.running()
         self._enqueue(job, resume=False)
         logger.info("fine-tuning job %s created: %s, %d epochs, lr %g%s", job_id, data, epochs, spec.optim.lr,
@@ -419,7 +412,7 @@ class JobBoard:
         """``job`` waits for the jobs before it (kept across a restart)."""
         self.queue[job.id] = resume
         if self.config is not None:
-            _write_json(job.train_log.parent / QUEUED, {"queued_at": time.time(), "resume": resume})
+            write_json(job.train_log.parent / QUEUED, {"queued_at": time.time(), "resume": resume})
 
     def _dequeue(self, job: FinetuneJob) -> bool:
         """Take ``job`` off the queue; whether it was queued to resume."""
@@ -655,7 +648,7 @@ class JobBoard:
                 meta = Path(path) / "checkpoint.json"
                 fields = json.loads(meta.read_text())
                 fields.update(valid_loss=_number(score.loss), valid_accuracy=_number(score.accuracy))
-                _write_json(meta, fields)
+                write_json(meta, fields)
             except Exception as e:
                 logger.warning("fine-tuning job %s: scoring its checkpoint %s failed: %s", job.id, path, e)
 
@@ -667,7 +660,7 @@ class JobBoard:
 
     def _save_validation(self, job: FinetuneJob) -> None:
         if self.config is not None and job.id in self.validation:
-            _write_json(job.train_log.parent / "validation.json", self.validation[job.id])
+            write_json(job.train_log.parent / "validation.json", self.validation[job.id])
 
     def _never_ran(self, job: FinetuneJob, outcome: str, failure: str | None = None) -> None:
         self.past[job.id] = EngineStats(coserving=True, ft_job=job.id, ft_outcome=outcome,
@@ -679,14 +672,14 @@ class JobBoard:
         if self.config is None:
             return
         fields = {**asdict(job), "train_log": str(job.train_log)}
-        _write_json(job.train_log.parent / "job.json", fields)
+        write_json(job.train_log.parent / "job.json", fields)
 
     def _save_outcome(self, job_id: str, s: EngineStats) -> None:
         """``DIR/jobs/ID/outcome.json``: how the job ended, for a restarted server."""
         job = self.jobs.get(job_id)
         if self.config is None or job is None or job.live:
             return
-        _write_json(job.train_log.parent / "outcome.json",
+        write_json(job.train_log.parent / "outcome.json",
                     {k: getattr(s, k) for k in OUTCOME_FIELDS} | {"adapter_path": s.adapter_path and str(s.adapter_path)})
 
     async def cancel(self, job: FinetuneJob) -> None:
@@ -737,7 +730,7 @@ class JobBoard:
     def _served(self, session: FinetuneSession, final: EngineStats, adapter: LoraAdapter | None) -> EngineStats:
         job = self.jobs.get(session.job_id)
         if self.config is not None:
-            _write_json(self.config.latency_path, session.coserver.latency.state_dict())
+            write_json(self.config.latency_path, session.coserver.latency.state_dict())
         path = final.adapter_path
         if job is None or job.fine_tuned_model is None or path is None:
             return final
