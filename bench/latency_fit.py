@@ -568,6 +568,7 @@ def _configure(model: LatencyModel, graph_sizes: tuple[int, ...], prefill_bucket
     if prefill_buckets is not None:
         model.prefill_bucket = lambda n: int(_bucket(n, prefill_buckets))
     model.defer_refits = defer
+    model.defer_from_rows = DEFER_FROM_ROWS  # (this module's: a test sets it as a recorded server had it)
     return model
 
 

@@ -14,6 +14,13 @@ from tests.bench.scripts import load_script
 latency_fit = load_script("latency_fit")
 
 
+@pytest.fixture
+def deferred_as_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replays with every refit deferred (``DEFER_FROM_ROWS`` 0), as the servers that recorded the
+    tables until session 32 ran: a replay then reproduces such a table's predictions."""
+    monkeypatch.setattr(latency_fit, "DEFER_FROM_ROWS", 0)
+
+
 def _rows(floor: float) -> list[list[object]]:
     rng = random.Random(0)
     rows: list[list[object]] = []
@@ -174,6 +181,7 @@ def test_replay_recovers_the_calibration_and_the_trainer_phases_win() -> None:
     assert decode["by_phase"]["quiet"]["after"]["median_rel"] < 0.02
 
 
+@pytest.mark.usefixtures("deferred_as_recorded")
 def test_a_table_recorded_before_i_ctx_is_replayed_with_the_context_constant() -> None:
     """Prefill steps through the graphs that pay 4.2 ms when a chunk has cached context, recorded
     (six regressors) by a server whose form had no such term: the replay derives i_ctx from h_ctx,
@@ -184,7 +192,7 @@ def test_a_table_recorded_before_i_ctx_is_replayed_with_the_context_constant() -
     old = [0.0, 3e-5, 0.0, 0.0, 2e-9, 5e-3]  # LEGACY_PREFILL_TERMS order
     server = LatencyModel()
     server.load_state_dict({"version": 1, "coefficients": {"prefill/graph": old}, "calibration": {"prefill/graph": old}})
-    server.defer_refits = True
+    server.defer_refits, server.defer_from_rows = True, 0  # (as the servers until session 32)
     rng = random.Random(5)
     rows: list[list[object]] = []
     for _ in range(600):
@@ -456,7 +464,7 @@ def _same_batch_first(same: int) -> tuple[dict[str, list[float]], list[list[obje
     server = LatencyModel()
     server.load_state_dict({"version": 2, "coefficients": calibration, "calibration": calibration})
     server.graph_bucket = lambda n: int(latency_fit._bucket(n, latency_fit.GRAPH_SIZES))
-    server.defer_refits = True
+    server.defer_refits, server.defer_from_rows = True, 0  # (as the servers until session 32)
     rng = random.Random(5)
     rows: list[list[object]] = []
     for i in range(600):
@@ -468,6 +476,7 @@ def _same_batch_first(same: int) -> tuple[dict[str, list[float]], list[list[obje
     return calibration, rows
 
 
+@pytest.mark.usefixtures("deferred_as_recorded")
 def test_the_recovery_reads_past_the_tenth_step_up_to_the_first_refit() -> None:
     """Session 28's engine-split table began with ten decode steps of 5 decodes each: from those
     alone the per-decode term and the constant cannot be told apart (the least-norm split was
@@ -481,6 +490,7 @@ def test_the_recovery_reads_past_the_tenth_step_up_to_the_first_refit() -> None:
     assert report["decode/graph/idle"]["matches_recorded"]["after"]["p99_rel"] < 1e-9
 
 
+@pytest.mark.usefixtures("deferred_as_recorded")
 def test_a_recorded_calibration_replays_a_table_whose_calibrated_steps_leave_terms_apart_unidentified() -> None:
     """Where every step before the first refit carried the same batch size, only the calibration
     the run recorded (``figures.calibration.coefficients``, since session 29) reproduces the table;

@@ -599,9 +599,11 @@ def test_a_held_pause_ends_at_a_step_that_needs_none_or_when_the_host_goes_idle(
 
 def test_latency_refits_wait_for_the_hosts_idle_poll() -> None:
     """A refit falling due on a step's observe is put off (no milliseconds of NNLS on the step
-    path); the host's idle ``poll`` runs it within the time it offers."""
+    path); the host's idle ``poll`` runs it within the time it offers (every window deferred here:
+    by default a window under ``DEFER_FROM_ROWS`` rows refits at once)."""
     co, _ = coserver(model(0.01, (0.0, 0.0)))
     assert co.latency.defer_refits
+    co.latency.defer_from_rows = 0
     before = co.latency.coefficients("decode/graph")
     for i in range(10):
         rows = 1 + i

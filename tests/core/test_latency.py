@@ -908,7 +908,8 @@ def test_one_stall_moves_the_level_by_at_most_the_clip_and_prefill_sets_have_non
 
 def test_deferred_refits_wait_for_the_host_then_run_at_the_cap() -> None:
     """With ``defer_refits`` a due refit waits for ``refit_due`` (the host's idle moment); a set
-    whose refit was put off for DEFER_CAP intervals refits on the step path anyway."""
+    whose refit was put off for DEFER_CAP intervals refits on the step path anyway (every window
+    deferred here: ``defer_from_rows`` 0)."""
     from coserve.core.latency import DEFER_CAP
 
     def feed(model: LatencyModel, n: int, start: int) -> None:
@@ -917,7 +918,7 @@ def test_deferred_refits_wait_for_the_host_then_run_at_the_cap() -> None:
             model.observe_regressors("decode/graph", (float(rows), 1000.0 * rows, 1.0), 0.004 + 2e-4 * rows)
 
     eager, deferred = LatencyModel(refit_every=20), LatencyModel(refit_every=20)
-    deferred.defer_refits = True
+    deferred.defer_refits, deferred.defer_from_rows = True, 0
     before = deferred.coefficients("decode/graph")
     feed(eager, 10, 0)
     feed(deferred, 10, 0)  # the first refit falls due after 10 observations of a set
@@ -927,7 +928,7 @@ def test_deferred_refits_wait_for_the_host_then_run_at_the_cap() -> None:
     assert deferred.refit_due() == 1 and deferred.refit_due() == 0
     assert deferred.coefficients("decode/graph") == pytest.approx(eager.coefficients("decode/graph"))
     late = LatencyModel(refit_every=20)
-    late.defer_refits = True
+    late.defer_refits, late.defer_from_rows = True, 0
     feed(late, 10 * DEFER_CAP - 1, 0)
     assert late.coefficients("decode/graph") == before
     feed(late, 1, 10 * DEFER_CAP - 1)  # the cap: refit at once
@@ -1064,12 +1065,14 @@ def test_a_short_window_refits_on_the_step_path_from_defer_from_rows(monkeypatch
     """With refits deferred and no idle poll, a set refits at its 40th step and then not before its
     440th (the cap grows with the window); with ``DEFER_FROM_ROWS`` a window shorter than it refits
     as soon as due."""
-    from coserve.core import latency
+    from coserve.core.latency import DEFER_FROM_ROWS
+
+    assert LatencyModel().defer_from_rows == DEFER_FROM_ROWS
 
     def refit_steps(defer_from: int) -> list[int]:
-        monkeypatch.setattr(latency, "DEFER_FROM_ROWS", defer_from)
         model = LatencyModel()
         model.defer_refits = True
+        model.defer_from_rows = defer_from
         done: list[int] = []
         seen = [0]
         real = model._refit

@@ -95,19 +95,23 @@ KEYS: Final = tuple(f"{form}/{mode}" for form in TERMS for mode in MODES)
 DEFER_CAP: Final = 4
 """With :attr:`LatencyModel.defer_refits`, a set refits on the step path anyway once this many
 refit intervals have passed without the host asking for its due refits."""
-DEFER_FROM_ROWS: Final = int(os.environ.get("COSERVE_DEFER_FROM_ROWS", "0"))
-"""With :attr:`LatencyModel.defer_refits`, a set whose window holds fewer rows than this refits on
-the step path as soon as due (``COSERVE_DEFER_FROM_ROWS``; 0, the default: every refit deferred).
-While a window grows, ``DEFER_CAP`` times its growing refit interval is never reached by the steps
-since the last refit: with no idle host (a busy run) a set refitted at its 40th step and next at
-its 440th (session 31, the H100: prompts beside many decodes at 1.2-1.4x their prediction in
-between, ``bench/latency_refits.py``). Such a refit adds its host time to the step path
-(``bench/refit_cost.py`` times refits there); not yet timed at this setting.
-Offline at 500 against 0, replayed on the 33 tables of sessions 20-31 (``bench/latency_fit.py
---replay-only``, ``bench/results/latency_h100/session31/latency_replay_defer{0,500}_{all,held}.json.gz``):
-over all steps the prefill sets' p99 lower on 26 of 33 (median -1.0 points), busy decode's on 29
-(median -0.7); over each table's second half higher on 21 and 18 (medians +0.4 and +0.1, at most
-+1.3). Off until a device run decides."""
+DEFER_FROM_ROWS: Final = int(os.environ.get("COSERVE_DEFER_FROM_ROWS", "500"))
+"""``LatencyModel``'s default ``defer_from_rows``: with :attr:`LatencyModel.defer_refits`, a set
+whose window holds fewer rows than this refits on the step path as soon as due
+(``COSERVE_DEFER_FROM_ROWS``; 0: every refit deferred, the model until session 32). While a window
+grows, ``DEFER_CAP`` times its growing refit interval is never reached by the steps since the
+last refit: with no idle host (a busy run) a set refitted at its 40th step and next at its 440th
+(session 31, the H100: prompts beside many decodes at 1.2-1.4x their prediction in between,
+``bench/latency_refits.py``). Such a refit, on at most this many rows, adds its host time to the
+step path (``bench/refit_cost.py``, ``bench/results/host_cpu/session32/refit_cost.json``). Offline at 500 against 0, replayed on the
+33 tables of sessions 20-31 (``bench/latency_fit.py --replay-only``,
+``bench/results/latency_h100/session31/latency_replay_defer{0,500}_{all,held}.json.gz``): over all
+steps the prefill sets' p99 lower on 26 of 33 (median -1.0 points), busy decode's on 29 (median
+-0.7); over each table's second half higher on 21 and 18 (medians +0.4 and +0.1, at most +1.3).
+On the H100 in session 32 (one host, ``bench/results/latency_h100/README.md``), two runs at 500
+against four at 0: p99 over all steps 12.7 / 12.7% against 13.7-15.1%, the prefill set's 10.3 /
+11.0% against 13.1-13.8%, busy decode's 13.3 / 13.0% against 13.7-15.2%; pause p99 1.86 / 1.96 ms
+against 1.63-1.91 ms; every request met its SLO."""
 TRAINER_PHASES: Final = ("active", "quiet", "starting", "ending")
 """What a busy step runs beside: ``active`` the backward's layers or loss; ``quiet`` its
 optimizer commit or nothing (the task's GPU work is done, its result not yet read); ``starting``
@@ -620,6 +624,7 @@ class LatencyModel:
         # arriving request's entry, the next step). A set put off for DEFER_CAP times its refit
         # interval refits at once.
         self.defer_refits = False
+        self.defer_from_rows = DEFER_FROM_ROWS  # (a shorter window refits on the step path anyway)
         self._due: dict[tuple[str, str], None] = {}  # (ordered: the oldest due first)
         # Set by a host that replays decode steps as CUDA graphs padded to a bucket: rows -> the
         # rows the replay computes (decode/graph steps are priced by those).
@@ -810,7 +815,7 @@ class LatencyModel:
         # calibration bias for hundreds of steps), then every `refit_every`.
         every = min(self.refit_every, max(10, len(win) // 4))
         if n >= every:
-            if self.defer_refits and n < DEFER_CAP * every and len(win) >= DEFER_FROM_ROWS:
+            if self.defer_refits and n < DEFER_CAP * every and len(win) >= self.defer_from_rows:
                 self._due[s] = None
             else:
                 self._refit(s)
