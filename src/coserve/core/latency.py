@@ -103,7 +103,9 @@ grows, ``DEFER_CAP`` times its growing refit interval is never reached by the st
 last refit: with no idle host (a busy run) a set refitted at its 40th step and next at its 440th
 (session 31, the H100: prompts beside many decodes at 1.2-1.4x their prediction in between,
 ``bench/latency_refits.py``). Such a refit, on at most this many rows, adds its host time to the
-step path (``bench/refit_cost.py``, ``bench/results/host_cpu/session32/refit_cost.json``). Offline at 500 against 0, replayed on the
+step path (``bench/refit_cost.py``, ``bench/results/host_cpu/session32/refit_cost.json``, the
+2-core dev VM: an observe's p99 0.05 ms with every refit deferred, 0.27 ms from 500 rows, at most
+1.09 ms, 0.49 ms with every refit on the step path, at most 11.5 ms). Offline at 500 against 0, replayed on the
 33 tables of sessions 20-31 (``bench/latency_fit.py --replay-only``,
 ``bench/results/latency_h100/session31/latency_replay_defer{0,500}_{all,held}.json.gz``): over all
 steps the prefill sets' p99 lower on 26 of 33 (median -1.0 points), busy decode's on 29 (median
@@ -490,10 +492,14 @@ sets as well (``COSERVE_BUSY_WITH_IDLE``; ``0``: the model before session 32, wh
 ``(ρ, δ)`` stayed as fitted against the old idle form until its own next refit). A busy phase with
 few steps (``ending``, ``quiet``, ``starting``: a tenth of a busy run's decode steps between them)
 refits once per 400 of its own steps with refits deferred (``DEFER_CAP`` times ``refit_every``),
-so after an idle refit it kept a slowdown fitted against another ``T``: replayed offline on two
-session-31 H100 tables, each continuing the model of the other run (a warm start), those phases ran
-0.85-1.28x their prediction for the whole table and the busy decode set's p99 was 20.7 / 23.6%
-against 10.1 / 11.4% with this (``bench/latency_warm.py``)."""
+so after an idle refit it kept a slowdown fitted against another ``T``. Replayed offline, each of
+six H100 tables of sessions 29-31 predicted by the model that had replayed the other run of its
+pair first (a warm start, ``bench/latency_warm.py``,
+``bench/results/latency_h100/session32/latency_warm.json``): the busy decode set's p99 13.0-17.4%
+without this, 10.1-11.7% with it (with every refit deferred, ``DEFER_FROM_ROWS`` 0, 19.4-23.6%
+against 10.1-11.4%, ``latency_warm_defer0.json``). The tables' own runs, from
+their calibration, have no idle refit between busy steps: unchanged on all 33 tables of sessions
+20-31."""
 PRIOR_WEIGHT: Final = float(os.environ.get("COSERVE_PRIOR_WEIGHT", "0.3"))
 """``LatencyModel``'s default ``prior_weight`` (``COSERVE_PRIOR_WEIGHT``): how hard a refit pulls a
 set's terms toward their calibration, in rows' worth of evidence (``coserve.core.nnls.fit_relative``
