@@ -86,16 +86,25 @@ def test_a_calibration_is_saved_and_a_saved_state_replaces_it(tmp_path: Path, mo
 
     first = session(tmp_path / "a", calibrate=True)
     saved = tmp_path / "a" / "latency_state.json"
-    state = first.coserver.latency.state_dict()
+    calibrated = json.loads(saved.read_text())
+    assert calibrated["coefficients"] and not calibrated["online"]["windows"]
+    # the run serves and its model refits online: at close the file holds the model as the run
+    # left it, windows and levels included, and a run that loads it goes on from there
+    latency = first.coserver.latency
+    for i in range(30):
+        rows = 1 + i % 8
+        latency.observe_regressors("decode/eager", (float(rows), 100.0 * rows, 1.0), 0.01 + 1e-3 * rows)
+    state = json.loads(json.dumps(latency.state_dict()))
+    assert state["online"]["windows"]["decode/eager|idle"] and state["coefficients"] != calibrated["coefficients"]
     first.close()
-    assert json.loads(saved.read_text()) == json.loads(json.dumps(state)) and state["coefficients"]
+    assert json.loads(saved.read_text()) == state
 
     def no_calibration(self: object, *args: object, **kwargs: object) -> int:
         raise AssertionError("calibrated although a state was given")
 
     monkeypatch.setattr(LLMEngine, "calibrate", no_calibration)
     second = session(tmp_path / "b", calibrate=True, latency_state=saved)
-    assert second.coserver.latency.state_dict() == state
+    assert json.loads(json.dumps(second.coserver.latency.state_dict())) == state
     second.close()
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match="--latency-state"):

@@ -129,11 +129,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                             "is done, with the final adapter)")
     group.add_argument("--latency-state", type=Path, default=None,
                        help="load the latency model from this JSON (OUTPUT/latency_state.json of an earlier "
-                            "run of the same model and engine settings) instead of calibrating")
+                            "run of the same model and engine settings: the model as that run left it, "
+                            "refitted, its windows and levels included, so it goes on from there) instead "
+                            "of calibrating")
     group.add_argument("--no-calibrate", action="store_true",
                        help="skip the latency model's calibration sweep at start-up (seconds of timed "
-                            "batches; a calibration is saved to OUTPUT/latency_state.json): admission then "
-                            "starts from default coefficients and learns online")
+                            "batches; a calibration is saved to OUTPUT/latency_state.json, and the refitted "
+                            "model there again when the run ends): admission then starts from default "
+                            "coefficients and learns online")
 
 
 def _server_class() -> type:
