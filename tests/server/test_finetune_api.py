@@ -8,6 +8,7 @@ import json
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -18,7 +19,7 @@ from coserve.core.latency import LatencyModel
 from coserve.engine.config import EngineConfig
 from coserve.engine.llm_engine import LLMEngine
 from coserve.server.finetune import FinetuneSpec
-from coserve.server.job_board import JobsConfig, prepare_latency
+from coserve.server.job_board import JobsConfig, prepare_graphs, prepare_latency
 from tests.server.test_api import DATA, MODEL, Served, http, serve
 
 ROWS = DATA.read_text().splitlines()[:8]
@@ -161,6 +162,29 @@ def test_jobs_start_from_a_latency_model_calibrated_at_start_up(tmp_path: Path) 
     bare = JobsConfig(tmp_path / "bare", TEMPLATE)
     assert "default latency coefficients" in prepare_latency(bare, engine, None, calibrate=False)
     assert not given.latency_path.exists() and not bare.latency_path.exists()
+
+
+def test_the_prefill_graphs_of_a_jobs_adapter_are_captured_at_start_up(tmp_path: Path) -> None:
+    """``prepare_graphs`` declares the linears every job's adapter trains on the training slot
+    before the server serves, so its prefill graphs are captured then, not at a job's attach on the
+    engine's thread (on the CPU there are none: a stand-in records what would be captured)."""
+    from coserve.models.peft_adapter import new_lora_adapter, save_peft_adapter
+
+    engine = jobs_engine()
+    captured: list[frozenset[tuple[int, str]]] = []
+    engine.runner.prefill_graphs = SimpleNamespace(add_live_variant=captured.append)
+    slot = engine.lora_manager.training_slot(0)
+    cfg = engine.model_config
+    job = new_lora_adapter(num_layers=cfg.num_layers, shapes=cfg.linear_shapes(), rank=8, alpha=16,
+                           target_modules=TEMPLATE.lora.target_modules)  # (what a job's session trains)
+    targets = prepare_graphs(JobsConfig(tmp_path / "jobs", TEMPLATE), engine)
+    assert frozenset(targets) == frozenset(job.weights) and captured == [frozenset(job.weights)]
+    assert engine.lora_manager.live_targets([slot]) == frozenset(job.weights)
+    # a template that starts every job from an adapter of other linears declares those
+    save_peft_adapter(new_lora_adapter(num_layers=cfg.num_layers, shapes=cfg.linear_shapes(), rank=4, alpha=8,
+                                       target_modules=["q_proj"]), tmp_path / "init")
+    other = prepare_graphs(JobsConfig(tmp_path / "jobs", replace(TEMPLATE, init_adapter=tmp_path / "init")), engine)
+    assert frozenset(other) == {(layer, "q_proj") for layer in range(cfg.num_layers)} == captured[-1]
 
 
 def test_a_restarted_server_lists_its_jobs_and_serves_their_adapters(tmp_path: Path) -> None:

@@ -227,7 +227,7 @@ def serve(args: argparse.Namespace) -> int:
     from coserve.server.api import create_app
     from coserve.server.engine_thread import EngineThread
     from coserve.server.finetune import FinetuneSession
-    from coserve.server.job_board import prepare_latency
+    from coserve.server.job_board import prepare_graphs, prepare_latency
     from coserve.server.progress import ProgressReporter, snapshot_reader
 
     if args.log_stats_interval < 0:  # (before the model loads)
@@ -266,6 +266,8 @@ def serve(args: argparse.Namespace) -> int:
             print("coserve: calibrating the latency model for fine-tuning jobs on this machine (saved to "
                   f"{jobs.latency_path}: later starts skip it)", flush=True)
         print(f"coserve: {prepare_latency(jobs, engine, session, calibrate=not args.no_calibrate)}", flush=True)
+        if session is None:  # (a start-up run's attach declared the training slot's linears already)
+            prepare_graphs(jobs, engine)
     sys.setswitchinterval(switch_s)
     engine_thread = EngineThread(engine, session, slo=jobs.template.slo if jobs is not None else None).start()
     app = create_app(engine_thread, name, adapters, runtime_lora=args.allow_runtime_lora, finetune_name=live,
