@@ -162,6 +162,18 @@ def test_jobs_start_from_a_latency_model_calibrated_at_start_up(tmp_path: Path) 
     bare = JobsConfig(tmp_path / "bare", TEMPLATE)
     assert "default latency coefficients" in prepare_latency(bare, engine, None, calibrate=False)
     assert not given.latency_path.exists() and not bare.latency_path.exists()
+    # a DIR/latency_state.json measured on another setup (another model since the last start) is
+    # moved aside and the sweep runs again; a --latency-state of another setup stops the start
+    state["engine"] = {**state["engine"], "model": "/elsewhere/another-model"}
+    config.latency_path.write_text(json.dumps(state))
+    said = prepare_latency(config, engine, None, calibrate=True)
+    assert said.startswith("latency model calibrated") and "measured on another setup: model" in said
+    assert json.loads(config.latency_path.read_text())["engine"]["model"] != "/elsewhere/another-model"
+    aside, = config.root.glob("latency_state.replaced-*.json")
+    assert json.loads(aside.read_text()) == state
+    stale = JobsConfig(tmp_path / "stale", replace(TEMPLATE, latency_state=aside))
+    with pytest.raises(ValueError, match="--latency-state: latency state .* measured on another setup: model"):
+        prepare_latency(stale, engine, None, calibrate=True)
 
 
 def test_the_prefill_graphs_of_a_jobs_adapter_are_captured_at_start_up(tmp_path: Path) -> None:

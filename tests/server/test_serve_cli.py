@@ -74,7 +74,7 @@ def test_a_calibration_is_saved_and_a_saved_state_replaces_it(tmp_path: Path, mo
     from coserve import EngineConfig, LLMEngine
     from coserve.core.config import CoServeConfig, LoRAConfig
     from coserve.server.demo import builtin_dataset
-    from coserve.server.finetune import FinetuneSession, FinetuneSpec
+    from coserve.server.finetune import FinetuneSession, FinetuneSpec, engine_fingerprint
 
     def session(out: Path, **kw: object) -> FinetuneSession:
         engine = LLMEngine(EngineConfig(model="tiny", device="cpu", num_training_slots=1, max_lora_rank=8,
@@ -97,7 +97,8 @@ def test_a_calibration_is_saved_and_a_saved_state_replaces_it(tmp_path: Path, mo
     state = json.loads(json.dumps(latency.state_dict()))
     assert state["online"]["windows"]["decode/eager|idle"] and state["coefficients"] != calibrated["coefficients"]
     first.close()
-    assert json.loads(saved.read_text()) == state
+    written = json.loads(saved.read_text())
+    assert written.pop("engine") == engine_fingerprint(first.engine) and written == state
 
     def no_calibration(self: object, *args: object, **kwargs: object) -> int:
         raise AssertionError("calibrated although a state was given")
@@ -109,6 +110,18 @@ def test_a_calibration_is_saved_and_a_saved_state_replaces_it(tmp_path: Path, mo
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match="--latency-state"):
         session(tmp_path / "c", latency_state=tmp_path / "bad.json")
+    # a state measured on another setup is refused, naming what differs; one saved before the
+    # fingerprint (no "engine") loads as it is
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**state, "engine": {**engine_fingerprint(second.engine), "dtype": "bfloat16"}}))
+    with pytest.raises(ValueError, match=r"--latency-state: latency state .*other.json: measured on another "
+                                         r"setup: dtype 'bfloat16' \(here 'float32'\)"):
+        session(tmp_path / "d", latency_state=other)
+    older = tmp_path / "older.json"
+    older.write_text(json.dumps(state))
+    third = session(tmp_path / "e", latency_state=older)
+    assert json.loads(json.dumps(third.coserver.latency.state_dict())) == state
+    third.close()
 
 
 def test_slo_counter_sorts_finished_requests_by_the_coserving_slos() -> None:

@@ -154,9 +154,9 @@ class FinetuneSession:
         latency = LatencyModel()
         if spec.latency_state is not None:  # checked before the trainer process starts
             try:
-                latency.load_state_dict(json.loads(spec.latency_state.read_text()))
-            except (OSError, ValueError) as e:
-                raise ValueError(f"--latency-state {spec.latency_state}: {e}") from e
+                load_latency_state(spec.latency_state, engine, latency)
+            except ValueError as e:
+                raise ValueError(f"--latency-state: {e}") from e
         optim = spec.optim
         if checkpoint is not None:
             optim = replace(optim, total_steps=checkpoint["optim"]["total_steps"])
@@ -217,7 +217,7 @@ class FinetuneSession:
             t = time.perf_counter()
             n = engine.calibrate()
             logger.info("latency model calibrated on %d batches in %.1fs", n, time.perf_counter() - t)
-            write_json(spec.output / "latency_state.json", self.coserver.latency.state_dict())
+            write_json(spec.output / "latency_state.json", latency_state(engine, self.coserver.latency))
         self.started = time.monotonic()
 
     def dataset_line(self) -> str:
@@ -469,13 +469,52 @@ class FinetuneSession:
         rather than from the calibration. A failed write is logged, not raised."""
         path = self.spec.output / "latency_state.json"
         try:
-            write_json(path, self.coserver.latency.state_dict())
+            write_json(path, latency_state(self.engine, self.coserver.latency))
         except OSError as e:
             logger.warning("could not save the latency model to %s: %s", path, e)
 
     @property
     def tokens_per_second(self) -> float:
         return self.coserver.tokens_trained / max(1e-9, time.monotonic() - self.started)
+
+
+def engine_fingerprint(engine: LLMEngine) -> dict[str, Any]:
+    """What a latency model's coefficients hold only for: the model, its dtype, the device, whether
+    prefill-carrying steps run through piecewise graphs, and the step's token budget. Saved in
+    each latency state (:func:`latency_state`); a state for another is refused (:func:`load_latency_state`)."""
+    model = str(engine.config.model)
+    if Path(model).exists():
+        model = str(Path(model).resolve())
+    device = engine.runner.device
+    return {"model": model, "dtype": str(engine.runner.dtype).removeprefix("torch."),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+            "prefill_graphs": engine.runner.prefill_graphs is not None,
+            "max_num_batched_tokens": engine.config.max_num_batched_tokens}
+
+
+def latency_state(engine: LLMEngine, model: LatencyModel) -> dict[str, Any]:
+    """``model``'s :meth:`~coserve.core.latency.LatencyModel.state_dict` (its online part too) with
+    ``"engine"``: the :func:`engine_fingerprint` it was measured on."""
+    return {**model.state_dict(), "engine": engine_fingerprint(engine)}
+
+
+def load_latency_state(path: Path, engine: LLMEngine, model: LatencyModel) -> None:
+    """Load the latency state at ``path`` into ``model``. ``ValueError`` (naming ``path``) where it is
+    unreadable or malformed, or was measured on another setup than ``engine``'s (its ``"engine"``
+    differs from :func:`engine_fingerprint`: another model, dtype, GPU or step budget prices steps
+    otherwise, and admission would trust those prices); a state without one (saved before session
+    32) loads as it is."""
+    try:
+        state = json.loads(path.read_text())
+        if not isinstance(state, dict):
+            raise ValueError("not a JSON object")
+        saved, here = state.get("engine"), engine_fingerprint(engine)
+        if saved is not None and saved != here:
+            differ = ", ".join(f"{k} {saved.get(k)!r} (here {v!r})" for k, v in here.items() if saved.get(k) != v)
+            raise ValueError(f"measured on another setup: {differ or repr(saved)}; calibrate again instead")
+        model.load_state_dict(state)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"latency state {path}: {e}") from e
 
 
 def write_json(path: Path, value: object) -> None:

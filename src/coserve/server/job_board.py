@@ -48,6 +48,8 @@ from coserve.server.finetune import (
     FinetuneSpec,
     epoch_checkpoints,
     evaluate_served,
+    latency_state,
+    load_latency_state,
     read_dataset,
     write_json,
 )
@@ -95,25 +97,41 @@ def prepare_graphs(config: JobsConfig, engine: LLMEngine) -> tuple[tuple[int, st
 def prepare_latency(config: JobsConfig, engine: LLMEngine, startup: FinetuneSession | None, calibrate: bool) -> str:
     """Give the jobs of ``config`` a calibrated latency model at start-up, before the engine
     serves (the sweep runs on the engine: seconds, which a job created while serving must not
-    cost): none where ``--latency-state`` names one or ``DIR/latency_state.json`` exists; the
-    start-up job's calibration where it ran one; else, with ``calibrate``, the sweep, saved to
-    ``DIR/latency_state.json``. Returns what was done, for the start-up message."""
+    cost): none where ``--latency-state`` names one (``ValueError`` where it was measured on
+    another setup: :func:`~coserve.server.finetune.load_latency_state`) or ``DIR/latency_state.json``
+    exists for this setup (one for another, a model or GPU since the last start, is moved aside to
+    ``latency_state.replaced-TIME.json``); the start-up job's calibration where it ran one; else,
+    with ``calibrate``, the sweep, saved to ``DIR/latency_state.json``. Returns what was done, for
+    the start-up message."""
     target = config.latency_path
     if config.template.latency_state is not None:
+        try:  # (a state for another setup stops the start, not a job)
+            load_latency_state(config.template.latency_state, engine, LatencyModel())
+        except ValueError as e:
+            raise ValueError(f"--latency-state: {e}") from e
         return f"jobs start from --latency-state {config.template.latency_state}"
+    note = ""
     if target.is_file():
-        return f"jobs start from {target}"
+        try:
+            load_latency_state(target, engine, LatencyModel())
+            return f"jobs start from {target}"
+        except ValueError as e:
+            # (another model or GPU since the last start: kept aside, not overwritten)
+            aside = target.with_name(f"latency_state.replaced-{time.strftime('%Y%m%d-%H%M%S')}.json")
+            target.replace(aside)
+            note = f" ({e}: moved to {aside.name})"
     if startup is not None and (startup.spec.calibrate or startup.spec.latency_state is not None):
-        write_json(target, startup.coserver.latency.state_dict())
-        return f"jobs start from the start-up run's latency model, saved to {target}"
+        write_json(target, latency_state(engine, startup.coserver.latency))
+        return f"jobs start from the start-up run's latency model, saved to {target}{note}"
     if not calibrate:
-        return "jobs start from the default latency coefficients (--no-calibrate), which learn online"
+        return f"jobs start from the default latency coefficients (--no-calibrate), which learn online{note}"
     t = time.perf_counter()
     model = LatencyModel()
     lora, co = config.template.lora, config.template.coserve
     n = engine.calibrate(model=model, ft_eager=lora.dropout > 0 or co.save_mlp_activations)
-    write_json(target, model.state_dict())
-    return f"latency model calibrated for the jobs on {n} batches in {time.perf_counter() - t:.1f}s, saved to {target}"
+    write_json(target, latency_state(engine, model))
+    return (f"latency model calibrated for the jobs on {n} batches in {time.perf_counter() - t:.1f}s, saved to "
+            f"{target}{note}")
 
 
 SPEC = "spec.json"  # (in a job's directory: the settings it was created with, to resume it)
@@ -748,7 +766,7 @@ class JobBoard:
     def _served(self, session: FinetuneSession, final: EngineStats, adapter: LoraAdapter | None) -> EngineStats:
         job = self.jobs.get(session.job_id)
         if self.config is not None:
-            write_json(self.config.latency_path, session.coserver.latency.state_dict())
+            write_json(self.config.latency_path, latency_state(session.engine, session.coserver.latency))
         path = final.adapter_path
         if job is None or job.fine_tuned_model is None or path is None:
             return final
