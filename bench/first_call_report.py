@@ -88,13 +88,14 @@ def trace_vs_hf(ours: dict[str, Any] | None, peer: dict[str, Any] | None) -> dic
 
 def slo_machinery(result: dict[str, Any]) -> dict[str, Any]:
     f = result["figures"]
+    steps = before_warm(f.get("steps"), f.get("warm_first_step"))
     return {"latency_model_error": f["latency_model_error"],
             "latency_model_error_trainer_idle": f.get("latency_model_error_trainer_idle"),
             "trainer_pause": f["trainer_pause"],
             "trainer_spans": f.get("trainer_spans"), "ft_only_interruption": f["ft_only_interruption"],
             "latency_model_error_warm": f.get("latency_model_error_warm"),
-            "replay": f["replay"], "prefill_error_by_size": prefill_error_by_size(before_warm(f.get("steps"), f.get("warm_first_step"))),
-            "noise_floor": noise_floor(before_warm(f.get("steps"), f.get("warm_first_step")))}
+            "replay": f["replay"], "prefill_error_by_size": prefill_error_by_size(steps),
+            "noise_floor": noise_floor(steps)}
 
 
 def before_warm(steps: dict[str, Any] | None, first_warm: int | None) -> dict[str, Any] | None:

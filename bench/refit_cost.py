@@ -2,7 +2,8 @@
 and with them put off (``defer_refits``, as ``CoServer`` sets it; here no idle poll ever comes,
 so only the refits at ``DEFER_CAP`` run inline, and those of a window shorter than
 ``DEFER_FROM_ROWS`` rows, the default, or 0: none): 3,000 synthetic prefill and decode steps of
-random shapes, idle and busy.
+random shapes, idle and busy; then idle decode steps whose refits (on the step path, a window
+under ``DEFER_FROM_ROWS``) refit four 2,000-row busy sets with them or put those off.
 
     PYTHONPATH=src python3 bench/refit_cost.py --out bench/results/host_cpu/refit_cost.json
 """
@@ -42,6 +43,28 @@ def observe_times(defer: bool, steps: int, seed: int, defer_from_rows: int = DEF
     return np.asarray(out) * 1e3
 
 
+def idle_refit_times(busy_deferred: bool, steps: int, seed: int) -> np.ndarray:
+    """Observes of idle decode steps whose set refits (a window under ``DEFER_FROM_ROWS``: on the
+    step path) while four busy phases hold 2,000 rows each: their refits against the new idle form
+    (``busy_with_idle``) on the step path too, or put off to the idle poll (``busy_deferred``)."""
+    model = LatencyModel()
+    model.defer_refits = True
+    model.defer_from_rows = DEFER_FROM_ROWS if busy_deferred else 2**62
+    rng = random.Random(seed)
+    for phase in ("active", "quiet", "starting", "ending"):
+        for _ in range(model.window):
+            r = rng.randint(1, 64)
+            model.observe_regressors("decode/graph", (float(r), 500.0 * r, 1.0), 0.005 + 1e-4 * r, phase)
+    model.refit_due()
+    out = []
+    for _ in range(steps):
+        r = rng.randint(1, 64)
+        t0 = time.perf_counter()
+        model.observe_regressors("decode/graph", (float(r), 500.0 * r, 1.0), 0.004 + 1e-4 * r, "idle")
+        out.append(time.perf_counter() - t0)
+    return np.asarray(out) * 1e3
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
@@ -52,6 +75,11 @@ def main() -> None:
                 (f"refits_deferred_from_{DEFER_FROM_ROWS}_rows", True, DEFER_FROM_ROWS))
     for name, defer, from_rows in settings:
         t = observe_times(defer, args.steps, seed=0, defer_from_rows=from_rows)
+        figures[name] = {"observe_ms_p50": float(np.median(t)), "observe_ms_p99": float(np.quantile(t, 0.99)),
+                         "observe_ms_max": float(t.max()), "observes_over_1ms": int((t > 1).sum())}
+        print(name, json.dumps(figures[name]), flush=True)
+    for name, deferred in (("idle_refits_busy_sets_on_step_path", False), ("idle_refits_busy_sets_deferred", True)):
+        t = idle_refit_times(deferred, 400, seed=0)
         figures[name] = {"observe_ms_p50": float(np.median(t)), "observe_ms_p99": float(np.quantile(t, 0.99)),
                          "observe_ms_max": float(t.max()), "observes_over_1ms": int((t > 1).sum())}
         print(name, json.dumps(figures[name]), flush=True)

@@ -481,11 +481,16 @@ def test_an_idle_refit_refits_the_busy_sets_against_the_new_idle_form() -> None:
     calibration's ``T``, and both phases join the key's shared level. Then the idle set refits to
     the slower ``T``: with ``busy_with_idle`` the busy sets refit against it and price each phase
     to within 1%; without it the old slowdowns scale the new ``T`` and the shared level, restarted
-    from the latest steps, can right only their mean: 2-9% off by phase and size."""
-    errors: dict[bool, list[float]] = {}
-    for with_idle in (True, False):
+    from the latest steps, can right only their mean: 2-9% off by phase and size. With refits
+    deferred (``deferred``: the server's), busy sets of ``defer_from_rows`` rows or more are not
+    refitted on the step path of the idle refit but put off to the host's idle poll
+    (``refit_due``), after which they price each phase to within 1% as well."""
+    errors: dict[bool | str, list[float]] = {}
+    for with_idle in (True, False, "deferred"):
         rng = random.Random(34)
-        model = LatencyModel(busy_with_idle=with_idle, share_after=100, ending_after=None)
+        model = LatencyModel(busy_with_idle=bool(with_idle), share_after=100, ending_after=None)
+        if with_idle == "deferred":
+            model.defer_refits, model.defer_from_rows = True, 100  # (the idle set's 40 rows refit at once)
         model.fit([measure(s, rng) for s in calibration_plan(512, 64, 64 * 2000, modes=("graph",))])
 
         def decode(rows: int, rng: random.Random = rng) -> StepFeatures:
@@ -503,11 +508,16 @@ def test_an_idle_refit_refits_the_busy_sets_against_the_new_idle_form() -> None:
             f = decode(rng.randint(1, 48))
             model.observe_features(f, measured(f))
         assert model.coefficients("decode/graph")[2] == pytest.approx(TRUE["decode/graph"][2] + 4e-3, rel=0.05)
+        if with_idle == "deferred":
+            busy_before = model.busy_term("decode/graph", "quiet")
+            assert model.refit_due() == 2  # (the two busy sets, put off by the idle refit)
+            assert model.busy_term("decode/graph", "quiet") != busy_before
         errors[with_idle] = [model.predict(f) / measured(f) - 1.0
                              for phase in ("active", "quiet") for rows in (1, 16, 48)
                              for f in [replace(decode(rows), busy=True, trainer_phase=phase)]]
     assert max(abs(e) for e in errors[True]) < 0.01
     assert max(abs(e) for e in errors[False]) > 0.04
+    assert max(abs(e) for e in errors["deferred"]) < 0.01
 
 
 def test_a_state_keeps_the_knee_its_slope_was_fitted_with(caplog: pytest.LogCaptureFixture) -> None:

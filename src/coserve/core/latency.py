@@ -499,7 +499,11 @@ pair first (a warm start, ``bench/latency_warm.py``,
 without this, 10.1-11.7% with it (with every refit deferred, ``DEFER_FROM_ROWS`` 0, 19.4-23.6%
 against 10.1-11.4%, ``latency_warm_defer0.json``). The tables' own runs, from
 their calibration, have no idle refit between busy steps: unchanged on all 33 tables of sessions
-20-31."""
+20-31. With refits deferred, a busy set of ``defer_from_rows`` rows or more is put off to the
+host's idle poll rather than refitted on the idle refit's step path (on the dev VM that refit of
+four 2,000-row busy sets took an idle step's observe to 3.8 ms, against 1.2 ms put off); the
+offline replay never polls, so there they wait for their own cap: busy decode 10.8-13.6%
+(``latency_warm_busy_deferred.json``), the worst case for it."""
 PRIOR_WEIGHT: Final = float(os.environ.get("COSERVE_PRIOR_WEIGHT", "0.3"))
 """``LatencyModel``'s default ``prior_weight`` (``COSERVE_PRIOR_WEIGHT``): how hard a refit pulls a
 set's terms toward their calibration, in rows' worth of evidence (``coserve.core.nnls.fit_relative``
@@ -845,11 +849,17 @@ class LatencyModel:
             return
         # an idle refit moves the busy sets' predictions too (T_busy = (1 + ρ)·T + δ): their
         # (ρ, δ) were fitted against the old T, so they are refitted against the new one
-        # (BUSY_WITH_IDLE), then every set of the key gets its level and safety again
+        # (BUSY_WITH_IDLE) as their own refits run: now if short, else put off to the host's idle
+        # poll with refits deferred (this may run on the step path); then every set of the key
+        # gets its level and safety again, against the new T
         sets = [k for k in self._windows if k[0] == key]
         if self.busy_with_idle:
             for t in sets:
-                if t[1] != "idle":
+                if t[1] == "idle":
+                    continue
+                if self.defer_refits and len(self._windows[t]) >= self.defer_from_rows:
+                    self._due[t] = None
+                else:
                     self._solve_set(t)
         for t in sets:
             self._after_refit(t)
