@@ -500,10 +500,12 @@ without this, 10.1-11.7% with it (with every refit deferred, ``DEFER_FROM_ROWS``
 against 10.1-11.4%, ``latency_warm_defer0.json``). The tables' own runs, from
 their calibration, have no idle refit between busy steps: unchanged on all 33 tables of sessions
 20-31. With refits deferred, a busy set of ``defer_from_rows`` rows or more is put off to the
-host's idle poll rather than refitted on the idle refit's step path (on the dev VM that refit of
-four 2,000-row busy sets took an idle step's observe to 3.8 ms, against 1.2 ms put off); the
-offline replay never polls, so there they wait for their own cap: busy decode 10.8-13.6%
-(``latency_warm_busy_deferred.json``), the worst case for it."""
+host's idle poll rather than refitted on the idle refit's step path (``bench/refit_cost.py``,
+``bench/results/host_cpu/session32/refit_cost_busy_with_idle.json``, the dev VM: with four 2,000-row
+busy sets an idle step's observe took at most 3.9 ms, against 1.2 ms put off); the offline replay
+never polls, so there they wait for their own cap, its worst case: warm busy decode 10.8-13.6%
+against 12.0-13.3% cold (``latency_warm_busy_deferred.json``; the figures above were refitted
+inline). Not yet run on the device."""
 PRIOR_WEIGHT: Final = float(os.environ.get("COSERVE_PRIOR_WEIGHT", "0.3"))
 """``LatencyModel``'s default ``prior_weight`` (``COSERVE_PRIOR_WEIGHT``): how hard a refit pulls a
 set's terms toward their calibration, in rows' worth of evidence (``coserve.core.nnls.fit_relative``
