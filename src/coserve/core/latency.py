@@ -506,6 +506,17 @@ busy sets an idle step's observe took at most 3.9 ms, against 1.2 ms put off); t
 never polls, so there they wait for their own cap, its worst case: warm busy decode 10.8-13.6%
 against 12.0-13.3% cold (``latency_warm_busy_deferred.json``; the figures above were refitted
 inline). Not yet run on the device."""
+BUSY_BASE: Final = os.environ.get("COSERVE_BUSY_BASE", "1") == "1"
+"""``LatencyModel``'s default ``busy_base``: a busy set's ``(ρ, δ)`` prices ``T`` by the idle
+coefficients it was fitted against (kept with it), not by the idle set's newest ones
+(``COSERVE_BUSY_BASE``; ``0``: the model before session 33). An idle refit refits its key's busy
+sets (:data:`BUSY_WITH_IDLE`), but with refits deferred the large ones wait for the host's idle
+poll, which a busy engine rarely gives (it polls only with no request at all), while the small
+ones refit at once: the key's busy phases then priced a step against two different ``T`` under
+one shared level. On the H100 in session 33, after the trainer-idle replay's idle refits, the
+first ~450 busy decode steps of the warm replays ran ``quiet`` 1.08-1.12x, ``starting``
+1.05-1.08x and ``ending`` 1.13-1.16x their prediction (``active`` 0.99x) until the ``active`` set's
+refit came at its cap (``bench/results/latency_h100/README.md``, "Session 33")."""
 PRIOR_WEIGHT: Final = float(os.environ.get("COSERVE_PRIOR_WEIGHT", "0.3"))
 """``LatencyModel``'s default ``prior_weight`` (``COSERVE_PRIOR_WEIGHT``): how hard a refit pulls a
 set's terms toward their calibration, in rows' worth of evidence (``coserve.core.nnls.fit_relative``
@@ -552,7 +563,8 @@ class LatencyModel:
     False: the model before session 29). A prefill step's tokens above ``knee_tokens`` pay the
     slope ``k_over`` too (0: no knee, the model before session 31; module docstring). A refit of
     an idle set refits its key's busy sets too (``busy_with_idle``; False: the model before
-    session 32).
+    session 32), and a busy set prices ``T`` by the idle coefficients it was fitted against until
+    its own refit (``busy_base``; False: the model before session 33).
 
     :meth:`safety` is how far the set's recent steps ran over their predictions (the
     ``safety_quantile`` of measured / predicted over the last ``safety_window`` steps, each
@@ -581,6 +593,7 @@ class LatencyModel:
         lone_recenter: bool = LONE_RECENTER,
         knee_tokens: int = KNEE_TOKENS,
         busy_with_idle: bool = BUSY_WITH_IDLE,
+        busy_base: bool = BUSY_BASE,
     ) -> None:
         if window < 1 or refit_every < 1 or prior_weight < 0:
             raise ValueError("LatencyModel needs window >= 1, refit_every >= 1, prior_weight >= 0")
@@ -610,11 +623,14 @@ class LatencyModel:
         self.lone_recenter = lone_recenter
         self.knee_tokens = knee_tokens
         self.busy_with_idle = busy_with_idle
+        self.busy_base = busy_base
         # per prefill key, its latest lone prompts (regressors, time): the lone level's restart
         self._lone_recent: dict[str, deque[tuple[tuple[float, ...], float]]] = {}
         self._defaults = {form: _checked(form, defaults[form]) for form in TERMS}
         self._coef: dict[str, tuple[float, ...]] = {}
         self._busy: dict[str, tuple[float, ...]] = {}  # by busy_key(key, phase)
+        # by busy_key(key, phase): the idle coefficients that busy term was fitted against
+        self._busy_base: dict[str, tuple[float, ...]] = {}
         self._calib: dict[str, tuple[float, ...]] = {}
         self._calib_busy: dict[str, tuple[float, ...]] = {}
         self._windows: dict[tuple[str, str], deque[tuple[tuple[float, ...], float]]] = {}
@@ -687,16 +703,31 @@ class LatencyModel:
         with busy data (a step kind that has never run beside the backward — prefill steps are
         paused under the default policy — is priced like the worst that has), else ``(0, 0)``
         before any busy data."""
+        slot = self._busy_slot(key, phase)
+        return (0.0, 0.0) if slot is None else self._busy[slot]
+
+    def _busy_slot(self, key: str, phase: str) -> str | None:
+        """Whose busy term prices a ``key`` step beside ``phase`` (:meth:`busy_term`)."""
         if phase != "active" and busy_key(key, phase) in self._busy:
-            return self._busy[busy_key(key, phase)]
+            return busy_key(key, phase)
         form, mode = key.split("/")
         other = f"{form}/{'eager' if mode == 'graph' else 'graph'}"
-        own = self._busy.get(key) or self._busy.get(other)
-        if own is not None:
-            return own
+        for slot in (key, other):
+            if slot in self._busy:
+                return slot
         if not self._busy:
-            return (0.0, 0.0)
-        return max(self._busy.values(), key=lambda term: term[0])
+            return None
+        return max(self._busy, key=lambda s: self._busy[s][0])
+
+    def base_coefficients(self, key: str, state: str = "idle") -> tuple[float, ...]:
+        """The idle coefficients that give ``T`` of a ``key`` step in ``state``: those in use
+        (:meth:`coefficients`), but for a busy step whose busy term is ``key``'s own, those
+        that term was fitted against (``busy_base``, :data:`BUSY_BASE`)."""
+        if state != "idle" and self.busy_base:
+            slot = self._busy_slot(key, state)
+            if slot is not None and slot_key(slot) == key and slot in self._busy_base:
+                return self._busy_base[slot]
+        return self.coefficients(key)
 
     def predict(self, features: StepFeatures) -> float:
         """Predicted step time in seconds."""
@@ -734,7 +765,7 @@ class LatencyModel:
         return (key, SHARED)
 
     def _linear(self, key: str, regressors: Sequence[float], state: str) -> float:
-        t = sum(c * v for c, v in zip(self.coefficients(key), regressors, strict=True))
+        t = sum(c * v for c, v in zip(self.base_coefficients(key, state), regressors, strict=True))
         if state != "idle":
             rho, delta = self.busy_term(key, state)
             t = t * (1.0 + rho) + delta
@@ -901,7 +932,7 @@ class LatencyModel:
         rows = list(self._windows[s])[-max(self._safety_window, LEVEL_RECENTER_STEPS):]
         x = np.asarray([r[0] for r in rows], dtype=np.float64)
         y = np.asarray([r[1] for r in rows], dtype=np.float64)
-        linear = x @ np.asarray(self.coefficients(key), dtype=np.float64)  # (_linear, vectorized)
+        linear = x @ np.asarray(self.base_coefficients(key, state), dtype=np.float64)  # (_linear, vectorized)
         if state != "idle":
             rho, delta = self.busy_term(key, state)
             linear = linear * (1.0 + rho) + delta
@@ -936,15 +967,20 @@ class LatencyModel:
         x = np.asarray([r[0] for r in rows], dtype=np.float64)
         y = np.asarray([r[1] for r in rows], dtype=np.float64)
         weight = 1.0 / np.maximum(y, 1e-9)
+        idle = self.coefficients(key)
         if state != "idle":
             # Regress the slowdown on the idle prediction: y − T = ρ·T + δ.
-            base = x @ np.asarray(self.coefficients(key), dtype=np.float64)
+            base = x @ np.asarray(idle, dtype=np.float64)
             x, y = np.stack([base, np.ones_like(base)], 1), y - base
         if prior is None and x.shape[0] < x.shape[1]:
             return
         coef = fit_relative(x, y, weight, prior, prior_weights(prior, self.prior_weight))
         if all(math.isfinite(c) for c in coef):
-            (self._coef if state == "idle" else self._busy)[_slot(key, state)] = coef
+            slot = _slot(key, state)
+            if state == "idle":
+                self._coef[slot] = coef
+            else:
+                self._busy[slot], self._busy_base[slot] = coef, idle
         else:
             logger.warning("latency refit of %s (%s) not finite; kept the old set", key, state)
 
@@ -978,6 +1014,7 @@ class LatencyModel:
             "busy": {k: list(v) for k, v in self._busy.items()},
             "calibration": {k: list(v) for k, v in self._calib.items()},
             "calibration_busy": {k: list(v) for k, v in self._calib_busy.items()},
+            "busy_base": {k: list(v) for k, v in self._busy_base.items()},
         }
         if online:
             state["online"] = {
@@ -1018,6 +1055,13 @@ class LatencyModel:
             kind = "busy" if "busy" in name else None
             tables.append({k: _checked(kind or k.split("/")[0], v) for k, v in table.items()})
         self._coef, self._busy, self._calib, self._calib_busy = tables
+        base = state.get("busy_base", {})
+        if not isinstance(base, Mapping) or not set(base) <= set(BUSY_KEYS):
+            raise ValueError("LatencyModel state: bad 'busy_base' table")
+        # (a state without it, of an earlier version: its busy terms were fitted against the idle
+        # sets it holds, as far as it says)
+        self._busy_base = {k: _checked(k.split("/")[0], base[k]) if k in base else self.coefficients(slot_key(k))
+                           for k in self._busy}
         if knee != self.knee_tokens:
             logger.warning("latency model state fitted with a knee at %d tokens, not %d: it keeps its own",
                            knee, self.knee_tokens)
@@ -1148,6 +1192,11 @@ def busy_key(key: str, phase: str) -> str:
 
 
 BUSY_KEYS: Final = tuple(busy_key(k, p) for k in KEYS for p in TRAINER_PHASES)
+
+
+def slot_key(slot: str) -> str:
+    """The step key of a :func:`busy_key` (or of an idle slot, the key itself)."""
+    return "/".join(slot.split("/")[:2])
 
 
 def _migrated(state: Mapping[str, Any]) -> dict[str, Any]:
