@@ -186,9 +186,9 @@ from coserve.core.latency import (
     LEVEL_FORMS,
     LEVEL_RATE,
     LONE_LEVEL_RATE,
+    PHASES_IN_USE,
     SHARE_AFTER_STEPS,
     TERMS,
-    TRAINER_PHASES,
     V2_PREFILL_TERMS,
     LatencyModel,
     error_summary,
@@ -435,18 +435,24 @@ def recorded_phases(result: dict[str, Any]) -> tuple[str, ...]:
     return tuple(result.get("config", {}).get("trainer_phases") or LEGACY_TRAINER_PHASES)
 
 
-def replay_phases(steps: list[list[Any]], phases: tuple[str, ...] = TRAINER_PHASES) -> list[str]:
+LOSS_LAYER = 32
+"""The loss boundary's layer (``num_layers``) in the recorded tables: every one is of the
+``llama3-8b`` shape."""
+
+
+def replay_phases(steps: list[list[Any]], phases: tuple[str, ...] = PHASES_IN_USE) -> list[str]:
     """Each step's trainer phase (``coserve.core.latency.trainer_phase``) from its ``trainer_at``
     (``[key, predicted, measured, regressors, rows, trainer_at, ...]``) and the step before, as a
     model with only ``phases`` had it (a phase it did not have is ``active``: ``ending``, the
-    backward's last layer, for the models before session 27)."""
+    backward's last layer, for the models before session 27; ``loss`` before session 33)."""
     out, previous = [], "starting"
+    loss_layer = LOSS_LAYER if "loss" in phases else None
     for row in steps:
         key, at = row[0], row[5] if len(row) > 5 else None
         if key.endswith("/busy"):
-            previous = trainer_phase(None if at is None else tuple(at), previous)
+            previous = trainer_phase(None if at is None else tuple(at), previous, loss_layer)
         else:  # the trainer paused, or no task in flight (then a later one starts from scratch)
-            previous = "starting" if at is None else trainer_phase(tuple(at), previous)
+            previous = "starting" if at is None else trainer_phase(tuple(at), previous, loss_layer)
         out.append(previous if previous in phases else "active")
     return out
 
@@ -535,7 +541,7 @@ def recover(rows: list[list[Any]], model: LatencyModel, phases: list[str] | None
 
 
 def recovered_calibration(rows: list[list[Any]], model: LatencyModel,
-                          recorded: tuple[str, ...] = TRAINER_PHASES,
+                          recorded: tuple[str, ...] = PHASES_IN_USE,
                           calibration: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
     """:func:`recover`'s calibration of a table recorded by a model with the ``recorded`` phases
     (and, where the run recorded it, the ``calibration`` it ran from)."""
@@ -582,7 +588,7 @@ def _replay_model(graph_sizes: tuple[int, ...], prefill_buckets: tuple[int, ...]
 
 def replay(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
            prefill_buckets: tuple[int, ...] | None, defer: bool = True,
-           recorded: tuple[str, ...] = TRAINER_PHASES, recorded_planned: bool = True,
+           recorded: tuple[str, ...] = PHASES_IN_USE, recorded_planned: bool = True,
            calibration: dict[str, list[float]] | None = None) -> dict[str, Any]:
     """Held-out error of the online model replayed step by step (module docstring, ``replay``),
     of a table recorded by a model with the trainer phases ``recorded`` (:func:`recorded_phases`).
@@ -713,7 +719,7 @@ def _host_floor(x: np.ndarray, z: np.ndarray, y: np.ndarray, enqueue: np.ndarray
 
 def prefill_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
                   prefill_buckets: tuple[int, ...] | None, defer: bool = True,
-                  recorded: tuple[str, ...] = TRAINER_PHASES,
+                  recorded: tuple[str, ...] = PHASES_IN_USE,
                   calibration: dict[str, list[float]] | None = None,
                   knee_tokens: int = KNEE_TOKENS) -> dict[str, Any]:
     """Held-out error of the prefill sets replayed online in :data:`PREFILL_FORMS` (module
@@ -776,7 +782,7 @@ def prefill_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, .
 
 def decode_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
                  prefill_buckets: tuple[int, ...] | None, defer: bool = True,
-                 names: Collection[str] | None = None, recorded: tuple[str, ...] = TRAINER_PHASES,
+                 names: Collection[str] | None = None, recorded: tuple[str, ...] = PHASES_IN_USE,
                  calibration: dict[str, list[float]] | None = None) -> dict[str, Any]:
     """Held-out error of the decode sets replayed online in ``latency_decode.DECODE_FORMS``
     (module docstring, ``decode_forms``), from ``replay``'s calibration (of a table recorded with
@@ -793,7 +799,7 @@ def decode_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ..
 
 def phase_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
                 prefill_buckets: tuple[int, ...] | None, defer: bool = True,
-                recorded: tuple[str, ...] = TRAINER_PHASES,
+                recorded: tuple[str, ...] = PHASES_IN_USE,
                 calibration: dict[str, list[float]] | None = None) -> dict[str, Any]:
     """The decode sets' ``after`` (the model as it runs) replayed with the trainer phases before
     session 27 (``legacy``: a step beside the backward's last layer is ``active``) and with this
@@ -802,7 +808,7 @@ def phase_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...
     calibration = recovered_calibration(steps, _replay_model(graph_sizes, prefill_buckets), recorded, calibration)
     state = {**LatencyModel().state_dict(), "coefficients": calibration, "calibration": calibration}
     out: dict[str, Any] = {}
-    for name, phases in (("legacy", LEGACY_TRAINER_PHASES), ("current", TRAINER_PHASES)):
+    for name, phases in (("legacy", LEGACY_TRAINER_PHASES), ("current", PHASES_IN_USE)):
         got = latency_decode.decode_forms(steps, replay_phases(steps, phases), state, train,
                                           lambda m: _configure(m, graph_sizes, prefill_buckets, defer),
                                           current_regressors, ["after"])
@@ -814,7 +820,7 @@ def phase_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...
 
 def planned_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
                   prefill_buckets: tuple[int, ...] | None, defer: bool = True,
-                  recorded: tuple[str, ...] = TRAINER_PHASES,
+                  recorded: tuple[str, ...] = PHASES_IN_USE,
                   calibration: dict[str, list[float]] | None = None) -> dict[str, Any]:
     """``replay``'s ``after`` of a table recorded before the ``planned_s`` column, as recorded
     (``whole``: the model prices the whole step) and with each step's ``schedule_s`` as its

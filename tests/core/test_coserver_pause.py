@@ -511,6 +511,26 @@ def test_decode_steps_beside_the_backwards_last_layer_are_the_ending_phase_once_
         assert co.latency.predict(active) == pytest.approx(0.02)
 
 
+def test_decode_steps_beside_the_backwards_loss_are_the_loss_phase() -> None:
+    """At the boundary of layer ``num_layers`` (the store's last plane) the backward runs its loss
+    over the vocabulary: a step beside it learns and is priced by the ``loss`` set, and the
+    running backward's term is left alone."""
+    latency = model(0.01, (1.0, 0.0))
+    latency.ending_after = 0
+    co, trainer = coserver(latency)
+    num_layers = co.store.tensor.shape[0] - 1
+    trainer.progress = lambda: (num_layers, 1)  # type: ignore[attr-defined]
+    for _ in range(12):
+        co.plan(DECODE)
+        co.on_step_end(StepRecord(view=DECODE, ft_tokens=0, duration_s=0.025, mode="graph", trainer_busy=True))
+    loss = StepFeatures.from_view(DECODE, busy=True, trainer_phase="loss")
+    assert co.latency.predict(loss) == pytest.approx(0.025, rel=0.05)
+    assert co.latency.busy_term("decode/graph") == (1.0, 0.0)
+    trainer.progress = lambda: (num_layers - 1, 1)  # type: ignore[attr-defined]
+    co.plan(DECODE)
+    assert co._trainer_phase == "active"
+
+
 def test_the_model_prices_the_step_after_admissions_decision_and_adds_the_host_time_before_it() -> None:
     """A step's host time up to admission's decision (here 20 ms of it, as after taking in a
     trainer's results) is known when the step is admitted: it is part of the step's predicted

@@ -806,6 +806,11 @@ def test_trainer_phase_follows_the_progress_word() -> None:
     assert trainer_phase((0, 4), "active") == "ending"  # the backward's last layer
     assert trainer_phase((1, 8), "active") == "active"
     assert trainer_phase(None, "ending") == "quiet"
+    # the loss over the vocabulary, before the layers: boundary num_layers, where the host says so
+    assert trainer_phase((32, 1), "active", loss_layer=32) == "loss"
+    assert trainer_phase((32, 1), "active") == "active"
+    assert trainer_phase((31, 0), "loss", loss_layer=32) == "active"
+    assert trainer_phase((0, 0), "active", loss_layer=32) == "ending"
     with pytest.raises(ValueError, match="trainer phase"):
         StepFeatures(busy=True, trainer_phase="resting")
 
@@ -919,32 +924,34 @@ def test_busy_phases_share_one_level_after_the_keys_first_busy_steps() -> None:
         LatencyModel(share_after=-1)
 
 
-def test_the_ending_phase_is_priced_as_active_until_its_key_has_ending_after_busy_steps() -> None:
-    """Beside the backward's last layer a decode step runs faster than beside its other layers:
-    once the key has ``ending_after`` busy steps, ``ending`` is a set of its own and learns that;
-    before, it is the ``active`` set (a new set's level would start from nothing)."""
+@pytest.mark.parametrize(("phase", "slowdown"), [("ending", 0.2), ("loss", 0.9)])
+def test_a_late_phase_is_priced_as_active_until_its_key_has_ending_after_busy_steps(phase: str, slowdown: float) -> None:
+    """Beside the backward's last layer a decode step runs faster than beside its other layers,
+    beside its loss slower: once the key has ``ending_after`` busy steps, ``ending`` (``loss``) is a
+    set of its own and learns that; before, it is the ``active`` set (a new set's level would start
+    from nothing)."""
     rng = random.Random(15)
     plan = [measure(s, random.Random(0), noise=0.0) for s in calibration_plan(512, 64, 64 * 2000, modes=("graph",))]
     model, legacy = LatencyModel(ending_after=40), LatencyModel(ending_after=None)
     for m in (model, legacy):
         m.fit(plan)
     spec = BatchSpec(decode_kv=(500,) * 8, mode="graph")
-    ending = replace(spec.features(busy=True), trainer_phase="ending")
+    ending = replace(spec.features(busy=True), trainer_phase=phase)
     active = replace(ending, trainer_phase="active")
-    assert model.phase_of("decode/graph", "ending") == "active"
+    assert model.phase_of("decode/graph", phase) == "active"
     assert model.predict(ending) == model.predict(active)
-    slow = {"active": 0.6, "ending": 0.2}
+    slow = {"active": 0.6, phase: slowdown}
     for i, (s, _) in enumerate(_decode_steps(rng, 400)):
-        phase = "ending" if i % 4 == 0 else "active"
-        seconds = true_time(s.features()) * (1 + slow[phase]) * rng.uniform(0.99, 1.01)
+        at = phase if i % 4 == 0 else "active"
+        seconds = true_time(s.features()) * (1 + slow[at]) * rng.uniform(0.99, 1.01)
         for m in (model, legacy):
-            m.observe(s.record(seconds, busy=True), phase)
-    assert model.phase_of("decode/graph", "ending") == "ending"
-    assert model.phase_of("prefill/graph", "ending") == "active"  # (no busy steps of its own)
+            m.observe(s.record(seconds, busy=True), at)
+    assert model.phase_of("decode/graph", phase) == phase
+    assert model.phase_of("prefill/graph", phase) == "active"  # (no busy steps of its own)
     truth = true_time(spec.features())
-    assert model.predict(ending) == pytest.approx(truth * 1.2, rel=0.04)
+    assert model.predict(ending) == pytest.approx(truth * (1 + slowdown), rel=0.04)
     assert model.predict(active) == pytest.approx(truth * 1.6, rel=0.04)
-    assert legacy.phase_of("decode/graph", "ending") == "active"
+    assert legacy.phase_of("decode/graph", phase) == "active"
     assert legacy.predict(ending) == legacy.predict(active)
     with pytest.raises(ValueError):
         LatencyModel(ending_after=-1)

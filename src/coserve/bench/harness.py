@@ -69,7 +69,7 @@ from coserve.bench.runners import RUNNERS, BenchContext, TrainingSetup
 from coserve.bench.utilization import UtilizationSampler
 from coserve.bench.workload import Arrival, Scaling, Workload, load_workload
 from coserve.core.config import LoRAConfig, OptimConfig, SLOConfig
-from coserve.core.latency import LONE_GAP_S, TRAINER_PHASES
+from coserve.core.latency import LONE_GAP_S, PHASES_IN_USE
 from coserve.engine.config import EngineConfig
 from coserve.engine.llm_engine import LLMEngine
 from coserve.gc_freeze import freeze_startup_objects
@@ -265,7 +265,7 @@ def _config_section(
         },
         # the latency model's busy phases: an offline replay of the step tables reads them
         # (bench/latency_fit.py's recorded_phases)
-        "trainer_phases": list(TRAINER_PHASES),
+        "trainer_phases": list(PHASES_IN_USE),
         "lone_gap_s": LONE_GAP_S,
         "configs": {
             c.name: {

@@ -20,6 +20,7 @@ from coserve.core.config import CoServeConfig, OptimConfig, SkippedSteps, SLOCon
 from coserve.core.finetune import FTSample
 from coserve.core.host import FTRow, Interrupted, StepRecord, StepView
 from coserve.core.latency import (
+    LOSS_PHASE,
     BatchSpec,
     LatencyModel,
     StepFeatures,
@@ -281,6 +282,9 @@ class CoServer:
         # the trainer's phase beside the step being planned (coserve.core.latency.TRAINER_PHASES),
         # from its GPU's progress word; "active" for a trainer without one
         self._trainer_phase = "active"
+        # the boundary of the backward's loss (the model's num_layers: the store's last plane),
+        # priced as its own phase (coserve.core.latency.LOSS_PHASE)
+        self._loss_layer = store.tensor.shape[0] - 1 if LOSS_PHASE else None
         # per backward task: (submitted, result received: time.monotonic; trainer-side seconds;
         # tokens; of the trainer's seconds: paused, waiting on the GPU; its thread's CPU seconds)
         # — where a co-serving run's fine-tuning time goes
@@ -407,7 +411,8 @@ class CoServer:
         if progress is not None and getattr(self.trainer, "reports_progress", True):
             at = progress() if self._in_flight else None
             # (no task in flight: the next one starts from scratch)
-            self._trainer_phase = trainer_phase(at, self._trainer_phase) if self._in_flight else "starting"
+            self._trainer_phase = (trainer_phase(at, self._trainer_phase, self._loss_layer) if self._in_flight
+                                   else "starting")
         else:
             at, self._trainer_phase = None, "active"
         if self.track:

@@ -114,8 +114,8 @@ On the H100 in session 32 (one host, ``bench/results/latency_h100/README.md``), 
 against four at 0: p99 over all steps 12.7 / 12.7% against 13.7-15.1%, the prefill set's 10.3 /
 11.0% against 13.1-13.8%, busy decode's 13.3 / 13.0% against 13.7-15.2%; pause p99 1.86 / 1.96 ms
 against 1.63-1.91 ms; every request met its SLO."""
-TRAINER_PHASES: Final = ("active", "quiet", "starting", "ending")
-"""What a busy step runs beside: ``active`` the backward's layers or loss; ``quiet`` its
+TRAINER_PHASES: Final = ("active", "quiet", "starting", "ending", "loss")
+"""What a busy step runs beside: ``active`` the backward's layers; ``quiet`` its
 optimizer commit or nothing (the task's GPU work is done, its result not yet read); ``starting``
 a task that the worker is starting (its set-up and first kernels); ``ending`` the backward's last
 layer (layer 0), after which the task's GPU work stops within the step. On the H200, against
@@ -128,7 +128,23 @@ the fourteen recorded tables of sessions 20–26, the busy decode set's held-out
 fourteen (by 0.1–2.6 points), its p99 over all steps on 10 of the 11 default-mode tables (the
 eleventh +0.02), the first 500 steps unchanged by construction; from the first step, a new
 phase set's level starting at 0 raised one table's first-500 p99 from 14.2% to 23.0%
-(``bench/latency_fit.py --phase-forms-only``, ``bench/results/latency_h200/README.md``)."""
+(``bench/latency_fit.py --phase-forms-only``, ``bench/results/latency_h200/README.md``).
+``loss`` the loss over the vocabulary, before the layers (boundary ``num_layers``: the LM head's
+GEMMs over up to :data:`coserve.trainer.backward.LOSS_CHUNK` targets), gated as ``ending`` is; with
+``LOSS_PHASE`` off, ``active``."""
+LOSS_PHASE: Final = os.environ.get("COSERVE_LOSS_PHASE", "1") == "1"
+"""Whether a host prices steps beside the backward's loss as phase ``loss`` (``COSERVE_LOSS_PHASE``;
+``0``: as ``active``, the model before session 33; :func:`trainer_phase`'s ``loss_layer``). On
+the H100 in sessions 31-33, the busy decode steps beside it ran a median 1.02-1.04x their
+prediction in each of twelve runs, with 5-14% of them over 10% off (1% elsewhere), and 1.06-1.10x
+(30-53% over 10%) right after a prefill step, when the paused loss resumes with the decode step.
+Offline, replaying twelve of those runs whole (each with its trainer-idle and warm replays, polls
+where the engine was empty; ``bench/results/latency_h100/README.md``, "Session 33"), the busy
+decode p99 over each cold run's second half fell on 11 of 12 (by up to 1.8 points; one +0.1), over
+the six warm replays from 9.5-10.7% to 9.0-9.6%; over each first half -0.5 to +0.7 points (a new
+phase set learns from few steps there)."""
+PHASES_IN_USE: Final = TRAINER_PHASES if LOSS_PHASE else tuple(p for p in TRAINER_PHASES if p != "loss")
+"""The :data:`TRAINER_PHASES` a host of this build gives its steps (what a step table records)."""
 # NOTE: the stream gate's boundary labels (coserve.trainer.stream_gate COMMIT / TASK_START; core
 # does not import the trainer, tests/core/test_latency.py checks they agree)
 _COMMIT: Final = -1
@@ -143,18 +159,21 @@ _STATE_VERSION: Final = 3  # 2: i_ctx among the prefill terms; 3: k_over and kne
 _ANY_SIZE: Final = 2**62  # ft_graph_tokens of a step known to have run in graph mode
 
 
-def trainer_phase(at: tuple[int, int] | None, previous: str) -> str:
+def trainer_phase(at: tuple[int, int] | None, previous: str, loss_layer: int | None = None) -> str:
     """The :data:`TRAINER_PHASES` phase of a task in flight whose GPU passed boundary ``at`` last
     (``None``: not in a task), given the phase read for the step before (``"starting"`` when no
     task was in flight then): ``None`` after a commit or a running task is the finished task
     (``quiet``); before any of its boundaries, the task just handed over (``starting``); a
-    boundary of layer 0, the backward's last layer, ``ending``."""
+    boundary of layer 0, the backward's last layer, ``ending``; of ``loss_layer`` (the model's
+    ``num_layers``, where the host prices the loss apart: :data:`LOSS_PHASE`), ``loss``."""
     if at is None:
         return "starting" if previous == "starting" else "quiet"
     if at[0] == _COMMIT:
         return "quiet"
     if at[0] == _TASK_START:
         return "starting"
+    if loss_layer is not None and at[0] == loss_layer:
+        return "loss"
     return "ending" if at[0] == 0 else "active"
 
 
@@ -750,9 +769,9 @@ class LatencyModel:
         return self.lone_level and self.level_rate > 0 and state == "idle" and key.startswith("prefill/")
 
     def phase_of(self, key: str, state: str) -> str:
-        """The set a ``key`` step in ``state`` is priced and observed in: ``ending`` is
-        ``active`` until ``key`` has :attr:`ending_after` busy steps (TRAINER_PHASES)."""
-        if state == "ending" and (self.ending_after is None or self._busy_steps.get(key, 0) < self.ending_after):
+        """The set a ``key`` step in ``state`` is priced and observed in: ``ending`` and ``loss``
+        are ``active`` until ``key`` has :attr:`ending_after` busy steps (TRAINER_PHASES)."""
+        if state in ("ending", "loss") and (self.ending_after is None or self._busy_steps.get(key, 0) < self.ending_after):
             return "active"
         return state
 
