@@ -2,7 +2,7 @@
 configuration of an evaluation result in given time windows, and given requests' TTFT: how much a
 configuration slowed the steps of a burst against the reference.
 
-    python bench/burst_steps.py bench/results/eval_h200/session11/call2/azure2023_code/azure2023_code.json.gz \
+    python bench/burst_steps.py bench/results/eval_h200/session11/call2/azure2023_code/azure2023_code.json.xz \
         --window 25:30.4 --window 30.4:31.5 --request 340
 """
 

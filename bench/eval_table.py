@@ -28,6 +28,9 @@ ORDER = ("inference", "inference-graphs", "full", "full-graphs", "full-eager", "
          "temporal", "naive", "split", "inference-last")
 
 
+RESULT_SUFFIXES = (".json", ".json.gz", ".json.xz")
+"""A workload's result as the device left it, or as committed: gzipped, or xz'd when large."""
+
 SAME_RUN = ("workload", "slo", "model", "ft")
 """The config sections two results must share for their configurations to sit in one table."""
 
@@ -42,8 +45,8 @@ def load(*folders: Path) -> dict[str, dict[str, Any]]:
     folder's run of the same commit and setup (:data:`SAME_RUN`) adds."""
     found: dict[str, list[Path]] = {}
     for folder in folders:
-        for p in sorted([*folder.glob("*/*.json"), *folder.glob("*/*.json.gz")]):
-            if p.name in (f"{p.parent.name}.json", f"{p.parent.name}.json.gz"):
+        for p in sorted(q for ext in RESULT_SUFFIXES for q in folder.glob(f"*/*{ext}")):
+            if p.name in [f"{p.parent.name}{ext}" for ext in RESULT_SUFFIXES]:
                 found.setdefault(p.parent.name, []).append(p)
     names = [w for w in WORKLOADS if w in found] + sorted(set(found) - set(WORKLOADS))
     out = {}

@@ -198,7 +198,7 @@ def summary(report: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("results", nargs="+", help="result JSON files (or .json.gz) with step tables")
+    p.add_argument("results", nargs="+", help="result JSON files (or .json.gz, .json.xz) with step tables")
     p.add_argument("--train", type=float, default=0.5, help="share of each key's steps before the held-out ones")
     p.add_argument("--min-steps", type=int, default=100, help="keys with fewer steps are left out")
     p.add_argument("--out", default=None, help="write the result JSON here")

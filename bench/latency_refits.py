@@ -5,7 +5,7 @@ deferred to their cap as ``CoServer`` runs them with no idle host) step by step;
 ``--key``'s idle set it gives the set's coefficients and its predictions for a few reference steps,
 and each step of that key predicted more than ``--off`` away from what it measured:
 
-    python bench/latency_refits.py bench/results/latency_h100/session31/coserve_latency_share50_6ba5a32.json.gz \\
+    python bench/latency_refits.py bench/results/latency_h100/session31/coserve_latency_share50_6ba5a32.json.xz \\
         [--key prefill/graph] [--out RESULT.json]
 
 Session 31's use: the first refit of a prefill set, on 40 steps, moved ``e_kv`` to 0.4x its
@@ -71,7 +71,7 @@ def trace(rows: list[list[Any]], calibration: dict[str, list[float]] | None, key
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("result", type=Path, help="a bench/coserve_latency.py result (.json or .json.gz)")
+    p.add_argument("result", type=Path, help="a bench/coserve_latency.py result (.json, .json.gz or .json.xz)")
     p.add_argument("--key", default="prefill/graph", help="the idle set to follow (form/mode)")
     p.add_argument("--off", type=float, default=0.15, help="list the steps predicted further than this share away")
     p.add_argument("--out", type=Path, default=None)

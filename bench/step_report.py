@@ -11,7 +11,7 @@ Per configuration, in run order:
 - the backward tasks' breakdown, the CUDA allocator counters, the SM clock and the host's CPU load
   (mean / max share busy, with the replay's wall-clock start to line up runs), as recorded.
 
-    python bench/step_report.py bench/results/eval_h200/azure2023_code/azure2023_code.json.gz [--out report.json]
+    python bench/step_report.py bench/results/eval_h200/azure2023_code/azure2023_code.json.xz [--out report.json]
 """
 
 from __future__ import annotations

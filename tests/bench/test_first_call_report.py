@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import lzma
 import shutil
 import sys
 from pathlib import Path
@@ -18,8 +19,10 @@ RESULTS = ROOT / "bench" / "results"
 
 
 def copy_unzipped(src: Path, dst: Path) -> None:
-    """A committed result kept gzipped (``src`` names it without ``.gz``) into the plain file the call wrote."""
-    dst.write_bytes(gzip.decompress(src.with_name(src.name + ".gz").read_bytes()))
+    """A committed result kept gzipped or xz'd (``src`` names it without ``.gz``/``.xz``) into the
+    plain file the call wrote."""
+    gz, xz = src.with_name(src.name + ".gz"), src.with_name(src.name + ".xz")
+    dst.write_bytes(gzip.decompress(gz.read_bytes()) if gz.exists() else lzma.decompress(xz.read_bytes()))
 
 
 def test_report_reads_every_part_and_names_what_is_missing(tmp_path: Path) -> None:
