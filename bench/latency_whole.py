@@ -1,0 +1,116 @@
+"""Offline: a ``bench/coserve_latency.py`` run replayed whole by one latency model, by segment.
+
+A run with ``--warm-replays`` (``first_call.sh``'s ``latency_warm``) has three segments in one
+step table, all priced by one model as it went: the busy replay from the calibration (``cold``),
+the replay with the trainer idle (``idle``) and the busy replay again (``warm``). This replays the
+table from its calibration step by step (``latency_fit.py``'s ``after`` model, this commit's
+switches: set ``COSERVE_*`` in the environment for an A/B), with the host's idle poll
+(``CoServer.poll``, which refits the sets put off) before each step whose recorded ``gap_s`` is
+at least ``--poll-gap`` (the host polls only when the engine has no request at all: 5 ms, the
+replay's idle wait, reproduces the device's polls), and reports per segment and key the
+relative error's median and p99, beside what the device's model predicted (``recorded``), with
+``cold`` also by halves.
+
+    PYTHONPATH=src python bench/latency_whole.py RUN.json.xz [RUN2 ...] --out OUT.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from coserve.bench.provenance import provenance
+from coserve.bench.result_file import read_result
+from coserve.bench.runners import row_lone
+from coserve.core.latency import LatencyModel, error_summary
+
+sys.path.insert(0, str(Path(__file__).parent))
+import latency_fit as lf  # noqa: E402  (the scripts beside this one)
+import latency_warm as lw  # noqa: E402
+
+GAP_S = 13  # the step table's gap_s column (bench/coserve_latency.py's STEP_COLUMNS order)
+
+
+def segments(path: str, kept: int) -> dict[str, tuple[int, int]]:
+    """``name -> (first, end)`` of the run's segments, in rows of its measured steps (``kept``)."""
+    figures = read_result(path)["figures"]
+    rows = figures["steps"]["rows"]
+    index = [i for i, r in enumerate(rows) if r[2] > 0]
+
+    def at(row: int | None) -> int | None:
+        return None if row is None else next((j for j, i in enumerate(index) if i >= row), kept)
+
+    idle = at((figures.get("latency_model_error_trainer_idle") or {}).get("first_step"))
+    warm = at(figures.get("warm_first_step"))
+    cold_end = idle if idle is not None else warm if warm is not None else kept
+    out = {"cold": (0, cold_end), "cold_first_half": (0, cold_end // 2), "cold_second_half": (cold_end // 2, cold_end)}
+    if idle is not None:
+        out["idle"] = (idle, warm if warm is not None else kept)
+    if warm is not None:
+        out["warm"] = (warm, kept)
+    return out
+
+
+def replay(model: LatencyModel, steps: list[list[Any]], poll_gap_s: float | None) -> tuple[np.ndarray, int]:
+    """Each step's prediction by ``model`` before it observes the step, polling as the host
+    would (``poll_gap_s`` None: never); and how many polls refitted something."""
+    out, polls = [], 0
+    for row, phase in zip(steps, lf.replay_phases(steps), strict=True):
+        gap = row[GAP_S] if len(row) > GAP_S else None
+        if poll_gap_s is not None and gap is not None and gap >= poll_gap_s and model.refit_due():
+            polls += 1
+        key, measured, vec, planned = row[0], row[2], row[3], lf.planned(row)
+        base, busy = key.rsplit("/", 1)
+        regressors = model.bucketed(lf.current_regressors(base, vec), base)
+        state = phase if busy == "busy" else "idle"
+        out.append(model.observe_regressors(base, regressors, measured - planned, state, row_lone(row)) + planned)
+    return np.asarray(out), polls
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", help="bench/coserve_latency.py result files")
+    p.add_argument("--poll-gap", type=float, default=0.005,
+                   help="poll before a step after this much idle host time, s (a negative value: never)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    poll = None if args.poll_gap < 0 else args.poll_gap
+    report = {}
+    for path in args.runs:
+        table = lw.Table(path)
+        model = table.model(busy_with_idle=True)
+        model.defer_refits = True  # (as CoServer's; the replay model has it already)
+        predicted, polls = replay(model, table.steps, poll)
+        measured = np.asarray([s[2] for s in table.steps])
+        recorded = np.asarray([s[1] for s in table.steps])
+        entry: dict[str, Any] = {"polls": polls}
+        for name, (lo, hi) in segments(path, len(table.steps)).items():
+            part: dict[str, Any] = {}
+            for key in ["all", *sorted({s[0] for s in table.steps[lo:hi]})]:
+                idx = [i for i in range(lo, hi) if key == "all" or table.steps[i][0] == key]
+                if len(idx) < 20:
+                    continue
+                part[key] = {src: error_summary((np.abs(pred[idx] - measured[idx]) / measured[idx]).tolist())._asdict()
+                             for src, pred in (("replay", predicted), ("recorded", recorded))}
+            entry[name] = part
+        report[table.name] = entry
+        print(f"{table.name} ({polls} polls)")
+        for name, part in entry.items():
+            if name == "polls":
+                continue
+            print(f"  {name:17s} " + "  ".join(
+                f"{k} {v['replay']['p99_rel'] * 100:.1f}% (recorded {v['recorded']['p99_rel'] * 100:.1f})"
+                for k, v in part.items() if k == "all" or "/graph/" in k))
+    if args.out:
+        record = {**provenance(), "config": {"runs": args.runs, "poll_gap_s": poll}, "figures": report}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()
