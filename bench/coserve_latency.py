@@ -47,6 +47,7 @@ from coserve.bench.analysis import latency_model_error
 from coserve.bench.metrics import attainment, latency_summary, percentile
 from coserve.bench.replay import STEP_COLUMNS, InProcessDriver
 from coserve.bench.runners import step_table, task_breakdown
+from coserve.bench.utilization import UtilizationSampler
 from coserve.bench.workload import Arrival, busiest_window, load_trace
 from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig, SLOConfig
 from coserve.core.coserver import CheckPoint
@@ -284,6 +285,27 @@ def warm_replays(driver: InProcessDriver, session: FinetuneSession, slo: SLOConf
     return out
 
 
+def timeline(utilization: Sequence[tuple[float, float]], clocks_mhz: Sequence[float],
+             task_timings: Sequence[tuple[float, ...]], task_shapes: Sequence[tuple[float, int, int]],
+             origin: float) -> dict[str, Any]:
+    """What ran beside the steps, in seconds since ``origin`` (the step table's ``began_s``): the
+    GPU's utilization and SM clock every 0.25 s (none where the device does not report them: the
+    session-33 cold runs' first quarter ran noisier than the warm replay of the same arrivals,
+    whatever the model's state, ``bench/latency_whole.py``), and each backward task's submission,
+    result, trainer seconds, tokens, samples and longest sample (admission fills tasks
+    shortest-first, so a run's first tasks are not its later ones)."""
+    gpu = [[round(t, 3), u, round(clocks_mhz[i], 1) if i < len(clocks_mhz) else None]
+           for i, (t, u) in enumerate(utilization)]
+    shapes = {round(t, 6): (n, longest) for t, n, longest in task_shapes}
+    tasks = []
+    for submitted, received, trainer_s, tokens, *_ in task_timings:
+        n, longest = shapes.get(round(submitted, 6), (None, None))
+        tasks.append([round(submitted - origin, 4), round(received - origin, 4), round(trainer_s, 4), tokens, n, longest])
+    return {"gpu_columns": ["t_s", "utilization", "sm_clock_mhz"], "gpu": gpu,
+            "task_columns": ["submitted_s", "received_s", "trainer_s", "tokens", "samples", "longest_tokens"],
+            "tasks": tasks}
+
+
 def longest_steps(steps: list[tuple[Any, ...]], top: int) -> dict[str, list[dict[str, Any]]]:
     """The ``top`` longest replay steps of each kind, as dicts of :data:`STEP_COLUMNS`."""
     by_kind: dict[str, list[tuple[Any, ...]]] = {}
@@ -461,6 +483,10 @@ def main() -> None:
     ft_only_step = min(ft_only_samples)
     ft_only_eager = min(engine.run_batch(BatchSpec(ft_lens=(1024,))) for _ in range(3))
     co.track = True
+    # the GPU's utilization and SM clock through every replay, lined up with the steps and tasks
+    sampler = UtilizationSampler(torch.device(args.device), every_s=0.25)
+    origin = time.monotonic()
+    sampler.start()
     layer0 = Layer0Profile(co) if args.profile_layer0 else None
     result = driver.run(arrivals, duration_s=args.duration, ft_tokens=lambda: co.tokens_trained,
                         idle_wait=session.wait, drain_s=60.0)
@@ -474,6 +500,7 @@ def main() -> None:
     idle_run = idle_replay(driver, session, arrivals, args.idle_replay_s) if args.idle_replay_s > 0 else None
     first_warm = len(co.step_log)
     warm = warm_replays(driver, session, slo, arrivals, args.duration, args.warm_replays)
+    utilization = sampler.stop()
     session.close()
 
     errors = model_errors(co.step_log[:first_idle])
@@ -529,7 +556,8 @@ def main() -> None:
         # the model that the replays before had refitted (the step table goes on with them)
         "latency_model_error_warm": warm or None,
         "warm_first_step": first_warm if warm else None,
-        "steps": step_table(co.step_log),
+        "steps": step_table(co.step_log, origin),
+        "timeline": timeline(utilization, sampler.clocks_mhz, co.task_timings, co.task_shapes, origin),
         "replay": {
             "requests": len(result.records),
             "attainment": attainment(result.records, slo.ttft_slo_s, slo.tpot_slo_s),

@@ -83,3 +83,27 @@ def test_warm_replays_turn_fine_tuning_back_on_and_score_their_own_steps() -> No
     for w in got:
         assert w["decode/graph/busy"]["n"] == 3 and abs(w["all"]["median_rel"] - 0.2) < 1e-9
         assert "decode/graph/idle" not in w and w["ft_tokens_per_s"] == 250.0
+
+
+def test_the_timeline_lines_tasks_and_gpu_samples_up_with_the_steps() -> None:
+    """Times are seconds since the step table's origin; each task gets its shape where one was
+    recorded at its submission, and a GPU sample without a clock reading keeps its place."""
+    origin = 100.0
+    timings = [(101.0, 101.5, 0.4, 1200, 0.1, 0.0, 0.2), (102.0, 102.6, 0.5, 1300, 0.0, 0.0, 0.3)]
+    shapes = [(101.0, 5, 600)]  # (the second task's shape not recorded)
+    got = coserve_latency.timeline([(0.0, 90.0), (0.25, 95.0)], [1980.0], timings, shapes, origin)
+    assert got["gpu"] == [[0.0, 90.0, 1980.0], [0.25, 95.0, None]]
+    assert got["tasks"] == [[1.0, 1.5, 0.4, 1200, 5, 600], [2.0, 2.6, 0.5, 1300, None, None]]
+    assert got["task_columns"][-2:] == ["samples", "longest_tokens"]
+
+
+def test_the_step_table_dates_each_step_from_the_origin() -> None:
+    from coserve.bench.runners import STEP_TABLE_COLUMNS, step_table
+    from coserve.core.coserver import StepLogRow
+
+    row = StepLogRow("decode/graph/busy", (3.0, 900.0, 1.0), 0.01, 0.011, (0, 0), (5, 1), False, (), 3,
+                     None, None, 0.0, None, 0.002, 50.25)
+    table = step_table([row, row._replace(began_s=None)], origin=50.0)
+    assert table["columns"] == list(STEP_TABLE_COLUMNS) and table["columns"][-1] == "began_s"
+    assert [r[-1] for r in table["rows"]] == [0.25, None]
+    assert step_table([row])["rows"][0][-1] is None  # (no origin: not dated)

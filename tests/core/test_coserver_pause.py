@@ -766,3 +766,15 @@ def test_a_prompt_alone_after_an_idle_host_is_learnt_as_lone(idle_s: float) -> N
     co.on_step_end(StepRecord(view=view, ft_tokens=0, duration_s=0.03))
     key = StepFeatures.from_view(view).key
     assert ((key, LONE) in co.latency._level) is (idle_s >= LONE_GAP_S)
+
+
+def test_a_tracking_coserver_records_each_tasks_shape_at_submission() -> None:
+    """(bench/coserve_latency.py's timeline) each task submitted while tracking: when, its samples,
+    its longest sample's tokens; nothing while not tracking."""
+    co, trainer = pipelined(accumulation=2)
+    assert run_step(co) == 2 and len(trainer.submitted) == 1 and co.task_shapes == []
+    co.track = True
+    assert run_step(co) == 2 and len(trainer.submitted) == 2
+    (at, samples, longest), = co.task_shapes
+    assert samples == len(trainer.submitted[1].samples) == 2 and longest == 8
+    assert at <= time.monotonic()

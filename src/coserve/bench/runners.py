@@ -343,7 +343,7 @@ def task_breakdown(
     }
 
 
-def step_table(log: Sequence[StepLogRow]) -> dict[str, Any]:
+def step_table(log: Sequence[StepLogRow], origin: float | None = None) -> dict[str, Any]:
     """The replay's steps as rows of :data:`STEP_TABLE_COLUMNS` (:class:`StepLogRow`'s fields:
     regressors in ``coserve.core.latency.TERMS[form]`` order; rows: the step's prefill chunks and
     FT rows; trainer_at: the boundary ``[layer, ordinal]`` the trainer's GPU had passed last when
@@ -355,7 +355,8 @@ def step_table(log: Sequence[StepLogRow]) -> dict[str, Any]:
     the latency model pricing the rest; gpu_s: the device's seconds between two events around the
     step's forward, where the host timed it, ``coserve.engine.llm_engine.StepStats.forward_gpu_s``;
     gap_s: the host's seconds from the end of the step before to this one's start, how long the
-    GPU was left to the trainer or idle before it),
+    GPU was left to the trainer or idle before it; began_s: its start in seconds since ``origin``,
+    a ``time.monotonic()``, null without one),
     6 significant digits: enough to refit the latency model offline, to try forms with other
     terms, to see whether a busy step's time follows what the trainer's kernels were doing, and
     whether a step was bound by its host."""
@@ -368,13 +369,13 @@ def step_table(log: Sequence[StepLogRow]) -> dict[str, Any]:
         "rows": [[r.key, g(r.predicted_s), g(r.measured_s), [g(v) for v in r.regressors], list(r.rows),
                   list(r.trainer_at) if r.trainer_at is not None else None, r.late,
                   [list(c) for c in r.chunks], r.decodes, g(r.schedule_s), g(r.enqueue_s), g(r.planned_s), g(r.gpu_s),
-                  g(r.gap_s)]
+                  g(r.gap_s), None if origin is None or r.began_s is None else round(r.began_s - origin, 6)]
                  for r in log],
     }
 
 
 STEP_TABLE_COLUMNS = ("key", "predicted_s", "measured_s", "regressors", "rows", "trainer_at", "event_timed",
-                      "chunks", "decodes", "schedule_s", "enqueue_s", "planned_s", "gpu_s", "gap_s")
+                      "chunks", "decodes", "schedule_s", "enqueue_s", "planned_s", "gpu_s", "gap_s", "began_s")
 
 
 def row_lone(row: Sequence[Any], without_gap: bool = False) -> bool:

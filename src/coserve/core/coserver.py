@@ -129,6 +129,9 @@ class StepLogRow(NamedTuple):
     # (StepView.step_began; None: the first step, or a host that does not say): how long the
     # engine had left the GPU to the trainer or idle before the step (recorded while tracking)
     gap_s: float | None = None
+    # time.monotonic() at the step's start (StepView.step_began; None: a host that does not say):
+    # to line the steps up with the trainer's tasks and the GPU's clock (bench/coserve_latency.py)
+    began_s: float | None = None
 
 
 class CheckPoint(NamedTuple):
@@ -289,6 +292,9 @@ class CoServer:
         # tokens; of the trainer's seconds: paused, waiting on the GPU; its thread's CPU seconds)
         # — where a co-serving run's fine-tuning time goes
         self.task_timings: list[tuple[float, float, float, int, float, float, float]] = []
+        # (track) per backward task submitted: (time.monotonic(), its samples, its longest sample's
+        # tokens) — what the trainer ran beside the steps (bench/coserve_latency.py's timeline)
+        self.task_shapes: list[tuple[float, int, int]] = []
         self._submitted: dict[int, tuple[float, int]] = {}
         self._layer_events: list[torch.cuda.Event] = []
         # (track) per interrupted FT-only step: each interruption point it passed — where an
@@ -643,7 +649,8 @@ class CoServer:
                 key, features.vector(), predicted + planned_s, record.duration_s,
                 (len(features.chunks), len(features.ft_lens)),
                 trainer_at, late, tuple((c.num_tokens, c.context_len) for c in features.chunks),
-                features.num_decodes, record.schedule_s, record.enqueue_s, planned_s, record.gpu_s, gap_s))
+                features.num_decodes, record.schedule_s, record.enqueue_s, planned_s, record.gpu_s, gap_s,
+                record.view.step_began))
 
     def _gap_before(self, record: StepRecord) -> float | None:
         """:attr:`StepLogRow.gap_s` of the step ending now (None where it cannot be told)."""
@@ -719,7 +726,9 @@ class CoServer:
         self._task_rows = []
         self._in_flight.append((task, self._fill_region))
         if self.track:
-            self._submitted[task.task_id] = (time.monotonic(), sum(len(r.labels) for r in task.samples))
+            now = time.monotonic()  # (the same time in both: the timeline joins them on it)
+            self._submitted[task.task_id] = (now, sum(len(r.labels) for r in task.samples))
+            self.task_shapes.append((now, len(task.samples), max(len(r.labels) for r in task.samples)))
         if self.store.tensor.is_cuda:
             # NOTE: the captures were queued on the engine's stream; the trainer (another
             # process, another stream) must see them complete.
