@@ -12,6 +12,11 @@ relative error's median and p99, beside what the device's model predicted (``rec
 ``cold`` also by halves.
 
     PYTHONPATH=src python bench/latency_whole.py RUN.json.xz [RUN2 ...] --out OUT.json
+
+``--warm-from OTHER``: each run replayed by the model that replayed OTHER whole first (its whole
+state, windows and levels: a server restarted with ``--latency-state``), to tell the model's
+first minutes from the system's: per segment, also each quarter's busy decode p99 and the 5th /
+95th percentile of measured / predicted (the steps' spread under the model).
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ def main() -> None:
     p.add_argument("runs", nargs="+", help="bench/coserve_latency.py result files")
     p.add_argument("--poll-gap", type=float, default=0.005,
                    help="poll before a step after this much idle host time, s (a negative value: never)")
+    p.add_argument("--warm-from", default=None, help="a result file replayed first by the same model")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     poll = None if args.poll_gap < 0 else args.poll_gap
@@ -84,7 +90,10 @@ def main() -> None:
     for path in args.runs:
         table = lw.Table(path)
         model = table.model(busy_with_idle=True)
-        model.defer_refits = True  # (as CoServer's; the replay model has it already)
+        if args.warm_from:
+            first = lw.Table(args.warm_from)
+            model = first.model(busy_with_idle=True)
+            replay(model, first.steps, poll)
         predicted, polls = replay(model, table.steps, poll)
         measured = np.asarray([s[2] for s in table.steps])
         recorded = np.asarray([s[1] for s in table.steps])
@@ -97,6 +106,13 @@ def main() -> None:
                     continue
                 part[key] = {src: error_summary((np.abs(pred[idx] - measured[idx]) / measured[idx]).tolist())._asdict()
                              for src, pred in (("replay", predicted), ("recorded", recorded))}
+            busy = [i for i in range(lo, hi) if table.steps[i][0] == "decode/graph/busy"]
+            if len(busy) >= 80:
+                ratio = measured[busy] / predicted[busy]
+                part["busy_decode_quarters"] = [
+                    {"p99_rel": float(np.quantile(np.abs(q - 1.0), 0.99)),
+                     "ratio_p5": float(np.quantile(q, 0.05)), "ratio_p95": float(np.quantile(q, 0.95)), "n": len(q)}
+                    for q in np.array_split(ratio, 4)]
             entry[name] = part
         report[table.name] = entry
         print(f"{table.name} ({polls} polls)")
@@ -105,9 +121,12 @@ def main() -> None:
                 continue
             print(f"  {name:17s} " + "  ".join(
                 f"{k} {v['replay']['p99_rel'] * 100:.1f}% (recorded {v['recorded']['p99_rel'] * 100:.1f})"
-                for k, v in part.items() if k == "all" or "/graph/" in k))
+                for k, v in part.items() if k == "all" or "/graph/" in k)
+                + ("  quarters " + " ".join(f"{q['p99_rel'] * 100:.1f}" for q in part["busy_decode_quarters"])
+                   if "busy_decode_quarters" in part else ""))
     if args.out:
-        record = {**provenance(), "config": {"runs": args.runs, "poll_gap_s": poll}, "figures": report}
+        record = {**provenance(), "config": {"runs": args.runs, "poll_gap_s": poll, "warm_from": args.warm_from},
+                  "figures": report}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(record, indent=1))
 
