@@ -425,24 +425,30 @@ def _served(model: LatencyModel, rng: random.Random, steps: int) -> list[float]:
     return out
 
 
-@pytest.mark.parametrize("defer", [False, True])
-def test_a_restored_online_state_goes_on_as_the_model_it_was_saved_from(defer: bool) -> None:
-    """Windows, steps since the last refit, levels (shared, lone) and safety ratios travel in
-    ``state_dict``: restored through JSON mid-run, the model predicts the next steps, refits
-    included, as the one that kept running; restored without them (``online=False``), it does
-    not."""
+@pytest.mark.parametrize("defer", [False, True, "pending"])
+def test_a_restored_online_state_goes_on_as_the_model_it_was_saved_from(defer: bool | str) -> None:
+    """Windows, steps since the last refit, levels (shared, lone), safety ratios and the refits
+    put off (``pending``: saved before the host's idle poll ran them) travel in ``state_dict``:
+    restored through JSON mid-run, the model predicts the next steps, refits included, as the one
+    that kept running; restored without them (``online=False``), it does not."""
     rng = random.Random(32)
     model = calibrated(rng)
-    model.defer_refits = defer
+    model.defer_refits = bool(defer)
+    model.defer_from_rows = 0
     _served(model, rng, 1300)
-    if defer:
+    if defer is True:
         model.refit_due()
     saved = json.loads(json.dumps(model.state_dict()))
     assert saved["online"]["windows"] and saved["online"]["levels"] and saved["online"]["joined"]
+    assert bool(saved["online"]["due"]) == (defer == "pending")
     restored, cold = LatencyModel(prior_weight=1e-3), LatencyModel(prior_weight=1e-3)
     restored.load_state_dict(saved)
     cold.load_state_dict(model.state_dict(online=False))
-    restored.defer_refits = cold.defer_refits = defer
+    restored.defer_refits = cold.defer_refits = bool(defer)
+    restored.defer_from_rows = cold.defer_from_rows = 0
+    assert restored._due == model._due
+    if defer == "pending":
+        assert restored.refit_due() == model.refit_due() > 0  # (the host's next idle poll)
     f = BatchSpec(decode_kv=(500,) * 8, mode="graph").features(busy=True)
     assert restored.safety(f) == model.safety(f) and restored.safety(f) > 1.0 and cold.safety(f) == 1.0
     seed = rng.random()
@@ -463,7 +469,9 @@ def test_a_restored_online_state_goes_on_as_the_model_it_was_saved_from(defer: b
     ({"unfitted": {"decode/graph|idle": -1}}, "counts must be integers"),
     ({"busy_steps": {"decode/fast": 3}}, "unknown key"),
     ({"shared_recent": {"decode/graph": [["idle", [1.0, 2.0, 3.0], 0.01]]}}, "unknown set"),
-    ({"joined": "decode/graph|active"}, "'joined' must be a list"),
+    ({"joined": "decode/graph|active"}, "'joined' and 'due' must be lists"),
+    ({"due": {"decode/graph|idle": 1}}, "'joined' and 'due' must be lists"),
+    ({"due": ["decode/graph|resting"]}, "unknown set"),
 ])
 def test_a_malformed_online_state_is_refused_and_leaves_the_model_as_it_was(online: object, match: str) -> None:
     rng = random.Random(33)

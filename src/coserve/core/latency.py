@@ -1021,7 +1021,7 @@ class LatencyModel:
         """JSON-serializable coefficients (fitted and calibration) and the knee they were fitted
         with; ``online``: also what the online refits go on from (``"online"``: each set's window
         of measured steps, its steps since its last refit, the levels and their restart steps,
-        the busy steps per key and the safety ratios), so that a model restored from it predicts
+        the busy steps per key, the safety ratios and the refits put off), so that a model restored from it predicts
         and refits as this one would have (a server restarted with ``--latency-state``, the next
         fine-tuning job). Without it, a restored model starts its windows empty: its first refits
         come on a few dozen steps, whose error the continued model does not have (offline,
@@ -1046,6 +1046,7 @@ class LatencyModel:
                 "lone_recent": {k: [[list(v), y] for v, y in d] for k, d in self._lone_recent.items()},
                 "ratios": {_set_name(s): list(r) for s, r in self._ratios.items()},
                 "ratio_count": {_set_name(s): n for s, n in self._ratio_count.items()},
+                "due": [_set_name(s) for s in self._due],
             }
         return state
 
@@ -1114,6 +1115,8 @@ class LatencyModel:
             if len(ratios) >= self.safety_min_steps:
                 self._set_safety(s, np.asarray(self._ratios[s], dtype=np.float64))
         self._ratio_count.update(online["ratio_count"])
+        # (refits put off when it was saved: the host's next idle poll runs them, as it would have)
+        self._due.update(dict.fromkeys(s for s in online["due"] if s in self._windows))
 
     def _parsed_online(self, online: Any) -> dict[str, Any] | None:
         """:meth:`state_dict`'s ``"online"`` part, checked (``ValueError`` naming what is wrong;
@@ -1159,9 +1162,9 @@ class LatencyModel:
                       for k, d in table("shared_recent").items()}
             lone = {key_of(k): [row(k, [*v, y]) for v, y in d] for k, d in table("lone_recent").items()}
             ratios = {_parsed_set(n, sets): [float(x) for x in r] for n, r in table("ratios").items()}
-            joined = online.get("joined", [])
-            if not isinstance(joined, list):
-                raise ValueError("LatencyModel state: online 'joined' must be a list")
+            joined, due = online.get("joined", []), online.get("due", [])
+            if not isinstance(joined, list) or not isinstance(due, list):
+                raise ValueError("LatencyModel state: online 'joined' and 'due' must be lists")
             return {
                 "windows": windows,
                 "unfitted": {_parsed_set(n, sets): count("unfitted", c) for n, c in table("unfitted").items()},
@@ -1173,6 +1176,7 @@ class LatencyModel:
                 "ratios": ratios,
                 "ratio_count": {_parsed_set(n, sets): count("ratio_count", c)
                                 for n, c in table("ratio_count").items()},
+                "due": [_parsed_set(n, sets) for n in due],
             }
         except (TypeError, ValueError) as e:
             raise ValueError(f"LatencyModel state: bad 'online' part: {e}") from e
