@@ -1,0 +1,95 @@
+"""Offline: where an eager latency run's prefill error comes from (``coserve_latency.py
+--no-prefill-graphs``, first_call.sh's ``latency_eager``).
+
+For the run's eager prefill steps (``prefill/eager/*`` rows of its step table, as the device's
+model predicted them): the relative error's median and p99, how many ran over 10% off; the same
+for steps whose token count the process had not run before in the table (an eager step's GEMMs
+at a new token count pick their cuBLAS kernel on the host: session 17) and for the rest; by
+token count; and the host's share of the step (``enqueue_s`` / measured) for all of them and for
+those over 10% off. With ``--forms``: the best a linear form does on the same steps, the
+current regressors alone and with the step's chunk, cached-context chunk, decode and FT-row
+counts and a small-step indicator beside them, fitted on the first half (held-out: the second)
+and on all of it (in-sample): whether any form of these features could reach the goal.
+
+    PYTHONPATH=src python bench/eager_tail.py RUN.json.xz --forms --out OUT.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from coserve.bench.provenance import provenance
+from coserve.bench.result_file import read_result
+from coserve.core.nnls import fit_relative
+
+SIZES = ((0, 64), (64, 256), (256, 512), (512, 1024), (1024, 1 << 20))
+
+
+def summary(ratio: np.ndarray) -> dict[str, Any]:
+    """``ratio``: measured / predicted; the error as the runs report it, ``|predicted - measured| / measured``."""
+    err = np.abs(1.0 / ratio - 1.0)
+    return {"n": len(ratio), "median_rel": float(np.median(err)), "p99_rel": float(np.quantile(err, 0.99)),
+            "over_10pct": int((err > 0.1).sum()), "ratio_median": float(np.median(ratio))}
+
+
+def forms(x0: np.ndarray, extra: np.ndarray, y: np.ndarray) -> dict[str, Any]:
+    out = {}
+    half = len(y) // 2
+    for name, x in (("current", x0), ("with_counts", np.column_stack([x0, extra]))):
+        held = np.asarray(fit_relative(x[:half], y[:half], 1 / y[:half], None, 0.0))
+        whole = np.asarray(fit_relative(x, y, 1 / y, None, 0.0))
+        e_held = np.abs(x[half:] @ held - y[half:]) / y[half:]
+        e_in = np.abs(x @ whole - y) / y
+        out[name] = {"held_out_p99_rel": float(np.quantile(e_held, 0.99)), "in_sample_p99_rel": float(np.quantile(e_in, 0.99))}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run")
+    p.add_argument("--forms", action="store_true")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    table = read_result(args.run)["figures"]["steps"]
+    col = {c: i for i, c in enumerate(table["columns"])}
+    rows = [r for r in table["rows"] if r[col["key"]].startswith("prefill/eager") and r[col["measured_s"]] > 0]
+    measured = np.asarray([r[col["measured_s"]] for r in rows])
+    ratio = measured / np.asarray([r[col["predicted_s"]] for r in rows])
+    tokens = np.asarray([r[col["regressors"]][1] for r in rows])
+    seen: set[float] = set()
+    new = []
+    for t in tokens:
+        new.append(t not in seen)
+        seen.add(t)
+    first = np.asarray(new)
+    enqueue = np.asarray([r[col["enqueue_s"]] or 0.0 for r in rows]) / measured
+    bad = np.abs(1.0 / ratio - 1.0) > 0.1
+    report: dict[str, Any] = {
+        "all": summary(ratio), "new_token_count": summary(ratio[first]), "seen_token_count": summary(ratio[~first]),
+        "by_tokens": {f"{lo}-{hi}": summary(ratio[(tokens > lo) & (tokens <= hi)])
+                      for lo, hi in SIZES if ((tokens > lo) & (tokens <= hi)).any()},
+        "enqueue_share_median": float(np.median(enqueue)),
+        "enqueue_share_median_over_10pct": float(np.median(enqueue[bad])) if bad.any() else None,
+    }
+    if args.forms:
+        planned = np.asarray([r[col["planned_s"]] or 0.0 for r in rows])
+        chunks = [r[col["chunks"]] for r in rows]
+        extra = np.column_stack([
+            [len(c) for c in chunks], [sum(1 for n, ctx in c if ctx > 0) for c in chunks],
+            [r[col["decodes"]] for r in rows], [r[col["rows"]][1] for r in rows], (tokens <= 512).astype(float),
+        ])
+        x0 = np.asarray([r[col["regressors"]] for r in rows], dtype=np.float64)
+        report["forms"] = forms(x0, extra, measured - planned)
+    print(json.dumps(report, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps({**provenance(), "config": {"run": args.run, "forms": args.forms},
+                                              "figures": report}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
