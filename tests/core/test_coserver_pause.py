@@ -475,14 +475,19 @@ def test_model_pauses_a_mixed_step_whose_rows_admission_did_not_price() -> None:
     assert co.last_decision is not None and co.last_decision.reason == "latency_budget"
 
 
+def decode_steps_beside(co: CoServer, trainer: FakeTrainer, at: tuple[int, int], duration_s: float) -> None:
+    """Twelve busy decode steps of ``duration_s`` with the trainer's GPU past boundary ``at``."""
+    trainer.progress = lambda: at  # type: ignore[attr-defined]
+    for _ in range(12):
+        co.plan(DECODE)
+        co.on_step_end(StepRecord(view=DECODE, ft_tokens=0, duration_s=duration_s, mode="graph", trainer_busy=True))
+
+
 def test_decode_steps_beside_a_commit_are_learned_and_priced_as_the_quiet_phase() -> None:
     """The trainer's progress word at plan time picks the busy set: steps beside its commit
     (faster on the H200) refit the ``quiet`` term and leave the running backward's alone."""
     co, trainer = coserver(model(0.01, (1.0, 0.0)))
-    trainer.progress = lambda: (-1, 0)  # type: ignore[attr-defined]  # stream_gate.COMMIT
-    for _ in range(12):
-        co.plan(DECODE)
-        co.on_step_end(StepRecord(view=DECODE, ft_tokens=0, duration_s=0.011, mode="graph", trainer_busy=True))
+    decode_steps_beside(co, trainer, (-1, 0), 0.011)
     quiet = StepFeatures.from_view(DECODE, busy=True, trainer_phase="quiet")
     assert co.latency.predict(quiet) == pytest.approx(0.011, rel=0.05)
     assert co.latency.busy_term("decode/graph") == (1.0, 0.0)
@@ -497,10 +502,7 @@ def test_decode_steps_beside_the_backwards_last_layer_are_the_ending_phase_once_
     latency = model(0.01, (1.0, 0.0))
     latency.ending_after = ending_after
     co, trainer = coserver(latency)
-    trainer.progress = lambda: (0, 3)  # type: ignore[attr-defined]
-    for _ in range(12):
-        co.plan(DECODE)
-        co.on_step_end(StepRecord(view=DECODE, ft_tokens=0, duration_s=0.013, mode="graph", trainer_busy=True))
+    decode_steps_beside(co, trainer, (0, 3), 0.013)
     ending = StepFeatures.from_view(DECODE, busy=True, trainer_phase="ending")
     active = StepFeatures.from_view(DECODE, busy=True)
     assert co.latency.predict(ending) == pytest.approx(0.013, rel=0.05)
@@ -519,10 +521,7 @@ def test_decode_steps_beside_the_backwards_loss_are_the_loss_phase() -> None:
     latency.ending_after = 0
     co, trainer = coserver(latency)
     num_layers = co.store.tensor.shape[0] - 1
-    trainer.progress = lambda: (num_layers, 1)  # type: ignore[attr-defined]
-    for _ in range(12):
-        co.plan(DECODE)
-        co.on_step_end(StepRecord(view=DECODE, ft_tokens=0, duration_s=0.025, mode="graph", trainer_busy=True))
+    decode_steps_beside(co, trainer, (num_layers, 1), 0.025)
     loss = StepFeatures.from_view(DECODE, busy=True, trainer_phase="loss")
     assert co.latency.predict(loss) == pytest.approx(0.025, rel=0.05)
     assert co.latency.busy_term("decode/graph") == (1.0, 0.0)
