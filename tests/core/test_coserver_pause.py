@@ -767,9 +767,10 @@ def test_a_prompt_alone_after_an_idle_host_is_learnt_as_lone(idle_s: float) -> N
     assert ((key, LONE) in co.latency._level) is (idle_s >= LONE_GAP_S)
 
 
-def test_a_tracking_coserver_records_each_tasks_shape_at_submission() -> None:
+def test_a_tracking_coserver_records_each_tasks_shape_and_longest_stretch() -> None:
     """(bench/coserve_latency.py's timeline) each task submitted while tracking: when, its samples,
-    its longest sample's tokens; nothing while not tracking."""
+    its longest sample's tokens; and with its result, its longest stretch between two boundaries
+    in host and GPU ms, beside its timings; nothing while not tracking."""
     co, trainer = pipelined(accumulation=2)
     assert run_step(co) == 2 and len(trainer.submitted) == 1 and co.task_shapes == []
     co.track = True
@@ -777,3 +778,9 @@ def test_a_tracking_coserver_records_each_tasks_shape_at_submission() -> None:
     (at, samples, longest), = co.task_shapes
     assert samples == len(trainer.submitted[1].samples) == 2 and longest == 8
     assert at <= time.monotonic()
+    trainer.finish(trainer.submitted[0])  # (submitted before tracking: no timings)
+    task = trainer.submitted[1]
+    trainer.results.append(TaskResult(task.task_id, 1.0, 16, 0.01, None,
+                                      spans=((2, 0, 0.8, 3.5), (1, 1, 1.9, 0.4), (1, 0, 0.2, 0.1))))
+    co.poll()
+    assert co.task_span_ms == [(3.5, 1.9)] and len(co.task_timings) == 1

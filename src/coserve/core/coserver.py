@@ -295,6 +295,10 @@ class CoServer:
         # (track) per backward task submitted: (time.monotonic(), its samples, its longest sample's
         # tokens) — what the trainer ran beside the steps (bench/coserve_latency.py's timeline)
         self.task_shapes: list[tuple[float, int, int]] = []
+        # (track) parallel to task_timings: the task's longest stretch between two boundaries, in
+        # host ms and in GPU ms (NaN: no spans) — a host stall in the trainer changes what its GPU
+        # runs beside the engine's steps
+        self.task_span_ms: list[tuple[float, float]] = []
         self._submitted: dict[int, tuple[float, int]] = {}
         self._layer_events: list[torch.cuda.Event] = []
         # (track) per interrupted FT-only step: each interruption point it passed — where an
@@ -803,6 +807,8 @@ class CoServer:
             if sent is not None:
                 self.task_timings.append((sent[0], time.monotonic(), result.duration_s, sent[1], result.paused_s,
                                           result.gpu_wait_s, result.cpu_s))
+                self.task_span_ms.append((max((cpu for *_, cpu in result.spans), default=math.nan),
+                                          max((gpu for *_, gpu, _ in result.spans), default=math.nan)))
         self._open.loss_sum += result.loss_sum
         self._open.num_targets += result.num_targets
         info = result.step_info
