@@ -13,6 +13,12 @@ relative error's median and p99, beside what the device's model predicted (``rec
 
     PYTHONPATH=src python bench/latency_whole.py RUN.json.xz [RUN2 ...] --out OUT.json
 
+``--calibration-add KEY:TERM:SECONDS`` (repeatable): that much added to a term of the recorded
+calibration before the replay (e.g. ``decode/graph:b_decodes:6e-5``: a per-row host cost the
+calibration sweep, which times the forward and the sampler but not the step's output work, did
+not see). Each run's figures carry the coefficients its model ended with (``end_coefficients``:
+what the online refits made of the calibration).
+
 ``--warm-from OTHER``: each run replayed by the model that replayed OTHER whole first (its whole
 state, windows and levels: a server restarted with ``--latency-state``), to tell the model's
 first minutes from the system's: per segment, also each quarter's busy decode p99 and the 5th /
@@ -32,7 +38,7 @@ import numpy as np
 from coserve.bench.provenance import provenance
 from coserve.bench.result_file import read_result
 from coserve.bench.runners import row_lone
-from coserve.core.latency import LatencyModel, error_summary
+from coserve.core.latency import TERMS, LatencyModel, error_summary
 
 sys.path.insert(0, str(Path(__file__).parent))
 import latency_fit as lf  # noqa: E402  (the scripts beside this one)
@@ -83,12 +89,24 @@ def main() -> None:
     p.add_argument("--poll-gap", type=float, default=0.005,
                    help="poll before a step after this much idle host time, s (a negative value: never)")
     p.add_argument("--warm-from", default=None, help="a result file replayed first by the same model")
+    p.add_argument("--calibration-add", action="append", default=[], metavar="KEY:TERM:SECONDS",
+                   help="add to a term of the recorded calibration before the replay")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     poll = None if args.poll_gap < 0 else args.poll_gap
     report = {}
+    adds = []
+    for spec in args.calibration_add:
+        key, term, value = spec.split(":")
+        form = key.split("/")[0]
+        if form not in TERMS or term not in TERMS[form]:
+            p.error(f"--calibration-add {spec}: no term {term!r} in {key!r}")
+        adds.append((key, TERMS[form].index(term), float(value)))
     for path in args.runs:
         table = lw.Table(path)
+        for key, i, value in adds:
+            table.calibration = {**table.calibration,
+                                 key: [c + value if j == i else c for j, c in enumerate(table.calibration[key])]}
         model = table.model(busy_with_idle=True)
         if args.warm_from:
             first = lw.Table(args.warm_from)
@@ -97,7 +115,9 @@ def main() -> None:
         predicted, polls = replay(model, table.steps, poll)
         measured = np.asarray([s[2] for s in table.steps])
         recorded = np.asarray([s[1] for s in table.steps])
-        entry: dict[str, Any] = {"polls": polls}
+        entry: dict[str, Any] = {"polls": polls, "end_coefficients": model.state_dict(online=False)["coefficients"],
+                                 "end_busy": model.state_dict(online=False)["busy"],
+                                 "calibration": {k: list(v) for k, v in table.calibration.items()}}
         for name, (lo, hi) in segments(path, len(table.steps)).items():
             part: dict[str, Any] = {}
             for key in ["all", *sorted({s[0] for s in table.steps[lo:hi]})]:
@@ -117,7 +137,7 @@ def main() -> None:
         report[table.name] = entry
         print(f"{table.name} ({polls} polls)")
         for name, part in entry.items():
-            if name == "polls":
+            if name in ("polls", "end_coefficients", "end_busy", "calibration"):
                 continue
             print(f"  {name:17s} " + "  ".join(
                 f"{k} {v['replay']['p99_rel'] * 100:.1f}% (recorded {v['recorded']['p99_rel'] * 100:.1f})"
@@ -125,7 +145,8 @@ def main() -> None:
                 + ("  quarters " + " ".join(f"{q['p99_rel'] * 100:.1f}" for q in part["busy_decode_quarters"])
                    if "busy_decode_quarters" in part else ""))
     if args.out:
-        record = {**provenance(), "config": {"runs": args.runs, "poll_gap_s": poll, "warm_from": args.warm_from},
+        record = {**provenance(), "config": {"runs": args.runs, "poll_gap_s": poll, "warm_from": args.warm_from,
+                                             "calibration_add": args.calibration_add},
                   "figures": report}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(record, indent=1))
