@@ -103,8 +103,9 @@ def test_the_step_table_dates_each_step_from_the_origin() -> None:
     from coserve.core.coserver import StepLogRow
 
     row = StepLogRow("decode/graph/busy", (3.0, 900.0, 1.0), 0.01, 0.011, (0, 0), (5, 1), False, (), 3,
-                     None, None, 0.0, None, 0.002, 50.25)
+                     None, None, 0.0, None, 0.002, 50.25, 400)
     table = step_table([row, row._replace(began_s=None)], origin=50.0)
-    assert table["columns"] == list(STEP_TABLE_COLUMNS) and table["columns"][-1] == "began_s"
-    assert [r[-1] for r in table["rows"]] == [0.25, None]
-    assert step_table([row])["rows"][0][-1] is None  # (no origin: not dated)
+    began, longest = STEP_TABLE_COLUMNS.index("began_s"), STEP_TABLE_COLUMNS.index("decode_kv_max")
+    assert table["columns"] == list(STEP_TABLE_COLUMNS) and len(table["rows"][0]) == len(STEP_TABLE_COLUMNS)
+    assert [r[began] for r in table["rows"]] == [0.25, None] and table["rows"][0][longest] == 400
+    assert step_table([row])["rows"][0][began] is None  # (no origin: not dated)

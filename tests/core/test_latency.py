@@ -1158,3 +1158,18 @@ def test_a_short_window_refits_on_the_step_path_from_defer_from_rows(monkeypatch
     assert refit_steps(0) == [40, 440]
     early = refit_steps(200)
     assert early[:4] == [10, 20, 30, 40] and all(b - a <= 50 for a, b in zip(early, early[1:], strict=False) if b < 200)
+
+
+def test_a_spread_calibration_batch_keeps_its_total_kv_and_its_rows_within_the_cap() -> None:
+    """COSERVE_CALIB_KV_SPREAD: the decode grid's rows get KV lengths from a quarter to 1.75 times
+    the batch's mean (the same total), each at least 1 and at most the row cap; off, one length."""
+    from coserve.core.latency import decode_kvs
+
+    assert decode_kvs(400, 4, 10_000, spread=False) == (400,) * 4
+    kvs = decode_kvs(400, 5, 10_000, spread=True)
+    assert kvs == (100, 250, 400, 550, 700) and sum(kvs) == 5 * 400
+    assert decode_kvs(400, 1, 10_000, spread=True) == (400,)  # (one row: nothing to spread)
+    assert max(decode_kvs(4000, 8, 5000, spread=True)) == 5000 and min(decode_kvs(1, 8, 10, spread=True)) == 1
+    spec = BatchSpec(decode_kv=kvs, mode="graph")
+    assert spec.record(0.01).view.decode_kv_max == 700 and spec.features().kv_tokens == 2000
+

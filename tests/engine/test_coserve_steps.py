@@ -149,6 +149,31 @@ def test_calibration_runs_through_the_engine_and_fits_the_model(session) -> None
     assert predicted == pytest.approx(measured, rel=1.0), "calibrated prediction within 2x on CPU"
 
 
+def test_a_decode_steps_view_names_its_longest_row_and_a_spread_calibration_runs(
+        session, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """The co-server sees each step's longest decode row (StepView.decode_kv_max, for the step
+    table); a calibration with COSERVE_CALIB_KV_SPREAD's decode batches runs and gives back
+    every borrowed block."""
+    import coserve.core.latency as latency
+
+    engine, s = session
+    views = []
+    plan = s.coserver.plan
+    monkeypatch.setattr(s.coserver, "plan", lambda view: views.append(view) or plan(view))
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine.add_request("short", list(range(5, 12)), params)
+    engine.add_request("long", list(range(5, 40)), params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    decoding = [v for v in views if v.num_decodes == 2]
+    assert decoding and all(v.decode_kv_tokens / 2 < v.decode_kv_max < v.decode_kv_tokens for v in decoding)
+    assert decoding[0].decode_kv_max == 35 + 1  # (the long prompt and its first output token)
+    monkeypatch.setattr(latency, "CALIB_KV_SPREAD", True)
+    free = engine.block_manager.num_free_blocks
+    assert engine.calibrate(repeats=1) > 50
+    assert engine.block_manager.num_free_blocks == free
+
+
 def test_saved_mlp_activations_train_the_same_adapter(tmp_path: Path) -> None:
     """FT-only steps with the gate/up outputs kept: the store's MLP planes hold what the layer
     computes from the captured inputs, and the trainer (MLP differentiated from them) commits the

@@ -132,6 +132,7 @@ class StepLogRow(NamedTuple):
     # time.monotonic() at the step's start (StepView.step_began; None: a host that does not say):
     # to line the steps up with the trainer's tasks and the GPU's clock (bench/coserve_latency.py)
     began_s: float | None = None
+    decode_kv_max: int = 0  # StepView.decode_kv_max: the longest decode row's KV tokens
 
 
 class CheckPoint(NamedTuple):
@@ -654,7 +655,7 @@ class CoServer:
                 (len(features.chunks), len(features.ft_lens)),
                 trainer_at, late, tuple((c.num_tokens, c.context_len) for c in features.chunks),
                 features.num_decodes, record.schedule_s, record.enqueue_s, planned_s, record.gpu_s, gap_s,
-                record.view.step_began))
+                record.view.step_began, record.view.decode_kv_max))
 
     def _gap_before(self, record: StepRecord) -> float | None:
         """:attr:`StepLogRow.gap_s` of the step ending now (None where it cannot be told)."""

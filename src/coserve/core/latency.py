@@ -341,6 +341,7 @@ class BatchSpec:
             prefills=tuple(PrefillView(c.num_tokens, c.context_len, now) for c in self.chunks),
             num_decodes=len(self.decode_kv),
             decode_kv_tokens=sum(self.decode_kv),
+            decode_kv_max=max(self.decode_kv, default=0),
             mode=self.mode,
         )
         return StepRecord(
@@ -356,6 +357,26 @@ def _levels(lo: int, hi: int, k: int) -> list[int]:
     if k == 1 or hi == lo:
         return [hi]
     return sorted({round(lo * (hi / lo) ** (i / (k - 1))) for i in range(k)})
+
+
+CALIB_KV_SPREAD: Final = os.environ.get("COSERVE_CALIB_KV_SPREAD", "0") == "1"
+"""Whether the calibration's decode × KV grid gives a batch's rows different KV lengths (spread
+evenly from a quarter to 1.75 times its mean, the same total) instead of one length for all
+(``COSERVE_CALIB_KV_SPREAD``; off: every calibration until session 33). Serving's decode rows have
+different lengths; a decode step's attention may follow its longest row. On the H100 in session
+33, serving refitted ``b_decodes`` to ~58-60 µs a row against the sweep's 6-8 µs, and the GPU time
+of the trainer-idle replay's decode steps grew ~68 µs a row (``bench/results/latency_h100/README.md``,
+"Session 33"). Off until a device run says whether it closes that gap."""
+
+
+def decode_kvs(per_row: int, rows: int, cap: int, spread: bool | None = None) -> tuple[int, ...]:
+    """A calibration decode batch's KV lengths: ``rows`` of ``per_row`` each, or with ``spread``
+    (default :data:`CALIB_KV_SPREAD`) spread evenly from a quarter to 1.75 times ``per_row``
+    (the same total where no row reaches ``cap``), each in ``[1, cap]``."""
+    spread = CALIB_KV_SPREAD if spread is None else spread
+    if not spread or rows < 2:
+        return (per_row,) * rows
+    return tuple(min(cap, max(1, round(per_row * (0.25 + 1.5 * i / (rows - 1))))) for i in range(rows))
 
 
 def _split(total: int, parts: int) -> tuple[Chunk, ...]:
@@ -399,7 +420,7 @@ def calibration_plan(
                           BatchSpec((Chunk(head.num_tokens, contexts[-1]), tail), mode=mode)]
         for b in _levels(1, d, 5):
             for per_row in _levels(1, max(1, min(kv // b, row_cap - 1)), 5):
-                specs.append(BatchSpec(decode_kv=(per_row,) * b, mode=mode))
+                specs.append(BatchSpec(decode_kv=decode_kvs(per_row, b, row_cap - 1), mode=mode))
         for n in sorted({max(1, t // 4), max(1, t // 2)}):
             for b in _levels(1, min(d, t - n), 4):
                 for per_row in sorted({1, max(1, min(kv // b, row_cap - 1))}):

@@ -412,6 +412,7 @@ class LLMEngine:
             prefills=tuple(PrefillView(c.num_tokens, c.context_len, c.seq.arrival_time) for c in sched.prefills),
             num_decodes=len(sched.decodes),
             decode_kv_tokens=sum(c.context_len + 1 for c in sched.decodes),
+            decode_kv_max=max((c.context_len + 1 for c in sched.decodes), default=0),
             mode=self.runner.planned_mode(rows) if rows else "eager",
             ft_graph_tokens=self.runner.ft_graph_tokens,
             token_budget=self.config.max_num_batched_tokens - sched.num_tokens,
