@@ -9,6 +9,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import openai
 import pytest
@@ -18,6 +19,7 @@ from coserve.core.finetune import load_dataset
 from coserve.core.latency import LatencyModel
 from coserve.engine.config import EngineConfig
 from coserve.engine.llm_engine import LLMEngine
+from coserve.server.dataset_reader import DatasetReader
 from coserve.server.finetune import FinetuneSpec
 from coserve.server.job_board import JobsConfig, prepare_graphs, prepare_latency
 from tests.server.test_api import DATA, MODEL, Served, http, serve
@@ -58,6 +60,13 @@ def test_clients_upload_data_create_jobs_and_chat_with_their_adapters(tmp_path: 
         return load_dataset(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(finetune, "load_dataset", slow_load)
+    read = DatasetReader.read
+
+    def slow_read(self: DatasetReader, *args: Any, **kwargs: Any) -> object:  # (the same, in the reader's child)
+        time.sleep(1.0)
+        return read(self, *args, **kwargs)
+
+    monkeypatch.setattr(DatasetReader, "read", slow_read)
     engine = jobs_engine()
     with serve(engine, jobs=JobsConfig(tmp_path, TEMPLATE)) as s:
         jobs = s.client.fine_tuning.jobs

@@ -42,6 +42,7 @@ from coserve.engine.outputs import RequestOutput
 from coserve.engine.sampling_params import SamplingParams
 from coserve.engine.sequence import LoRARequest
 from coserve.models.peft_adapter import LoraAdapter
+from coserve.server.dataset_reader import DatasetReader
 from coserve.server.engine_thread import EngineDeadError, EngineThread, RequestHandle
 from coserve.server.files import FileStore, add_file_routes
 from coserve.server.finetune import read_dataset
@@ -638,11 +639,12 @@ async def _whole_chunks(whole: ChatCompletionResponse, usage: Usage | None) -> A
     yield _sse("[DONE]")
 
 
-def _dataset_loader(engine_thread: EngineThread, jobs: JobsConfig) -> Callable[[Path], FTDataset]:
-    """A file read as a job trained on it will read it (:func:`read_dataset`)."""
+def _dataset_loader(engine_thread: EngineThread, jobs: JobsConfig,
+                    reader: DatasetReader | None = None) -> Callable[[Path], FTDataset]:
+    """A file read as a job trained on it will read it (:func:`read_dataset`, by ``reader``)."""
     if engine_thread.engine.tokenizer is None:
         raise ValueError("--finetune-jobs needs the model's tokenizer")
-    return lambda path: read_dataset(engine_thread.engine, path, jobs.template.coserve)
+    return lambda path: read_dataset(engine_thread.engine, path, jobs.template.coserve, reader)
 
 
 OPEN_ROUTES = frozenset({"/health", "/metrics"})
@@ -668,6 +670,8 @@ def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str,
         board.resume_interrupted()  # (a job that a crash stopped goes on from its checkpoint)
         yield
         board.closing = True  # (the jobs still queued start at the next start, not now)
+        if reader is not None:
+            reader.close()
 
     app = FastAPI(title="coserve", docs_url=None, redoc_url=None, lifespan=lifespan)
     api = _Api(engine_thread, model_name, adapters, runtime_lora, tool_parser)
@@ -718,7 +722,11 @@ def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str,
     app.post("/v1/load_lora_adapter", response_model=None)(api.load_adapter)
     app.post("/v1/unload_lora_adapter", response_model=None)(api.unload_adapter)
 
-    files = None if jobs is None else FileStore(jobs.root / "files", _dataset_loader(engine_thread, jobs),
+    # (the jobs' datasets read in a child process: in a thread of this one they hold the GIL from
+    # the engine's thread for the whole read, bench/dataset_read_stall.py)
+    reader = None if jobs is None or engine_thread.engine.tokenizer is None else DatasetReader(
+        engine_thread.engine.tokenizer)
+    files = None if jobs is None else FileStore(jobs.root / "files", _dataset_loader(engine_thread, jobs, reader),
                                                 jobs.max_upload_bytes)
 
     def serve_adapter(name: str, path: str, adapter: LoraAdapter | None = None) -> None:
@@ -728,7 +736,7 @@ def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str,
         # NOTE: a new dict, not a change to the one the event loop may be iterating (/v1/models)
         api.adapters = {**api.adapters, name: LoRARequest(name, path)}
 
-    board = JobBoard(engine_thread, model_name, files, jobs, serve_adapter, finetune_name)
+    board = JobBoard(engine_thread, model_name, files, jobs, serve_adapter, finetune_name, reader)
     app.state.jobs = board
     if jobs is not None or board.jobs:
         api.metrics.registry.register(_JobsCollector(board))

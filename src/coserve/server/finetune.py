@@ -35,6 +35,7 @@ from coserve.models.peft_adapter import (
     new_lora_adapter,
     save_peft_adapter,
 )
+from coserve.server.dataset_reader import DatasetReader
 from coserve.trainer.process import TrainerProcess
 from coserve.trainer.worker import warmup_rows
 
@@ -102,15 +103,20 @@ class FinetuneSpec:
         return cls(**kwargs)
 
 
-def read_dataset(engine: LLMEngine, path: Path, cfg: CoServeConfig) -> FTDataset:
+def read_dataset(engine: LLMEngine, path: Path, cfg: CoServeConfig, reader: DatasetReader | None = None) -> FTDataset:
     """``path`` as a run of ``cfg`` trains on it: the engine's tokenizer, ``--max-seq-len``,
     ``--train-on-prompt``, token ids below the smaller of the tokenizer's and the model's
-    vocabulary (malformed rows skipped and counted)."""
+    vocabulary (malformed rows skipped and counted); read by ``reader`` (a child process, off
+    this one's GIL: a serving engine's) where given, else here."""
     tokenizer = engine.tokenizer
     if tokenizer is None:
         raise ValueError("fine-tuning needs the model's tokenizer (skip_tokenizer_init is set)")
+    vocab_size = min(tokenizer.vocab_size, engine.model_config.vocab_size)
+    if reader is not None:
+        return reader.read(path, max_seq_len=cfg.max_seq_len, train_on_prompt=cfg.train_on_prompt,
+                           vocab_size=vocab_size)
     return load_dataset(path, tokenizer, max_seq_len=cfg.max_seq_len, train_on_prompt=cfg.train_on_prompt,
-                        vocab_size=min(tokenizer.vocab_size, engine.model_config.vocab_size))
+                        vocab_size=vocab_size)
 
 
 class FinetuneSession:
@@ -123,11 +129,12 @@ class FinetuneSession:
         return mode == "on" or (mode == "auto" and self.engine.runner.device.type == "cuda")
 
     def __init__(self, engine: LLMEngine, spec: FinetuneSpec, *, job_id: str | None = None,
-                 attach: bool = True) -> None:
+                 attach: bool = True, reader: DatasetReader | None = None) -> None:
         """Read the dataset, allocate the activation store and start the trainer (seconds: the
         heavy part, which touches no engine state a step reads, so that a serving engine's
         ``EngineThread`` can run it in a worker thread); then, with ``attach``, :meth:`attach`.
-        ``job_id`` names the run as a fine-tuning job (default: a new ``ftjob-...``)."""
+        ``job_id`` names the run as a fine-tuning job (default: a new ``ftjob-...``); ``reader``
+        reads its dataset in a child process (:func:`read_dataset`)."""
         if engine.tokenizer is None:
             raise ValueError("fine-tuning needs the model's tokenizer (skip_tokenizer_init is set)")
         if engine.config.num_training_slots < 1:
@@ -145,7 +152,7 @@ class FinetuneSession:
         cfg = spec.coserve
         if cfg.max_seq_len > engine.max_model_len:
             raise ValueError(f"--max-seq-len {cfg.max_seq_len} exceeds the model's context {engine.max_model_len}")
-        self.dataset = read_dataset(engine, spec.data, cfg)
+        self.dataset = read_dataset(engine, spec.data, cfg, reader)
         stats = self.dataset.stats
         if stats.num_skipped:
             logger.warning("%s: %d malformed rows skipped (first: line %d: %s)", spec.data, stats.num_skipped,

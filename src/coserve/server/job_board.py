@@ -40,6 +40,7 @@ from coserve.core.latency import LatencyModel
 from coserve.engine.llm_engine import LLMEngine
 from coserve.engine.sequence import LoRARequest
 from coserve.models.peft_adapter import LoraAdapter, load_peft_adapter
+from coserve.server.dataset_reader import DatasetReader
 from coserve.server.engine_thread import EngineStats, EngineThread
 from coserve.server.files import DEFAULT_MAX_UPLOAD, FileStore
 from coserve.server.finetune import (
@@ -197,8 +198,9 @@ class JobBoard:
 
     def __init__(self, engine_thread: EngineThread, model: str, files: FileStore | None,
                  config: JobsConfig | None, serve_adapter: Callable[[str, str, LoraAdapter | None], None],
-                 startup_name: str | None = None) -> None:
+                 startup_name: str | None = None, reader: DatasetReader | None = None) -> None:
         self.et = engine_thread
+        self.reader = reader  # (reads the jobs' datasets in a child process; None: in a worker thread)
         self.model = model
         self.files = files
         self.config = config
@@ -598,9 +600,11 @@ class JobBoard:
         try:
             samples = None
             if valid is not None:
-                samples = (await asyncio.to_thread(read_dataset, self.et.engine, valid, spec.coserve)).samples
+                samples = (await asyncio.to_thread(read_dataset, self.et.engine, valid, spec.coserve,
+                                                   self.reader)).samples
             await asyncio.to_thread(self.et.wait_trainers_exited)
-            session = await asyncio.to_thread(FinetuneSession, self.et.engine, spec, job_id=job.id, attach=False)
+            session = await asyncio.to_thread(FinetuneSession, self.et.engine, spec, job_id=job.id, attach=False,
+                                              reader=self.reader)
             self.jobs[job.id] = replace(job, total_steps=session.optim.total_steps, learning_rate=session.optim.lr)
             self._save_job(self.jobs[job.id])
             if job.id in self.cancel_asked:
