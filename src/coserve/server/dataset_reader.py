@@ -3,13 +3,14 @@
 Reading a dataset is Python from end to end (JSON rows, chat templates, tokenization, labels).
 In a thread of the server's process it takes the GIL from the engine's thread for as long as it
 runs: on the 2-core dev VM, 3,000 rows read in a thread beside the tiny engine made its steps
-~11x slower for the read's 1.1 s at the server's 0.1 ms switch interval, and stopped them for
-the whole read at CPython's 5 ms; read in a child process, the steps kept their time
-(``bench/dataset_read_stall.py``, ``bench/results/host_cpu/session33/dataset_read_stall.json``).
+~11x slower for the read's 1.0 s at the server's 0.1 ms switch interval (step p50 33.9 against
+3.1 ms), and stopped them for the whole read (0.68 s) at CPython's 5 ms; read in a child
+process, the steps kept their time (p50 3.1 ms; ``bench/dataset_read_stall.py``,
+``bench/results/host_cpu/session33/dataset_read_stall.json``).
 :class:`DatasetReader` keeps one spawned child with the engine's tokenizer (pickled once, at
 start-up), reads there as :func:`coserve.server.finetune.read_dataset` does, and sends the samples
 back as two flat integer arrays, rebuilt here one sample at a time (a pickle of the tuples
-themselves would hold the GIL through one long load: ~0.26 s for 4,000 samples of 700 tokens).
+themselves would hold the GIL through one long load of all of them).
 Where the child cannot start or dies, it reads in this process instead and says so.
 """
 
