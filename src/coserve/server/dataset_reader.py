@@ -73,8 +73,12 @@ class DatasetReader:
         try:
             self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
                                              initializer=_set_tokenizer, initargs=(tokenizer,))
-        except (OSError, ValueError) as e:
+            # (the child starts now, at the server's start-up, not at the first upload: the
+            # tokenizer is pickled for it here; its imports run in the child, not waited for)
+            self._pool.submit(int)
+        except (OSError, ValueError, BrokenProcessPool, pickle.PicklingError) as e:
             logger.warning("datasets will be read in the server's process (no child: %s)", e)
+            self.close()
 
     def read(self, path: str | Path, *, max_seq_len: int, train_on_prompt: bool, vocab_size: int) -> FTDataset:
         """The dataset at ``path``; raises as :func:`load_dataset` does (``DatasetError``,
