@@ -365,8 +365,10 @@ evenly from a quarter to 1.75 times its mean, the same total) instead of one len
 (``COSERVE_CALIB_KV_SPREAD``; off: every calibration until session 33). Serving's decode rows have
 different lengths; a decode step's attention may follow its longest row. On the H100 in session
 33, serving refitted ``b_decodes`` to ~58-60 µs a row against the sweep's 6-8 µs, and the GPU time
-of the trainer-idle replay's decode steps grew ~68 µs a row (``bench/results/latency_h100/README.md``,
-"Session 33"). Off until a device run says whether it closes that gap."""
+of the trainer-idle replays' decode steps grew 58-68 µs a row and 57-66 ns a KV token against the
+sweep's 5-9 µs and 45-46 ns (``bench/decode_slopes.py``,
+``bench/results/latency_h100/session33/decode_slopes.json``). Off until a device run says whether it
+closes that gap."""
 
 
 def decode_kvs(per_row: int, rows: int, cap: int, spread: bool | None = None) -> tuple[int, ...]:
