@@ -1,0 +1,63 @@
+"""bench/latency_whole.py's segments of a warm latency run, and bench/decode_slopes.py's fit."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coserve.bench.runners import STEP_TABLE_COLUMNS
+from tests.bench.scripts import load_script
+
+latency_whole = load_script("latency_whole")
+decode_slopes = load_script("decode_slopes")
+
+
+def row(key: str, measured: float, regressors: list[float], gpu: float | None = None) -> list[Any]:
+    r: list[Any] = [None] * len(STEP_TABLE_COLUMNS)
+    col = STEP_TABLE_COLUMNS.index
+    r[col("key")], r[col("predicted_s")], r[col("measured_s")], r[col("regressors")] = key, measured, measured, regressors
+    r[col("planned_s")], r[col("gpu_s")] = 0.0, gpu
+    return r
+
+
+def write(path: Path, rows: list[list[Any]], idle_first: int | None, warm_first: int | None) -> str:
+    figures: dict[str, Any] = {"steps": {"columns": list(STEP_TABLE_COLUMNS), "rows": rows},
+                               "warm_first_step": warm_first,
+                               "calibration": {"coefficients": {"decode/graph": [5e-6, 4.5e-8, 6.7e-3]}}}
+    if idle_first is not None:
+        figures["latency_model_error_trainer_idle"] = {"first_step": idle_first}
+    path.write_text(json.dumps({"figures": figures}))
+    return str(path)
+
+
+def test_segments_count_the_measured_steps_only(tmp_path: Path) -> None:
+    """Rows with no measured time are not replayed: a segment's first step is the first measured
+    row at or after its recorded start."""
+    rows = [row("decode/graph/busy", 0.01 if i % 5 else 0.0, [1.0, 100.0, 1.0]) for i in range(100)]
+    path = write(tmp_path / "run.json", rows, idle_first=40, warm_first=70)
+    kept = sum(1 for r in rows if r[2] > 0)  # 80: every fifth row unmeasured
+    seg = latency_whole.segments(path, kept)
+    assert seg["cold"] == (0, 32) and seg["idle"] == (32, 56) and seg["warm"] == (56, 80)
+    assert seg["cold_first_half"] == (0, 16) and seg["cold_second_half"] == (16, 32)
+    alone = latency_whole.segments(write(tmp_path / "cold.json", rows, None, None), kept)
+    assert alone["cold"] == (0, 80) and "idle" not in alone and "warm" not in alone
+
+
+def test_decode_slopes_recover_the_per_row_and_per_kv_costs_of_gpu_and_host(tmp_path: Path) -> None:
+    rng = random.Random(3)
+    rows = [row("prefill/graph/idle", 0.05, [0.0] * 8, 0.04)]
+    for _ in range(300):
+        n, kv = rng.randint(1, 32), rng.randint(100, 60_000)
+        gpu = 6.4e-3 + 65e-6 * n + 58e-9 * kv
+        rows.append(row("decode/graph/idle", gpu + 0.2e-3 + 15e-6 * n, [float(n), float(kv), 1.0], gpu))
+    got = decode_slopes.slopes(write(tmp_path / "run.json", rows, idle_first=0, warm_first=None))
+    assert got["steps"] == 300
+    assert got["gpu"]["per_row_s"] == pytest.approx(65e-6, rel=1e-6)
+    assert got["gpu"]["per_kv_token_s"] == pytest.approx(58e-9, rel=1e-6)
+    assert got["host"]["per_row_s"] == pytest.approx(15e-6, rel=1e-6)
+    assert got["after_decision"]["constant_s"] == pytest.approx(6.6e-3, rel=1e-6)
+    assert got["calibration"]["per_row_s"] == 5e-6
