@@ -286,24 +286,25 @@ def warm_replays(driver: InProcessDriver, session: FinetuneSession, slo: SLOConf
 
 
 def timeline(utilization: Sequence[tuple[float, float]], clocks_mhz: Sequence[float],
-             task_timings: Sequence[tuple[float, ...]], task_shapes: Sequence[tuple[float, int, int]],
-             origin: float, task_span_ms: Sequence[tuple[float, float]] = ()) -> dict[str, Any]:
+             task_timings: Sequence[tuple[float, ...]], task_shapes: Sequence[tuple[int, int, float, float]],
+             origin: float) -> dict[str, Any]:
     """What ran beside the steps, in seconds since ``origin`` (the step table's ``began_s``): the
     GPU's utilization and SM clock every 0.25 s (none where the device does not report them: the
     session-33 cold runs' first quarter ran noisier than the warm replay of the same arrivals,
     whatever the model's state, ``bench/latency_whole.py``), and each backward task's submission,
-    result, trainer seconds, tokens, samples and longest sample (admission fills tasks
-    shortest-first, so a run's first tasks are not its later ones) and longest stretch between two
-    boundaries in host and GPU ms (``task_span_ms``, parallel to ``task_timings``; null without)."""
+    result, trainer seconds and tokens (``task_timings``) with its samples, longest sample and
+    longest stretch between two boundaries in host and GPU ms (``task_shapes``, parallel to it;
+    admission fills tasks shortest-first, so a run's first tasks are not its later ones)."""
     gpu = [[round(t, 3), u, round(clocks_mhz[i], 1) if i < len(clocks_mhz) else None]
            for i, (t, u) in enumerate(utilization)]
-    shapes = {round(t, 6): (n, longest) for t, n, longest in task_shapes}
-    tasks = []
-    for i, (submitted, received, trainer_s, tokens, *_) in enumerate(task_timings):
-        n, longest = shapes.get(round(submitted, 6), (None, None))
-        cpu, gpu_ms = task_span_ms[i] if i < len(task_span_ms) else (math.nan, math.nan)
-        tasks.append([round(submitted - origin, 4), round(received - origin, 4), round(trainer_s, 4), tokens, n, longest,
-                      None if math.isnan(cpu) else round(cpu, 3), None if math.isnan(gpu_ms) else round(gpu_ms, 3)])
+
+    def ms(v: float) -> float | None:
+        return None if math.isnan(v) else round(v, 3)
+
+    tasks = [[round(submitted - origin, 4), round(received - origin, 4), round(trainer_s, 4), tokens, samples, longest,
+              ms(cpu), ms(gpu_ms)]
+             for (submitted, received, trainer_s, tokens, *_), (samples, longest, cpu, gpu_ms)
+             in zip(task_timings, task_shapes, strict=True)]
     return {"gpu_columns": ["t_s", "utilization", "sm_clock_mhz"], "gpu": gpu,
             "task_columns": ["submitted_s", "received_s", "trainer_s", "tokens", "samples", "longest_tokens",
                              "longest_span_cpu_ms", "longest_span_gpu_ms"],
@@ -561,8 +562,7 @@ def main() -> None:
         "latency_model_error_warm": warm or None,
         "warm_first_step": first_warm if warm else None,
         "steps": step_table(co.step_log, origin),
-        "timeline": timeline(utilization, sampler.clocks_mhz, co.task_timings, co.task_shapes, origin,
-                             co.task_span_ms),
+        "timeline": timeline(utilization, sampler.clocks_mhz, co.task_timings, co.task_shapes, origin),
         "replay": {
             "requests": len(result.records),
             "attainment": attainment(result.records, slo.ttft_slo_s, slo.tpot_slo_s),

@@ -10,7 +10,8 @@ steps while the same dataset is read
 - ``none``: not at all (the baseline),
 - ``thread``: in a thread of this process (the server's way), at the server's thread switch
   interval (``--switch-interval-ms``, the server's default) and at CPython's 5 ms,
-- ``process``: in a child process (spawned before the window, so its start-up is not counted),
+- ``process``: by the server's :class:`~coserve.server.dataset_reader.DatasetReader` (its child
+  started before the window, so its start-up is not counted; the samples rebuilt here counted),
 
 and reports per case the steps' p50 / p99 / max and the read's wall time. On a machine with
 fewer free cores than two, ``process`` shares a core with the engine: the dev VM has two.
@@ -21,9 +22,7 @@ fewer free cores than two, ``process`` shares a core with the engine: the dev VM
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import json
-import multiprocessing
 import random
 import sys
 import tempfile
@@ -38,7 +37,7 @@ import torch
 from coserve import EngineConfig, LLMEngine, SamplingParams
 from coserve.bench.provenance import provenance
 from coserve.core.finetune import load_dataset
-from coserve.models.presets import preset_path
+from coserve.server.dataset_reader import DatasetReader
 from coserve.server.serve_cli import SWITCH_INTERVAL_MS
 
 
@@ -51,23 +50,6 @@ def write_rows(path: Path, rows: int, seed: int = 0) -> Path:
             f.write(json.dumps({"instruction": " ".join(rng.choices(words, k=rng.randint(20, 60))),
                                 "output": " ".join(rng.choices(words, k=rng.randint(40, 120)))}) + "\n")
     return path
-
-
-_TOKENIZER: Any = None
-
-
-def load_tokenizer(tokenizer_dir: str) -> None:
-    """A child's initializer: the tokenizer loaded once, before any window (as the engine's is)."""
-    global _TOKENIZER
-    from transformers import AutoTokenizer
-
-    _TOKENIZER = AutoTokenizer.from_pretrained(tokenizer_dir)
-
-
-def read(path: str, tokenizer: Any = None) -> int:
-    """The dataset read (the job's: ``read_dataset``), with ``tokenizer`` (default: this process's
-    own, :func:`load_tokenizer`); returns its samples."""
-    return len(load_dataset(path, tokenizer or _TOKENIZER, max_seq_len=512).samples)
 
 
 def steps_while(engine: LLMEngine, work: Any, warm_s: float = 0.5) -> tuple[list[float], float]:
@@ -114,18 +96,17 @@ def main() -> None:
     # engine's host leaves its other cores; with two, each op waits for a preempted thread)
     torch.set_num_threads(1)
     engine = LLMEngine(EngineConfig(model="tiny"))
-    tokenizer_dir = str(preset_path("tiny"))
     work_dir = Path(tempfile.mkdtemp(prefix="dataset_stall_"))
-    data = str(write_rows(work_dir / "rows.jsonl", args.rows))
+    data = write_rows(work_dir / "rows.jsonl", args.rows)
     out: dict[str, Any] = {}
-    pool = cf.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=load_tokenizer,
-                                  initargs=(tokenizer_dir,))
-    pool.submit(time.sleep, 0).result()  # (the child started, its tokenizer loaded, before any window)
     tok = engine.tokenizer
+    kwargs = dict(max_seq_len=512, train_on_prompt=False, vocab_size=tok.vocab_size)
+    reader = DatasetReader(tok)  # (the server's: its child started, and warm, before any window)
+    reader.read(write_rows(work_dir / "warm.jsonl", 10), **kwargs)
     cases = [("none", SWITCH_INTERVAL_MS, lambda: time.sleep(2.0)),
-             ("thread", SWITCH_INTERVAL_MS, lambda: read(data, tok)),
-             ("thread_5ms", 5.0, lambda: read(data, tok)),
-             ("process", SWITCH_INTERVAL_MS, lambda: pool.submit(read, data).result())]
+             ("thread", SWITCH_INTERVAL_MS, lambda: load_dataset(data, tok, **kwargs)),
+             ("thread_5ms", 5.0, lambda: load_dataset(data, tok, **kwargs)),
+             ("process", SWITCH_INTERVAL_MS, lambda: reader.read(data, **kwargs))]
     try:
         for name, switch_ms, work in cases:
             sys.setswitchinterval(switch_ms / 1e3)
@@ -138,7 +119,7 @@ def main() -> None:
             print(f"{name:10s} switch {switch_ms:g} ms: {len(steps)} steps in {wall:.2f} s, step p50 "
                   f"{np.median(ms):.2f} p99 {np.quantile(ms, 0.99):.2f} max {ms.max():.2f} ms", flush=True)
     finally:
-        pool.shutdown()
+        reader.close()
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({**provenance(), "config": {"rows": args.rows}, "figures": out}, indent=1))

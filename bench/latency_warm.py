@@ -64,10 +64,19 @@ class Table:
         return model
 
 
-def replay(model: LatencyModel, steps: list[list[Any]]) -> np.ndarray:
-    """Each step's prediction by ``model`` before it observes the step (``latency_fit.replay``'s loop)."""
+GAP_S = 13  # the step table's gap_s column (coserve.bench.runners.STEP_TABLE_COLUMNS)
+
+
+def replay(model: LatencyModel, steps: list[list[Any]], poll_gap_s: float | None = None) -> np.ndarray:
+    """Each step's prediction by ``model`` before it observes the step (``latency_fit.replay``'s
+    loop); with ``poll_gap_s``, the host's idle poll (``CoServer.poll``: the refits put off run)
+    before each step whose recorded ``gap_s`` is at least that (None: never, this script's
+    replay)."""
     out = []
     for row, phase in zip(steps, lf.replay_phases(steps), strict=True):
+        gap = row[GAP_S] if len(row) > GAP_S else None
+        if poll_gap_s is not None and gap is not None and gap >= poll_gap_s:
+            model.refit_due()
         key, measured, vec, planned = row[0], row[2], row[3], lf.planned(row)
         base, busy = key.rsplit("/", 1)
         regressors = model.bucketed(lf.current_regressors(base, vec), base)

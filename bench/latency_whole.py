@@ -37,14 +37,10 @@ import numpy as np
 
 from coserve.bench.provenance import provenance
 from coserve.bench.result_file import read_result
-from coserve.bench.runners import row_lone
-from coserve.core.latency import TERMS, LatencyModel, error_summary
+from coserve.core.latency import TERMS, error_summary
 
 sys.path.insert(0, str(Path(__file__).parent))
-import latency_fit as lf  # noqa: E402  (the scripts beside this one)
-import latency_warm as lw  # noqa: E402
-
-GAP_S = 13  # the step table's gap_s column (bench/coserve_latency.py's STEP_COLUMNS order)
+import latency_warm as lw  # noqa: E402  (the script beside this one)
 
 
 def segments(path: str, kept: int) -> dict[str, tuple[int, int]]:
@@ -65,22 +61,6 @@ def segments(path: str, kept: int) -> dict[str, tuple[int, int]]:
     if warm is not None:
         out["warm"] = (warm, kept)
     return out
-
-
-def replay(model: LatencyModel, steps: list[list[Any]], poll_gap_s: float | None) -> tuple[np.ndarray, int]:
-    """Each step's prediction by ``model`` before it observes the step, polling as the host
-    would (``poll_gap_s`` None: never); and how many polls refitted something."""
-    out, polls = [], 0
-    for row, phase in zip(steps, lf.replay_phases(steps), strict=True):
-        gap = row[GAP_S] if len(row) > GAP_S else None
-        if poll_gap_s is not None and gap is not None and gap >= poll_gap_s and model.refit_due():
-            polls += 1
-        key, measured, vec, planned = row[0], row[2], row[3], lf.planned(row)
-        base, busy = key.rsplit("/", 1)
-        regressors = model.bucketed(lf.current_regressors(base, vec), base)
-        state = phase if busy == "busy" else "idle"
-        out.append(model.observe_regressors(base, regressors, measured - planned, state, row_lone(row)) + planned)
-    return np.asarray(out), polls
 
 
 def main() -> None:
@@ -111,11 +91,11 @@ def main() -> None:
         if args.warm_from:
             first = lw.Table(args.warm_from)
             model = first.model(busy_with_idle=True)
-            replay(model, first.steps, poll)
-        predicted, polls = replay(model, table.steps, poll)
+            lw.replay(model, first.steps, poll)
+        predicted = lw.replay(model, table.steps, poll)
         measured = np.asarray([s[2] for s in table.steps])
         recorded = np.asarray([s[1] for s in table.steps])
-        entry: dict[str, Any] = {"polls": polls, "end_coefficients": model.state_dict(online=False)["coefficients"],
+        entry: dict[str, Any] = {"end_coefficients": model.state_dict(online=False)["coefficients"],
                                  "end_busy": model.state_dict(online=False)["busy"],
                                  "calibration": {k: list(v) for k, v in table.calibration.items()}}
         for name, (lo, hi) in segments(path, len(table.steps)).items():
@@ -135,9 +115,9 @@ def main() -> None:
                     for q in np.array_split(ratio, 4)]
             entry[name] = part
         report[table.name] = entry
-        print(f"{table.name} ({polls} polls)")
+        print(table.name)
         for name, part in entry.items():
-            if name in ("polls", "end_coefficients", "end_busy", "calibration"):
+            if name in ("end_coefficients", "end_busy", "calibration"):
                 continue
             print(f"  {name:17s} " + "  ".join(
                 f"{k} {v['replay']['p99_rel'] * 100:.1f}% (recorded {v['recorded']['p99_rel'] * 100:.1f})"

@@ -86,15 +86,14 @@ def test_warm_replays_turn_fine_tuning_back_on_and_score_their_own_steps() -> No
 
 
 def test_the_timeline_lines_tasks_and_gpu_samples_up_with_the_steps() -> None:
-    """Times are seconds since the step table's origin; each task gets its shape where one was
-    recorded at its submission, and a GPU sample without a clock reading keeps its place."""
+    """Times are seconds since the step table's origin; each task gets its shape (a task without
+    spans: no stretch), and a GPU sample without a clock reading keeps its place."""
     origin = 100.0
     timings = [(101.0, 101.5, 0.4, 1200, 0.1, 0.0, 0.2), (102.0, 102.6, 0.5, 1300, 0.0, 0.0, 0.3)]
-    shapes = [(101.0, 5, 600)]  # (the second task's shape not recorded)
-    spans = [(12.5, 0.9), (float("nan"), float("nan"))]  # (the second task had no spans)
-    got = coserve_latency.timeline([(0.0, 90.0), (0.25, 95.0)], [1980.0], timings, shapes, origin, spans)
+    shapes = [(5, 600, 12.5, 0.9), (3, 700, float("nan"), float("nan"))]  # (the second task had no spans)
+    got = coserve_latency.timeline([(0.0, 90.0), (0.25, 95.0)], [1980.0], timings, shapes, origin)
     assert got["gpu"] == [[0.0, 90.0, 1980.0], [0.25, 95.0, None]]
-    assert got["tasks"] == [[1.0, 1.5, 0.4, 1200, 5, 600, 12.5, 0.9], [2.0, 2.6, 0.5, 1300, None, None, None, None]]
+    assert got["tasks"] == [[1.0, 1.5, 0.4, 1200, 5, 600, 12.5, 0.9], [2.0, 2.6, 0.5, 1300, 3, 700, None, None]]
     assert got["task_columns"][4:] == ["samples", "longest_tokens", "longest_span_cpu_ms", "longest_span_gpu_ms"]
 
 

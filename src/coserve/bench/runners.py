@@ -292,6 +292,7 @@ def run_coserve(ctx: BenchContext, config: RunConfig) -> RunOutcome:
         _warm_up(ctx, session)
         co.latency.load_state_dict(ctx.latency_state)
         co.task_timings.clear()
+        co.task_shapes.clear()  # (parallel to task_timings)
         co.step_log.clear()
         co.admission_counts.clear()
         co.track = True

@@ -293,14 +293,12 @@ class CoServer:
         # tokens; of the trainer's seconds: paused, waiting on the GPU; its thread's CPU seconds)
         # — where a co-serving run's fine-tuning time goes
         self.task_timings: list[tuple[float, float, float, int, float, float, float]] = []
-        # (track) per backward task submitted: (time.monotonic(), its samples, its longest sample's
-        # tokens) — what the trainer ran beside the steps (bench/coserve_latency.py's timeline)
-        self.task_shapes: list[tuple[float, int, int]] = []
-        # (track) parallel to task_timings: the task's longest stretch between two boundaries, in
-        # host ms and in GPU ms (NaN: no spans) — a host stall in the trainer changes what its GPU
-        # runs beside the engine's steps
-        self.task_span_ms: list[tuple[float, float]] = []
-        self._submitted: dict[int, tuple[float, int]] = {}
+        # (track) parallel to task_timings: the task's samples, its longest sample's tokens, and its
+        # longest stretch between two boundaries in host ms and in GPU ms (NaN: no spans) — what
+        # the trainer ran beside the steps (bench/coserve_latency.py's timeline)
+        self.task_shapes: list[tuple[int, int, float, float]] = []
+        # (track) per task in flight: submitted (time.monotonic()), tokens, samples, longest sample
+        self._submitted: dict[int, tuple[float, int, int, int]] = {}
         self._layer_events: list[torch.cuda.Event] = []
         # (track) per interrupted FT-only step: each interruption point it passed — where an
         # arrival's wait inside such a step goes
@@ -731,9 +729,8 @@ class CoServer:
         self._task_rows = []
         self._in_flight.append((task, self._fill_region))
         if self.track:
-            now = time.monotonic()  # (the same time in both: the timeline joins them on it)
-            self._submitted[task.task_id] = (now, sum(len(r.labels) for r in task.samples))
-            self.task_shapes.append((now, len(task.samples), max(len(r.labels) for r in task.samples)))
+            lengths = [len(r.labels) for r in task.samples]
+            self._submitted[task.task_id] = (time.monotonic(), sum(lengths), len(lengths), max(lengths))
         if self.store.tensor.is_cuda:
             # NOTE: the captures were queued on the engine's stream; the trainer (another
             # process, another stream) must see them complete.
@@ -808,8 +805,8 @@ class CoServer:
             if sent is not None:
                 self.task_timings.append((sent[0], time.monotonic(), result.duration_s, sent[1], result.paused_s,
                                           result.gpu_wait_s, result.cpu_s))
-                self.task_span_ms.append((max((cpu for *_, cpu in result.spans), default=math.nan),
-                                          max((gpu for *_, gpu, _ in result.spans), default=math.nan)))
+                self.task_shapes.append((sent[2], sent[3], max((cpu for *_, cpu in result.spans), default=math.nan),
+                                         max((gpu for *_, gpu, _ in result.spans), default=math.nan)))
         self._open.loss_sum += result.loss_sum
         self._open.num_targets += result.num_targets
         info = result.step_info

@@ -765,11 +765,20 @@ class LatencyModel:
         """The idle coefficients that give ``T`` of a ``key`` step in ``state``: those in use
         (:meth:`coefficients`), but for a busy step whose busy term is ``key``'s own, those
         that term was fitted against (``busy_base``, :data:`BUSY_BASE`)."""
-        if state != "idle" and self.busy_base:
-            slot = self._busy_slot(key, state)
-            if slot is not None and slot_key(slot) == key and slot in self._busy_base:
-                return self._busy_base[slot]
-        return self.coefficients(key)
+        return self._priced(key, state)[0]
+
+    def _priced(self, key: str, state: str) -> tuple[tuple[float, ...], tuple[float, ...] | None]:
+        """A ``key`` step in ``state``: its :meth:`base_coefficients` and, busy, its
+        :meth:`busy_term` (None idle), the busy slot looked up once (admission prices every
+        candidate of every step through here)."""
+        if state == "idle":
+            return self.coefficients(key), None
+        slot = self._busy_slot(key, state)
+        if slot is None:
+            return self.coefficients(key), (0.0, 0.0)
+        if self.busy_base and slot_key(slot) == key and slot in self._busy_base:
+            return self._busy_base[slot], self._busy[slot]
+        return self.coefficients(key), self._busy[slot]
 
     def predict(self, features: StepFeatures) -> float:
         """Predicted step time in seconds."""
@@ -807,9 +816,10 @@ class LatencyModel:
         return (key, SHARED)
 
     def _linear(self, key: str, regressors: Sequence[float], state: str) -> float:
-        t = sum(c * v for c, v in zip(self.base_coefficients(key, state), regressors, strict=True))
-        if state != "idle":
-            rho, delta = self.busy_term(key, state)
+        base, busy = self._priced(key, state)
+        t = sum(c * v for c, v in zip(base, regressors, strict=True))
+        if busy is not None:
+            rho, delta = busy
             t = t * (1.0 + rho) + delta
         return t
 
@@ -974,9 +984,10 @@ class LatencyModel:
         rows = list(self._windows[s])[-max(self._safety_window, LEVEL_RECENTER_STEPS):]
         x = np.asarray([r[0] for r in rows], dtype=np.float64)
         y = np.asarray([r[1] for r in rows], dtype=np.float64)
-        linear = x @ np.asarray(self.base_coefficients(key, state), dtype=np.float64)  # (_linear, vectorized)
-        if state != "idle":
-            rho, delta = self.busy_term(key, state)
+        base, busy = self._priced(key, state)
+        linear = x @ np.asarray(base, dtype=np.float64)  # (_linear, vectorized)
+        if busy is not None:
+            rho, delta = busy
             linear = linear * (1.0 + rho) + delta
         if self.level_rate > 0 and key.startswith(LEVEL_FORMS):
             ly, lp = y[-LEVEL_RECENTER_STEPS:], linear[-LEVEL_RECENTER_STEPS:]

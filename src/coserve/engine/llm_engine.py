@@ -406,13 +406,14 @@ class LLMEngine:
 
     def _view(self, sched: SchedulerOutput, rows: list[BatchRow], began: float | None = None) -> StepView:
         waiting = self.scheduler.waiting
+        kv = [c.context_len + 1 for c in sched.decodes]
         return StepView(
             now=time.monotonic(),
             step_began=began,
             prefills=tuple(PrefillView(c.num_tokens, c.context_len, c.seq.arrival_time) for c in sched.prefills),
             num_decodes=len(sched.decodes),
-            decode_kv_tokens=sum(c.context_len + 1 for c in sched.decodes),
-            decode_kv_max=max((c.context_len + 1 for c in sched.decodes), default=0),
+            decode_kv_tokens=sum(kv),
+            decode_kv_max=max(kv, default=0),
             mode=self.runner.planned_mode(rows) if rows else "eager",
             ft_graph_tokens=self.runner.ft_graph_tokens,
             token_budget=self.config.max_num_batched_tokens - sched.num_tokens,
