@@ -3,9 +3,10 @@
 Reading a dataset is Python from end to end (JSON rows, chat templates, tokenization, labels).
 In a thread of the server's process it takes the GIL from the engine's thread for as long as it
 runs: on the 2-core dev VM, 3,000 rows read in a thread beside the tiny engine made its steps
-~11x slower for the read's 1.0 s at the server's 0.1 ms switch interval (step p50 33.9 against
-3.1 ms), and stopped them for the whole read (0.68 s) at CPython's 5 ms; read in a child
-process, the steps kept their time (p50 3.1 ms; ``bench/dataset_read_stall.py``,
+~12x slower for the read's 1.2 s at the server's 0.1 ms switch interval (step p50 39.9 against
+3.4 ms), and stopped them for the whole read (0.83 s) at CPython's 5 ms; read by this reader,
+the steps kept their median (3.7 ms; p99 19.8 against 14.7 ms, the longest 55 ms while the
+samples were rebuilt here; ``bench/dataset_read_stall.py``,
 ``bench/results/host_cpu/session33/dataset_read_stall.json``).
 :class:`DatasetReader` keeps one spawned child with the engine's tokenizer (pickled once, at
 start-up), reads there as :func:`coserve.server.finetune.read_dataset` does, and sends the samples
