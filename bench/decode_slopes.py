@@ -8,6 +8,13 @@ learns), to its forward's GPU time (``gpu_s``) and to their difference (host tim
 run's calibrated decode/graph terms. Rows and KV tokens grow together in serving (their
 correlation is printed): the split between the two is looser than the sum.
 
+Where the table records each step's longest decode row (``decode_kv_max``, since session 33), also
+the relative error of two forms fitted to the GPU time, held out (fitted on the even steps, scored
+on the odd ones): the model's (rows, KV tokens, constant) and the same with ``rows × longest row``
+added. The decode kernel cuts each row's keys into the same number of splits (a number the
+batch's rows set), so a step's attention lasts about as long as its longest row's share, while
+the calibration's batches give every row one length.
+
     PYTHONPATH=src python bench/decode_slopes.py RUN.json.xz [RUN2 ...] --out OUT.json
 """
 
@@ -39,8 +46,25 @@ def slopes(path: str) -> dict[str, Any]:
     for name, y in (("after_decision", measured), ("gpu", gpu), ("host", measured - gpu)):
         c = np.linalg.lstsq(x, y, rcond=None)[0]
         out[name] = {"per_row_s": float(c[0]), "per_kv_token_s": float(c[1]), "constant_s": float(c[2])}
+    if "decode_kv_max" in col:
+        longest = np.asarray([float(r[col["decode_kv_max"]] or 0) for r in rows])
+        out["forms_gpu"] = held_out_forms(x, longest, gpu)
     calibrated = figures["calibration"]["coefficients"]["decode/graph"]
     out["calibration"] = {"per_row_s": calibrated[0], "per_kv_token_s": calibrated[1], "constant_s": calibrated[2]}
+    return out
+
+
+def held_out_forms(x: np.ndarray, longest: np.ndarray, y: np.ndarray) -> dict[str, Any]:
+    """Median and p99 relative error of (rows, KV, 1) and (rows, KV, rows × longest, 1) fitted by
+    least squares on relative error to the even steps, scored on the odd ones."""
+    forms = {"rows_kv": x, "rows_kv_longest": np.column_stack([x[:, :2], x[:, 0] * longest, x[:, 2]])}
+    out: dict[str, Any] = {}
+    for name, a in forms.items():
+        fit, held = slice(0, None, 2), slice(1, None, 2)
+        c = np.linalg.lstsq(a[fit] / y[fit, None], np.ones(len(y[fit])), rcond=None)[0]
+        rel = np.abs(a[held] @ c - y[held]) / y[held]
+        out[name] = {"coefficients": [float(v) for v in c], "median_rel": float(np.median(rel)),
+                     "p99_rel": float(np.percentile(rel, 99))}
     return out
 
 
@@ -56,6 +80,8 @@ def main() -> None:
             v = s[part]
             print(f"  {part:15s} per row {v['per_row_s'] * 1e6:6.1f} us  per KV token {v['per_kv_token_s'] * 1e9:6.2f} ns"
                   f"  constant {v['constant_s'] * 1e3:.2f} ms")
+        for form, v in s.get("forms_gpu", {}).items():
+            print(f"  GPU time, {form:16s} held out: median {v['median_rel']:.1%} p99 {v['p99_rel']:.1%}")
     if args.out:
         Path(args.out).write_text(json.dumps({**provenance(), "config": {"runs": args.runs}, "figures": report},
                                              indent=1))
