@@ -29,6 +29,7 @@ import numpy as np
 
 from coserve.bench.provenance import provenance
 from coserve.bench.result_file import read_result
+from coserve.layers.triton_attention import decode_splits
 
 
 def slopes(path: str) -> dict[str, Any]:
@@ -55,9 +56,14 @@ def slopes(path: str) -> dict[str, Any]:
 
 
 def held_out_forms(x: np.ndarray, longest: np.ndarray, y: np.ndarray) -> dict[str, Any]:
-    """Median and p99 relative error of (rows, KV, 1) and (rows, KV, rows × longest, 1) fitted by
+    """Median and p99 relative error of (rows, KV, 1), (rows, KV, rows × longest, 1) and (rows, KV,
+    longest / its split count, 1) fitted by
     least squares on relative error to the even steps, scored on the odd ones."""
-    forms = {"rows_kv": x, "rows_kv_longest": np.column_stack([x[:, :2], x[:, 0] * longest, x[:, 2]])}
+    # the longest row's keys per program: its KV over the split count the graph of that many rows
+    # was captured with (decode_splits at the 8B shape's 8 KV heads and an H100's or H200's 132 SMs)
+    per_program = np.asarray([m / decode_splits(int(b), 8, 1 << 20, 132) for b, m in zip(x[:, 0], longest, strict=True)])
+    forms = {"rows_kv": x, "rows_kv_longest": np.column_stack([x[:, :2], x[:, 0] * longest, x[:, 2]]),
+             "rows_kv_longest_split": np.column_stack([x[:, :2], per_program, x[:, 2]])}
     out: dict[str, Any] = {}
     for name, a in forms.items():
         fit, held = slice(0, None, 2), slice(1, None, 2)

@@ -74,6 +74,8 @@
 #   latency_env=VAR=VALUE[,VAR=VALUE...]  latency=50 with these in the environment, e.g. COSERVE_LOSS_CHUNK=256
 #                  or COSERVE_TRAINER_RELEASE=1,COSERVE_TRAINER_RELEASE_TIMEOUT_MS=5
 #                  (the loss in 256-target chunks) or COSERVE_MLP_CHUNK=1024 (untrained-MLP pieces)
+#   decode_longest bench/decode_longest.py: decode graph steps at the same rows and total KV, one KV
+#                  length for all rows against spread lengths and one long row (the decode terms)
 #   prefill_context  bench/prefill_context.py: the paged prefill kernel with its cached prefix in splits
 #                  and without (COSERVE_PREFILL_SPLITS), a short chunk over a long prefix, one layer
 #   prefix_cache   bench/prefix_cache.py on the 8B shape, with the prefix cache and without
@@ -297,6 +299,8 @@ job() {
     eager_small)  # the piecewise graphs' small steps (a short chunk beside 32 decodes): host time, profiles
       run eager_small "$top/eager_cpu_small.log" python3 bench/eager_cpu.py --conditions idle --prefill-graphs \
         --shapes "1x512_ctx0,1x96_ctx0+32d,1x96_ctx1024+32d,1x448_ctx1024+32d" --out "$top/eager_cpu_small.json" ;;
+    decode_longest)  # decode steps at the same rows and total KV, rows of one length or of many
+      run decode_longest "$top/decode_longest.log" python3 bench/decode_longest.py --out "$top/decode_longest.json" ;;
     prefill_context)
       # the paged prefill kernel with its cached prefix in splits and without, one layer at the 8B
       # shape: a short chunk over a long prefix (bench/prefill_context.py, COSERVE_PREFILL_SPLITS)
