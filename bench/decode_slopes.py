@@ -47,7 +47,7 @@ def slopes(path: str) -> dict[str, Any]:
     for name, y in (("after_decision", measured), ("gpu", gpu), ("host", measured - gpu)):
         c = np.linalg.lstsq(x, y, rcond=None)[0]
         out[name] = {"per_row_s": float(c[0]), "per_kv_token_s": float(c[1]), "constant_s": float(c[2])}
-    if "decode_kv_max" in col:
+    if "decode_kv_max" in col and all(r[col["decode_kv_max"]] is not None for r in rows):
         longest = np.asarray([float(r[col["decode_kv_max"]] or 0) for r in rows])
         out["forms_gpu"] = held_out_forms(x, longest, gpu)
     calibrated = figures["calibration"]["coefficients"]["decode/graph"]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,11 +68,13 @@ class Table:
 GAP_S = 13  # the step table's gap_s column (coserve.bench.runners.STEP_TABLE_COLUMNS)
 
 
-def replay(model: LatencyModel, steps: list[list[Any]], poll_gap_s: float | None = None) -> np.ndarray:
+def replay(model: LatencyModel, steps: list[list[Any]], poll_gap_s: float | None = None,
+           decode_kv: Callable[[list[Any], list[float]], float] | None = None) -> np.ndarray:
     """Each step's prediction by ``model`` before it observes the step (``latency_fit.replay``'s
     loop); with ``poll_gap_s``, the host's idle poll (``CoServer.poll``: the refits put off run)
     before each step whose recorded ``gap_s`` is at least that (None: never, this script's
-    replay)."""
+    replay). ``decode_kv``: a decode step's KV regressor (``e_kv``'s) from its table row and
+    bucketed regressors, in place of the recorded total (an offline form)."""
     out = []
     for row, phase in zip(steps, lf.replay_phases(steps), strict=True):
         gap = row[GAP_S] if len(row) > GAP_S else None
@@ -80,6 +83,8 @@ def replay(model: LatencyModel, steps: list[list[Any]], poll_gap_s: float | None
         key, measured, vec, planned = row[0], row[2], row[3], lf.planned(row)
         base, busy = key.rsplit("/", 1)
         regressors = model.bucketed(lf.current_regressors(base, vec), base)
+        if decode_kv is not None and base.startswith("decode/"):
+            regressors = (regressors[0], decode_kv(row, list(regressors)), *regressors[2:])
         state = phase if busy == "busy" else "idle"
         out.append(model.observe_regressors(base, regressors, measured - planned, state, row_lone(row)) + planned)
     return np.asarray(out)

@@ -19,6 +19,13 @@ calibration sweep, which times the forward and the sampler but not the step's ou
 not see). Each run's figures carry the coefficients its model ended with (``end_coefficients``:
 what the online refits made of the calibration).
 
+``--decode-kv FORM`` (a table that records ``decode_kv_max``): decode steps'
+KV regressor replaced, ``rows_longest`` by the (bucketed) rows times the longest row's KV (what a
+step costs if its attention waits on its longest row), ``split_longest`` by the longest row's keys
+per program of the decode kernel at the 8B shape (its KV over the kernel's split count for the
+graph of that many rows, times 33: the total for one length over one or two rows, where the count
+is 33 / rows; below it for more rows, the count rounding up). The calibration's ``e_kv`` is kept.
+
 ``--warm-from OTHER``: each run replayed by the model that replayed OTHER whole first (its whole
 state, windows and levels: a server restarted with ``--latency-state``), to tell the model's
 first minutes from the system's: per segment, also each quarter's busy decode p99 and the 5th /
@@ -38,6 +45,7 @@ import numpy as np
 from coserve.bench.provenance import provenance
 from coserve.bench.result_file import read_result
 from coserve.core.latency import TERMS, error_summary
+from coserve.layers.triton_attention import decode_splits
 
 sys.path.insert(0, str(Path(__file__).parent))
 import latency_warm as lw  # noqa: E402  (the script beside this one)
@@ -63,6 +71,21 @@ def segments(path: str, kept: int) -> dict[str, tuple[int, int]]:
     return out
 
 
+KV_MAX = 15  # the step table's decode_kv_max column (coserve.bench.runners.STEP_TABLE_COLUMNS)
+
+
+def _rows_longest(row: list[Any], regressors: list[float]) -> float:
+    return regressors[0] * float(row[KV_MAX])
+
+
+def _split_longest(row: list[Any], regressors: list[float]) -> float:
+    rows = int(regressors[0])
+    return float(row[KV_MAX]) * 33 / decode_splits(rows, 8, 1 << 20, 132) if rows else 0.0
+
+
+DECODE_KV = {"rows_longest": _rows_longest, "split_longest": _split_longest}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="bench/coserve_latency.py result files")
@@ -71,6 +94,8 @@ def main() -> None:
     p.add_argument("--warm-from", default=None, help="a result file replayed first by the same model")
     p.add_argument("--calibration-add", action="append", default=[], metavar="KEY:TERM:SECONDS",
                    help="add to a term of the recorded calibration before the replay")
+    p.add_argument("--decode-kv", choices=sorted(DECODE_KV), default=None,
+                   help="decode steps' KV regressor from the longest row (tables with decode_kv_max)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     poll = None if args.poll_gap < 0 else args.poll_gap
@@ -92,7 +117,9 @@ def main() -> None:
             first = lw.Table(args.warm_from)
             model = first.model(busy_with_idle=True)
             lw.replay(model, first.steps, poll)
-        predicted = lw.replay(model, table.steps, poll)
+        if args.decode_kv and not all(len(s) > KV_MAX and s[KV_MAX] is not None for s in table.steps):
+            raise SystemExit(f"{path}: --decode-kv needs the step table's decode_kv_max column (coserve_latency.py since session 33)")
+        predicted = lw.replay(model, table.steps, poll, DECODE_KV[args.decode_kv] if args.decode_kv else None)
         measured = np.asarray([s[2] for s in table.steps])
         recorded = np.asarray([s[1] for s in table.steps])
         entry: dict[str, Any] = {"end_coefficients": model.state_dict(online=False)["coefficients"],
@@ -126,7 +153,7 @@ def main() -> None:
                    if "busy_decode_quarters" in part else ""))
     if args.out:
         record = {**provenance(), "config": {"runs": args.runs, "poll_gap_s": poll, "warm_from": args.warm_from,
-                                             "calibration_add": args.calibration_add},
+                                             "calibration_add": args.calibration_add, "decode_kv": args.decode_kv},
                   "figures": report}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(record, indent=1))

@@ -61,3 +61,35 @@ def test_decode_slopes_recover_the_per_row_and_per_kv_costs_of_gpu_and_host(tmp_
     assert got["host"]["per_row_s"] == pytest.approx(15e-6, rel=1e-6)
     assert got["after_decision"]["constant_s"] == pytest.approx(6.6e-3, rel=1e-6)
     assert got["calibration"]["per_row_s"] == 5e-6
+
+
+def test_decode_slopes_score_the_longest_row_forms_where_the_table_records_it(tmp_path: Path) -> None:
+    """A GPU time that follows the longest row's keys per program (its KV over the kernel's split
+    count) is fitted exactly by that form, not by rows and total KV."""
+    rng = random.Random(5)
+    col = STEP_TABLE_COLUMNS.index("decode_kv_max")
+    rows = []
+    for _ in range(400):
+        n, longest = rng.choice([8, 16, 24, 32]), rng.randint(500, 6000)
+        kv = int(n * longest * rng.uniform(0.3, 0.8))
+        per_program = longest / decode_slopes.decode_splits(n, 8, 1 << 20, 132)
+        gpu = 8e-3 + 20e-6 * n + 10e-9 * kv + 400e-9 * per_program
+        r = row("decode/graph/idle", gpu + 1e-4, [float(n), float(kv), 1.0], gpu)
+        r[col] = longest
+        rows.append(r)
+    forms = decode_slopes.slopes(write(tmp_path / "run.json", rows, idle_first=0, warm_first=None))["forms_gpu"]
+    assert forms["rows_kv_longest_split"]["p99_rel"] < 1e-9
+    assert forms["rows_kv"]["p99_rel"] > 0.01
+    for r in rows:
+        r[col] = None  # a table recorded before the column: no forms
+    assert "forms_gpu" not in decode_slopes.slopes(write(tmp_path / "old.json", rows, 0, None))
+
+
+def test_decode_kv_forms_read_the_longest_row() -> None:
+    r: list[Any] = [None] * len(STEP_TABLE_COLUMNS)
+    r[latency_whole.KV_MAX] = 1000
+    assert STEP_TABLE_COLUMNS[latency_whole.KV_MAX] == "decode_kv_max"
+    assert latency_whole.DECODE_KV["rows_longest"](r, [24.0, 9000.0, 1.0]) == 24_000.0
+    # one row: 33 splits of its keys, 33 programs' worth: its KV; 32 rows: two splits
+    assert latency_whole.DECODE_KV["split_longest"](r, [1.0, 1000.0, 1.0]) == pytest.approx(1000.0)
+    assert latency_whole.DECODE_KV["split_longest"](r, [32.0, 9000.0, 1.0]) == pytest.approx(16_500.0)
