@@ -51,7 +51,7 @@ from coserve.bench.utilization import UtilizationSampler
 from coserve.bench.workload import Arrival, busiest_window, load_trace
 from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig, SLOConfig
 from coserve.core.coserver import CheckPoint
-from coserve.core.latency import LONE_GAP_S, PHASES_IN_USE, BatchSpec
+from coserve.core.latency import DECODE_KV, LONE_GAP_S, PHASES_IN_USE, BatchSpec
 from coserve.engine.config import EngineConfig
 from coserve.engine.llm_engine import LLMEngine
 from coserve.models.presets import preset_path
@@ -582,7 +582,7 @@ def main() -> None:
                    "engine_sm_share": share_of_this_process(),  # (None: the whole GPU)
                    "prefill_graphs": args.prefill_graphs, "threads": torch.get_num_threads(),
                    "warm_replays": args.warm_replays,
-                   "trainer_phases": list(PHASES_IN_USE), "lone_gap_s": LONE_GAP_S,
+                   "trainer_phases": list(PHASES_IN_USE), "lone_gap_s": LONE_GAP_S, "decode_kv": DECODE_KV,
                    "lora": {"rank": 16, "targets": list(LoRAConfig().target_modules)}},
         "figures": figures,
     }

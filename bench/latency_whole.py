@@ -44,7 +44,7 @@ import numpy as np
 
 from coserve.bench.provenance import provenance
 from coserve.bench.result_file import read_result
-from coserve.core.latency import TERMS, error_summary
+from coserve.core.latency import TERMS, error_summary, longest_kv
 from coserve.layers.triton_attention import decode_splits
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -75,7 +75,7 @@ KV_MAX = 15  # the step table's decode_kv_max column (coserve.bench.runners.STEP
 
 
 def _rows_longest(row: list[Any], regressors: list[float]) -> float:
-    return regressors[0] * float(row[KV_MAX])
+    return longest_kv(regressors[0], regressors[1], float(row[KV_MAX]))  # (the model's COSERVE_DECODE_KV form)
 
 
 def _split_longest(row: list[Any], regressors: list[float]) -> float:
@@ -95,7 +95,8 @@ def main() -> None:
     p.add_argument("--calibration-add", action="append", default=[], metavar="KEY:TERM:SECONDS",
                    help="add to a term of the recorded calibration before the replay")
     p.add_argument("--decode-kv", choices=sorted(DECODE_KV), default=None,
-                   help="decode steps' KV regressor from the longest row (tables with decode_kv_max)")
+                   help="decode steps' KV regressor from the longest row (tables with decode_kv_max; "
+                        "default: the run's own, COSERVE_DECODE_KV)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     poll = None if args.poll_gap < 0 else args.poll_gap
@@ -117,9 +118,11 @@ def main() -> None:
             first = lw.Table(args.warm_from)
             model = first.model(busy_with_idle=True)
             lw.replay(model, first.steps, poll)
-        if args.decode_kv and not all(len(s) > KV_MAX and s[KV_MAX] is not None for s in table.steps):
+        form = args.decode_kv or read_result(path).get("config", {}).get("decode_kv", "total")
+        form = None if form == "total" else form  # (a run of COSERVE_DECODE_KV=rows_longest: its own form)
+        if form and not all(len(s) > KV_MAX and s[KV_MAX] is not None for s in table.steps):
             raise SystemExit(f"{path}: --decode-kv needs the step table's decode_kv_max column (coserve_latency.py since session 33)")
-        predicted = lw.replay(model, table.steps, poll, DECODE_KV[args.decode_kv] if args.decode_kv else None)
+        predicted = lw.replay(model, table.steps, poll, DECODE_KV[form] if form else None)
         measured = np.asarray([s[2] for s in table.steps])
         recorded = np.asarray([s[1] for s in table.steps])
         entry: dict[str, Any] = {"end_coefficients": model.state_dict(online=False)["coefficients"],

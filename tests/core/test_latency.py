@@ -31,6 +31,7 @@ from coserve.core.latency import (
     LatencyModel,
     StepFeatures,
     calibration_plan,
+    decode_kvs,
     error_summary,
     from_legacy_prefill,
     prior_weights,
@@ -184,6 +185,7 @@ def test_features_from_view_and_record() -> None:
                     decode_kv_tokens=40, mode="graph")
     f = StepFeatures.from_view(view, (4,), busy=True)
     assert f == StepFeatures((Chunk(8, 2),), (4,), 3, 40, "graph", True)
+    assert StepFeatures.from_view(replace(view, decode_kv_max=25)).kv_max == 25
     rec = StepRecord(view=view, ft_tokens=9, duration_s=0.1, mode="eager", ft_lens=(4, 5),
                      trainer_busy=True)
     assert StepFeatures.from_record(rec).ft_lens == (4, 5)
@@ -191,6 +193,7 @@ def test_features_from_view_and_record() -> None:
     assert StepFeatures.from_record(legacy).ft_lens == (9,)
     spec = BatchSpec((Chunk(8, 2),), (10, 30), (4,), "eager")
     assert StepFeatures.from_record(spec.record(0.1, busy=True)) == spec.features(busy=True)
+    assert spec.features().kv_max == 30 and StepFeatures.from_record(spec.record(0.1)).kv_max == 30
     graph = BatchSpec((Chunk(8, 2),), (10, 30), (4,), "graph")  # ran through the prefill graphs
     assert StepFeatures.from_record(graph.record(0.1)).key == "prefill/graph"
     assert StepFeatures.from_record(replace(rec, mode="graph")).key == "prefill/graph"
@@ -1173,3 +1176,65 @@ def test_a_spread_calibration_batch_keeps_its_total_kv_and_its_rows_within_the_c
     spec = BatchSpec(decode_kv=kvs, mode="graph")
     assert spec.record(0.01).view.decode_kv_max == 700 and spec.features().kv_tokens == 2000
 
+
+
+# ------------------------------------------------------------- decode KV term: rows x longest
+
+
+def test_rows_longest_prices_a_decode_step_by_its_rows_times_its_longest_row() -> None:
+    """``decode_kv="rows_longest"``: the KV term of a decode step is its bucketed rows times its
+    longest row's KV; without a longest row known, its total; prefill steps keep their total."""
+    model = LatencyModel(decode_kv="rows_longest")
+    model.graph_bucket = lambda n: 8 if n <= 8 else n
+    step = StepFeatures(num_decodes=5, kv_tokens=1000, mode="graph", kv_max=400)
+    assert model.regressors(step) == (8.0, 3200.0, 1.0)
+    default = LatencyModel(decode_kv="total")
+    default.graph_bucket = model.graph_bucket
+    assert default.decode_kv == "total" and default.regressors(step) == (8.0, 1000.0, 1.0)
+    assert model.regressors(replace(step, kv_max=0)) == (8.0, 1000.0, 1.0)
+    eager = replace(step, mode="eager")
+    assert model.regressors(eager) == (5.0, 2000.0, 1.0)
+    prefill = StepFeatures((Chunk(16),), num_decodes=5, kv_tokens=1000, mode="eager", kv_max=400)
+    assert model.regressors(prefill)[3] == 1000.0
+    with pytest.raises(ValueError, match="decode_kv"):
+        LatencyModel(decode_kv="longest")
+
+
+def test_rows_longest_recovers_a_time_that_follows_the_longest_row() -> None:
+    """A decode step whose attention lasts as long as its longest row: fitted on steps of spread
+    and uniform KV lengths, ``rows_longest`` recovers the coefficients; the total cannot."""
+    rng = random.Random(11)
+    coef = (5e-5, 3.3e-8, 3.7e-3)
+
+    def time_of(lens: tuple[int, ...]) -> float:
+        return coef[0] * len(lens) + coef[1] * len(lens) * max(lens) + coef[2]
+
+    specs = [BatchSpec(decode_kv=decode_kvs(per_row, rows, 10_000, spread), mode="eager")
+             for rows in (1, 2, 4, 8, 16, 32) for per_row in (64, 512, 2048) for spread in (False, True)]
+    records = [spec.record(time_of(spec.decode_kv)) for spec in specs]
+    longest, total = LatencyModel(decode_kv="rows_longest"), LatencyModel()
+    longest.fit(records)
+    total.fit(records)
+    assert longest.coefficients("decode/eager") == pytest.approx(coef, rel=1e-6)
+    serving = [tuple(rng.randint(10, 4000) for _ in range(rng.randint(2, 32))) for _ in range(200)]
+
+    def worst(model: LatencyModel) -> float:
+        return max(abs(model.predict(BatchSpec(decode_kv=lens, mode="eager").features()) - time_of(lens))
+                   / time_of(lens) for lens in serving)
+
+    assert worst(longest) < 1e-6 < 0.05 < worst(total)
+
+
+def test_a_state_keeps_its_decode_kv_term(caplog: pytest.LogCaptureFixture) -> None:
+    model = LatencyModel(decode_kv="rows_longest")
+    state = json.loads(json.dumps(model.state_dict()))
+    assert state["decode_kv"] == "rows_longest"
+    other = LatencyModel()
+    with caplog.at_level(logging.WARNING):
+        other.load_state_dict(state)
+    assert other.decode_kv == "rows_longest" and "decode KV term" in caplog.text
+    before = {k: v for k, v in state.items() if k != "decode_kv"}  # a state of session 33 or before
+    model.load_state_dict(before)
+    assert model.decode_kv == "total"
+    with pytest.raises(ValueError, match="decode_kv"):
+        LatencyModel().load_state_dict({**state, "decode_kv": "max"})

@@ -194,7 +194,8 @@ class StepFeatures:
     rows may have and still run in ``graph`` mode (0: FT rows make it ``eager``; see
     :attr:`exec_mode`); ``trainer_phase``: what the backward runs as the step begins
     (:data:`TRAINER_PHASES`; read only when ``busy``); ``idle_before_s``: how long the host left
-    the engine idle before the step (None: not known), which makes a prompt alone :attr:`lone`.
+    the engine idle before the step (None: not known), which makes a prompt alone :attr:`lone`;
+    ``kv_max``: the longest decode row's KV tokens (0: not known).
     """
 
     chunks: tuple[Chunk, ...] = ()
@@ -206,6 +207,7 @@ class StepFeatures:
     ft_graph_tokens: int = 0
     trainer_phase: str = "active"
     idle_before_s: float | None = None
+    kv_max: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -221,7 +223,7 @@ class StepFeatures:
     ) -> StepFeatures:
         chunks = tuple(Chunk(p.num_tokens, p.context_len) for p in view.prefills)
         return cls(chunks, tuple(ft_lens), view.num_decodes, view.decode_kv_tokens, view.mode, busy,
-                   view.ft_graph_tokens, trainer_phase, idle_before_s)
+                   view.ft_graph_tokens, trainer_phase, idle_before_s, view.decode_kv_max)
 
     @classmethod
     def from_record(cls, record: StepRecord, trainer_phase: str = "active",
@@ -294,6 +296,13 @@ class StepFeatures:
         )
 
 
+def longest_kv(rows: float, kv_tokens: float, kv_max: float) -> float:
+    """A decode step's KV term under ``rows_longest`` (:data:`DECODE_KV`): ``rows`` (bucketed)
+    times its longest row's KV; a step whose longest row is not known (``kv_max`` 0: a host or a
+    record without it) as if its rows had one length, its total."""
+    return float(rows) * float(kv_max) if kv_max > 0 else float(kv_tokens)
+
+
 def over_knee(tokens: float, knee_tokens: int) -> float:
     """``k_over``'s regressor: the tokens above the knee (0 without one)."""
     return float(max(0.0, tokens - knee_tokens)) if knee_tokens > 0 else 0.0
@@ -330,7 +339,8 @@ class BatchSpec:
 
     def features(self, *, busy: bool = False) -> StepFeatures:
         return StepFeatures.of_mode(
-            StepFeatures(self.chunks, self.ft_lens, len(self.decode_kv), sum(self.decode_kv), busy=busy),
+            StepFeatures(self.chunks, self.ft_lens, len(self.decode_kv), sum(self.decode_kv), busy=busy,
+                         kv_max=max(self.decode_kv, default=0)),
             self.mode,
         )
 
@@ -369,6 +379,22 @@ of the trainer-idle replays' decode steps grew 58-68 µs a row and 57-66 ns a KV
 sweep's 5-9 µs and 45-46 ns (``bench/decode_slopes.py``,
 ``bench/results/latency_h100/session33/decode_slopes.json``). Off until a device run says whether it
 closes that gap."""
+
+
+DECODE_KV_FORMS: Final = ("total", "rows_longest")
+DECODE_KV: Final = os.environ.get("COSERVE_DECODE_KV", "total")
+"""``LatencyModel``'s default ``decode_kv``: what a decode step's ``e_kv`` term multiplies
+(``COSERVE_DECODE_KV``). ``total``: the KV tokens its rows read (``K``, the model until session
+34); ``rows_longest``: its (bucketed) rows times its longest row's KV tokens, what the step reads
+if every row were as long as its longest. The paged decode kernel cuts each row's keys into the
+same number of splits, so a batch whose rows differ in length may wait on its longest row's
+programs; the calibration's batches give every row one length, where the two are equal (but for
+a graph's padding rows). Session 33's H100 serving refitted ``b_decodes`` to ~58-60 µs a row
+against the sweep's 6-8 µs; at the sweep's 45 ns a KV token, a longest row ~1,300 tokens over the
+mean would cost that much a row. Off until measured (``bench/decode_longest.py``; offline
+``bench/latency_whole.py --decode-kv rows_longest``)."""
+if DECODE_KV not in DECODE_KV_FORMS:
+    raise ValueError(f"COSERVE_DECODE_KV must be one of {', '.join(DECODE_KV_FORMS)}, got {DECODE_KV!r}")
 
 
 def decode_kvs(per_row: int, rows: int, cap: int, spread: bool | None = None) -> tuple[int, ...]:
@@ -606,7 +632,9 @@ class LatencyModel:
     slope ``k_over`` too (0: no knee, the model before session 31; module docstring). A refit of
     an idle set refits its key's busy sets too (``busy_with_idle``; False: the model before
     session 32), and a busy set prices ``T`` by the idle coefficients it was fitted against until
-    its own refit (``busy_base``; False: the model before session 33).
+    its own refit (``busy_base``; False: the model before session 33). A decode step's ``e_kv``
+    term multiplies its KV tokens or its rows times its longest row's (``decode_kv``,
+    :data:`DECODE_KV`).
 
     :meth:`safety` is how far the set's recent steps ran over their predictions (the
     ``safety_quantile`` of measured / predicted over the last ``safety_window`` steps, each
@@ -636,6 +664,7 @@ class LatencyModel:
         knee_tokens: int = KNEE_TOKENS,
         busy_with_idle: bool = BUSY_WITH_IDLE,
         busy_base: bool = BUSY_BASE,
+        decode_kv: str = DECODE_KV,
     ) -> None:
         if window < 1 or refit_every < 1 or prior_weight < 0:
             raise ValueError("LatencyModel needs window >= 1, refit_every >= 1, prior_weight >= 0")
@@ -653,6 +682,8 @@ class LatencyModel:
             raise ValueError("LatencyModel needs ending_after >= 0 (or None)")
         if knee_tokens < 0:
             raise ValueError(f"LatencyModel needs knee_tokens >= 0 (0: no knee), got {knee_tokens}")
+        if decode_kv not in DECODE_KV_FORMS:
+            raise ValueError(f"LatencyModel needs decode_kv among {', '.join(DECODE_KV_FORMS)}, got {decode_kv!r}")
         self.window = window
         self.refit_every = refit_every
         self.prior_weight = prior_weight
@@ -666,6 +697,7 @@ class LatencyModel:
         self.knee_tokens = knee_tokens
         self.busy_with_idle = busy_with_idle
         self.busy_base = busy_base
+        self.decode_kv = decode_kv
         # per prefill key, its latest lone prompts (regressors, time): the lone level's restart
         self._lone_recent: dict[str, deque[tuple[tuple[float, ...], float]]] = {}
         self._defaults = {form: _checked(form, defaults[form]) for form in TERMS}
@@ -711,8 +743,14 @@ class LatencyModel:
         (and a piecewise prefill step's tokens by :attr:`prefill_bucket`).
         Offline, on recorded H200 steps, that cut the idle decode error's median from 4.0% to
         1.8% and from 10.3% to 1.6% in two runs (``bench/latency_fit.py``, ``bucket`` form).
-        ``key``: ``features.key`` where the caller has it already."""
-        return self.bucketed(features.vector(), key or features.key)
+        ``key``: ``features.key`` where the caller has it already. With :attr:`decode_kv`
+        ``rows_longest``, a decode step's KV term is its bucketed rows times its longest row's KV
+        (:func:`longest_kv`)."""
+        key = key or features.key
+        v = self.bucketed(features.vector(), key)
+        if self.decode_kv == "rows_longest" and key.startswith("decode/"):
+            v = (v[0], longest_kv(v[0], features.kv_tokens, features.kv_max), *v[2:])
+        return v
 
     def bucketed(self, vector: Sequence[float], key: str) -> tuple[float, ...]:
         """A ``key`` step's :meth:`StepFeatures.vector` as :meth:`regressors` prices it (the
@@ -1063,6 +1101,7 @@ class LatencyModel:
         state: dict[str, Any] = {
             "version": _STATE_VERSION,
             "knee_tokens": self.knee_tokens,
+            "decode_kv": self.decode_kv,
             "coefficients": {k: list(v) for k, v in self._coef.items()},
             "busy": {k: list(v) for k, v in self._busy.items()},
             "calibration": {k: list(v) for k, v in self._calib.items()},
@@ -1091,7 +1130,8 @@ class LatencyModel:
         migrated: its prefill sets get the missing terms at 0, so that they predict what they did;
         the online refits learn them from the steps that excite them (recalibrating learns them at
         once), at this model's knee. A version-3 state's ``knee_tokens`` (what its ``k_over`` was
-        fitted with) replaces this model's, with a warning where they differ."""
+        fitted with) replaces this model's, with a warning where they differ, and so does its
+        ``decode_kv`` (a state without one: ``total``)."""
         if state.get("version") in (1, 2):
             state = {**_migrated(state), "knee_tokens": self.knee_tokens}
         if state.get("version") != _STATE_VERSION:
@@ -1116,10 +1156,18 @@ class LatencyModel:
         # sets it holds, as far as it says)
         self._busy_base = {k: _checked(k.split("/")[0], base[k]) if k in base else self.coefficients(slot_key(k))
                            for k in self._busy}
+        decode_kv = state.get("decode_kv", "total")  # (a state before session 34: the total)
+        if decode_kv not in DECODE_KV_FORMS:
+            raise ValueError(f"LatencyModel state: decode_kv must be one of {', '.join(DECODE_KV_FORMS)}, "
+                             f"got {decode_kv!r}")
         if knee != self.knee_tokens:
             logger.warning("latency model state fitted with a knee at %d tokens, not %d: it keeps its own",
                            knee, self.knee_tokens)
             self.knee_tokens = knee
+        if decode_kv != self.decode_kv:
+            logger.warning("latency model state fitted with decode KV term %r, not %r: it keeps its own",
+                           decode_kv, self.decode_kv)
+            self.decode_kv = decode_kv
         online = self._parsed_online(state.get("online"))
         self._windows.clear()
         self._unfitted.clear()
