@@ -44,7 +44,7 @@ def layout(name: str, rows: int, mean: int, long: float, cap: int) -> list[int]:
         return [mean] * rows
     if name == "spread":
         return [min(cap, max(1, round(mean * (0.25 + 1.5 * i / (rows - 1))))) for i in range(rows)]
-    first = min(cap, round(mean * long))
+    first = min(cap, round(mean * long), rows * mean - (rows - 1))  # (the others at least 1 token each)
     rest = max(1, (rows * mean - first) // (rows - 1))
     return [first] + [rest] * (rows - 1)
 
