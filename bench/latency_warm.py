@@ -35,7 +35,7 @@ import numpy as np
 from coserve.bench.provenance import provenance
 from coserve.bench.result_file import read_result
 from coserve.bench.runners import row_lone
-from coserve.core.latency import LatencyModel, error_summary
+from coserve.core.latency import LatencyModel, error_summary, with_decode_kv
 
 sys.path.insert(0, str(Path(__file__).parent))
 import latency_fit as lf  # noqa: E402  (the script beside this one)
@@ -66,15 +66,17 @@ class Table:
 
 
 GAP_S = 13  # the step table's gap_s column (coserve.bench.runners.STEP_TABLE_COLUMNS)
+DECODES = 8  # its decodes column
 
 
 def replay(model: LatencyModel, steps: list[list[Any]], poll_gap_s: float | None = None,
-           decode_kv: Callable[[list[Any], list[float]], float] | None = None) -> np.ndarray:
+           decode_kv: Callable[[list[Any], str, list[float]], float] | None = None) -> np.ndarray:
     """Each step's prediction by ``model`` before it observes the step (``latency_fit.replay``'s
     loop); with ``poll_gap_s``, the host's idle poll (``CoServer.poll``: the refits put off run)
     before each step whose recorded ``gap_s`` is at least that (None: never, this script's
-    replay). ``decode_kv``: a decode step's KV regressor (``e_kv``'s) from its table row and
-    bucketed regressors, in place of the recorded total (an offline form)."""
+    replay). ``decode_kv``: a step's decode KV regressor (``e_kv``'s) from its table row, key
+    and bucketed regressors, in place of the recorded total, for steps with decode rows (an
+    offline form)."""
     out = []
     for row, phase in zip(steps, lf.replay_phases(steps), strict=True):
         gap = row[GAP_S] if len(row) > GAP_S else None
@@ -83,8 +85,8 @@ def replay(model: LatencyModel, steps: list[list[Any]], poll_gap_s: float | None
         key, measured, vec, planned = row[0], row[2], row[3], lf.planned(row)
         base, busy = key.rsplit("/", 1)
         regressors = model.bucketed(lf.current_regressors(base, vec), base)
-        if decode_kv is not None and base.startswith("decode/"):
-            regressors = (regressors[0], decode_kv(row, list(regressors)), *regressors[2:])
+        if decode_kv is not None and row[DECODES]:
+            regressors = with_decode_kv(base, regressors, decode_kv(row, base, list(regressors)))
         state = phase if busy == "busy" else "idle"
         out.append(model.observe_regressors(base, regressors, measured - planned, state, row_lone(row)) + planned)
     return np.asarray(out)

@@ -74,13 +74,22 @@ def segments(path: str, kept: int) -> dict[str, tuple[int, int]]:
 KV_MAX = 15  # the step table's decode_kv_max column (coserve.bench.runners.STEP_TABLE_COLUMNS)
 
 
-def _rows_longest(row: list[Any], regressors: list[float]) -> float:
-    return longest_kv(regressors[0], regressors[1], float(row[KV_MAX]))  # (the model's COSERVE_DECODE_KV form)
+def _decode_rows(row: list[Any], key: str, regressors: list[float]) -> int:
+    """A step's decode rows as its attention runs them: a decode step's bucket (its graph), a
+    prefill step's own rows (eager attention)."""
+    return int(regressors[0]) if key.startswith("decode/") else int(row[lw.DECODES])
 
 
-def _split_longest(row: list[Any], regressors: list[float]) -> float:
-    rows = int(regressors[0])
-    return float(row[KV_MAX]) * 33 / decode_splits(rows, 8, 1 << 20, 132) if rows else 0.0
+def _rows_longest(row: list[Any], key: str, regressors: list[float]) -> float:
+    kv = regressors[TERMS[key.split("/")[0]].index("e_kv")]
+    return longest_kv(_decode_rows(row, key, regressors), kv, float(row[KV_MAX]))  # (COSERVE_DECODE_KV's form)
+
+
+def _split_longest(row: list[Any], key: str, regressors: list[float]) -> float:
+    rows, longest = _decode_rows(row, key, regressors), int(row[KV_MAX])
+    # (a graph was captured at the longest context; eager attention splits by the step's own)
+    context = 1 << 20 if key == "decode/graph" else longest
+    return longest * 33 / decode_splits(rows, 8, context, 132) if rows else 0.0
 
 
 DECODE_KV = {"rows_longest": _rows_longest, "split_longest": _split_longest}

@@ -87,9 +87,41 @@ def test_decode_slopes_score_the_longest_row_forms_where_the_table_records_it(tm
 
 def test_decode_kv_forms_read_the_longest_row() -> None:
     r: list[Any] = [None] * len(STEP_TABLE_COLUMNS)
-    r[latency_whole.KV_MAX] = 1000
+    r[latency_whole.KV_MAX], r[STEP_TABLE_COLUMNS.index("decodes")] = 1000, 3
     assert STEP_TABLE_COLUMNS[latency_whole.KV_MAX] == "decode_kv_max"
-    assert latency_whole.DECODE_KV["rows_longest"](r, [24.0, 9000.0, 1.0]) == 24_000.0
+    assert STEP_TABLE_COLUMNS[latency_whole.lw.DECODES] == "decodes"
+    rows_longest, split_longest = latency_whole.DECODE_KV["rows_longest"], latency_whole.DECODE_KV["split_longest"]
+    assert rows_longest(r, "decode/graph", [24.0, 9000.0, 1.0]) == 24_000.0  # the bucket's rows
+    # a prefill step: its own decode rows (3), its e_kv slot
+    assert rows_longest(r, "prefill/graph", [0.0, 0.0, 0.0, 2500.0, 0.0, 0.0, 0.0, 1.0]) == 3000.0
     # one row: 33 splits of its keys, 33 programs' worth: its KV; 32 rows: two splits
-    assert latency_whole.DECODE_KV["split_longest"](r, [1.0, 1000.0, 1.0]) == pytest.approx(1000.0)
-    assert latency_whole.DECODE_KV["split_longest"](r, [32.0, 9000.0, 1.0]) == pytest.approx(16_500.0)
+    assert split_longest(r, "decode/graph", [1.0, 1000.0, 1.0]) == pytest.approx(1000.0)
+    assert split_longest(r, "decode/graph", [32.0, 9000.0, 1.0]) == pytest.approx(16_500.0)
+    # eager: split by the step's own longest row (1,000 keys: at most 16 splits of 64)
+    assert split_longest(r, "decode/eager", [1.0, 1000.0, 1.0]) == pytest.approx(1000 * 33 / 16)
+
+
+def test_a_replay_in_the_longest_row_form_follows_steps_that_wait_on_their_longest_row() -> None:
+    """Idle decode steps whose time is rows × longest row: replayed by one model with the recorded
+    total as their KV term, their error stays; with ``rows_longest``, the refits find it."""
+    from coserve.core.latency import LatencyModel
+
+    rng = random.Random(8)
+    col = STEP_TABLE_COLUMNS.index
+    steps = []
+    for _ in range(600):
+        rows = rng.choice([8, 16, 24, 32])
+        lens = [rng.randint(10, 4000) for _ in range(rows)]
+        r = row("decode/graph/idle", 4e-3 + 2e-5 * rows + 4e-8 * rows * max(lens), [float(rows), float(sum(lens)), 1.0])
+        r[col("decodes")], r[col("decode_kv_max")] = rows, max(lens)
+        steps.append(r)
+
+    def late_error(form: Any) -> float:
+        model = LatencyModel(level_rate=0.0)  # (no level: the form alone)
+        model.load_state_dict({**model.state_dict(online=False),
+                               "coefficients": {"decode/graph": [2e-5, 4e-8, 4e-3]}})
+        predicted = latency_whole.lw.replay(model, steps, None, form)
+        measured = [s[2] for s in steps]
+        return max(abs(p - m) / m for p, m in zip(predicted[300:], measured[300:], strict=True))
+
+    assert late_error(latency_whole.DECODE_KV["rows_longest"]) < 1e-3 < 0.05 < late_error(None)

@@ -1195,7 +1195,10 @@ def test_rows_longest_prices_a_decode_step_by_its_rows_times_its_longest_row() -
     eager = replace(step, mode="eager")
     assert model.regressors(eager) == (5.0, 2000.0, 1.0)
     prefill = StepFeatures((Chunk(16),), num_decodes=5, kv_tokens=1000, mode="eager", kv_max=400)
-    assert model.regressors(prefill)[3] == 1000.0
+    assert model.regressors(prefill)[3] == 2000.0  # its decode rows, unbucketed
+    assert default.regressors(prefill)[3] == 1000.0
+    assert model.regressors(StepFeatures((Chunk(16),), mode="eager")) == default.regressors(
+        StepFeatures((Chunk(16),), mode="eager"))
     with pytest.raises(ValueError, match="decode_kv"):
         LatencyModel(decode_kv="longest")
 

@@ -303,6 +303,12 @@ def longest_kv(rows: float, kv_tokens: float, kv_max: float) -> float:
     return float(rows) * float(kv_max) if kv_max > 0 else float(kv_tokens)
 
 
+def with_decode_kv(key: str, regressors: Sequence[float], kv: float) -> tuple[float, ...]:
+    """A ``key`` step's ``regressors`` with its decode rows' KV term (``e_kv``'s) set to ``kv``."""
+    i = TERMS[key.split("/")[0]].index("e_kv")
+    return (*regressors[:i], float(kv), *regressors[i + 1:])
+
+
 def over_knee(tokens: float, knee_tokens: int) -> float:
     """``k_over``'s regressor: the tokens above the knee (0 without one)."""
     return float(max(0.0, tokens - knee_tokens)) if knee_tokens > 0 else 0.0
@@ -386,7 +392,8 @@ DECODE_KV: Final = os.environ.get("COSERVE_DECODE_KV", "total")
 """``LatencyModel``'s default ``decode_kv``: what a decode step's ``e_kv`` term multiplies
 (``COSERVE_DECODE_KV``). ``total``: the KV tokens its rows read (``K``, the model until session
 34); ``rows_longest``: its (bucketed) rows times its longest row's KV tokens, what the step reads
-if every row were as long as its longest. The paged decode kernel cuts each row's keys into the
+if every row were as long as its longest (and so for a prefill step's ``e_kv``, over its decode
+rows). The paged decode kernel cuts each row's keys into the
 same number of splits, so a batch whose rows differ in length may wait on its longest row's
 programs; the calibration's batches give every row one length, where the two are equal (but for
 a graph's padding rows). Session 33's H100 serving refitted ``b_decodes`` to ~58-60 µs a row
@@ -744,12 +751,14 @@ class LatencyModel:
         Offline, on recorded H200 steps, that cut the idle decode error's median from 4.0% to
         1.8% and from 10.3% to 1.6% in two runs (``bench/latency_fit.py``, ``bucket`` form).
         ``key``: ``features.key`` where the caller has it already. With :attr:`decode_kv`
-        ``rows_longest``, a decode step's KV term is its bucketed rows times its longest row's KV
-        (:func:`longest_kv`)."""
+        ``rows_longest``, a step's decode KV term is its decode rows (a decode step's bucketed)
+        times its longest row's KV (:func:`longest_kv`)."""
         key = key or features.key
         v = self.bucketed(features.vector(), key)
-        if self.decode_kv == "rows_longest" and key.startswith("decode/"):
-            v = (v[0], longest_kv(v[0], features.kv_tokens, features.kv_max), *v[2:])
+        if self.decode_kv == "rows_longest" and features.num_decodes:
+            # (a prefill step's decode rows: their attention runs eagerly, over their own rows)
+            rows = v[0] if key.startswith("decode/") else features.num_decodes
+            v = with_decode_kv(key, v, longest_kv(rows, features.kv_tokens, features.kv_max))
         return v
 
     def bucketed(self, vector: Sequence[float], key: str) -> tuple[float, ...]:
