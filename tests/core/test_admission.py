@@ -148,6 +148,21 @@ def test_slack_and_prefill_time_by_hand() -> None:
     assert planned.planned_s == pytest.approx(0.004)
     assert slack(planned, model, SLO) == pytest.approx((0.5, 0.096))
     assert slack(replace(IDLE_VIEW, step_began=NOW - 0.004), model, SLO) == (INF, INF)
+
+
+def test_queued_prompts_are_priced_with_the_steps_longest_decode_row() -> None:
+    """Under ``decode_kv="rows_longest"`` the queue's steps carry this step's decodes as the
+    model prices a step: their KV term is the rows times the longest row (10 × 50, not 100)."""
+    model = LatencyModel(decode_kv="rows_longest")
+    model.load_state_dict({**hand_model().state_dict(), "decode_kv": "rows_longest"})
+    coef = list(model.coefficients("prefill/eager"))
+    coef[3] = 1e-6  # e_kv: 1 µs a KV token
+    model.load_state_dict({**model.state_dict(), "coefficients": {**model.state_dict()["coefficients"],
+                                                                  "prefill/eager": coef}})
+    view = StepView(now=NOW, prefills=(prefill(100, 0.5),), num_decodes=10, decode_kv_tokens=100,
+                    decode_kv_max=50, token_budget=390)
+    assert prefill_time(490, view, model) == pytest.approx(0.51 + 500e-6)
+    assert prefill_time(490, replace(view, decode_kv_max=0), model) == pytest.approx(0.51 + 100e-6)
     with pytest.raises(ValueError, match="prefill_remaining"):
         slack(replace(view, prefill_remaining=(1, 2)), model, SLO)
 

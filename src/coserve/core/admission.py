@@ -78,7 +78,8 @@ def prefill_time(tokens: int, view: StepView, model: LatencyModel) -> float:
     def step(n: int) -> float:
         chunk = (Chunk(n),)
         return model.predict(
-            StepFeatures(chunk, (), view.num_decodes, view.decode_kv_tokens, view.mode)
+            StepFeatures(chunk, (), view.num_decodes, view.decode_kv_tokens, view.mode,
+                         kv_max=view.decode_kv_max)
         )
 
     return full * step(per_step) + (step(rest) if rest else 0.0)
