@@ -393,10 +393,9 @@ DECODE_KV: Final = os.environ.get("COSERVE_DECODE_KV", "total")
 (``COSERVE_DECODE_KV``). ``total``: the KV tokens its rows read (``K``, the model until session
 34); ``rows_longest``: its (bucketed) rows times its longest row's KV tokens, what the step reads
 if every row were as long as its longest (and so for a prefill step's ``e_kv``, over its decode
-rows). The paged decode kernel cuts each row's keys into the
-same number of splits, so a batch whose rows differ in length may wait on its longest row's
-programs; the calibration's batches give every row one length, where the two are equal (but for
-a graph's padding rows). Session 33's H100 serving refitted ``b_decodes`` to ~58-60 µs a row
+rows). The paged decode kernel cuts each row's keys into the same number of splits, so a batch
+whose rows differ in length may wait on its longest row's programs; the calibration's batches
+give every row one length, where the two are equal (but for a graph's padding rows). Session 33's H100 serving refitted ``b_decodes`` to ~58-60 µs a row
 against the sweep's 6-8 µs; at the sweep's 45 ns a KV token, a longest row ~1,300 tokens over the
 mean would cost that much a row. Off until measured (``bench/decode_longest.py``; offline
 ``bench/latency_whole.py --decode-kv rows_longest``)."""
