@@ -98,7 +98,7 @@ def main() -> None:
     means = [max(1, int(x) // (16 if args.smoke else 1)) for x in args.means.split(",")]
     sizes = (1, 2, 4, 8, 16, 24, 32, 48, 64)
     with tempfile.TemporaryDirectory() as tmp:
-        runner = build_runner(write_model_dir(Path(tmp), TINY if args.smoke else LLAMA3_8B), 8.0,
+        runner = build_runner(write_model_dir(Path(tmp), TINY if args.smoke else LLAMA3_8B), 1.0 if args.smoke else 24.0,
                               tuple(sorted(set(sizes) | set(rows_list))), device)
     cap = runner.config.max_model_len - 2
     result: dict[str, Any] = provenance()
