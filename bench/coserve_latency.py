@@ -51,7 +51,7 @@ from coserve.bench.utilization import UtilizationSampler
 from coserve.bench.workload import Arrival, busiest_window, load_trace
 from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig, SLOConfig
 from coserve.core.coserver import CheckPoint
-from coserve.core.latency import DECODE_KV, LONE_GAP_S, PHASES_IN_USE, BatchSpec
+from coserve.core.latency import DECODE_KV, DECODE_KV_SHARE, LONE_GAP_S, PHASES_IN_USE, BatchSpec
 from coserve.engine.config import EngineConfig
 from coserve.engine.llm_engine import LLMEngine
 from coserve.models.presets import preset_path
@@ -583,6 +583,7 @@ def main() -> None:
                    "prefill_graphs": args.prefill_graphs, "threads": torch.get_num_threads(),
                    "warm_replays": args.warm_replays,
                    "trainer_phases": list(PHASES_IN_USE), "lone_gap_s": LONE_GAP_S, "decode_kv": DECODE_KV,
+                   "decode_kv_share": DECODE_KV_SHARE,
                    "lora": {"rank": 16, "targets": list(LoRAConfig().target_modules)}},
         "figures": figures,
     }

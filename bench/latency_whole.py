@@ -19,9 +19,10 @@ calibration sweep, which times the forward and the sampler but not the step's ou
 not see). Each run's figures carry the coefficients its model ended with (``end_coefficients``:
 what the online refits made of the calibration).
 
-``--decode-kv FORM`` (a table that records ``decode_kv_max``): decode steps'
-KV regressor replaced, ``rows_longest`` by the (bucketed) rows times the longest row's KV (what a
-step costs if its attention waits on its longest row), ``split_longest`` by the longest row's keys
+``--decode-kv FORM`` (a table that records ``decode_kv_max``): steps' decode KV regressor
+replaced, ``total`` by the recorded total, ``rows_longest`` by the model's form of that name
+(``latency.longest_kv``: the total plus ``--decode-kv-share`` of the rows' excess at the longest
+row's length; the run's own form and share where it records them), ``split_longest`` by the longest row's keys
 per program of the decode kernel at the 8B shape (its KV over the kernel's split count for the
 graph of that many rows, times 33: the total for one length over one or two rows, where the count
 is 33 / rows; below it for more rows, the count rounding up). The calibration's ``e_kv`` is kept.
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +46,7 @@ import numpy as np
 
 from coserve.bench.provenance import provenance
 from coserve.bench.result_file import read_result
-from coserve.core.latency import TERMS, error_summary, longest_kv
+from coserve.core.latency import DECODE_KV_SHARE, TERMS, error_summary, longest_kv
 from coserve.layers.triton_attention import decode_splits
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -80,9 +82,12 @@ def _decode_rows(row: list[Any], key: str, regressors: list[float]) -> int:
     return int(regressors[0]) if key.startswith("decode/") else int(row[lw.DECODES])
 
 
-def _rows_longest(row: list[Any], key: str, regressors: list[float]) -> float:
-    kv = regressors[TERMS[key.split("/")[0]].index("e_kv")]
-    return longest_kv(_decode_rows(row, key, regressors), kv, float(row[KV_MAX]))  # (COSERVE_DECODE_KV's form)
+def rows_longest(share: float) -> Callable[[list[Any], str, list[float]], float]:
+    """``COSERVE_DECODE_KV=rows_longest`` at ``share`` (``latency.longest_kv``) from a table row."""
+    def form(row: list[Any], key: str, regressors: list[float]) -> float:
+        kv = regressors[TERMS[key.split("/")[0]].index("e_kv")]
+        return longest_kv(_decode_rows(row, key, regressors), kv, float(row[KV_MAX]), share)
+    return form
 
 
 def _split_longest(row: list[Any], key: str, regressors: list[float]) -> float:
@@ -92,7 +97,7 @@ def _split_longest(row: list[Any], key: str, regressors: list[float]) -> float:
     return longest * 33 / decode_splits(rows, 8, context, 132) if rows else 0.0
 
 
-DECODE_KV = {"rows_longest": _rows_longest, "split_longest": _split_longest}
+DECODE_KV_FORMS = ("total", "rows_longest", "split_longest")
 
 
 def main() -> None:
@@ -103,9 +108,11 @@ def main() -> None:
     p.add_argument("--warm-from", default=None, help="a result file replayed first by the same model")
     p.add_argument("--calibration-add", action="append", default=[], metavar="KEY:TERM:SECONDS",
                    help="add to a term of the recorded calibration before the replay")
-    p.add_argument("--decode-kv", choices=sorted(DECODE_KV), default=None,
-                   help="decode steps' KV regressor from the longest row (tables with decode_kv_max; "
-                        "default: the run's own, COSERVE_DECODE_KV)")
+    p.add_argument("--decode-kv", choices=DECODE_KV_FORMS, default=None,
+                   help="steps' decode KV regressor (from the longest row: tables with decode_kv_max; "
+                        "default: the run's own, COSERVE_DECODE_KV, total for a run that does not say)")
+    p.add_argument("--decode-kv-share", type=float, default=None,
+                   help="rows_longest's share (default: the run's own, else COSERVE_DECODE_KV_SHARE)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     poll = None if args.poll_gap < 0 else args.poll_gap
@@ -127,11 +134,14 @@ def main() -> None:
             first = lw.Table(args.warm_from)
             model = first.model(busy_with_idle=True)
             lw.replay(model, first.steps, poll)
-        form = args.decode_kv or read_result(path).get("config", {}).get("decode_kv", "total")
-        form = None if form == "total" else form  # (a run of COSERVE_DECODE_KV=rows_longest: its own form)
-        if form and not all(len(s) > KV_MAX and s[KV_MAX] is not None for s in table.steps):
+        config = read_result(path).get("config", {})
+        form = args.decode_kv or config.get("decode_kv", "total")
+        share = args.decode_kv_share if args.decode_kv_share is not None else config.get("decode_kv_share",
+                                                                                         DECODE_KV_SHARE)
+        decode_kv = {"total": None, "rows_longest": rows_longest(share), "split_longest": _split_longest}[form]
+        if decode_kv is not None and not all(len(s) > KV_MAX and s[KV_MAX] is not None for s in table.steps):
             raise SystemExit(f"{path}: --decode-kv needs the step table's decode_kv_max column (coserve_latency.py since session 33)")
-        predicted = lw.replay(model, table.steps, poll, DECODE_KV[form] if form else None)
+        predicted = lw.replay(model, table.steps, poll, decode_kv)
         measured = np.asarray([s[2] for s in table.steps])
         recorded = np.asarray([s[1] for s in table.steps])
         entry: dict[str, Any] = {"end_coefficients": model.state_dict(online=False)["coefficients"],
@@ -165,7 +175,8 @@ def main() -> None:
                    if "busy_decode_quarters" in part else ""))
     if args.out:
         record = {**provenance(), "config": {"runs": args.runs, "poll_gap_s": poll, "warm_from": args.warm_from,
-                                             "calibration_add": args.calibration_add, "decode_kv": args.decode_kv},
+                                             "calibration_add": args.calibration_add, "decode_kv": args.decode_kv,
+                                             "decode_kv_share": args.decode_kv_share},
                   "figures": report}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(record, indent=1))

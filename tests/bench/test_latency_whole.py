@@ -90,10 +90,11 @@ def test_decode_kv_forms_read_the_longest_row() -> None:
     r[latency_whole.KV_MAX], r[STEP_TABLE_COLUMNS.index("decodes")] = 1000, 3
     assert STEP_TABLE_COLUMNS[latency_whole.KV_MAX] == "decode_kv_max"
     assert STEP_TABLE_COLUMNS[latency_whole.lw.DECODES] == "decodes"
-    rows_longest, split_longest = latency_whole.DECODE_KV["rows_longest"], latency_whole.DECODE_KV["split_longest"]
+    rows_longest, split_longest = latency_whole.rows_longest(1.0), latency_whole._split_longest
     assert rows_longest(r, "decode/graph", [24.0, 9000.0, 1.0]) == 24_000.0  # the bucket's rows
     # a prefill step: its own decode rows (3), its e_kv slot
     assert rows_longest(r, "prefill/graph", [0.0, 0.0, 0.0, 2500.0, 0.0, 0.0, 0.0, 1.0]) == 3000.0
+    assert latency_whole.rows_longest(0.5)(r, "decode/graph", [24.0, 9000.0, 1.0]) == 9000.0 + 0.5 * 15_000.0
     # one row: 33 splits of its keys, 33 programs' worth: its KV; 32 rows: two splits
     assert split_longest(r, "decode/graph", [1.0, 1000.0, 1.0]) == pytest.approx(1000.0)
     assert split_longest(r, "decode/graph", [32.0, 9000.0, 1.0]) == pytest.approx(16_500.0)
@@ -124,4 +125,4 @@ def test_a_replay_in_the_longest_row_form_follows_steps_that_wait_on_their_longe
         measured = [s[2] for s in steps]
         return max(abs(p - m) / m for p, m in zip(predicted[300:], measured[300:], strict=True))
 
-    assert late_error(latency_whole.DECODE_KV["rows_longest"]) < 1e-3 < 0.05 < late_error(None)
+    assert late_error(latency_whole.rows_longest(1.0)) < 1e-3 < 0.05 < late_error(None)

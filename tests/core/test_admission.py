@@ -153,8 +153,8 @@ def test_slack_and_prefill_time_by_hand() -> None:
 def test_queued_prompts_are_priced_with_the_steps_longest_decode_row() -> None:
     """Under ``decode_kv="rows_longest"`` the queue's steps carry this step's decodes as the
     model prices a step: their KV term is the rows times the longest row (10 × 50, not 100)."""
-    model = LatencyModel(decode_kv="rows_longest")
-    model.load_state_dict({**hand_model().state_dict(), "decode_kv": "rows_longest"})
+    model = LatencyModel(decode_kv="rows_longest", decode_kv_share=1.0)
+    model.load_state_dict({**hand_model().state_dict(), "decode_kv": "rows_longest", "decode_kv_share": 1.0})
     coef = list(model.coefficients("prefill/eager"))
     coef[3] = 1e-6  # e_kv: 1 µs a KV token
     model.load_state_dict({**model.state_dict(), "coefficients": {**model.state_dict()["coefficients"],

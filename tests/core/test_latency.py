@@ -15,6 +15,8 @@ import torch
 
 from coserve.core.host import PrefillView, StepRecord, StepView
 from coserve.core.latency import (
+    DECODE_KV,
+    DECODE_KV_SHARE,
     DEFAULT_COEFFICIENTS,
     KEYS,
     KNEE_TOKENS,
@@ -81,7 +83,8 @@ def random_spec(rng: random.Random, mode: str) -> BatchSpec:
 
 def calibrated(rng: random.Random, *, refit_every: int = 100, window: int = 2000,
                prior_weight: float = 1e-3) -> LatencyModel:
-    model = LatencyModel(refit_every=refit_every, window=window, prior_weight=prior_weight)
+    # (the synthetic truth prices a step's decode rows by their total KV: true_time)
+    model = LatencyModel(refit_every=refit_every, window=window, prior_weight=prior_weight, decode_kv="total")
     plan = calibration_plan(MAX_TOKENS, MAX_DECODES, MAX_KV)
     model.fit([measure(s, rng, busy=busy) for s in plan for busy in (False, True)])
     return model
@@ -688,7 +691,7 @@ def test_safety_is_the_overrun_quantile_of_recent_steps_per_set() -> None:
     over those steps rescored against the new prediction; a set that runs on time keeps 1, as
     does a set with too few steps, and a restored state starts again from 1."""
     rng = random.Random(3)
-    model = LatencyModel(safety_window=60, safety_min_steps=20)
+    model = LatencyModel(decode_kv="total", safety_window=60, safety_min_steps=20)
     model.fit([measure(random_spec(rng, m), rng, noise=0.0) for m in ("graph", "eager")
                for _ in range(200)])
     spec = BatchSpec((Chunk(700, 300),), (400,) * 8, (256,), "eager")
@@ -730,7 +733,7 @@ def test_safety_is_the_overrun_quantile_of_recent_steps_per_set() -> None:
     model.load_state_dict(model.state_dict(online=False))
     assert model.safety(f) == 1.0
     with pytest.raises(ValueError, match="safety_quantile"):
-        LatencyModel(safety_quantile=1.5)
+        LatencyModel(decode_kv="total", safety_quantile=1.5)
 
 
 def test_a_busy_sets_safety_forgets_the_stand_in_it_was_first_priced_by() -> None:
@@ -787,7 +790,7 @@ def test_graph_decode_steps_priced_by_the_bucket_they_replay() -> None:
     records = [s.record(padded_time(s)) for s in specs]
     errors = {}
     for with_bucket in (True, False):
-        model = LatencyModel()
+        model = LatencyModel(decode_kv="total")
         model.graph_bucket = bucket if with_bucket else None
         model.fit(records[:300])
         errors[with_bucket] = model.error_stats(records[300:])["decode/graph/idle"].p99_rel
@@ -795,7 +798,7 @@ def test_graph_decode_steps_priced_by_the_bucket_they_replay() -> None:
             assert model.coefficients("decode/graph") == pytest.approx(TRUE["decode/graph"], rel=1e-3)
     assert errors[True] < 1e-3 < 0.05 < errors[False]
     # eager decode steps keep their own rows
-    model = LatencyModel()
+    model = LatencyModel(decode_kv="total")
     model.graph_bucket = bucket
     eager = BatchSpec(decode_kv=(100,) * 17, mode="eager").features()
     assert model.regressors(eager)[0] == 17.0
@@ -859,7 +862,7 @@ def test_busy_sets_per_trainer_phase_recover_each_phases_slowdown() -> None:
     rng = random.Random(11)
     plan = calibration_plan(512, 64, 64 * 2000, modes=("graph",))
     steps = [(s, ph, _busy_time(s, ph) * (1 + 0.002 * rng.gauss(0, 1))) for s, ph in _decode_steps(rng, 600)]
-    by_phase, one_set = (LatencyModel(level_rate=0.0) for _ in range(2))
+    by_phase, one_set = (LatencyModel(decode_kv="total", level_rate=0.0) for _ in range(2))
     for model in (by_phase, one_set):
         model.fit([measure(s, random.Random(0), noise=0.0) for s in plan])
     held = slice(300, None)
@@ -869,9 +872,9 @@ def test_busy_sets_per_trainer_phase_recover_each_phases_slowdown() -> None:
         assert by_phase.busy_term("decode/graph", phase) == pytest.approx(term, rel=0.05, abs=2e-4)
     assert split.p99_rel < 0.02 < pooled.median_rel
     # a phase with no data yet is priced as the running backward
-    assert LatencyModel().busy_term("decode/graph", "quiet") == LatencyModel().busy_term("decode/graph")
+    assert LatencyModel(decode_kv="total").busy_term("decode/graph", "quiet") == LatencyModel(decode_kv="total").busy_term("decode/graph")
     state = json.loads(json.dumps(by_phase.state_dict()))
-    restored = LatencyModel(level_rate=0.0)
+    restored = LatencyModel(decode_kv="total", level_rate=0.0)
     restored.load_state_dict(state)
     f = BatchSpec(decode_kv=(500,) * 8, mode="graph").features(busy=True)
     assert restored.predict(replace(f, trainer_phase="quiet")) == by_phase.predict(replace(f, trainer_phase="quiet"))
@@ -902,7 +905,7 @@ def test_busy_phases_share_one_level_after_the_keys_first_busy_steps() -> None:
 
     rng = random.Random(14)
     plan = [measure(s, random.Random(0), noise=0.0) for s in calibration_plan(512, 64, 64 * 2000, modes=("graph",))]
-    model, per_phase = LatencyModel(), LatencyModel(share_after=None)
+    model, per_phase = LatencyModel(decode_kv="total"), LatencyModel(decode_kv="total", share_after=None)
     for m in (model, per_phase):
         m.fit(plan)
     steps = [(s, "active" if i % 5 else "quiet", _busy_time(s, "active" if i % 5 else "quiet"))
@@ -925,14 +928,14 @@ def test_busy_phases_share_one_level_after_the_keys_first_busy_steps() -> None:
     assert level(quiet) == pytest.approx(level(active))  # (its own busy term: it reads the shared level)
     assert level(starting) == 0.0  # (priced by the active term: keeps its own level, none yet)
     assert set(model.state_dict()) == set(per_phase.state_dict())
-    restored = LatencyModel()
+    restored = LatencyModel(decode_kv="total")
     restored.load_state_dict(json.loads(json.dumps(model.state_dict())))
     assert restored.predict(active) == model.predict(active)  # (the online part carries the levels)
     restored.load_state_dict(model.state_dict(online=False))
     assert restored.predict(active) == pytest.approx(
         restored._linear("decode/graph", restored.regressors(active), "active"))  # (levels start anew)
     with pytest.raises(ValueError):
-        LatencyModel(share_after=-1)
+        LatencyModel(decode_kv="total", share_after=-1)
 
 
 @pytest.mark.parametrize(("phase", "slowdown"), [("ending", 0.2), ("loss", 0.9)])
@@ -1184,7 +1187,7 @@ def test_a_spread_calibration_batch_keeps_its_total_kv_and_its_rows_within_the_c
 def test_rows_longest_prices_a_decode_step_by_its_rows_times_its_longest_row() -> None:
     """``decode_kv="rows_longest"``: the KV term of a decode step is its bucketed rows times its
     longest row's KV; without a longest row known, its total; prefill steps keep their total."""
-    model = LatencyModel(decode_kv="rows_longest")
+    model = LatencyModel(decode_kv="rows_longest", decode_kv_share=1.0)
     model.graph_bucket = lambda n: 8 if n <= 8 else n
     step = StepFeatures(num_decodes=5, kv_tokens=1000, mode="graph", kv_max=400)
     assert model.regressors(step) == (8.0, 3200.0, 1.0)
@@ -1215,7 +1218,7 @@ def test_rows_longest_recovers_a_time_that_follows_the_longest_row() -> None:
     specs = [BatchSpec(decode_kv=decode_kvs(per_row, rows, 10_000, spread), mode="eager")
              for rows in (1, 2, 4, 8, 16, 32) for per_row in (64, 512, 2048) for spread in (False, True)]
     records = [spec.record(time_of(spec.decode_kv)) for spec in specs]
-    longest, total = LatencyModel(decode_kv="rows_longest"), LatencyModel()
+    longest, total = LatencyModel(decode_kv="rows_longest", decode_kv_share=1.0), LatencyModel(decode_kv="total")
     longest.fit(records)
     total.fit(records)
     assert longest.coefficients("decode/eager") == pytest.approx(coef, rel=1e-6)
@@ -1229,15 +1232,30 @@ def test_rows_longest_recovers_a_time_that_follows_the_longest_row() -> None:
 
 
 def test_a_state_keeps_its_decode_kv_term(caplog: pytest.LogCaptureFixture) -> None:
-    model = LatencyModel(decode_kv="rows_longest")
+    model = LatencyModel(decode_kv="rows_longest", decode_kv_share=0.5)
     state = json.loads(json.dumps(model.state_dict()))
-    assert state["decode_kv"] == "rows_longest"
-    other = LatencyModel()
+    assert state["decode_kv"] == "rows_longest" and state["decode_kv_share"] == 0.5
+    other = LatencyModel(decode_kv="total")
     with caplog.at_level(logging.WARNING):
         other.load_state_dict(state)
-    assert other.decode_kv == "rows_longest" and "decode KV term" in caplog.text
+    assert other.decode_kv == "rows_longest" and other.decode_kv_share == 0.5 and "decode KV term" in caplog.text
     before = {k: v for k, v in state.items() if k != "decode_kv"}  # a state of session 33 or before
     model.load_state_dict(before)
     assert model.decode_kv == "total"
     with pytest.raises(ValueError, match="decode_kv"):
         LatencyModel().load_state_dict({**state, "decode_kv": "max"})
+    with pytest.raises(ValueError, match="decode_kv_share"):
+        LatencyModel().load_state_dict({**state, "decode_kv_share": 1.5})
+    with pytest.raises(ValueError, match="decode_kv_share"):
+        LatencyModel(decode_kv_share=-0.1)
+
+
+def test_the_default_share_adds_part_of_the_longest_rows_excess() -> None:
+    """``rows_longest`` at a share: ``K`` plus that share of ``rows × longest − K``; the default
+    form is ``rows_longest`` at :data:`DECODE_KV_SHARE`."""
+    model = LatencyModel(decode_kv="rows_longest", decode_kv_share=0.25)
+    step = StepFeatures(num_decodes=4, kv_tokens=1000, mode="eager", kv_max=400)
+    assert model.regressors(step) == (4.0, 1000.0 + 0.25 * 600.0, 1.0)
+    uniform = replace(step, kv_max=250)  # every row at the longest: the total
+    assert model.regressors(uniform) == (4.0, 1000.0, 1.0)
+    assert (LatencyModel().decode_kv, LatencyModel().decode_kv_share) == (DECODE_KV, DECODE_KV_SHARE)

@@ -296,11 +296,14 @@ class StepFeatures:
         )
 
 
-def longest_kv(rows: float, kv_tokens: float, kv_max: float) -> float:
-    """A decode step's KV term under ``rows_longest`` (:data:`DECODE_KV`): ``rows`` (bucketed)
-    times its longest row's KV; a step whose longest row is not known (``kv_max`` 0: a host or a
-    record without it) as if its rows had one length, its total."""
-    return float(rows) * float(kv_max) if kv_max > 0 else float(kv_tokens)
+def longest_kv(rows: float, kv_tokens: float, kv_max: float, share: float) -> float:
+    """A step's decode KV term under ``rows_longest`` (:data:`DECODE_KV`): its total ``kv_tokens``
+    plus ``share`` of what ``rows`` rows (a decode step's bucket) at the longest row's ``kv_max``
+    would read beyond it; a step whose longest row is not known (``kv_max`` 0: a host or a record
+    without it) its total, as if its rows had one length."""
+    if kv_max <= 0:
+        return float(kv_tokens)
+    return float(kv_tokens) + share * max(0.0, float(rows) * float(kv_max) - float(kv_tokens))
 
 
 def with_decode_kv(key: str, regressors: Sequence[float], kv: float) -> tuple[float, ...]:
@@ -388,19 +391,30 @@ closes that gap."""
 
 
 DECODE_KV_FORMS: Final = ("total", "rows_longest")
-DECODE_KV: Final = os.environ.get("COSERVE_DECODE_KV", "total")
-"""``LatencyModel``'s default ``decode_kv``: what a decode step's ``e_kv`` term multiplies
-(``COSERVE_DECODE_KV``). ``total``: the KV tokens its rows read (``K``, the model until session
-34); ``rows_longest``: its (bucketed) rows times its longest row's KV tokens, what the step reads
-if every row were as long as its longest (and so for a prefill step's ``e_kv``, over its decode
-rows). The paged decode kernel cuts each row's keys into the same number of splits, so a batch
-whose rows differ in length may wait on its longest row's programs; the calibration's batches
-give every row one length, where the two are equal (but for a graph's padding rows). Session 33's H100 serving refitted ``b_decodes`` to ~58-60 µs a row
-against the sweep's 6-8 µs; at the sweep's 45 ns a KV token, a longest row ~1,300 tokens over the
-mean would cost that much a row. Off until measured (``bench/decode_longest.py``; offline
-``bench/latency_whole.py --decode-kv rows_longest``)."""
+DECODE_KV: Final = os.environ.get("COSERVE_DECODE_KV", "rows_longest")
+"""``LatencyModel``'s default ``decode_kv``: what a step's decode KV term (``e_kv``'s) multiplies
+(``COSERVE_DECODE_KV``). ``total``: the KV tokens its decode rows read (``K``, the model until
+session 34); ``rows_longest``: ``K`` plus :data:`DECODE_KV_SHARE` of what the rows would read
+beyond it were every row as long as the longest (:func:`longest_kv`; a decode step's rows are
+its graph's bucket). The paged decode kernel cuts each row's keys into one split count for the
+batch, so a step of mixed lengths waits in part on its longest row; the calibration's batches
+give every row one length, where the two forms agree (but for a graph's padding rows). On the
+H100 in session 34 (``bench/decode_longest.py``, ``bench/results/latency_h100/session34/``),
+decode graph steps at the same rows and total KV ran up to 1.53x longer with one row at four
+times the mean (2.9 ms more at 32 rows of 2,048 mean: ~15 ns for each token the rows would read
+beyond ``K`` at the longest row's length, against ~45 ns a ``K`` token); replayed whole offline
+(``bench/latency_whole.py --decode-kv rows_longest``) on that session's two runs, at a share of
+0.35 against the total, the busy decode p99 fell from 11.7 / 12.0% to 10.5 / 11.1% cold, 8.2 to
+6.9% warm, idle decode from 6.3 / 7.0% to 4.8 / 4.9%, and no segment's p99 rose; at a share of 1
+(every row priced at the longest) cold busy decode rose to 15.9%, as online (14.2% against
+11.7% on the same host)."""
 if DECODE_KV not in DECODE_KV_FORMS:
     raise ValueError(f"COSERVE_DECODE_KV must be one of {', '.join(DECODE_KV_FORMS)}, got {DECODE_KV!r}")
+DECODE_KV_SHARE: Final = float(os.environ.get("COSERVE_DECODE_KV_SHARE", "0.35"))
+"""``LatencyModel``'s default ``decode_kv_share``: the share of the longest row's excess that
+``rows_longest`` adds to ``K`` (``COSERVE_DECODE_KV_SHARE``; 1: every row priced at the longest,
+what the torch attention backend computes, its rows padded to the longest). 0.35: session 34's
+H100 ratio of the two slopes above (~15 / ~45 ns); offline 0.2 and 0.5 did about as well."""
 
 
 def decode_kvs(per_row: int, rows: int, cap: int, spread: bool | None = None) -> tuple[int, ...]:
@@ -638,9 +652,9 @@ class LatencyModel:
     slope ``k_over`` too (0: no knee, the model before session 31; module docstring). A refit of
     an idle set refits its key's busy sets too (``busy_with_idle``; False: the model before
     session 32), and a busy set prices ``T`` by the idle coefficients it was fitted against until
-    its own refit (``busy_base``; False: the model before session 33). A decode step's ``e_kv``
-    term multiplies its KV tokens or its rows times its longest row's (``decode_kv``,
-    :data:`DECODE_KV`).
+    its own refit (``busy_base``; False: the model before session 33). A step's decode KV term
+    is its rows' KV tokens, with ``decode_kv`` ``rows_longest`` plus ``decode_kv_share`` of their
+    excess at the longest row's length (:data:`DECODE_KV`; ``total``: the model before session 34).
 
     :meth:`safety` is how far the set's recent steps ran over their predictions (the
     ``safety_quantile`` of measured / predicted over the last ``safety_window`` steps, each
@@ -671,6 +685,7 @@ class LatencyModel:
         busy_with_idle: bool = BUSY_WITH_IDLE,
         busy_base: bool = BUSY_BASE,
         decode_kv: str = DECODE_KV,
+        decode_kv_share: float = DECODE_KV_SHARE,
     ) -> None:
         if window < 1 or refit_every < 1 or prior_weight < 0:
             raise ValueError("LatencyModel needs window >= 1, refit_every >= 1, prior_weight >= 0")
@@ -690,6 +705,8 @@ class LatencyModel:
             raise ValueError(f"LatencyModel needs knee_tokens >= 0 (0: no knee), got {knee_tokens}")
         if decode_kv not in DECODE_KV_FORMS:
             raise ValueError(f"LatencyModel needs decode_kv among {', '.join(DECODE_KV_FORMS)}, got {decode_kv!r}")
+        if not 0.0 <= decode_kv_share <= 1.0:
+            raise ValueError(f"LatencyModel needs 0 <= decode_kv_share <= 1, got {decode_kv_share}")
         self.window = window
         self.refit_every = refit_every
         self.prior_weight = prior_weight
@@ -704,6 +721,7 @@ class LatencyModel:
         self.busy_with_idle = busy_with_idle
         self.busy_base = busy_base
         self.decode_kv = decode_kv
+        self.decode_kv_share = decode_kv_share
         # per prefill key, its latest lone prompts (regressors, time): the lone level's restart
         self._lone_recent: dict[str, deque[tuple[tuple[float, ...], float]]] = {}
         self._defaults = {form: _checked(form, defaults[form]) for form in TERMS}
@@ -750,14 +768,14 @@ class LatencyModel:
         Offline, on recorded H200 steps, that cut the idle decode error's median from 4.0% to
         1.8% and from 10.3% to 1.6% in two runs (``bench/latency_fit.py``, ``bucket`` form).
         ``key``: ``features.key`` where the caller has it already. With :attr:`decode_kv`
-        ``rows_longest``, a step's decode KV term is its decode rows (a decode step's bucketed)
-        times its longest row's KV (:func:`longest_kv`)."""
+        ``rows_longest``, a step's decode KV term adds :attr:`decode_kv_share` of its rows' excess
+        at the longest row's length (:func:`longest_kv`)."""
         key = key or features.key
         v = self.bucketed(features.vector(), key)
         if self.decode_kv == "rows_longest" and features.num_decodes:
             # (a prefill step's decode rows: their attention runs eagerly, over their own rows)
             rows = v[0] if key.startswith("decode/") else features.num_decodes
-            v = with_decode_kv(key, v, longest_kv(rows, features.kv_tokens, features.kv_max))
+            v = with_decode_kv(key, v, longest_kv(rows, features.kv_tokens, features.kv_max, self.decode_kv_share))
         return v
 
     def bucketed(self, vector: Sequence[float], key: str) -> tuple[float, ...]:
@@ -1110,6 +1128,7 @@ class LatencyModel:
             "version": _STATE_VERSION,
             "knee_tokens": self.knee_tokens,
             "decode_kv": self.decode_kv,
+            "decode_kv_share": self.decode_kv_share,
             "coefficients": {k: list(v) for k, v in self._coef.items()},
             "busy": {k: list(v) for k, v in self._busy.items()},
             "calibration": {k: list(v) for k, v in self._calib.items()},
@@ -1138,8 +1157,8 @@ class LatencyModel:
         migrated: its prefill sets get the missing terms at 0, so that they predict what they did;
         the online refits learn them from the steps that excite them (recalibrating learns them at
         once), at this model's knee. A version-3 state's ``knee_tokens`` (what its ``k_over`` was
-        fitted with) replaces this model's, with a warning where they differ, and so does its
-        ``decode_kv`` (a state without one: ``total``)."""
+        fitted with) replaces this model's, with a warning where they differ, and so do its
+        ``decode_kv`` and ``decode_kv_share`` (a state without them: ``total``)."""
         if state.get("version") in (1, 2):
             state = {**_migrated(state), "knee_tokens": self.knee_tokens}
         if state.get("version") != _STATE_VERSION:
@@ -1165,17 +1184,21 @@ class LatencyModel:
         self._busy_base = {k: _checked(k.split("/")[0], base[k]) if k in base else self.coefficients(slot_key(k))
                            for k in self._busy}
         decode_kv = state.get("decode_kv", "total")  # (a state before session 34: the total)
+        share = state.get("decode_kv_share", self.decode_kv_share)
         if decode_kv not in DECODE_KV_FORMS:
             raise ValueError(f"LatencyModel state: decode_kv must be one of {', '.join(DECODE_KV_FORMS)}, "
                              f"got {decode_kv!r}")
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0.0 <= share <= 1.0:
+            raise ValueError(f"LatencyModel state: decode_kv_share must be a number in [0, 1], got {share!r}")
         if knee != self.knee_tokens:
             logger.warning("latency model state fitted with a knee at %d tokens, not %d: it keeps its own",
                            knee, self.knee_tokens)
             self.knee_tokens = knee
-        if decode_kv != self.decode_kv:
-            logger.warning("latency model state fitted with decode KV term %r, not %r: it keeps its own",
-                           decode_kv, self.decode_kv)
-            self.decode_kv = decode_kv
+        if (decode_kv, share) != (self.decode_kv, self.decode_kv_share) and (decode_kv != "total"
+                                                                            or self.decode_kv != "total"):
+            logger.warning("latency model state fitted with decode KV term %r (share %s), not %r (%s): "
+                           "it keeps its own", decode_kv, share, self.decode_kv, self.decode_kv_share)
+        self.decode_kv, self.decode_kv_share = decode_kv, float(share)
         online = self._parsed_online(state.get("online"))
         self._windows.clear()
         self._unfitted.clear()
