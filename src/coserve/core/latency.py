@@ -414,7 +414,8 @@ DECODE_KV_SHARE: Final = float(os.environ.get("COSERVE_DECODE_KV_SHARE", "0.35")
 """``LatencyModel``'s default ``decode_kv_share``: the share of the longest row's excess that
 ``rows_longest`` adds to ``K`` (``COSERVE_DECODE_KV_SHARE``; 1: every row priced at the longest,
 what the torch attention backend computes, its rows padded to the longest). 0.35: session 34's
-H100 ratio of the two slopes above (~15 / ~45 ns); offline 0.2 and 0.5 did about as well."""
+H100 ratio of the two slopes above (~15 / ~45 ns), not fitted to the replays; offline 0.2 and 0.5
+did about as well (``session34/latency_whole_rows_longest_0{2,5}.json``)."""
 
 
 def decode_kvs(per_row: int, rows: int, cap: int, spread: bool | None = None) -> tuple[int, ...]:
