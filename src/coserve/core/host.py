@@ -80,8 +80,8 @@ class StepView:
     prefill_remaining: tuple[int, ...] = ()
     ft_graph_tokens: int = 0
     step_began: float | None = None
-    # the longest decode row's KV tokens (0: none, or a host that does not say): recorded in the
-    # step table, not priced (a decode batch's attention may follow its longest row, not its sum)
+    # the longest decode row's KV tokens (0: none, or a host that does not say): a decode batch's
+    # attention waits in part on its longest row (coserve.core.latency.DECODE_KV)
     decode_kv_max: int = 0
 
     @property

@@ -82,6 +82,7 @@ V2_PREFILL_TERMS: Final = ("a_sq", "b_tokens", "g_ft", "e_kv", "h_ctx", "i_ctx",
 until session 31."""
 B_TOKENS: Final = TERMS["prefill"].index("b_tokens")
 K_OVER: Final = TERMS["prefill"].index("k_over")
+_E_KV: Final = {form: terms.index("e_kv") for form, terms in TERMS.items()}  # (per form: with_decode_kv)
 KNEE_TOKENS: Final = int(os.environ.get("COSERVE_KNEE_TOKENS", "512"))
 """``LatencyModel``'s default ``knee_tokens``, ``K_knee`` of the prefill form (module docstring):
 the bucketed tokens (``T_in + B_d``) above which a step pays the slope ``k_over`` too
@@ -308,7 +309,7 @@ def longest_kv(rows: float, kv_tokens: float, kv_max: float, share: float) -> fl
 
 def with_decode_kv(key: str, regressors: Sequence[float], kv: float) -> tuple[float, ...]:
     """A ``key`` step's ``regressors`` with its decode rows' KV term (``e_kv``'s) set to ``kv``."""
-    i = TERMS[key.split("/")[0]].index("e_kv")
+    i = _E_KV[key.split("/")[0]]
     return (*regressors[:i], float(kv), *regressors[i + 1:])
 
 
@@ -1195,8 +1196,7 @@ class LatencyModel:
             logger.warning("latency model state fitted with a knee at %d tokens, not %d: it keeps its own",
                            knee, self.knee_tokens)
             self.knee_tokens = knee
-        if (decode_kv, share) != (self.decode_kv, self.decode_kv_share) and (decode_kv != "total"
-                                                                            or self.decode_kv != "total"):
+        if decode_kv != self.decode_kv or (decode_kv == "rows_longest" and share != self.decode_kv_share):
             logger.warning("latency model state fitted with decode KV term %r (share %s), not %r (%s): "
                            "it keeps its own", decode_kv, share, self.decode_kv, self.decode_kv_share)
         self.decode_kv, self.decode_kv_share = decode_kv, float(share)
