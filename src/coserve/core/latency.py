@@ -401,7 +401,7 @@ its graph's bucket). The paged decode kernel cuts each row's keys into one split
 batch, so a step of mixed lengths waits in part on its longest row; the calibration's batches
 give every row one length, where the two forms agree (but for a graph's padding rows). On the
 H100 in session 34 (``bench/decode_longest.py``, ``bench/results/latency_h100/session34/``),
-decode graph steps at the same rows and total KV ran up to 1.52x longer with one row at four
+decode graph steps at the same rows and total KV ran up to 1.53x longer with one row at four
 times the mean (2.9 ms more at 32 rows of 2,048 mean: ~15 ns for each token the rows would read
 beyond ``K`` at the longest row's length, against ~45 ns a ``K`` token); replayed whole offline
 (``bench/latency_whole.py --decode-kv rows_longest``) on that session's two runs, at a share of
