@@ -78,6 +78,9 @@
 #                  length for all rows against spread lengths and one long row (the decode terms)
 #   prefill_context  bench/prefill_context.py: the paged prefill kernel with its cached prefix in splits
 #                  and without (COSERVE_PREFILL_SPLITS), a short chunk over a long prefix, one layer
+#   prefill_fresh  bench/prefill_context.py with a fresh chunk of 400 or 1,024 tokens beside the short
+#                  chunk over a long prefix: splits sized by the context tiles (COSERVE_PREFILL_SPLIT_TILES
+#                  context) against every tile (all, the rule before session 35) and no split
 #   prefix_cache   bench/prefix_cache.py on the 8B shape, with the prefix cache and without
 #   jobs_replay    bench/jobs_during_replay.py: a fine-tuning job through the API (upload, create, pause,
 #                  resume, cancel) while coserve serve answers a replay (carry .whl: bench/server_wheels.sh);
@@ -306,6 +309,11 @@ job() {
       # shape: a short chunk over a long prefix (bench/prefill_context.py, COSERVE_PREFILL_SPLITS)
       run prefill_context "$top/prefill_context.log" python3 bench/prefill_context.py \
         --out "$top/prefill_context.json" ;;
+    prefill_fresh)
+      # a short chunk over a long prefix beside a fresh chunk (a paged-only step at 400, one with a
+      # flash row at 1,024): the split rules against each other (COSERVE_PREFILL_SPLIT_TILES)
+      run prefill_fresh "$top/prefill_fresh.log" python3 bench/prefill_context.py --chunks 8,16,64 \
+        --contexts 2048,4096,8192 --fresh 400,1024 --out "$top/prefill_fresh.json" ;;
     prefix_cache)
       # automatic prefix caching on the 8B shape: 20 requests sharing a 2,048-token system prompt, each
       # with its own 128 tokens, one after another, with the cache and without (bench/prefix_cache.py)

@@ -9,8 +9,16 @@ either way and counted in both). Per case: the GPU time of one call (``--calls``
 between two events, so that the host's launches are not timed), both ways, their ratio, the
 splits chosen, and the split output's relative error against the unsplit one.
 
+``--fresh N,...``: each case also beside a fresh chunk of N tokens (no cached context; N = 0: none),
+the step paged-only up to ``PAGED_SMALL_PREFILL`` tokens, else the fresh chunk through flash; such
+a case is timed a third way, with the splits sized by every tile (``COSERVE_PREFILL_SPLIT_TILES=all``,
+the rule before session 35, which does not split beside a flash row) against the context tiles
+(``context``, the default).
+
     PYTHONPATH=src python bench/prefill_context.py --out bench/results/engine_h200/prefill_context.json
     PYTHONPATH=src python bench/prefill_context.py --smoke --out /tmp/prefill_context.json   # CPU, interpreter
+    PYTHONPATH=src python bench/prefill_context.py --chunks 8,16,64 --contexts 2048,4096,8192 --fresh 400,1024 \
+        --out bench/results/engine_h100/prefill_fresh.json
 """
 
 from __future__ import annotations
@@ -51,34 +59,33 @@ def gpu_seconds(fn: Any, calls: int) -> float:
 
 def case(chunk: int, context: int, decodes: int, *, heads: tuple[int, int, int], block: int, nblocks: int,
          cache: torch.Tensor, device: torch.device, calls: int, rng: random.Random,
-         min_keys: int | None, min_splits: int | None) -> dict[str, Any]:
+         min_keys: int | None, min_splits: int | None, fresh: int = 0) -> dict[str, Any]:
     from coserve.layers.attention import AttentionMetadata
-    from coserve.layers.triton_attention import (
-        AttentionTuning,
-        TritonAttention,
-        num_sms,
-        prefill_splits,
-    )
+    from coserve.layers.triton_attention import AttentionTuning, TritonAttention
 
     h, kvh, d = heads
     decode_ctx = min(2048, context)
-    q_lens = [chunk] + [1] * decodes
-    ctxs = [context] + [decode_ctx] * decodes
+    lead = [fresh] if fresh else []  # (a fresh prompt's chunk beside: no cached context)
+    q_lens = [chunk, *lead] + [1] * decodes
+    ctxs = [context, *[0] * len(lead)] + [decode_ctx] * decodes
     tables = [[rng.randrange(nblocks) for _ in range(-(-(c + n) // block))] for c, n in zip(ctxs, q_lens, strict=True)]
-    meta = AttentionMetadata.build(q_lens, ctxs, tables, [True] * len(q_lens), 1, block, device=device)
+    meta = AttentionMetadata.build(q_lens, ctxs, tables, [True] * len(q_lens), 1 + len(lead), block, device=device)
     t = sum(q_lens)
     dtype = cache.dtype
     q = torch.randn(t, h, d, dtype=dtype, device=device)
     k = torch.randn(t, kvh, d, dtype=dtype, device=device)
     v = torch.randn(t, kvh, d, dtype=dtype, device=device)
-    # every prefill row through the paged kernel, as a step this small runs (PAGED_SMALL_PREFILL)
-    base = AttentionTuning(prefill_paged_tokens=10**6)
+    # every prefill row through the paged kernel where the step is small (PAGED_SMALL_PREFILL), else
+    # the fresh chunk through flash; the splits sized by the context tiles (PREFILL_SPLIT_TILES)
+    small = chunk + fresh <= AttentionTuning().prefill_paged_tokens
+    base = AttentionTuning(prefill_paged_tokens=10**6 if small else 0, prefill_split_tiles="context")
     if min_keys is not None:
         base = replace(base, prefill_split_min_keys=min_keys)
     if min_splits is not None:
         base = replace(base, prefill_split_min_splits=min_splits)
     plain, split = TritonAttention(replace(base, prefill_splits=False)), TritonAttention(
         replace(base, prefill_splits=True))
+    split_all = TritonAttention(replace(base, prefill_splits=True, prefill_split_tiles="all"))
     scale = d**-0.5
 
     def run(backend: TritonAttention) -> torch.Tensor:
@@ -87,13 +94,18 @@ def case(chunk: int, context: int, decodes: int, *, heads: tuple[int, int, int],
 
     ref, out = run(plain).float(), run(split).float()
     err = float((out - ref).norm() / ref.norm())
-    tiles = -(-chunk // base.prefill_block_m)
-    splits = prefill_splits(tiles, h, context, num_sms(device), base.prefill_split_min_keys,
-                            base.prefill_split_min_splits)
+    # (the splits the step's plan chose: its paged tiles' prefixes, sized by the context tiles)
+    splits = meta.prefill_plans[(0, split.tuning)].splits
     plain_s, split_s = gpu_seconds(lambda: run(plain), calls), gpu_seconds(lambda: run(split), calls)
-    return {"chunk": chunk, "context": context, "decodes": decodes, "splits": splits,
-            "plain_us": plain_s * 1e6, "split_us": split_s * 1e6, "split_over_plain": split_s / plain_s,
-            "rel_err": err}
+    row = {"chunk": chunk, "context": context, "fresh": fresh, "paged_only": small, "decodes": decodes,
+           "splits": splits, "plain_us": plain_s * 1e6, "split_us": split_s * 1e6,
+           "split_over_plain": split_s / plain_s, "rel_err": err}
+    if fresh:  # (the rule before session 35: every tile counted, no split beside flash)
+        all_s = gpu_seconds(lambda: run(split_all), calls)
+        row |= {"split_all_splits": meta.prefill_plans[(0, split_all.tuning)].splits,
+                "split_all_us": all_s * 1e6, "split_over_split_all": split_s / all_s,
+                "split_all_rel_err": float((run(split_all).float() - ref).norm() / ref.norm())}
+    return row
 
 
 def main() -> None:
@@ -101,6 +113,9 @@ def main() -> None:
     p.add_argument("--chunks", default="8,26,64,128,512")
     p.add_argument("--contexts", default="1024,4096,8192")
     p.add_argument("--decodes", type=int, default=16)
+    p.add_argument("--fresh", default="0",
+                   help="fresh chunks (no cached context) beside, one case each (0: none); e.g. 400,1024: "
+                        "the paged-only step and the step with a flash row")
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--min-keys", type=int, default=None,
                    help="AttentionTuning.prefill_split_min_keys (default: the tuning's; session 28's run: 256)")
@@ -127,16 +142,23 @@ def main() -> None:
     dtype = torch.float32 if args.smoke else torch.bfloat16
     cache = torch.randn(nblocks, 1, 2, block, heads[1], heads[2], dtype=dtype, device=device)[:, 0]
     rng = random.Random(0)
+    fresh = [int(f) for f in args.fresh.split(",")]
+    if args.smoke and any(fresh):
+        fresh = [0, 30]
     rows = []
     for context in contexts:
         for chunk in chunks:
-            row = case(chunk, context, args.decodes, heads=heads, block=block, nblocks=nblocks, cache=cache,
-                       device=device, calls=args.calls, rng=rng, min_keys=args.min_keys,
-                       min_splits=args.min_splits)
-            logger.info("chunk %d over %d: %d splits, %.1f -> %.1f us (x%.2f), rel err %.1e", chunk, context,
-                        row["splits"], row["plain_us"], row["split_us"], row["split_over_plain"], row["rel_err"])
-            rows.append(row)
+            for lead in fresh:
+                row = case(chunk, context, args.decodes, heads=heads, block=block, nblocks=nblocks, cache=cache,
+                           device=device, calls=args.calls, rng=rng, min_keys=args.min_keys,
+                           min_splits=args.min_splits, fresh=lead)
+                logger.info("chunk %d over %d beside %d fresh: %d splits, %.1f -> %.1f us (x%.2f), rel err %.1e%s",
+                            chunk, context, lead, row["splits"], row["plain_us"], row["split_us"],
+                            row["split_over_plain"], row["rel_err"],
+                            f"; every tile counted {row['split_all_us']:.1f} us" if lead else "")
+                rows.append(row)
     record = {**provenance(), "config": {"heads": heads, "block_size": block, "decodes": args.decodes,
+                                         "fresh": fresh,
                                          "min_keys": args.min_keys, "min_splits": args.min_splits,
                                          "calls": args.calls, "smoke": args.smoke, "dtype": str(dtype)},
               "figures": {"cases": rows}}

@@ -116,7 +116,10 @@ def test_attention_matches_reference(
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("heads", [(4, 2, 16), (8, 2, 64)])
-@pytest.mark.parametrize("sdpa", [False, "small"])  # every prefill row through the paged kernel
+# False, "small": every prefill row through the paged kernel; True: the rows without cached context
+# through SDPA, the others split beside them (PREFILL_SPLIT_TILES "context": the merge takes the
+# paged kernel's tokens only)
+@pytest.mark.parametrize("sdpa", [False, "small", True])
 def test_prefill_with_split_prefixes_matches_reference(
     dtype: torch.dtype, window: int | None, heads: tuple[int, int, int], sdpa: bool | str,
     monkeypatch: pytest.MonkeyPatch,
@@ -143,15 +146,62 @@ def test_prefill_with_split_prefixes_matches_reference(
     monkeypatch.setattr(triton_attention, "prefill_splits", lambda *a: chosen.append(real(*a)) or chosen[-1])
     tuning = AttentionTuning(prefill_sdpa=bool(sdpa), prefill_varlen=sdpa == "small",
                              prefill_paged_tokens=10**6 if sdpa == "small" else 0,
-                             prefill_splits=True, prefill_split_min_keys=8, prefill_split_min_splits=2)
+                             prefill_splits=True, prefill_split_min_keys=8, prefill_split_min_splits=2,
+                             prefill_split_tiles="context")
     out = TritonAttention(tuning, sms=64).forward(q, k, v, cache[:, 1], meta, scale, window)
     assert chosen and chosen[0] > 1  # (the prefixes were split)
+    if sdpa is True:
+        assert any(ctxs[r] == 0 for r in range(npre)), "no SDPA row: nothing tested beside the split"
     assert rel_err(out, ref) < TOL[dtype]
     assert torch.equal(cache.float(), ref_cache)
     # another layer of the same step: the step's plan (splits, workspace) is reused, decided once
     ref0 = TorchAttention().forward(q.float(), k.float(), v.float(), ref_cache[:, 0], meta, scale, window)
     out0 = TritonAttention(tuning, sms=64).forward(q, k, v, cache[:, 0], meta, scale, window)
     assert len(chosen) == 1 and rel_err(out0, ref0) < TOL[dtype]
+
+
+@pytest.mark.parametrize("beside", ["paged", "sdpa"])
+@pytest.mark.parametrize("rule", ["context", "all"])
+def test_a_short_chunk_over_a_long_prefix_splits_beside_a_fresh_chunk(
+    rule: str, beside: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """PREFILL_SPLIT_TILES: 3 tokens over 200 cached beside a fresh 250-token chunk. Counting every
+    tile (``all``), 1 + 4 tiles x 4 heads fill the 10 SMs twice: one split, and the prefix's 4
+    programs read it alone; counting the context tiles (``context``), 4 programs want 5 splits,
+    also where the fresh chunk goes through SDPA (``all`` never splits there). Either way the
+    output is the reference's, the fresh chunk's included."""
+    h, kvh, d, bs, nblocks = 4, 2, 16, 4, 160
+    rng = random.Random(f"{rule} {beside}")
+    free = list(range(nblocks))
+    rng.shuffle(free)
+    q_lens, ctxs = [3, 250, 1, 1], [200, 0, 30, 45]
+    tables = [[free.pop() for _ in range(-(-(c + n) // bs))] for n, c in zip(q_lens, ctxs, strict=True)]
+    meta = AttentionMetadata.build(q_lens, ctxs, tables, [True] * 4, 2, bs, device=DEVICE)
+    t = sum(q_lens)
+    q = torch.randn(t, h, d, device=DEVICE)
+    k, v = torch.randn(t, kvh, d, device=DEVICE), torch.randn(t, kvh, d, device=DEVICE)
+    cache = torch.randn(nblocks, 2, bs, kvh, d, device=DEVICE)
+    ref = TorchAttention().forward(q, k, v, cache.clone(), meta, d**-0.5, None)
+    chosen: list[int] = []
+    real = triton_attention.prefill_splits
+    monkeypatch.setattr(triton_attention, "prefill_splits", lambda *a: chosen.append(real(*a)) or chosen[-1])
+    tuning = AttentionTuning(prefill_sdpa=beside == "sdpa", prefill_varlen=False,
+                             prefill_paged_tokens=10**6 if beside == "paged" else 0, prefill_splits=True,
+                             prefill_split_min_keys=8, prefill_split_min_splits=2, prefill_split_tiles=rule)
+    out = TritonAttention(tuning, sms=10).forward(q, k, v, cache, meta, d**-0.5, None)
+    assert rel_err(out, ref) < TOL[torch.float32]
+    want = {("context", "paged"): [5], ("context", "sdpa"): [5], ("all", "paged"): [1], ("all", "sdpa"): []}
+    assert chosen == want[rule, beside]
+    (plan,) = meta.prefill_plans.values()
+    # (beside SDPA the merge takes the paged kernel's 3 tokens alone)
+    assert (plan.merge_tokens is not None) == (rule == "context" and beside == "sdpa")
+    if plan.merge_tokens is not None:
+        assert plan.merge_tokens.tolist() == [0, 1, 2]
+
+
+def test_a_bad_split_rule_is_refused() -> None:
+    with pytest.raises(ValueError, match="prefill_split_tiles"):
+        AttentionTuning(prefill_split_tiles="longest")
 
 
 def test_prefill_splits_fill_the_gpu_twice_and_keep_each_split_long() -> None:

@@ -211,7 +211,10 @@ def _prefill_kernel(
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_safe))
         prow = (tok_m * tl.num_programs(1) + h) * num_splits + sp
         tl.store(lse_ptr + prow, lse, mask=mask_m)
-        tl.store(po_ptr + prow[:, None] * D + offs_d[None, :], acc / l_safe[:, None], mask=mask_m[:, None])
+        # (an empty split, such as every split but the first of a row without cached context,
+        # stores no partial: the merge reads none where the log-sum-exp is -inf)
+        tl.store(po_ptr + prow[:, None] * D + offs_d[None, :], acc / l_safe[:, None],
+                 mask=(mask_m & (l_i > 0.0))[:, None])
 
 
 # The decode rows follow the prefill rows: their context lengths and block tables are slices
@@ -284,10 +287,14 @@ def _decode_kernel(
 
 @varying("num_splits")
 def _merge_kernel(
-    po_ptr, lse_ptr, o_ptr, s_ot, s_oh, H, num_splits,
-    BLOCK_S: tl.constexpr, D: tl.constexpr,
+    po_ptr, lse_ptr, o_ptr, tok_ptr, s_ot, s_oh, H, num_splits,
+    BLOCK_S: tl.constexpr, D: tl.constexpr, INDEXED: tl.constexpr,
 ):
+    # One program per (token, head): token b, or with INDEXED the b-th of tok_ptr's tokens (a
+    # step whose prefill rows are not all the paged kernel's merges only the kernel's tokens).
     b = tl.program_id(0)
+    if INDEXED:
+        b = tl.load(tok_ptr + b)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, D)
@@ -295,7 +302,9 @@ def _merge_kernel(
     row = (b * H + h) * num_splits
     lse = tl.load(lse_ptr + row + offs_s, mask=mask_s, other=float("-inf"))
     w = tl.exp(lse - tl.max(lse, 0))
-    o = tl.load(po_ptr + (row + offs_s)[:, None] * D + offs_d[None, :], mask=mask_s[:, None], other=0.0)
+    # (a split of -inf weighs nothing and may have stored no partial)
+    keep = mask_s & (lse > float("-inf"))
+    o = tl.load(po_ptr + (row + offs_s)[:, None] * D + offs_d[None, :], mask=keep[:, None], other=0.0)
     out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
     tl.store(o_ptr + b * s_ot + h * s_oh + offs_d, out.to(o_ptr.dtype.element_ty))
 
@@ -373,6 +382,24 @@ keys (640) and at least :attr:`AttentionTuning.prefill_split_min_splits` (4) of 
 splits exactly the cases that ran faster there."""
 
 
+PREFILL_SPLIT_TILES = os.environ.get("COSERVE_PREFILL_SPLIT_TILES", "context")
+"""Which tiles :func:`prefill_splits` counts when it sizes a step's splits
+(``COSERVE_PREFILL_SPLIT_TILES``). ``all`` (the rule of sessions 28-34): every tile of the paged
+kernel, and no split in a step that also has rows through flash or SDPA. A short chunk over a long
+prefix beside a fresh chunk then went unsplit (``[16 over 4,073] + [400 fresh]``: 1 + 7 tiles x 32
+heads fill the GPU by count), and its 32 programs that read the prefix alone held the kernel while
+the fresh tiles' finished early: in session 34's latency run on the H100
+(``bench/results/latency_h100/session34/coserve_latency_warm_34c1c78``), prefill steps of two
+chunks, one of at most 64 tokens over cached context and at most 512 fresh, ran a median 1.10x
+their prediction, 50-57% of them over 10% (14 such steps in each of its cold and warm replays),
+against 0.97-1.01x for the other prefill compositions. ``context`` (the default since session 35): only the tiles of rows with a cached
+prefix, which are the long ones; a fresh row's tile does its work in split 0, its other splits
+store nothing, and the merge covers only the paged kernel's tokens, so that a step with flash
+or SDPA rows splits too."""
+if PREFILL_SPLIT_TILES not in ("context", "all"):
+    raise ValueError(f"COSERVE_PREFILL_SPLIT_TILES must be 'context' or 'all', got {PREFILL_SPLIT_TILES!r}")
+
+
 VARLEN_PREFILL = os.environ.get("COSERVE_VARLEN_PREFILL", "1") == "1"
 """The engine's rows without a cached prefix (new prompts, fine-tuning rows) through one varlen
 flash call per run of such rows (:meth:`coserve.layers.attention.AttentionMetadata.plain_prefill_runs`)
@@ -414,6 +441,14 @@ class AttentionTuning:
     prefill_splits: bool = field(default_factory=lambda: PREFILL_SPLITS)
     prefill_split_min_keys: int = 640
     prefill_split_min_splits: int = 4
+    # which tiles the split count fills the GPU with (PREFILL_SPLIT_TILES): "context", those of
+    # rows with a cached prefix; "all", every tile (and no split beside flash or SDPA rows)
+    prefill_split_tiles: str = field(default_factory=lambda: PREFILL_SPLIT_TILES)
+
+    def __post_init__(self) -> None:
+        if self.prefill_split_tiles not in ("context", "all"):
+            raise ValueError(f"AttentionTuning.prefill_split_tiles must be 'context' or 'all', "
+                             f"got {self.prefill_split_tiles!r}")
 
 
 class _PrefillPlan(NamedTuple):
@@ -429,6 +464,7 @@ class _PrefillPlan(NamedTuple):
     splits: int = 1
     partial: torch.Tensor | None = None
     lse: torch.Tensor | None = None
+    merge_tokens: torch.Tensor | None = None  # (split, beside flash or SDPA rows: the tiles' tokens)
 
 
 class TritonAttention:
@@ -508,9 +544,10 @@ class TritonAttention:
             num_stages=tune.prefill_stages,
         )
         if splits > 1:
-            jit(_merge_kernel)[(meta.num_prefill_tokens, heads)](
-                partial, lse, out, out.stride(0), out.stride(1), heads, splits,
-                BLOCK_S=MAX_DECODE_SPLITS, D=d,
+            tokens = plan.merge_tokens
+            jit(_merge_kernel)[(meta.num_prefill_tokens if tokens is None else tokens.numel(), heads)](
+                partial, lse, out, lse if tokens is None else tokens, out.stride(0), out.stride(1), heads, splits,
+                BLOCK_S=MAX_DECODE_SPLITS, D=d, INDEXED=tokens is not None,
             )
 
     def _prefill_plan(self, q: torch.Tensor, meta: AttentionMetadata, window: int) -> _PrefillPlan:
@@ -538,6 +575,8 @@ class TritonAttention:
         rows: list[int] = []
         starts: list[int] = []
         sdpa_rows: list[tuple[int, int]] = []
+        tile_tokens: list[int] = []  # (the tiles' tokens, in token order)
+        context_tiles = 0  # (tiles of rows that read a cached prefix)
         offset = 0
         for r in range(meta.num_prefill_rows):
             n = meta.q_lens[r]
@@ -549,20 +588,26 @@ class TritonAttention:
                 for m0 in range(0, n, tune.prefill_block_m):
                     rows.append(r)
                     starts.append(m0)
+                tile_tokens.extend(range(offset, offset + n))
+                if meta.context_lens_list[r] > 0:
+                    context_tiles += -(-n // tune.prefill_block_m)
             offset += n
         tiles = device_tensor([rows, starts], torch.int32, q.device) if rows else None
-        splits, partial, lse = 1, None, None
-        if rows and tune.prefill_splits and not runs and not sdpa_rows:
-            # (every prefill token is a tile's: the merge writes them all)
+        splits, partial, lse, merge_tokens = 1, None, None, None
+        allowed = tune.prefill_split_tiles == "context" or not (runs or sdpa_rows)
+        if rows and tune.prefill_splits and allowed:
             heads, d = q.shape[1], q.shape[2]
             max_ctx = max(meta.context_lens_list[:meta.num_prefill_rows], default=0)
-            splits = prefill_splits(len(rows), heads, max_ctx, self.sms or num_sms(q.device),
+            counted = context_tiles if tune.prefill_split_tiles == "context" else len(rows)
+            splits = prefill_splits(counted, heads, max_ctx, self.sms or num_sms(q.device),
                                     tune.prefill_split_min_keys, tune.prefill_split_min_splits)
             if splits > 1:  # (each layer's kernel and merge run in stream order: one workspace)
                 partial = torch.empty(meta.num_prefill_tokens * heads * splits * d, dtype=torch.float32,
                                       device=q.device)
                 lse = torch.empty(meta.num_prefill_tokens * heads * splits, dtype=torch.float32, device=q.device)
-        plan = meta.prefill_plans[key] = _PrefillPlan(runs, sdpa_rows, tiles, splits, partial, lse)
+                if len(tile_tokens) < meta.num_prefill_tokens:  # (the merge must leave the others' output)
+                    merge_tokens = device_tensor(tile_tokens, torch.int32, q.device)
+        plan = meta.prefill_plans[key] = _PrefillPlan(runs, sdpa_rows, tiles, splits, partial, lse, merge_tokens)
         return plan
 
     def _decode(
@@ -596,7 +641,7 @@ class TritonAttention:
         )
         if splits > 1:
             jit(_merge_kernel)[(nrows, heads)](
-                partial, lse, od, od.stride(0), od.stride(1), heads, splits,
+                partial, lse, od, lse, od.stride(0), od.stride(1), heads, splits,
                 # One block for any split count: one compiled merge instead of one per power of two.
-                BLOCK_S=MAX_DECODE_SPLITS, D=d,
+                BLOCK_S=MAX_DECODE_SPLITS, D=d, INDEXED=False,
             )
