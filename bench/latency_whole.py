@@ -27,6 +27,10 @@ per program of the decode kernel at the 8B shape (its KV over the kernel's split
 graph of that many rows, times 33: the total for one length over one or two rows, where the count
 is 33 / rows; below it for more rows, the count rounding up). The calibration's ``e_kv`` is kept.
 
+``--ending-after N``: the model's ``ending_after`` (``COSERVE_PHASE_AFTER_STEPS`` by default; 500
+until session 35; ``none``: never), the busy steps before a decode key prices its ``ending`` and
+``loss`` phases apart.
+
 ``--warm-from OTHER``: each run replayed by the model that replayed OTHER whole first (its whole
 state, windows and levels: a server restarted with ``--latency-state``), to tell the model's
 first minutes from the system's: per segment, also each quarter's busy decode p99 and the 5th /
@@ -46,7 +50,13 @@ import numpy as np
 
 from coserve.bench.provenance import provenance
 from coserve.bench.result_file import read_result
-from coserve.core.latency import DECODE_KV_SHARE, TERMS, error_summary, longest_kv
+from coserve.core.latency import (
+    DECODE_KV_SHARE,
+    PHASE_AFTER_STEPS,
+    TERMS,
+    error_summary,
+    longest_kv,
+)
 from coserve.layers.triton_attention import decode_splits
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -113,9 +123,14 @@ def main() -> None:
                         "default: the run's own, COSERVE_DECODE_KV, total for a run that does not say)")
     p.add_argument("--decode-kv-share", type=float, default=None,
                    help="rows_longest's share (default: the run's own, else COSERVE_DECODE_KV_SHARE)")
+    p.add_argument("--ending-after", default=None,
+                   help="LatencyModel.ending_after: busy steps before a decode key's ending and loss phases "
+                        "are sets of their own (an integer, or none: never; default COSERVE_PHASE_AFTER_STEPS)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     poll = None if args.poll_gap < 0 else args.poll_gap
+    ending_after = (PHASE_AFTER_STEPS if args.ending_after is None
+                    else None if args.ending_after == "none" else int(args.ending_after))
     report = {}
     adds = []
     for spec in args.calibration_add:
@@ -133,7 +148,9 @@ def main() -> None:
         if args.warm_from:
             first = lw.Table(args.warm_from)
             model = first.model(busy_with_idle=True)
+            model.ending_after = ending_after
             lw.replay(model, first.steps, poll)
+        model.ending_after = ending_after
         config = read_result(path).get("config", {})
         form = args.decode_kv or config.get("decode_kv", "total")
         share = args.decode_kv_share if args.decode_kv_share is not None else config.get("decode_kv_share",
@@ -176,7 +193,8 @@ def main() -> None:
     if args.out:
         record = {**provenance(), "config": {"runs": args.runs, "poll_gap_s": poll, "warm_from": args.warm_from,
                                              "calibration_add": args.calibration_add, "decode_kv": args.decode_kv,
-                                             "decode_kv_share": args.decode_kv_share},
+                                             "decode_kv_share": args.decode_kv_share,
+                                             "ending_after": ending_after},
                   "figures": report}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(record, indent=1))

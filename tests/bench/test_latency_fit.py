@@ -388,7 +388,9 @@ def test_replay_recovers_the_calibration_under_a_moving_level() -> None:
     # (the model since session 24: per-phase levels for the first 500 busy steps, then shared)
     assert forms["views"]["first_500"]["after"] == forms["views"]["first_500"]["per_phase"]
     assert forms["shared_fitted_0.3_after_500"] == forms["after"] != forms["per_phase"]
-    assert forms["after"] != forms["shared_fitted_rate_0.3"]
+    # (over the held-out half both share one level at 0.3 by then, whose memory is far shorter
+    # than 800 steps: they part over the first 500, where the model keeps a level per phase)
+    assert forms["views"]["first_500"]["after"] != forms["views"]["first_500"]["shared_fitted_rate_0.3"]
     assert decode["matches_recorded"]["per_phase"]["p99_rel"] > 1e-6
     summary = latency_fit.latency_decode.decode_summary({"t": {"decode_forms": {"decode/graph/busy": forms}}})
     assert summary["sets"] == 1 and summary["baseline"] == "after"

@@ -433,8 +433,8 @@ def _served(model: LatencyModel, rng: random.Random, steps: int) -> list[float]:
 
 @pytest.mark.parametrize("defer", [False, True, "pending"])
 def test_a_restored_online_state_goes_on_as_the_model_it_was_saved_from(defer: bool | str) -> None:
-    """Windows, steps since the last refit, levels (shared, lone), safety ratios and the refits
-    put off (``pending``: saved before the host's idle poll ran them) travel in ``state_dict``:
+    """Windows, steps since the last refit, levels (shared, lone), safety ratios and factors (as
+    last updated, every SAFETY_EVERY steps) and the refits put off (``pending``: saved before the host's idle poll ran them) travel in ``state_dict``:
     restored through JSON mid-run, the model predicts the next steps, refits included, as the one
     that kept running; restored without them (``online=False``), it does not."""
     rng = random.Random(32)
@@ -478,6 +478,8 @@ def test_a_restored_online_state_goes_on_as_the_model_it_was_saved_from(defer: b
     ({"joined": "decode/graph|active"}, "'joined' and 'due' must be lists"),
     ({"due": {"decode/graph|idle": 1}}, "'joined' and 'due' must be lists"),
     ({"due": ["decode/graph|resting"]}, "unknown set"),
+    ({"safety": {"decode/graph|idle": 0.5}}, "safety factors must be finite and at least 1"),
+    ({"safety": {"decode/graph|idle": "1.2"}}, "safety factors must be finite"),
 ])
 def test_a_malformed_online_state_is_refused_and_leaves_the_model_as_it_was(online: object, match: str) -> None:
     rng = random.Random(33)

@@ -123,7 +123,7 @@ layer (layer 0), after which the task's GPU work stops within the step. On the H
 ``active``, decode steps beside ``quiet`` ran ~0.8× and beside ``starting`` ~1.1×
 (``bench/results/latency_h200/session11/``), and beside layer 0 0.89–0.96× their prediction
 (session 27). ``ending`` is its
-own phase only for a decode key past :data:`SHARE_AFTER_STEPS` busy steps
+own phase only for a decode key past :data:`PHASE_AFTER_STEPS` busy steps
 (:attr:`LatencyModel.ending_after`; before, and for prefill keys, it is ``active``): offline on
 the fourteen recorded tables of sessions 20–26, the busy decode set's held-out p99 fell on all
 fourteen (by 0.1–2.6 points), its p99 over all steps on 10 of the 11 default-mode tables (the
@@ -537,6 +537,17 @@ SHARED_LEVEL_RATE = 0.3
 SHARE_AFTER_STEPS = 500
 """A decode key's busy phases share one level once the key has this many busy steps measured
 (a phase whose busy set still has no fitted ``(ρ, δ)`` of its own keeps its own level)."""
+PHASE_AFTER_STEPS: Final = int(os.environ.get("COSERVE_PHASE_AFTER_STEPS", "100"))
+"""``LatencyModel``'s default ``ending_after``: a decode key's ``ending`` and ``loss`` phases are
+sets of their own once the key has this many busy steps, ``active`` before
+(``COSERVE_PHASE_AFTER_STEPS``; sessions 27-34: :data:`SHARE_AFTER_STEPS`, 500). In a cold run's
+first ~30 s (500 busy steps) the steps beside the backward's last layer, ~0.96x their
+``active`` price, and beside its loss made a fifth to a third of the busy decode set's worst 3%
+(session 34's H100 run). Replayed whole offline (``bench/latency_whole.py --ending-after``) on
+the eight H100 runs of sessions 33-34 at the longest-row share 0.35, 100 against 500: each cold
+replay's p99 over all steps lower on 7 of 8 (mean 11.68 -> 11.35%; the eighth +0.03), busy decode
+lower on 7 of 8, the warm replays' the same (mean 9.25 -> 9.26%); 0 (a phase from the first step)
+was worse than 500 on 4 of 8, by up to 0.6 points."""
 SHARED: Final = "busy"
 """The state under which a key's shared busy level is kept (not a trainer phase)."""
 LEVEL_FORMS: Final = ("decode/",)
@@ -679,7 +690,7 @@ class LatencyModel:
         level_rate: float = LEVEL_RATE,
         shared_level_rate: float = SHARED_LEVEL_RATE,
         share_after: int | None = SHARE_AFTER_STEPS,
-        ending_after: int | None = SHARE_AFTER_STEPS,
+        ending_after: int | None = PHASE_AFTER_STEPS,
         lone_level: bool = LONE_LEVEL,
         lone_level_rate: float = LONE_LEVEL_RATE,
         lone_recenter: bool = LONE_RECENTER,
@@ -1148,6 +1159,8 @@ class LatencyModel:
                 "lone_recent": {k: [[list(v), y] for v, y in d] for k, d in self._lone_recent.items()},
                 "ratios": {_set_name(s): list(r) for s, r in self._ratios.items()},
                 "ratio_count": {_set_name(s): n for s, n in self._ratio_count.items()},
+                # (the factors as last updated: every SAFETY_EVERY steps, not from the ratios now)
+                "safety": {_set_name(s): f for s, f in self._safety.items()},
                 "due": [_set_name(s) for s in self._due],
             }
         return state
@@ -1229,6 +1242,7 @@ class LatencyModel:
             if len(ratios) >= self.safety_min_steps:
                 self._set_safety(s, np.asarray(self._ratios[s], dtype=np.float64))
         self._ratio_count.update(online["ratio_count"])
+        self._safety.update(online["safety"])  # (a state before session 35: from the ratios, above)
         # (refits put off when it was saved: the host's next idle poll runs them, as it would have)
         self._due.update(dict.fromkeys(s for s in online["due"] if s in self._windows))
 
@@ -1276,6 +1290,10 @@ class LatencyModel:
                       for k, d in table("shared_recent").items()}
             lone = {key_of(k): [row(k, [*v, y]) for v, y in d] for k, d in table("lone_recent").items()}
             ratios = {_parsed_set(n, sets): [float(x) for x in r] for n, r in table("ratios").items()}
+            safety = {_parsed_set(n, sets): f for n, f in table("safety").items()}
+            if not all(isinstance(f, int | float) and not isinstance(f, bool) and math.isfinite(f) and f >= 1.0
+                       for f in safety.values()):
+                raise ValueError("LatencyModel state: online safety factors must be finite and at least 1")
             joined, due = online.get("joined", []), online.get("due", [])
             if not isinstance(joined, list) or not isinstance(due, list):
                 raise ValueError("LatencyModel state: online 'joined' and 'due' must be lists")
@@ -1290,6 +1308,7 @@ class LatencyModel:
                 "ratios": ratios,
                 "ratio_count": {_parsed_set(n, sets): count("ratio_count", c)
                                 for n, c in table("ratio_count").items()},
+                "safety": safety,
                 "due": [_parsed_set(n, sets) for n in due],
             }
         except (TypeError, ValueError) as e:
