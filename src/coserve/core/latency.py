@@ -546,8 +546,10 @@ first ~30 s (500 busy steps) the steps beside the backward's last layer, ~0.96x 
 (session 34's H100 run). Replayed whole offline (``bench/latency_whole.py --ending-after``) on
 the eight H100 runs of sessions 33-34 at the longest-row share 0.35, 100 against 500: each cold
 replay's p99 over all steps lower on 7 of 8 (mean 11.68 -> 11.35%; the eighth +0.03), busy decode
-lower on 7 of 8, the warm replays' the same (mean 9.25 -> 9.26%); 0 (a phase from the first step)
-was worse than 500 on 4 of 8, by up to 0.6 points."""
+lower on 7 of 8; the gain is the first halves' (mean 13.4 -> 12.8%), the second halves' -0.2 to
++0.3 points, the warm replays' the same (mean 9.25 -> 9.26%;
+``bench/results/latency_h100/session35/latency_whole_s3{3,4}_ending_after_{100,500}.json``); 0 (a
+phase from the first step) was worse than 500 on 4 of 8, by up to 0.6 points."""
 SHARED: Final = "busy"
 """The state under which a key's shared busy level is kept (not a trainer phase)."""
 LEVEL_FORMS: Final = ("decode/",)
