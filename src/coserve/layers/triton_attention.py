@@ -388,12 +388,14 @@ PREFILL_SPLIT_TILES = os.environ.get("COSERVE_PREFILL_SPLIT_TILES", "context")
 kernel, and no split in a step that also has rows through flash or SDPA. A short chunk over a long
 prefix beside a fresh chunk then went unsplit (``[16 over 4,073] + [400 fresh]``: 1 + 7 tiles x 32
 heads fill the GPU by count), and its 32 programs that read the prefix alone held the kernel while
-the fresh tiles' finished early: in session 34's latency run on the H100
-(``bench/results/latency_h100/session34/coserve_latency_warm_34c1c78``), prefill steps of two
-chunks, one of at most 64 tokens over cached context and at most 512 fresh, ran a median 1.10x
-their prediction, 50-57% of them over 10% (14 such steps in each of its cold and warm replays),
-against 0.97-1.01x for the other prefill compositions. ``context`` (the default since session 35): only the tiles of rows with a cached
-prefix, which are the long ones; a fresh row's tile does its work in split 0, its other splits
+the fresh tiles' finished early: in the six H100 latency runs of sessions 33-34
+(``bench/prefill_compositions.py``, ``bench/results/latency_h100/session35/prefill_compositions.json``,
+the device's predictions), prefill steps of a chunk of at most 64 tokens over cached context beside
+fresh ones, at most 512 tokens in all, ran a median 1.08-1.11x their prediction, 25-70% of them
+over 10% off (18-34 steps a run), against 0.98-1.01x for steps of fresh or of context chunks
+alone; the prefill p99 without them was 0.3-1.1 points lower. Over 512 tokens (the fresh rows
+through flash, the short chunk unsplit) 1.04-1.05x. ``context`` (the default since session 35):
+only the tiles of rows with a cached prefix, which are the long ones; a fresh row's tile does its work in split 0, its other splits
 store nothing, and the merge covers only the paged kernel's tokens, so that a step with flash
 or SDPA rows splits too."""
 if PREFILL_SPLIT_TILES not in ("context", "all"):
