@@ -160,21 +160,28 @@ def test_prefill_with_split_prefixes_matches_reference(
     assert len(chosen) == 1 and rel_err(out0, ref0) < TOL[dtype]
 
 
+# (a short chunk first; a 70-token one after the fresh chunk: two tiles, whose second starts at
+# query 64, and the kernel's tokens from 250 on, rows 0-69 of the split workspace)
+LAYOUTS = {"short first": ([3, 250, 1, 1], [200, 0, 30, 45], 5), "long after": ([250, 70, 1, 1], [0, 200, 30, 45], 3)}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("beside", ["paged", "sdpa"])
 @pytest.mark.parametrize("rule", ["context", "all"])
 def test_a_short_chunk_over_a_long_prefix_splits_beside_a_fresh_chunk(
-    rule: str, beside: str, monkeypatch: pytest.MonkeyPatch,
+    rule: str, beside: str, layout: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """PREFILL_SPLIT_TILES: 3 tokens over 200 cached beside a fresh 250-token chunk. Counting every
-    tile (``all``), 1 + 4 tiles x 4 heads fill the 10 SMs twice: one split, and the prefix's 4
-    programs read it alone; counting the context tiles (``context``), 4 programs want 5 splits,
-    also where the fresh chunk goes through SDPA (``all`` never splits there). Either way the
-    output is the reference's, the fresh chunk's included."""
-    h, kvh, d, bs, nblocks = 4, 2, 16, 4, 160
-    rng = random.Random(f"{rule} {beside}")
+    """PREFILL_SPLIT_TILES: a chunk over 200 cached tokens beside a fresh 250-token chunk. Counting
+    every tile (``all``), the fresh chunk's 4 tiles too fill the 10 SMs twice: one split, and the
+    prefix's programs read it alone; counting the context tiles (``context``), their programs want
+    5 splits (3 tokens, 1 tile) or 3 (70 tokens, 2 tiles), also where the fresh chunk goes through
+    SDPA (``all`` never splits there). Either way the output is the reference's, the fresh
+    chunk's included."""
+    h, kvh, d, bs, nblocks = 4, 2, 16, 4, 200
+    q_lens, ctxs, want_splits = LAYOUTS[layout]
+    rng = random.Random(f"{rule} {beside} {layout}")
     free = list(range(nblocks))
     rng.shuffle(free)
-    q_lens, ctxs = [3, 250, 1, 1], [200, 0, 30, 45]
     tables = [[free.pop() for _ in range(-(-(c + n) // bs))] for n, c in zip(q_lens, ctxs, strict=True)]
     meta = AttentionMetadata.build(q_lens, ctxs, tables, [True] * 4, 2, bs, device=DEVICE)
     t = sum(q_lens)
@@ -190,13 +197,15 @@ def test_a_short_chunk_over_a_long_prefix_splits_beside_a_fresh_chunk(
                              prefill_split_min_keys=8, prefill_split_min_splits=2, prefill_split_tiles=rule)
     out = TritonAttention(tuning, sms=10).forward(q, k, v, cache, meta, d**-0.5, None)
     assert rel_err(out, ref) < TOL[torch.float32]
-    want = {("context", "paged"): [5], ("context", "sdpa"): [5], ("all", "paged"): [1], ("all", "sdpa"): []}
-    assert chosen == want[rule, beside]
+    assert chosen == ([want_splits] if rule == "context" else [1] if beside == "paged" else [])
     (plan,) = meta.prefill_plans.values()
-    # (beside SDPA the merge takes the paged kernel's 3 tokens alone)
+    # (beside SDPA the merge takes the paged kernel's tokens alone, and the workspace holds them alone)
     assert (plan.merge_tokens is not None) == (rule == "context" and beside == "sdpa")
     if plan.merge_tokens is not None:
-        assert plan.merge_tokens.tolist() == [0, 1, 2]
+        context_row = ctxs.index(200)
+        first = sum(q_lens[:context_row])
+        assert plan.merge_tokens.tolist() == list(range(first, first + q_lens[context_row]))
+        assert plan.lse is not None and plan.lse.numel() == q_lens[context_row] * h * want_splits
 
 
 def test_a_bad_split_rule_is_refused() -> None:
@@ -264,8 +273,10 @@ def test_the_prefill_plan_is_worked_out_once_per_step(monkeypatch: pytest.Monkey
         fresh = AttentionMetadata.build(q_lens, ctxs, tables, writes, npre, bs, device=DEVICE)
         assert torch.equal(outs[-1], backend.forward(q, k, v, cache[:, layer % 2].clone(), fresh, d**-0.5, None))
     assert len(copies) == 1 + 3  # this step's plan once, and each fresh one
-    rows, starts = copies[0]
+    rows, starts, bases = copies[0]
     assert rows == sorted(rows) and {ctxs[r] > 0 for r in rows} == {True}  # the rows with context alone
+    # (each tile's row's first token's row in the split workspace: the kernel's tokens in order)
+    assert bases == [sum(q_lens[x] for x in sorted(set(rows)) if x < r) for r in rows]
     backend.forward(q, k, v, cache[:, 0], meta, d**-0.5, 7)  # another window: a plan of its own
     assert len(copies) == 5
 

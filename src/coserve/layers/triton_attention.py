@@ -115,11 +115,12 @@ def _store_kv_kernel(
     tl.store(dst + s_kv, v, mask=mask)
 
 
-# The tiles' pointers are two rows of one [2, num_tiles] tensor: the second one's alignment
+# The tiles' pointers are three rows of one [3, num_tiles] tensor: the others' alignment
 # follows the tile count. The block-table width follows the batch's longest row.
-@varying("tile_row_ptr", "tile_m_ptr", "s_bt", "num_splits")
+@varying("tile_row_ptr", "tile_m_ptr", "tile_p_ptr", "s_bt", "num_splits")
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, po_ptr, lse_ptr, kv_ptr, cu_ptr, ctx_ptr, bt_ptr, tile_row_ptr, tile_m_ptr,
+    tile_p_ptr,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh,
     s_block, s_kv, s_tok, s_head, s_bt,
     scale, window, num_splits,
@@ -205,11 +206,13 @@ def _prefill_kernel(
         tl.store(o_ptr + tok_m[:, None] * s_ot + h * s_oh + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=mask_m[:, None])
     else:
-        # Partials [T, H, num_splits, D] and lse [T, H, num_splits] (-inf for an empty split), as
-        # the decode kernel's, merged per (token, head) by _merge_kernel.
+        # Partials [P, H, num_splits, D] and lse [P, H, num_splits] over the kernel's P tokens
+        # (-inf for an empty split), as the decode kernel's, merged per (token, head) by _merge_kernel.
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_safe))
-        prow = (tok_m * tl.num_programs(1) + h) * num_splits + sp
+        # (the workspace holds the kernel's tokens alone: the tile's row's first at row p0 of it)
+        p0 = tl.load(tile_p_ptr + tile)
+        prow = ((p0 + offs_m).to(tl.int64) * tl.num_programs(1) + h) * num_splits + sp
         tl.store(lse_ptr + prow, lse, mask=mask_m)
         # (an empty split, such as every split but the first of a row without cached context,
         # stores no partial: the merge reads none where the log-sum-exp is -inf)
@@ -290,11 +293,13 @@ def _merge_kernel(
     po_ptr, lse_ptr, o_ptr, tok_ptr, s_ot, s_oh, H, num_splits,
     BLOCK_S: tl.constexpr, D: tl.constexpr, INDEXED: tl.constexpr,
 ):
-    # One program per (token, head): token b, or with INDEXED the b-th of tok_ptr's tokens (a
-    # step whose prefill rows are not all the paged kernel's merges only the kernel's tokens).
+    # One program per (workspace row, head): the partials of row b go to token b, or with INDEXED
+    # to token tok_ptr[b] (a step whose prefill rows are not all the paged kernel's: the workspace
+    # holds the kernel's tokens alone, and the merge leaves the others' output as it is).
     b = tl.program_id(0)
+    t = b
     if INDEXED:
-        b = tl.load(tok_ptr + b)
+        t = tl.load(tok_ptr + b)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, D)
@@ -306,7 +311,7 @@ def _merge_kernel(
     keep = mask_s & (lse > float("-inf"))
     o = tl.load(po_ptr + (row + offs_s)[:, None] * D + offs_d[None, :], mask=keep[:, None], other=0.0)
     out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(o_ptr + b * s_ot + h * s_oh + offs_d, out.to(o_ptr.dtype.element_ty))
+    tl.store(o_ptr + t * s_ot + h * s_oh + offs_d, out.to(o_ptr.dtype.element_ty))
 
 
 def num_sms(device: torch.device) -> int:
@@ -456,8 +461,9 @@ class AttentionTuning:
 class _PrefillPlan(NamedTuple):
     """One step's prefill rows by path (:meth:`TritonAttention._prefill_plan`): the varlen runs,
     the token spans ``[a, b)`` of rows through one SDPA call each, and the paged kernel's tiles
-    (``[2, num_tiles]`` int32: row, first query of the tile; None: no such row), with the splits
-    of each tile's cached prefix (:func:`prefill_splits`) and, where there are several, the fp32
+    (``[3, num_tiles]`` int32: row, first query of the tile, the row's first token's row in the
+    split workspace, which holds the kernel's tokens in order; None: no such row), with the splits of
+    each tile's cached prefix (:func:`prefill_splits`) and, where there are several, the fp32
     partials and log-sum-exps the kernel writes and ``merge`` reads, shared by the step's layers."""
 
     runs: list[PlainRun]
@@ -537,7 +543,7 @@ class TritonAttention:
         lse = plan.lse if plan.lse is not None else out
         jit(_prefill_kernel)[(num_tiles, heads, splits)](
             q, k, v, out, partial, lse, kv_layer, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
-            plan.tiles[0], plan.tiles[1],
+            plan.tiles[0], plan.tiles[1], plan.tiles[2],
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), s_block, s_kv, s_tok, s_head, meta.block_tables.stride(0),
             scale, window, splits,
@@ -547,7 +553,7 @@ class TritonAttention:
         )
         if splits > 1:
             tokens = plan.merge_tokens
-            jit(_merge_kernel)[(meta.num_prefill_tokens if tokens is None else tokens.numel(), heads)](
+            jit(_merge_kernel)[(meta.num_prefill_tokens if tokens is None else tokens.numel(), heads)](  # (rows)
                 partial, lse, out, lse if tokens is None else tokens, out.stride(0), out.stride(1), heads, splits,
                 BLOCK_S=MAX_DECODE_SPLITS, D=d, INDEXED=tokens is not None,
             )
@@ -576,6 +582,7 @@ class TritonAttention:
         in_runs = {r for run in runs for r in range(run.first_row, run.end_row)}
         rows: list[int] = []
         starts: list[int] = []
+        bases: list[int] = []  # (each tile's row's first token's row in the split workspace)
         sdpa_rows: list[tuple[int, int]] = []
         tile_tokens: list[int] = []  # (the tiles' tokens, in token order)
         context_tiles = 0  # (tiles of rows that read a cached prefix)
@@ -590,11 +597,12 @@ class TritonAttention:
                 for m0 in range(0, n, tune.prefill_block_m):
                     rows.append(r)
                     starts.append(m0)
+                    bases.append(len(tile_tokens))
                 tile_tokens.extend(range(offset, offset + n))
                 if meta.context_lens_list[r] > 0:
                     context_tiles += -(-n // tune.prefill_block_m)
             offset += n
-        tiles = device_tensor([rows, starts], torch.int32, q.device) if rows else None
+        tiles = device_tensor([rows, starts, bases], torch.int32, q.device) if rows else None
         splits, partial, lse, merge_tokens = 1, None, None, None
         allowed = tune.prefill_split_tiles == "context" or not (runs or sdpa_rows)
         if rows and tune.prefill_splits and allowed:
@@ -604,9 +612,8 @@ class TritonAttention:
             splits = prefill_splits(counted, heads, max_ctx, self.sms or num_sms(q.device),
                                     tune.prefill_split_min_keys, tune.prefill_split_min_splits)
             if splits > 1:  # (each layer's kernel and merge run in stream order: one workspace)
-                partial = torch.empty(meta.num_prefill_tokens * heads * splits * d, dtype=torch.float32,
-                                      device=q.device)
-                lse = torch.empty(meta.num_prefill_tokens * heads * splits, dtype=torch.float32, device=q.device)
+                partial = torch.empty(len(tile_tokens) * heads * splits * d, dtype=torch.float32, device=q.device)
+                lse = torch.empty(len(tile_tokens) * heads * splits, dtype=torch.float32, device=q.device)
                 if len(tile_tokens) < meta.num_prefill_tokens:  # (the merge must leave the others' output)
                     merge_tokens = device_tensor(tile_tokens, torch.int32, q.device)
         plan = meta.prefill_plans[key] = _PrefillPlan(runs, sdpa_rows, tiles, splits, partial, lse, merge_tokens)
