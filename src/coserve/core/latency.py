@@ -541,9 +541,9 @@ PHASE_AFTER_STEPS: Final = int(os.environ.get("COSERVE_PHASE_AFTER_STEPS", "100"
 """``LatencyModel``'s default ``ending_after``: a decode key's ``ending`` and ``loss`` phases are
 sets of their own once the key has this many busy steps, ``active`` before
 (``COSERVE_PHASE_AFTER_STEPS``; sessions 27-34: :data:`SHARE_AFTER_STEPS`, 500). In a cold run's
-first ~30 s (500 busy steps) the steps beside the backward's last layer, ~0.96x their
-``active`` price, and beside its loss made a fifth to a third of the busy decode set's worst 3%
-(session 34's H100 run). Replayed whole offline (``bench/latency_whole.py --ending-after``) on
+first ~30 s (500 busy steps) the steps beside the backward's last layer, faster than their
+``active`` price, and beside its loss were over-represented among the busy decode set's worst
+steps (session 34's H100 run). Replayed whole offline (``bench/latency_whole.py --ending-after``) on
 the eight H100 runs of sessions 33-34 at the longest-row share 0.35, 100 against 500: each cold
 replay's p99 over all steps lower on 7 of 8 (mean 11.68 -> 11.35%; the eighth +0.03), busy decode
 lower on 7 of 8; the gain is the first halves' (mean 13.4 -> 12.8%), the second halves' -0.2 to
