@@ -402,7 +402,12 @@ alone; the prefill p99 without them was 0.3-1.1 points lower. Over 512 tokens (t
 through flash, the short chunk unsplit) 1.04-1.05x. ``context`` (the default since session 35):
 only the tiles of rows with a cached prefix, which are the long ones; a fresh row's tile does its work in split 0, its other splits
 store nothing, and the merge covers only the paged kernel's tokens, so that a step with flash
-or SDPA rows splits too."""
+or SDPA rows splits too. On the H100 in session 35 (``bench/prefill_context.py --fresh``,
+``bench/results/latency_h100/session35/prefill_fresh_73d0818.json``, one layer of the 8B shape) a
+chunk of 8-64 tokens beside a fresh one ran 0.86-0.94x the old rule's time over 4,096 cached with
+400 fresh tokens, 0.61-0.64x over 8,192, 0.52-0.70x beside 1,024 fresh tokens (through flash),
+and the same over 2,048 (no split); in that session's latency runs the prefill p99 was 8.7 / 8.1%
+against 9.9% with ``all`` on the same host."""
 if PREFILL_SPLIT_TILES not in ("context", "all"):
     raise ValueError(f"COSERVE_PREFILL_SPLIT_TILES must be 'context' or 'all', got {PREFILL_SPLIT_TILES!r}")
 
