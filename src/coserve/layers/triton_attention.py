@@ -7,10 +7,10 @@ for the flat batch layout). Three kernels:
 - ``prefill``: one program per (query tile of one prefill row, query head[, split]). Keys are
   the row's cached prefix (positions ``< ctx``, read through its block table) followed by the
   row's own new tokens (read from ``k``/``v``, causal). Unless ``COSERVE_PREFILL_SPLITS=0``, a
-  step whose prefill rows all take this kernel and whose tiles would leave most of the GPU idle
-  (a short chunk over a long cached prefix: a chat's next turn, a prompt's last chunk) cuts each
-  cached prefix into splits as ``decode`` does, the row's own tokens in split 0, and ``merge``
-  combines them. Prefill rows with no cached prefix (fresh prompts,
+  step whose tiles over cached prefixes would leave most of the GPU idle (a short chunk over a
+  long cached prefix: a chat's next turn, a prompt's last chunk; ``PREFILL_SPLIT_TILES``) cuts
+  each cached prefix into splits as ``decode`` does, the row's own tokens in split 0, and
+  ``merge`` combines them. Prefill rows with no cached prefix (fresh prompts,
   fine-tuning rows, which write no KV and attend causally within themselves) go to torch SDPA
   instead (FlashAttention-2 on the GPU: 2.5-3x this kernel on the H200, see
   ``bench/results/engine_speed_h200.json``), unless a sliding window cuts into the row. (Rows
@@ -400,9 +400,9 @@ fresh ones, at most 512 tokens in all, ran a median 1.08-1.11x their prediction,
 over 10% off (18-34 steps a run), against 0.98-1.01x for steps of fresh or of context chunks
 alone; the prefill p99 without them was 0.3-1.1 points lower. Over 512 tokens (the fresh rows
 through flash, the short chunk unsplit) 1.04-1.05x. ``context`` (the default since session 35):
-only the tiles of rows with a cached prefix, which are the long ones; a fresh row's tile does its work in split 0, its other splits
-store nothing, and the merge covers only the paged kernel's tokens, so that a step with flash
-or SDPA rows splits too. On the H100 in session 35 (``bench/prefill_context.py --fresh``,
+only the tiles of rows with a cached prefix, which are the long ones; a fresh row's tile does
+its work in split 0, its other splits store nothing, and the merge covers only the paged kernel's
+tokens, so that a step with flash or SDPA rows splits too. On the H100 in session 35 (``bench/prefill_context.py --fresh``,
 ``bench/results/latency_h100/session35/prefill_fresh_73d0818.json``, one layer of the 8B shape) a
 chunk of 8-64 tokens beside a fresh one ran 0.86-0.94x the old rule's time over 4,096 cached with
 400 fresh tokens, 0.61-0.64x over 8,192, 0.52-0.70x beside 1,024 fresh tokens (through flash),
