@@ -548,8 +548,8 @@ the eight H100 runs of sessions 33-34 at the longest-row share 0.35, 100 against
 replay's p99 over all steps lower on 7 of 8 (mean 11.68 -> 11.35%; the eighth +0.03), busy decode
 lower on 7 of 8; the gain is the first halves' (mean 13.4 -> 12.8%), the second halves' -0.2 to
 +0.3 points, the warm replays' the same (mean 9.25 -> 9.26%;
-``bench/results/latency_h100/session35/latency_whole_s3{3,4}_ending_after_{100,500}.json``); 0 (a
-phase from the first step) was worse than 500 on 4 of 8, by up to 0.6 points. Online with the
+``bench/results/latency_h100/session35/latency_whole_s3{3,4}_ending_after_{0,100,500}.json``); 0
+(a phase from the first step) was worse than 500 on 4 of 8, by up to 0.6 points. Online with the
 longest-row share (session 35, H100, ``session35/latency_whole_73d0818{,_total_500}.json``) the
 first replays ran 11.3 / 10.1% over all steps, where the model before both would have been at
 12.6 / 11.3%."""
