@@ -85,19 +85,19 @@ def run_figures(path: str, replay: bool, share: float) -> dict[str, Any]:
         import latency_whole as lwh
 
         table = lw.Table(path)
-        steps = table.steps
         form = (lwh.rows_longest(share)
-                if all(len(s) > lwh.KV_MAX and s[lwh.KV_MAX] is not None for s in steps) else None)
-        predicted = lw.replay(table.model(busy_with_idle=True), steps, 0.005, form)
+                if all(len(s) > lwh.KV_MAX and s[lwh.KV_MAX] is not None for s in table.steps) else None)
+        predicted = lw.replay(table.model(busy_with_idle=True), table.steps, 0.005, form)
+        # (key, predicted, measured, chunks) of each measured step
+        steps = [(s[0], float(p), s[2], s[7]) for s, p in zip(table.steps, predicted, strict=True)]
     else:
-        table_rows = read_result(path)["figures"]["steps"]
-        col = {c: i for i, c in enumerate(table_rows["columns"])}
-        steps = [[r[col["key"]], r[col["predicted_s"]], r[col["measured_s"]], None, None, None, None, r[col["chunks"]]]
-                 for r in table_rows["rows"] if r[col["measured_s"]] > 0]
-        predicted = np.asarray([s[1] for s in steps], dtype=np.float64)
-    idx = [i for i, s in enumerate(steps) if s[0].startswith("prefill/")]
-    measured = np.asarray([steps[i][2] for i in idx], dtype=np.float64)
-    return summary([steps[i][7] for i in idx], measured, np.asarray(predicted, dtype=np.float64)[idx])
+        recorded = read_result(path)["figures"]["steps"]
+        col = {c: i for i, c in enumerate(recorded["columns"])}
+        steps = [(r[col["key"]], r[col["predicted_s"]], r[col["measured_s"]], r[col["chunks"]])
+                 for r in recorded["rows"] if r[col["measured_s"]] > 0]
+    prefill = [s for s in steps if s[0].startswith("prefill/")]
+    return summary([s[3] for s in prefill], np.asarray([s[2] for s in prefill], dtype=np.float64),
+                   np.asarray([s[1] for s in prefill], dtype=np.float64))
 
 
 def main() -> None:

@@ -589,7 +589,8 @@ class TritonAttention:
         starts: list[int] = []
         bases: list[int] = []  # (each tile's row's first token's row in the split workspace)
         sdpa_rows: list[tuple[int, int]] = []
-        tile_tokens: list[int] = []  # (the tiles' tokens, in token order)
+        tiled: list[tuple[int, int]] = []  # (the tile rows' token spans [a, b), in token order)
+        tiled_tokens = 0
         context_tiles = 0  # (tiles of rows that read a cached prefix)
         offset = 0
         for r in range(meta.num_prefill_rows):
@@ -602,8 +603,9 @@ class TritonAttention:
                 for m0 in range(0, n, tune.prefill_block_m):
                     rows.append(r)
                     starts.append(m0)
-                    bases.append(len(tile_tokens))
-                tile_tokens.extend(range(offset, offset + n))
+                    bases.append(tiled_tokens)
+                tiled.append((offset, offset + n))
+                tiled_tokens += n
                 if meta.context_lens_list[r] > 0:
                     context_tiles += -(-n // tune.prefill_block_m)
             offset += n
@@ -617,10 +619,10 @@ class TritonAttention:
             splits = prefill_splits(counted, heads, max_ctx, self.sms or num_sms(q.device),
                                     tune.prefill_split_min_keys, tune.prefill_split_min_splits)
             if splits > 1:  # (each layer's kernel and merge run in stream order: one workspace)
-                partial = torch.empty(len(tile_tokens) * heads * splits * d, dtype=torch.float32, device=q.device)
-                lse = torch.empty(len(tile_tokens) * heads * splits, dtype=torch.float32, device=q.device)
-                if len(tile_tokens) < meta.num_prefill_tokens:  # (the merge must leave the others' output)
-                    merge_tokens = device_tensor(tile_tokens, torch.int32, q.device)
+                partial = torch.empty(tiled_tokens * heads * splits * d, dtype=torch.float32, device=q.device)
+                lse = torch.empty(tiled_tokens * heads * splits, dtype=torch.float32, device=q.device)
+                if tiled_tokens < meta.num_prefill_tokens:  # (the merge must leave the others' output)
+                    merge_tokens = device_tensor([t for a, b in tiled for t in range(a, b)], torch.int32, q.device)
         plan = meta.prefill_plans[key] = _PrefillPlan(runs, sdpa_rows, tiles, splits, partial, lse, merge_tokens)
         return plan
 
