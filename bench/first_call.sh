@@ -91,6 +91,7 @@
 #                  the operator and the Python profiles of one step each
 #   eval=SPEC      bench/eval_device.sh SPEC on this lane's GPU (SPEC as there: WORKLOAD=RATE[=EXTRA],
 #                  with $BUDGET and $BENCH_FLAGS), its archive kept as first/eval.tar.gz
+#   trainer_first_tasks  bench/trainer_first_tasks.py: the trainer's first tasks' host stretches by warm-up
 #   NAME#K         any job NAME once more, its files under first/rK/ (e.g. "latency=50 latency=50#2")
 # With no lanes given, the four-GPU layout of session 4:
 #   "verify latency" "trace_coserve" "trace_peer" "grid eager"
@@ -309,6 +310,11 @@ job() {
       # shape: a short chunk over a long prefix (bench/prefill_context.py, COSERVE_PREFILL_SPLITS)
       run prefill_context "$top/prefill_context.log" python3 bench/prefill_context.py \
         --out "$top/prefill_context.json" ;;
+    trainer_first_tasks)
+      # the trainer's host stretches over its first 120 tasks (session 35's shapes) by warm-up
+      run trainer_first_tasks "$top/trainer_first_tasks.log" python3 bench/trainer_first_tasks.py \
+        --tasks-from bench/results/latency_h100/session35/coserve_latency_warm_73d0818.json.xz --layers 8 \
+        --tasks 120 --variants "one shapes one:CUDA_MODULE_LOADING=EAGER" --out "$top/trainer_first_tasks.json" ;;
     prefill_fresh)
       # a short chunk over a long prefix beside a fresh chunk (a paged-only step at 400, one with a
       # flash row at 1,024): the split rules against each other (COSERVE_PREFILL_SPLIT_TILES)

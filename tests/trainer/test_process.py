@@ -107,6 +107,57 @@ def test_warm_up_task_leaves_no_trace_in_training() -> None:
     assert torch.equal(flat0, flat1)
 
 
+def test_warmup_shapes_cover_the_loss_chunks_and_the_task_sizes() -> None:
+    """The warm-up's later tasks: one-row tasks whose target counts (a row's tokens less one) are
+    WARMUP_TARGETS that fit, then multi-row tasks from half of backward_tokens toward the largest
+    task, every row within max_seq_len and at least 2 tokens."""
+    from coserve.trainer.worker import WARMUP_LEVELS, WARMUP_TARGETS, warmup_rows, warmup_shapes
+
+    tasks = warmup_shapes(1024, 1024)
+    singles = [rows[0] - 1 for rows in tasks if len(rows) == 1]
+    assert singles == list(WARMUP_TARGETS)
+    multi = [rows for rows in tasks if len(rows) > 1]
+    totals = [sum(rows) for rows in multi]
+    assert len(multi) == WARMUP_LEVELS and totals == sorted(totals)
+    assert totals[0] == 512 and totals[-1] < sum(warmup_rows(1024, 1024)) == 2047
+    assert all(2 <= n <= 1024 for rows in tasks for n in rows)
+    # a short max_seq_len: the targets that fit, and rows cut to it
+    short = warmup_shapes(48, 20)
+    assert [r[0] - 1 for r in short if len(r) == 1] == [n for n in WARMUP_TARGETS if n + 1 <= 20]
+    assert all(2 <= n <= 20 for rows in short for n in rows)
+
+
+def test_run_worker_runs_every_warm_up_task_before_the_first_real_one(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """run_worker warms up with warmup_rows' task, then warmup_shapes' tasks, in order, then serves
+    (and trains as a worker that never warmed up)."""
+    import queue
+
+    from coserve.trainer import worker as worker_module
+
+    model, adapter, store, scales, task = _setup()
+    spec = WorkerSpec(model, store, scales, torch.zeros(2, 3, 1), torch.tensor([-1, 0, 0]), adapter, 0, 0.0, 0,
+                      OptimConfig(lr=1e-3), warmup_rows=(20, 9), warmup_shapes=((2,), (5, 4)))
+    spec.banks = torch.zeros(2, 3, sum(a.numel() + b.numel() for a, b in adapter.weights.values()))
+    seen: list[list[int]] = []
+    real = worker_module.task_backward
+
+    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append([len(r.labels) for r in args[3]])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(worker_module, "task_backward", recording)
+    tasks: queue.Queue = queue.Queue()
+    results: queue.Queue = queue.Queue()
+    tasks.put(task)
+    tasks.put(None)
+    worker_module.run_worker(spec, tasks, results)
+    assert seen == [[20, 9], [2], [5, 4], [len(task.samples[0].labels)]]
+    result = results.get_nowait()
+    clean = _Worker(WorkerSpec(model, store, scales, spec.banks.clone().zero_(), torch.tensor([-1, 0, 0]), adapter,
+                               0, 0.0, 0, OptimConfig(lr=1e-3)))
+    assert clean.run(task).step_info.grad_norm == result.step_info.grad_norm  # type: ignore[union-attr]
+
+
 def test_warm_up_task_waits_while_the_engine_pauses_the_trainer() -> None:
     model, adapter, store, scales, _ = _setup()
     grant = threading.Event()  # cleared: the engine runs a prefill

@@ -37,7 +37,7 @@ from coserve.models.peft_adapter import (
 )
 from coserve.server.dataset_reader import DatasetReader
 from coserve.trainer.process import TrainerProcess
-from coserve.trainer.worker import warmup_rows
+from coserve.trainer.worker import WARMUP_SHAPES, warmup_rows, warmup_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -181,12 +181,14 @@ class FinetuneSession:
                                      engine.runner.dtype, engine.runner.device,
                                      regions=2 if optim.accumulation_tasks > 1 else 1,
                                      mlp_width=2 * model.config.intermediate_size if cfg.save_mlp_activations else 0)
+        warms_up = self._trainer_warms_up()
         self.trainer = TrainerProcess(
             model, self.store.tensor, engine.lora_manager.scales, adapter,
             slot=engine.lora_manager.training_slot(0), optim=optim, dropout=spec.lora.dropout, seed=cfg.seed,
             num_threads=spec.trainer_threads, sm_share=spec.trainer_sm_share, mlp_store=self.store.mlp,
             below_normal=engine.stream is not None,
-            warmup_rows=warmup_rows(cfg.backward_tokens, cfg.max_seq_len) if self._trainer_warms_up() else (),
+            warmup_rows=warmup_rows(cfg.backward_tokens, cfg.max_seq_len) if warms_up else (),
+            warmup_shapes=warmup_shapes(cfg.backward_tokens, cfg.max_seq_len) if warms_up and WARMUP_SHAPES else (),
         )
         self.coserver = CoServer(
             pool=self.pool, samples={s.sample_id: s for s in self.dataset.samples}, store=self.store,

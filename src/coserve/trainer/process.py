@@ -55,6 +55,7 @@ class TrainerProcess:
         mlp_store: torch.Tensor | None = None,
         below_normal: bool = False,
         warmup_rows: Sequence[int] = (),
+        warmup_shapes: Sequence[Sequence[int]] = (),
     ) -> None:
         if sm_share is not None and not 0 < sm_share <= 100:
             raise ValueError(f"--trainer-sm-share must be in (0, 100], got {sm_share}")
@@ -82,10 +83,11 @@ class TrainerProcess:
         self.gate_flag = new_flag() if use_gate else None
         # (with a warm-up: set by the worker once it is done, so that the engine's calibration,
         # which follows, times its batches with the GPU to itself)
-        self._ready = self._ctx.Event() if warmup_rows else None
+        self._ready = self._ctx.Event() if warmup_rows or warmup_shapes else None
         self.spec = WorkerSpec(model, store, scales, self.banks, self.meta, adapter, slot, dropout, seed,
                                optim, grant=self.grant, num_threads=num_threads, mlp_store=mlp_store,
-                               gate_flag=self.gate_flag, warmup_rows=tuple(warmup_rows), ready=self._ready,
+                               gate_flag=self.gate_flag, warmup_rows=tuple(warmup_rows),
+                               warmup_shapes=tuple(tuple(rows) for rows in warmup_shapes), ready=self._ready,
                                niceness=CPU_TRAINER_NICENESS if device.type == "cpu" else 0)
         self._proc: BaseProcess | None = None
         if device.type == "cuda" and not mps_active():

@@ -10,7 +10,7 @@ import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import torch
 
@@ -114,6 +114,8 @@ class WorkerSpec:
     # Row lengths of one synthetic backward task the worker runs before its first real one
     # (_Worker.warm_up; empty: none): kernels compiled, library handles made, allocator grown.
     warmup_rows: tuple[int, ...] = ()
+    # More synthetic tasks after that one (warmup_shapes; empty: none), each the row lengths of one.
+    warmup_shapes: tuple[tuple[int, ...], ...] = ()
     # multiprocessing Event set once the worker is ready for tasks (after its warm-up)
     ready: Any = None
     # added to the process's CPU scheduling niceness at start (os.nice): a trainer computing on the
@@ -130,6 +132,49 @@ def warmup_rows(backward_tokens: int, max_seq_len: int) -> tuple[int, ...]:
     return (max_seq_len,) * full + ((rest,) if rest >= 2 else ()) + ((max(2, max_seq_len - 1),) if full else ())
 
 
+WARMUP_SHAPES: Final = os.environ.get("COSERVE_TRAINER_WARMUP", "shapes") == "shapes"
+"""Whether a trainer that warms up runs :func:`warmup_shapes`' tasks after :func:`warmup_rows`' one
+(``COSERVE_TRAINER_WARMUP``: ``shapes``, the default; ``one``: that task alone, the trainer until
+session 36). Much of a task's host work is done once per shape, the first time the shape comes:
+the Triton kernels' variants for their integer arguments (divisible by 16 or not, 1) and the
+libraries' GEMM and attention kernels, which CUDA loads when first launched
+(``CUDA_MODULE_LOADING=LAZY``, PyTorch's default). A real task's shapes vary with its samples (the
+layers' GEMMs by its tokens, the loss's last chunk by its target count, 1 to ``LOSS_CHUNK``), so
+one warm-up task left most of them to the first minute of serving: on the H100 in session 35
+(``timeline.tasks`` of ``bench/results/latency_h100/session35/``), the longest host stretch of a
+task was a median 8-10 ms (90th percentile 44-69 ms, up to 0.37 s, most in the loss) over the
+first 40 tasks against 1.5-2 ms after the 240th, and beside those stretches, with the trainer's
+GPU stream run dry, busy decode steps ran faster than predicted (``bench/trainer_first_tasks.py``
+measures the first tasks by warm-up)."""
+WARMUP_TARGETS: Final = (1, 2, 3, 4, 6, 8, 12, 15, 16, 17, 24, 31, 32, 33, 48, 64, 96, 128, 160, 192, 256, 320,
+                         384, 448, 511)
+""":func:`warmup_shapes`' one-row tasks: their target counts (a row of ``n + 1`` tokens), the loss's
+chunk sizes up to ``LOSS_CHUNK`` (and the layers' small token counts) at the integers where
+Triton's specializations change (1, multiples of 16) and geometrically between."""
+WARMUP_LEVELS: Final = 5
+""":func:`warmup_shapes`' multi-row tasks: how many token totals between half of
+``backward_tokens`` and the largest task."""
+
+
+def warmup_shapes(backward_tokens: int, max_seq_len: int) -> tuple[tuple[int, ...], ...]:
+    """The row lengths of the warm-up tasks after :func:`warmup_rows`' (:data:`WARMUP_SHAPES`):
+    one row of ``n + 1`` tokens for each ``n`` of :data:`WARMUP_TARGETS` that fits in
+    ``max_seq_len``, then :data:`WARMUP_LEVELS` totals spread geometrically from half of
+    ``backward_tokens`` toward the largest task (``backward_tokens + max_seq_len - 1``, :func:`warmup_rows`' own), each in rows
+    of at most ``max_seq_len`` (at least two)."""
+    tasks: list[tuple[int, ...]] = [(n + 1,) for n in WARMUP_TARGETS if n + 1 <= max_seq_len]
+    lo, hi = max(4, backward_tokens // 2), backward_tokens + max_seq_len - 1
+    totals = sorted({round(lo * (hi / lo) ** (i / WARMUP_LEVELS)) for i in range(WARMUP_LEVELS)}) \
+        if hi > lo else [lo]
+    for total in totals:
+        parts = max(2, -(-total // max_seq_len))
+        q, r = divmod(total, parts)
+        rows = tuple(q + (1 if i < r else 0) for i in range(parts))
+        if min(rows) >= 2:
+            tasks.append(rows)
+    return tuple(tasks)
+
+
 def run_worker(spec: WorkerSpec, tasks: Any, results: Any) -> None:
     """Process entry point: serve backward tasks until a ``None`` arrives."""
     logging.basicConfig(level=os.environ.get("COSERVE_TRAINER_LOG", "WARNING"))
@@ -143,12 +188,16 @@ def run_worker(spec: WorkerSpec, tasks: Any, results: Any) -> None:
     task: BackwardTask | None = None
     try:
         worker = _Worker(spec)
-        if spec.warmup_rows:
+        warm = [rows for rows in (spec.warmup_rows, *spec.warmup_shapes) if rows]
+        if warm:
+            began = time.perf_counter()
             try:
-                worker.warm_up(spec.warmup_rows)
+                for rows in warm:
+                    worker.warm_up(rows)
             except Exception:  # a warm-up is an optimization: the tasks run without it
                 logger.exception("trainer warm-up failed; serving tasks without it")
                 worker.forget_warm_up()
+            logger.info("trainer warm-up: %d tasks in %.2f s", len(warm), time.perf_counter() - began)
         if spec.ready is not None:
             spec.ready.set()
         freeze_startup_objects("trainer")
@@ -254,7 +303,7 @@ class _Worker:
         self.forget_warm_up()
         if store.is_cuda:
             torch.cuda.synchronize(store.device)
-        logger.info("trainer warm-up: one task of %d tokens in %.2f s", offset, time.perf_counter() - began)
+        logger.debug("trainer warm-up: a task of %d tokens in %.2f s", offset, time.perf_counter() - began)
 
     def forget_warm_up(self) -> None:
         """Drop what a warm-up task (finished or not) left: its gradient, boundary events, gate
