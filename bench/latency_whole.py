@@ -35,6 +35,11 @@ until session 35; ``none``: never), the busy steps before a decode key prices it
 state, windows and levels: a server restarted with ``--latency-state``), to tell the model's
 first minutes from the system's: per segment, also each quarter's busy decode p99 and the 5th /
 95th percentile of measured / predicted (the steps' spread under the model).
+
+``--busy-from OTHER``: each run replayed from its own calibration but with the decode busy terms
+(``(ρ, δ)`` of every trainer phase) that the model replaying OTHER whole ended with, as calibration
+and prior: what a busy calibration sweep at start-up could give at best (the same host's terms,
+from minutes of serving), to tell a cold start's busy terms from its levels and its system.
 """
 
 from __future__ import annotations
@@ -116,6 +121,8 @@ def main() -> None:
     p.add_argument("--poll-gap", type=float, default=0.005,
                    help="poll before a step after this much idle host time, s (a negative value: never)")
     p.add_argument("--warm-from", default=None, help="a result file replayed first by the same model")
+    p.add_argument("--busy-from", default=None,
+                   help="a result file whose whole replay's decode busy terms the runs start from")
     p.add_argument("--calibration-add", action="append", default=[], metavar="KEY:TERM:SECONDS",
                    help="add to a term of the recorded calibration before the replay")
     p.add_argument("--decode-kv", choices=DECODE_KV_FORMS, default=None,
@@ -151,6 +158,15 @@ def main() -> None:
             model.ending_after = ending_after
             lw.replay(model, first.steps, poll)
         model.ending_after = ending_after
+        if args.busy_from:
+            donor = lw.Table(args.busy_from)
+            donor_model = donor.model(busy_with_idle=True)
+            donor_model.ending_after = ending_after
+            lw.replay(donor_model, donor.steps, poll)
+            terms = {k: v for k, v in donor_model.state_dict(online=False)["busy"].items() if k.startswith("decode/")}
+            state = model.state_dict(online=False)
+            model.load_state_dict({**state, "busy": {**state["busy"], **terms},
+                                   "calibration_busy": {**state["calibration_busy"], **terms}})
         config = read_result(path).get("config", {})
         form = args.decode_kv or config.get("decode_kv", "total")
         share = args.decode_kv_share if args.decode_kv_share is not None else config.get("decode_kv_share",
@@ -192,6 +208,7 @@ def main() -> None:
                    if "busy_decode_quarters" in part else ""))
     if args.out:
         record = {**provenance(), "config": {"runs": args.runs, "poll_gap_s": poll, "warm_from": args.warm_from,
+                                             "busy_from": args.busy_from,
                                              "calibration_add": args.calibration_add, "decode_kv": args.decode_kv,
                                              "decode_kv_share": args.decode_kv_share,
                                              "ending_after": ending_after},

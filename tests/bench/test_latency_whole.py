@@ -126,3 +126,35 @@ def test_a_replay_in_the_longest_row_form_follows_steps_that_wait_on_their_longe
         return max(abs(p - m) / m for p, m in zip(predicted[300:], measured[300:], strict=True))
 
     assert late_error(latency_whole.rows_longest(1.0)) < 1e-3 < 0.05 < late_error(None)
+
+
+def test_busy_from_starts_the_busy_sets_from_another_runs_terms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """``--busy-from``: a run whose busy decode steps run 1.3x their idle time plus 1 ms, replayed
+    with the busy terms another such run's replay ended with, misses its first busy steps by less
+    than from its calibration alone (no busy term there: the first ones priced as idle)."""
+    import sys
+
+    rng = random.Random(0)
+    coef = [5e-6, 4.5e-8, 6.7e-3]
+    rows = []
+    for i in range(400):
+        b, kv = rng.randint(1, 32), rng.randint(100, 4000)
+        regressors = [b, b * kv, 1.0]
+        idle = sum(c * v for c, v in zip(coef, regressors, strict=True))
+        busy = i >= 100
+        r = row("decode/graph/busy" if busy else "decode/graph/idle", 1.3 * idle + 1e-3 if busy else idle, regressors)
+        r[STEP_TABLE_COLUMNS.index("trainer_at")] = [10, 0] if busy else None
+        rows.append(r)
+    run = write(tmp_path / "run.json", rows, None, None)
+    donor = write(tmp_path / "donor.json", rows, None, None)
+    figures = {}
+    for name, extra in (("plain", []), ("busy_from", ["--busy-from", donor])):
+        out = tmp_path / f"{name}.json"
+        monkeypatch.setattr(sys, "argv", ["latency_whole.py", run, "--out", str(out), *extra])
+        latency_whole.main()
+        record = json.loads(out.read_text())
+        assert record["config"]["busy_from"] == (donor if extra else None)
+        figures[name] = record["figures"]["run.json"]["cold_first_half"]["decode/graph/busy"]["replay"]
+    capsys.readouterr()
+    assert figures["busy_from"]["p99_rel"] < 0.5 * figures["plain"]["p99_rel"]
