@@ -169,10 +169,13 @@ def child(args: argparse.Namespace) -> None:
                       "longest_at": list(longest_span[:2]) if longest_span else None,
                       "cpu_ms_sum": sum(s[3] for s in result.spans), "triton_compiled": new})
     memory = torch.cuda.memory_allocated() if cuda else 0
+    # (the device's memory in use, every process's and the modules' code with it: what CUDA's
+    # eager module loading adds shows here, not in the allocator's count)
+    device_used = (lambda free, total: total - free)(*torch.cuda.mem_get_info()) if cuda else 0
     Path(args.child_out).write_text(json.dumps({
         "warmup": warmup, "warmup_tasks": [list(w) for w in warm], "warmup_s": warm_s,
         "warmup_compiled": sorted(k for k in after if after[k] > before.get(k, 0)),
-        "memory_allocated_gb": memory / 2**30,
+        "memory_allocated_gb": memory / 2**30, "device_memory_used_gb": device_used / 2**30,
         "module_loading": os.environ.get("CUDA_MODULE_LOADING"), "tasks": tasks,
     }))
 
@@ -245,7 +248,8 @@ def main() -> None:
         record["process_s"] = time.perf_counter() - began
         results[variant] = record
         s = record["summary"]
-        print(f"{variant}: warm-up {record['warmup_s']:.2f} s, {record['memory_allocated_gb']:.1f} GB; "
+        print(f"{variant}: warm-up {record['warmup_s']:.2f} s, {record['memory_allocated_gb']:.1f} GB allocated, "
+              f"{record['device_memory_used_gb']:.1f} GB of the device in use; "
               + "; ".join(f"{k} {v['tasks']} tasks: wall p50 {v['wall_ms_p50']:.1f} ms, "
                           + (f"longest host stretch p50 {v['longest_cpu_ms_p50']:.1f} ms, p90 "
                              f"{v['longest_cpu_ms_p90']:.1f}, max {v['longest_cpu_ms_max']:.1f}, "
