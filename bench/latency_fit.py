@@ -197,6 +197,7 @@ from coserve.core.latency import (
     over_knee,
     prior_weights,
     trainer_phase,
+    trainer_spot,
 )
 from coserve.core.nnls import fit_relative
 from coserve.trainer.stream_gate import boundary_kind
@@ -440,6 +441,14 @@ LOSS_LAYER = 32
 ``llama3-8b`` shape."""
 
 
+def row_spot(row: list[Any]) -> str | None:
+    """A busy step-table row's ``StepFeatures.spot`` (``coserve.core.latency.trainer_spot`` of
+    its ``trainer_at`` in :data:`LOSS_LAYER` layers); None for an idle row or one without it."""
+    if not row[0].endswith("/busy") or len(row) <= 5 or row[5] is None:
+        return None
+    return trainer_spot((int(row[5][0]), int(row[5][1])), LOSS_LAYER)
+
+
 def replay_phases(steps: list[list[Any]], phases: tuple[str, ...] = PHASES_IN_USE) -> list[str]:
     """Each step's trainer phase (``coserve.core.latency.trainer_phase``) from its ``trainer_at``
     (``[key, predicted, measured, regressors, rows, trainer_at, ...]``) and the step before, as a
@@ -618,7 +627,8 @@ def replay(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
             if not options["context"] and base.startswith("prefill/"):
                 v = [*v[:I_CTX], 0.0, *v[I_CTX + 1:]]
             out.append(model.observe_regressors(base, model.bucketed(v, base), measured - pl, state_of,
-                                                options["lone"] and row_lone(row)) + pl)
+                                                options["lone"] and row_lone(row),
+                                                row_spot(row) if form == "after" else None) + pl)
         predictions[form] = out
     report: dict[str, Any] = {"calibration": calibration, "recovery": {
         "level_rate": recovery.level_rate, "level_per_phase": recovery.level_per_phase,

@@ -88,7 +88,8 @@ def replay(model: LatencyModel, steps: list[list[Any]], poll_gap_s: float | None
         if decode_kv is not None and row[DECODES]:
             regressors = with_decode_kv(base, regressors, decode_kv(row, base, list(regressors)))
         state = phase if busy == "busy" else "idle"
-        out.append(model.observe_regressors(base, regressors, measured - planned, state, row_lone(row)) + planned)
+        out.append(model.observe_regressors(base, regressors, measured - planned, state, row_lone(row),
+                                            lf.row_spot(row)) + planned)
     return np.asarray(out)
 
 

@@ -58,12 +58,12 @@ def model(decode_c: float, busy: tuple[float, float]) -> LatencyModel:
     return m
 
 
-def coserver(latency: LatencyModel, pause_prefill: str = "always", hold_pause: bool = False
-             ) -> tuple[CoServer, FakeTrainer]:
+def coserver(latency: LatencyModel, pause_prefill: str = "always", hold_pause: bool = False,
+             num_layers: int = 2) -> tuple[CoServer, FakeTrainer]:
     samples = [FTSample(i, tuple(range(8)), tuple(range(8))) for i in range(4)]
     trainer = FakeTrainer()
     co = CoServer(pool=SamplePool(samples), samples={s.sample_id: s for s in samples},
-                  store=ActivationStore(2, 64, 8, torch.float32, "cpu"), trainer=trainer,
+                  store=ActivationStore(num_layers, 64, 8, torch.float32, "cpu"), trainer=trainer,
                   config=CoServeConfig(backward_tokens=16, max_seq_len=16), optim=OptimConfig(),
                   slo=SLOConfig(ttft_slo_s=1.0, tpot_slo_s=0.1, margin=0.1, pause_prefill=pause_prefill,
                                 hold_pause=hold_pause),
@@ -528,6 +528,24 @@ def test_decode_steps_beside_the_backwards_loss_are_the_loss_phase() -> None:
     trainer.progress = lambda: (num_layers - 1, 1)  # type: ignore[attr-defined]
     co.plan(DECODE)
     assert co._trainer_phase == "active"
+
+
+def test_decode_steps_beside_the_losss_first_boundaries_learn_their_spots_level() -> None:
+    """The progress word's boundary gives the step its trainer spot too: steps beside the loss's
+    first boundaries teach the ``loss_first`` level (on top of the loss set), and a step planned
+    beside a middle layer carries no spot."""
+    latency = model(0.01, (1.0, 0.0))
+    latency.ending_after = 0
+    co, trainer = coserver(latency, num_layers=4)
+    num_layers = co.store.tensor.shape[0] - 1
+    decode_steps_beside(co, trainer, (num_layers, 0), 0.025)
+    assert co._trainer_spot == "loss_first"
+    assert ("decode/graph", "spot:loss_first") in co.latency._level
+    loss = StepFeatures.from_view(DECODE, busy=True, trainer_phase="loss", trainer_spot="loss_first")
+    assert co.latency.predict(loss) == pytest.approx(0.025, rel=0.05)
+    trainer.progress = lambda: (num_layers // 2, 3)  # type: ignore[attr-defined]
+    co.plan(DECODE)
+    assert co._trainer_spot is None
 
 
 def test_the_model_prices_the_step_after_admissions_decision_and_adds_the_host_time_before_it() -> None:

@@ -831,6 +831,67 @@ def test_trainer_phase_follows_the_progress_word() -> None:
         StepFeatures(busy=True, trainer_phase="resting")
 
 
+def test_trainer_spot_names_the_loss_boundaries_the_layer_after_it_and_layer_one() -> None:
+    from coserve.core.latency import SPOTS, trainer_spot
+    from coserve.trainer.stream_gate import COMMIT, TASK_START
+
+    assert [trainer_spot((32, k), 32) for k in range(8)] == ["loss_first"] * 2 + ["loss_mid"] * 3 + ["loss_late"] * 3
+    assert trainer_spot((31, 0), 32) == trainer_spot((31, 8), 32) == "after_loss"
+    assert trainer_spot((1, 4), 32) == "before_last"
+    assert [trainer_spot(at, 32) for at in ((0, 3), (2, 0), (30, 5), (COMMIT, 0), (TASK_START, 0), None)] == [None] * 6
+    assert trainer_spot((32, 0), None) is None and trainer_spot((2, 0), 2) is None  # (too few layers to tell)
+    assert set(SPOTS) == {trainer_spot(at, 32) for at in ((32, 0), (32, 3), (32, 6), (31, 0), (1, 0))}
+    with pytest.raises(ValueError, match="trainer spot"):
+        StepFeatures(busy=True, trainer_spot="loss_end")
+    assert StepFeatures(trainer_spot="loss_first").spot is None  # (idle: no trainer to be anywhere)
+
+
+def _spot_steps(rng: random.Random, n: int) -> list[tuple[BatchSpec, str | None, float]]:
+    """Busy decode steps beside the running backward, every fifth at the loss's first boundaries,
+    which run 1.15x the rest."""
+    out = []
+    for i in range(n):
+        spec = BatchSpec(decode_kv=tuple(rng.randint(200, 2000) for _ in range(rng.randint(1, 48))), mode="graph")
+        spot = "loss_first" if i % 5 == 0 else None
+        out.append((spec, spot, _busy_time(spec, "active") * (1.15 if spot else 1.0)))
+    return out
+
+
+@pytest.mark.parametrize("spot_levels", [False, True])
+def test_a_spots_level_learns_what_its_steps_run_over_their_set(spot_levels: bool) -> None:
+    """Steps beside the loss's first boundaries run 1.15x the set's other steps: with spot levels
+    their level learns it from them alone (their error falls to that of the rest, which keeps
+    its own), without they stay ~15% off (the set's level follows the many)."""
+    rng = random.Random(3)
+    model = calibrated(rng)
+    model.spot_levels = spot_levels
+    spot_errors, other_errors = [], []
+    for spec, spot, seconds in _spot_steps(rng, 400):
+        features = replace(StepFeatures.of_mode(spec.features(busy=True), "graph"), trainer_spot=spot)
+        predicted = model.observe_features(features, seconds)
+        (spot_errors if spot else other_errors).append(abs(predicted - seconds) / seconds)
+    late_spot, late_other = np.median(spot_errors[-40:]), np.median(other_errors[-160:])
+    assert late_other < 0.03
+    if spot_levels:
+        assert late_spot < 0.03
+        assert model._level[("decode/graph", "spot:loss_first")] == pytest.approx(math.log(1.15), abs=0.03)
+    else:
+        assert late_spot > 0.10 and ("decode/graph", "spot:loss_first") not in model._level
+
+
+def test_spot_levels_survive_a_saved_state() -> None:
+    rng = random.Random(4)
+    model = calibrated(rng)
+    for spec, spot, seconds in _spot_steps(rng, 60):
+        model.observe_features(replace(StepFeatures.of_mode(spec.features(busy=True), "graph"), trainer_spot=spot),
+                               seconds)
+    restored = LatencyModel()
+    restored.load_state_dict(json.loads(json.dumps(model.state_dict())))
+    probe = replace(StepFeatures.of_mode(BatchSpec(decode_kv=(900,) * 12, mode="graph").features(busy=True), "graph"),
+                    trainer_spot="loss_first")
+    assert restored.predict(probe) == model.predict(probe) != model.predict(replace(probe, trainer_spot=None))
+
+
 # The H200's decode steps beside the backward (session 10, bench/results/latency_h200/session11/):
 # ~0.8x the running backward's slowdown beside its commit or a finished task, ~1.1x beside a
 # task's start; and a level that moves by 10-15% from one task to the next.

@@ -124,6 +124,7 @@ def admit(
     token_budget: int,
     trainer_busy: bool | None = None,
     trainer_phase: str = "active",
+    trainer_spot: str | None = None,
 ) -> AdmissionDecision:
     """Choose the FT samples of the next step (DESIGN §7).
 
@@ -135,9 +136,10 @@ def admit(
     """
     # ``backward_running`` closes admission; ``trainer_busy`` (default: the same) prices the step
     # as running beside a backward, which a pipelined trainer may be while admission is open.
-    # ``trainer_phase``: what that backward runs (coserve.core.latency.TRAINER_PHASES).
+    # ``trainer_phase``: what that backward runs (coserve.core.latency.TRAINER_PHASES);
+    # ``trainer_spot``: where in it (coserve.core.latency.SPOTS, None elsewhere).
     base = StepFeatures.from_view(view, busy=backward_running if trainer_busy is None else trainer_busy,
-                                  trainer_phase=trainer_phase)
+                                  trainer_phase=trainer_phase, trainer_spot=trainer_spot)
     base_s = model.predict(base) if view.has_inference else 0.0
     budget = latency_budget(view, model, slo)
 

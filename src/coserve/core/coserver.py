@@ -26,6 +26,7 @@ from coserve.core.latency import (
     StepFeatures,
     calibrate,
     trainer_phase,
+    trainer_spot,
 )
 from coserve.core.messages import BackwardTask, TaskResult, TaskSample, row_dropout_key
 from coserve.core.sample_pool import SamplePool
@@ -279,7 +280,7 @@ class CoServer:
         self._trainer_at: tuple[int, int] | None = None
         # untimed steps (StepRecord.timed False) until the host dates them: id(record) -> where
         # the trainer was when the step began
-        self._untimed: dict[int, tuple[tuple[int, int] | None, str, float, float | None]] = {}
+        self._untimed: dict[int, tuple[tuple[int, int] | None, str, float, float | None, str | None]] = {}
         self._last_step_end: float | None = None  # time.monotonic() at the last on_step_end (StepLogRow.gap_s)
         # the host time the step being planned had spent when admission decided (StepView.planned_s)
         self._planned_s = 0.0
@@ -289,6 +290,10 @@ class CoServer:
         # the boundary of the backward's loss (the model's num_layers: the store's last plane),
         # priced as its own phase (coserve.core.latency.LOSS_PHASE)
         self._loss_layer = store.tensor.shape[0] - 1 if LOSS_PHASE else None
+        # where in its backward the trainer is beside that step (coserve.core.latency.SPOTS; None
+        # elsewhere or without a progress word): the layers are the store's planes less one
+        self._trainer_spot: str | None = None
+        self._num_layers = store.tensor.shape[0] - 1
         # per backward task: (submitted, result received: time.monotonic; trainer-side seconds;
         # tokens; of the trainer's seconds: paused, waiting on the GPU; its thread's CPU seconds)
         # — where a co-serving run's fine-tuning time goes
@@ -392,7 +397,8 @@ class CoServer:
         if (lead <= 0 or rows or view.prefills or not view.num_decodes or not self._in_flight or self._paused
                 or self.arrival_probe is None or self.failure is not None):
             return
-        features = StepFeatures.from_view(view, busy=True, trainer_phase=self._trainer_phase)
+        features = StepFeatures.from_view(view, busy=True, trainer_phase=self._trainer_phase,
+                                          trainer_spot=self._trainer_spot)
         if self._early is None:
             self._early = EarlyPauseTimer(self._early_pause)
         self._early.arm(time.monotonic() + self.latency.predict(features) - lead)
@@ -424,6 +430,7 @@ class CoServer:
                                    else "starting")
         else:
             at, self._trainer_phase = None, "active"
+        self._trainer_spot = trainer_spot(at, self._num_layers)
         if self.track:
             self._trainer_at = at
         # Admission decides from here: the step's host time so far (scheduling, taking in the
@@ -455,7 +462,7 @@ class CoServer:
             view, self.pool.candidates(), model=self.latency, slo=self.slo,
             backward_running=region is None, capacity_tokens=self.store.free(region or 0),
             token_budget=max(view.token_budget, self.store.capacity) if ft_only else view.token_budget,
-            trainer_busy=self.trainer_active, trainer_phase=self._trainer_phase,
+            trainer_busy=self.trainer_active, trainer_phase=self._trainer_phase, trainer_spot=self._trainer_spot,
         )
         self.last_decision = decision
         picked: list[FTSample] = []
@@ -534,7 +541,8 @@ class CoServer:
             return False
         if self.slo.pause_prefill == "always" and (view.num_prefill_tokens > 0 or ft_lens):
             return True
-        features = StepFeatures.from_view(view, ft_lens, busy=True, trainer_phase=self._trainer_phase)
+        features = StepFeatures.from_view(view, ft_lens, busy=True, trainer_phase=self._trainer_phase,
+                                          trainer_spot=self._trainer_spot)
         busy = self.latency.predict(features) * self.latency.safety(features)
         return busy > latency_budget(view, self.latency, self.slo)
 
@@ -624,23 +632,25 @@ class CoServer:
     def observe_late(self, record: StepRecord, duration_s: float) -> None:
         """The duration of a step whose record came untimed (``record.timed`` False): the latency
         model learns from it now, and the step table gets it."""
-        at, phase, planned, gap = self._untimed.pop(id(record), (None, "active", 0.0, None))
-        self._observe(replace(record, duration_s=duration_s, timed=True), at, phase, planned, gap, late=True)
+        at, phase, planned, gap, spot = self._untimed.pop(id(record), (None, "active", 0.0, None, None))
+        self._observe(replace(record, duration_s=duration_s, timed=True), at, phase, planned, gap, late=True,
+                      spot=spot)
 
     def drop_untimed(self) -> None:
         """The host will not date its untimed steps (it dropped them)."""
         self._untimed.clear()
 
     def _observe(self, record: StepRecord, trainer_at: tuple[int, int] | None, phase: str, planned_s: float,
-                 gap_s: float | None = None, late: bool = False) -> None:
+                 gap_s: float | None = None, late: bool = False, spot: str | None = None) -> None:
         """The latency model learns the step's time after admission's decision (``planned_s``
-        before it, as measured); the step table gets the whole step, predicted and measured."""
+        before it, as measured); the step table gets the whole step, predicted and measured.
+        ``phase`` and ``spot``: the trainer's phase and spot as the step began."""
         if record.interrupted or not record.duration_s > 0:
             return  # (LatencyModel.observe's rule: nothing to learn)
         if not 0.0 <= planned_s < record.duration_s:
             planned_s = 0.0  # (a host clock that disagrees: the whole step is priced)
         # (once, for the model and the records; the idle host before it makes a prompt alone lone)
-        features = StepFeatures.from_record(record, phase, idle_before_s=gap_s)
+        features = StepFeatures.from_record(record, phase, idle_before_s=gap_s, trainer_spot=spot)
         predicted = self.latency.observe_features(features, record.duration_s - planned_s)
         key = features.key + ("/busy" if record.trainer_busy else "/idle")
         errors = self.prediction_errors.get(key)
@@ -686,9 +696,11 @@ class CoServer:
         gap = self._gap_before(record)  # (the step table's, and what makes a prompt lone)
         if not record.interrupted:
             if record.timed:
-                self._observe(record, self._trainer_at, self._trainer_phase, self._planned_s, gap)
+                self._observe(record, self._trainer_at, self._trainer_phase, self._planned_s, gap,
+                              spot=self._trainer_spot)
             else:
-                self._untimed[id(record)] = (self._trainer_at, self._trainer_phase, self._planned_s, gap)
+                self._untimed[id(record)] = (self._trainer_at, self._trainer_phase, self._planned_s, gap,
+                                             self._trainer_spot)
         rows, self._step_rows = self._step_rows, []
         if not rows:
             return

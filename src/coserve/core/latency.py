@@ -178,6 +178,31 @@ def trainer_phase(at: tuple[int, int] | None, previous: str, loss_layer: int | N
     return "ending" if at[0] == 0 else "active"
 
 
+SPOTS: Final = ("loss_first", "loss_mid", "loss_late", "after_loss", "before_last")
+"""Where in its backward a busy step's trainer is, as far as the step's time tells it apart from
+the rest of its phase (:func:`trainer_spot`): the loss's boundaries by ordinal (the first two, the
+first chunk's logits and softmax, whose stretch a step after a pause often begins with; up to the
+fifth; the later ones, the loss's end), the first layer after the loss, and the layer before the
+last (layer 1: a step begun there runs into layer 0 and the task's end). Each carries a level of
+its own on a busy decode set (:data:`SPOT_LEVELS`)."""
+
+
+def trainer_spot(at: tuple[int, int] | None, num_layers: int | None) -> str | None:
+    """The :data:`SPOTS` spot of a trainer whose GPU passed boundary ``at`` last in a model of
+    ``num_layers`` layers (the loss's boundaries are layer ``num_layers``'s, ordinals counted
+    from the task's first): None elsewhere, between tasks, or with fewer than three layers."""
+    if at is None or num_layers is None or num_layers < 3:
+        return None
+    layer, ordinal = at
+    if layer == num_layers:
+        return "loss_first" if ordinal <= 1 else "loss_mid" if ordinal <= 4 else "loss_late"
+    if layer == num_layers - 1:
+        return "after_loss"
+    if layer == 1:
+        return "before_last"
+    return None
+
+
 class Chunk(NamedTuple):
     """A prefill chunk: ``num_tokens`` new tokens attending to ``context_len`` cached ones."""
 
@@ -209,6 +234,7 @@ class StepFeatures:
     trainer_phase: str = "active"
     idle_before_s: float | None = None
     kv_max: int = 0
+    trainer_spot: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -216,24 +242,26 @@ class StepFeatures:
         if self.trainer_phase not in TRAINER_PHASES:
             raise ValueError(f"trainer phase must be one of {', '.join(TRAINER_PHASES)}, "
                              f"got {self.trainer_phase!r}")
+        if self.trainer_spot is not None and self.trainer_spot not in SPOTS:
+            raise ValueError(f"trainer spot must be one of {', '.join(SPOTS)} or None, got {self.trainer_spot!r}")
 
     @classmethod
     def from_view(
         cls, view: StepView, ft_lens: Sequence[int] = (), *, busy: bool = False,
-        trainer_phase: str = "active", idle_before_s: float | None = None,
+        trainer_phase: str = "active", idle_before_s: float | None = None, trainer_spot: str | None = None,
     ) -> StepFeatures:
         chunks = tuple(Chunk(p.num_tokens, p.context_len) for p in view.prefills)
         return cls(chunks, tuple(ft_lens), view.num_decodes, view.decode_kv_tokens, view.mode, busy,
-                   view.ft_graph_tokens, trainer_phase, idle_before_s, view.decode_kv_max)
+                   view.ft_graph_tokens, trainer_phase, idle_before_s, view.decode_kv_max, trainer_spot)
 
     @classmethod
     def from_record(cls, record: StepRecord, trainer_phase: str = "active",
-                    idle_before_s: float | None = None) -> StepFeatures:
+                    idle_before_s: float | None = None, trainer_spot: str | None = None) -> StepFeatures:
         """The step as it ran: ``record.mode`` is its mode, FT rows or not. A host that leaves
         ``ft_lens`` empty is taken to have run one FT row of all tokens."""
         lens = record.ft_lens or ((record.ft_tokens,) if record.ft_tokens > 0 else ())
         return cls.of_mode(cls.from_view(record.view, lens, busy=record.trainer_busy, trainer_phase=trainer_phase,
-                                         idle_before_s=idle_before_s), record.mode)
+                                         idle_before_s=idle_before_s, trainer_spot=trainer_spot), record.mode)
 
     @staticmethod
     def of_mode(features: StepFeatures, mode: str) -> StepFeatures:
@@ -277,6 +305,11 @@ class StepFeatures:
     def state(self) -> str:
         """``idle``, or the trainer's phase beside a busy step: with :attr:`key`, the step's set."""
         return self.trainer_phase if self.busy else "idle"
+
+    @property
+    def spot(self) -> str | None:
+        """The trainer's :data:`SPOTS` spot beside a busy step (None idle or elsewhere)."""
+        return self.trainer_spot if self.busy else None
 
     def vector(self, knee_tokens: int = KNEE_TOKENS) -> tuple[float, ...]:
         """The regressors of :data:`TERMS` ``[form]``, in that order (``k_over`` above a knee of
@@ -639,6 +672,28 @@ higher on 8 (by at most 2.4 points; median -1.6); over each table's second half 
 higher on 8 (by at most 0.7); decode sets within 0.3. That first refit still moves such a term
 (the table above: ``e_kv`` to 0.7x, against 0.4x at 1e-3): the prior weighs as 0.3 of a step
 against the window's 40."""
+SPOT_LEVELS: Final = os.environ.get("COSERVE_SPOT_LEVELS", "1") == "1"
+"""``LatencyModel``'s default ``spot_levels``: a busy decode step whose trainer is at one of the
+:data:`SPOTS` is priced with a level of that spot on top of its set's prediction, learnt from
+those steps alone at :data:`SPOT_LEVEL_RATE` (as a lone prompt's level is; ``COSERVE_SPOT_LEVELS``;
+``0``: none, the model before session 36). The busy decode steps' misses gather at a few places of
+the backward that the phases lump together: on the H100 in sessions 34-35, beside the loss's
+first two boundaries (the first chunk's logits, which a step after a prefill's pause mostly
+begins with) a median 1.10 and 1.07 times their prediction, against 0.96-1.04 beside its later
+ones; beside layer 1, 0.97, and beside the first layer after the loss, in a cold run's first
+minute, 0.85-0.95 (the trainer's host stalled there), while the layers between keep to a median
+0.99-1.00 whatever the boundary (``bench/results/latency_h100/README.md``, "Session 36").
+Offline, replayed whole on the seven H100 ``latency_warm`` runs of sessions 33-35
+(``bench/latency_whole.py`` with and without it, ``session36/latency_whole_spot_levels_{0,1}.json``),
+the p99 over all steps of the cold replays fell on five of seven (by up to 1.1 points) and held on
+two, of the warm replays on six (up to 0.8); of 28 segments two rose (a cold second half by 0.3
+and by 0.5 points)."""
+SPOT_LEVEL_RATE: Final = float(os.environ.get("COSERVE_SPOT_LEVEL_RATE", "0.3"))
+"""How far a spot's level (:data:`SPOT_LEVELS`) moves toward each of its steps' log ratio to the
+set's prediction (``COSERVE_SPOT_LEVEL_RATE``). Offline on the same seven runs, 0.3 and 0.5 did
+about as well (``bench/results/latency_h100/README.md``, "Session 36")."""
+SPOT_PREFIX: Final = "spot:"
+"""A spot level's state in the model's levels (``(key, "spot:loss_first")``)."""
 LONE_RECENTER_STEPS: Final = 5
 """How many of the latest lone prompts of a key the level restarts from after a refit."""
 LONE_GAP_S: Final = 5e-3
@@ -704,6 +759,8 @@ class LatencyModel:
         busy_base: bool = BUSY_BASE,
         decode_kv: str = DECODE_KV,
         decode_kv_share: float = DECODE_KV_SHARE,
+        spot_levels: bool = SPOT_LEVELS,
+        spot_level_rate: float = SPOT_LEVEL_RATE,
     ) -> None:
         if window < 1 or refit_every < 1 or prior_weight < 0:
             raise ValueError("LatencyModel needs window >= 1, refit_every >= 1, prior_weight >= 0")
@@ -725,6 +782,8 @@ class LatencyModel:
             raise ValueError(f"LatencyModel needs decode_kv among {', '.join(DECODE_KV_FORMS)}, got {decode_kv!r}")
         if not 0.0 <= decode_kv_share <= 1.0:
             raise ValueError(f"LatencyModel needs 0 <= decode_kv_share <= 1, got {decode_kv_share}")
+        if not 0.0 < spot_level_rate <= 1.0:
+            raise ValueError(f"LatencyModel needs 0 < spot_level_rate <= 1, got {spot_level_rate}")
         self.window = window
         self.refit_every = refit_every
         self.prior_weight = prior_weight
@@ -740,6 +799,8 @@ class LatencyModel:
         self.busy_base = busy_base
         self.decode_kv = decode_kv
         self.decode_kv_share = decode_kv_share
+        self.spot_levels = spot_levels
+        self.spot_level_rate = spot_level_rate
         # per prefill key, its latest lone prompts (regressors, time): the lone level's restart
         self._lone_recent: dict[str, deque[tuple[tuple[float, ...], float]]] = {}
         self._defaults = {form: _checked(form, defaults[form]) for form in TERMS}
@@ -865,17 +926,26 @@ class LatencyModel:
     def predict(self, features: StepFeatures) -> float:
         """Predicted step time in seconds."""
         key = features.key
-        return self.predict_regressors(key, self.regressors(features, key), features.state, features.lone)
+        return self.predict_regressors(key, self.regressors(features, key), features.state, features.lone,
+                                       features.spot)
 
     def predict_regressors(self, key: str, regressors: Sequence[float], state: str = "idle",
-                           lone: bool = False) -> float:
+                           lone: bool = False, spot: str | None = None) -> float:
         """:meth:`predict` of a ``key`` step of :meth:`regressors` ``regressors`` in ``state``
-        (:attr:`StepFeatures.state`); ``lone``: :attr:`StepFeatures.lone`."""
+        (:attr:`StepFeatures.state`); ``lone``: :attr:`StepFeatures.lone`; ``spot``:
+        :attr:`StepFeatures.spot`."""
         state = self.phase_of(key, state)
         level = self._level.get(self._level_key(key, state), 0.0)
         if lone and self._lone_priced(key, state):
             level += self._level.get((key, LONE), 0.0)
+        if spot is not None and self._spot_priced(key, state):
+            level += self._level.get((key, SPOT_PREFIX + spot), 0.0)
         return self._linear(key, regressors, state) * math.exp(level)
+
+    def _spot_priced(self, key: str, state: str) -> bool:
+        """Whether a ``key`` step in ``state`` beside a trainer at a spot carries the spot's level
+        (:data:`SPOT_LEVELS`): a busy decode step, where the model keeps levels."""
+        return self.spot_levels and self.level_rate > 0 and state != "idle" and key.startswith(LEVEL_FORMS)
 
     def _lone_priced(self, key: str, state: str) -> bool:
         """Whether a lone prompt of ``key`` in ``state`` carries the lone level: an idle prefill
@@ -927,29 +997,32 @@ class LatencyModel:
                 calib[slot] = target[slot]
         logger.info("latency model calibrated from %d steps: %s", len(records), self._coef)
 
-    def observe(self, record: StepRecord, trainer_phase: str = "active") -> float | None:
-        """Add one measured step (beside a trainer in ``trainer_phase`` when
+    def observe(self, record: StepRecord, trainer_phase: str = "active",
+                trainer_spot: str | None = None) -> float | None:
+        """Add one measured step (beside a trainer in ``trainer_phase``, at ``trainer_spot``, when
         ``record.trainer_busy``); refit its set after 10 observations, then after a quarter of its
         window, at most every ``refit_every`` observations. Returns the step's prediction made
         before it was observed (None for an interrupted or untimed step, which is not used)."""
         if record.interrupted or not record.duration_s > 0:
             return None
-        return self.observe_features(StepFeatures.from_record(record, trainer_phase), record.duration_s)
+        return self.observe_features(StepFeatures.from_record(record, trainer_phase, trainer_spot=trainer_spot),
+                                     record.duration_s)
 
     def observe_features(self, features: StepFeatures, duration_s: float) -> float:
         """:meth:`observe` of a step of ``features`` that took ``duration_s`` (> 0) seconds (a
         host that has built the step's features already)."""
         key = features.key
         return self.observe_regressors(key, self.regressors(features, key), duration_s, features.state,
-                                       features.lone)
+                                       features.lone, features.spot)
 
     def observe_regressors(
         self, key: str, regressors: Sequence[float], duration_s: float, state: str = "idle",
-        lone: bool = False,
+        lone: bool = False, spot: str | None = None,
     ) -> float:
         """:meth:`observe` of a ``key`` step of :meth:`regressors` ``regressors`` in ``state``
         that took ``duration_s`` (> 0) seconds (an offline replay of recorded steps calls it);
-        ``lone``: :attr:`StepFeatures.lone`, whose level moves as a decode set's does."""
+        ``lone``: :attr:`StepFeatures.lone`, whose level moves as a decode set's does; ``spot``:
+        :attr:`StepFeatures.spot`, whose level moves at :attr:`spot_level_rate`."""
         state = self.phase_of(key, state)
         s = (key, state)
         v = tuple(float(x) for x in regressors)
@@ -969,6 +1042,12 @@ class LatencyModel:
             predicted = base * math.exp(lone_level)
             self._level[(key, LONE)] = moved_level(lone_level, math.log(duration_s / base), self.lone_level_rate)
             self._lone_recent.setdefault(key, deque(maxlen=LONE_RECENTER_STEPS)).append((v, duration_s))
+        if spot is not None and predicted > 0 and self._spot_priced(key, state):
+            # the spot's level: on top of the set's prediction, learnt from the spot's steps alone
+            at_spot = (key, SPOT_PREFIX + spot)
+            base, spot_level = predicted, self._level.get(at_spot, 0.0)
+            predicted = base * math.exp(spot_level)
+            self._level[at_spot] = moved_level(spot_level, math.log(duration_s / base), self.spot_level_rate)
         if predicted > 0:
             ratios = self._ratios.setdefault(s, deque(maxlen=self._safety_window))
             ratios.append(duration_s / predicted)
@@ -1288,7 +1367,8 @@ class LatencyModel:
         try:
             windows = {_parsed_set(n, sets): [row(n.split("|")[0], r) for r in rows]
                        for n, rows in table("windows").items()}
-            levels = {_parsed_set(n, (*sets, SHARED, LONE)): float(v) for n, v in table("levels").items()}
+            levels = {_parsed_set(n, (*sets, SHARED, LONE, *(SPOT_PREFIX + s for s in SPOTS))): float(v)
+                      for n, v in table("levels").items()}
             if not all(math.isfinite(v) for v in levels.values()):
                 raise ValueError("LatencyModel state: online levels must be finite")
             shared = {key_of(k): [(_parsed_set(f"{k}|{st}", TRAINER_PHASES)[1], *row(k, [*v, y])) for st, v, y in d]
