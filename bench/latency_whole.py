@@ -9,7 +9,8 @@ switches: set ``COSERVE_*`` in the environment for an A/B), with the host's idle
 at least ``--poll-gap`` (the host polls only when the engine has no request at all: 5 ms, the
 replay's idle wait, reproduces the device's polls), and reports per segment and key the
 relative error's median and p99, beside what the device's model predicted (``recorded``), with
-``cold`` also by halves.
+``cold`` also by halves; and the busy decode steps' measured / predicted by where the trainer was
+(``busy_decode_by_spot``: its ``latency.SPOTS`` spot, else its phase).
 
     PYTHONPATH=src python bench/latency_whole.py RUN.json.xz [RUN2 ...] --out OUT.json
 
@@ -65,7 +66,8 @@ from coserve.core.latency import (
 from coserve.layers.triton_attention import decode_splits
 
 sys.path.insert(0, str(Path(__file__).parent))
-import latency_warm as lw  # noqa: E402  (the script beside this one)
+import latency_fit as lf  # noqa: E402  (the scripts beside this one)
+import latency_warm as lw  # noqa: E402
 
 
 def segments(path: str, kept: int) -> dict[str, tuple[int, int]]:
@@ -175,6 +177,7 @@ def main() -> None:
         if decode_kv is not None and not all(len(s) > KV_MAX and s[KV_MAX] is not None for s in table.steps):
             raise SystemExit(f"{path}: --decode-kv needs the step table's decode_kv_max column (coserve_latency.py since session 33)")
         predicted = lw.replay(model, table.steps, poll, decode_kv)
+        phases = lf.replay_phases(table.steps)
         measured = np.asarray([s[2] for s in table.steps])
         recorded = np.asarray([s[1] for s in table.steps])
         entry: dict[str, Any] = {"end_coefficients": model.state_dict(online=False)["coefficients"],
@@ -189,6 +192,14 @@ def main() -> None:
                 part[key] = {src: error_summary((np.abs(pred[idx] - measured[idx]) / measured[idx]).tolist())._asdict()
                              for src, pred in (("replay", predicted), ("recorded", recorded))}
             busy = [i for i in range(lo, hi) if table.steps[i][0] == "decode/graph/busy"]
+            # the busy decode steps by where the trainer was (latency.SPOTS; else its phase)
+            by_spot: dict[str, list[float]] = {}
+            for i in busy:
+                by_spot.setdefault(lf.row_spot(table.steps[i]) or phases[i], []).append(measured[i] / predicted[i])
+            part["busy_decode_by_spot"] = {
+                name: {"n": len(r), "ratio_median": float(np.median(r)),
+                       "over_10pct": float(np.mean(np.abs(np.asarray(r) - 1.0) > 0.1))}
+                for name, r in sorted(by_spot.items())}
             if len(busy) >= 80:
                 ratio = measured[busy] / predicted[busy]
                 part["busy_decode_quarters"] = [
@@ -203,7 +214,7 @@ def main() -> None:
                 continue
             print(f"  {name:17s} " + "  ".join(
                 f"{k} {v['replay']['p99_rel'] * 100:.1f}% (recorded {v['recorded']['p99_rel'] * 100:.1f})"
-                for k, v in part.items() if k == "all" or "/graph/" in k)
+                for k, v in part.items() if k == "all" or "/graph/" in k and "replay" in v)
                 + ("  quarters " + " ".join(f"{q['p99_rel'] * 100:.1f}" for q in part["busy_decode_quarters"])
                    if "busy_decode_quarters" in part else ""))
     if args.out:

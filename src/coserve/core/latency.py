@@ -683,15 +683,17 @@ begins with) a median 1.10 and 1.07 times their prediction, against 0.96-1.04 be
 ones; beside layer 1, 0.97, and beside the first layer after the loss, in a cold run's first
 minute, 0.85-0.95 (the trainer's host stalled there), while the layers between keep to a median
 0.99-1.00 whatever the boundary (``bench/results/latency_h100/README.md``, "Session 36").
-Offline, replayed whole on the seven H100 ``latency_warm`` runs of sessions 33-35
-(``bench/latency_whole.py`` with and without it, ``session36/latency_whole_spot_levels_{0,1}.json``),
-the p99 over all steps of the cold replays fell on five of seven (by up to 1.1 points) and held on
-two, of the warm replays on six (up to 0.8); of 28 segments two rose (a cold second half by 0.3
-and by 0.5 points)."""
+Offline, replayed whole on the seven H100 ``latency_warm`` runs of sessions 33-35, each in its own
+decode KV form (``bench/latency_whole.py`` with and without it,
+``bench/results/latency_h100/session36/latency_whole_spot_levels_{0,1}.json``), the p99 over all
+steps of the cold replays fell on five (by 0.2-1.1 points: 11.3 -> 10.2% and 10.1 -> 9.3% on
+session 35's pair), held on one and rose by 0.04 on one; over their first halves it fell on six (by
+up to 2.0 points), over the warm replays on six (by up to 0.8), the trainer-idle replays unchanged;
+the cold second halves rose on four (by 0.05-0.5 points)."""
 SPOT_LEVEL_RATE: Final = float(os.environ.get("COSERVE_SPOT_LEVEL_RATE", "0.3"))
 """How far a spot's level (:data:`SPOT_LEVELS`) moves toward each of its steps' log ratio to the
-set's prediction (``COSERVE_SPOT_LEVEL_RATE``). Offline on the same seven runs, 0.3 and 0.5 did
-about as well (``bench/results/latency_h100/README.md``, "Session 36")."""
+set's prediction (``COSERVE_SPOT_LEVEL_RATE``; the shared busy level's rate). Offline on the same
+seven runs 0.5 was no better (``session36/latency_whole_spot_level_rate_05.json``)."""
 SPOT_PREFIX: Final = "spot:"
 """A spot level's state in the model's levels (``(key, "spot:loss_first")``)."""
 LONE_RECENTER_STEPS: Final = 5
