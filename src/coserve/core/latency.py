@@ -677,23 +677,27 @@ SPOT_LEVELS: Final = os.environ.get("COSERVE_SPOT_LEVELS", "1") == "1"
 :data:`SPOTS` is priced with a level of that spot on top of its set's prediction, learnt from
 those steps alone at :data:`SPOT_LEVEL_RATE` (as a lone prompt's level is; ``COSERVE_SPOT_LEVELS``;
 ``0``: none, the model before session 36). The busy decode steps' misses gather at a few places of
-the backward that the phases lump together: on the H100 in sessions 34-35, beside the loss's
-first two boundaries (the first chunk's logits, which a step after a prefill's pause mostly
-begins with) a median 1.10 and 1.07 times their prediction, against 0.96-1.04 beside its later
-ones; beside layer 1, 0.97, and beside the first layer after the loss, in a cold run's first
-minute, 0.85-0.95 (the trainer's host stalled there), while the layers between keep to a median
-0.99-1.00 whatever the boundary (``bench/results/latency_h100/README.md``, "Session 36").
+the backward that the phases lump together: replayed without spot levels, on the seven H100
+``latency_warm`` runs of sessions 33-35 (``busy_decode_by_spot`` of
+``bench/results/latency_h100/session36/latency_whole_spot_levels_0.json``), the steps beside the
+loss's first two boundaries (the first chunk's logits, where a step after a prefill's pause mostly
+finds it) ran a median 1.05-1.10 times their prediction, 19-50% of them over 10% off, beside its
+middle ones 1.01-1.06, its late ones 0.98-1.02, beside layer 1 0.97-0.98, and beside the first
+layer after the loss 0.98-1.01 with 5-16% over 10% off in the cold replays (the trainer's host
+stalled there in the first minute), while the steps beside the other layers kept to a median
+0.997-1.001 with at most 1% over 10% off.
 Offline, replayed whole on the seven H100 ``latency_warm`` runs of sessions 33-35, each in its own
 decode KV form (``bench/latency_whole.py`` with and without it,
 ``bench/results/latency_h100/session36/latency_whole_spot_levels_{0,1}.json``), the p99 over all
-steps of the cold replays fell on five (by 0.2-1.1 points: 11.3 -> 10.2% and 10.1 -> 9.3% on
-session 35's pair), held on one and rose by 0.04 on one; over their first halves it fell on six (by
-up to 2.0 points), over the warm replays on six (by up to 0.8), the trainer-idle replays unchanged;
-the cold second halves rose on four (by 0.05-0.5 points)."""
+steps of the cold replays fell on five (by 0.1-1.1 points: 11.3 -> 10.2% and 10.1 -> 9.3% on
+session 35's pair), held on one and rose by 0.05 on one; over their first halves it fell on all
+seven (by up to 2.0 points), over the warm replays on six (by up to 0.9), the trainer-idle replays
+unchanged; the cold second halves rose on four (by 0.04-0.5 points)."""
 SPOT_LEVEL_RATE: Final = float(os.environ.get("COSERVE_SPOT_LEVEL_RATE", "0.3"))
 """How far a spot's level (:data:`SPOT_LEVELS`) moves toward each of its steps' log ratio to the
 set's prediction (``COSERVE_SPOT_LEVEL_RATE``; the shared busy level's rate). Offline on the same
-seven runs 0.5 was no better (``session36/latency_whole_spot_level_rate_05.json``)."""
+seven runs, 0.5 against 0.3: the cold replays' p99 up to 0.5 points higher (lower on two, by at most
+0.07), the warm ones' within 0.1 (``session36/latency_whole_spot_level_rate_05.json``)."""
 SPOT_PREFIX: Final = "spot:"
 """A spot level's state in the model's levels (``(key, "spot:loss_first")``)."""
 LONE_RECENTER_STEPS: Final = 5
