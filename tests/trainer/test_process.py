@@ -216,12 +216,16 @@ def test_a_new_trainer_process_is_warm_before_it_returns() -> None:
     calibration comes next and must have the device to itself), then trains as usual."""
     model, adapter, store, scales, task = _setup()
     trainer = TrainerProcess(model, store, scales, adapter, slot=0, optim=OptimConfig(lr=1e-3), num_threads=1,
-                             warmup_rows=(20, 9))
+                             warmup_rows=(20, 9), warmup_shapes=((2,), (5, 4)))
     try:
         assert trainer._ready is not None and trainer._ready.is_set()
+        assert trainer.spec.warmup_shapes == ((2,), (5, 4))
         trainer.submit(task)
         results = trainer.poll(timeout=60.0)
         assert len(results) == 1 and results[0].step_info is not None
+        # a restarted worker warms up beside serving: its one task, not the shapes'
+        trainer.restart()
+        assert trainer.spec.warmup_rows == (20, 9) and trainer.spec.warmup_shapes == ()
     finally:
         trainer.close()
 

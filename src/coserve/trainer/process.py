@@ -144,6 +144,9 @@ class TrainerProcess:
     def restart(self) -> int:
         self._stop(kill=True)
         self._write_serving()
+        # A restarted worker warms up while the engine serves, beside steps priced as if no task
+        # ran: its one task as before, not the shapes' (warmup_shapes: some thirty more).
+        self.spec.warmup_shapes = ()
         self._start()
         return self.committed_steps
 
