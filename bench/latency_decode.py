@@ -7,6 +7,8 @@ as the step begins. The linear part is the server's own (``LatencyModel`` with n
 as the server runs them); each form's level is kept beside it and restarts, as the model's does,
 from the median log ratio of the set's latest :data:`LEVEL_RECENTER_STEPS` steps to the new
 linear form after each refit. ``after`` is the model as it runs (its predictions equal ``replay``'s ``after``).
+Every form carries the model's spot levels on top of its own (``latency.SPOT_LEVELS``), learnt
+against its own predictions.
 """
 
 from __future__ import annotations
@@ -27,9 +29,12 @@ from coserve.core.latency import (
     LEVEL_RECENTER_STEPS,
     SHARE_AFTER_STEPS,
     SHARED_LEVEL_RATE,
+    SPOT_LEVEL_RATE,
+    SPOT_LEVELS,
     LatencyModel,
     busy_key,
     moved_level,
+    trainer_spot,
 )
 from coserve.trainer.stream_gate import boundary_kind
 
@@ -249,13 +254,15 @@ def _errors(pred: list[float], y: list[float]) -> dict[str, float]:
 def decode_forms(steps: list[list[Any]], phases: list[str], state: Mapping[str, Any], train: float,
                  configure: Callable[[LatencyModel], None],
                  regressors: Callable[[str, list[float]], list[float]],
-                 names: Collection[str] | None = None) -> dict[str, Any]:
+                 names: Collection[str] | None = None, num_layers: int | None = None) -> dict[str, Any]:
     """Held-out error of each decode key's steps under :data:`DECODE_FORMS` (module docstring).
 
     ``steps``: the table's timed rows in order; ``phases``: each one's trainer phase; ``state``:
     the recovered calibration as a ``LatencyModel`` state; ``configure``: sets a model's buckets
     and refit deferral as the server's; ``regressors(base, vec)``: a row's regressors in this
-    commit's terms; ``names``: only these forms (and :data:`BASELINE`), all when ``None``."""
+    commit's terms; ``names``: only these forms (and :data:`BASELINE`), all when ``None``;
+    ``num_layers``: the model's layers, where its trainer spots lie (``latency.trainer_spot``; by
+    default the highest boundary layer in ``steps``)."""
     decode = [i for i, s in enumerate(steps) if s[0].startswith(LEVEL_FORMS)]
     if not decode:
         return {}
@@ -263,6 +270,7 @@ def decode_forms(steps: list[list[Any]], phases: list[str], state: Mapping[str, 
     preds: dict[str, dict[int, float]] = {name: {} for name in chosen}
     # (the model's layer count, known before the run: the loss boundary is the highest)
     layers = max((int(s[5][0]) for s in steps if len(s) > 5 and s[5] is not None), default=0)
+    spot_layers = layers if num_layers is None else num_layers
     for window in sorted({f.window for f in chosen.values()}):
         forms = {name: f for name, f in chosen.items() if f.window == window}
         trace = _Trace(window)
@@ -272,6 +280,8 @@ def decode_forms(steps: list[list[Any]], phases: list[str], state: Mapping[str, 
         history: dict[str, dict[Any, list[tuple[str, str, tuple[float, ...], float]]]] = {n: {} for n in forms}
         members: dict[str, dict[tuple[str, str], set[Any]]] = {n: {} for n in forms}
         busy_steps: dict[str, int] = {}  # per key, its busy steps measured so far
+        # per form, the spot levels (LatencyModel's, on top of the form's own prediction)
+        spots: dict[str, dict[tuple[str, str], float]] = {n: {} for n in forms}
         previous = "starting"
         for i, (row, phase) in enumerate(zip(steps, phases, strict=True)):
             # (the model's part of the step: after admission's decision, planned_s before it)
@@ -293,7 +303,14 @@ def decode_forms(steps: list[list[Any]], phases: list[str], state: Mapping[str, 
                         k = (base, s[1])
                     elif form.share_after:
                         levels[name].join(k, (base, s[1]))
-                    preds[name][i] = linear * math.exp(levels[name].value(k)) + pl
+                    predicted = linear * math.exp(levels[name].value(k))
+                    spot = trainer_spot((int(at[0]), int(at[1])), spot_layers) if at is not None else None
+                    if SPOT_LEVELS and busy == "busy" and spot is not None and predicted > 0:
+                        at_spot = (base, spot)
+                        level = spots[name].get(at_spot, 0.0)
+                        spots[name][at_spot] = moved_level(level, math.log(measured / predicted), SPOT_LEVEL_RATE)
+                        predicted *= math.exp(level)
+                    preds[name][i] = predicted + pl
                     if linear > 0:
                         levels[name].observe(k, math.log(measured / linear))
                     history[name].setdefault(k, []).append((base, s[1], v, measured))

@@ -804,7 +804,7 @@ def decode_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ..
     state = {**LatencyModel().state_dict(), "coefficients": calibration, "calibration": calibration}
     return latency_decode.decode_forms(steps, phases, state, train,
                                        lambda m: _configure(m, graph_sizes, prefill_buckets, defer),
-                                       current_regressors, names)
+                                       current_regressors, names, LOSS_LAYER)
 
 
 def phase_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
@@ -821,7 +821,7 @@ def phase_forms(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...
     for name, phases in (("legacy", LEGACY_TRAINER_PHASES), ("current", PHASES_IN_USE)):
         got = latency_decode.decode_forms(steps, replay_phases(steps, phases), state, train,
                                           lambda m: _configure(m, graph_sizes, prefill_buckets, defer),
-                                          current_regressors, ["after"])
+                                          current_regressors, ["after"], LOSS_LAYER)
         for key, entry in got.items():
             out.setdefault(key, {})[name] = {"held_out": entry["after"],
                                              **{view: e["after"] for view, e in entry["views"].items()}}

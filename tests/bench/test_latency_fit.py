@@ -328,8 +328,9 @@ def _busy_decode_table(server: Any, seed: int, legacy: bool = False) -> list[lis
     drifting ±12% every 40 steps (one backward task to the next), 35% slower beside the layers
     than beside the commit (layer -1), 15% slower beside a task's start (-2), 20% slower beside
     the backward's last layer (0). ``server`` reads the trainer's phase as this commit's model
-    does (``trainer_phase``), or as the models before session 27's ``ending`` phase (``legacy``)."""
-    from coserve.core.latency import trainer_phase
+    does (``trainer_phase``, and its spot: ``trainer_spot`` of the 8B shape's layers), or as the
+    models before session 27's ``ending`` phase (``legacy``, no spot)."""
+    from coserve.core.latency import trainer_phase, trainer_spot
 
     rng = random.Random(seed)
     previous = "starting"
@@ -348,7 +349,9 @@ def _busy_decode_table(server: Any, seed: int, legacy: bool = False) -> list[lis
         previous = phase = trainer_phase((layer, 0), previous)
         if legacy and phase == "ending":
             phase = "active"
-        predicted = server.observe_regressors("decode/graph", server.bucketed(vec, "decode/graph"), t, phase)
+        spot = None if legacy else trainer_spot((layer, 0), latency_fit.LOSS_LAYER)
+        predicted = server.observe_regressors("decode/graph", server.bucketed(vec, "decode/graph"), t, phase,
+                                              False, spot)
         rows.append(["decode/graph/busy", predicted, t, vec, [0, 0], at])
     return rows
 
