@@ -5,7 +5,9 @@ SM clock and utilization every 0.25 s, each backward task's submission, result, 
 and longest sample), each window of ``--window`` seconds of the step table (its ``began_s``) with
 its busy decode steps' relative error (median, p99, the 5th / 95th percentile of measured /
 predicted: the device's own predictions), the mean SM clock and utilization, and the tasks
-submitted in it (count, mean tokens, samples, longest sample). The session-33 cold runs' first
+submitted in it (count, mean tokens, samples, longest sample, and the median and 90th percentile
+of each one's longest host stretch, where the timeline has it: the trainer's host working while
+its GPU stream runs dry). The session-33 cold runs' first
 quarter ran noisier than a warm replay of the same arrivals whatever the model's state: this
 lines that up with the clock and the trainer's first tasks.
 
@@ -56,6 +58,8 @@ def windows(path: str, width_s: float) -> list[dict[str, Any]]:
             values = values[np.isfinite(values)]
             return float(values.mean()) if len(values) else None
 
+        spans = [t[tcol["longest_span_cpu_ms"]] for t in sent
+                 if "longest_span_cpu_ms" in tcol and t[tcol["longest_span_cpu_ms"]] is not None]
         out.append({
             "from_s": float(lo), "steps": len(part), "median_rel": float(np.median(rel)),
             "p99_rel": float(np.quantile(rel, 0.99)), "ratio_p5": float(np.quantile(ratio, 0.05)),
@@ -64,6 +68,8 @@ def windows(path: str, width_s: float) -> list[dict[str, Any]]:
             "tasks": len(sent), "task_tokens": mean([t[tcol["tokens"]] for t in sent]),
             "task_samples": mean([t[tcol["samples"]] for t in sent]),
             "task_longest_tokens": mean([t[tcol["longest_tokens"]] for t in sent]),
+            "task_longest_span_cpu_ms_p50": float(np.median(spans)) if spans else None,
+            "task_longest_span_cpu_ms_p90": float(np.quantile(spans, 0.9)) if spans else None,
         })
     return out
 
@@ -81,9 +87,12 @@ def main() -> None:
             clock = f"{w['sm_clock_mhz']:.0f}" if w["sm_clock_mhz"] is not None else "-"
             util = f"{w['utilization']:.0f}" if w["utilization"] is not None else "-"
             tokens = f"{w['task_tokens']:.0f}" if w["task_tokens"] is not None else "-"
+            span = (f"  longest host stretch p50/p90 {w['task_longest_span_cpu_ms_p50']:.1f}/"
+                    f"{w['task_longest_span_cpu_ms_p90']:.1f} ms" if w["task_longest_span_cpu_ms_p50"] is not None
+                    else "")
             print(f"  {w['from_s']:6.0f}s {w['steps']:4d} steps  p99 {w['p99_rel'] * 100:5.1f}%  "
                   f"ratio p5/p95 {w['ratio_p5']:.3f}/{w['ratio_p95']:.3f}  SM {clock} MHz  util {util}%  "
-                  f"tasks {w['tasks']} of {tokens} tokens")
+                  f"tasks {w['tasks']} of {tokens} tokens{span}")
     if args.out:
         Path(args.out).write_text(json.dumps({**provenance(), "config": {"runs": args.runs, "window_s": args.window},
                                               "figures": report}, indent=1))
