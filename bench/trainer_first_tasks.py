@@ -2,9 +2,9 @@
 
 A cold ``latency_warm`` run's busy decode steps miss their prediction most in the first minute,
 and the trainer's tasks there carry long host stretches that the later ones do not (session 35,
-``timeline.tasks``' ``longest_span_cpu_ms``: a median of 8-10 ms and a 90th percentile of
-44-69 ms over the first 40 tasks, 1.5-2 ms and 2.5 ms after the 240th; the longest ones in the
-loss, up to 0.37 s). While the trainer's host works its GPU stream runs dry, and the decode
+``bench/latency_timeline.py``, ``bench/results/latency_h100/session36/latency_timeline_73d0818.json``:
+a median of 8.6 / 9.3 ms and a 90th percentile of 44.9 / 58.2 ms over the tasks of the first 20 s,
+1.6-2.2 ms and 2.5-7.7 ms in the warm replays). While the trainer's host works its GPU stream runs dry, and the decode
 steps beside it run faster than their busy prediction. Suspects: work done the first time a
 shape is seen (Triton's specializations of a kernel's integer arguments, libraries' kernels
 loaded lazily by CUDA, ``CUDA_MODULE_LOADING=LAZY``, the default), which a warm-up task of one

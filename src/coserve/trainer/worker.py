@@ -142,8 +142,10 @@ libraries' GEMM and attention kernels, which CUDA loads when first launched
 layers' GEMMs by its tokens, the loss's last chunk by its target count, 1 to ``LOSS_CHUNK``), so
 one warm-up task left most of them to the first minute of serving: on the H100 in session 35
 (``timeline.tasks`` of ``bench/results/latency_h100/session35/``), the longest host stretch of a
-task was a median 8-10 ms (90th percentile 44-69 ms, up to 0.37 s, most in the loss) over the
-first 40 tasks against 1.5-2 ms after the 240th, and beside those stretches, with the trainer's
+task was a median 8.6 / 9.3 ms (90th percentile 44.9 / 58.2 ms) in the first 20 s against
+1.6-2.2 ms (2.5-7.7 ms) in the warm replay (``bench/latency_timeline.py``,
+``bench/results/latency_h100/session36/latency_timeline_73d0818.json``; half the runs' twelve
+longest, up to 112 ms, in the loss: ``trainer_spans.longest_cpu``), and beside those stretches, with the trainer's
 GPU stream run dry, busy decode steps ran faster than predicted (``bench/trainer_first_tasks.py``
 measures the first tasks by warm-up)."""
 WARMUP_TARGETS: Final = (1, 2, 3, 4, 6, 8, 12, 15, 16, 17, 24, 31, 32, 33, 48, 64, 96, 128, 160, 192, 256, 320,
