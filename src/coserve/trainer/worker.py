@@ -144,8 +144,8 @@ one warm-up task left most of them to the first minute of serving: on the H100 i
 (``timeline.tasks`` of ``bench/results/latency_h100/session35/``), the longest host stretch of a
 task was a median 8.6 / 9.3 ms (90th percentile 44.9 / 58.2 ms) in the first 20 s against
 1.6-2.2 ms (2.5-7.7 ms) in the warm replay (``bench/latency_timeline.py``,
-``bench/results/latency_h100/session36/latency_timeline_73d0818.json``; half the runs' twelve
-longest, up to 112 ms, in the loss: ``trainer_spans.longest_cpu``), and beside those stretches, with the trainer's
+``bench/results/latency_h100/session36/latency_timeline_73d0818.json``; of each run's twelve
+longest, up to 113 and 314 ms, 6 and 6 in the loss: ``trainer_spans.longest_cpu``), and beside those stretches, with the trainer's
 GPU stream run dry, busy decode steps ran faster than predicted (``bench/trainer_first_tasks.py``
 measures the first tasks by warm-up)."""
 WARMUP_TARGETS: Final = (1, 2, 3, 4, 6, 8, 12, 15, 16, 17, 24, 31, 32, 33, 48, 64, 96, 128, 160, 192, 256, 320,
