@@ -146,8 +146,13 @@ task was a median 8.6 / 9.3 ms (90th percentile 44.9 / 58.2 ms) in the first 20 
 1.6-2.2 ms (2.5-7.7 ms) in the warm replay (``bench/latency_timeline.py``,
 ``bench/results/latency_h100/session36/latency_timeline_73d0818.json``; of each run's twelve
 longest, up to 113 and 314 ms, 6 and 6 in the loss: ``trainer_spans.longest_cpu``), and beside those stretches, with the trainer's
-GPU stream run dry, busy decode steps ran faster than predicted (``bench/trainer_first_tasks.py``
-measures the first tasks by warm-up)."""
+GPU stream run dry, busy decode steps ran faster than predicted. In isolation on the H100 in
+session 36 (``bench/trainer_first_tasks.py``, 8 layers of the 8B shape, session 35's first 120 task
+shapes; ``bench/results/latency_h100/session36/trainer_first_tasks_b4f5e69.log``), the first 40
+tasks' longest host stretch was a median 6.0 ms (90th percentile 14.4 ms) after the one task,
+3.9 ms (7.4 ms) after these, 5.4 ms (12.5 ms) with ``CUDA_MODULE_LOADING=EAGER``, 2.4-2.9 ms over
+the next 80 in each; no Triton kernel compiled during a task; the warm-up took 0.5 s more. The
+serving runs' much longer stretches (up to 0.3 s) did not show in isolation."""
 WARMUP_TARGETS: Final = (1, 2, 3, 4, 6, 8, 12, 15, 16, 17, 24, 31, 32, 33, 48, 64, 96, 128, 160, 192, 256, 320,
                          384, 448, 511)
 """:func:`warmup_shapes`' one-row tasks: their target counts (a row of ``n + 1`` tokens), the loss's
