@@ -9,7 +9,7 @@ import time
 import torch
 
 from coserve.core.config import OptimConfig
-from coserve.core.messages import BackwardTask, TaskSample
+from coserve.core.messages import BackwardTask, TaskResult, TaskSample
 from coserve.models.loader import load_model
 from coserve.models.peft_adapter import new_lora_adapter
 from coserve.trainer.process import CPU_TRAINER_NICENESS, TrainerProcess
@@ -107,6 +107,29 @@ def test_warm_up_task_leaves_no_trace_in_training() -> None:
     assert torch.equal(flat0, flat1)
 
 
+def _run_worker_on(spec: WorkerSpec, task: BackwardTask) -> TaskResult:
+    """``run_worker``'s loop in this process (its warm-up first) over ``task`` alone: its result."""
+    import queue
+
+    from coserve.trainer import worker as worker_module
+
+    tasks: queue.Queue = queue.Queue()
+    results: queue.Queue = queue.Queue()
+    tasks.put(task)
+    tasks.put(None)
+    worker_module.run_worker(spec, tasks, results)
+    return results.get_nowait()
+
+
+def _grad_norm_unwarmed(spec: WorkerSpec, task: BackwardTask) -> float:
+    """The gradient norm of ``task``'s step on a fresh worker of ``spec``'s model that never warmed up."""
+    clean = _Worker(WorkerSpec(spec.model, spec.store, spec.scales, spec.banks.clone().zero_(),
+                               torch.tensor([-1, 0, 0]), spec.adapter, 0, 0.0, 0, OptimConfig(lr=1e-3)))
+    info = clean.run(task).step_info
+    assert info is not None
+    return info.grad_norm
+
+
 def test_warmup_shapes_cover_the_loss_chunks_and_the_task_sizes() -> None:
     """The warm-up's later tasks: one-row tasks whose target counts (a row's tokens less one) are
     WARMUP_TARGETS that fit, then multi-row tasks from half of backward_tokens toward the largest
@@ -130,7 +153,6 @@ def test_warmup_shapes_cover_the_loss_chunks_and_the_task_sizes() -> None:
 def test_run_worker_runs_every_warm_up_task_before_the_first_real_one(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """run_worker warms up with warmup_rows' task, then warmup_shapes' tasks, in order, then serves
     (and trains as a worker that never warmed up)."""
-    import queue
 
     from coserve.trainer import worker as worker_module
 
@@ -146,16 +168,9 @@ def test_run_worker_runs_every_warm_up_task_before_the_first_real_one(monkeypatc
         return real(*args, **kwargs)
 
     monkeypatch.setattr(worker_module, "task_backward", recording)
-    tasks: queue.Queue = queue.Queue()
-    results: queue.Queue = queue.Queue()
-    tasks.put(task)
-    tasks.put(None)
-    worker_module.run_worker(spec, tasks, results)
+    result = _run_worker_on(spec, task)
     assert seen == [[20, 9], [2], [5, 4], [len(task.samples[0].labels)]]
-    result = results.get_nowait()
-    clean = _Worker(WorkerSpec(model, store, scales, spec.banks.clone().zero_(), torch.tensor([-1, 0, 0]), adapter,
-                               0, 0.0, 0, OptimConfig(lr=1e-3)))
-    assert clean.run(task).step_info.grad_norm == result.step_info.grad_norm  # type: ignore[union-attr]
+    assert result.step_info is not None and result.step_info.grad_norm == _grad_norm_unwarmed(spec, task)
 
 
 def test_warm_up_task_waits_while_the_engine_pauses_the_trainer() -> None:
@@ -177,7 +192,6 @@ def test_warm_up_task_waits_while_the_engine_pauses_the_trainer() -> None:
 def test_a_failing_warm_up_leaves_the_trainer_serving(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The warm-up is an optimization: if it raises, the worker logs it, forgets its partial
     gradient and serves its tasks (run in-process here, through run_worker's loop)."""
-    import queue
 
     from coserve.trainer import worker as worker_module
 
@@ -198,17 +212,10 @@ def test_a_failing_warm_up_leaves_the_trainer_serving(monkeypatch) -> None:  # t
         return real(*args, **kwargs)
 
     monkeypatch.setattr(worker_module, "task_backward", fails_first)
-    tasks: queue.Queue = queue.Queue()
-    results: queue.Queue = queue.Queue()
-    tasks.put(task)
-    tasks.put(None)
-    worker_module.run_worker(spec, tasks, results)
-    result = results.get_nowait()
+    result = _run_worker_on(spec, task)
     assert calls == 2 and result.task_id == task.task_id and result.step_info is not None
     # the same step as a worker that never warmed up
-    clean = _Worker(WorkerSpec(model, store, scales, spec.banks.clone().zero_(), torch.tensor([-1, 0, 0]), adapter,
-                               0, 0.0, 0, OptimConfig(lr=1e-3)))
-    assert clean.run(task).step_info.grad_norm == result.step_info.grad_norm  # type: ignore[union-attr]
+    assert result.step_info.grad_norm == _grad_norm_unwarmed(spec, task)
 
 
 def test_a_new_trainer_process_is_warm_before_it_returns() -> None:
