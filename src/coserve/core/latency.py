@@ -47,7 +47,9 @@ moves to one level shared by the key's busy phases, at :data:`SHARED_LEVEL_RATE`
 backward's, whatever the phase, so every busy step teaches it (offline on eleven H200 tables, the
 held-out p99 fell on all eleven, from 15.0–20.2% to 13.2–18.7%, and neither all steps nor the
 first 500 got worse; ``bench/latency_decode.py``, ``bench/results/latency_h200/README.md``,
-session 24). Sharing earlier, or at the slower rate, raised start-up error.
+session 24). Sharing earlier, or at the slower rate, raised start-up error. A busy decode step
+whose trainer is at one of a few :data:`SPOTS` of its backward (the loss's boundaries, the first
+layer after it, layer 1) carries a level of that spot on top (:data:`SPOT_LEVELS`).
 """
 
 from __future__ import annotations
