@@ -181,7 +181,7 @@ def task_allocs_summary(rows: Sequence[tuple[int, int, int, int]]) -> dict[str, 
 
 def span_summary(spans: list[tuple[int, int, float, float]], num_layers: int,
                  process_ms: list[float] | None = None, gc_ms: list[float] | None = None,
-                 watchdog_releases: int | None = None) -> dict[str, Any]:
+                 watchdog_releases: int | None = None, tasks: list[int] | None = None) -> dict[str, Any]:
     """The stretches between the trainer's boundaries (``TaskResult.spans``, GPU-side gate
     only), by where they start: ``start``, ``loss``, ``commit`` or ``layer#k`` (the k-th boundary
     of a layer: 0 the attention recompute, then the MLP's pieces, the last the attention
@@ -235,9 +235,12 @@ def span_summary(spans: list[tuple[int, int, float, float]], num_layers: int,
         out["watchdog_releases"] = watchdog_releases
     # the stretches of the most host time, with what their host did (a full launch queue spins,
     # a collection holds the GIL, a sleep uses no CPU)
+    # (``task``: the stretch's task as its row of the timeline's tasks, where ``tasks`` says)
     order = sorted(range(len(spans)), key=lambda i: -spans[i][3])[:LONGEST_SPANS]
+    known_tasks = tasks is not None and len(tasks) == len(spans)
     out["longest_cpu"] = [{"at": boundary_kind(spans[i][0], spans[i][1], num_layers), "gpu_ms": spans[i][2],
-                           "cpu_ms": spans[i][3], "proc_ms": process_ms[i], "gc_ms": gc_ms[i]} for i in order]
+                           "cpu_ms": spans[i][3], "proc_ms": process_ms[i], "gc_ms": gc_ms[i],
+                           **({"task": tasks[i]} if known_tasks and tasks is not None else {})} for i in order]
     out["by_start"] = {k: stats(v) for k, v in sorted(groups.items())}
     return out
 
@@ -523,7 +526,7 @@ def main() -> None:
         "early_pause": {"lead_ms": args.early_pause_ms, "taken_over": co.early_pauses,
                         "lifted": co.early_pauses_lifted},
         "trainer_spans": (span_summary(co.trainer_spans, num_layers, co.trainer_span_process_ms,
-                                       co.trainer_span_gc_ms, co.trainer_watchdog_releases)
+                                       co.trainer_span_gc_ms, co.trainer_watchdog_releases, co.trainer_span_tasks)
                           if co.trainer_spans else None),
         "trainer_tasks": task_allocs_summary(co.trainer_task_allocs) if co.trainer_task_allocs else None,
         "ft_only_interruption": {

@@ -84,6 +84,16 @@ def test_spans_carry_the_garbage_collectors_time_and_the_watchdogs_releases() ->
     # without them: neither key (the older results' layout)
     plain = coserve_latency.span_summary(spans, num_layers=2)
     assert "gc_ms" not in plain and "watchdog_releases" not in plain
+    assert all("task" not in d for d in plain["longest_cpu"])
+
+
+def test_the_longest_stretches_name_their_task() -> None:
+    """Each of the longest stretches carries its task (its row of the timeline's tasks) where the
+    host gave one per stretch; a list that does not match the spans is left out."""
+    spans = [(1, 0, 0.5, 4.0), (0, 0, 0.7, 3.0), (0, 1, 0.2, 0.3), (-1, 0, 0.1, 9.0)]
+    got = coserve_latency.span_summary(spans, num_layers=2, tasks=[0, 0, 1, 1])
+    assert [(d["at"], d["task"]) for d in got["longest_cpu"][:3]] == [("commit", 1), ("layer#0", 0), ("layer#0", 0)]
+    assert all("task" not in d for d in coserve_latency.span_summary(spans, 2, tasks=[0])["longest_cpu"])
 
 
 def test_delays_split_by_whether_the_gpu_had_run_dry() -> None:

@@ -802,3 +802,6 @@ def test_a_tracking_coserver_records_each_tasks_shape_and_longest_stretch() -> N
     assert samples == len(trainer.submitted[1].samples) == 2 and longest == 8
     assert co.task_timings[0][0] <= time.monotonic()
     assert (cpu_ms, gpu_ms) == (3.5, 1.9) and len(co.task_timings) == 1
+    # each stretch names its task's row in task_timings (-1: a task without timings)
+    assert len(co.trainer_span_tasks) == len(co.trainer_spans) and co.trainer_span_tasks[-3:] == [0, 0, 0]
+    assert all(t == -1 for t in co.trainer_span_tasks[:-3])

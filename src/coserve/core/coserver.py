@@ -260,6 +260,8 @@ class CoServer:
         # TaskResult.span_process_ms, parallel to trainer_spans (NaN where a result had none)
         self.trainer_span_process_ms: list[float] = []
         self.trainer_span_gc_ms: list[float] = []  # TaskResult.span_gc_ms, parallel to trainer_spans (NaN: none)
+        # parallel to trainer_spans: each stretch's task, as its index in task_timings (-1: none there)
+        self.trainer_span_tasks: list[int] = []
         self.trainer_watchdog_releases = 0  # TaskResult.watchdog_releases, summed
         # (watchdog_releases, watchdog_closed, device_allocs, device_frees) of each task (TaskResult's)
         self.trainer_task_allocs: list[tuple[int, int, int, int]] = []
@@ -814,6 +816,7 @@ class CoServer:
             self.pause_observed_polled.extend(result.pause_polled or (False,) * len(result.pause_times))
             self.pause_observed_idle_ms.extend(result.pause_idle_ms or (0.0,) * len(result.pause_times))
             sent = self._submitted.pop(result.task_id, None)
+            self.trainer_span_tasks.extend((len(self.task_timings) if sent is not None else -1,) * len(result.spans))
             if sent is not None:
                 self.task_timings.append((sent[0], time.monotonic(), result.duration_s, sent[1], result.paused_s,
                                           result.gpu_wait_s, result.cpu_s))
