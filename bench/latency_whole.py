@@ -60,6 +60,7 @@ from coserve.core.latency import (
     DECODE_KV_SHARE,
     PHASE_AFTER_STEPS,
     TERMS,
+    LatencyModel,
     error_summary,
     longest_kv,
 )
@@ -117,6 +118,31 @@ def _split_longest(row: list[Any], key: str, regressors: list[float]) -> float:
 DECODE_KV_FORMS = ("total", "rows_longest", "split_longest")
 
 
+def decode_kv_form(path: str, table: lw.Table,
+                   args: argparse.Namespace) -> Callable[[list[Any], str, list[float]], float] | None:
+    """The decode KV regressor a run is replayed in (``--decode-kv``, else the run's own form and
+    share; None: the recorded total)."""
+    config = read_result(path).get("config", {})
+    form = args.decode_kv or config.get("decode_kv", "total")
+    share = args.decode_kv_share if args.decode_kv_share is not None else config.get("decode_kv_share",
+                                                                                     DECODE_KV_SHARE)
+    decode_kv = {"total": None, "rows_longest": rows_longest(share), "split_longest": _split_longest}[form]
+    if decode_kv is not None and not all(len(s) > KV_MAX and s[KV_MAX] is not None for s in table.steps):
+        raise SystemExit(f"{path}: --decode-kv needs the step table's decode_kv_max column (coserve_latency.py since session 33)")
+    return decode_kv
+
+
+def replayed_whole(path: str, args: argparse.Namespace, ending_after: int | None,
+                   poll: float | None) -> LatencyModel:
+    """The model that replayed ``path``'s table whole from its calibration, in its decode KV form
+    (``--warm-from``'s and ``--busy-from``'s; before session 36 they replayed the recorded total)."""
+    table = lw.Table(path)
+    model = table.model(busy_with_idle=True)
+    model.ending_after = ending_after
+    lw.replay(model, table.steps, poll, decode_kv_form(path, table, args))
+    return model
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="bench/coserve_latency.py result files")
@@ -148,35 +174,25 @@ def main() -> None:
         if form not in TERMS or term not in TERMS[form]:
             p.error(f"--calibration-add {spec}: no term {term!r} in {key!r}")
         adds.append((key, TERMS[form].index(term), float(value)))
+    # (the donor's terms once: its replay is the same for every run)
+    busy_terms = None if not args.busy_from else {
+        k: v for k, v in replayed_whole(args.busy_from, args, ending_after, poll).state_dict(online=False)["busy"].items()
+        if k.startswith("decode/")}
     for path in args.runs:
         table = lw.Table(path)
         for key, i, value in adds:
             table.calibration = {**table.calibration,
                                  key: [c + value if j == i else c for j, c in enumerate(table.calibration[key])]}
-        model = table.model(busy_with_idle=True)
         if args.warm_from:
-            first = lw.Table(args.warm_from)
-            model = first.model(busy_with_idle=True)
+            model = replayed_whole(args.warm_from, args, ending_after, poll)
+        else:
+            model = table.model(busy_with_idle=True)
             model.ending_after = ending_after
-            lw.replay(model, first.steps, poll)
-        model.ending_after = ending_after
-        if args.busy_from:
-            donor = lw.Table(args.busy_from)
-            donor_model = donor.model(busy_with_idle=True)
-            donor_model.ending_after = ending_after
-            lw.replay(donor_model, donor.steps, poll)
-            terms = {k: v for k, v in donor_model.state_dict(online=False)["busy"].items() if k.startswith("decode/")}
+        if busy_terms is not None:
             state = model.state_dict(online=False)
-            model.load_state_dict({**state, "busy": {**state["busy"], **terms},
-                                   "calibration_busy": {**state["calibration_busy"], **terms}})
-        config = read_result(path).get("config", {})
-        form = args.decode_kv or config.get("decode_kv", "total")
-        share = args.decode_kv_share if args.decode_kv_share is not None else config.get("decode_kv_share",
-                                                                                         DECODE_KV_SHARE)
-        decode_kv = {"total": None, "rows_longest": rows_longest(share), "split_longest": _split_longest}[form]
-        if decode_kv is not None and not all(len(s) > KV_MAX and s[KV_MAX] is not None for s in table.steps):
-            raise SystemExit(f"{path}: --decode-kv needs the step table's decode_kv_max column (coserve_latency.py since session 33)")
-        predicted = lw.replay(model, table.steps, poll, decode_kv)
+            model.load_state_dict({**state, "busy": {**state["busy"], **busy_terms},
+                                   "calibration_busy": {**state["calibration_busy"], **busy_terms}})
+        predicted = lw.replay(model, table.steps, poll, decode_kv_form(path, table, args))
         phases = lf.replay_phases(table.steps)
         measured = np.asarray([s[2] for s in table.steps])
         recorded = np.asarray([s[1] for s in table.steps])

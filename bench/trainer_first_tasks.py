@@ -95,7 +95,7 @@ def _compiled(kernels: dict[str, Any]) -> dict[str, int]:
 def child(args: argparse.Namespace) -> None:
     import torch
 
-    from coserve.bench.shapes import PREFIX, SHAPES
+    from coserve.bench.shapes import materialize
     from coserve.core.config import LoRAConfig, OptimConfig
     from coserve.core.messages import BackwardTask, TaskSample
     from coserve.models.loader import load_model
@@ -108,13 +108,9 @@ def child(args: argparse.Namespace) -> None:
     cuda = args.model != "tiny"
     device = "cuda" if cuda else "cpu"
     if cuda:
-        config = {**SHAPES[args.model.removeprefix(PREFIX)], "num_hidden_layers": args.layers}
-        directory = Path(tempfile.mkdtemp()) / "model"
-        directory.mkdir()
-        (directory / "config.json").write_text(json.dumps(config))
-        from coserve.models.presets import preset_path
-        for f in ("tokenizer.json", "tokenizer_config.json"):
-            (directory / f).write_bytes((preset_path("tiny") / f).read_bytes())
+        directory = materialize(args.model, Path(tempfile.mkdtemp()))
+        config = json.loads((directory / "config.json").read_text())
+        (directory / "config.json").write_text(json.dumps({**config, "num_hidden_layers": args.layers}))
         model = load_model(directory, load_format="dummy", dtype="bfloat16", device=device, num_lora_slots=1,
                            max_lora_rank=16)
     else:

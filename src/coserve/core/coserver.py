@@ -289,13 +289,14 @@ class CoServer:
         # the trainer's phase beside the step being planned (coserve.core.latency.TRAINER_PHASES),
         # from its GPU's progress word; "active" for a trainer without one
         self._trainer_phase = "active"
-        # the boundary of the backward's loss (the model's num_layers: the store's last plane),
-        # priced as its own phase (coserve.core.latency.LOSS_PHASE)
-        self._loss_layer = store.tensor.shape[0] - 1 if LOSS_PHASE else None
-        # where in its backward the trainer is beside that step (coserve.core.latency.SPOTS; None
-        # elsewhere or without a progress word): the layers are the store's planes less one
-        self._trainer_spot: str | None = None
+        # the model's layers: the store's planes less one (the last plane is the loss's input)
         self._num_layers = store.tensor.shape[0] - 1
+        # the boundary of the backward's loss (layer num_layers), priced as its own phase
+        # (coserve.core.latency.LOSS_PHASE)
+        self._loss_layer = self._num_layers if LOSS_PHASE else None
+        # where in its backward the trainer is beside that step (coserve.core.latency.SPOTS; None
+        # elsewhere or without a progress word)
+        self._trainer_spot: str | None = None
         # per backward task: (submitted, result received: time.monotonic; trainer-side seconds;
         # tokens; of the trainer's seconds: paused, waiting on the GPU; its thread's CPU seconds)
         # — where a co-serving run's fine-tuning time goes
