@@ -176,7 +176,7 @@ import torch
 
 from coserve.bench.provenance import provenance
 from coserve.bench.result_file import read_result
-from coserve.bench.runners import row_lone
+from coserve.bench.runners import row_lone, row_mix
 from coserve.core.latency import (
     B_TOKENS,
     DEFER_CAP,
@@ -628,7 +628,8 @@ def replay(rows: list[list[Any]], train: float, graph_sizes: tuple[int, ...],
                 v = [*v[:I_CTX], 0.0, *v[I_CTX + 1:]]
             out.append(model.observe_regressors(base, model.bucketed(v, base), measured - pl, state_of,
                                                 options["lone"] and row_lone(row),
-                                                row_spot(row) if form == "after" else None) + pl)
+                                                row_spot(row) if form == "after" else None,
+                                                form == "after" and row_mix(row)) + pl)
         predictions[form] = out
     report: dict[str, Any] = {"calibration": calibration, "recovery": {
         "level_rate": recovery.level_rate, "level_per_phase": recovery.level_per_phase,

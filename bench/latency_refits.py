@@ -23,7 +23,7 @@ from typing import Any
 
 from coserve.bench.provenance import provenance
 from coserve.bench.result_file import read_result
-from coserve.bench.runners import row_lone
+from coserve.bench.runners import row_lone, row_mix
 from coserve.core.latency import TERMS, Chunk, LatencyModel, StepFeatures
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -54,7 +54,8 @@ def trace(rows: list[list[Any]], calibration: dict[str, list[float]] | None, key
         base, busy = full.rsplit("/", 1)
         v = latency_fit.current_regressors(base, row[3])
         predicted = model.observe_regressors(base, model.bucketed(v, base), measured - pl,
-                                             phase if busy == "busy" else "idle", row_lone(row)) + pl
+                                             phase if busy == "busy" else "idle", row_lone(row), None,
+                                             row_mix(row)) + pl
         if full != f"{key}/idle":
             continue
         k += 1

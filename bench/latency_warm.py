@@ -34,7 +34,7 @@ import numpy as np
 
 from coserve.bench.provenance import provenance
 from coserve.bench.result_file import read_result
-from coserve.bench.runners import row_lone
+from coserve.bench.runners import row_lone, row_mix
 from coserve.core.latency import LatencyModel, error_summary, with_decode_kv
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -89,7 +89,7 @@ def replay(model: LatencyModel, steps: list[list[Any]], poll_gap_s: float | None
             regressors = with_decode_kv(base, regressors, decode_kv(row, base, list(regressors)))
         state = phase if busy == "busy" else "idle"
         out.append(model.observe_regressors(base, regressors, measured - planned, state, row_lone(row),
-                                            lf.row_spot(row)) + planned)
+                                            lf.row_spot(row), row_mix(row)) + planned)
     return np.asarray(out)
 
 

@@ -892,6 +892,104 @@ def test_spot_levels_survive_a_saved_state() -> None:
     assert restored.predict(probe) == model.predict(probe) != model.predict(replace(probe, trainer_spot=None))
 
 
+def test_a_short_context_mix_is_a_short_chunk_over_context_beside_fresh_rows_in_a_small_step() -> None:
+    from coserve.core.latency import MIX_PAGED_TOKENS, MIX_SHORT_TOKENS
+
+    mix = StepFeatures((Chunk(55, 4022), Chunk(419)), num_decodes=37, kv_tokens=37 * 900, mode="graph")
+    assert mix.short_context_mix
+    assert replace(mix, busy=True).short_context_mix  # (busy or idle alike)
+    assert not replace(mix, chunks=(Chunk(55, 4022),)).short_context_mix  # no fresh row
+    assert not replace(mix, chunks=(Chunk(55), Chunk(419))).short_context_mix  # no cached context
+    assert not replace(mix, chunks=(Chunk(MIX_SHORT_TOKENS + 1, 4022), Chunk(400))).short_context_mix
+    assert replace(mix, chunks=(Chunk(MIX_SHORT_TOKENS, 4022), Chunk(MIX_PAGED_TOKENS - MIX_SHORT_TOKENS))).short_context_mix
+    assert not replace(mix, chunks=(Chunk(32, 4022), Chunk(MIX_PAGED_TOKENS - 31))).short_context_mix  # too large
+    assert not mix.with_ft([100]).short_context_mix  # (FT rows count among the step's prefill tokens)
+    assert not StepFeatures(num_decodes=4, kv_tokens=400).short_context_mix
+
+
+def test_the_mix_size_is_the_paged_kernels_small_step() -> None:
+    """MIX_PAGED_TOKENS mirrors the Triton backend's default PAGED_SMALL_PREFILL (core does not
+    import the layers)."""
+    import os
+
+    from coserve.core.latency import MIX_PAGED_TOKENS
+    from coserve.layers import triton_attention
+
+    if "COSERVE_PAGED_SMALL_PREFILL" in os.environ:
+        pytest.skip("COSERVE_PAGED_SMALL_PREFILL is set")
+    assert triton_attention.PAGED_SMALL_PREFILL == MIX_PAGED_TOKENS
+
+
+def _mix_steps(rng: random.Random, n: int) -> list[tuple[StepFeatures, float]]:
+    """Idle graph prefill steps with decodes, every tenth a short-context mix that runs 1.08x the
+    linear truth (session 36's median on the H100)."""
+    out = []
+    for i in range(n):
+        decodes = rng.randint(8, 40)
+        if i % 10 == 0:
+            chunks: tuple[Chunk, ...] = (Chunk(rng.randint(8, 64), rng.randint(2000, 4096)), Chunk(rng.randint(300, 440)))
+        else:
+            chunks = tuple(Chunk(rng.randint(64, 2048), rng.choice([0, rng.randint(1, 4096)]))
+                           for _ in range(rng.randint(1, 2)))
+        f = StepFeatures(chunks, num_decodes=decodes, kv_tokens=decodes * rng.randint(200, 2000), mode="graph")
+        out.append((f, true_time(f) * (1.08 if f.short_context_mix else 1.0) * (1 + 0.002 * rng.gauss(0, 1))))
+    return out
+
+
+@pytest.mark.parametrize("mix_level", [False, True])
+def test_the_short_context_mixes_level_learns_what_they_run_over_their_set(mix_level: bool) -> None:
+    """With the mix level, the mixes' error falls to that of the set's other steps (their level
+    learns their 1.08x from them alone); without, the refits take up part of it in the terms the
+    mixes share with other steps, and they stay 3-4% off (the other steps a little off too)."""
+    rng = random.Random(5)
+    model = calibrated(rng)
+    model.mix_level = mix_level
+    mix_errors, other_errors = [], []
+    for features, seconds in _mix_steps(rng, 800):
+        predicted = model.observe_features(features, seconds)
+        (mix_errors if features.short_context_mix else other_errors).append(abs(predicted - seconds) / seconds)
+    late_mix, late_other = np.median(mix_errors[-30:]), np.median(other_errors[-270:])
+    assert late_other < 0.02
+    if mix_level:
+        assert late_mix < 0.02
+        # (what the refitted linear form leaves of their 1.08x)
+        assert 0.01 < model._level[("prefill/graph", "mix")] < math.log(1.08) + 0.01
+    else:
+        assert late_mix > 0.025 and ("prefill/graph", "mix") not in model._level
+
+
+def test_the_mix_level_survives_a_saved_state_and_moves_at_its_rate() -> None:
+    from coserve.core.latency import MIX_LEVEL_RATE
+
+    assert LatencyModel().mix_level_rate == MIX_LEVEL_RATE == 0.3
+    rng = random.Random(6)
+    model = calibrated(rng)
+    mix = StepFeatures((Chunk(40, 4000), Chunk(400)), num_decodes=20, kv_tokens=20 * 900, mode="graph")
+    base = model.predict(mix)
+    model.observe_features(mix, 1.1 * base)  # (one step: no refit)
+    assert model.predict(mix) == pytest.approx(base * 1.1 ** MIX_LEVEL_RATE, rel=1e-9)
+    assert model.predict(replace(mix, chunks=(Chunk(40, 4000), Chunk(480)))) > 0  # (another size: same level)
+    restored = LatencyModel()
+    restored.load_state_dict(json.loads(json.dumps(model.state_dict())))
+    assert restored.predict(mix) == model.predict(mix)
+    with pytest.raises(ValueError, match="mix_level_rate"):
+        LatencyModel(mix_level_rate=0.0)
+
+
+def test_a_step_table_rows_mix_is_its_features() -> None:
+    from coserve.bench.runners import row_mix
+
+    def row(key: str, chunks: list[list[int]], ft_tokens: int = 0) -> list[Any]:
+        return [key, 0.02, 0.02, [0.0, 0.0, float(ft_tokens), 0.0, 0.0, 0.0, 0.0, 1.0], [len(chunks), int(ft_tokens > 0)],
+                None, True, chunks, 12]
+
+    assert row_mix(row("prefill/graph/idle", [[55, 4022], [419, 0]]))
+    assert not row_mix(row("prefill/graph/idle", [[55, 4022], [419, 0]], ft_tokens=64))
+    assert not row_mix(row("prefill/graph/idle", [[2030, 0]]))
+    assert not row_mix(row("decode/graph/busy", []))
+    assert not row_mix(row("prefill/graph/idle", [[55, 4022], [419, 0]])[:7])  # (a table without chunks)
+
+
 # The H200's decode steps beside the backward (session 10, bench/results/latency_h200/session11/):
 # ~0.8x the running backward's slowdown beside its commit or a finished task, ~1.1x beside a
 # task's start; and a level that moves by 10-15% from one task to the next.

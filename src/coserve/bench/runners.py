@@ -394,6 +394,17 @@ def row_lone(row: Sequence[Any], without_gap: bool = False) -> bool:
                         idle_before_s=LONE_GAP_S if idle is None else idle).lone
 
 
+def row_mix(row: Sequence[Any]) -> bool:
+    """A step-table row's ``StepFeatures.short_context_mix``, from its chunks and FT tokens (a row
+    without chunks, of tables before session 23, is none)."""
+    chunks = STEP_TABLE_COLUMNS.index("chunks")
+    if len(row) <= chunks or not row[0].startswith("prefill/") or not row[chunks]:
+        return False
+    ft_tokens = int(row[STEP_TABLE_COLUMNS.index("regressors")][2])  # (g_ft's regressor: the FT tokens)
+    return StepFeatures(chunks=tuple(Chunk(int(n), int(c)) for n, c in row[chunks]),
+                        ft_lens=(ft_tokens,) if ft_tokens else ()).short_context_mix
+
+
 def run_split(ctx: BenchContext, config: RunConfig) -> RunOutcome:
     """The engine alone beside a :class:`SplitTrainer` on the same samples and adapter setup."""
     engine = ctx.engine

@@ -304,6 +304,17 @@ class StepFeatures:
                 and self.idle_before_s is not None and self.idle_before_s >= LONE_GAP_S)
 
     @property
+    def short_context_mix(self) -> bool:
+        """A chunk of at most :data:`MIX_SHORT_TOKENS` over cached context beside fresh chunks,
+        the step's prefill tokens at most :data:`MIX_PAGED_TOKENS`. Priced with a level of its
+        own (:data:`MIX_LEVEL`)."""
+        if not any(c.context_len == 0 for c in self.chunks):
+            return False
+        if not any(c.context_len > 0 and c.num_tokens <= MIX_SHORT_TOKENS for c in self.chunks):
+            return False
+        return sum(c.num_tokens for c in self.chunks) + sum(self.ft_lens) <= MIX_PAGED_TOKENS
+
+    @property
     def state(self) -> str:
         """``idle``, or the trainer's phase beside a busy step: with :attr:`key`, the step's set."""
         return self.trainer_phase if self.busy else "idle"
@@ -702,6 +713,29 @@ seven runs, 0.5 against 0.3: the cold replays' p99 up to 0.5 points higher (lowe
 0.07), the warm ones' within 0.1 (``session36/latency_whole_spot_level_rate_05.json``)."""
 SPOT_PREFIX: Final = "spot:"
 """A spot level's state in the model's levels (``(key, "spot:loss_first")``)."""
+MIX: Final = "mix"
+"""The level of a prefill key's short-context mixes (:attr:`StepFeatures.short_context_mix`)."""
+MIX_SHORT_TOKENS: Final = 64
+"""A chunk of at most this many tokens over cached context makes a step a short-context mix."""
+MIX_PAGED_TOKENS: Final = 512
+"""... whose prefill tokens (chunks and FT rows) are at most this many: the step size up to which the
+Triton backend runs every prefill row through its paged kernel
+(``coserve.layers.triton_attention.PAGED_SMALL_PREFILL``'s default; core does not import the layers,
+tests/core/test_latency.py checks they agree)."""
+MIX_LEVEL: Final = os.environ.get("COSERVE_MIX_LEVEL", "1") == "1"
+"""``LatencyModel``'s default ``mix_level``: a prefill step of a short chunk over cached context
+beside fresh rows, small enough that every row runs through the paged kernel
+(:attr:`StepFeatures.short_context_mix`), is priced with a level of its own on top of its set's
+prediction, learnt from those steps alone at :data:`MIX_LEVEL_RATE` (``COSERVE_MIX_LEVEL``; ``0``:
+none, the model before session 37). The short chunk's programs walk its whole cached prefix while
+the fresh rows' finish early, which no term of the linear form prices: on the H100 such steps ran
+a median 1.08-1.11x their prediction in the six latency runs of sessions 33-34 and 1.075x in
+session 36's (``bench/prefill_compositions.py``), 19-70% of them over 10% off, against 0.99-1.01x
+for every other composition, even after the kernel's splits were sized by the context tiles in
+session 35 (``coserve.layers.triton_attention.PREFILL_SPLIT_TILES``)."""
+MIX_LEVEL_RATE: Final = float(os.environ.get("COSERVE_MIX_LEVEL_RATE", "0.3"))
+"""How far the short-context mixes' level (:data:`MIX_LEVEL`) moves toward each one's log ratio to
+the set's prediction (``COSERVE_MIX_LEVEL_RATE``)."""
 LONE_RECENTER_STEPS: Final = 5
 """How many of the latest lone prompts of a key the level restarts from after a refit."""
 LONE_GAP_S: Final = 5e-3
@@ -769,6 +803,8 @@ class LatencyModel:
         decode_kv_share: float = DECODE_KV_SHARE,
         spot_levels: bool = SPOT_LEVELS,
         spot_level_rate: float = SPOT_LEVEL_RATE,
+        mix_level: bool = MIX_LEVEL,
+        mix_level_rate: float = MIX_LEVEL_RATE,
     ) -> None:
         if window < 1 or refit_every < 1 or prior_weight < 0:
             raise ValueError("LatencyModel needs window >= 1, refit_every >= 1, prior_weight >= 0")
@@ -792,6 +828,8 @@ class LatencyModel:
             raise ValueError(f"LatencyModel needs 0 <= decode_kv_share <= 1, got {decode_kv_share}")
         if not 0.0 < spot_level_rate <= 1.0:
             raise ValueError(f"LatencyModel needs 0 < spot_level_rate <= 1, got {spot_level_rate}")
+        if not 0.0 < mix_level_rate <= 1.0:
+            raise ValueError(f"LatencyModel needs 0 < mix_level_rate <= 1, got {mix_level_rate}")
         self.window = window
         self.refit_every = refit_every
         self.prior_weight = prior_weight
@@ -809,6 +847,8 @@ class LatencyModel:
         self.decode_kv_share = decode_kv_share
         self.spot_levels = spot_levels
         self.spot_level_rate = spot_level_rate
+        self.mix_level = mix_level
+        self.mix_level_rate = mix_level_rate
         # per prefill key, its latest lone prompts (regressors, time): the lone level's restart
         self._lone_recent: dict[str, deque[tuple[tuple[float, ...], float]]] = {}
         self._defaults = {form: _checked(form, defaults[form]) for form in TERMS}
@@ -935,20 +975,27 @@ class LatencyModel:
         """Predicted step time in seconds."""
         key = features.key
         return self.predict_regressors(key, self.regressors(features, key), features.state, features.lone,
-                                       features.spot)
+                                       features.spot, features.short_context_mix)
 
     def predict_regressors(self, key: str, regressors: Sequence[float], state: str = "idle",
-                           lone: bool = False, spot: str | None = None) -> float:
+                           lone: bool = False, spot: str | None = None, mix: bool = False) -> float:
         """:meth:`predict` of a ``key`` step of :meth:`regressors` ``regressors`` in ``state``
         (:attr:`StepFeatures.state`); ``lone``: :attr:`StepFeatures.lone`; ``spot``:
-        :attr:`StepFeatures.spot`."""
+        :attr:`StepFeatures.spot`; ``mix``: :attr:`StepFeatures.short_context_mix`."""
         state = self.phase_of(key, state)
         level = self._level.get(self._level_key(key, state), 0.0)
         if lone and self._lone_priced(key, state):
             level += self._level.get((key, LONE), 0.0)
         if spot is not None and self._spot_priced(key, state):
             level += self._level.get((key, SPOT_PREFIX + spot), 0.0)
+        if mix and self._mix_priced(key):
+            level += self._level.get((key, MIX), 0.0)
         return self._linear(key, regressors, state) * math.exp(level)
+
+    def _mix_priced(self, key: str) -> bool:
+        """Whether a short-context mix of ``key`` carries the mixes' level (:data:`MIX_LEVEL`):
+        a prefill step, idle or busy, where the model keeps levels."""
+        return self.mix_level and self.level_rate > 0 and key.startswith("prefill/")
 
     def _spot_priced(self, key: str, state: str) -> bool:
         """Whether a ``key`` step in ``state`` beside a trainer at a spot carries the spot's level
@@ -1021,16 +1068,17 @@ class LatencyModel:
         host that has built the step's features already)."""
         key = features.key
         return self.observe_regressors(key, self.regressors(features, key), duration_s, features.state,
-                                       features.lone, features.spot)
+                                       features.lone, features.spot, features.short_context_mix)
 
     def observe_regressors(
         self, key: str, regressors: Sequence[float], duration_s: float, state: str = "idle",
-        lone: bool = False, spot: str | None = None,
+        lone: bool = False, spot: str | None = None, mix: bool = False,
     ) -> float:
         """:meth:`observe` of a ``key`` step of :meth:`regressors` ``regressors`` in ``state``
         that took ``duration_s`` (> 0) seconds (an offline replay of recorded steps calls it);
         ``lone``: :attr:`StepFeatures.lone`, whose level moves as a decode set's does; ``spot``:
-        :attr:`StepFeatures.spot`, whose level moves at :attr:`spot_level_rate`."""
+        :attr:`StepFeatures.spot`, whose level moves at :attr:`spot_level_rate`; ``mix``:
+        :attr:`StepFeatures.short_context_mix`, whose level moves at :attr:`mix_level_rate`."""
         state = self.phase_of(key, state)
         s = (key, state)
         v = tuple(float(x) for x in regressors)
@@ -1056,6 +1104,11 @@ class LatencyModel:
             base, spot_level = predicted, self._level.get(at_spot, 0.0)
             predicted = base * math.exp(spot_level)
             self._level[at_spot] = moved_level(spot_level, math.log(duration_s / base), self.spot_level_rate)
+        if mix and predicted > 0 and self._mix_priced(key):
+            # the short-context mixes' level: on top of the set's prediction, from these steps alone
+            base, mix_level = predicted, self._level.get((key, MIX), 0.0)
+            predicted = base * math.exp(mix_level)
+            self._level[(key, MIX)] = moved_level(mix_level, math.log(duration_s / base), self.mix_level_rate)
         if predicted > 0:
             ratios = self._ratios.setdefault(s, deque(maxlen=self._safety_window))
             ratios.append(duration_s / predicted)
@@ -1375,7 +1428,7 @@ class LatencyModel:
         try:
             windows = {_parsed_set(n, sets): [row(n.split("|")[0], r) for r in rows]
                        for n, rows in table("windows").items()}
-            levels = {_parsed_set(n, (*sets, SHARED, LONE, *(SPOT_PREFIX + s for s in SPOTS))): float(v)
+            levels = {_parsed_set(n, (*sets, SHARED, LONE, MIX, *(SPOT_PREFIX + s for s in SPOTS))): float(v)
                       for n, v in table("levels").items()}
             if not all(math.isfinite(v) for v in levels.values()):
                 raise ValueError("LatencyModel state: online levels must be finite")
