@@ -12,6 +12,11 @@ quarter ran noisier than a warm replay of the same arrivals whatever the model's
 lines that up with the clock and the trainer's first tasks.
 
     PYTHONPATH=src python bench/latency_timeline.py RUN.json.xz [RUN2 ...] --out OUT.json
+
+``--stretches``: instead, the tasks by their longest host stretch (under 10, 10-30, 30-100 and
+100 ms or more), each with the longest run of back-to-back prefill steps (the engine's gate closed
+from one to the next) that overlapped the task, and the tasks by that run's length: whether the
+long stretches are the trainer's host held while the engine runs prefill after prefill (session 37).
 """
 
 from __future__ import annotations
@@ -74,12 +79,87 @@ def windows(path: str, width_s: float) -> list[dict[str, Any]]:
     return out
 
 
+STRETCH_BINS_MS = (0.0, 10.0, 30.0, 100.0, float("inf"))
+RUN_BINS_MS = (0.0, 100.0, 200.0, float("inf"))
+
+
+def prefill_runs(path: str) -> list[tuple[float, float]]:
+    """The run's spans ``(start, end)`` in seconds of back-to-back prefill steps (its step table's
+    ``began_s`` and measured times), each one or more steps long."""
+    table = read_result(path)["figures"]["steps"]
+    col = {c: i for i, c in enumerate(table["columns"])}
+    runs: list[tuple[float, float]] = []
+    current: list[float] | None = None
+    for r in table["rows"]:
+        began = r[col["began_s"]]
+        if began is None:
+            continue
+        if r[col["key"]].startswith("prefill/"):
+            end = began + r[col["measured_s"]]
+            current = [current[0], end] if current else [began, end]
+        elif current:
+            runs.append((current[0], current[1]))
+            current = None
+    if current:
+        runs.append((current[0], current[1]))
+    return runs
+
+
+def stretches(path: str) -> dict[str, Any]:
+    """``--stretches`` (module docstring) for one run."""
+    line = read_result(path)["figures"].get("timeline")
+    if line is None or "longest_span_cpu_ms" not in line["task_columns"]:
+        raise SystemExit(f"{path}: no tasks' longest host stretch in its timeline (since session 35)")
+    tcol = {c: i for i, c in enumerate(line["task_columns"])}
+    runs = prefill_runs(path)
+    rows = []
+    for t in line["tasks"]:
+        lo, hi, span = t[tcol["submitted_s"]], t[tcol["received_s"]], t[tcol["longest_span_cpu_ms"]]
+        if span is None:
+            continue
+        overlap = [min(hi, b) - max(lo, a) for a, b in runs if b > lo and a < hi]
+        rows.append((span, 1e3 * max(overlap, default=0.0)))
+    data = np.asarray(rows, dtype=np.float64).reshape(-1, 2)
+
+    def binned(column: int, edges: tuple[float, ...], other: int) -> list[dict[str, Any]]:
+        out = []
+        for a, b in zip(edges[:-1], edges[1:], strict=True):
+            part = data[(data[:, column] >= a) & (data[:, column] < b)]
+            if len(part):
+                out.append({"from_ms": a, "to_ms": None if b == float("inf") else b, "tasks": len(part),
+                            "other_p50_ms": float(np.median(part[:, other])),
+                            "other_p90_ms": float(np.quantile(part[:, other], 0.9)),
+                            "other_min_ms": float(part[:, other].min()), "other_max_ms": float(part[:, other].max())})
+        return out
+
+    return {"tasks": len(data), "prefill_runs": len(runs),
+            "by_stretch": binned(0, STRETCH_BINS_MS, 1),  # other: the longest prefill run in the task
+            "by_prefill_run": binned(1, RUN_BINS_MS, 0)}  # other: the task's longest host stretch
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+")
     p.add_argument("--window", type=float, default=10.0, help="seconds per window")
+    p.add_argument("--stretches", action="store_true",
+                   help="the tasks' longest host stretches against the prefill runs beside them")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.stretches:
+        found = {Path(r).name: stretches(r) for r in args.runs}
+        for name, f in found.items():
+            print(f"{name}: {f['tasks']} tasks, {f['prefill_runs']} prefill runs")
+            for b in f["by_stretch"]:
+                print(f"  longest host stretch {b['from_ms']:.0f}-{b['to_ms'] or 'inf'} ms: {b['tasks']:4d} tasks, "
+                      f"longest prefill run beside them p50 {b['other_p50_ms']:.0f} ms, min {b['other_min_ms']:.0f}")
+            for b in f["by_prefill_run"]:
+                print(f"  longest prefill run {b['from_ms']:.0f}-{b['to_ms'] or 'inf'} ms: {b['tasks']:4d} tasks, "
+                      f"longest host stretch p50 {b['other_p50_ms']:.1f} ms, p90 {b['other_p90_ms']:.1f}, "
+                      f"max {b['other_max_ms']:.1f}")
+        if args.out:
+            Path(args.out).write_text(json.dumps({**provenance(), "config": {"runs": args.runs, "stretches": True},
+                                                  "figures": found}, indent=1))
+        return
     report = {Path(r).name: windows(r, args.window) for r in args.runs}
     for name, rows in report.items():
         print(name)
