@@ -731,8 +731,13 @@ none, the model before session 37). The short chunk's programs walk its whole ca
 the fresh rows' finish early, which no term of the linear form prices: on the H100 such steps ran
 a median 1.08-1.11x their prediction in the six latency runs of sessions 33-34 and 1.075x in
 session 36's (``bench/prefill_compositions.py``), 19-70% of them over 10% off, against 0.99-1.01x
-for every other composition, even after the kernel's splits were sized by the context tiles in
-session 35 (``coserve.layers.triton_attention.PREFILL_SPLIT_TILES``)."""
+for fresh, context-only and longer mixed steps, even after the kernel's splits were sized by the
+context tiles in session 35 (``coserve.layers.triton_attention.PREFILL_SPLIT_TILES``). Replayed
+whole with and without it on the eight H100 ``latency_warm`` runs of sessions 33-36
+(``bench/latency_whole.py``, ``bench/results/latency_h100/session37/latency_whole_mix_level_{0,1}.json``):
+of 105 p99 figures by segment and key none higher and 47 lower (the prefill sets' by up to 3.6
+points; the trainer-idle replays' prefill 9.2 -> 8.1% on session 36's run), the mixes' median
+measured / predicted 1.074-1.114 -> 1.000-1.022."""
 MIX_LEVEL_RATE: Final = float(os.environ.get("COSERVE_MIX_LEVEL_RATE", "0.3"))
 """How far the short-context mixes' level (:data:`MIX_LEVEL`) moves toward each one's log ratio to
 the set's prediction (``COSERVE_MIX_LEVEL_RATE``)."""
