@@ -42,10 +42,12 @@ first minutes from the system's: per segment, also each quarter's busy decode p9
 and prior: what a busy calibration sweep at start-up could give at best (the same host's terms,
 from minutes of serving), to tell a cold start's busy terms from its levels and its system.
 
-``--host-stall-ms MS``: each segment also without the steps whose host enqueue (the step table's
-``enqueue_s``) took more than MS (``without_host_stalls``: the same figures and how many steps were
-left out), to tell a host that took the engine's CPU away mid-launch (session 37's H100 host: 0.5-1%
-of decode steps enqueued in 3-8 ms against a median 0.3-0.5 ms, in bursts every few seconds, with or
+``--host-stall-ms MS``: each segment also without the steps whose host time ran more than MS over
+its key's median (``without_host_stalls``: the same figures and how many steps were left out; a
+step's host time is its enqueue, the step table's ``enqueue_s``, plus its measured time past its
+GPU time, ``measured_s - gpu_s``, where the table has that), to tell a host that took the engine's
+CPU away (session 37's H100 host: idle decode steps' host time after their GPU work a p99 of
+3.6-4.6 ms against 1.0 ms on session 36's, their enqueue 2.4-2.7 ms against 0.7 ms, with or
 without the trainer) from the model's error. A diagnostic: the goal is stated over all steps.
 """
 
@@ -98,7 +100,7 @@ def segments(path: str, kept: int) -> dict[str, tuple[int, int]]:
 
 
 KV_MAX = 15  # the step table's decode_kv_max column (coserve.bench.runners.STEP_TABLE_COLUMNS)
-ENQUEUE_S = 10  # ... and its enqueue_s column
+ENQUEUE_S, GPU_S = 10, 12  # ... and its enqueue_s and gpu_s columns
 
 
 def _decode_rows(row: list[Any], key: str, regressors: list[float]) -> int:
@@ -148,6 +150,21 @@ def replayed_whole(path: str, args: argparse.Namespace, ending_after: int | None
     model.ending_after = ending_after
     lw.replay(model, table.steps, poll, decode_kv_form(path, table, args))
     return model
+
+
+def host_stalled(steps: list[list[Any]], over_s: float) -> np.ndarray:
+    """``--host-stall-ms``: which steps' host time ran more than ``over_s`` over their key's median
+    (module docstring; a step without ``enqueue_s``: never)."""
+    host = np.full(len(steps), np.nan)
+    for i, s in enumerate(steps):
+        if s[ENQUEUE_S] is not None:
+            host[i] = s[ENQUEUE_S] + (s[2] - s[GPU_S] if s[GPU_S] is not None else 0.0)
+    out = np.zeros(len(steps), dtype=bool)
+    for key in {s[0] for s in steps}:
+        idx = np.asarray([i for i, s in enumerate(steps) if s[0] == key and np.isfinite(host[i])], dtype=np.int64)
+        if len(idx):
+            out[idx] = host[idx] - np.median(host[idx]) > over_s
+    return out
 
 
 def segment_errors(steps: list[list[Any]], lo: int, hi: int, measured: np.ndarray,
@@ -224,8 +241,7 @@ def main() -> None:
                                  "calibration": {k: list(v) for k, v in table.calibration.items()}}
         stalled = np.zeros(len(table.steps), dtype=bool)
         if args.host_stall_ms is not None:
-            stalled = np.asarray([s[ENQUEUE_S] is not None and s[ENQUEUE_S] * 1e3 > args.host_stall_ms
-                                  for s in table.steps])
+            stalled = host_stalled(table.steps, args.host_stall_ms / 1e3)
         sources = {"replay": predicted, "recorded": recorded}
         for name, (lo, hi) in segments(path, len(table.steps)).items():
             part = segment_errors(table.steps, lo, hi, measured, sources, np.zeros(len(table.steps), dtype=bool))
