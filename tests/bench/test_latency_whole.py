@@ -128,6 +128,18 @@ def test_a_replay_in_the_longest_row_form_follows_steps_that_wait_on_their_longe
     assert late_error(latency_whole.rows_longest(1.0)) < 1e-3 < 0.05 < late_error(None)
 
 
+def decode_steps(rng: random.Random, n: int) -> list[tuple[list[float], float]]:
+    """``n`` decode steps' regressors (rows, KV tokens, 1) and their idle time on the
+    calibration's coefficients (``write``'s)."""
+    coef = [5e-6, 4.5e-8, 6.7e-3]
+    out = []
+    for _ in range(n):
+        b, kv = rng.randint(1, 32), rng.randint(100, 4000)
+        regressors = [float(b), float(b * kv), 1.0]
+        out.append((regressors, sum(c * v for c, v in zip(coef, regressors, strict=True))))
+    return out
+
+
 def test_busy_from_starts_the_busy_sets_from_another_runs_terms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """``--busy-from``: a run whose busy decode steps run 1.3x their idle time plus 1 ms, replayed
@@ -135,13 +147,8 @@ def test_busy_from_starts_the_busy_sets_from_another_runs_terms(tmp_path: Path, 
     than from its calibration alone (no busy term there: the first ones priced as idle)."""
     import sys
 
-    rng = random.Random(0)
-    coef = [5e-6, 4.5e-8, 6.7e-3]
     rows = []
-    for i in range(400):
-        b, kv = rng.randint(1, 32), rng.randint(100, 4000)
-        regressors = [b, b * kv, 1.0]
-        idle = sum(c * v for c, v in zip(coef, regressors, strict=True))
+    for i, (regressors, idle) in enumerate(decode_steps(random.Random(0), 400)):
         busy = i >= 100
         r = row("decode/graph/busy" if busy else "decode/graph/idle", 1.3 * idle + 1e-3 if busy else idle, regressors)
         r[STEP_TABLE_COLUMNS.index("trainer_at")] = [10, 0] if busy else None
@@ -169,14 +176,10 @@ def test_host_stall_ms_reports_each_segment_without_the_host_stalled_steps(
     they are counted as left out. Prefill steps, whose enqueue is longer, are not left out for it."""
     import sys
 
-    rng = random.Random(1)
-    coef = [5e-6, 4.5e-8, 6.7e-3]
     rows = []
-    for i in range(600):
-        b, kv = rng.randint(1, 32), rng.randint(100, 4000)
-        regressors = [b, b * kv, 1.0]
+    for i, (regressors, idle) in enumerate(decode_steps(random.Random(1), 600)):
         stalled, late = i % 50 == 25, i % 50 == 40
-        gpu = sum(c * v for c, v in zip(coef, regressors, strict=True)) * (1.8 if stalled else 1.0)
+        gpu = idle * (1.8 if stalled else 1.0)
         r = row("decode/graph/idle", gpu + (3e-3 if late else 0.0), regressors, gpu)
         r[STEP_TABLE_COLUMNS.index("enqueue_s")] = 7e-3 if stalled else 0.4e-3
         rows.append(r)
