@@ -572,3 +572,83 @@ def test_how_far_the_trainer_queues_ahead_comes_from_the_environment(monkeypatch
     assert _worker_spec("cpu")[0].gated_boundaries_ahead == 16
     monkeypatch.setenv("COSERVE_TRAINER_AHEAD", "3")
     assert _worker_spec("cpu")[0].gated_boundaries_ahead == 3
+
+
+@pytest.mark.parametrize("closed_ahead", [0, 2])
+def test_behind_a_closed_gate_the_cpu_sleeps_once_the_gpu_is_that_far_behind(
+        monkeypatch: pytest.MonkeyPatch, closed_ahead: int) -> None:
+    """``closed_boundaries_ahead`` N: once the engine clears the grant (its prefill steps hold the
+    gate closed), the CPU queues boundaries until the GPU is N behind (the mark N back recorded
+    while closed, not passed), then sleeps on the grant until the engine sets it: a wait, not host
+    time. At 0 (the default) it queues on (here up to the commit, whose readback sleeps). The task's
+    loss is the same either way."""
+    spec, task, _ = _worker_spec("cpu")
+    expected = _Worker(spec).run(task)
+    grant = threading.Event()
+    grant.set()
+    queued_closed = 0  # boundaries queued since the grant was cleared
+    at_sleep: list[int] = []
+
+    class Grant:
+        def is_set(self) -> bool:
+            return grant.is_set()
+
+        def wait(self) -> None:
+            at_sleep.append(queued_closed)
+            threading.Timer(0.1, grant.set).start()
+            grant.wait()
+
+    class QueryEvent(_FakeEvent):
+        """Passed on the GPU unless recorded while the gate was closed and still closed."""
+
+        def __init__(self, **kwargs: object) -> None:
+            self.closed = False
+
+        def record(self, stream: object = None) -> None:
+            self.closed = not grant.is_set()
+
+        def query(self) -> bool:
+            return grant.is_set() or not self.closed
+
+    spec.gate_flag = new_flag()
+    spec.grant = Grant()
+    spec.closed_boundaries_ahead = closed_ahead
+    worker = _gated_cpu_worker(spec, monkeypatch, QueryEvent)
+    gated, boundaries = worker._gated_boundary, 0
+
+    def boundary(layer: int, polled: bool = False) -> None:
+        nonlocal boundaries, queued_closed
+        boundaries += 1
+        if boundaries == 4:
+            grant.clear()  # the engine's prefill steps begin
+        if not grant.is_set():
+            queued_closed += 1
+        gated(layer, polled)
+
+    worker._gated_boundary = boundary  # type: ignore[method-assign]
+    began = time.monotonic()
+    got = worker.run(task)
+    assert time.monotonic() - began >= 0.1 and at_sleep, "the CPU never slept on the grant"
+    if closed_ahead:
+        assert worker.closed_sleeps == 1 and at_sleep[0] == closed_ahead + 1
+    else:
+        assert worker.closed_sleeps == 0 and at_sleep[0] > 3
+    assert max(s[3] for s in got.spans) < 90.0  # (the 100 ms sleep is a wait, in no stretch)
+    assert got.loss_sum == pytest.approx(expected.loss_sum, rel=1e-6)
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, "0"), ("2", "2")])
+def test_how_far_the_cpu_queues_behind_a_closed_gate_comes_from_the_environment(value: str | None,
+                                                                               expected: str) -> None:
+    """COSERVE_TRAINER_CLOSED_AHEAD sets WorkerSpec.closed_boundaries_ahead's default (0: off)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "COSERVE_TRAINER_CLOSED_AHEAD"}
+    if value is not None:
+        env["COSERVE_TRAINER_CLOSED_AHEAD"] = value
+    code = ("from coserve.trainer.worker import CLOSED_AHEAD, WorkerSpec; "
+            "print(CLOSED_AHEAD, WorkerSpec.__dataclass_fields__['closed_boundaries_ahead'].default_factory())")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [expected, expected]

@@ -59,6 +59,17 @@ poll point or boundary: the pause delay's ``gpu_dry`` tail, p99 4–6 ms in sess
 cost of starting each stretch after its queuing. Off by default, measured in session 21
 (``bench/results/latency_h200/README.md``, three runs each way): pause p99 1.63 / 1.54 / 2.11 ms against 3.04 / 2.44 / 2.49 ms without, at 12% fewer
 FT tokens/s (2,828 against 3,201 on average) and a worse latency model (p99 19–21% against 16–17%)."""
+CLOSED_AHEAD = int(os.environ.get("COSERVE_TRAINER_CLOSED_AHEAD", "0"))
+"""``WorkerSpec.closed_boundaries_ahead``'s default (``COSERVE_TRAINER_CLOSED_AHEAD``; 0: off, the
+trainer until session 37). While the engine runs prefill step after prefill step, the GPU-side gate
+stays closed and the trainer's CPU queues on behind it up to ``gated_boundaries_ahead`` boundaries;
+in the loss, whose boundaries carry many launches, it fills the launch queue first and spins in a
+launch with a core busy (session 37, ``bench/latency_timeline.py --stretches``: every host stretch
+of 100 ms or more in eight H100 latency runs, up to 309 ms with its process time equal to its wall
+time, overlapped a run of back-to-back prefill steps of 136 ms or more). With N > 0 the CPU sleeps
+on the grant once the GPU is N boundaries behind it and the grant is cleared: the GPU still holds
+N boundaries of work for when the gate opens, and the CPU queues the rest after its wake-up. Not
+yet measured on the device: off by default until it is."""
 RELEASE_TIMEOUT_S = float(os.environ.get("COSERVE_TRAINER_RELEASE_TIMEOUT_MS", "50")) / 1e3
 """RELEASE_STRETCHES' safety net (``COSERVE_TRAINER_RELEASE_TIMEOUT_MS``, 50 by default): a
 stretch whose release has waited this long is released by a watchdog thread
@@ -111,6 +122,10 @@ class WorkerSpec:
     # and on work queued behind a pause, not on the pause delay; COSERVE_TRAINER_AHEAD for A/B runs:
     # fewer keep a CPU that queues on while the gate is closed out of a full launch queue).
     gated_boundaries_ahead: int = field(default_factory=lambda: int(os.environ.get("COSERVE_TRAINER_AHEAD", "16")))
+    # With the gate, while the engine holds it closed (the grant cleared): once the GPU is this many
+    # boundaries behind the CPU, the CPU sleeps on the grant instead of queuing on (0: it queues on
+    # up to gated_boundaries_ahead; COSERVE_TRAINER_CLOSED_AHEAD, CLOSED_AHEAD's docstring).
+    closed_boundaries_ahead: int = field(default_factory=lambda: CLOSED_AHEAD)
     # Row lengths of one synthetic backward task the worker runs before its first real one
     # (_Worker.warm_up; empty: none): kernels compiled, library handles made, allocator grown.
     warmup_rows: tuple[int, ...] = ()
@@ -267,6 +282,7 @@ class _Worker:
         self._released_at = time.monotonic()
         self._release_lock = threading.Lock()
         self.watchdog_releases = 0  # stretches the watchdog released (a stretch's work waited on the GPU)
+        self.closed_sleeps = 0  # sleeps on the grant behind a closed gate (closed_boundaries_ahead)
         # of them, those made while the engine held the gate closed (the GPU paused anyway: a CPU that
         # queued ahead into a full launch queue, say); the others left the GPU idle
         self.watchdog_closed = 0
@@ -514,6 +530,8 @@ class _Worker:
             self._gate.mark(stream, encode_progress(layer, min(ordinal, POLLED - 1)))
         self._marks.append(WaitMark(before, after, layer, ordinal, gap_ms, recorded_s, process_s=process_s,
                                     idle=idle, gc_s=gc_s))
+        if not polled:
+            self._sleep_behind_closed_gate()
         ahead = self.spec.gated_boundaries_ahead
         if RELEASE_STRETCHES:
             # (a run-ahead wait on the mark just queued would wait for a release that only comes
@@ -536,6 +554,24 @@ class _Worker:
             waited = time.perf_counter() - began
             self._gpu_wait_s += waited
             self._note_wait(waited)
+
+    def _sleep_behind_closed_gate(self) -> None:
+        """``closed_boundaries_ahead`` (:data:`CLOSED_AHEAD`): with the grant cleared and the GPU
+        that many boundaries behind the CPU (the mark that far back not passed yet), sleep on the
+        grant; counted as a wait, not as the next stretch's host time."""
+        behind, grant = self.spec.closed_boundaries_ahead, self.spec.grant
+        if behind <= 0 or grant is None or grant.is_set() or len(self._marks) <= behind:
+            return
+        if self._marks[-1 - behind].after.query():
+            return
+        began = time.perf_counter()
+        if RELEASE_STRETCHES:
+            self._released_at = float("inf")  # (the watchdog's clock stops while the CPU waits)
+        grant.wait()
+        if RELEASE_STRETCHES:
+            self._released_at = time.monotonic()
+        self.closed_sleeps += 1
+        self._note_wait(time.perf_counter() - began)
 
     def _release(self, stretch: int) -> None:
         """RELEASE_STRETCHES: let the GPU run every stretch up to ``stretch`` (a store into the
