@@ -167,7 +167,11 @@ shapes; ``bench/results/latency_h100/session36/trainer_first_tasks_b4f5e69.log``
 tasks' longest host stretch was a median 6.0 ms (90th percentile 14.4 ms) after the one task,
 3.9 ms (7.4 ms) after these, 5.4 ms (12.5 ms) with ``CUDA_MODULE_LOADING=EAGER``, 2.4-2.9 ms over
 the next 80 in each; no Triton kernel compiled during a task; the warm-up took 0.5 s more. The
-serving runs' much longer stretches (up to 0.3 s) did not show in isolation."""
+serving runs' much longer stretches (up to 0.3 s) did not show in isolation: they are the host
+queueing behind the engine's back-to-back prefill steps (:data:`CLOSED_AHEAD`). Serving on one
+(noisy) H100 host in session 37 (``bench/results/latency_h100/session37/latency_timeline_8b49351.json``),
+the first 20 s' tasks' longest stretch had a 90th percentile of 35.8 / 13.8 / 35.1 ms in three runs
+with these against 49.3 / 77.5 ms in two with the one task (medians 7.4-10.5 against 8.9-9.1 ms)."""
 WARMUP_TARGETS: Final = (1, 2, 3, 4, 6, 8, 12, 15, 16, 17, 24, 31, 32, 33, 48, 64, 96, 128, 160, 192, 256, 320,
                          384, 448, 511)
 """:func:`warmup_shapes`' one-row tasks: their target counts (a row of ``n + 1`` tokens), the loss's
