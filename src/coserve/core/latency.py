@@ -49,7 +49,8 @@ held-out p99 fell on all eleven, from 15.0–20.2% to 13.2–18.7%, and neither 
 first 500 got worse; ``bench/latency_decode.py``, ``bench/results/latency_h200/README.md``,
 session 24). Sharing earlier, or at the slower rate, raised start-up error. A busy decode step
 whose trainer is at one of a few :data:`SPOTS` of its backward (the loss's boundaries, the first
-layer after it, layer 1) carries a level of that spot on top (:data:`SPOT_LEVELS`).
+layer after it, layer 1) carries a level of that spot on top (:data:`SPOT_LEVELS`), and a prefill
+step of a short chunk over cached context beside fresh rows one of its own (:data:`MIX_LEVEL`).
 """
 
 from __future__ import annotations
@@ -775,6 +776,9 @@ class LatencyModel:
     its own refit (``busy_base``; False: the model before session 33). A step's decode KV term
     is its rows' KV tokens, with ``decode_kv`` ``rows_longest`` plus ``decode_kv_share`` of their
     excess at the longest row's length (:data:`DECODE_KV`; ``total``: the model before session 34).
+    A busy decode step beside one of the backward's :data:`SPOTS` carries that spot's level
+    (``spot_levels``, at ``spot_level_rate``), a short-context mix
+    (:attr:`StepFeatures.short_context_mix`) the mixes' level (``mix_level``, at ``mix_level_rate``).
 
     :meth:`safety` is how far the set's recent steps ran over their predictions (the
     ``safety_quantile`` of measured / predicted over the last ``safety_window`` steps, each
