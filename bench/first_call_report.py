@@ -5,8 +5,9 @@ the GPU tests' status, FT-only throughput against the peft loops (issue 4), the 
 without and with the shrink forked onto a side stream and of every other LoRA job, with the LoRA
 profiles (issue 3), the decode and prefill grid against the hardware
 floors (issue 3), the trace replay against transformers (issue 3), the SLO machinery
-(issue 5), and eager steps' host and device time without and with the prefill graphs. Missing
-files are named, not fatal.
+(issue 5, with each latency run's ``host_check``: whether its host was quiet enough for its p99s
+to be the model's), and eager steps' host and device time without and with the prefill graphs.
+Missing files are named, not fatal.
 
     tar -xzf first.tar.gz -C /tmp && python bench/first_call_report.py /tmp/first [--out report.json]
 """
@@ -19,6 +20,8 @@ import json
 import re
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from coserve.bench.provenance import provenance
 from coserve.bench.result_file import read_result
@@ -95,7 +98,35 @@ def slo_machinery(result: dict[str, Any]) -> dict[str, Any]:
             "trainer_spans": f.get("trainer_spans"), "ft_only_interruption": f["ft_only_interruption"],
             "latency_model_error_warm": f.get("latency_model_error_warm"),
             "replay": f["replay"], "prefill_error_by_size": prefill_error_by_size(steps),
-            "noise_floor": noise_floor(steps)}
+            "noise_floor": noise_floor(steps), "host_check": host_check(f.get("steps"))}
+
+
+QUIET_HOST_AFTER_GPU_P99_MS = 2.0
+"""``host_check``'s bound: an idle decode step's host time after its GPU work, 99th percentile,
+above which a host is called noisy. The H100 hosts of sessions 33-36 (trainer-idle decode p99
+5.3-7.0%) had 0.6-1.2 ms in their eight ``latency_warm`` runs; session 37's (20.8-25.2%) 3.6-4.6 ms
+(``bench/results/latency_h100/README.md``, "Session 37")."""
+
+
+def host_check(steps: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Whether the run's host was quiet, from its idle decode steps (the trainer-idle replay's, a
+    run's only steps that neither the trainer nor a prefill slows): the 50th / 99th percentile of
+    their host enqueue and of their time past their GPU work, in ms, and ``noisy`` where the
+    latter's 99th percentile is above :data:`QUIET_HOST_AFTER_GPU_P99_MS`: such a host's p99
+    errors are its own, not the model's (session 37). None without such steps or ``gpu_s``."""
+    if not steps or "gpu_s" not in steps["columns"]:
+        return None
+    col = {c: i for i, c in enumerate(steps["columns"])}
+    rows = [r for r in steps["rows"] if r[0] == "decode/graph/idle" and r[col["measured_s"]] > 0
+            and r[col["gpu_s"]] is not None and r[col["enqueue_s"]] is not None]
+    if len(rows) < 100:
+        return None
+    after = np.asarray([r[col["measured_s"]] - r[col["gpu_s"]] for r in rows]) * 1e3
+    enqueue = np.asarray([r[col["enqueue_s"]] for r in rows]) * 1e3
+    p99 = float(np.quantile(after, 0.99))
+    return {"steps": len(rows), "after_gpu_p50_ms": float(np.median(after)), "after_gpu_p99_ms": p99,
+            "enqueue_p50_ms": float(np.median(enqueue)), "enqueue_p99_ms": float(np.quantile(enqueue, 0.99)),
+            "noisy": p99 > QUIET_HOST_AFTER_GPU_P99_MS}
 
 
 def before_warm(steps: dict[str, Any] | None, first_warm: int | None) -> dict[str, Any] | None:

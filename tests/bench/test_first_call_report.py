@@ -169,3 +169,19 @@ def test_report_tells_the_gpus_part_of_a_latency_run_that_timed_it(tmp_path: Pat
     assert busy["host_part"]["host_constant_p99"] == pytest.approx(0.139, abs=1e-3)
     assert busy["host_part"]["gpu_alone_p99"] == pytest.approx(0.124, abs=1e-3)
     assert busy["by_gap"] is None
+
+
+def test_report_tells_a_noisy_host_from_a_quiet_one(tmp_path: Path) -> None:
+    """Session 36's run (a quiet H100 host) and session 37's third (a noisy one): their idle decode
+    steps' host time after their GPU work, 1.0 ms against 3.6 ms at the 99th percentile."""
+    (tmp_path / "verify").mkdir()
+    copy_unzipped(RESULTS / "latency_h100" / "session36" / "coserve_latency_warm_b4f5e69_r2.json",
+                  tmp_path / "coserve_latency_quiet.json")
+    copy_unzipped(RESULTS / "latency_h100" / "session37" / "coserve_latency_8b49351_c.json",
+                  tmp_path / "verify" / "coserve_latency.json")
+    got = first_call_report.report(tmp_path)
+    noisy, quiet = got["slo_machinery"]["host_check"], got["slo_machinery_other"]["coserve_latency_quiet"]["host_check"]
+    assert noisy["noisy"] and noisy["after_gpu_p99_ms"] == pytest.approx(3.56, abs=0.01)
+    assert not quiet["noisy"] and quiet["after_gpu_p99_ms"] == pytest.approx(1.04, abs=0.01)
+    assert quiet["steps"] == 1718 and quiet["enqueue_p99_ms"] < noisy["enqueue_p99_ms"]
+    assert first_call_report.host_check(None) is None
