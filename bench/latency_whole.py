@@ -47,7 +47,7 @@ its key's median (``without_host_stalls``: the same figures and how many steps w
 step's host time is its enqueue, the step table's ``enqueue_s``, plus its measured time past its
 GPU time, ``measured_s - gpu_s``, where the table has that), to tell a host that took the engine's
 CPU away (session 37's H100 host: idle decode steps' host time after their GPU work a p99 of
-3.6-4.6 ms against 1.0 ms on session 36's, their enqueue 2.4-2.7 ms against 0.7 ms, with or
+3.6-4.6 ms against 1.0 ms on session 36's, their enqueue 2.2-2.8 ms against 0.7 ms, with or
 without the trainer) from the model's error. A diagnostic: the goal is stated over all steps.
 """
 
