@@ -74,6 +74,8 @@
 #   latency_env=VAR=VALUE[,VAR=VALUE...]  latency=50 with these in the environment, e.g. COSERVE_LOSS_CHUNK=256
 #                  or COSERVE_TRAINER_RELEASE=1,COSERVE_TRAINER_RELEASE_TIMEOUT_MS=5
 #                  (the loss in 256-target chunks) or COSERVE_MLP_CHUNK=1024 (untrained-MLP pieces)
+#   latency_eager_env=VAR=VALUE[,VAR=VALUE...]  latency_eager with these in the environment, e.g.
+#                  COSERVE_TRAINER_CLOSED_AHEAD=2 (the trainer's CPU asleep behind a closed gate)
 #   decode_longest bench/decode_longest.py: decode graph steps at the same rows and total KV, one KV
 #                  length for all rows against spread lengths and one long row (the decode terms)
 #   prefill_context  bench/prefill_context.py: the paged prefill kernel with its cached prefix in splits
@@ -215,6 +217,10 @@ job() {
       local setting=${1#latency_env=}
       LATENCY_ENV=$setting latency_bench "$1" "$top/coserve_latency_env_${setting//[^A-Za-z0-9_]/_}" \
         --trainer-sm-share 50 ;;
+    latency_eager_env=*)
+      local eager_setting=${1#latency_eager_env=}
+      LATENCY_ENV=$eager_setting latency_bench "$1" "$top/coserve_latency_eager_env_${eager_setting//[^A-Za-z0-9_]/_}" \
+        --trainer-sm-share 50 --no-prefill-graphs ;;
     latency_threads1) latency_bench latency_threads1 "$top/coserve_latency_threads1" --trainer-sm-share 50 --threads 1 ;;
     lora_mid_graphs_ef) COSERVE_LORA_GRAPH_EXPAND_FIRST=1 lora_bench lora_mid_graphs_ef "$top/engine_lora_mid_graphs_ef" \
       --lora-prefill 512,1024,2048 --prefill-graphs ;;
