@@ -166,7 +166,10 @@ def test_task_allocs_tell_the_watchdogs_releases_in_tasks_that_asked_the_driver_
     got = coserve_latency.task_allocs_summary(rows)
     assert got == {"tasks": 4, "with_device_allocs": 2, "device_allocs": 4, "device_frees": 1,
                    "watchdog_releases": 3, "watchdog_gate_closed": 2, "watchdog_in_allocating_tasks": 2,
-                   "tasks_with_watchdog": 2}
+                   "tasks_with_watchdog": 2, "closed_sleeps": 0, "tasks_with_closed_sleeps": 0}
+    # with each task's sleeps behind a closed gate (COSERVE_TRAINER_CLOSED_AHEAD)
+    slept = coserve_latency.task_allocs_summary(rows, [0, 3, 1, 0])
+    assert slept["closed_sleeps"] == 4 and slept["tasks_with_closed_sleeps"] == 2
 
 
 def test_one_layer_of_the_completed_ft_only_steps() -> None:

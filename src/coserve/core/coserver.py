@@ -265,6 +265,8 @@ class CoServer:
         self.trainer_watchdog_releases = 0  # TaskResult.watchdog_releases, summed
         # (watchdog_releases, watchdog_closed, device_allocs, device_frees) of each task (TaskResult's)
         self.trainer_task_allocs: list[tuple[int, int, int, int]] = []
+        # each task's TaskResult.closed_sleeps (COSERVE_TRAINER_CLOSED_AHEAD), parallel to trainer_task_allocs
+        self.trainer_closed_sleeps: list[int] = []
         self.pause_observed_lags: list[float] = []  # TaskResult.pause_lags_ms (GPU-side gate only)
         self.pause_observed_polled: list[bool] = []  # TaskResult.pause_polled
         self.pause_observed_idle_ms: list[float] = []  # TaskResult.pause_idle_ms (0 where none)
@@ -813,6 +815,7 @@ class CoServer:
             self.trainer_watchdog_releases += result.watchdog_releases
             self.trainer_task_allocs.append((result.watchdog_releases, result.watchdog_closed, result.device_allocs,
                                              result.device_frees))
+            self.trainer_closed_sleeps.append(result.closed_sleeps)
             self.pause_observed_lags.extend(result.pause_lags_ms)
             self.pause_observed_polled.extend(result.pause_polled or (False,) * len(result.pause_times))
             self.pause_observed_idle_ms.extend(result.pause_idle_ms or (0.0,) * len(result.pause_times))

@@ -84,6 +84,8 @@ class TaskResult:
     # allocation can wait for the device, and so for a stream the gate or a release wait holds)
     device_allocs: int = 0
     device_frees: int = 0
+    # COSERVE_TRAINER_CLOSED_AHEAD: the times this task's CPU slept on the grant behind a closed gate
+    closed_sleeps: int = 0
 
 
 @dataclass(frozen=True)

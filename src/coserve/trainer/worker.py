@@ -348,6 +348,7 @@ class _Worker:
     def run(self, task: BackwardTask) -> TaskResult:
         start = time.perf_counter()
         cpu_start = time.thread_time()
+        sleeps_before = self.closed_sleeps
         rows = [TaskRow(s.offset, s.labels) for s in task.samples]
         loss = self._backward(rows, dropout_key=task.task_id)
         self.loss_sum += loss.loss_sum
@@ -382,7 +383,8 @@ class _Worker:
                           tuple(p.layer for p in pauses), tuple(spans), tuple(lags),
                           tuple(p.polled for p in pauses), tuple(span_process), tuple(p.idle_ms for p in pauses),
                           tuple(span_gc), self.watchdog_releases - reported, self.watchdog_closed - reported_closed,
-                          allocs.device_allocs - before.device_allocs, allocs.device_frees - before.device_frees)
+                          allocs.device_allocs - before.device_allocs, allocs.device_frees - before.device_frees,
+                          self.closed_sleeps - sleeps_before)
 
     def _backward(self, rows: list[TaskRow], dropout_key: int | None) -> TaskLoss:
         """One task's backward pass, from its start boundary on (a real task or the warm-up)."""
