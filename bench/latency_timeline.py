@@ -86,7 +86,11 @@ RUN_BINS_MS = (0.0, 100.0, 200.0, float("inf"))
 def prefill_runs(path: str) -> list[tuple[float, float]]:
     """The run's spans ``(start, end)`` in seconds of back-to-back prefill steps (its step table's
     ``began_s`` and measured times), each one or more steps long."""
-    table = read_result(path)["figures"]["steps"]
+    return _prefill_runs(read_result(path)["figures"]["steps"])
+
+
+def _prefill_runs(table: dict[str, Any]) -> list[tuple[float, float]]:
+    """:func:`prefill_runs` of a run's step table."""
     col = {c: i for i, c in enumerate(table["columns"])}
     runs: list[tuple[float, float]] = []
     current: list[float] | None = None
@@ -107,11 +111,12 @@ def prefill_runs(path: str) -> list[tuple[float, float]]:
 
 def stretches(path: str) -> dict[str, Any]:
     """``--stretches`` (module docstring) for one run."""
-    line = read_result(path)["figures"].get("timeline")
+    figures = read_result(path)["figures"]
+    line = figures.get("timeline")
     if line is None or "longest_span_cpu_ms" not in line["task_columns"]:
         raise SystemExit(f"{path}: no tasks' longest host stretch in its timeline (since session 35)")
     tcol = {c: i for i, c in enumerate(line["task_columns"])}
-    runs = prefill_runs(path)
+    runs = _prefill_runs(figures["steps"])
     rows = []
     for t in line["tasks"]:
         lo, hi, span = t[tcol["submitted_s"]], t[tcol["received_s"]], t[tcol["longest_span_cpu_ms"]]

@@ -32,9 +32,11 @@ import numpy as np
 
 from coserve.bench.provenance import provenance
 from coserve.bench.result_file import read_result
+from coserve.core.latency import MIX_PAGED_TOKENS, MIX_SHORT_TOKENS
 
-SHORT = 64
-PAGED = 512
+# (the latency model's short-context mix, StepFeatures.short_context_mix, is the paged one here)
+SHORT = MIX_SHORT_TOKENS
+PAGED = MIX_PAGED_TOKENS
 COMPOSITIONS = ("no chunk", "fresh", "context", "short context + fresh, paged", "short context + fresh, flash",
                 "context + fresh")
 

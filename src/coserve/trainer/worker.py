@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple
 
@@ -549,14 +550,11 @@ class _Worker:
                 self._release(self._stretch)  # (the start's and the commit's boundaries: all of it)
         if len(self._marks) > ahead:
             began = time.perf_counter()
-            if RELEASE_STRETCHES:
-                self._released_at = float("inf")  # (the watchdog's clock stops while the CPU waits)
-            grant = self.spec.grant
-            if grant is not None:
-                grant.wait()
-            self._marks[-1 - ahead].after.synchronize()
-            if RELEASE_STRETCHES:
-                self._released_at = time.monotonic()
+            with self._cpu_waiting():
+                grant = self.spec.grant
+                if grant is not None:
+                    grant.wait()
+                self._marks[-1 - ahead].after.synchronize()
             waited = time.perf_counter() - began
             self._gpu_wait_s += waited
             self._note_wait(waited)
@@ -571,13 +569,22 @@ class _Worker:
         if self._marks[-1 - behind].after.query():
             return
         began = time.perf_counter()
-        if RELEASE_STRETCHES:
-            self._released_at = float("inf")  # (the watchdog's clock stops while the CPU waits)
-        grant.wait()
-        if RELEASE_STRETCHES:
-            self._released_at = time.monotonic()
+        with self._cpu_waiting():
+            grant.wait()
         self.closed_sleeps += 1
         self._note_wait(time.perf_counter() - began)
+
+    @contextlib.contextmanager
+    def _cpu_waiting(self) -> Iterator[None]:
+        """The CPU waits here (on the grant or the GPU), not stalled: RELEASE_STRETCHES' watchdog
+        clock stops meanwhile."""
+        if RELEASE_STRETCHES:
+            self._released_at = float("inf")
+        try:
+            yield
+        finally:
+            if RELEASE_STRETCHES:
+                self._released_at = time.monotonic()
 
     def _release(self, stretch: int) -> None:
         """RELEASE_STRETCHES: let the GPU run every stretch up to ``stretch`` (a store into the
