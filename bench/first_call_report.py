@@ -10,6 +10,7 @@ to be the model's), and eager steps' host and device time without and with the p
 Missing files are named, not fatal.
 
     tar -xzf first.tar.gz -C /tmp && python bench/first_call_report.py /tmp/first [--out report.json]
+    python bench/first_call_report.py --host-check RUN.json.xz [RUN2 ...] [--out host_check.json]
 """
 
 from __future__ import annotations
@@ -331,10 +332,18 @@ def split_check(r: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("folder", type=Path, help="the unpacked first/ folder")
+    p.add_argument("folder", type=Path, nargs="?", help="the unpacked first/ folder")
+    p.add_argument("--host-check", type=Path, nargs="+", default=None, metavar="RUN",
+                   help="instead, the host_check of these bench/coserve_latency.py result files")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    got = report(args.folder)
+    if args.host_check:
+        got = {"host_check": {path.name: host_check(read_result(path)["figures"].get("steps"))
+                              for path in args.host_check}}
+    elif args.folder is None:
+        p.error("give the unpacked first/ folder, or --host-check RUN...")
+    else:
+        got = report(args.folder)
     print(json.dumps(got, indent=1))
     if args.out is not None:  # (the reading's own commit and command; each run's are in its file)
         args.out.write_text(json.dumps({**provenance(), **got}, indent=1))

@@ -185,3 +185,15 @@ def test_report_tells_a_noisy_host_from_a_quiet_one(tmp_path: Path) -> None:
     assert not quiet["noisy"] and quiet["after_gpu_p99_ms"] == pytest.approx(1.04, abs=0.01)
     assert quiet["steps"] == 1718 and quiet["enqueue_p99_ms"] < noisy["enqueue_p99_ms"]
     assert first_call_report.host_check(None) is None
+
+
+def test_host_check_of_result_files_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """``--host-check RUN...``: each committed run's host_check, without a first/ folder."""
+    run = RESULTS / "latency_h100" / "session37" / "coserve_latency_8b49351_c.json.xz"
+    out = tmp_path / "host_check.json"
+    monkeypatch.setattr(sys, "argv", ["first_call_report.py", "--host-check", str(run), "--out", str(out)])
+    first_call_report.main()
+    capsys.readouterr()
+    got = json.loads(out.read_text())
+    assert got["host_check"][run.name]["noisy"] and "commit" in got and "--host-check" in got["command"]
