@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 
 from coserve.core.config import OptimConfig
 from coserve.core.messages import BackwardTask, TaskResult, TrainerFailed
+from coserve.cpu_split import split_for_trainer
 from coserve.models.llama import LlamaForCausalLM
 from coserve.models.peft_adapter import LoraAdapter, save_peft_adapter
 from coserve.trainer.lora_params import TrainableLoRA
@@ -88,7 +89,8 @@ class TrainerProcess:
                                optim, grant=self.grant, num_threads=num_threads, mlp_store=mlp_store,
                                gate_flag=self.gate_flag, warmup_rows=tuple(warmup_rows),
                                warmup_shapes=tuple(tuple(rows) for rows in warmup_shapes), ready=self._ready,
-                               niceness=CPU_TRAINER_NICENESS if device.type == "cpu" else 0)
+                               niceness=CPU_TRAINER_NICENESS if device.type == "cpu" else 0,
+                               cpus=split_for_trainer())
         self._proc: BaseProcess | None = None
         if device.type == "cuda" and not mps_active():
             logger.warning("CUDA MPS daemon not running: the trainer's kernels time-slice with the engine's "

@@ -17,6 +17,7 @@ import torch
 
 from coserve.core.config import OptimConfig
 from coserve.core.messages import BackwardTask, StepInfo, TaskResult, TrainerFailed
+from coserve.cpu_split import pin_process
 from coserve.gc_freeze import GCClock, freeze_startup_objects
 from coserve.models.llama import LlamaForCausalLM
 from coserve.models.peft_adapter import LoraAdapter
@@ -138,6 +139,9 @@ class WorkerSpec:
     # CPU shares the cores with the engine's steps, and yields them to it (the GPU's counterpart:
     # the trainer as a below-normal MPS client)
     niceness: int = 0
+    # the CPUs the worker's threads run on (coserve.cpu_split, COSERVE_ENGINE_CPUS; empty: the
+    # engine's, inherited)
+    cpus: tuple[int, ...] = ()
 
 
 def warmup_rows(backward_tokens: int, max_seq_len: int) -> tuple[int, ...]:
@@ -205,6 +209,8 @@ def warmup_shapes(backward_tokens: int, max_seq_len: int) -> tuple[tuple[int, ..
 def run_worker(spec: WorkerSpec, tasks: Any, results: Any) -> None:
     """Process entry point: serve backward tasks until a ``None`` arrives."""
     logging.basicConfig(level=os.environ.get("COSERVE_TRAINER_LOG", "WARNING"))
+    if spec.cpus:
+        pin_process(spec.cpus)  # (before torch starts its intra-op threads: they inherit the mask)
     if spec.num_threads:
         torch.set_num_threads(spec.num_threads)
     if spec.niceness:

@@ -1,0 +1,94 @@
+"""The engine's and the trainer's processes on CPUs of their own (``COSERVE_ENGINE_CPUS``).
+
+On a GPU host the engine's step time is partly its host's: each step's enqueue, and the time
+after its GPU work. The trainer's host thread spins in kernel launches beside it (on a full launch
+queue, behind a closed gate), and the two processes' intra-op thread pools share the cores. With
+``COSERVE_ENGINE_CPUS=N`` the engine keeps the first N CPUs of its affinity mask and the trainer
+gets the rest, so that neither's threads run on the other's cores (a hyperthread sibling still may:
+the mask is Linux's CPU numbering, whatever the topology). Off by default (0); an A/B switch for
+noisy hosts (DEVELOPERS.md, "Device runs waiting").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from typing import Final
+
+logger = logging.getLogger(__name__)
+
+ENGINE_CPUS_ENV: Final = "COSERVE_ENGINE_CPUS"
+
+
+def engine_cpus_from_env() -> int:
+    """``COSERVE_ENGINE_CPUS`` as a count (0: no split); a value that is not a count is an error
+    that names the variable."""
+    raw = os.environ.get(ENGINE_CPUS_ENV, "0").strip() or "0"
+    try:
+        count = int(raw)
+    except ValueError:
+        raise ValueError(f"{ENGINE_CPUS_ENV} must be a whole number of CPUs, got {raw!r}") from None
+    if count < 0:
+        raise ValueError(f"{ENGINE_CPUS_ENV} must be 0 (no split) or more, got {count}")
+    return count
+
+
+def split_cpus(allowed: Iterable[int], engine: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The engine's CPUs (the ``engine`` lowest-numbered of ``allowed``) and the trainer's (the
+    rest), or None where there is nothing to split: ``engine`` 0, or not fewer than the allowed
+    CPUs (each side needs one at least)."""
+    cpus = sorted(set(allowed))
+    if engine <= 0 or engine >= len(cpus):
+        return None
+    return tuple(cpus[:engine]), tuple(cpus[engine:])
+
+
+def pin_process(cpus: Sequence[int]) -> int:
+    """Every thread of this process (and so the threads it starts later) onto ``cpus``; returns
+    how many threads were moved. Linux only (``/proc/self/task``); a thread that ended meanwhile
+    is skipped."""
+    mask = set(cpus)
+    moved = 0
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]  # (no /proc: the calling thread alone)
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, mask)
+        except ProcessLookupError:
+            continue
+        moved += 1
+    return moved
+
+
+_split_made: dict[int, tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
+"""The split made in this process, by engine count: made once, from the CPUs allowed before it
+(a trainer restarted later gets the same CPUs, not a split of the engine's share)."""
+
+
+def split_for_trainer() -> tuple[int, ...]:
+    """Where ``COSERVE_ENGINE_CPUS`` asks for a split and there are CPUs to split: this (the
+    engine's) process pinned to its share, and the trainer's share returned for the worker to pin
+    itself to (``WorkerSpec.cpus``; a spawned process would inherit the engine's); else ``()`` and
+    nothing changed."""
+    engine = engine_cpus_from_env()
+    if not engine:
+        return ()
+    if not hasattr(os, "sched_getaffinity"):
+        logger.warning("%s=%d: this platform has no CPU affinity; not split", ENGINE_CPUS_ENV, engine)
+        return ()
+    if engine not in _split_made:
+        allowed = os.sched_getaffinity(0)
+        _split_made[engine] = split_cpus(allowed, engine)
+        if _split_made[engine] is None:
+            logger.warning("%s=%d: only %d CPUs allowed, one at least needed for each side; not split",
+                           ENGINE_CPUS_ENV, engine, len(allowed))
+    split = _split_made[engine]
+    if split is None:
+        return ()
+    ours, theirs = split
+    moved = pin_process(ours)
+    logger.info("engine: %d threads on CPUs %s, the trainer on %s", moved, list(ours), list(theirs))
+    return theirs
