@@ -73,6 +73,7 @@ _TRAINER_ON_ITS_OWN_CPUS = textwrap.dedent(
             assert len(trainer.poll(timeout=60.0)) == 1
             assert threads_cpus(os.getpid()) == {frozenset(allowed[:1])}, threads_cpus(os.getpid())
             assert threads_cpus(trainer._proc.pid) == {frozenset(allowed[1:])}, threads_cpus(trainer._proc.pid)
+            assert torch.get_num_threads() == 1  # no more intra-op threads than its CPUs
             trainer.restart()
     finally:
         trainer.close()

@@ -5,7 +5,8 @@ after its GPU work. The trainer's host thread spins in kernel launches beside it
 queue, behind a closed gate), and the two processes' intra-op thread pools share the cores. With
 ``COSERVE_ENGINE_CPUS=N`` the engine keeps the first N CPUs of its affinity mask and the trainer
 gets the rest, so that neither's threads run on the other's cores (a hyperthread sibling still may:
-the mask is Linux's CPU numbering, whatever the topology). Off by default (0); an A/B switch for
+the mask is Linux's CPU numbering, whatever the topology), and each process keeps no more intra-op
+threads than its CPUs. Off by default (0); an A/B switch for
 noisy hosts (DEVELOPERS.md, "Device runs waiting").
 """
 
@@ -15,6 +16,8 @@ import logging
 import os
 from collections.abc import Iterable, Sequence
 from typing import Final
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -90,5 +93,13 @@ def split_for_trainer() -> tuple[int, ...]:
         return ()
     ours, theirs = split
     moved = pin_process(ours)
+    fit_threads(ours)
     logger.info("engine: %d threads on CPUs %s, the trainer on %s", moved, list(ours), list(theirs))
     return theirs
+
+
+def fit_threads(cpus: Sequence[int]) -> None:
+    """No more intra-op threads than ``cpus`` (torch counts the host's cores at start: on fewer,
+    its threads would take turns on them)."""
+    if torch.get_num_threads() > len(cpus):
+        torch.set_num_threads(len(cpus))

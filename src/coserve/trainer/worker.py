@@ -17,7 +17,7 @@ import torch
 
 from coserve.core.config import OptimConfig
 from coserve.core.messages import BackwardTask, StepInfo, TaskResult, TrainerFailed
-from coserve.cpu_split import pin_process
+from coserve.cpu_split import fit_threads, pin_process
 from coserve.gc_freeze import GCClock, freeze_startup_objects
 from coserve.models.llama import LlamaForCausalLM
 from coserve.models.peft_adapter import LoraAdapter
@@ -213,6 +213,8 @@ def run_worker(spec: WorkerSpec, tasks: Any, results: Any) -> None:
         pin_process(spec.cpus)  # (before torch starts its intra-op threads: they inherit the mask)
     if spec.num_threads:
         torch.set_num_threads(spec.num_threads)
+    if spec.cpus:
+        fit_threads(spec.cpus)
     if spec.niceness:
         try:
             os.nice(spec.niceness)
