@@ -292,15 +292,17 @@ def warm_replays(driver: InProcessDriver, session: FinetuneSession, slo: SLOConf
 
 
 def timeline(utilization: Sequence[tuple[float, float]], clocks_mhz: Sequence[float],
-             task_timings: Sequence[tuple[float, ...]], task_shapes: Sequence[tuple[int, int, float, float]],
+             task_timings: Sequence[tuple[float, ...]], task_shapes: Sequence[tuple[int, int, float, float, int, int]],
              origin: float) -> dict[str, Any]:
     """What ran beside the steps, in seconds since ``origin`` (the step table's ``began_s``): the
     GPU's utilization and SM clock every 0.25 s (none where the device does not report them: the
     session-33 cold runs' first quarter ran noisier than the warm replay of the same arrivals,
     whatever the model's state, ``bench/latency_whole.py``), and each backward task's submission,
     result, trainer seconds and tokens (``task_timings``) with its samples, longest sample and
-    longest stretch between two boundaries in host and GPU ms (``task_shapes``, parallel to it;
-    admission fills tasks shortest-first, so a run's first tasks are not its later ones)."""
+    longest stretch between two boundaries in host and GPU ms, CUDA allocations and sleeps behind
+    the closed gate (``task_shapes``, parallel to it; admission fills tasks shortest-first, so a
+    run's first tasks are not its later ones; a long stretch in a task that allocated may be the
+    allocation waiting for a device that the gate holds)."""
     gpu = [[round(t, 3), u, round(clocks_mhz[i], 1) if i < len(clocks_mhz) else None]
            for i, (t, u) in enumerate(utilization)]
 
@@ -308,12 +310,12 @@ def timeline(utilization: Sequence[tuple[float, float]], clocks_mhz: Sequence[fl
         return None if math.isnan(v) else round(v, 3)
 
     tasks = [[round(submitted - origin, 4), round(received - origin, 4), round(trainer_s, 4), tokens, samples, longest,
-              ms(cpu), ms(gpu_ms)]
-             for (submitted, received, trainer_s, tokens, *_), (samples, longest, cpu, gpu_ms)
+              ms(cpu), ms(gpu_ms), allocs, sleeps]
+             for (submitted, received, trainer_s, tokens, *_), (samples, longest, cpu, gpu_ms, allocs, sleeps)
              in zip(task_timings, task_shapes, strict=True)]
     return {"gpu_columns": ["t_s", "utilization", "sm_clock_mhz"], "gpu": gpu,
             "task_columns": ["submitted_s", "received_s", "trainer_s", "tokens", "samples", "longest_tokens",
-                             "longest_span_cpu_ms", "longest_span_gpu_ms"],
+                             "longest_span_cpu_ms", "longest_span_gpu_ms", "device_allocs", "closed_sleeps"],
             "tasks": tasks}
 
 

@@ -17,6 +17,8 @@ lines that up with the clock and the trainer's first tasks.
 100 ms or more), each with the longest run of back-to-back prefill steps (the engine's gate closed
 from one to the next) that overlapped the task, and the tasks by that run's length: whether the
 long stretches are the trainer's host held while the engine runs prefill after prefill (session 37).
+Each task of a stretch of 100 ms or more is listed too, with its CUDA allocations and sleeps behind
+the closed gate where the timeline has them (since session 38), and how many tasks had any.
 """
 
 from __future__ import annotations
@@ -81,6 +83,12 @@ def windows(path: str, width_s: float) -> list[dict[str, Any]]:
 
 STRETCH_BINS_MS = (0.0, 10.0, 30.0, 100.0, float("inf"))
 RUN_BINS_MS = (0.0, 100.0, 200.0, float("inf"))
+LONG_STRETCH_MS = 100.0
+"""``--stretches`` lists each task whose longest host stretch is this long, one by one."""
+TASK_COUNTS = ("device_allocs", "closed_sleeps")
+"""Per-task counts a timeline has since session 38, listed beside each long stretch: a CUDA
+allocation can wait for a device the closed gate holds (the host spinning in it), and the sleeps
+behind the closed gate are ``COSERVE_TRAINER_CLOSED_AHEAD``'s."""
 
 
 def prefill_runs(path: str) -> list[tuple[float, float]]:
@@ -117,13 +125,16 @@ def stretches(path: str) -> dict[str, Any]:
         raise SystemExit(f"{path}: no tasks' longest host stretch in its timeline (since session 35)")
     tcol = {c: i for i, c in enumerate(line["task_columns"])}
     runs = _prefill_runs(figures["steps"])
-    rows = []
+    rows, long = [], []
     for t in line["tasks"]:
         lo, hi, span = t[tcol["submitted_s"]], t[tcol["received_s"]], t[tcol["longest_span_cpu_ms"]]
         if span is None:
             continue
         overlap = [min(hi, b) - max(lo, a) for a, b in runs if b > lo and a < hi]
         rows.append((span, 1e3 * max(overlap, default=0.0)))
+        if span >= LONG_STRETCH_MS:
+            long.append({"stretch_ms": span, "prefill_run_ms": rows[-1][1],
+                         **{c: t[tcol[c]] for c in TASK_COUNTS if c in tcol}})
     data = np.asarray(rows, dtype=np.float64).reshape(-1, 2)
 
     def binned(column: int, edges: tuple[float, ...], other: int) -> list[dict[str, Any]]:
@@ -137,9 +148,11 @@ def stretches(path: str) -> dict[str, Any]:
                             "other_min_ms": float(part[:, other].min()), "other_max_ms": float(part[:, other].max())})
         return out
 
+    counts = {f"tasks_with_{c}": sum(1 for t in line["tasks"] if t[tcol[c]]) for c in TASK_COUNTS if c in tcol}
     return {"tasks": len(data), "prefill_runs": len(runs),
             "by_stretch": binned(0, STRETCH_BINS_MS, 1),  # other: the longest prefill run in the task
-            "by_prefill_run": binned(1, RUN_BINS_MS, 0)}  # other: the task's longest host stretch
+            "by_prefill_run": binned(1, RUN_BINS_MS, 0),  # other: the task's longest host stretch
+            **counts, "long": sorted(long, key=lambda t: -t["stretch_ms"])}
 
 
 def main() -> None:
@@ -157,6 +170,12 @@ def main() -> None:
             for b in f["by_stretch"]:
                 print(f"  longest host stretch {b['from_ms']:.0f}-{b['to_ms'] or 'inf'} ms: {b['tasks']:4d} tasks, "
                       f"longest prefill run beside them p50 {b['other_p50_ms']:.0f} ms, min {b['other_min_ms']:.0f}")
+            for c in TASK_COUNTS:
+                if f"tasks_with_{c}" in f:
+                    print(f"  tasks with {c}: {f[f'tasks_with_{c}']}")
+            for t in f["long"]:
+                extra = "".join(f", {c} {t[c]}" for c in TASK_COUNTS if c in t)
+                print(f"  stretch {t['stretch_ms']:.0f} ms beside a prefill run of {t['prefill_run_ms']:.0f} ms{extra}")
             for b in f["by_prefill_run"]:
                 print(f"  longest prefill run {b['from_ms']:.0f}-{b['to_ms'] or 'inf'} ms: {b['tasks']:4d} tasks, "
                       f"longest host stretch p50 {b['other_p50_ms']:.1f} ms, p90 {b['other_p90_ms']:.1f}, "

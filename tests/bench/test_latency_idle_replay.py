@@ -90,11 +90,12 @@ def test_the_timeline_lines_tasks_and_gpu_samples_up_with_the_steps() -> None:
     spans: no stretch), and a GPU sample without a clock reading keeps its place."""
     origin = 100.0
     timings = [(101.0, 101.5, 0.4, 1200, 0.1, 0.0, 0.2), (102.0, 102.6, 0.5, 1300, 0.0, 0.0, 0.3)]
-    shapes = [(5, 600, 12.5, 0.9), (3, 700, float("nan"), float("nan"))]  # (the second task had no spans)
+    shapes = [(5, 600, 12.5, 0.9, 1, 0), (3, 700, float("nan"), float("nan"), 0, 4)]  # (the second: no spans)
     got = coserve_latency.timeline([(0.0, 90.0), (0.25, 95.0)], [1980.0], timings, shapes, origin)
     assert got["gpu"] == [[0.0, 90.0, 1980.0], [0.25, 95.0, None]]
-    assert got["tasks"] == [[1.0, 1.5, 0.4, 1200, 5, 600, 12.5, 0.9], [2.0, 2.6, 0.5, 1300, 3, 700, None, None]]
-    assert got["task_columns"][4:] == ["samples", "longest_tokens", "longest_span_cpu_ms", "longest_span_gpu_ms"]
+    assert got["tasks"] == [[1.0, 1.5, 0.4, 1200, 5, 600, 12.5, 0.9, 1, 0], [2.0, 2.6, 0.5, 1300, 3, 700, None, None, 0, 4]]
+    assert got["task_columns"][4:] == ["samples", "longest_tokens", "longest_span_cpu_ms", "longest_span_gpu_ms",
+                                       "device_allocs", "closed_sleeps"]
 
 
 def test_the_step_table_dates_each_step_from_the_origin() -> None:

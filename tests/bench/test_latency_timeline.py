@@ -79,6 +79,17 @@ def test_stretches_line_the_long_host_stretches_up_with_the_prefill_runs(tmp_pat
     assert long["from_ms"] == 100.0 and long["to_ms"] is None and long["other_p50_ms"] == pytest.approx(300.0)
     assert [b["tasks"] for b in got["by_prefill_run"]] == [1, 1]
     assert got["by_prefill_run"][1]["from_ms"] == 200.0 and got["by_prefill_run"][1]["other_max_ms"] == 300.0
+    # a timeline without the per-task counts (before session 38): the long stretch without them
+    assert got["long"] == [{"stretch_ms": 300.0, "prefill_run_ms": pytest.approx(300.0)}]
+    assert "tasks_with_device_allocs" not in got
+    # with them: the long stretch's task allocated once and slept twice behind the closed gate
+    figures["timeline"]["task_columns"] += ["device_allocs", "closed_sleeps"]
+    figures["timeline"]["tasks"] = [t + c for t, c in zip(tasks, [[1, 2], [0, 0]], strict=True)]
+    path.write_text(json.dumps({"figures": figures}))
+    got = latency_timeline.stretches(str(path))
+    assert got["long"] == [{"stretch_ms": 300.0, "prefill_run_ms": pytest.approx(300.0), "device_allocs": 1,
+                            "closed_sleeps": 2}]
+    assert got["tasks_with_device_allocs"] == got["tasks_with_closed_sleeps"] == 1
     figures["timeline"]["task_columns"] = figures["timeline"]["task_columns"][:6]
     path.write_text(json.dumps({"figures": figures}))
     with pytest.raises(SystemExit, match="longest host stretch"):

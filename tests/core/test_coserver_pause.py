@@ -796,11 +796,13 @@ def test_a_tracking_coserver_records_each_tasks_shape_and_longest_stretch() -> N
     trainer.finish(trainer.submitted[0])  # (submitted before tracking: no timings)
     task = trainer.submitted[1]
     trainer.results.append(TaskResult(task.task_id, 1.0, 16, 0.01, None,
-                                      spans=((2, 0, 0.8, 3.5), (1, 1, 1.9, 0.4), (1, 0, 0.2, 0.1)), closed_sleeps=2))
+                                      spans=((2, 0, 0.8, 3.5), (1, 1, 1.9, 0.4), (1, 0, 0.2, 0.1)), closed_sleeps=2,
+                                      device_allocs=3))
     co.poll()
     # each task's sleeps behind a closed gate (COSERVE_TRAINER_CLOSED_AHEAD), beside its other counts
     assert co.trainer_closed_sleeps[-1] == 2 and len(co.trainer_closed_sleeps) == len(co.trainer_task_allocs)
-    (samples, longest, cpu_ms, gpu_ms), = co.task_shapes
+    (samples, longest, cpu_ms, gpu_ms, allocs, sleeps), = co.task_shapes
+    assert (allocs, sleeps) == (3, 2)  # (a long stretch in a task that allocated: the allocation's)
     assert samples == len(trainer.submitted[1].samples) == 2 and longest == 8
     assert co.task_timings[0][0] <= time.monotonic()
     assert (cpu_ms, gpu_ms) == (3.5, 1.9) and len(co.task_timings) == 1

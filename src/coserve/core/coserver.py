@@ -303,10 +303,12 @@ class CoServer:
         # tokens; of the trainer's seconds: paused, waiting on the GPU; its thread's CPU seconds)
         # — where a co-serving run's fine-tuning time goes
         self.task_timings: list[tuple[float, float, float, int, float, float, float]] = []
-        # (track) parallel to task_timings: the task's samples, its longest sample's tokens, and its
-        # longest stretch between two boundaries in host ms and in GPU ms (NaN: no spans) — what
+        # (track) parallel to task_timings: the task's samples, its longest sample's tokens, its
+        # longest stretch between two boundaries in host ms and in GPU ms (NaN: no spans), its
+        # CUDA allocations (TaskResult.device_allocs: one can wait for the device, and so behind
+        # the closed gate) and its sleeps behind the closed gate (TaskResult.closed_sleeps) — what
         # the trainer ran beside the steps (bench/coserve_latency.py's timeline)
-        self.task_shapes: list[tuple[int, int, float, float]] = []
+        self.task_shapes: list[tuple[int, int, float, float, int, int]] = []
         # (track) per task in flight: submitted (time.monotonic()), tokens, samples, longest sample
         self._submitted: dict[int, tuple[float, int, int, int]] = {}
         self._layer_events: list[torch.cuda.Event] = []
@@ -825,7 +827,8 @@ class CoServer:
                 self.task_timings.append((sent[0], time.monotonic(), result.duration_s, sent[1], result.paused_s,
                                           result.gpu_wait_s, result.cpu_s))
                 self.task_shapes.append((sent[2], sent[3], max((cpu for *_, cpu in result.spans), default=math.nan),
-                                         max((gpu for *_, gpu, _ in result.spans), default=math.nan)))
+                                         max((gpu for *_, gpu, _ in result.spans), default=math.nan),
+                                         result.device_allocs, result.closed_sleeps))
         self._open.loss_sum += result.loss_sum
         self._open.num_targets += result.num_targets
         info = result.step_info
