@@ -277,3 +277,28 @@ def test_a_pause_asked_for_inside_a_stretch_is_taken_at_the_next_poll_point() ->
     assert result.pause_layers == (model.config.num_layers - 1,)  # the first layer's recompute
     assert result.pause_polled == (True,)
     assert result.paused_s >= 0.25
+
+
+def test_sync_sites_count_each_synchronizing_call_site_and_pass_other_warnings_on(caplog) -> None:  # type: ignore[no-untyped-def]
+    """COSERVE_TRAINER_SYNC_DEBUG: PyTorch's sync debug warnings counted by the calling line, each
+    line's stack logged once; any other warning shown as before."""
+    import logging
+    import warnings
+
+    from coserve.trainer.worker import _SyncSites
+
+    shown: list[str] = []
+    with warnings.catch_warnings():
+        warnings.showwarning = lambda message, *_, **__: shown.append(str(message))
+        sites = _SyncSites()
+        sites.install()
+        with caplog.at_level(logging.WARNING, logger="coserve.trainer.worker"):
+            for _ in range(3):
+                warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)  # one line
+            warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)  # another
+            warnings.warn("something else", UserWarning, stacklevel=1)
+            sites.report()
+    assert sorted(sites.counts.values()) == [1, 3] and shown == ["something else"]
+    first_seen = [r for r in caplog.records if "a synchronizing CUDA operation at" in r.getMessage()]
+    assert len(first_seen) == 2 and "test_sync_sites_count" in first_seen[0].getMessage()  # (with its stack)
+    assert any("3 synchronizing CUDA operations at" in r.getMessage() for r in caplog.records)

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple
@@ -70,8 +71,17 @@ launch with a core busy (session 37, ``bench/latency_timeline.py --stretches``: 
 of 100 ms or more in eight H100 latency runs, up to 309 ms with its process time equal to its wall
 time, overlapped a run of back-to-back prefill steps of 136 ms or more). With N > 0 the CPU sleeps
 on the grant once the GPU is N boundaries behind it and the grant is cleared: the GPU still holds
-N boundaries of work for when the gate opens, and the CPU queues the rest after its wake-up. Not
-yet measured on the device: off by default until it is."""
+N boundaries of work for when the gate opens, and the CPU queues the rest after its wake-up. One
+run on the device (session 38, no same-host baseline): one such stretch in 236 tasks (175 ms,
+spinning in the loss) against 0.5-1.7% of the tasks of five earlier runs; off by default until a
+same-host A/B (``bench/results/latency_h100/README.md``, "Session 38")."""
+SYNC_DEBUG = os.environ.get("COSERVE_TRAINER_SYNC_DEBUG", "0") == "1"
+"""On CUDA, have PyTorch flag each synchronizing operation of the trainer's tasks
+(``torch.cuda.set_sync_debug_mode("warn")``, after the warm-up; :class:`_SyncSites` logs each call
+site once with its stack, and the count per site when the worker stops). A diagnostic for the
+host stretches that spin (session 38: one of 175 ms in the loss with its process time equal to its
+wall time): a host wait on the device inside a stretch spins for as long as the engine holds the
+gate closed. ``COSERVE_TRAINER_SYNC_DEBUG=1``; off by default."""
 RELEASE_TIMEOUT_S = float(os.environ.get("COSERVE_TRAINER_RELEASE_TIMEOUT_MS", "50")) / 1e3
 """RELEASE_STRETCHES' safety net (``COSERVE_TRAINER_RELEASE_TIMEOUT_MS``, 50 by default): a
 stretch whose release has waited this long is released by a watchdog thread
@@ -80,6 +90,35 @@ waits for the GPU (a device synchronization) would otherwise wait for a release 
 same CPU, past that work, can write. Session 21's run with the switch on had 231 such releases
 in 138 tasks, each leaving the GPU idle up to the timeout."""
 STALL_FRAMES = 8  # (the innermost frames of a stalled stretch's stack the watchdog logs)
+SYNC_MESSAGE = "synchronizing"  # (in the warning PyTorch's sync debug mode gives: "called a synchronizing CUDA operation")
+
+
+class _SyncSites:
+    """:data:`SYNC_DEBUG`: counts the synchronizing operations PyTorch warns of, by the Python line
+    that called them, logging each line's stack the first time; other warnings go on as before."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self._show = warnings.showwarning
+
+    def install(self) -> None:
+        warnings.filterwarnings("always", message=f".*{SYNC_MESSAGE}")
+        warnings.showwarning = self._note
+
+    def _note(self, message: Warning | str, category: type[Warning], filename: str, lineno: int,
+              file: Any = None, line: str | None = None) -> None:
+        if SYNC_MESSAGE not in str(message):
+            self._show(message, category, filename, lineno, file, line)
+            return
+        site = f"{filename}:{lineno}"
+        self.counts[site] = self.counts.get(site, 0) + 1
+        if self.counts[site] == 1:
+            stack = "".join(traceback.format_stack(limit=STALL_FRAMES + 1)[:-1])
+            logger.warning("trainer: a synchronizing CUDA operation at %s:\n%s", site, stack)
+
+    def report(self) -> None:
+        for site, count in sorted(self.counts.items(), key=lambda kv: -kv[1]):
+            logger.warning("trainer: %d synchronizing CUDA operations at %s", count, site)
 STALL_STACKS_LOGGED = 5  # (distinct stalled stacks logged per trainer)
 
 
@@ -236,9 +275,16 @@ def run_worker(spec: WorkerSpec, tasks: Any, results: Any) -> None:
         if spec.ready is not None:
             spec.ready.set()
         freeze_startup_objects("trainer")
+        sync_sites = None
+        if SYNC_DEBUG and spec.store.device.type == "cuda":
+            sync_sites = _SyncSites()
+            sync_sites.install()
+            torch.cuda.set_sync_debug_mode("warn")
         while True:
             task = tasks.get()
             if task is None:
+                if sync_sites is not None:
+                    sync_sites.report()
                 return
             results.put(worker.run(task))
     except Exception:  # the engine restarts us from the last committed state
