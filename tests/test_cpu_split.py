@@ -9,7 +9,13 @@ import textwrap
 
 import pytest
 
-from coserve.cpu_split import ENGINE_CPUS_ENV, engine_cpus_from_env, split_cpus
+from coserve.cpu_split import (
+    ENGINE_CPUS_ENV,
+    core_siblings,
+    engine_cpus_from_env,
+    parse_cpu_list,
+    split_cpus,
+)
 
 
 @pytest.mark.parametrize(
@@ -26,6 +32,33 @@ from coserve.cpu_split import ENGINE_CPUS_ENV, engine_cpus_from_env, split_cpus
 )
 def test_split_cpus(allowed: set[int], engine: int, expected: object) -> None:
     assert split_cpus(allowed, engine) == expected
+
+
+def test_split_cpus_keeps_a_cores_hyperthreads_together() -> None:
+    """Eight cores of two threads numbered 0-7 and 8-15 (cpu k beside cpu k + 8): the engine's
+    cores come with their second threads, none of which the trainer gets."""
+    def siblings(cpu: int) -> frozenset[int]:
+        return frozenset({cpu % 8, cpu % 8 + 8})
+
+    assert split_cpus(range(16), 4, siblings) == ((0, 1, 8, 9), (2, 3, 4, 5, 6, 7, 10, 11, 12, 13, 14, 15))
+    # whole cores: at least the CPUs asked for
+    assert split_cpus(range(16), 3, siblings) == split_cpus(range(16), 4, siblings)
+    assert split_cpus(range(16), 5, siblings) == ((0, 1, 2, 8, 9, 10), (3, 4, 5, 6, 7, 11, 12, 13, 14, 15))
+    # a sibling outside the allowed mask is not taken; whole cores for the engine leave none: no split
+    assert split_cpus({0, 1, 9}, 2, siblings) is None
+    assert split_cpus({0, 2, 8}, 1, siblings) == ((0, 8), (2,))
+
+
+@pytest.mark.parametrize(("text", "cpus"), [("0", [0]), ("0-3", [0, 1, 2, 3]), ("0,8", [0, 8]),
+                                            ("0-1,8-9\n", [0, 1, 8, 9])])
+def test_parse_cpu_list(text: str, cpus: list[int]) -> None:
+    assert parse_cpu_list(text) == cpus
+
+
+def test_core_siblings_of_this_machine_hold_the_cpu_itself() -> None:
+    cpu = min(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+    assert cpu in core_siblings(cpu)
+    assert core_siblings(10**6) == frozenset({10**6})  # (no such CPU: itself alone)
 
 
 @pytest.mark.parametrize(("raw", "count"), [(None, 0), ("", 0), ("0", 0), (" 4 ", 4)])

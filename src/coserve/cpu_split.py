@@ -3,10 +3,11 @@
 On a GPU host the engine's step time is partly its host's: each step's enqueue, and the time
 after its GPU work. The trainer's host thread spins in kernel launches beside it (on a full launch
 queue, behind a closed gate), and the two processes' intra-op thread pools share the cores. With
-``COSERVE_ENGINE_CPUS=N`` the engine keeps the first N CPUs of its affinity mask and the trainer
-gets the rest, so that neither's threads run on the other's cores (a hyperthread sibling still may:
-the mask is Linux's CPU numbering, whatever the topology), and each process keeps no more intra-op
-threads than its CPUs. Off by default (0); an A/B switch for
+``COSERVE_ENGINE_CPUS=N`` the engine keeps the lowest-numbered N CPUs of its affinity mask, taken
+as whole cores (a core's hyperthread siblings go with it, from ``/sys``: Linux often numbers a
+core's second thread far from its first, and a trainer thread there would share the engine's core),
+and the trainer gets the rest, so that neither's threads run on the other's cores; each process
+keeps no more intra-op threads than its CPUs. Off by default (0); an A/B switch for
 noisy hosts (DEVELOPERS.md, "Device runs waiting").
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Final
 
 import torch
@@ -37,14 +38,47 @@ def engine_cpus_from_env() -> int:
     return count
 
 
-def split_cpus(allowed: Iterable[int], engine: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """The engine's CPUs (the ``engine`` lowest-numbered of ``allowed``) and the trainer's (the
-    rest), or None where there is nothing to split: ``engine`` 0, or not fewer than the allowed
-    CPUs (each side needs one at least)."""
+def core_siblings(cpu: int) -> frozenset[int]:
+    """The CPUs that share ``cpu``'s core (itself included), from ``/sys``; just ``cpu`` where the
+    topology cannot be read."""
+    path = f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list"
+    try:
+        with open(path) as f:
+            return frozenset(parse_cpu_list(f.read())) | {cpu}
+    except (OSError, ValueError):
+        return frozenset({cpu})
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """A Linux CPU list (``"0-3,8,10-11"``) as CPU numbers."""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def split_cpus(allowed: Iterable[int], engine: int,
+               siblings: Callable[[int], frozenset[int]] = lambda cpu: frozenset({cpu}),
+               ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The engine's CPUs and the trainer's, or None where there is nothing to split (``engine`` 0,
+    or no CPU left for the trainer). The engine takes whole cores, the lowest-numbered CPU's first,
+    each with its allowed ``siblings``, until it holds ``engine`` CPUs or more; the trainer the rest."""
     cpus = sorted(set(allowed))
-    if engine <= 0 or engine >= len(cpus):
+    if engine <= 0:
         return None
-    return tuple(cpus[:engine]), tuple(cpus[engine:])
+    ours: set[int] = set()
+    for cpu in cpus:
+        if len(ours) >= engine:
+            break
+        if cpu not in ours:
+            ours |= siblings(cpu) & set(cpus)
+    theirs = [c for c in cpus if c not in ours]
+    if not theirs:
+        return None
+    return tuple(sorted(ours)), tuple(theirs)
 
 
 def pin_process(cpus: Sequence[int]) -> int:
@@ -84,7 +118,7 @@ def split_for_trainer() -> tuple[int, ...]:
         return ()
     if engine not in _split_made:
         allowed = os.sched_getaffinity(0)
-        _split_made[engine] = split_cpus(allowed, engine)
+        _split_made[engine] = split_cpus(allowed, engine, core_siblings)
         if _split_made[engine] is None:
             logger.warning("%s=%d: only %d CPUs allowed, one at least needed for each side; not split",
                            ENGINE_CPUS_ENV, engine, len(allowed))
