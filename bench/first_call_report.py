@@ -114,7 +114,8 @@ def host_check(steps: dict[str, Any] | None) -> dict[str, Any] | None:
     run's only steps that neither the trainer nor a prefill slows): the 50th / 99th percentile of
     their host enqueue and of their time past their GPU work, in ms, and ``noisy`` where the
     latter's 99th percentile is above :data:`QUIET_HOST_AFTER_GPU_P99_MS`: such a host's p99
-    errors are its own, not the model's (session 37). None without such steps or ``gpu_s``."""
+    errors are its own, not the model's (session 37); with ``host_cpu``, :func:`host_cpus`. None
+    without such steps or ``gpu_s``."""
     if not steps or "gpu_s" not in steps["columns"]:
         return None
     col = {c: i for i, c in enumerate(steps["columns"])}
@@ -125,9 +126,22 @@ def host_check(steps: dict[str, Any] | None) -> dict[str, Any] | None:
     after = np.asarray([r[col["measured_s"]] - r[col["gpu_s"]] for r in rows]) * 1e3
     enqueue = np.asarray([r[col["enqueue_s"]] for r in rows]) * 1e3
     p99 = float(np.quantile(after, 0.99))
-    return {"steps": len(rows), "after_gpu_p50_ms": float(np.median(after)), "after_gpu_p99_ms": p99,
-            "enqueue_p50_ms": float(np.median(enqueue)), "enqueue_p99_ms": float(np.quantile(enqueue, 0.99)),
-            "noisy": p99 > QUIET_HOST_AFTER_GPU_P99_MS}
+    out = {"steps": len(rows), "after_gpu_p50_ms": float(np.median(after)), "after_gpu_p99_ms": p99,
+           "enqueue_p50_ms": float(np.median(enqueue)), "enqueue_p99_ms": float(np.quantile(enqueue, 0.99)),
+           "noisy": p99 > QUIET_HOST_AFTER_GPU_P99_MS}
+    if "host_cpu" in col:
+        out.update(host_cpus(steps["rows"], col["host_cpu"]))
+    return out
+
+
+def host_cpus(rows: list[list[Any]], column: int) -> dict[str, Any]:
+    """Over all steps of a table with ``host_cpu`` (since session 38): how many CPUs the engine's
+    thread ended its steps on, and the share of steps that ended on another CPU than the one
+    before: whether the thread moved between CPUs, which a host that runs the same step slower in
+    stretches could be."""
+    cpus = [r[column] for r in rows if len(r) > column and r[column] is not None]
+    moved = sum(1 for a, b in zip(cpus, cpus[1:], strict=False) if a != b)
+    return {"host_cpus": len(set(cpus)), "host_cpu_changes": moved / (len(cpus) - 1) if len(cpus) > 1 else None}
 
 
 def before_warm(steps: dict[str, Any] | None, first_warm: int | None) -> dict[str, Any] | None:

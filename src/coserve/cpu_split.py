@@ -13,6 +13,7 @@ noisy hosts (DEVELOPERS.md, "Device runs waiting").
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -36,6 +37,24 @@ def engine_cpus_from_env() -> int:
     if count < 0:
         raise ValueError(f"{ENGINE_CPUS_ENV} must be 0 (no split) or more, got {count}")
     return count
+
+
+_sched_getcpu: Callable[[], int] | None = None
+
+
+def current_cpu() -> int | None:
+    """The CPU this thread runs on now (glibc's ``sched_getcpu``, a vDSO read), None where it
+    cannot be told. The latency run's step table keeps the engine's at each step's end
+    (``host_cpu``): whether a host that runs a step's enqueue slower in stretches moved the
+    engine's thread between CPUs."""
+    global _sched_getcpu
+    if _sched_getcpu is None:
+        try:
+            _sched_getcpu = ctypes.CDLL(None, use_errno=True).sched_getcpu
+        except (OSError, AttributeError):
+            _sched_getcpu = lambda: -1  # noqa: E731 (none on this platform: asked once)
+    cpu = _sched_getcpu()
+    return cpu if cpu >= 0 else None
 
 
 def core_siblings(cpu: int) -> frozenset[int]:

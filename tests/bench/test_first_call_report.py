@@ -185,6 +185,15 @@ def test_report_tells_a_noisy_host_from_a_quiet_one(tmp_path: Path) -> None:
     assert not quiet["noisy"] and quiet["after_gpu_p99_ms"] == pytest.approx(1.04, abs=0.01)
     assert quiet["steps"] == 1718 and quiet["enqueue_p99_ms"] < noisy["enqueue_p99_ms"]
     assert first_call_report.host_check(None) is None
+    assert "host_cpus" not in quiet  # (tables before session 38: no host_cpu column)
+
+
+def test_host_cpus_counts_the_engines_cpus_and_its_moves() -> None:
+    rows = [["decode/graph/idle", 0], ["decode/graph/idle", 0], ["decode/graph/busy", 3], ["prefill", 3],
+            ["decode/graph/idle", None], ["decode/graph/idle", 0]]
+    # (the step without a CPU is skipped: 0 0 3 3 0, two moves in four)
+    assert first_call_report.host_cpus(rows, 1) == {"host_cpus": 2, "host_cpu_changes": 0.5}
+    assert first_call_report.host_cpus([["k", 5]], 1) == {"host_cpus": 1, "host_cpu_changes": None}
 
 
 def test_host_check_of_result_files_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -4,6 +4,7 @@ backward; under ``"model"`` every inference step on that prediction alone."""
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import replace
 
@@ -130,6 +131,9 @@ def test_an_untimed_step_is_learned_from_when_the_host_dates_it() -> None:
     assert len(co.step_log) == 2 and co.step_log[1].late is False
     assert (co.step_log[1].schedule_s, co.step_log[1].enqueue_s, co.step_log[1].gpu_s) == (0.001, 0.012, 0.018)
     assert row.gpu_s is None
+    # the CPU the engine's thread ended each step on (the step table's host_cpu)
+    if hasattr(os, "sched_getaffinity"):
+        assert co.step_log[1].host_cpu in os.sched_getaffinity(0)
 
 
 def priced(prefill_busy: tuple[float, float], prefill_safety: float = 1.0, decode_c: float = 0.01,

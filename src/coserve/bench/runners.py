@@ -357,7 +357,8 @@ def step_table(log: Sequence[StepLogRow], origin: float | None = None) -> dict[s
     step's forward, where the host timed it, ``coserve.engine.llm_engine.StepStats.forward_gpu_s``;
     gap_s: the host's seconds from the end of the step before to this one's start, how long the
     GPU was left to the trainer or idle before it; began_s: its start in seconds since ``origin``,
-    a ``time.monotonic()``, null without one; decode_kv_max: its longest decode row's KV tokens),
+    a ``time.monotonic()``, null without one; decode_kv_max: its longest decode row's KV tokens;
+    host_cpu: the CPU the engine's thread was on at its end, null where not told, since session 38),
     6 significant digits: enough to refit the latency model offline, to try forms with other
     terms, to see whether a busy step's time follows what the trainer's kernels were doing, and
     whether a step was bound by its host."""
@@ -371,14 +372,14 @@ def step_table(log: Sequence[StepLogRow], origin: float | None = None) -> dict[s
                   list(r.trainer_at) if r.trainer_at is not None else None, r.late,
                   [list(c) for c in r.chunks], r.decodes, g(r.schedule_s), g(r.enqueue_s), g(r.planned_s), g(r.gpu_s),
                   g(r.gap_s), None if origin is None or r.began_s is None else round(r.began_s - origin, 6),
-                  r.decode_kv_max]
+                  r.decode_kv_max, r.host_cpu]
                  for r in log],
     }
 
 
 STEP_TABLE_COLUMNS = ("key", "predicted_s", "measured_s", "regressors", "rows", "trainer_at", "event_timed",
                       "chunks", "decodes", "schedule_s", "enqueue_s", "planned_s", "gpu_s", "gap_s", "began_s",
-                      "decode_kv_max")
+                      "decode_kv_max", "host_cpu")
 
 
 def row_lone(row: Sequence[Any], without_gap: bool = False) -> bool:

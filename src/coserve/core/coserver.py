@@ -30,6 +30,7 @@ from coserve.core.latency import (
 )
 from coserve.core.messages import BackwardTask, TaskResult, TaskSample, row_dropout_key
 from coserve.core.sample_pool import SamplePool
+from coserve.cpu_split import current_cpu
 from coserve.gc_freeze import GCClock
 
 logger = logging.getLogger(__name__)
@@ -134,6 +135,7 @@ class StepLogRow(NamedTuple):
     # to line the steps up with the trainer's tasks and the GPU's clock (bench/coserve_latency.py)
     began_s: float | None = None
     decode_kv_max: int = 0  # StepView.decode_kv_max: the longest decode row's KV tokens
+    host_cpu: int | None = None  # the CPU the engine's thread was on at the step's end (cpu_split.current_cpu)
 
 
 class CheckPoint(NamedTuple):
@@ -670,7 +672,7 @@ class CoServer:
                 (len(features.chunks), len(features.ft_lens)),
                 trainer_at, late, tuple((c.num_tokens, c.context_len) for c in features.chunks),
                 features.num_decodes, record.schedule_s, record.enqueue_s, planned_s, record.gpu_s, gap_s,
-                record.view.step_began, record.view.decode_kv_max))
+                record.view.step_began, record.view.decode_kv_max, current_cpu()))
 
     def _gap_before(self, record: StepRecord) -> float | None:
         """:attr:`StepLogRow.gap_s` of the step ending now (None where it cannot be told)."""
