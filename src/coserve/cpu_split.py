@@ -139,8 +139,8 @@ def split_for_trainer() -> tuple[int, ...]:
         allowed = os.sched_getaffinity(0)
         _split_made[engine] = split_cpus(allowed, engine, core_siblings)
         if _split_made[engine] is None:
-            logger.warning("%s=%d: only %d CPUs allowed, one at least needed for each side; not split",
-                           ENGINE_CPUS_ENV, engine, len(allowed))
+            logger.warning("%s=%d: of the %d CPUs allowed, none would be left for the trainer once the engine "
+                           "has its whole cores; not split", ENGINE_CPUS_ENV, engine, len(allowed))
     split = _split_made[engine]
     if split is None:
         return ()
