@@ -165,21 +165,20 @@ WAITED_MIN_MS = 0.5
 LONGEST_SPANS = 12  # (span_summary's longest_cpu: how many)
 
 
-def task_allocs_summary(rows: Sequence[tuple[int, int, int, int]],
-                        closed_sleeps: Sequence[int] = ()) -> dict[str, Any]:
-    """The trainer's tasks (``(watchdog_releases, watchdog_closed, device_allocs, device_frees)``
-    each, from ``TaskResult``): how many asked the driver for memory, and how the watchdog's
-    releases (``COSERVE_TRAINER_RELEASE``: a stretch whose CPU stalled) fall between the tasks that
-    did and those that did not, and between a gate the engine held closed (the GPU paused anyway)
-    and an open one (the GPU idled for it); with ``closed_sleeps`` (each task's
-    ``TaskResult.closed_sleeps``, ``COSERVE_TRAINER_CLOSED_AHEAD``), their sum and the tasks with any."""
+def task_allocs_summary(rows: Sequence[tuple[int, int, int, int, int]]) -> dict[str, Any]:
+    """The trainer's tasks (``CoServer.trainer_task_counts``: ``(watchdog_releases, watchdog_closed,
+    device_allocs, device_frees, closed_sleeps)`` each, from ``TaskResult``): how many asked the
+    driver for memory, and how the watchdog's releases (``COSERVE_TRAINER_RELEASE``: a stretch whose
+    CPU stalled) fall between the tasks that did and those that did not, and between a gate the
+    engine held closed (the GPU paused anyway) and an open one (the GPU idled for it); the sleeps
+    behind a closed gate (``COSERVE_TRAINER_CLOSED_AHEAD``) summed, and the tasks with any."""
     allocating = [r for r in rows if r[2] > 0 or r[3] > 0]
     return {"tasks": len(rows), "with_device_allocs": len(allocating),
             "device_allocs": sum(r[2] for r in rows), "device_frees": sum(r[3] for r in rows),
             "watchdog_releases": sum(r[0] for r in rows), "watchdog_gate_closed": sum(r[1] for r in rows),
             "watchdog_in_allocating_tasks": sum(r[0] for r in allocating),
             "tasks_with_watchdog": sum(r[0] > 0 for r in rows),
-            "closed_sleeps": sum(closed_sleeps), "tasks_with_closed_sleeps": sum(n > 0 for n in closed_sleeps)}
+            "closed_sleeps": sum(r[4] for r in rows), "tasks_with_closed_sleeps": sum(r[4] > 0 for r in rows)}
 
 
 def span_summary(spans: list[tuple[int, int, float, float]], num_layers: int,
@@ -533,8 +532,7 @@ def main() -> None:
         "trainer_spans": (span_summary(co.trainer_spans, num_layers, co.trainer_span_process_ms,
                                        co.trainer_span_gc_ms, co.trainer_watchdog_releases, co.trainer_span_tasks)
                           if co.trainer_spans else None),
-        "trainer_tasks": (task_allocs_summary(co.trainer_task_allocs, co.trainer_closed_sleeps)
-                          if co.trainer_task_allocs else None),
+        "trainer_tasks": task_allocs_summary(co.trainer_task_counts) if co.trainer_task_counts else None,
         "ft_only_interruption": {
             "requests": len(ft_only), "interrupted_steps": co.num_interrupted,
             "delay_p50_ms": percentile(ft_only, 50) * 1e3, "delay_p99_ms": percentile(ft_only, 99) * 1e3,

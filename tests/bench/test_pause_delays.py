@@ -162,13 +162,13 @@ def test_layer0_profile_covers_only_the_first_layer_of_each_step() -> None:
 
 
 def test_task_allocs_tell_the_watchdogs_releases_in_tasks_that_asked_the_driver_for_memory() -> None:
-    rows = [(0, 0, 0, 0), (2, 1, 3, 0), (1, 1, 0, 0), (0, 0, 1, 1)]
+    rows = [(0, 0, 0, 0, 0), (2, 1, 3, 0, 0), (1, 1, 0, 0, 0), (0, 0, 1, 1, 0)]
     got = coserve_latency.task_allocs_summary(rows)
     assert got == {"tasks": 4, "with_device_allocs": 2, "device_allocs": 4, "device_frees": 1,
                    "watchdog_releases": 3, "watchdog_gate_closed": 2, "watchdog_in_allocating_tasks": 2,
                    "tasks_with_watchdog": 2, "closed_sleeps": 0, "tasks_with_closed_sleeps": 0}
     # with each task's sleeps behind a closed gate (COSERVE_TRAINER_CLOSED_AHEAD)
-    slept = coserve_latency.task_allocs_summary(rows, [0, 3, 1, 0])
+    slept = coserve_latency.task_allocs_summary([(*r[:4], n) for r, n in zip(rows, [0, 3, 1, 0], strict=True)])
     assert slept["closed_sleeps"] == 4 and slept["tasks_with_closed_sleeps"] == 2
 
 

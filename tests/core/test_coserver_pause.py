@@ -804,7 +804,7 @@ def test_a_tracking_coserver_records_each_tasks_shape_and_longest_stretch() -> N
                                       device_allocs=3))
     co.poll()
     # each task's sleeps behind a closed gate (COSERVE_TRAINER_CLOSED_AHEAD), beside its other counts
-    assert co.trainer_closed_sleeps[-1] == 2 and len(co.trainer_closed_sleeps) == len(co.trainer_task_allocs)
+    assert co.trainer_task_counts[-1][4] == 2 and co.trainer_task_counts[-1][2] == 3
     (samples, longest, cpu_ms, gpu_ms, allocs, sleeps), = co.task_shapes
     assert (allocs, sleeps) == (3, 2)  # (a long stretch in a task that allocated: the allocation's)
     assert samples == len(trainer.submitted[1].samples) == 2 and longest == 8

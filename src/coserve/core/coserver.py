@@ -265,10 +265,9 @@ class CoServer:
         # parallel to trainer_spans: each stretch's task, as its index in task_timings (-1: none there)
         self.trainer_span_tasks: list[int] = []
         self.trainer_watchdog_releases = 0  # TaskResult.watchdog_releases, summed
-        # (watchdog_releases, watchdog_closed, device_allocs, device_frees) of each task (TaskResult's)
-        self.trainer_task_allocs: list[tuple[int, int, int, int]] = []
-        # each task's TaskResult.closed_sleeps (COSERVE_TRAINER_CLOSED_AHEAD), parallel to trainer_task_allocs
-        self.trainer_closed_sleeps: list[int] = []
+        # (watchdog_releases, watchdog_closed, device_allocs, device_frees, closed_sleeps) of each
+        # task (TaskResult's; closed_sleeps: COSERVE_TRAINER_CLOSED_AHEAD)
+        self.trainer_task_counts: list[tuple[int, int, int, int, int]] = []
         self.pause_observed_lags: list[float] = []  # TaskResult.pause_lags_ms (GPU-side gate only)
         self.pause_observed_polled: list[bool] = []  # TaskResult.pause_polled
         self.pause_observed_idle_ms: list[float] = []  # TaskResult.pause_idle_ms (0 where none)
@@ -817,9 +816,8 @@ class CoServer:
             gc_ms = result.span_gc_ms
             self.trainer_span_gc_ms.extend(gc_ms if len(gc_ms) == len(result.spans) else (math.nan,) * len(result.spans))
             self.trainer_watchdog_releases += result.watchdog_releases
-            self.trainer_task_allocs.append((result.watchdog_releases, result.watchdog_closed, result.device_allocs,
-                                             result.device_frees))
-            self.trainer_closed_sleeps.append(result.closed_sleeps)
+            self.trainer_task_counts.append((result.watchdog_releases, result.watchdog_closed, result.device_allocs,
+                                             result.device_frees, result.closed_sleeps))
             self.pause_observed_lags.extend(result.pause_lags_ms)
             self.pause_observed_polled.extend(result.pause_polled or (False,) * len(result.pause_times))
             self.pause_observed_idle_ms.extend(result.pause_idle_ms or (0.0,) * len(result.pause_times))

@@ -90,6 +90,7 @@ waits for the GPU (a device synchronization) would otherwise wait for a release 
 same CPU, past that work, can write. Session 21's run with the switch on had 231 such releases
 in 138 tasks, each leaving the GPU idle up to the timeout."""
 STALL_FRAMES = 8  # (the innermost frames of a stalled stretch's stack the watchdog logs)
+STALL_STACKS_LOGGED = 5  # (distinct stalled stacks logged per trainer)
 SYNC_MESSAGE = "synchronizing"  # (in the warning PyTorch's sync debug mode gives: "called a synchronizing CUDA operation")
 
 
@@ -119,7 +120,6 @@ class _SyncSites:
     def report(self) -> None:
         for site, count in sorted(self.counts.items(), key=lambda kv: -kv[1]):
             logger.warning("trainer: %d synchronizing CUDA operations at %s", count, site)
-STALL_STACKS_LOGGED = 5  # (distinct stalled stacks logged per trainer)
 
 
 class _Pause(NamedTuple):
