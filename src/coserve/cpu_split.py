@@ -85,7 +85,8 @@ def split_cpus(allowed: Iterable[int], engine: int,
     """The engine's CPUs and the trainer's, or None where there is nothing to split (``engine`` 0,
     or no CPU left for the trainer). The engine takes whole cores, the lowest-numbered CPU's first,
     each with its allowed ``siblings``, until it holds ``engine`` CPUs or more; the trainer the rest."""
-    cpus = sorted(set(allowed))
+    mask = set(allowed)
+    cpus = sorted(mask)
     if engine <= 0:
         return None
     ours: set[int] = set()
@@ -93,7 +94,7 @@ def split_cpus(allowed: Iterable[int], engine: int,
         if len(ours) >= engine:
             break
         if cpu not in ours:
-            ours |= siblings(cpu) & set(cpus)
+            ours |= siblings(cpu) & mask
     theirs = [c for c in cpus if c not in ours]
     if not theirs:
         return None

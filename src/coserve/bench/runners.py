@@ -358,7 +358,8 @@ def step_table(log: Sequence[StepLogRow], origin: float | None = None) -> dict[s
     gap_s: the host's seconds from the end of the step before to this one's start, how long the
     GPU was left to the trainer or idle before it; began_s: its start in seconds since ``origin``,
     a ``time.monotonic()``, null without one; decode_kv_max: its longest decode row's KV tokens;
-    host_cpu: the CPU the engine's thread was on at its end, null where not told, since session 38),
+    host_cpu: the CPU the engine's thread was on when the step was observed, its end but for a late-timed
+    step, null where not told, since session 38),
     6 significant digits: enough to refit the latency model offline, to try forms with other
     terms, to see whether a busy step's time follows what the trainer's kernels were doing, and
     whether a step was bound by its host."""

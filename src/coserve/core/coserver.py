@@ -135,7 +135,9 @@ class StepLogRow(NamedTuple):
     # to line the steps up with the trainer's tasks and the GPU's clock (bench/coserve_latency.py)
     began_s: float | None = None
     decode_kv_max: int = 0  # StepView.decode_kv_max: the longest decode row's KV tokens
-    host_cpu: int | None = None  # the CPU the engine's thread was on at the step's end (cpu_split.current_cpu)
+    # the CPU the engine's thread was on when the step was observed: its end, later for a late-timed
+    # step (cpu_split.current_cpu)
+    host_cpu: int | None = None
 
 
 class CheckPoint(NamedTuple):
