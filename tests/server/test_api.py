@@ -422,7 +422,8 @@ def test_errors_through_the_client_and_server_keeps_serving(served: Served) -> N
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         served.client.completions.create(model="gpt-9", prompt="hi")
     status, reply = http(served.url + "/v1/completions", raw=b"{not json")
-    assert status == 400 and "JSON" in reply["error"]["message"]
+    assert status == 400 and "the request body is not valid JSON" in reply["error"]["message"]
+    assert "at character 1" in reply["error"]["message"]
     status, reply = http(served.url + "/v1/nothing-here")
     assert status == 404 and "error" in reply
     r = served.client.completions.create(model=MODEL, prompt="still alive?", max_tokens=3)

@@ -45,6 +45,23 @@ def test_coserving_takes_the_slo_flags_and_calibrates(tmp_path: Path) -> None:
     assert (defaults.slo.ttft_slo_s, defaults.slo.tpot_slo_s, defaults.slo.policy) == (1.0, 0.1, "full")
 
 
+def test_the_builtin_dataset_is_named_where_no_file_has_its_name(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from coserve.data import builtin_dataset
+
+    monkeypatch.chdir(tmp_path)
+    spec = serve_spec(parse("--finetune-data", "tiny_facts", "--output", str(tmp_path / "out")))
+    assert spec is not None and spec.data == builtin_dataset() and spec.data.is_file()
+    assert spec.data.read_text().count("\n") >= 10
+    # a file of that name is the user's, not the built-in one
+    (tmp_path / "tiny_facts").write_text("[]")
+    spec = serve_spec(parse("--finetune-data", "tiny_facts", "--output", str(tmp_path / "out")))
+    assert spec is not None and spec.data == Path("tiny_facts")
+    # any other missing name stays the path it was (the loader's error names it)
+    spec = serve_spec(parse("--finetune-data", "tiny_fact", "--output", str(tmp_path / "out")))
+    assert spec is not None and spec.data == Path("tiny_fact")
+
+
 def test_bad_coserving_flags_are_errors_that_say_why(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--output is required"):
         serve_spec(parse("--finetune-data", "d.jsonl"))
@@ -73,7 +90,7 @@ def test_a_calibration_is_saved_and_a_saved_state_replaces_it(tmp_path: Path, mo
 
     from coserve import EngineConfig, LLMEngine
     from coserve.core.config import CoServeConfig, LoRAConfig
-    from coserve.server.demo import builtin_dataset
+    from coserve.data import builtin_dataset
     from coserve.server.finetune import FinetuneSession, FinetuneSpec, engine_fingerprint
 
     def session(out: Path, **kw: object) -> FinetuneSession:

@@ -202,6 +202,12 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> JS
 def _validation_message(exc: RequestValidationError) -> str:
     parts = []
     for err in exc.errors():
+        if err.get("type") == "json_invalid":  # (loc: ("body", the character where decoding failed))
+            where = err.get("loc", ())[-1:]
+            reason = (err.get("ctx") or {}).get("error", "")
+            parts.append(f"the request body is not valid JSON ({reason}{', ' if reason else ''}"
+                         f"at character {where[0] if where else '?'})")
+            continue
         loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
         msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
         parts.append(f"{loc}: {msg}" if loc else msg)

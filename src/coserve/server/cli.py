@@ -153,7 +153,8 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def add_finetune_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data", required=True, help="JSON/JSONL dataset: Alpaca, chat (messages) or pre-tokenized rows")
+    p.add_argument("--data", required=True, help="JSON/JSONL dataset: Alpaca, chat (messages) or pre-tokenized rows; "
+                        "or tiny_facts, the built-in one (short facts the tiny model learns in a minute)")
     p.add_argument("--output", required=True, help="output directory (adapter/, train_log.jsonl, run_config.json)")
     p.add_argument("--init-adapter", default=None, help="continue from this PEFT adapter directory")
     p.add_argument("--lora-rank", type=int, default=16)
@@ -189,10 +190,11 @@ def finetune_spec(args: argparse.Namespace) -> FinetuneSpec:
     from pathlib import Path
 
     from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig
+    from coserve.data import resolve_dataset
     from coserve.server.finetune import FinetuneSpec
 
     return FinetuneSpec(
-        data=Path(args.data),
+        data=resolve_dataset(args.data),
         output=Path(args.output),
         lora=LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
                         target_modules=tuple(t.strip() for t in args.target_modules.split(",") if t.strip())),
@@ -232,6 +234,7 @@ def finetune(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineConfig(model=args.model, num_training_slots=1, **kwargs))  # type: ignore[arg-type]
     held_out, before = None, None
     if args.eval_data is not None:
+        from coserve.data import resolve_dataset
         from coserve.engine.sequence import LoRARequest
         from coserve.server.finetune import evaluate, read_dataset
 
@@ -239,7 +242,7 @@ def finetune(args: argparse.Namespace) -> int:
             raise ValueError("--eval-data needs the model's tokenizer")
         if engine.config.max_loras == 0:
             raise ValueError("--eval-data needs --max-loras >= 1 (the trained adapter is evaluated from its files)")
-        held_out = read_dataset(engine, args.eval_data, spec.coserve)
+        held_out = read_dataset(engine, resolve_dataset(args.eval_data), spec.coserve)
         start = LoRARequest("eval-initial", str(spec.init_adapter)) if spec.init_adapter else None
         before = evaluate(engine, held_out.samples, start)
         print(f"eval {args.eval_data}: {before.samples} samples, {before.tokens} target tokens; "

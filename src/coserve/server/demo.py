@@ -13,7 +13,6 @@ import logging
 import tempfile
 import time
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 import torch
@@ -22,6 +21,7 @@ from coserve.bench.metrics import attainment, latency_summary
 from coserve.bench.replay import InProcessDriver, ReplayResult, Snapshot
 from coserve.bench.workload import BurstPattern, Scaling, synthetic
 from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig
+from coserve.data import builtin_dataset, resolve_dataset
 from coserve.engine.config import EngineConfig
 from coserve.engine.llm_engine import LLMEngine
 from coserve.engine.sampling_params import SamplingParams
@@ -44,10 +44,6 @@ class DemoResult:
     ft_tokens_per_s: float
     loss_first: float | None = None
     loss_last: float | None = None
-
-
-def builtin_dataset() -> Path:
-    return Path(str(resources.files("coserve.data") / "tiny_facts.jsonl"))
 
 
 def add_demo_args(p: argparse.ArgumentParser) -> None:
@@ -98,7 +94,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     out = Path(args.output) if args.output else Path(tempfile.mkdtemp(prefix="coserve-demo-"))
     spec = FinetuneSpec(
-        data=Path(args.data) if args.data else builtin_dataset(), output=out,
+        data=resolve_dataset(args.data) if args.data else builtin_dataset(), output=out,
         lora=LoRAConfig(rank=16, alpha=32, target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                            "up_proj", "down_proj")),
         optim=OptimConfig(lr=2e-3, max_grad_norm=1.0),
