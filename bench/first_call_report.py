@@ -11,6 +11,7 @@ Missing files are named, not fatal.
 
     tar -xzf first.tar.gz -C /tmp && python bench/first_call_report.py /tmp/first [--out report.json]
     python bench/first_call_report.py --host-check RUN.json.xz [RUN2 ...] [--out host_check.json]
+    python bench/first_call_report.py --table REPORT.json [REPORT2.json ...]   # the latency runs side by side
 """
 
 from __future__ import annotations
@@ -344,13 +345,83 @@ def split_check(r: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _errors(e: dict[str, Any] | list[dict[str, Any]] | None, key: str) -> str:
+    if isinstance(e, list):  # (latency_model_error_warm: one entry a warm replay)
+        return "; ".join(_errors(one, key) for one in e) or "-"
+    v = (e or {}).get(key)
+    return "-" if not isinstance(v, dict) else f"{_pct(v.get('median_rel'))} / {_pct(v.get('p99_rel'))}"
+
+
+def slo_table(reports: dict[str, dict[str, Any]]) -> str:
+    """The issue-5 figures of every latency run in ``reports`` (name -> a report as :func:`report`
+    writes it), one column a run, as a Markdown table: the goal's figures (the model's cold and
+    trainer-idle error, the pause delay, an arriving request's delay in an FT-only step), then
+    attainment, FT tokens/s and ``host_check``, so that a session's A/B reads at a glance."""
+    runs: dict[str, dict[str, Any]] = {}
+    for name, rep in reports.items():
+        if rep.get("slo_machinery"):
+            runs[f"{name}: (default)"] = rep["slo_machinery"]
+        for stem, run in (rep.get("slo_machinery_other") or {}).items():
+            runs[f"{name}: {stem.removeprefix('coserve_latency_')}"] = run
+    if len(reports) == 1:
+        runs = {k.split(": ", 1)[1]: v for k, v in runs.items()}
+    rows: list[tuple[str, list[str]]] = []
+
+    def row(label: str, get: Any) -> None:
+        cells = []
+        for run in runs.values():
+            try:
+                cells.append(get(run))
+            except (KeyError, TypeError):
+                cells.append("-")
+        rows.append((label, cells))
+
+    cold = "latency_model_error"
+    idle = "latency_model_error_trainer_idle"
+    row("cold, all steps: median / p99 (3% / 10%)", lambda r: _errors(r[cold], "all"))
+    row("cold, busy decode", lambda r: _errors(r[cold], "decode/graph/busy"))
+    row("cold, prefill (graph)", lambda r: _errors(r[cold], "prefill/graph/idle"))
+    row("cold, prefill (eager)", lambda r: _errors(r[cold], "prefill/eager/idle"))
+    row("trainer idle, all steps", lambda r: _errors(r[idle], "all"))
+    row("trainer idle, decode", lambda r: _errors(r[idle], "decode/graph/idle"))
+    row("warm, all steps", lambda r: _errors(r.get("latency_model_error_warm"), "all"))
+    row("pause p50 / p99 / max, ms (p99 2 ms)", lambda r: " / ".join(
+        _ms(r["trainer_pause"].get(k)) for k in ("delay_p50_ms", "delay_p99_ms", "delay_max_ms")))
+    row("FT-only arrivals: probes in one / p99 ms / one layer + 1 ms", lambda r: (
+        f"{r['ft_only_interruption']['probe']['during_ft_only']} of {r['ft_only_interruption']['probe']['requests']}"
+        f" / {_ms(r['ft_only_interruption']['probe'].get('delay_p99_ms'))}"
+        f" / {_ms(r['ft_only_interruption']['one_layer_ms'] + 1.0)}"))
+    row("attainment (requests)", lambda r: f"{_pct(r['replay']['attainment'])} ({r['replay']['requests']:.0f})")
+    row("FT tokens/s", lambda r: f"{r['replay']['ft_tokens_per_s']:,.0f}")
+    row("host: idle decode past GPU p99, ms (quiet < 2)", lambda r: (
+        f"{_ms(r['host_check']['after_gpu_p99_ms'])}{' (noisy)' if r['host_check']['noisy'] else ''}"))
+    row("host: enqueue p99, ms", lambda r: _ms(r["host_check"]["enqueue_p99_ms"]))
+    lines = ["| figure | " + " | ".join(f"`{n}`" for n in runs) + " |",
+             "| --- |" + " --- |" * len(runs)]
+    lines += [f"| {label} | " + " | ".join(cells) + " |" for label, cells in rows]
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folder", type=Path, nargs="?", help="the unpacked first/ folder")
     p.add_argument("--host-check", type=Path, nargs="+", default=None, metavar="RUN",
                    help="instead, the host_check of these bench/coserve_latency.py result files")
+    p.add_argument("--table", type=Path, nargs="+", default=None, metavar="REPORT",
+                   help="instead, the latency runs of these reports (--out files) side by side, as Markdown")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    if args.table:
+        print(slo_table({f"{path.parent.name}/{path.stem}": json.loads(path.read_text()) for path in args.table}))
+        return
     if args.host_check:
         got = {"host_check": {path.name: host_check(read_result(path)["figures"].get("steps"))
                               for path in args.host_check}}

@@ -206,3 +206,23 @@ def test_host_check_of_result_files_alone(tmp_path: Path, monkeypatch: pytest.Mo
     capsys.readouterr()
     got = json.loads(out.read_text())
     assert got["host_check"][run.name]["noisy"] and "commit" in got and "--host-check" in got["command"]
+
+
+def test_table_sets_the_latency_runs_of_reports_side_by_side() -> None:
+    """Session 38's committed report and session 36's (a warm run, no host_cpu): one column a
+    run, the figures as the reports hold them, '-' where a run has none."""
+    s38 = json.loads((RESULTS / "latency_h100" / "session38" / "first_call_report_call1.json").read_text())
+    s36 = json.loads((RESULTS / "latency_h100" / "session36" / "first_call_report_call2_r2.json").read_text())
+    table = first_call_report.slo_table({"s38": s38, "s36": s36})
+    lines = table.splitlines()
+    assert lines[0] == "| figure | `s38: env_COSERVE_TRAINER_CLOSED_AHEAD_2` | `s36: warm` |"
+    cells = {line.split(" | ")[0].removeprefix("| "): line.split(" | ")[1:] for line in lines[2:]}
+    assert cells["cold, all steps: median / p99 (3% / 10%)"] == ["1.6% / 10.8%", "1.5% / 9.5% |"]
+    assert cells["pause p50 / p99 / max, ms (p99 2 ms)"][0] == "0.30 / 1.59 / 4.62"
+    assert cells["FT-only arrivals: probes in one / p99 ms / one layer + 1 ms"][0] == "9 of 40 / 1.55 / 1.87"
+    assert cells["attainment (requests)"] == ["100.0% (522)", "100.0% (522) |"]
+    assert cells["FT tokens/s"][0] == "3,252"
+    assert cells["warm, all steps"] == ["-", "1.3% / 7.4% |"]
+    assert cells["cold, prefill (eager)"] == ["-", "- |"]
+    # one report: the columns are its runs alone
+    assert first_call_report.slo_table({"s38": s38}).splitlines()[0] == "| figure | `env_COSERVE_TRAINER_CLOSED_AHEAD_2` |"
