@@ -392,6 +392,8 @@ def slo_table(reports: dict[str, dict[str, Any]]) -> str:
     row("cold, prefill (eager)", lambda r: _errors(r[cold], "prefill/eager/idle"))
     row("trainer idle, all steps", lambda r: _errors(r[idle], "all"))
     row("trainer idle, decode", lambda r: _errors(r[idle], "decode/graph/idle"))
+    row("trainer idle, prefill (graph)", lambda r: _errors(r[idle], "prefill/graph/idle"))
+    row("trainer idle, prefill (eager)", lambda r: _errors(r[idle], "prefill/eager/idle"))
     row("warm, all steps", lambda r: _errors(r.get("latency_model_error_warm"), "all"))
     row("pause p50 / p99 / max, ms (p99 2 ms)", lambda r: " / ".join(
         _ms(r["trainer_pause"].get(k)) for k in ("delay_p50_ms", "delay_p99_ms", "delay_max_ms")))
