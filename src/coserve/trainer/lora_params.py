@@ -301,7 +301,7 @@ class TrainableLoRA:
                         )
                     a_stack[slot, : self.rank].copy_(self.a(layer, target))
                     b_stack[slot, :, : self.rank].copy_(self.b(layer, target))
-            scales[slot] = self.scaling
+            scales[slot].fill_(self.scaling)  # (a kernel with the value: no host-to-device copy that waits)
 
     def context(
         self, dropout_key: int | None = None, row_lens: Sequence[int] | None = None,
