@@ -481,6 +481,50 @@ def test_the_loss_workspace_gives_the_same_bits(hf_models: dict[str, Path], monk
     assert low.dtype == dtype and f32.dtype == torch.float32 and backward._LossWorkspace._low.shape[0] == 9
 
 
+@pytest.mark.parametrize("pieces", [2, 3])
+def test_loss_gemms_in_pieces_give_the_same_loss_and_gradients(
+    models: dict[str, LlamaForCausalLM], monkeypatch: pytest.MonkeyPatch, pieces: int
+) -> None:
+    """LOSS_GEMM_PIECES: each loss chunk's LM-head GEMM (over vocabulary ranges) and its gradient's
+    GEMM (over hidden ranges) in pieces, a pause boundary between two; the same loss and LoRA
+    gradient as one piece each, 2 * (pieces - 1) more boundaries a chunk."""
+    import coserve.trainer.backward as backward
+
+    if not (backward.LOSS_SPLIT and backward.LOSS_WORKSPACE):
+        pytest.skip("the pieces are the split, workspace loss's (the defaults)")
+    model = models["llama"]
+    samples = random_samples(5, seed=4)
+    lora = TrainableLoRA(perturbed_adapter(model, 8, QV, seed=5))
+    store, rows = capture_task(model, lora, samples)
+    monkeypatch.setattr(backward, "LOSS_CHUNK", 4)
+    monkeypatch.setattr(backward, "GEMM_PIECE_ALIGN", 8)  # (the test model: vocabulary 160, hidden 64)
+    seen: list[int] = []
+    whole = task_backward(model, lora, store, rows, at_layer_boundary=seen.append)
+    expected, whole_boundaries = lora.flat.grad.clone(), seen.count(2)
+    lora.flat.grad = None
+    monkeypatch.setattr(backward, "LOSS_GEMM_PIECES", pieces)
+    seen.clear()
+    got = task_backward(model, lora, store, rows, at_layer_boundary=seen.append)
+    chunks = -(-whole.num_targets // 4)
+    assert whole_boundaries == 3 * chunks
+    assert seen.count(2) == (3 + 2 * (pieces - 1)) * chunks
+    assert got.loss_sum == pytest.approx(whole.loss_sum, rel=1e-6)
+    assert_close_scaled(lora.flat.grad, expected, rtol=1e-5)
+
+
+def test_gemm_pieces_cover_the_columns_at_tile_multiples() -> None:
+    from coserve.trainer.backward import gemm_pieces
+
+    assert gemm_pieces(128256, 1) == [(0, 128256)]
+    assert gemm_pieces(128256, 2) == [(0, 64128), (64128, 128256)]  # (64128 = 501 tiles of 128)
+    assert gemm_pieces(4096, 3) == [(0, 1408), (1408, 2816), (2816, 4096)]
+    assert gemm_pieces(100, 4) == [(0, 100)]  # (under one tile: whole)
+    for n, k in ((1000, 4), (128256, 7), (4096, 5), (129, 2)):
+        got = gemm_pieces(n, k)
+        assert got[0][0] == 0 and got[-1][1] == n and len(got) <= k
+        assert all(a1 == b0 and b0 % 128 == 0 for (_, a1), (b0, _) in zip(got, got[1:], strict=False))
+
+
 @pytest.mark.parametrize("kept_mlp", [False, True])
 def test_untrained_mlp_in_pieces_gives_the_same_gradients(
     models: dict[str, LlamaForCausalLM], monkeypatch: pytest.MonkeyPatch, kept_mlp: bool

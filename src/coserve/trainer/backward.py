@@ -56,6 +56,17 @@ layers). On since session 19 (H200, latency=50, two runs each): the loss boundar
 3,364 (``bench/results/latency_h200/session19/``). ``COSERVE_LOSS_SPLIT=0``: autograd's chunk.
 The same loss and gradients (tests)."""
 
+LOSS_GEMM_PIECES = int(os.environ.get("COSERVE_LOSS_GEMM_PIECES", "1"))
+"""With :data:`LOSS_SPLIT` and :data:`LOSS_WORKSPACE`: each of a loss chunk's two GEMMs in this many
+pieces with a pause boundary between two, the LM head's over the vocabulary's columns and its
+gradient's over the hidden columns (each output element the same dot product over the same
+operands: the weight is read once over the pieces, the gradient once a piece). Session 40's pause
+delays on the H100 had their tail at the loss boundaries (p99 1.8–2.8 ms over 31–80 pauses a
+run, the layers' 1.0–1.3 ms): a GEMM of 512 targets over a 128k vocabulary is ~0.54 TFLOP, some
+1.5 ms at a 50% MPS share, where a pause waits for the stretch it arrived in. Smaller loss chunks
+(``COSERVE_LOSS_CHUNK=256``) would cut it too but read the 1 GB head twice as often (session 14:
+11% fewer FT tokens/s). 1 (default): one piece each, as before. Not yet measured on the device."""
+
 ATTN_PIECES = os.environ.get("COSERVE_TRAINER_ATTN_PIECES", "1") == "1"
 """Recompute and differentiate each layer's attention half in three pieces (the q/k/v projection
 with RoPE, the attention, ``o_proj`` with the residual), each on its own, with a pause boundary
@@ -170,10 +181,32 @@ def _split_loss_chunk(model: LlamaForCausalLM, final: torch.Tensor, targets: tor
             grad_low = grad.to(weight.dtype)
             del logits, grad
         boundary()
-        grad_normed = grad_low @ weight
+        if LOSS_WORKSPACE and LOSS_GEMM_PIECES > 1:
+            grad_normed = torch.empty((grad_low.shape[0], weight.shape[1]), dtype=weight.dtype, device=weight.device)
+            for i, (h0, h1) in enumerate(gemm_pieces(weight.shape[1], LOSS_GEMM_PIECES)):
+                if i:
+                    boundary()
+                torch.mm(grad_low, weight[:, h0:h1], out=grad_normed[:, h0:h1])
+        else:
+            grad_normed = grad_low @ weight
         del grad_low
     normed.backward(grad_normed)
     return loss
+
+
+GEMM_PIECE_ALIGN = 128
+""":func:`gemm_pieces`' cuts fall on multiples of this (a GEMM output tile's width)."""
+
+
+def gemm_pieces(n: int, pieces: int) -> list[tuple[int, int]]:
+    """``[0, n)`` in at most ``pieces`` contiguous column ranges of near-equal width, every cut at
+    a multiple of :data:`GEMM_PIECE_ALIGN`, so that no piece but the last leaves a tile part full."""
+    align = GEMM_PIECE_ALIGN
+    if pieces <= 1 or n <= align:
+        return [(0, n)]
+    width = -(-n // pieces)
+    step = -(-width // align) * align
+    return [(a, min(a + step, n)) for a in range(0, n, step)]
 
 
 def _loss_into_workspace(normed: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor,
@@ -183,8 +216,12 @@ def _loss_into_workspace(normed: torch.Tensor, weight: torch.Tensor, targets: to
     (``compute_logits``, ``torch.logsumexp``: ``m + log Σ exp(x − m)`` with infinite maxima taken
     as 0, then ``exp(x − lse)``), the logits cast to fp32 twice instead of kept."""
     low, x = _LossWorkspace.get(normed.shape[0], weight.shape[0], weight.dtype, weight.device)
-    torch.mm(normed, weight.t(), out=low)  # (compute_logits: the head's GEMM, then fp32)
-    x.copy_(low)
+    for i, (v0, v1) in enumerate(gemm_pieces(weight.shape[0], LOSS_GEMM_PIECES)):
+        if i:
+            boundary()
+        # (compute_logits: the head's GEMM, then fp32; LOSS_GEMM_PIECES: a vocabulary range a piece)
+        torch.mm(normed, weight[v0:v1].t(), out=low[:, v0:v1])
+        x[:, v0:v1].copy_(low[:, v0:v1])
     boundary()
     picked = x[rows, targets]
     m = x.amax(dim=1, keepdim=True)
