@@ -94,7 +94,8 @@ def pause_delays(windows: list[tuple[float, float]], observed: list[float],
                  step_starts: list[float] | None = None) -> dict[str, Any]:
     """For each grant-cleared window, the delay to the first observed pause inside it; windows in
     which the trainer never paused (it reached no layer boundary before the step ended) are
-    counted apart with their full length. With ``layers`` (the boundary of each observed pause,
+    counted apart with their full length (with ``window_at``, by where the trainer was:
+    ``not_paused_by_trainer_at_start``). With ``layers`` (the boundary of each observed pause,
     parallel to ``observed``) and ``num_layers``, the delays are also split by where the trainer
     was: ``loss`` (boundary ``num_layers``), ``commit`` (-1) or ``layer``. With ``lags_ms``
     (GPU-side gate: how far the GPU was behind the CPU at each pause) they are split into
@@ -126,6 +127,7 @@ def pause_delays(windows: list[tuple[float, float]], observed: list[float],
     ats: list[tuple[int, int] | None | bool] = list(window_at) if window_at is not None else [False] * len(windows)
     steps = step_starts if step_starts is not None else [start for start, _ in windows]
     before_step = 0
+    missed_at = {"between_tasks": 0, "in_task": 0}
     j = 0
     for (start, end), at, step_start in zip(windows, ats, steps, strict=True):
         while j < len(pairs) and pairs[j][0] < start:
@@ -144,6 +146,8 @@ def pause_delays(windows: list[tuple[float, float]], observed: list[float],
                 by_at.setdefault("between_tasks" if at is None else "in_task", []).append(delay)
         else:
             missed.append(end - start)
+            if at is not False:
+                missed_at["between_tasks" if at is None else "in_task"] += 1
     out: dict[str, Any] = {
         "windows": len(windows), "paused": len(delays), "not_paused_within_step": len(missed),
         "delay_p50_ms": percentile(delays, 50) * 1e3, "delay_p99_ms": percentile(delays, 99) * 1e3,
@@ -151,6 +155,8 @@ def pause_delays(windows: list[tuple[float, float]], observed: list[float],
         "unpaused_window_p99_ms": percentile(missed, 99) * 1e3 if missed else None,
         "paused_before_step": before_step,
     }
+    if window_at is not None:  # (an unpaused window in a task: its GPU passed no boundary all step)
+        out["not_paused_by_trainer_at_start"] = missed_at
     for name, groups in (("by_boundary", kinds), ("by_gpu_lag", by_lag), ("by_trainer_at_start", by_at)):
         if groups:
             out[name] = {k: {"paused": len(v), "delay_p50_ms": percentile(v, 50) * 1e3,

@@ -397,6 +397,10 @@ def slo_table(reports: dict[str, dict[str, Any]]) -> str:
     row("warm, all steps", lambda r: _errors(r.get("latency_model_error_warm"), "all"))
     row("pause p50 / p99 / max, ms (p99 2 ms)", lambda r: " / ".join(
         _ms(r["trainer_pause"].get(k)) for k in ("delay_p50_ms", "delay_p99_ms", "delay_max_ms")))
+    row("pause windows / not paused within the step (of them in a task)", lambda r: (
+        f"{r['trainer_pause']['windows']} / {r['trainer_pause']['not_paused_within_step']}"
+        + (f" ({r['trainer_pause']['not_paused_by_trainer_at_start']['in_task']})"
+           if "not_paused_by_trainer_at_start" in r["trainer_pause"] else "")))
     row("FT-only arrivals: probes in one / p99 ms / one layer + 1 ms", lambda r: (
         f"{r['ft_only_interruption']['probe']['during_ft_only']} of {r['ft_only_interruption']['probe']['requests']}"
         f" / {_ms(r['ft_only_interruption']['probe'].get('delay_p99_ms'))}"

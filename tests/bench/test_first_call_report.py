@@ -222,6 +222,7 @@ def test_table_sets_the_latency_runs_of_reports_side_by_side() -> None:
     assert cells["FT-only arrivals: probes in one / p99 ms / one layer + 1 ms"][0] == "9 of 40 / 1.55 / 1.87"
     assert cells["attainment (requests)"] == ["100.0% (522)", "100.0% (522) |"]
     assert cells["FT tokens/s"][0] == "3,252"
+    assert cells["pause windows / not paused within the step (of them in a task)"][0] == "562 / 46"
     assert cells["warm, all steps"] == ["-", "1.3% / 7.4% |"]
     assert cells["cold, prefill (eager)"] == ["-", "- |"]
     # one report: the columns are its runs alone
