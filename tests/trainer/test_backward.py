@@ -512,6 +512,36 @@ def test_loss_gemms_in_pieces_give_the_same_loss_and_gradients(
     assert_close_scaled(lora.flat.grad, expected, rtol=1e-5)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU"))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_loss_chunk_in_gemm_pieces_matches_one_piece(hf_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+                                                       dtype: torch.dtype, device: str) -> None:
+    """One loss chunk by :func:`_split_loss_chunk` with its GEMMs in pieces (the output written
+    into column slices of the workspace and of the gradient: on CUDA, cuBLAS with a leading
+    dimension) against one piece each: the same loss and gradient to the dtype's rounding."""
+    import coserve.trainer.backward as backward
+
+    if not backward.LOSS_WORKSPACE:
+        pytest.skip("the pieces are the workspace loss's (the default)")
+    model = load_model(hf_models["llama"], num_lora_slots=1, max_lora_rank=16, dtype=dtype, device=device)
+    monkeypatch.setattr(backward, "GEMM_PIECE_ALIGN", 8)
+    gen = torch.Generator().manual_seed(1)
+    vocab, hidden = model.lm_head_weight.shape
+    final = (torch.randn(9, hidden, generator=gen) * 4).to(device, dtype)
+    targets = torch.randint(0, vocab, (9,), generator=gen).to(device)
+    got = {}
+    for pieces in (1, 3):
+        monkeypatch.setattr(backward, "LOSS_GEMM_PIECES", pieces)
+        leaf = final.clone().requires_grad_(True)
+        seen: list[int] = []
+        loss = backward._split_loss_chunk(model, leaf, targets, functools.partial(seen.append, 1))
+        got[pieces] = (loss, leaf.grad, len(seen))
+    assert got[1][2] == 2 and got[3][2] == 2 + 2 * 2
+    torch.testing.assert_close(got[3][0], got[1][0], rtol=1e-3 if dtype == torch.bfloat16 else 1e-6, atol=0)
+    torch.testing.assert_close(got[3][1], got[1][1])
+
+
 def test_gemm_pieces_cover_the_columns_at_tile_multiples() -> None:
     from coserve.trainer.backward import gemm_pieces
 
