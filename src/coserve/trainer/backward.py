@@ -61,7 +61,7 @@ LOSS_GEMM_PIECES = int(os.environ.get("COSERVE_LOSS_GEMM_PIECES", "1"))
 pieces with a pause boundary between two, the LM head's over the vocabulary's columns and its
 gradient's over the hidden columns (each output element the same dot product over the same
 operands: the weight is read once over the pieces, the gradient once a piece). Session 40's pause
-delays on the H100 had their tail at the loss boundaries (p99 1.8–2.8 ms over 31–80 pauses a
+delays on the H100 had their tail at the loss boundaries (p99 1.8–2.8 ms over 31–89 pauses a
 run, the layers' 1.0–1.3 ms), where a pause waits for the stretch it arrived in: a GEMM of 512
 targets over a 128k vocabulary is ~0.54 TFLOP, and the loss's stretches ran a median 1.9 ms on the
 GPU at a 50% MPS share (p99 3.6–3.8 ms; ``trainer_spans.by_start.loss`` of both default runs). Smaller loss chunks
