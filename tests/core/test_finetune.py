@@ -639,7 +639,8 @@ def _many_bad_rows() -> list[object]:
 
 
 FILE_ERROR_CASES: list[tuple[str, str, bytes | None, str]] = [
-    ("missing", "absent.jsonl", None, "cannot read dataset"),
+    ("missing", "absent.jsonl", None, "cannot read dataset: no such file"),
+    ("missing-without-extension", "tiny_fact", None, "cannot read dataset: no such file"),
     ("bad-extension", "d.csv", b"a,b\n", "unsupported dataset extension '.csv'"),
     ("invalid-json", "d.json", b'[{"input_ids": [5, 6]},', "not valid JSON"),
     ("not-an-array", "d.json", b'{"input_ids": [5, 6]}', "expected a JSON array of objects"),
@@ -678,10 +679,11 @@ def test_unusable_file_error_lists_first_reasons_only(tmp_path: Path) -> None:
     assert "line 6" not in str(info.value)
 
 
-def test_directory_is_unreadable(tmp_path: Path) -> None:
-    path = tmp_path / "dir.jsonl"
+@pytest.mark.parametrize("name", ["dir.jsonl", "data"])
+def test_directory_is_unreadable(tmp_path: Path, name: str) -> None:
+    path = tmp_path / name
     path.mkdir()
-    with pytest.raises(DatasetError, match="cannot read dataset"):
+    with pytest.raises(DatasetError, match="cannot read dataset: it is a directory"):
         load_dataset(path, CharTokenizer(), max_seq_len=8)
 
 

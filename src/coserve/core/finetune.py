@@ -548,6 +548,10 @@ def load_dataset(
         raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
     p = Path(path)
     suffix = p.suffix.lower()
+    if not p.exists():  # (first: a mistyped name's fault is not its extension)
+        raise DatasetError(f"{p}: cannot read dataset: no such file")
+    if p.is_dir():
+        raise DatasetError(f"{p}: cannot read dataset: it is a directory (give a .json or .jsonl file)")
     if suffix not in (".json", ".jsonl"):
         raise DatasetError(f"{p}: unsupported dataset extension {p.suffix!r} (use .json or .jsonl)")
 
