@@ -448,6 +448,18 @@ def test_loss_in_chunks_gives_the_same_loss_and_gradients(
     assert_close_scaled(lora.flat.grad, expected, rtol=1e-5)
 
 
+def one_loss_chunk(model: LlamaForCausalLM, final: torch.Tensor,
+                   targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """``_split_loss_chunk`` on a fresh leaf copy of ``final``: (loss, the leaf's gradient, the
+    boundaries it passed)."""
+    import coserve.trainer.backward as backward
+
+    leaf = final.clone().requires_grad_(True)
+    seen: list[int] = []
+    loss = backward._split_loss_chunk(model, leaf, targets, functools.partial(seen.append, 1))
+    return loss, leaf.grad, len(seen)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a GPU"))])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -470,10 +482,7 @@ def test_the_loss_workspace_gives_the_same_bits(hf_models: dict[str, Path], monk
         got = {}
         for workspace in (False, True):
             monkeypatch.setattr(backward, "LOSS_WORKSPACE", workspace)
-            leaf = final.clone().requires_grad_(True)
-            seen: list[int] = []
-            loss = backward._split_loss_chunk(model, leaf, targets, functools.partial(seen.append, 1))
-            got[workspace] = (loss, leaf.grad, len(seen))
+            got[workspace] = one_loss_chunk(model, final, targets)
         assert torch.equal(got[True][0], got[False][0]), n
         assert torch.equal(got[True][1], got[False][1]), n
         assert got[True][2] == got[False][2] == 2
@@ -533,10 +542,7 @@ def test_a_loss_chunk_in_gemm_pieces_matches_one_piece(hf_models: dict[str, Path
     got = {}
     for pieces in (1, 3):
         monkeypatch.setattr(backward, "LOSS_GEMM_PIECES", pieces)
-        leaf = final.clone().requires_grad_(True)
-        seen: list[int] = []
-        loss = backward._split_loss_chunk(model, leaf, targets, functools.partial(seen.append, 1))
-        got[pieces] = (loss, leaf.grad, len(seen))
+        got[pieces] = one_loss_chunk(model, final, targets)
     assert got[1][2] == 2 and got[3][2] == 2 + 2 * 2
     torch.testing.assert_close(got[3][0], got[1][0], rtol=1e-3 if dtype == torch.bfloat16 else 1e-6, atol=0)
     torch.testing.assert_close(got[3][1], got[1][1])
