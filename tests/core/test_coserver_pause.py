@@ -536,16 +536,19 @@ def test_decode_steps_beside_the_backwards_loss_are_the_loss_phase() -> None:
 
 def test_decode_steps_beside_the_losss_first_boundaries_learn_their_spots_level() -> None:
     """The progress word's boundary gives the step its trainer spot too: steps beside the loss's
-    first boundaries teach the ``loss_first`` level (on top of the loss set), and a step planned
-    beside a middle layer carries no spot."""
+    first boundary teach its level (``loss@0``, by SPOT_GRAIN ``phase`` ``loss_first``; on top of
+    the loss set), and a step planned beside a middle layer carries no spot."""
+    from coserve.core.latency import SPOT_GRAIN
+
     latency = model(0.01, (1.0, 0.0))
     latency.ending_after = 0
     co, trainer = coserver(latency, num_layers=4)
     num_layers = co.store.tensor.shape[0] - 1
     decode_steps_beside(co, trainer, (num_layers, 0), 0.025)
-    assert co._trainer_spot == "loss_first"
-    assert ("decode/graph", "spot:loss_first") in co.latency._level
-    loss = StepFeatures.from_view(DECODE, busy=True, trainer_phase="loss", trainer_spot="loss_first")
+    spot = "loss@0" if SPOT_GRAIN == "boundary" else "loss_first"
+    assert co._trainer_spot == spot
+    assert ("decode/graph", f"spot:{spot}") in co.latency._level
+    loss = StepFeatures.from_view(DECODE, busy=True, trainer_phase="loss", trainer_spot=spot)
     assert co.latency.predict(loss) == pytest.approx(0.025, rel=0.05)
     trainer.progress = lambda: (num_layers // 2, 3)  # type: ignore[attr-defined]
     co.plan(DECODE)

@@ -351,6 +351,21 @@ def attention_pieces_boundaries() -> int:
     return 4 if backward.ATTN_PIECES else 0
 
 
+def loss_chunk_boundaries(model: LlamaForCausalLM) -> int:
+    """The boundaries of one loss chunk: before its forward and its backward, LOSS_SPLIT's one
+    between them, and one between two GEMM pieces (LOSS_GEMM_PIECES) of the LM head's GEMM (over
+    the vocabulary) and of its gradient's (over the hidden size)."""
+    import coserve.trainer.backward as backward
+
+    if not backward.LOSS_SPLIT:
+        return 2
+    pieces = 0
+    if backward.LOSS_WORKSPACE:
+        vocab, hidden = model.lm_head_weight.shape
+        pieces = sum(len(backward.gemm_pieces(n, backward.LOSS_GEMM_PIECES)) - 1 for n in (vocab, hidden))
+    return 3 + pieces
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize(("targets", "dropout"), [(QV, 0.0), (LORA_TARGETS, 0.0), (ATTN, 0.2)])
 def test_task_backward_matches_full_autograd(
@@ -368,16 +383,13 @@ def test_task_backward_matches_full_autograd(
     seen: list[int] = []
     out = task_backward(model, lora, store, rows, dropout_key=key, at_layer_boundary=seen.append)
 
-    # before the loss's forward and its backward (LOSS_SPLIT: one more between them); per layer:
+    # the loss chunk's (loss_chunk_boundaries); per layer:
     # before and after the attention recompute, before the attention backward, and within the MLP
     # half two (trained: after its recompute and its backward) or two (untrained, one piece: after
     # the first two of its three matmuls; the one before the attention backward follows the
     # third), and the attention pieces'
-    import coserve.trainer.backward as backward
-
-    loss_boundaries = 3 if backward.LOSS_SPLIT else 2
     per_layer = 5 + attention_pieces_boundaries() - (targets == LORA_TARGETS)
-    assert seen == [2] * loss_boundaries + [1] * per_layer + [0] * per_layer
+    assert seen == [2] * loss_chunk_boundaries(model) + [1] * per_layer + [0] * per_layer
     assert out.num_targets == sum(s.num_targets for s in samples)
     assert out.loss_sum == pytest.approx(loss.item(), rel=1e-5)
     assert ref.flat.grad is not None and lora.flat.grad is not None
@@ -441,8 +453,7 @@ def test_loss_in_chunks_gives_the_same_loss_and_gradients(
     monkeypatch.setattr(backward, "LOSS_SPLIT", split)
     seen: list[int] = []
     chunked = task_backward(model, lora, store, rows, at_layer_boundary=seen.append)
-    per_chunk = 3 if split else 2
-    assert seen.count(2) == per_chunk * -(-whole.num_targets // 4) > 2
+    assert seen.count(2) == loss_chunk_boundaries(model) * -(-whole.num_targets // 4) > 2
     assert chunked.num_targets == whole.num_targets
     assert chunked.loss_sum == pytest.approx(whole.loss_sum, rel=1e-6)
     assert_close_scaled(lora.flat.grad, expected, rtol=1e-5)
@@ -472,6 +483,7 @@ def test_the_loss_workspace_gives_the_same_bits(hf_models: dict[str, Path], monk
 
     model = load_model(hf_models["llama"], num_lora_slots=1, max_lora_rank=16, dtype=dtype, device=device)
     monkeypatch.setattr(backward, "LOSS_CHUNK", 8)
+    monkeypatch.setattr(backward, "LOSS_GEMM_PIECES", 1)  # (the pieces: test_a_loss_chunk_in_gemm_pieces...)
     for name in ("_key", "_low", "_f32"):  # (a fresh workspace: earlier tests' is for their chunk)
         monkeypatch.setattr(backward._LossWorkspace, name, None)
     gen = torch.Generator().manual_seed(0)
@@ -507,6 +519,7 @@ def test_loss_gemms_in_pieces_give_the_same_loss_and_gradients(
     store, rows = capture_task(model, lora, samples)
     monkeypatch.setattr(backward, "LOSS_CHUNK", 4)
     monkeypatch.setattr(backward, "GEMM_PIECE_ALIGN", 8)  # (the test model: vocabulary 160, hidden 64)
+    monkeypatch.setattr(backward, "LOSS_GEMM_PIECES", 1)
     seen: list[int] = []
     whole = task_backward(model, lora, store, rows, at_layer_boundary=seen.append)
     expected, whole_boundaries = lora.flat.grad.clone(), seen.count(2)
@@ -697,14 +710,12 @@ def test_saved_mlp_activations_give_the_same_gradients(
     store, rows = capture_task(model, lora, samples, mlp_store=kept)
     seen: list[int] = []
     out = task_backward(model, lora, store, rows, at_layer_boundary=seen.append, mlp_store=kept[0])
-    # the loss (L = 2: before its forward and its backward, LOSS_SPLIT: one more between), then
-    # per layer 4 boundaries: without a trained MLP one after the first of the hand-written MLP
-    # backward's two matmuls (no recompute; the boundary before the attention backward follows
-    # the second) in place of the trained MLP's one between its recompute and its backward
-    import coserve.trainer.backward as backward
-
+    # the loss (L = 2: loss_chunk_boundaries), then per layer 4 boundaries: without a trained MLP
+    # one after the first of the hand-written MLP backward's two matmuls (no recompute; the boundary
+    # before the attention backward follows the second) in place of the trained MLP's one between
+    # its recompute and its backward
     per_layer = 4 + attention_pieces_boundaries()
-    assert seen == [2] * (3 if backward.LOSS_SPLIT else 2) + [1] * per_layer + [0] * per_layer
+    assert seen == [2] * loss_chunk_boundaries(model) + [1] * per_layer + [0] * per_layer
     assert out.loss_sum == pytest.approx(loss.item(), rel=1e-5)
     assert ref.flat.grad is not None and lora.flat.grad is not None
     assert_close_scaled(lora.flat.grad, ref.flat.grad, rtol=1e-5)

@@ -137,7 +137,7 @@ def admit(
     # ``backward_running`` closes admission; ``trainer_busy`` (default: the same) prices the step
     # as running beside a backward, which a pipelined trainer may be while admission is open.
     # ``trainer_phase``: what that backward runs (coserve.core.latency.TRAINER_PHASES);
-    # ``trainer_spot``: where in it (coserve.core.latency.SPOTS, None elsewhere).
+    # ``trainer_spot``: where in it (coserve.core.latency.trainer_spot, None elsewhere).
     base = StepFeatures.from_view(view, busy=backward_running if trainer_busy is None else trainer_busy,
                                   trainer_phase=trainer_phase, trainer_spot=trainer_spot)
     base_s = model.predict(base) if view.has_inference else 0.0

@@ -299,7 +299,7 @@ class CoServer:
         # the boundary of the backward's loss (layer num_layers), priced as its own phase
         # (coserve.core.latency.LOSS_PHASE)
         self._loss_layer = self._num_layers if LOSS_PHASE else None
-        # where in its backward the trainer is beside that step (coserve.core.latency.SPOTS; None
+        # where in its backward the trainer is beside that step (coserve.core.latency.trainer_spot; None
         # elsewhere or without a progress word)
         self._trainer_spot: str | None = None
         # per backward task: (submitted, result received: time.monotonic; trainer-side seconds;

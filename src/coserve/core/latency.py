@@ -190,15 +190,55 @@ last (layer 1: a step begun there runs into layer 0 and the task's end). Each ca
 its own on a busy decode set (:data:`SPOT_LEVELS`)."""
 
 
-def trainer_spot(at: tuple[int, int] | None, num_layers: int | None) -> str | None:
+SPOT_GRAINS: Final = ("boundary", "phase")
+SPOT_GRAIN: Final = os.environ.get("COSERVE_SPOT_GRAIN", "boundary")
+"""How finely :func:`trainer_spot` tells the loss and the first layer after it apart (each spot a
+level of its own, :data:`SPOT_LEVELS`): ``boundary`` (default), a spot per boundary of each,
+``loss@K`` and ``after_loss@K`` with K the boundary's ordinal in its layer, whatever boundaries
+the backward has there (:data:`coserve.trainer.backward.LOSS_GEMM_PIECES` adds some to the loss);
+``phase`` (``COSERVE_SPOT_GRAIN=phase``, the model of sessions 36-41): the three loss spots of
+:data:`SPOTS` by ordinal, counted for a loss chunk of three boundaries, and one for the layer.
+The steps beside the first layer after the loss differ by boundary: on the H100 in session 41
+those beside its last boundary ran a median 1.06 times their prediction (7 of 25 over 10% off),
+beside its boundaries 0, 2 and 4 0.94-0.96 (``bench/results/latency_h100/session41/``), where
+one level for the layer misses both ways. Offline, each step table of the 31 busy H100 runs of
+sessions 33-41 replayed whole by both grains (``bench/latency_whole.py``; ``spot_grain.json``
+there): the cold p99 over all steps lower on 18 tables, higher on 7 (by at most 0.54 points),
+the same within 0.01 on 6; on the 24 of sessions 33-40, which did not suggest it, lower on 11
+and higher on 7 (mean -0.06 points); on the two with ``COSERVE_LOSS_GEMM_PIECES=2``, whose loss
+ordinals the phase grain counts wrong, 10.97 -> 9.97% and 10.27 -> 9.94%. A third form, the
+boundary's level on top of its phase spot's, was worse than either (higher on 23 of 31)."""
+BOUNDARY_SPOTS: Final = ("loss", "after_loss")
+"""The names of :data:`SPOT_GRAIN` ``boundary``'s spots (each followed by ``@`` and an ordinal)."""
+if SPOT_GRAIN not in SPOT_GRAINS:
+    raise ValueError(f"COSERVE_SPOT_GRAIN must be one of {', '.join(SPOT_GRAINS)}, got {SPOT_GRAIN!r}")
+
+
+def is_spot(name: str) -> bool:
+    """Whether ``name`` is a spot :func:`trainer_spot` gives, of either grain."""
+    if name in SPOTS:
+        return True
+    prefix, at, ordinal = name.partition("@")
+    return bool(at) and prefix in BOUNDARY_SPOTS and ordinal.isdigit()
+
+
+def _loss_spot(ordinal: int) -> str:
+    """The loss spot of :data:`SPOTS` of the loss's boundary ``ordinal``."""
+    return "loss_first" if ordinal <= 1 else "loss_mid" if ordinal <= 4 else "loss_late"
+
+
+def trainer_spot(at: tuple[int, int] | None, num_layers: int | None, grain: str = SPOT_GRAIN) -> str | None:
     """The :data:`SPOTS` spot of a trainer whose GPU passed boundary ``at`` last in a model of
     ``num_layers`` layers (the loss's boundaries are layer ``num_layers``'s, ordinals counted
-    from the task's first): None elsewhere, between tasks, or with fewer than three layers."""
+    from the task's first): None elsewhere, between tasks, or with fewer than three layers.
+    ``grain``: :data:`SPOT_GRAIN`."""
     if at is None or num_layers is None or num_layers < 3:
         return None
     layer, ordinal = at
+    if grain == "boundary" and layer in (num_layers, num_layers - 1):
+        return f"{'loss' if layer == num_layers else 'after_loss'}@{ordinal}"
     if layer == num_layers:
-        return "loss_first" if ordinal <= 1 else "loss_mid" if ordinal <= 4 else "loss_late"
+        return _loss_spot(ordinal)
     if layer == num_layers - 1:
         return "after_loss"
     if layer == 1:
@@ -245,8 +285,9 @@ class StepFeatures:
         if self.trainer_phase not in TRAINER_PHASES:
             raise ValueError(f"trainer phase must be one of {', '.join(TRAINER_PHASES)}, "
                              f"got {self.trainer_phase!r}")
-        if self.trainer_spot is not None and self.trainer_spot not in SPOTS:
-            raise ValueError(f"trainer spot must be one of {', '.join(SPOTS)} or None, got {self.trainer_spot!r}")
+        if self.trainer_spot is not None and not is_spot(self.trainer_spot):
+            raise ValueError(f"trainer spot must be one of {', '.join(SPOTS)}, loss@K or after_loss@K (K an ordinal) "
+                             f"or None, got {self.trainer_spot!r}")
 
     @classmethod
     def from_view(
@@ -1437,8 +1478,7 @@ class LatencyModel:
         try:
             windows = {_parsed_set(n, sets): [row(n.split("|")[0], r) for r in rows]
                        for n, rows in table("windows").items()}
-            levels = {_parsed_set(n, (*sets, SHARED, LONE, MIX, *(SPOT_PREFIX + s for s in SPOTS))): float(v)
-                      for n, v in table("levels").items()}
+            levels = {_parsed_level(n, (*sets, SHARED, LONE, MIX)): float(v) for n, v in table("levels").items()}
             if not all(math.isfinite(v) for v in levels.values()):
                 raise ValueError("LatencyModel state: online levels must be finite")
             shared = {key_of(k): [(_parsed_set(f"{k}|{st}", TRAINER_PHASES)[1], *row(k, [*v, y])) for st, v, y in d]
@@ -1488,6 +1528,15 @@ def _parsed_set(name: Any, states: Sequence[str]) -> tuple[str, str]:
     if not sep or key not in KEYS or state not in states:
         raise ValueError(f"unknown set {name!r}")
     return key, state
+
+
+def _parsed_level(name: Any, states: Sequence[str]) -> tuple[str, str]:
+    """:func:`_parsed_set` of a level's name: a state among ``states`` or a spot's
+    (:data:`SPOT_PREFIX` and a name :func:`is_spot` takes, of either :data:`SPOT_GRAIN`)."""
+    key, sep, state = str(name).partition("|")
+    if sep and key in KEYS and state.startswith(SPOT_PREFIX) and is_spot(state[len(SPOT_PREFIX):]):
+        return key, state
+    return _parsed_set(name, states)
 
 
 def _slot(key: str, state: str) -> str:

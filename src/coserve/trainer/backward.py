@@ -56,7 +56,7 @@ layers). On since session 19 (H200, latency=50, two runs each): the loss boundar
 3,364 (``bench/results/latency_h200/session19/``). ``COSERVE_LOSS_SPLIT=0``: autograd's chunk.
 The same loss and gradients (tests)."""
 
-LOSS_GEMM_PIECES = int(os.environ.get("COSERVE_LOSS_GEMM_PIECES", "1"))
+LOSS_GEMM_PIECES = int(os.environ.get("COSERVE_LOSS_GEMM_PIECES", "2"))
 """With :data:`LOSS_SPLIT` and :data:`LOSS_WORKSPACE`: each of a loss chunk's two GEMMs in this many
 pieces with a pause boundary between two, the LM head's over the vocabulary's columns and its
 gradient's over the hidden columns (each output element the same dot product over the same
@@ -66,7 +66,12 @@ run, the layers' 1.0–1.3 ms), where a pause waits for the stretch it arrived i
 targets over a 128k vocabulary is ~0.54 TFLOP, and the loss's stretches ran a median 1.9 ms on the
 GPU at a 50% MPS share (p99 3.6–3.8 ms; ``trainer_spans.by_start.loss`` of both default runs). Smaller loss chunks
 (``COSERVE_LOSS_CHUNK=256``) would cut it too but read the 1 GB head twice as often (session 14:
-11% fewer FT tokens/s). 1 (default): one piece each, as before. Not yet measured on the device."""
+11% fewer FT tokens/s). 2 by default since session 41: on one H100 host (latency=50, the
+defaults otherwise; ``bench/results/latency_h100/session41/``), two runs with two pieces against
+four with one: pause p99 1.49 / 1.64 ms against 2.15-2.80 ms, at the loss's boundaries a median
+0.51 / 0.56 ms against 0.64-0.96 ms (p99 1.51 / 2.06 against 2.00-2.65 ms), FT tokens/s 3,323 /
+3,320 against 3,130-3,354, every request within its SLO. ``COSERVE_LOSS_GEMM_PIECES=1``: one
+piece each, the loss before session 41."""
 
 ATTN_PIECES = os.environ.get("COSERVE_TRAINER_ATTN_PIECES", "1") == "1"
 """Recompute and differentiate each layer's attention half in three pieces (the q/k/v projection
