@@ -202,12 +202,13 @@ The steps beside the first layer after the loss differ by boundary: on the H100 
 those beside its last boundary ran a median 1.06 times their prediction (7 of 25 over 10% off),
 beside its boundaries 0, 2 and 4 0.94-0.96 (``bench/results/latency_h100/session41/``), where
 one level for the layer misses both ways. Offline, each step table of the 31 busy H100 runs of
-sessions 33-41 replayed whole by both grains (``bench/latency_whole.py``; ``spot_grain.json``
-there): the cold p99 over all steps lower on 18 tables, higher on 7 (by at most 0.54 points),
-the same within 0.01 on 6; on the 24 of sessions 33-40, which did not suggest it, lower on 11
-and higher on 7 (mean -0.06 points); on the two with ``COSERVE_LOSS_GEMM_PIECES=2``, whose loss
-ordinals the phase grain counts wrong, 10.97 -> 9.97% and 10.27 -> 9.94%. A third form, the
-boundary's level on top of its phase spot's, was worse than either (higher on 23 of 31)."""
+sessions 33-41 replayed whole by both grains (``bench/latency_ab.py``,
+``bench/results/latency_h100/session41/spot_grain.json``): the cold p99 over all steps lower on
+18 tables, higher on 7 (by at most 0.53 points), within 0.01 on 6 (mean -0.14 points); on the 24
+of sessions 33-40, which did not suggest it, lower on 11 and higher on 7 (mean -0.06); on the
+two with ``COSERVE_LOSS_GEMM_PIECES=2`` (session 41; the default since), whose loss ordinals the
+phase grain counts for one piece, 10.97 -> 9.97% and 10.27 -> 9.94%. The eleven warm replays
+were neither better nor worse (all steps lower on 4, higher on 4, mean +0.06 points)."""
 BOUNDARY_SPOTS: Final = ("loss", "after_loss")
 """The names of :data:`SPOT_GRAIN` ``boundary``'s spots (each followed by ``@`` and an ordinal)."""
 if SPOT_GRAIN not in SPOT_GRAINS:
