@@ -25,6 +25,7 @@ reports:
 from __future__ import annotations
 
 import argparse
+import bisect
 import cProfile
 import dataclasses
 import io
@@ -82,6 +83,22 @@ def probe_arrivals(n: int, seed: int = 0, gap_s: float = 0.5) -> list[Arrival]:
     return out
 
 
+def window_step_ratios(step_starts: Sequence[float], log: Sequence[Any]) -> list[float | None]:
+    """For each pause window (its step's start, ``CoServer.pause_window_step_start``), the
+    measured / predicted time of its step: the last of ``log`` (``CoServer.step_log``) begun by
+    then; None where no step began by then or its times are unknown."""
+    began = [(row.began_s, row) for row in log if row.began_s is not None]
+    began.sort(key=lambda b: b[0])
+    starts = [b for b, _ in began]
+    out: list[float | None] = []
+    for start in step_starts:
+        i = bisect.bisect_right(starts, start) - 1
+        row = began[i][1] if i >= 0 else None
+        out.append(row.measured_s / row.predicted_s if row is not None and row.predicted_s > 0 and row.measured_s > 0
+                   else None)
+    return out
+
+
 DRY_LAG_MS = 0.2
 """A paused boundary the GPU reached within this long of the CPU queuing it: the GPU had run dry."""
 
@@ -91,7 +108,8 @@ def pause_delays(windows: list[tuple[float, float]], observed: list[float],
                  lags_ms: list[float] | None = None,
                  window_at: list[tuple[int, int] | None] | None = None,
                  polled: list[bool] | None = None, idle_ms: list[float] | None = None,
-                 step_starts: list[float] | None = None) -> dict[str, Any]:
+                 step_starts: list[float] | None = None,
+                 step_ratios: list[float | None] | None = None) -> dict[str, Any]:
     """For each grant-cleared window, the delay to the first observed pause inside it; windows in
     which the trainer never paused (it reached no layer boundary before the step ended) are
     counted apart with their full length (with ``window_at``, by where the trainer was:
@@ -113,7 +131,12 @@ def pause_delays(windows: list[tuple[float, float]], observed: list[float],
     before the window's start). With ``step_starts`` (parallel to ``windows``: when the window's
     step was planned, after the window's start where ``SLOConfig.early_pause_s``'s timer paused the
     trainer before it) the delay runs from the step's start, and is 0 for a trainer that had stopped
-    by then (``paused_before_step``)."""
+    by then (``paused_before_step``). With ``step_ratios`` (parallel to ``windows``: the window's
+    step's measured / predicted time, priced as beside no backward; None where unknown), their
+    median and 90th percentile for the windows with a pause, and for those without one by where
+    the trainer was (``step_ratio_by_window``): an unpaused window in a task whose step ran over
+    its price as the paused ones did not had the trainer's kernels beside it; one at the same
+    ratio found the trainer's GPU with nothing queued (its host behind: a readback, the optimizer)."""
     n = len(observed)
     pairs = sorted(zip(observed, layers if layers is not None else [None] * n,
                        lags_ms if lags_ms is not None else [None] * n,
@@ -126,13 +149,19 @@ def pause_delays(windows: list[tuple[float, float]], observed: list[float],
     by_at: dict[str, list[float]] = {}
     ats: list[tuple[int, int] | None | bool] = list(window_at) if window_at is not None else [False] * len(windows)
     steps = step_starts if step_starts is not None else [start for start, _ in windows]
+    ratios = step_ratios if step_ratios is not None else [None] * len(windows)
+    ratio_by: dict[str, list[float]] = {}
     before_step = 0
     missed_at = {"between_tasks": 0, "in_task": 0}
     j = 0
-    for (start, end), at, step_start in zip(windows, ats, steps, strict=True):
+    for (start, end), at, step_start, ratio in zip(windows, ats, steps, ratios, strict=True):
         while j < len(pairs) and pairs[j][0] < start:
             j += 1
-        if j < len(pairs) and pairs[j][0] <= end:
+        paused = j < len(pairs) and pairs[j][0] <= end
+        if ratio is not None:
+            ratio_by.setdefault("paused" if paused else "unpaused" if at is False
+                                else f"unpaused_{'between_tasks' if at is None else 'in_task'}", []).append(ratio)
+        if paused:
             delay, layer, lag, at_poll = pairs[j][0] - step_start, pairs[j][1], pairs[j][2], pairs[j][3]
             delay = max(0.0, delay - pairs[j][4] / 1e3)
             before_step += pairs[j][0] < step_start
@@ -157,6 +186,9 @@ def pause_delays(windows: list[tuple[float, float]], observed: list[float],
     }
     if window_at is not None:  # (an unpaused window in a task: its GPU passed no boundary all step)
         out["not_paused_by_trainer_at_start"] = missed_at
+    if ratio_by:
+        out["step_ratio_by_window"] = {k: {"steps": len(v), "median": percentile(v, 50), "p90": percentile(v, 90)}
+                                       for k, v in sorted(ratio_by.items())}
     for name, groups in (("by_boundary", kinds), ("by_gpu_lag", by_lag), ("by_trainer_at_start", by_at)):
         if groups:
             out[name] = {k: {"paused": len(v), "delay_p50_ms": percentile(v, 50) * 1e3,
@@ -250,6 +282,16 @@ def span_summary(spans: list[tuple[int, int, float, float]], num_layers: int,
                            "cpu_ms": spans[i][3], "proc_ms": process_ms[i], "gc_ms": gc_ms[i],
                            **({"task": tasks[i]} if known_tasks and tasks is not None else {})} for i in order]
     out["by_start"] = {k: stats(v) for k, v in sorted(groups.items())}
+    # the loss's stretches by their boundary's ordinal (counted from the task's first loss
+    # boundary: with LOSS_GEMM_PIECES, which of a chunk's GEMM pieces, its cross-entropy or its
+    # backward holds the tail)
+    loss: dict[int, list[float]] = {}
+    for layer, ordinal, ms, _ in spans:
+        if layer == num_layers:
+            loss.setdefault(ordinal, []).append(ms)
+    if loss:
+        out["loss_by_ordinal"] = {str(k): {"n": len(v), "p50_ms": percentile(v, 50), "p99_ms": percentile(v, 99)}
+                                  for k, v in sorted(loss.items())}
     return out
 
 
@@ -532,7 +574,8 @@ def main() -> None:
                                       num_layers, co.pause_observed_lags or None,
                                       co.pause_window_at if co.pause_observed_lags else None,
                                       co.pause_observed_polled or None, co.pause_observed_idle_ms or None,
-                                      co.pause_window_step_start),
+                                      co.pause_window_step_start,
+                                      window_step_ratios(co.pause_window_step_start, co.step_log)),
         "early_pause": {"lead_ms": args.early_pause_ms, "taken_over": co.early_pauses,
                         "lifted": co.early_pauses_lifted},
         "trainer_spans": (span_summary(co.trainer_spans, num_layers, co.trainer_span_process_ms,

@@ -43,6 +43,9 @@ def test_spans_grouped_by_where_they_start() -> None:
     assert by["layer#0"]["n"] == 2 and by["layer#0"]["max_ms"] == pytest.approx(0.7)
     assert by["layer#0"]["cpu_over_gpu"] == 1 and by["commit"]["cpu_p50_ms"] == pytest.approx(2.0)
     assert "proc_p50_ms" not in by["loss"]  # (no process CPU times given)
+    assert got["loss_by_ordinal"] == {"0": {"n": 1, "p50_ms": 1.0, "p99_ms": 1.0},
+                                      "1": {"n": 1, "p50_ms": 3.0, "p99_ms": 3.0}}
+    assert "loss_by_ordinal" not in coserve_latency.span_summary(spans[2:], num_layers=2)
 
 
 def test_a_pause_dates_from_where_the_gpu_stopped_for_its_release() -> None:
@@ -134,6 +137,33 @@ def test_delays_split_by_where_the_trainer_was_when_the_window_began() -> None:
     assert got["not_paused_by_trainer_at_start"] == {"between_tasks": 0, "in_task": 1}
     plain = coserve_latency.pause_delays(windows, [1.0015, 2.02])
     assert "by_trainer_at_start" not in plain and "not_paused_by_trainer_at_start" not in plain
+
+
+def test_step_ratios_split_by_whether_the_window_paused_and_where_the_trainer_was() -> None:
+    windows = [(1.0, 1.1), (2.0, 2.1), (3.0, 3.1), (4.0, 4.1), (5.0, 5.1)]
+    # windows 1 and 2 paused; 3 never did with the trainer in a task (its step ran 1.4x: the
+    # trainer's kernels beside it), 4 never did between tasks, 5's step is unknown
+    got = coserve_latency.pause_delays(windows, [1.001, 2.001], [3, 5], num_layers=32, lags_ms=[1.0, 1.0],
+                                       window_at=[(3, 1), (5, 0), (32, 2), None, (7, 0)],
+                                       step_ratios=[1.0, 1.02, 1.4, 0.99, None])
+    by = got["step_ratio_by_window"]
+    assert set(by) == {"paused", "unpaused_in_task", "unpaused_between_tasks"}
+    assert by["paused"]["steps"] == 2 and by["paused"]["median"] == pytest.approx(1.01)
+    assert by["unpaused_in_task"] == {"steps": 1, "median": 1.4, "p90": 1.4}
+    assert by["unpaused_between_tasks"]["median"] == 0.99
+    assert got["not_paused_by_trainer_at_start"] == {"between_tasks": 1, "in_task": 2}
+    assert "step_ratio_by_window" not in coserve_latency.pause_delays(windows, [1.001, 2.001])
+
+
+def test_each_window_takes_the_ratio_of_the_last_step_begun_by_its_step_start() -> None:
+    from coserve.core.coserver import StepLogRow
+
+    def row(began: float | None, predicted: float, measured: float) -> StepLogRow:
+        return StepLogRow("prefill/graph/idle", (), predicted, measured, (1, 0), None, False, (), 0, None, None,
+                          began_s=began)
+
+    log = [row(2.0, 0.01, 0.02), row(1.0, 0.01, 0.01), row(None, 0.01, 0.05), row(3.0, 0.0, 0.01)]
+    assert coserve_latency.window_step_ratios([0.5, 1.0005, 2.0004, 3.1], log) == [None, 1.0, 2.0, None]
 
 
 def test_layer0_profile_covers_only_the_first_layer_of_each_step() -> None:
