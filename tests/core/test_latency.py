@@ -849,10 +849,13 @@ def test_trainer_spot_names_the_loss_boundaries_the_layer_after_it_and_layer_one
     # by boundary (the default): the loss's and the layer after it's each of their own, the rest alike
     assert [trainer_spot((32, k), 32, grain="boundary") for k in (0, 1, 14)] == ["loss@0", "loss@1", "loss@14"]
     assert [trainer_spot((31, k), 32, grain="boundary") for k in (0, 8)] == ["after_loss@0", "after_loss@8"]
-    assert trainer_spot((31, 2), 32) == "after_loss@2" and trainer_spot((1, 4), 32) == "before_last"
-    assert [trainer_spot(at, 32) for at in ((0, 3), (30, 5), (COMMIT, 0), None)] == [None] * 4
-    assert trainer_spot((4, 1), 4) == "loss@1" and trainer_spot((3, 0), 4) == "after_loss@0"
-    assert trainer_spot((2, 0), 2) is None
+    def boundary(at: tuple[int, int] | None, layers: int = 32) -> str | None:
+        return trainer_spot(at, layers, grain="boundary")
+
+    assert boundary((31, 2)) == "after_loss@2" and boundary((1, 4)) == "before_last"
+    assert [boundary(at) for at in ((0, 3), (30, 5), (COMMIT, 0), None)] == [None] * 4
+    assert boundary((4, 1), 4) == "loss@1" and boundary((3, 0), 4) == "after_loss@0"
+    assert boundary((2, 0), 2) is None
     for bad in ("loss_end", "loss@", "loss@x", "layer@3", "after_loss@-1"):
         with pytest.raises(ValueError, match="trainer spot"):
             StepFeatures(busy=True, trainer_spot=bad)
