@@ -360,6 +360,14 @@ def _errors(e: dict[str, Any] | list[dict[str, Any]] | None, key: str) -> str:
     return "-" if not isinstance(v, dict) else f"{_pct(v.get('median_rel'))} / {_pct(v.get('p99_rel'))}"
 
 
+def _loss_stretches(spans: dict[str, Any]) -> str:
+    """The loss's stretches' GPU p99 over all of them, and the ordinal with the highest p99 among
+    those of 20 stretches or more (``trainer_spans.loss_by_ordinal``, since session 41)."""
+    by = {k: v for k, v in spans["loss_by_ordinal"].items() if v["n"] >= 20}
+    worst = max(by, key=lambda k: by[k]["p99_ms"])
+    return f"{_ms(spans['by_start']['loss']['p99_ms'])} / {_ms(by[worst]['p99_ms'])} ({worst})"
+
+
 def slo_table(reports: dict[str, dict[str, Any]]) -> str:
     """The issue-5 figures of every latency run in ``reports`` (name -> a report as :func:`report`
     writes it), one column a run, as a Markdown table: the goal's figures (the model's cold and
@@ -397,6 +405,13 @@ def slo_table(reports: dict[str, dict[str, Any]]) -> str:
     row("warm, all steps", lambda r: _errors(r.get("latency_model_error_warm"), "all"))
     row("pause p50 / p99 / max, ms (p99 2 ms)", lambda r: " / ".join(
         _ms(r["trainer_pause"].get(k)) for k in ("delay_p50_ms", "delay_p99_ms", "delay_max_ms")))
+    row("pause at the loss's / the layers' boundaries, p50 / p99 ms", lambda r: " ; ".join(
+        f"{_ms(r['trainer_pause']['by_boundary'][k]['delay_p50_ms'])} / {_ms(r['trainer_pause']['by_boundary'][k]['delay_p99_ms'])}"
+        for k in ("loss", "layer")))
+    row("loss stretches' GPU p99, ms: all / longest ordinal (its ordinal)", lambda r: _loss_stretches(r["trainer_spans"]))
+    row("pause window's step, measured / predicted median: paused / unpaused in a task", lambda r: " / ".join(
+        f"{r['trainer_pause']['step_ratio_by_window'][k]['median']:.3f}" if k in r["trainer_pause"]["step_ratio_by_window"]
+        else "-" for k in ("paused", "unpaused_in_task")))
     row("pause windows / not paused within the step (of them in a task)", lambda r: (
         f"{r['trainer_pause']['windows']} / {r['trainer_pause']['not_paused_within_step']}"
         + (f" ({r['trainer_pause']['not_paused_by_trainer_at_start']['in_task']})"

@@ -227,3 +227,24 @@ def test_table_sets_the_latency_runs_of_reports_side_by_side() -> None:
     assert cells["cold, prefill (eager)"] == ["-", "- |"]
     # one report: the columns are its runs alone
     assert first_call_report.slo_table({"s38": s38}).splitlines()[0] == "| figure | `env_COSERVE_TRAINER_CLOSED_AHEAD_2` |"
+
+
+def test_table_shows_the_pause_by_boundary_the_loss_stretches_and_the_window_steps() -> None:
+    """Session 41's report (its default run and a GEMM-pieces run): the pause delay at the loss's
+    and at the layers' boundaries; the fields it predates ('-'), then a run that has them."""
+    s41 = json.loads((RESULTS / "latency_h100" / "session41" / "first_call_report_call4.json").read_text())
+    lines = first_call_report.slo_table({"s41": s41}).splitlines()
+    cells = {line.split(" | ")[0].removeprefix("| "): line.split(" | ")[1:] for line in lines[2:]}
+    assert cells["pause at the loss's / the layers' boundaries, p50 / p99 ms"] == [
+        "0.71 / 2.18 ; 0.25 / 2.98", "0.56 / 2.06 ; 0.24 / 1.10 |"]
+    assert cells["loss stretches' GPU p99, ms: all / longest ordinal (its ordinal)"] == ["-", "- |"]
+    run = s41["slo_machinery"]
+    run["trainer_spans"]["loss_by_ordinal"] = {"0": {"n": 40, "p50_ms": 1.0, "p99_ms": 2.5},
+                                               "2": {"n": 40, "p50_ms": 1.2, "p99_ms": 3.1},
+                                               "9": {"n": 3, "p50_ms": 4.0, "p99_ms": 9.0}}  # (too few)
+    run["trainer_pause"]["step_ratio_by_window"] = {"paused": {"steps": 500, "median": 1.004, "p90": 1.05},
+                                                    "unpaused_in_task": {"steps": 30, "median": 0.998, "p90": 1.1}}
+    lines = first_call_report.slo_table({"s41": {"slo_machinery": run}}).splitlines()
+    cells = {line.split(" | ")[0].removeprefix("| "): line.split(" | ")[1:] for line in lines[2:]}
+    assert cells["loss stretches' GPU p99, ms: all / longest ordinal (its ordinal)"] == ["3.58 / 3.10 (2) |"]
+    assert cells["pause window's step, measured / predicted median: paused / unpaused in a task"] == ["1.004 / 0.998 |"]
