@@ -364,8 +364,11 @@ def _loss_stretches(spans: dict[str, Any]) -> str:
     """The loss's stretches' GPU p99 over all of them, and the ordinal with the highest p99 among
     those of 20 stretches or more (``trainer_spans.loss_by_ordinal``, since session 41)."""
     by = {k: v for k, v in spans["loss_by_ordinal"].items() if v["n"] >= 20}
+    whole = _ms(spans["by_start"]["loss"]["p99_ms"])
+    if not by:
+        return f"{whole} / -"
     worst = max(by, key=lambda k: by[k]["p99_ms"])
-    return f"{_ms(spans['by_start']['loss']['p99_ms'])} / {_ms(by[worst]['p99_ms'])} ({worst})"
+    return f"{whole} / {_ms(by[worst]['p99_ms'])} ({worst})"
 
 
 def slo_table(reports: dict[str, dict[str, Any]]) -> str:

@@ -75,19 +75,19 @@ def main() -> None:
     tables = [t for t in args.tables if "eager" not in Path(t).name]
     runs: dict[str, Any] = {}
     for i, table in enumerate(tables, 1):
-        runs[table] = {"a": replay(table, args.a), "b": replay(table, args.b)}
-        cold = runs[table]
-        print(f"[{i}/{len(tables)}] {table}: cold p99 {cold['a']['cold']['all'] * 100:.2f}% -> "
-              f"{cold['b']['cold']['all'] * 100:.2f}%", file=sys.stderr)
+        run = runs[table] = {"a": replay(table, args.a), "b": replay(table, args.b)}
+        print(f"[{i}/{len(tables)}] {table}: cold p99 {run['a']['cold']['all'] * 100:.2f}% -> "
+              f"{run['b']['cold']['all'] * 100:.2f}%", file=sys.stderr)
 
-    def pairs(seg: str, fig: str, group: str = "") -> list[tuple[float, float]]:
+    def pairs(seg: str, fig: str, keep: Any = lambda table: True) -> list[tuple[float, float]]:
         return [(r["a"][seg][fig] * 100, r["b"][seg][fig] * 100) for t, r in runs.items()
-                if group in t and seg in r["a"] and r["a"][seg][fig] is not None and r["b"][seg][fig] is not None]
+                if keep(t) and seg in r["a"] and r["a"][seg][fig] is not None and r["b"][seg][fig] is not None]
 
+    groups: dict[str, Any] = {g: (lambda table, g=g: g in table) for g in args.group}
+    if args.group:
+        groups["rest"] = lambda table: not any(g in table for g in args.group)
     summary = {f"{seg}/{fig}": {"all": tally(pairs(seg, fig), args.tie),
-                                **{g: tally(pairs(seg, fig, g), args.tie) for g in args.group},
-                                **({"rest": tally([pq for t in runs if not any(g in t for g in args.group)
-                                                   for pq in pairs(seg, fig, t)], args.tie)} if args.group else {})}
+                                **{name: tally(pairs(seg, fig, keep), args.tie) for name, keep in groups.items()}}
                for seg in SEGMENTS for fig in FIGURES}
     report = {"summary": summary, "tables": runs}
     print(json.dumps(summary, indent=1))

@@ -223,11 +223,6 @@ def is_spot(name: str) -> bool:
     return bool(at) and prefix in BOUNDARY_SPOTS and ordinal.isdigit()
 
 
-def _loss_spot(ordinal: int) -> str:
-    """The loss spot of :data:`SPOTS` of the loss's boundary ``ordinal``."""
-    return "loss_first" if ordinal <= 1 else "loss_mid" if ordinal <= 4 else "loss_late"
-
-
 def trainer_spot(at: tuple[int, int] | None, num_layers: int | None, grain: str = SPOT_GRAIN) -> str | None:
     """The :data:`SPOTS` spot of a trainer whose GPU passed boundary ``at`` last in a model of
     ``num_layers`` layers (the loss's boundaries are layer ``num_layers``'s, ordinals counted
@@ -239,7 +234,7 @@ def trainer_spot(at: tuple[int, int] | None, num_layers: int | None, grain: str 
     if grain == "boundary" and layer in (num_layers, num_layers - 1):
         return f"{'loss' if layer == num_layers else 'after_loss'}@{ordinal}"
     if layer == num_layers:
-        return _loss_spot(ordinal)
+        return "loss_first" if ordinal <= 1 else "loss_mid" if ordinal <= 4 else "loss_late"
     if layer == num_layers - 1:
         return "after_loss"
     if layer == 1:

@@ -187,14 +187,11 @@ def _split_loss_chunk(model: LlamaForCausalLM, final: torch.Tensor, targets: tor
             grad_low = grad.to(weight.dtype)
             del logits, grad
         boundary()
-        if LOSS_WORKSPACE and LOSS_GEMM_PIECES > 1:
-            grad_normed = torch.empty((grad_low.shape[0], weight.shape[1]), dtype=weight.dtype, device=weight.device)
-            for i, (h0, h1) in enumerate(gemm_pieces(weight.shape[1], LOSS_GEMM_PIECES)):
-                if i:
-                    boundary()
-                torch.mm(grad_low, weight[:, h0:h1], out=grad_normed[:, h0:h1])
-        else:
-            grad_normed = grad_low @ weight
+        grad_normed = torch.empty((grad_low.shape[0], weight.shape[1]), dtype=weight.dtype, device=weight.device)
+        for i, (h0, h1) in enumerate(gemm_pieces(weight.shape[1], LOSS_GEMM_PIECES if LOSS_WORKSPACE else 1)):
+            if i:
+                boundary()
+            torch.mm(grad_low, weight[:, h0:h1], out=grad_normed[:, h0:h1])
         del grad_low
     normed.backward(grad_normed)
     return loss
