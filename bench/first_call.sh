@@ -9,6 +9,8 @@
 # Jobs:
 #   gpu_tests      the GPU tests (kernels against their CPU references, backward, graphs)
 #   gate_tests     the trainer's GPU-side pause gate and process tests alone
+#   loss_ce        the fused cross-entropy kernel's tests (tests/trainer/test_triton_loss.py), then
+#                  bench/loss_ce.py: a loss chunk's stretches by the torch chain and fused (loss_ce.json)
 #   kernel_tests   the attention kernel tests alone (tests/layers/test_triton_kernels.py, varlen)
 #   varlen_tests   the trainer's varlen recompute attention, SDPA's backends, the backward (GPU)
 #   verify         bench/verify_device.sh (GPU tests, backward alone, FT-only vs peft, LoRA overhead)
@@ -154,12 +156,17 @@ job() {
   case $1 in
     gpu_tests)
       run gpu_tests "$top/verify/gpu_tests.txt" python3 -m pytest -q -p no:cacheprovider -p no:warnings \
-        tests/layers tests/trainer/test_backward.py tests/trainer/test_stream_gate.py tests/engine/test_cuda_graph.py \
+        tests/layers tests/trainer/test_backward.py tests/trainer/test_triton_loss.py tests/trainer/test_stream_gate.py \
+        tests/engine/test_cuda_graph.py \
         tests/engine/test_prefill_graphs.py tests/engine/test_stream_priority.py tests/engine/test_host_copy.py \
         tests/engine/test_step_clock.py tests/engine/test_prefix_caching.py \
         "tests/trainer/test_attention_by_hand.py::test_the_hand_path_on_the_device" \
         "tests/engine/test_coserve_steps.py::test_a_name_bound_to_the_training_slot_serves_what_is_written_there"
       grep "^gpu_tests rc=" "$top/status.txt" | tail -n 1 | sed 's/gpu_tests/gpu tests/' >> "$top/verify/verify.txt" ;;
+    loss_ce)  # the fused cross-entropy kernel against fp64 and the torch chain, then its stretch timed
+      run loss_ce_tests "$top/verify/loss_ce_tests.txt" python3 -m pytest -q -p no:cacheprovider -p no:warnings \
+        tests/trainer/test_triton_loss.py
+      run loss_ce "$top/loss_ce.log" python3 bench/loss_ce.py --out "$top/loss_ce.json" ;;
     kernel_tests)
       run kernel_tests "$top/verify/kernel_tests.txt" python3 -m pytest -q -p no:cacheprovider -p no:warnings \
         tests/layers/test_triton_kernels.py tests/layers/test_varlen_attention.py ;;

@@ -25,6 +25,7 @@ from coserve.layers.attention import AttentionMetadata
 from coserve.layers.norm import rms_norm_backward
 from coserve.layers.rotary import RopeTables, RotaryEmbedding
 from coserve.models.llama import DecoderLayer, ForwardContext, LlamaForCausalLM
+from coserve.trainer import triton_loss
 from coserve.trainer.lora_params import HandLinear, TrainableLoRA, TrainingLoRA
 
 logger = logging.getLogger(__name__)
@@ -136,6 +137,17 @@ class _TaskBatch(NamedTuple):
 
 
 
+LOSS_FUSED_CE = os.environ.get("COSERVE_LOSS_FUSED_CE", "0") == "1"
+"""With :data:`LOSS_SPLIT` and :data:`LOSS_WORKSPACE`, on a GPU: a loss chunk's cross-entropy
+stretch as one Triton kernel (:func:`coserve.trainer.triton_loss.cross_entropy_grad_`: two reads
+of the head-dtype logits, the gradient written over them) instead of the torch chain's ~8 passes
+over fp32 ``[LOSS_CHUNK, V]`` buffers (~3.8 GB of traffic at the Llama-3 shape and 512 targets;
+~0.4 GB fused), and no fp32 buffer. Session 41's pause delays on the H100 still had their tail
+at the loss's boundaries with two GEMM pieces (p99 1.51 / 2.06 ms against the layers' 1.10 /
+1.20), the loss's stretches reaching a GPU p99 of 3.0 ms, and by arithmetic the cross-entropy's
+is the longest. The same loss and gradient to fp32 rounding, not bit for bit (tests).
+``COSERVE_LOSS_FUSED_CE=1`` turns it on; off until a device run measures it."""
+
 LOSS_WORKSPACE = os.environ.get("COSERVE_LOSS_WORKSPACE", "1") == "1"
 """:func:`_split_loss_chunk` computes into two buffers kept across chunks and tasks (the LM head's
 ``[LOSS_CHUNK, V]`` logits in the weight's dtype and in fp32) instead of four ``[n, V]`` tensors
@@ -156,14 +168,25 @@ class _LossWorkspace:
 
     @classmethod
     def get(cls, n: int, vocab: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        low = cls.get_low(n, vocab, dtype, device)
+        if cls._f32 is None or cls._f32.shape[0] < n:
+            cls._f32 = None
+            cls._f32 = torch.empty((cls._rows(n), vocab), dtype=torch.float32, device=device)
+        return low, cls._f32[:n]
+
+    @classmethod
+    def get_low(cls, n: int, vocab: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The head-dtype buffer alone (:data:`LOSS_FUSED_CE` needs no fp32 one)."""
         key = (device, dtype, vocab)
-        if cls._key != key or cls._low is None or cls._f32 is None or cls._low.shape[0] < n:
-            rows = max(n, LOSS_CHUNK)
+        if cls._key != key or cls._low is None or cls._low.shape[0] < n:
             cls._low = cls._f32 = None  # (the old pair freed before the new is allocated)
-            cls._low = torch.empty((rows, vocab), dtype=dtype, device=device)
-            cls._f32 = torch.empty((rows, vocab), dtype=torch.float32, device=device)
+            cls._low = torch.empty((cls._rows(n), vocab), dtype=dtype, device=device)
             cls._key = key
-        return cls._low[:n], cls._f32[:n]
+        return cls._low[:n]
+
+    @staticmethod
+    def _rows(n: int) -> int:
+        return max(n, LOSS_CHUNK)
 
 
 def _split_loss_chunk(model: LlamaForCausalLM, final: torch.Tensor, targets: torch.Tensor,
@@ -218,14 +241,23 @@ def _loss_into_workspace(normed: torch.Tensor, weight: torch.Tensor, targets: to
     ``(loss sum, softmax − onehot in the head's dtype)``, the bits of the per-chunk path
     (``compute_logits``, ``torch.logsumexp``: ``m + log Σ exp(x − m)`` with infinite maxima taken
     as 0, then ``exp(x − lse)``), the logits cast to fp32 twice instead of kept."""
-    low, x = _LossWorkspace.get(normed.shape[0], weight.shape[0], weight.dtype, weight.device)
+    fused = LOSS_FUSED_CE and triton_loss.usable(weight.device)
+    if fused:
+        low, x = _LossWorkspace.get_low(normed.shape[0], weight.shape[0], weight.dtype, weight.device), None
+    else:
+        low, x = _LossWorkspace.get(normed.shape[0], weight.shape[0], weight.dtype, weight.device)
     for i, (v0, v1) in enumerate(gemm_pieces(weight.shape[0], LOSS_GEMM_PIECES)):
         if i:
             boundary()
         # (compute_logits: the head's GEMM, then fp32; LOSS_GEMM_PIECES: a vocabulary range a piece)
         torch.mm(normed, weight[v0:v1].t(), out=low[:, v0:v1])
-        x[:, v0:v1].copy_(low[:, v0:v1])
+        if x is not None:
+            x[:, v0:v1].copy_(low[:, v0:v1])
     boundary()
+    if x is None:
+        row_loss = torch.empty(low.shape[0], dtype=torch.float32, device=low.device)
+        triton_loss.cross_entropy_grad_(low, targets.contiguous(), row_loss)
+        return row_loss.sum(dtype=torch.float64), low
     picked = x[rows, targets]
     m = x.amax(dim=1, keepdim=True)
     m.masked_fill_(m.abs() == float("inf"), 0.0)
