@@ -137,16 +137,22 @@ class _TaskBatch(NamedTuple):
 
 
 
-LOSS_FUSED_CE = os.environ.get("COSERVE_LOSS_FUSED_CE", "0") == "1"
+LOSS_FUSED_CE = os.environ.get("COSERVE_LOSS_FUSED_CE", "1") == "1"
 """With :data:`LOSS_SPLIT` and :data:`LOSS_WORKSPACE`, on a GPU: a loss chunk's cross-entropy
 stretch as one Triton kernel (:func:`coserve.trainer.triton_loss.cross_entropy_grad_`: two reads
 of the head-dtype logits, the gradient written over them) instead of the torch chain's ~8 passes
 over fp32 ``[LOSS_CHUNK, V]`` buffers (~3.8 GB of traffic at the Llama-3 shape and 512 targets;
-~0.4 GB fused), and no fp32 buffer. Session 41's pause delays on the H100 still had their tail
-at the loss's boundaries with two GEMM pieces (p99 1.51 / 2.06 ms against the layers' 1.10 /
-1.20), the loss's stretches reaching a GPU p99 of 3.0 ms, and by arithmetic the cross-entropy's
-is the longest. The same loss and gradient to fp32 rounding, not bit for bit (tests).
-``COSERVE_LOSS_FUSED_CE=1`` turns it on; off until a device run measures it."""
+~0.4 GB fused), and no fp32 buffer (250 MiB). Session 41's pause delays on the H100 still had
+their tail at the loss's boundaries with two GEMM pieces. On by default since session 42 (one
+H100 host, noisy by ``host_check``; ``bench/results/latency_h100/session42/``): the stretch alone
+on the whole GPU 1.36 → 0.17 ms (``bench/loss_ce.py``: the chunk 2.35 → 0.92 ms, loss and
+gradient within 3e-9 and 1.3e-7 of the chain's); in three co-serving runs each way (latency=50),
+the first chunk's cross-entropy stretch a median 2.7 → 0.40 ms, FT tokens/s 3,070 / 3,145 / 3,162
+against 2,994 / 3,020 / 3,065, the pause at the loss's boundaries a median 0.39-0.49 against
+0.60-0.63 ms (p99s: 2.66-4.59 against 2.01-3.48 ms, the host's noise), the cold error p99 over
+all steps 14.6 / 16.1 / 19.9% against 26.0 / 23.5 / 24.2%. The same loss and gradient to fp32
+rounding, not bit for bit (tests). ``COSERVE_LOSS_FUSED_CE=0``: the torch chain (and the CPU,
+without Triton's interpreter, always)."""
 
 LOSS_WORKSPACE = os.environ.get("COSERVE_LOSS_WORKSPACE", "1") == "1"
 """:func:`_split_loss_chunk` computes into two buffers kept across chunks and tasks (the LM head's
