@@ -246,9 +246,11 @@ def _loss_into_workspace(normed: torch.Tensor, weight: torch.Tensor, targets: to
     """:func:`_split_loss_chunk`'s first two stretches in :class:`_LossWorkspace`'s buffers:
     ``(loss sum, softmax − onehot in the head's dtype)``, the bits of the per-chunk path
     (``compute_logits``, ``torch.logsumexp``: ``m + log Σ exp(x − m)`` with infinite maxima taken
-    as 0, then ``exp(x − lse)``), the logits cast to fp32 twice instead of kept."""
-    fused = LOSS_FUSED_CE and triton_loss.usable(weight.device)
-    if fused:
+    as 0, then ``exp(x − lse)``), the logits cast to fp32 twice instead of kept; with
+    :data:`LOSS_FUSED_CE` on a GPU, the second stretch is one kernel over the head-dtype logits
+    (to fp32 rounding, not bit for bit)."""
+    x: torch.Tensor | None
+    if LOSS_FUSED_CE and triton_loss.usable(weight.device):
         low, x = _LossWorkspace.get_low(normed.shape[0], weight.shape[0], weight.dtype, weight.device), None
     else:
         low, x = _LossWorkspace.get(normed.shape[0], weight.shape[0], weight.dtype, weight.device)
