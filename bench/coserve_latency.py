@@ -57,6 +57,7 @@ from coserve.engine.config import EngineConfig
 from coserve.engine.llm_engine import LLMEngine
 from coserve.models.presets import preset_path
 from coserve.server.finetune import FinetuneSession, FinetuneSpec
+from coserve.trainer.backward import loss_stretch_roles
 from coserve.trainer.mps import share_of_this_process, start_mps_daemon
 from coserve.trainer.stream_gate import boundary_kind
 
@@ -221,7 +222,8 @@ def task_allocs_summary(rows: Sequence[tuple[int, int, int, int, int]]) -> dict[
 
 def span_summary(spans: list[tuple[int, int, float, float]], num_layers: int,
                  process_ms: list[float] | None = None, gc_ms: list[float] | None = None,
-                 watchdog_releases: int | None = None, tasks: list[int] | None = None) -> dict[str, Any]:
+                 watchdog_releases: int | None = None, tasks: list[int] | None = None,
+                 loss_roles: Sequence[str] | None = None) -> dict[str, Any]:
     """The stretches between the trainer's boundaries (``TaskResult.spans``, GPU-side gate
     only), by where they start: ``start``, ``loss``, ``commit`` or ``layer#k`` (the k-th boundary
     of a layer: 0 the attention recompute, then the MLP's pieces, the last the attention
@@ -235,7 +237,10 @@ def span_summary(spans: list[tuple[int, int, float, float]], num_layers: int,
     the driver or the OS's scheduler, not Python and dispatch. With ``gc_ms``
     (``TaskResult.span_gc_ms``): ``gc_ms`` (the garbage collector's time summed over a group's
     stretches), ``gc_max_ms`` and ``gc_over_1ms`` (the stretches it held 1 ms or more).
-    ``watchdog_releases``: the stretches ``COSERVE_TRAINER_RELEASE``'s watchdog released."""
+    ``watchdog_releases``: the stretches ``COSERVE_TRAINER_RELEASE``'s watchdog released.
+    ``loss_roles`` (:func:`coserve.trainer.backward.loss_stretch_roles`): ``loss_by_role``, the
+    loss's stretches by what they compute (the LM head's GEMM pieces, the cross-entropy, the
+    gradient's GEMM pieces), over every chunk."""
     if process_ms is None or len(process_ms) != len(spans):
         process_ms = [math.nan] * len(spans)
     if gc_ms is None or len(gc_ms) != len(spans):
@@ -292,6 +297,12 @@ def span_summary(spans: list[tuple[int, int, float, float]], num_layers: int,
     if loss:
         out["loss_by_ordinal"] = {str(k): {"n": len(v), "p50_ms": percentile(v, 50), "p99_ms": percentile(v, 99)}
                                   for k, v in sorted(loss.items())}
+        if loss_roles:
+            roles: dict[str, list[float]] = {}
+            for k, v in sorted(loss.items()):
+                roles.setdefault(loss_roles[k % len(loss_roles)], []).extend(v)
+            out["loss_by_role"] = {r: {"n": len(v), "p50_ms": percentile(v, 50), "p99_ms": percentile(v, 99)}
+                                   for r, v in roles.items()}
     return out
 
 
@@ -579,7 +590,9 @@ def main() -> None:
         "early_pause": {"lead_ms": args.early_pause_ms, "taken_over": co.early_pauses,
                         "lifted": co.early_pauses_lifted},
         "trainer_spans": (span_summary(co.trainer_spans, num_layers, co.trainer_span_process_ms,
-                                       co.trainer_span_gc_ms, co.trainer_watchdog_releases, co.trainer_span_tasks)
+                                       co.trainer_span_gc_ms, co.trainer_watchdog_releases, co.trainer_span_tasks,
+                                       loss_stretch_roles(engine.model_config.vocab_size,
+                                                          engine.model_config.hidden_size))
                           if co.trainer_spans else None),
         "trainer_tasks": task_allocs_summary(co.trainer_task_counts) if co.trainer_task_counts else None,
         "ft_only_interruption": {

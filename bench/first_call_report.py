@@ -371,6 +371,19 @@ def _loss_stretches(spans: dict[str, Any]) -> str:
     return f"{whole} / {_ms(by[worst]['p99_ms'])} ({worst})"
 
 
+LOSS_ROLES = ("logits", "cross_entropy", "gradient")
+"""The loss stretches' roles the table shows (``trainer_spans.loss_by_role``, since session 42)."""
+
+
+def _loss_roles(spans: dict[str, Any]) -> str:
+    """Each loss stretch role's GPU p50 / p99 (``trainer_spans.loss_by_role``), in
+    :data:`LOSS_ROLES`' order, ``-`` where a run has none."""
+    by = spans.get("loss_by_role") or {}
+    if not by:
+        return "-"
+    return " ; ".join(f"{_ms(by[r]['p50_ms'])} / {_ms(by[r]['p99_ms'])}" if r in by else "-" for r in LOSS_ROLES)
+
+
 def slo_table(reports: dict[str, dict[str, Any]]) -> str:
     """The issue-5 figures of every latency run in ``reports`` (name -> a report as :func:`report`
     writes it), one column a run, as a Markdown table: the goal's figures (the model's cold and
@@ -412,6 +425,8 @@ def slo_table(reports: dict[str, dict[str, Any]]) -> str:
         f"{_ms(r['trainer_pause']['by_boundary'][k]['delay_p50_ms'])} / {_ms(r['trainer_pause']['by_boundary'][k]['delay_p99_ms'])}"
         for k in ("loss", "layer")))
     row("loss stretches' GPU p99, ms: all / longest ordinal (its ordinal)", lambda r: _loss_stretches(r["trainer_spans"]))
+    row("loss stretches' GPU p50 / p99, ms: logits ; cross-entropy ; gradient",
+        lambda r: _loss_roles(r["trainer_spans"]))
     row("pause window's step, measured / predicted median: paused / unpaused in a task", lambda r: " / ".join(
         f"{r['trainer_pause']['step_ratio_by_window'][k]['median']:.3f}" if k in r["trainer_pause"]["step_ratio_by_window"]
         else "-" for k in ("paused", "unpaused_in_task")))

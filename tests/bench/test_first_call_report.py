@@ -248,3 +248,10 @@ def test_table_shows_the_pause_by_boundary_the_loss_stretches_and_the_window_ste
     cells = {line.split(" | ")[0].removeprefix("| "): line.split(" | ")[1:] for line in lines[2:]}
     assert cells["loss stretches' GPU p99, ms: all / longest ordinal (its ordinal)"] == ["3.58 / 3.10 (2) |"]
     assert cells["pause window's step, measured / predicted median: paused / unpaused in a task"] == ["1.004 / 0.998 |"]
+    assert cells["loss stretches' GPU p50 / p99, ms: logits ; cross-entropy ; gradient"] == ["- |"]
+    run["trainer_spans"]["loss_by_role"] = {"logits": {"n": 80, "p50_ms": 1.0, "p99_ms": 2.0},
+                                            "gradient": {"n": 80, "p50_ms": 0.5, "p99_ms": 4.5}}
+    lines = first_call_report.slo_table({"s41": {"slo_machinery": run}}).splitlines()
+    cells = {line.split(" | ")[0].removeprefix("| "): line.split(" | ")[1:] for line in lines[2:]}
+    assert cells["loss stretches' GPU p50 / p99, ms: logits ; cross-entropy ; gradient"] == [
+        "1.00 / 2.00 ; - ; 0.50 / 4.50 |"]

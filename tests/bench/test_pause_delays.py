@@ -46,6 +46,20 @@ def test_spans_grouped_by_where_they_start() -> None:
     assert got["loss_by_ordinal"] == {"0": {"n": 1, "p50_ms": 1.0, "p99_ms": 1.0},
                                       "1": {"n": 1, "p50_ms": 3.0, "p99_ms": 3.0}}
     assert "loss_by_ordinal" not in coserve_latency.span_summary(spans[2:], num_layers=2)
+    assert "loss_by_role" not in got  # (no roles given)
+
+
+def test_loss_stretches_by_role_over_chunks() -> None:
+    """Two tasks of two loss chunks each, three stretches a chunk (a one-piece split loss): the
+    ordinals count on over a task's chunks, the roles repeat every chunk."""
+    roles = ("logits", "cross_entropy", "gradient")
+    spans = [(2, k, ms, 0.1) for k, ms in enumerate([1.0, 3.0, 0.5, 1.2, 2.8, 0.6])] * 2
+    spans.append((1, 0, 9.0, 0.1))  # (a layer's: not the loss's)
+    got = coserve_latency.span_summary(spans, num_layers=2, loss_roles=roles)["loss_by_role"]
+    assert set(got) == set(roles) and all(v["n"] == 4 for v in got.values())
+    assert got["cross_entropy"]["p50_ms"] == pytest.approx(2.9)
+    assert got["logits"]["p99_ms"] == pytest.approx(1.2, abs=1e-3)
+    assert got["gradient"]["p50_ms"] == pytest.approx(0.55)
 
 
 def test_a_pause_dates_from_where_the_gpu_stopped_for_its_release() -> None:

@@ -562,6 +562,30 @@ def test_a_loss_chunk_in_gemm_pieces_matches_one_piece(hf_models: dict[str, Path
     torch.testing.assert_close(got[3][1], got[1][1])
 
 
+@pytest.mark.parametrize(("split", "workspace", "pieces"), [(True, True, 1), (True, True, 2), (True, True, 3),
+                                                            (True, False, 2), (False, True, 2)])
+def test_loss_stretch_roles_name_every_stretch_of_a_chunk(
+    models: dict[str, LlamaForCausalLM], monkeypatch: pytest.MonkeyPatch, split: bool, workspace: bool, pieces: int
+) -> None:
+    """``loss_stretch_roles`` has one role per boundary a loss chunk passes (what the latency
+    bench groups the loss's stretches by), the GEMM pieces' in order around the cross-entropy."""
+    import coserve.trainer.backward as backward
+
+    model = models["llama"]
+    monkeypatch.setattr(backward, "LOSS_SPLIT", split)
+    monkeypatch.setattr(backward, "LOSS_WORKSPACE", workspace)
+    monkeypatch.setattr(backward, "LOSS_GEMM_PIECES", pieces)
+    monkeypatch.setattr(backward, "GEMM_PIECE_ALIGN", 8)  # (the test model: vocabulary 160, hidden 64)
+    vocab, hidden = model.lm_head_weight.shape
+    roles = backward.loss_stretch_roles(vocab, hidden)
+    assert len(roles) == loss_chunk_boundaries(model)
+    if not split:
+        assert roles == ("forward", "backward")
+    else:
+        n = pieces if workspace else 1
+        assert roles == ("logits",) * n + ("cross_entropy",) + ("gradient",) * n
+
+
 def test_gemm_pieces_cover_the_columns_at_tile_multiples() -> None:
     from coserve.trainer.backward import gemm_pieces
 

@@ -241,6 +241,20 @@ def gemm_pieces(n: int, pieces: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, n)) for a in range(0, n, step)]
 
 
+def loss_stretch_roles(vocab: int, hidden: int) -> tuple[str, ...]:
+    """What each stretch of one loss chunk computes, in the order they run (each begins at a pause
+    boundary), under the switches as set, for an LM head of ``[vocab, hidden]``: with
+    :data:`LOSS_SPLIT`, ``logits`` a piece of the head's GEMM (:data:`LOSS_GEMM_PIECES`),
+    ``cross_entropy`` and ``gradient`` a piece of its gradient's GEMM (the last with the norm's
+    backward); without, autograd's ``forward`` and ``backward``. A task's loss boundaries count
+    on from chunk to chunk, so its ``k``-th loss stretch is ``roles[k % len(roles)]``."""
+    if not LOSS_SPLIT:
+        return ("forward", "backward")
+    pieces = LOSS_GEMM_PIECES if LOSS_WORKSPACE else 1
+    return (("logits",) * len(gemm_pieces(vocab, pieces)) + ("cross_entropy",)
+            + ("gradient",) * len(gemm_pieces(hidden, pieces)))
+
+
 def _loss_into_workspace(normed: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor,
                          boundary: Callable[[], None]) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_split_loss_chunk`'s first two stretches in :class:`_LossWorkspace`'s buffers:
