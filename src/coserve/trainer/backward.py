@@ -241,16 +241,19 @@ def gemm_pieces(n: int, pieces: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, n)) for a in range(0, n, step)]
 
 
-def loss_stretch_roles(vocab: int, hidden: int) -> tuple[str, ...]:
+def loss_stretch_roles(vocab: int, hidden: int, *, split: bool | None = None,
+                       pieces: int | None = None) -> tuple[str, ...]:
     """What each stretch of one loss chunk computes, in the order they run (each begins at a pause
-    boundary), under the switches as set, for an LM head of ``[vocab, hidden]``: with
-    :data:`LOSS_SPLIT`, ``logits`` a piece of the head's GEMM (:data:`LOSS_GEMM_PIECES`),
-    ``cross_entropy`` and ``gradient`` a piece of its gradient's GEMM (the last with the norm's
-    backward); without, autograd's ``forward`` and ``backward``. A task's loss boundaries count
-    on from chunk to chunk, so its ``k``-th loss stretch is ``roles[k % len(roles)]``."""
-    if not LOSS_SPLIT:
+    boundary), for an LM head of ``[vocab, hidden]``: with :data:`LOSS_SPLIT` (``split``),
+    ``logits`` a piece of the head's GEMM (:data:`LOSS_GEMM_PIECES` with the workspace, else one;
+    ``pieces``), ``cross_entropy`` and ``gradient`` a piece of its gradient's GEMM (the last with
+    the norm's backward); without, autograd's ``forward`` and ``backward``. ``split`` and
+    ``pieces`` default to the switches as set (another run's, for a report). A task's loss
+    boundaries count on from chunk to chunk, so its ``k``-th loss stretch is ``roles[k % len(roles)]``."""
+    if not (LOSS_SPLIT if split is None else split):
         return ("forward", "backward")
-    pieces = LOSS_GEMM_PIECES if LOSS_WORKSPACE else 1
+    if pieces is None:
+        pieces = LOSS_GEMM_PIECES if LOSS_WORKSPACE else 1
     return (("logits",) * len(gemm_pieces(vocab, pieces)) + ("cross_entropy",)
             + ("gradient",) * len(gemm_pieces(hidden, pieces)))
 
