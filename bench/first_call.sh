@@ -100,7 +100,8 @@
 # With no lanes given, the four-GPU layout of session 4:
 #   "verify latency" "trace_coserve" "trace_peer" "grid eager"
 # Environment: DEADLINE (seconds from start, default 565), TRACE_RATE (trace replay rate
-# scale, default 3), TRACE_SECONDS (default 300), TRACE_DRAIN (default 60).
+# scale, default 3), TRACE_SECONDS (default 300), TRACE_DRAIN (default 60), H100_LANES (the lanes,
+# '|' between two, to run instead on a GPU that is no H200: H100_LANES="latency latency#2").
 set -uo pipefail
 : "${OUT:?OUT must name the output folder}"
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -365,6 +366,15 @@ print(materialize('shape:llama3-8b', Path('$top/shape')))")
 }
 
 (( $# )) || set -- "verify latency" "trace_coserve" "trace_peer" "grid eager"
+# H100_LANES ("LANE0 JOBS|LANE1 JOBS..."): the lanes to run instead where the GPU is no H200, so that
+# a call asked for an H200 still runs what was planned for an H100 if one comes in its place
+gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
+echo "gpu: ${gpu_name:-unknown}" | tee -a "$top/status.txt"
+if [[ -n ${H100_LANES:-} && $gpu_name != *H200* ]]; then
+  IFS='|' read -r -a h100_lanes <<< "$H100_LANES"
+  set -- "${h100_lanes[@]}"
+  echo "no H200: the lanes of H100_LANES" | tee -a "$top/status.txt"
+fi
 gpu=0
 for lane in "$@"; do
   (
