@@ -153,3 +153,31 @@ def test_task_backward_fused_matches_the_torch_chain(hf_models: dict[str, Path],
     assert results[True][0].num_targets == results[False][0].num_targets
     assert results[True][0].loss_sum == pytest.approx(results[False][0].loss_sum, rel=1e-5)
     assert_close_scaled(results[True][1], results[False][1], rtol=1e-4)
+
+
+def test_a_kernel_that_fails_leaves_the_torch_chain(hf_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+                                                    on_cpu: None, caplog: pytest.LogCaptureFixture) -> None:
+    """A kernel that raises (it cannot compile on this GPU, say): the chunk's loss and gradient
+    are the torch chain's bit for bit, one warning says so, and the kernel is not tried again."""
+    model = load_model(hf_models["llama"], num_lora_slots=1, max_lora_rank=16, dtype=torch.float32, device=DEVICE)
+    gen = torch.Generator().manual_seed(5)
+    vocab, hidden = model.lm_head_weight.shape
+    final = (torch.randn(6, hidden, generator=gen) * 4).to(DEVICE)
+    targets = torch.randint(0, vocab, (6,), generator=gen).to(DEVICE)
+    monkeypatch.setattr(triton_loss, "_failed", None)
+    monkeypatch.setattr(backward, "LOSS_FUSED_CE", False)
+    want = one_loss_chunk(model, final, targets)
+    calls = []
+
+    def broken(*args: object) -> None:
+        calls.append(1)
+        raise RuntimeError("no kernel for this GPU")
+
+    monkeypatch.setattr(backward, "LOSS_FUSED_CE", True)
+    monkeypatch.setattr(triton_loss, "cross_entropy_grad_", broken)
+    for _ in range(2):
+        got = one_loss_chunk(model, final, targets)
+        assert torch.equal(got[0], want[0]) and got[1] is not None and torch.equal(got[1], want[1])
+        assert got[2] == want[2]
+    assert len(calls) == 1 and not triton_loss.usable(DEVICE)
+    assert [r.levelname for r in caplog.records if "no kernel for this GPU" in r.getMessage()] == ["WARNING"]

@@ -281,8 +281,12 @@ def _loss_into_workspace(normed: torch.Tensor, weight: torch.Tensor, targets: to
     boundary()
     if x is None:
         row_loss = torch.empty(low.shape[0], dtype=torch.float32, device=low.device)
-        triton_loss.cross_entropy_grad_(low, targets.contiguous(), row_loss)
-        return row_loss.sum(dtype=torch.float64), low
+        try:
+            triton_loss.cross_entropy_grad_(low, targets.contiguous(), row_loss)
+            return row_loss.sum(dtype=torch.float64), low
+        except Exception as error:  # (raised before the launch: the logits in ``low`` are intact)
+            triton_loss.give_up(error)
+            x = _LossWorkspace.get(normed.shape[0], weight.shape[0], weight.dtype, weight.device)[1].copy_(low)
     picked = x[rows, targets]
     m = x.amax(dim=1, keepdim=True)
     m.masked_fill_(m.abs() == float("inf"), 0.0)

@@ -18,6 +18,7 @@ gradient agree with the chain to fp32 rounding, not bit for bit (tests).
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,6 +27,8 @@ from coserve.layers.triton_attention import jit, triton_usable
 
 if TYPE_CHECKING:
     import triton.language as tl
+
+logger = logging.getLogger(__name__)
 
 ON_CPU = False
 """Also run the kernel on CPU tensors when ``TRITON_INTERPRET=1`` (tests turn this on; the
@@ -70,10 +73,25 @@ def _cross_entropy_grad_kernel(
     tl.store(loss_ptr + r + offs * 0, loss + offs * 0.0, mask=offs == 0)
 
 
+_failed: str | None = None
+"""Why the kernel failed in this process (see :func:`give_up`), None while it has not."""
+
+
 def usable(device: torch.device) -> bool:
     """Whether :func:`cross_entropy_grad_` may run on tensors of ``device``: on a GPU with
-    Triton, on the CPU only with :data:`ON_CPU` set and Triton's interpreter on."""
-    return (device.type == "cuda" or ON_CPU) and triton_usable(device)
+    Triton, on the CPU only with :data:`ON_CPU` set and Triton's interpreter on; never again in a
+    process where it failed."""
+    return _failed is None and (device.type == "cuda" or ON_CPU) and triton_usable(device)
+
+
+def give_up(error: Exception) -> None:
+    """The kernel raised (it could not be compiled or launched on this GPU): log it once and let
+    :func:`usable` say no from now on, so that the loss takes the torch chain instead of the
+    trainer failing task after task."""
+    global _failed
+    _failed = f"{type(error).__name__}: {error}"
+    logger.warning("the fused cross-entropy kernel failed (%s); the loss uses the torch chain from now on "
+                   "(COSERVE_LOSS_FUSED_CE=0 skips the kernel)", _failed)
 
 
 def cross_entropy_grad_(logits: torch.Tensor, targets: torch.Tensor, row_loss: torch.Tensor) -> None:
