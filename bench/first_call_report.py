@@ -300,7 +300,19 @@ def report(folder: Path) -> dict[str, Any]:
                                 for p in sorted(folder.glob("trainer_stretches_*.json")) if (r := _load(p)) is not None}
     gate = _load(folder / "trainer_gate_cost.json")
     out["trainer_gate_cost_us"] = gate["figures"]["us_per_call"] if gate else None
+    ce = _load(folder / "loss_ce.json")
+    out["loss_ce"] = loss_ce(ce) if ce else None
     return out
+
+
+def loss_ce(r: dict[str, Any]) -> dict[str, Any]:
+    """bench/loss_ce.py (the loss_ce job): a loss chunk's cross-entropy stretch (its last) and the
+    whole chunk, median GPU ms, by the torch chain and fused, and how far the fused loss and
+    gradient lie from the chain's."""
+    f = r["figures"]
+    return {"cross_entropy_ms": {k: f[k]["stretch_p50_ms"][-1] for k in ("chain", "fused")},
+            "chunk_ms": {k: f[k]["chunk_p50_ms"] for k in ("chain", "fused")},
+            "ce_speedup": f["ce_speedup"], "loss_rel_diff": f["loss_rel_diff"], "grad_rel_diff": f["grad_rel_diff"]}
 
 
 def trainer_stretches(r: dict[str, Any], top: int = 5) -> dict[str, Any]:

@@ -52,6 +52,17 @@ def test_report_reads_every_part_and_names_what_is_missing(tmp_path: Path) -> No
     assert shape["eager_step_ms"] == shape["graphs_step_ms"] == pytest.approx(50.67, rel=1e-3)
 
 
+def test_the_loss_ce_job(tmp_path: Path) -> None:
+    """Session 42's loss_ce.json: the cross-entropy stretch and the chunk by the chain and fused."""
+    assert first_call_report.report(tmp_path)["loss_ce"] is None
+    shutil.copy(RESULTS / "latency_h100" / "session42" / "loss_ce_fc92394.json", tmp_path / "loss_ce.json")
+    got = first_call_report.report(tmp_path)["loss_ce"]
+    assert got["cross_entropy_ms"]["chain"] == pytest.approx(1.3616, rel=1e-3)
+    assert got["cross_entropy_ms"]["fused"] == pytest.approx(0.1694, rel=1e-3)
+    assert got["chunk_ms"]["fused"] == pytest.approx(0.9199, rel=1e-3)
+    assert got["ce_speedup"] == pytest.approx(8.04, rel=1e-3) and got["grad_rel_diff"] < 1e-6
+
+
 def test_gpu_test_counts_ignore_assertion_lines(tmp_path: Path) -> None:
     """A failed run's log holds "E   ..." lines of the assertion: they are no test results."""
     shutil.copy(RESULTS / "verify_h200" / "session6" / "gpu_tests_11fd828.txt", tmp_path / "gpu_tests.txt")
