@@ -533,6 +533,8 @@ MALFORMED: list[tuple[object, str]] = [
     ({"input_ids": []}, "empty 'input_ids'"),
     ({"input_ids": [5, 128]}, "input_ids[1]=128 out of range [0, 128)"),
     ({"input_ids": [-1, 5]}, "input_ids[0]=-1 out of range [0, 128)"),
+    ({"input_ids": [5, 2**70]}, f"input_ids[1]={2**70} out of range [0, 128)"),  # (past int64)
+    ({"input_ids": [5, 6], "labels": [True, 6]}, "field 'labels' must be a list of integers"),
     ({"input_ids": [5, 6], "labels": [5]}, "labels length 1 != input_ids length 2"),
     ({"input_ids": [5, 6], "labels": "x"}, "field 'labels' must be a list of integers"),
     ({"input_ids": [5, 6], "labels": [5, 300]}, "labels[1]=300 out of range"),
@@ -540,6 +542,32 @@ MALFORMED: list[tuple[object, str]] = [
     ({"input_ids": [5, 6], "labels": [5, M]}, "no target tokens"),
     ({"input_ids": [5]}, "no target tokens"),
 ]
+
+
+def test_the_fast_token_check_agrees_with_the_per_item_one() -> None:
+    """``_tokens_in_range`` says yes only where the per-item checks would pass; an int subclass
+    other than bool is left to them (they accept it, as before the fast check)."""
+    import enum
+    import random
+
+    from coserve.core.finetune import IGNORE_INDEX, _tokens_in_range, is_int
+
+    class Tok(enum.IntEnum):
+        FIVE = 5
+
+    def per_item(values: list, also: int | None) -> bool:
+        return all(is_int(t) and (0 <= t < 128 or t == also) for t in values)
+
+    rng = random.Random(0)
+    pool = [0, 5, 127, 128, -1, IGNORE_INDEX, True, 2.0, 2**70, -(2**70), None]
+    for _ in range(2000):
+        values = [rng.choice(pool) for _ in range(rng.randint(0, 4))]
+        for also in (None, IGNORE_INDEX):
+            if _tokens_in_range(values, 128, also):
+                assert per_item(values, also), values
+            elif values and per_item(values, also):
+                raise AssertionError(f"{values} passes the per-item checks but not the fast one")
+    assert not _tokens_in_range([Tok.FIVE], 128) and per_item([Tok.FIVE], None)
 
 
 def test_malformed_rows_are_skipped_with_line_numbers(

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, NamedTuple, Protocol
 
+import numpy as np
+
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX: Final = -100
@@ -171,6 +173,24 @@ def _type_name(value: object) -> str:
 def is_int(value: object) -> bool:
     # bool is an int subclass, but `true` in a token list is a data error.
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _tokens_in_range(values: list[Any], vocab_size: int, also: int | None = None) -> bool:
+    """Whether every item of ``values`` is a plain ``int`` in ``[0, vocab_size)`` (or equal to
+    ``also``), checked without a Python call per item (the types through ``map``, the range in
+    numpy): a pre-tokenized row of a thousand tokens in microseconds instead of a millisecond.
+    False says only that the per-item checks must run (they name the first bad item, and accept
+    int subclasses other than bool, which this does not)."""
+    if not set(map(type, values)) <= {int}:
+        return False
+    try:
+        arr = np.fromiter(values, dtype=np.int64, count=len(values))
+    except OverflowError:
+        return False
+    ok = (arr >= 0) & (arr < vocab_size)
+    if also is not None:
+        ok |= arr == also
+    return bool(ok.all())
 
 
 def _is_token_prefix(prefix: list[int], full: list[int]) -> bool:
@@ -409,21 +429,23 @@ class _RowEncoder:
 
     def _pretokenized(self, row: dict[str, Any]) -> _Encoded:
         ids = row["input_ids"]
-        if not isinstance(ids, list) or not all(is_int(t) for t in ids):
+        ids_checked = isinstance(ids, list) and _tokens_in_range(ids, self._vocab_size)
+        if not ids_checked and (not isinstance(ids, list) or not all(is_int(t) for t in ids)):
             raise _RowError("field 'input_ids' must be a list of integers")
         if not ids:
             raise _RowError("empty 'input_ids'")
-        for i, t in enumerate(ids):
+        for i, t in enumerate([] if ids_checked else ids):
             if not 0 <= t < self._vocab_size:
                 raise _RowError(f"input_ids[{i}]={t} out of range [0, {self._vocab_size})")
         labels = row.get("labels")
         if labels is None:
             return _Encoded(list(ids), list(ids), "pretokenized", chat_fallback=False)
-        if not isinstance(labels, list) or not all(is_int(t) for t in labels):
+        labels_checked = isinstance(labels, list) and _tokens_in_range(labels, self._vocab_size, IGNORE_INDEX)
+        if not labels_checked and (not isinstance(labels, list) or not all(is_int(t) for t in labels)):
             raise _RowError("field 'labels' must be a list of integers")
         if len(labels) != len(ids):
             raise _RowError(f"labels length {len(labels)} != input_ids length {len(ids)}")
-        for i, t in enumerate(labels):
+        for i, t in enumerate([] if labels_checked else labels):
             if t != IGNORE_INDEX and not 0 <= t < self._vocab_size:
                 raise _RowError(
                     f"labels[{i}]={t} out of range [0, {self._vocab_size}) and not {IGNORE_INDEX}"
