@@ -429,29 +429,32 @@ class _RowEncoder:
 
     def _pretokenized(self, row: dict[str, Any]) -> _Encoded:
         ids = row["input_ids"]
-        ids_checked = isinstance(ids, list) and _tokens_in_range(ids, self._vocab_size)
-        if not ids_checked and (not isinstance(ids, list) or not all(is_int(t) for t in ids)):
-            raise _RowError("field 'input_ids' must be a list of integers")
+        self._check_tokens("input_ids", ids)
         if not ids:
             raise _RowError("empty 'input_ids'")
-        for i, t in enumerate([] if ids_checked else ids):
-            if not 0 <= t < self._vocab_size:
-                raise _RowError(f"input_ids[{i}]={t} out of range [0, {self._vocab_size})")
         labels = row.get("labels")
         if labels is None:
             return _Encoded(list(ids), list(ids), "pretokenized", chat_fallback=False)
-        labels_checked = isinstance(labels, list) and _tokens_in_range(labels, self._vocab_size, IGNORE_INDEX)
-        if not labels_checked and (not isinstance(labels, list) or not all(is_int(t) for t in labels)):
-            raise _RowError("field 'labels' must be a list of integers")
-        if len(labels) != len(ids):
-            raise _RowError(f"labels length {len(labels)} != input_ids length {len(ids)}")
-        for i, t in enumerate([] if labels_checked else labels):
-            if t != IGNORE_INDEX and not 0 <= t < self._vocab_size:
-                raise _RowError(
-                    f"labels[{i}]={t} out of range [0, {self._vocab_size}) and not {IGNORE_INDEX}"
-                )
+        self._check_tokens("labels", labels, also=IGNORE_INDEX, length=len(ids))
         # Explicit labels are authoritative: train_on_prompt only steers masks the loader makes.
         return _Encoded(list(ids), list(labels), "pretokenized", chat_fallback=False)
+
+    def _check_tokens(self, field: str, values: Any, *, also: int | None = None, length: int | None = None) -> None:
+        """That ``values`` is a list of token ids (or ``also``), of ``length`` items where given:
+        a :class:`_RowError` naming the first fault otherwise (the type, then the length, then the
+        first id out of range). :func:`_tokens_in_range` first; the per-item checks only where it
+        says no."""
+        fast = isinstance(values, list) and _tokens_in_range(values, self._vocab_size, also)
+        if not fast and (not isinstance(values, list) or not all(is_int(t) for t in values)):
+            raise _RowError(f"field '{field}' must be a list of integers")
+        if length is not None and len(values) != length:
+            raise _RowError(f"{field} length {len(values)} != input_ids length {length}")
+        if fast:
+            return
+        for i, t in enumerate(values):
+            if t != also and not 0 <= t < self._vocab_size:
+                alt = "" if also is None else f" and not {also}"
+                raise _RowError(f"{field}[{i}]={t} out of range [0, {self._vocab_size}){alt}")
 
     # -- helpers -----------------------------------------------------------------------------
 
