@@ -130,7 +130,8 @@ class JobScript:
         self.client = httpx.Client(base_url=url, timeout=120)
         self.driver, self.data, self.args, self.model = driver, data, args, model
         self.job_id: str | None = None
-        self.calls: dict[str, list[float]] = {}  # name -> [start, end] on the replay clock
+        self.calls: dict[str, list[float]] = {}  # name -> [start, end] on the replay clock (the calls that answered 200)
+        self.failed_calls: dict[str, dict[str, Any]] = {}  # name -> its times, HTTP status and message
         self.timeline: list[tuple[float, str, int]] = []  # (time, status, optimizer steps)
         self.stop = threading.Event()
         self.failure: str | None = None
@@ -143,9 +144,10 @@ class JobScript:
     def _call(self, name: str, method: str, path: str, **kw: Any) -> dict[str, Any]:
         start = self.now()
         reply = self.client.request(method, path, **kw)
-        self.calls[name] = [start, self.now()]
         if reply.status_code != 200:
+            self.failed_calls[name] = {"at": [start, self.now()], "status": reply.status_code, "text": reply.text[:300]}
             raise RuntimeError(f"{name}: HTTP {reply.status_code}: {reply.text[:300]}")
+        self.calls[name] = [start, self.now()]
         return dict(reply.json())
 
     def _wait_until(self, t: float) -> bool:
@@ -187,13 +189,16 @@ class JobScript:
                     continue
                 if self.timeline[-1][1] in TERMINAL:
                     break
-                self._call(name, "POST", f"/v1/fine_tuning/jobs/{self.job_id}/{name}")
+                try:
+                    self._call(name, "POST", f"/v1/fine_tuning/jobs/{self.job_id}/{name}")
+                except RuntimeError as e:  # (the job goes on as it was: polled on, so its phases stay true)
+                    self.failure = self.failure or f"{type(e).__name__}: {e}"
                 self._poll()
             while not self.stop.is_set():
                 self._poll()
                 self.stop.wait(0.1)
         except Exception as e:  # (the replay goes on; the result says why the script stopped)
-            self.failure = f"{type(e).__name__}: {e}"
+            self.failure = self.failure or f"{type(e).__name__}: {e}"
 
     def finish(self) -> dict[str, Any] | None:
         """Stop the thread; cancel the job if it still runs (timed); the job's last object."""
@@ -216,12 +221,16 @@ class JobScript:
 
 def phases(timeline: list[tuple[float, str, int]], calls: dict[str, list[float]]) -> list[tuple[float, str]]:
     """(start, phase) change points: ``before`` until the create call, then the polled statuses'
-    phases; a pause's phase starts at its call, the end's at the cancel call or the first
-    terminal status."""
+    phases; a pause's phase starts at its call (``calls`` holds the calls that succeeded) where
+    the job was running by then, else where it was first polled running during the call (a pause
+    asked during the set-up waits for it), else at the call's end; the end's phase at the cancel
+    call or the first terminal status."""
     points = [(0.0, "before")]
     marks = [(t, "after" if status in TERMINAL else PHASE_OF_STATUS.get(status, status)) for t, status, _ in timeline]
     if "pause" in calls:
-        marks.append((calls["pause"][0], "paused"))
+        start, end = calls["pause"]
+        running = [t for t, status, _ in timeline if status == "running" and t <= end]
+        marks.append((max(start, running[0]) if running else end, "paused"))
     if "cancel" in calls:
         marks.append((calls["cancel"][0], "after"))
     for t, phase in sorted(marks):
@@ -285,6 +294,7 @@ def main(argv: list[str]) -> int:
         "errors": {"reference": len(reference.errors), "with_job": len(with_job.errors),
                    "first": dict(list(sorted(with_job.errors.items()))[:5])},
         "script_failure": script.failure,
+        "failed_calls": script.failed_calls,
         "job": None if job is None else {k: job.get(k) for k in (
             "id", "status", "trained_tokens", "fine_tuned_model", "error", "coserve")},
     }

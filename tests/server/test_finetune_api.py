@@ -417,6 +417,37 @@ def test_a_job_is_paused_at_a_checkpoint_resumed_from_it_and_cancelled_while_pau
     assert steps == list(range(len(steps))) and len(steps) >= first + 2, "one log across the pause"
 
 
+def test_a_pause_asked_while_the_job_is_set_up_waits_for_it_then_pauses(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    read = DatasetReader.read
+
+    def slow_read(self: DatasetReader, *args: Any, **kwargs: Any) -> object:  # a set-up that takes a while
+        time.sleep(1.5)
+        return read(self, *args, **kwargs)
+
+    monkeypatch.setattr(DatasetReader, "read", slow_read)
+    with serve(jobs_engine(), jobs=JobsConfig(tmp_path, TEMPLATE)) as s:
+        jobs = s.client.fine_tuning.jobs
+        f = s.client.files.create(file=("facts.jsonl", DATA_BYTES), purpose="fine-tune")
+        job = jobs.create(model=MODEL, training_file=f.id, hyperparameters={"n_epochs": 500})
+        assert jobs.retrieve(job.id).status == "validating_files"
+        paused = jobs.pause(job.id)  # (the call waits for the set-up: not a 409)
+        assert paused.status == "paused" and s.engine_thread.session is None
+        assert (tmp_path / "jobs" / job.id / "checkpoint" / "trainer_state.pt").is_file()
+        assert ask(s, MODEL), "serving goes on"
+        assert jobs.resume(job.id).status in ("validating_files", "running")
+        assert wait_for(s, job.id, ("running",)) == "running"
+        assert jobs.cancel(job.id).status == "cancelled"
+
+        # a job whose set-up fails: the pause that waited for it is a 409 that says so
+        gone = s.client.files.create(file=("gone.jsonl", DATA_BYTES), purpose="fine-tune")
+        failing = jobs.create(model=MODEL, training_file=gone.id)
+        (tmp_path / "files" / gone.coserve["stored_as"]).unlink()  # type: ignore[attr-defined]
+        with pytest.raises(openai.ConflictError, match=r"not running \(failed\)"):
+            jobs.pause(failing.id)
+        assert jobs.retrieve(failing.id).status == "failed" and ask(s, MODEL)
+
+
 def test_an_upload_larger_than_the_limit_is_a_413_and_leaves_nothing(tmp_path: Path) -> None:
     data = DATA_BYTES
     config = JobsConfig(tmp_path, TEMPLATE, max_upload_bytes=len(data))

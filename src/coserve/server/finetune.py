@@ -152,7 +152,9 @@ class FinetuneSession:
         cfg = spec.coserve
         if cfg.max_seq_len > engine.max_model_len:
             raise ValueError(f"--max-seq-len {cfg.max_seq_len} exceeds the model's context {engine.max_model_len}")
+        began = time.perf_counter()
         self.dataset = read_dataset(engine, spec.data, cfg, reader)
+        read_s = time.perf_counter() - began
         stats = self.dataset.stats
         if stats.num_skipped:
             logger.warning("%s: %d malformed rows skipped (first: line %d: %s)", spec.data, stats.num_skipped,
@@ -182,6 +184,7 @@ class FinetuneSession:
                                      regions=2 if optim.accumulation_tasks > 1 else 1,
                                      mlp_width=2 * model.config.intermediate_size if cfg.save_mlp_activations else 0)
         warms_up = self._trainer_warms_up()
+        trainer_began = time.perf_counter()
         self.trainer = TrainerProcess(
             model, self.store.tensor, engine.lora_manager.scales, adapter,
             slot=engine.lora_manager.training_slot(0), optim=optim, dropout=spec.lora.dropout, seed=cfg.seed,
@@ -190,6 +193,9 @@ class FinetuneSession:
             warmup_rows=warmup_rows(cfg.backward_tokens, cfg.max_seq_len) if warms_up else (),
             warmup_shapes=warmup_shapes(cfg.backward_tokens, cfg.max_seq_len) if warms_up and WARMUP_SHAPES else (),
         )
+        logger.info("%s set up in %.1f s: dataset %s read in %.1f s (%d samples), trainer started in %.1f s%s",
+                    self.job_id, time.perf_counter() - began, spec.data, read_s, len(self.dataset.samples),
+                    time.perf_counter() - trainer_began, " with its warm-up" if warms_up else "")
         self.coserver = CoServer(
             pool=self.pool, samples={s.sample_id: s for s in self.dataset.samples}, store=self.store,
             trainer=self.trainer, config=cfg, optim=optim, slo=spec.slo, latency=latency,

@@ -565,13 +565,17 @@ class JobBoard:
 
     async def pause(self, job: FinetuneJob) -> None:
         """Stop ``job`` at a checkpoint (``paused``: not served, resumed by :meth:`resume`; one
-        whose last step completes meanwhile has ``succeeded``)."""
+        whose last step completes meanwhile has ``succeeded``). One being set up is paused once its
+        set-up is done (the call waits for it, as a cancel does), at its first step's checkpoint
+        or a later one; one whose set-up fails is not running (409)."""
         if self.config is None or job.live:
             raise HTTPException(400, "only jobs created through the API (--finetune-jobs DIR) can be paused")
+        task = self.setting_up.get(job.id)
+        if task is not None:
+            await asyncio.shield(task)
         session = self.et.session
         if session is None or session.job_id != job.id:
-            state = "being set up: pause it once it runs" if job.id in self.setting_up else \
-                "queued: it has not started (cancel it to take it off the queue)" if job.id in self.queue else \
+            state = "queued: it has not started (cancel it to take it off the queue)" if job.id in self.queue else \
                 f"not running ({self.stats(job).ft_outcome or 'not started'})"
             raise HTTPException(409, f"fine-tuning job {job.id!r} is {state}")
         await self.et.cancel_finetuning(job.id, pause=True)
