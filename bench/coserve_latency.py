@@ -36,6 +36,7 @@ import pstats
 import random
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -351,17 +352,25 @@ def warm_replays(driver: InProcessDriver, session: FinetuneSession, slo: SLOConf
 
 def timeline(utilization: Sequence[tuple[float, float]], clocks_mhz: Sequence[float],
              task_timings: Sequence[tuple[float, ...]], task_shapes: Sequence[tuple[int, int, float, float, int, int]],
-             origin: float) -> dict[str, Any]:
+             origin: float, host: Sequence[Sequence[float | None]] = ()) -> dict[str, Any]:
     """What ran beside the steps, in seconds since ``origin`` (the step table's ``began_s``): the
     GPU's utilization and SM clock every 0.25 s (none where the device does not report them: the
     session-33 cold runs' first quarter ran noisier than the warm replay of the same arrivals,
-    whatever the model's state, ``bench/latency_whole.py``), and each backward task's submission,
+    whatever the model's state, ``bench/latency_whole.py``) with, where ``host`` gives them
+    (parallel lists: the share of the host's CPUs busy, the clock of the CPU the engine's thread
+    was on and the CPUs' mean clock, in MHz; session 43's eager steps took 20-50 ms of host time
+    for the same small batch, on one CPU), the host's; and each backward task's submission,
     result, trainer seconds and tokens (``task_timings``) with its samples, longest sample and
     longest stretch between two boundaries in host and GPU ms, CUDA allocations and sleeps behind
     the closed gate (``task_shapes``, parallel to it; admission fills tasks shortest-first, so a
     run's first tasks are not its later ones; a long stretch in a task that allocated may be the
     allocation waiting for a device that the gate holds)."""
-    gpu = [[round(t, 3), u, round(clocks_mhz[i], 1) if i < len(clocks_mhz) else None]
+    def at(values: Sequence[float | None], i: int, digits: int) -> float | None:
+        v = values[i] if i < len(values) else None
+        return None if v is None else round(v, digits)
+
+    host = list(host) or [[], [], []]
+    gpu = [[round(t, 3), u, at(clocks_mhz, i, 1), at(host[0], i, 4), at(host[1], i, 1), at(host[2], i, 1)]
            for i, (t, u) in enumerate(utilization)]
 
     def ms(v: float) -> float | None:
@@ -371,7 +380,8 @@ def timeline(utilization: Sequence[tuple[float, float]], clocks_mhz: Sequence[fl
               ms(cpu), ms(gpu_ms), allocs, sleeps]
              for (submitted, received, trainer_s, tokens, *_), (samples, longest, cpu, gpu_ms, allocs, sleeps)
              in zip(task_timings, task_shapes, strict=True)]
-    return {"gpu_columns": ["t_s", "utilization", "sm_clock_mhz"], "gpu": gpu,
+    return {"gpu_columns": ["t_s", "utilization", "sm_clock_mhz", "host_cpu_busy", "engine_cpu_mhz", "cpu_mhz_mean"],
+            "gpu": gpu,
             "task_columns": ["submitted_s", "received_s", "trainer_s", "tokens", "samples", "longest_tokens",
                              "longest_span_cpu_ms", "longest_span_gpu_ms", "device_allocs", "closed_sleeps"],
             "tasks": tasks}
@@ -555,7 +565,7 @@ def main() -> None:
     ft_only_eager = min(engine.run_batch(BatchSpec(ft_lens=(1024,))) for _ in range(3))
     co.track = True
     # the GPU's utilization and SM clock through every replay, lined up with the steps and tasks
-    sampler = UtilizationSampler(torch.device(args.device), every_s=0.25)
+    sampler = UtilizationSampler(torch.device(args.device), every_s=0.25, watch_tid=threading.get_native_id())
     origin = time.monotonic()
     sampler.start()
     layer0 = Layer0Profile(co) if args.profile_layer0 else None
@@ -631,7 +641,8 @@ def main() -> None:
         "latency_model_error_warm": warm or None,
         "warm_first_step": first_warm if warm else None,
         "steps": step_table(co.step_log, origin),
-        "timeline": timeline(utilization, sampler.clocks_mhz, co.task_timings, co.task_shapes, origin),
+        "timeline": timeline(utilization, sampler.clocks_mhz, co.task_timings, co.task_shapes, origin,
+                             (sampler.host_cpu_busy, sampler.watched_cpu_mhz, sampler.cpu_mhz_mean)),
         "replay": {
             "requests": len(result.records),
             "attainment": attainment(result.records, slo.ttft_slo_s, slo.tpot_slo_s),

@@ -61,23 +61,40 @@ def rows_for(runner: ModelRunner, rows: int, tokens: int, context: int, decodes:
                       for _ in range(decodes)]
 
 
+def quantile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values``, linearly interpolated (numpy's default)."""
+    v = sorted(values)
+    at = q * (len(v) - 1)
+    lo = int(at)
+    return v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (at - lo)
+
+
 def time_steps(runner: ModelRunner, batch: list[BatchRow], iters: int) -> dict[str, float]:
+    """The batch's step ``iters`` times after two warm-up runs, the device idle at each start: the
+    host's seconds queuing it (``enqueue``; its thread's CPU time in them, ``enqueue_cpu``: below
+    the wall time, the thread waited or was descheduled) and until the device is done (``step``),
+    median, max and spread (p10 / p90 / p99: whether the same step's host time varies, session 43's
+    question: 20-50 ms for the same small eager step in the latency runs, on one CPU)."""
     cuda = runner.device.type == "cuda"
-    enq, total = [], []
+    enq, total, cpu = [], [], []
     for i in range(iters + 2):
         if cuda:
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         runner.execute(batch)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         if cuda:
             torch.cuda.synchronize()
         t2 = time.perf_counter()
         if i >= 2:
             enq.append(t1 - t0)
             total.append(t2 - t0)
-    return {"enqueue_s": statistics.median(enq), "step_s": statistics.median(total),
-            "enqueue_max_s": max(enq), "step_max_s": max(total)}
+            cpu.append(c1 - c0)
+    out = {"enqueue_s": statistics.median(enq), "step_s": statistics.median(total),
+           "enqueue_max_s": max(enq), "step_max_s": max(total), "enqueue_cpu_s": statistics.median(cpu)}
+    for name, values in (("enqueue", enq), ("step", total)):
+        out.update({f"{name}_p{round(q * 100)}_s": quantile(values, q) for q in (0.1, 0.9, 0.99)})
+    return out
 
 
 def profile_table(runner: ModelRunner, batch: list[BatchRow], rows: int = 30) -> str:
@@ -122,6 +139,7 @@ def main() -> None:
     parser.add_argument("--conditions", default="idle,hog,hog_one_thread,idle_one_thread",
                         help="which of idle, hog, hog_one_thread, idle_one_thread to measure")
     parser.add_argument("--shapes", default=None, help="names of SHAPES to run (comma-separated; default all)")
+    parser.add_argument("--no-profile", action="store_true", help="skip the operator and cProfile tables")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     rng = random.Random(0)
@@ -179,10 +197,11 @@ def main() -> None:
         torch.set_num_threads(1)
         measure("idle_one_thread")
     torch.set_num_threads(threads)
-    figures["profile_self_cpu"] = {name: profile_table(runner, b) for name, b in batches.items()}
-    for name, table in figures["profile_self_cpu"].items():
-        logger.info("profile %s\n%s", name, table)
-    figures["python_profile"] = {name: python_profile(runner, b) for name, b in batches.items()}
+    if not args.no_profile:
+        figures["profile_self_cpu"] = {name: profile_table(runner, b) for name, b in batches.items()}
+        for name, table in figures["profile_self_cpu"].items():
+            logger.info("profile %s\n%s", name, table)
+        figures["python_profile"] = {name: python_profile(runner, b) for name, b in batches.items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
 

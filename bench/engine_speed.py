@@ -62,7 +62,8 @@ def build_runner(model_dir: Path, pool_gib: float, batch_sizes: tuple[int, ...],
     cfg = model.config
     block_bytes = 2 * cfg.num_layers * 16 * cfg.kv_size * model.lm_head_weight.element_size()
     config = EngineConfig(
-        model=str(model_dir), dtype=dtype, device=device, attention_backend="triton", lora_backend="triton",
+        model=str(model_dir), dtype=dtype, device=device,
+        attention_backend="triton" if device == "cuda" else "torch", lora_backend="triton" if device == "cuda" else "torch",
         num_kv_blocks=int(pool_gib * 2**30 // block_bytes), max_model_len=16384 + 64,
         max_num_seqs=max(batch_sizes), max_loras=NUM_ADAPTERS, max_lora_rank=RANK,
         cuda_graph_batch_sizes=batch_sizes, max_num_batched_tokens=16384,

@@ -91,6 +91,8 @@
 #                  jobs_replay_switch=MS: the same with the server's --switch-interval-ms MS (its default 0.1;
 #                  CPython's 5), as jobs_replay_switchMS.{json,log}
 #   eager          bench/eager_cpu.py without and with --prefill-graphs
+#   eager_spread   bench/eager_cpu.py: three eager steps' host time, 200 times each, idle and beside
+#                  spinning processes, with its spread (p10/p90/p99) and the thread's CPU time
 #   eager_small    bench/eager_cpu.py --prefill-graphs on small steps (a short chunk beside 32 decodes), with
 #                  the operator and the Python profiles of one step each
 #   eval=SPEC      bench/eval_device.sh SPEC on this lane's GPU (SPEC as there: WORKLOAD=RATE[=EXTRA],
@@ -314,6 +316,12 @@ job() {
         --out "$top/eager_cpu_off.json"
       run eager_on "$top/eager_cpu_on.log" python3 bench/eager_cpu.py --conditions idle --prefill-graphs \
         --out "$top/eager_cpu_on.json" ;;
+    eager_spread)
+      # one eager step's host time, 200 times each, on an idle host and beside spinning processes:
+      # whether a lone engine's host time for the same step varies (session 43: 20-50 ms in the
+      # latency runs for the same small eager step, on one CPU, the trainer idle or not)
+      run eager_spread "$top/eager_spread.log" python3 bench/eager_cpu.py --conditions idle,hog --iters 200 \
+        --shapes "1x96_ctx0+32d,1x448_ctx1024+32d,1x2048_ctx0" --no-profile --out "$top/eager_spread.json" ;;
     eager_small)  # the piecewise graphs' small steps (a short chunk beside 32 decodes): host time, profiles
       run eager_small "$top/eager_cpu_small.log" python3 bench/eager_cpu.py --conditions idle --prefill-graphs \
         --shapes "1x512_ctx0,1x96_ctx0+32d,1x96_ctx1024+32d,1x448_ctx1024+32d" --out "$top/eager_cpu_small.json" ;;

@@ -302,7 +302,23 @@ def report(folder: Path) -> dict[str, Any]:
     out["trainer_gate_cost_us"] = gate["figures"]["us_per_call"] if gate else None
     ce = _load(folder / "loss_ce.json")
     out["loss_ce"] = loss_ce(ce) if ce else None
+    spread = _load(folder / "eager_spread.json")
+    out["eager_spread"] = eager_spread(spread) if spread else None
     return out
+
+
+def eager_spread(r: dict[str, Any]) -> dict[str, Any]:
+    """bench/eager_cpu.py (the eager_spread job): per condition and step shape, the host's ms
+    queuing the step, p10 / median / p90 / p99, and the thread's CPU ms (median): how much a lone
+    engine's host time for one step varies."""
+    def ms(v: float | None) -> float | None:
+        return None if v is None else round(v * 1e3, 2)
+
+    return {cond: {shape: {"enqueue_ms": [ms(f.get("enqueue_p10_s")), ms(f["enqueue_s"]), ms(f.get("enqueue_p90_s")),
+                                          ms(f.get("enqueue_p99_s"))],
+                           "enqueue_cpu_ms": ms(f.get("enqueue_cpu_s")), "step_ms": ms(f["step_s"])}
+                   for shape, f in shapes.items()}
+            for cond, shapes in r["figures"]["conditions"].items()}
 
 
 def loss_ce(r: dict[str, Any]) -> dict[str, Any]:

@@ -43,7 +43,7 @@ def windows(path: str, width_s: float) -> list[dict[str, Any]]:
     steps = [r for r in table["rows"] if r[col["key"]] == "decode/graph/busy" and r[col["measured_s"]] > 0
              and r[col["began_s"]] is not None]
     line = figures["timeline"]
-    gpu = np.asarray([[t, np.nan if u is None else u, np.nan if c is None else c] for t, u, c in line["gpu"]],
+    gpu = np.asarray([[t, np.nan if u is None else u, np.nan if c is None else c] for t, u, c, *_ in line["gpu"]],
                      dtype=np.float64).reshape(-1, 3)
     tcol = {c: i for i, c in enumerate(line["task_columns"])}
     tasks = line["tasks"]

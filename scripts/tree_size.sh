@@ -4,7 +4,11 @@
 # palette-quantized (pngquant) to stay under it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-kib=$(git ls-files -z | xargs -0 du -ck | tail -1 | cut -f1)
+# (apparent sizes, the bytes that travel: du's default counts whole disk blocks, ~2 MiB more here)
+kib=$(( $(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1) / 1024 ))
 echo "tracked files: $((kib / 1024)) MiB of the device's 64 MiB ($kib KiB)"
-git ls-files -z | xargs -0 du -k | awk '{split($2, p, "/"); d = p[1] "/" p[2] "/" p[3]; s[d] += $1}
+for carried in .whl .traces; do
+  [ -e "$carried" ] && echo "  + $carried (when carried): $(( $(du -sb "$carried" | cut -f1) / 1024 )) KiB"
+done
+git ls-files -z | xargs -0 du -k --apparent-size | awk '{split($2, p, "/"); d = p[1] "/" p[2] "/" p[3]; s[d] += $1}
   END {for (d in s) printf "%8d KiB  %s\n", s[d], d}' | sort -n | tail -5

@@ -63,6 +63,23 @@ def test_the_loss_ce_job(tmp_path: Path) -> None:
     assert got["ce_speedup"] == pytest.approx(8.04, rel=1e-3) and got["grad_rel_diff"] < 1e-6
 
 
+def test_the_eager_spread_job(tmp_path: Path) -> None:
+    """bench/eager_cpu.py's spread of one step's host time; a file from before its quantiles
+    (session 6's) gives its medians alone."""
+    assert first_call_report.report(tmp_path)["eager_spread"] is None
+    step = {"enqueue_s": 0.021, "step_s": 0.0225, "enqueue_max_s": 0.05, "step_max_s": 0.051, "enqueue_cpu_s": 0.0209,
+            "enqueue_p10_s": 0.0201, "enqueue_p90_s": 0.03, "enqueue_p99_s": 0.0456789}
+    (tmp_path / "eager_spread.json").write_text(json.dumps({"figures": {"conditions": {
+        "idle": {"1x96_ctx0+32d": step}, "hog": {"1x96_ctx0+32d": {**step, "enqueue_s": 0.04}}}}}))
+    got = first_call_report.report(tmp_path)["eager_spread"]
+    assert got["idle"]["1x96_ctx0+32d"] == {"enqueue_ms": [20.1, 21.0, 30.0, 45.68], "enqueue_cpu_ms": 20.9,
+                                            "step_ms": 22.5}
+    assert got["hog"]["1x96_ctx0+32d"]["enqueue_ms"][1] == 40.0
+    old = json.loads((RESULTS / "engine_h200" / "session6" / "eager_cpu_off.json").read_text())
+    shape = first_call_report.eager_spread(old)["idle"]["1x2048_ctx0"]
+    assert shape["enqueue_ms"][0] is None and shape["enqueue_ms"][1] == pytest.approx(24.06, abs=0.01)
+
+
 def test_gpu_test_counts_ignore_assertion_lines(tmp_path: Path) -> None:
     """A failed run's log holds "E   ..." lines of the assertion: they are no test results."""
     shutil.copy(RESULTS / "verify_h200" / "session6" / "gpu_tests_11fd828.txt", tmp_path / "gpu_tests.txt")

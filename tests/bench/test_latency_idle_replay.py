@@ -92,7 +92,11 @@ def test_the_timeline_lines_tasks_and_gpu_samples_up_with_the_steps() -> None:
     timings = [(101.0, 101.5, 0.4, 1200, 0.1, 0.0, 0.2), (102.0, 102.6, 0.5, 1300, 0.0, 0.0, 0.3)]
     shapes = [(5, 600, 12.5, 0.9, 1, 0), (3, 700, float("nan"), float("nan"), 0, 4)]  # (the second: no spans)
     got = coserve_latency.timeline([(0.0, 90.0), (0.25, 95.0)], [1980.0], timings, shapes, origin)
-    assert got["gpu"] == [[0.0, 90.0, 1980.0], [0.25, 95.0, None]]
+    assert got["gpu"] == [[0.0, 90.0, 1980.0, None, None, None], [0.25, 95.0, None, None, None, None]]
+    host = ([0.31234567], [3400.04, None], [2900.0, 2950.06])  # (busy share, the engine's CPU's MHz, the mean)
+    got_host = coserve_latency.timeline([(0.0, 90.0), (0.25, 95.0)], [1980.0], timings, shapes, origin, host)
+    assert got_host["gpu"] == [[0.0, 90.0, 1980.0, 0.3123, 3400.0, 2900.0], [0.25, 95.0, None, None, None, 2950.1]]
+    assert got_host["gpu_columns"][3:] == ["host_cpu_busy", "engine_cpu_mhz", "cpu_mhz_mean"]
     assert got["tasks"] == [[1.0, 1.5, 0.4, 1200, 5, 600, 12.5, 0.9, 1, 0], [2.0, 2.6, 0.5, 1300, 3, 700, None, None, 0, 4]]
     assert got["task_columns"][4:] == ["samples", "longest_tokens", "longest_span_cpu_ms", "longest_span_gpu_ms",
                                        "device_allocs", "closed_sleeps"]

@@ -83,3 +83,34 @@ def test_sampler_records_host_load_and_start_time(monkeypatch: pytest.MonkeyPatc
     assert sampler.started_unix_s is not None and before <= sampler.started_unix_s <= time.time()
     # three deltas of half-busy ticks, then none (no time passed on the fake host: no sample)
     assert sampler.host_cpu_busy == [0.5, 0.5, 0.5]
+
+
+def test_cpu_clocks_and_a_threads_cpu_from_proc(tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: X\ncpu MHz\t\t: 3400.125\n\n"
+                       "processor\t: 1\ncpu MHz\t\t: 1200.000\n\nprocessor\t: 2\n")
+    assert utilization.cpu_mhz(cpuinfo) == {0: 3400.125, 1: 1200.0}
+    assert utilization.cpu_mhz(tmp_path / "none") is None
+    cpuinfo.write_text("processor\t: 0\nBogoMIPS\t: 50.00\n")  # (an architecture without the line)
+    assert utilization.cpu_mhz(cpuinfo) is None
+    task = tmp_path / "4242"
+    task.mkdir()
+    # (a command name with spaces and a parenthesis; the CPU is field 39 of the line)
+    fields = ["S"] + [str(i) for i in range(4, 39)] + ["7"] + ["0"] * 13
+    (task / "stat").write_text("4242 (py thr (x)) " + " ".join(fields) + "\n")
+    assert utilization.thread_cpu(4242, tmp_path) == 7
+    assert utilization.thread_cpu(1, tmp_path) is None
+
+
+def test_sampler_reads_the_watched_threads_cpu_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    monkeypatch.setattr(utilization, "PROBES", (lambda device: 40.0,))
+    monkeypatch.setattr(utilization, "cpu_mhz", lambda: {0: 3000.0, 1: 1000.0})
+    monkeypatch.setattr(utilization, "thread_cpu", lambda tid: 1)
+    sampler = UtilizationSampler(torch.device("cuda"), every_s=0.01, watch_tid=threading.get_native_id())
+    sampler.start()
+    time.sleep(0.1)
+    samples = sampler.stop()
+    assert len(samples) >= 2 and len(sampler.watched_cpu_mhz) == len(samples)
+    assert set(sampler.watched_cpu_mhz) == {1000.0} and set(sampler.cpu_mhz_mean) == {2000.0}

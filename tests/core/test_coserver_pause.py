@@ -127,9 +127,10 @@ def test_an_untimed_step_is_learned_from_when_the_host_dates_it() -> None:
     co.drop_untimed()
     co.plan(PREFILL)
     co.on_step_end(StepRecord(view=PREFILL, ft_tokens=0, duration_s=0.02, trainer_busy=True, schedule_s=0.001,
-                              enqueue_s=0.012, gpu_s=0.018))
+                              enqueue_s=0.012, gpu_s=0.018, enqueue_cpu_s=0.011))
     assert len(co.step_log) == 2 and co.step_log[1].late is False
     assert (co.step_log[1].schedule_s, co.step_log[1].enqueue_s, co.step_log[1].gpu_s) == (0.001, 0.012, 0.018)
+    assert co.step_log[1].enqueue_cpu_s == 0.011 and row.enqueue_cpu_s is None
     assert row.gpu_s is None
     # the CPU the engine's thread ended each step on (the step table's host_cpu)
     if hasattr(os, "sched_getaffinity"):

@@ -71,6 +71,10 @@ def test_ft_only_step_is_interrupted_by_an_arrival(session) -> None:  # type: ig
     engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
     out = engine.step()
     assert [o.request_id for o in out] == ["r"], "the request ran in the very next step"
+    # its row in the step table: the host's seconds queuing the forward, and its thread's CPU time in them
+    row = s.coserver.step_log[-1]
+    assert row.enqueue_s is not None and row.enqueue_cpu_s is not None
+    assert 0 < row.enqueue_cpu_s <= row.enqueue_s + 0.005
 
 
 def probes_of_a_whole_ft_only_step(engine: LLMEngine) -> int:

@@ -40,6 +40,43 @@ def host_cpu_times(stat: Path = Path("/proc/stat")) -> tuple[int, int] | None:
     return sum(ticks[:8]), ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
 
 
+def cpu_mhz(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[int, float] | None:
+    """Each CPU's current clock in MHz as ``/proc/cpuinfo`` gives it (``processor`` -> ``cpu MHz``),
+    or None where it cannot be read or gives none (not Linux, or an architecture without it; a
+    virtual machine may give a fixed figure)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return None
+    out: dict[int, float] = {}
+    cpu: int | None = None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        try:
+            if key == "processor":
+                cpu = int(value)
+            elif key == "cpu MHz" and cpu is not None:
+                out[cpu] = float(value)
+        except ValueError:
+            continue
+    return out or None
+
+
+def thread_cpu(tid: int, proc: Path = Path("/proc/self/task")) -> int | None:
+    """The CPU that thread ``tid`` (a native id: ``threading.get_native_id()``) last ran on, or
+    None where ``/proc`` cannot tell (field 39 of ``/proc/self/task/TID/stat``)."""
+    try:
+        stat = (proc / str(tid) / "stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()  # (after the command name, which may hold spaces)
+    try:
+        return int(fields[36])  # (field 39 of the whole line: the 37th after the name)
+    except (IndexError, ValueError):
+        return None
+
+
 def busy_fraction(before: tuple[int, int], after: tuple[int, int]) -> float | None:
     """The share of the host's CPU time that was not idle between two :func:`host_cpu_times`."""
     total, idle = after[0] - before[0], after[1] - before[1]
@@ -78,13 +115,18 @@ class UtilizationSampler:
     Samples every ``every_s`` seconds; with no probe it samples nothing and ``stop`` returns ``[]``.
     """
 
-    def __init__(self, device: torch.device, every_s: float = 1.0) -> None:
+    def __init__(self, device: torch.device, every_s: float = 1.0, watch_tid: int | None = None) -> None:
         self.probe = find_probe(device)
         self.device = device
         self.every_s = every_s
         self._samples: list[tuple[float, float]] = []
         self.clocks_mhz: list[float] = []
         self.host_cpu_busy: list[float] = []
+        # with ``watch_tid`` (a thread's native id): with each sample, the clock in MHz of the CPU
+        # that thread last ran on, and the mean over the host's CPUs (None where unknown)
+        self.watch_tid = watch_tid
+        self.watched_cpu_mhz: list[float | None] = []
+        self.cpu_mhz_mean: list[float | None] = []
         self.started_unix_s: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -97,6 +139,8 @@ class UtilizationSampler:
         self._samples = []
         self.clocks_mhz = []
         self.host_cpu_busy = []
+        self.watched_cpu_mhz = []
+        self.cpu_mhz_mean = []
         self.started_unix_s = time.time()
         self._stop.clear()
         if self.probe is None:
@@ -130,6 +174,14 @@ class UtilizationSampler:
                 if busy is not None:
                     self.host_cpu_busy.append(busy)
                 host = now
+            if self.watch_tid is not None:
+                self._sample_cpu_clock(self.watch_tid)
+
+    def _sample_cpu_clock(self, tid: int) -> None:
+        clocks = cpu_mhz()
+        cpu = thread_cpu(tid)
+        self.watched_cpu_mhz.append(clocks.get(cpu) if clocks is not None and cpu is not None else None)
+        self.cpu_mhz_mean.append(sum(clocks.values()) / len(clocks) if clocks else None)
 
     def stop(self) -> list[tuple[float, float]]:
         self._stop.set()

@@ -138,6 +138,7 @@ class StepLogRow(NamedTuple):
     # the CPU the engine's thread was on when the step was observed: its end, later for a late-timed
     # step (cpu_split.current_cpu)
     host_cpu: int | None = None
+    enqueue_cpu_s: float | None = None  # StepRecord.enqueue_cpu_s: the engine thread's CPU time in enqueue_s
 
 
 class CheckPoint(NamedTuple):
@@ -673,7 +674,7 @@ class CoServer:
                 (len(features.chunks), len(features.ft_lens)),
                 trainer_at, late, tuple((c.num_tokens, c.context_len) for c in features.chunks),
                 features.num_decodes, record.schedule_s, record.enqueue_s, planned_s, record.gpu_s, gap_s,
-                record.view.step_began, record.view.decode_kv_max, current_cpu()))
+                record.view.step_began, record.view.decode_kv_max, current_cpu(), record.enqueue_cpu_s))
 
     def _gap_before(self, record: StepRecord) -> float | None:
         """:attr:`StepLogRow.gap_s` of the step ending now (None where it cannot be told)."""

@@ -123,8 +123,10 @@ class StepRecord:
     it knows it (:mod:`coserve.engine.step_clock`). ``schedule_s`` / ``enqueue_s``: host seconds
     spent planning the step and then queuing its device work, and ``gpu_s`` the device's seconds
     between two events around the step's forward (its kernels and any wait for the host to queue
-    them; None where the host does not say or did not time it); they go to the step table only,
-    to tell a host-bound step from a device-bound one, and the device's spread from the host's.
+    them; None where the host does not say or did not time it), ``enqueue_cpu_s`` the host
+    thread's CPU time while it queued them (below ``enqueue_s``: the thread waited or was
+    descheduled); they go to the step table only, to tell a host-bound step from a device-bound
+    one, and the device's spread from the host's.
     """
 
     view: StepView
@@ -139,3 +141,4 @@ class StepRecord:
     schedule_s: float | None = None
     enqueue_s: float | None = None
     gpu_s: float | None = None
+    enqueue_cpu_s: float | None = None

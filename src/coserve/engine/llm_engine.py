@@ -394,7 +394,7 @@ class LLMEngine:
             view=view, ft_tokens=stats.ft_tokens, duration_s=stats.duration_s, mode=stats.mode,
             ft_rows=tuple(r.sample_id for r in ft_rows), ft_lens=ft_lens, trainer_busy=busy,
             timed=waited or event is None, schedule_s=stats.schedule_s, enqueue_s=stats.forward_enqueue_s,
-            gpu_s=stats.forward_gpu_s,
+            gpu_s=stats.forward_gpu_s, enqueue_cpu_s=stats.forward_cpu_s,
         )
         dated = self.step_clock.step(record, start, end, waited, event)
         if not record.timed:
