@@ -6,7 +6,10 @@ model predicted them): the relative error's median and p99, how many ran over 10
 for steps whose token count the process had not run before in the table (an eager step's GEMMs
 at a new token count pick their cuBLAS kernel on the host: session 17) and for the rest; by
 token count; and the host's share of the step (``enqueue_s`` / measured) for all of them and for
-those over 10% off. With ``--forms``: the best a linear form does on the same steps, the
+those over 10% off. ``small_steps``: the host time of the small ones (under 512 tokens, no FT rows;
+the host's constant part of an eager step, its GPU work a few ms), spread and lag-1 autocorrelation
+in time order (how far a recent step tells the next), with the trainer idle and within a task, and
+the thread's CPU share of it where the table has ``enqueue_cpu_s`` (session 43 on). With ``--forms``: the best a linear form does on the same steps, the
 current regressors alone and with the step's chunk, cached-context chunk, decode and FT-row
 counts and a small-step indicator beside them, fitted on the first half (held-out: the second)
 and on all of it (in-sample): whether any form of these features could reach the goal.
@@ -35,6 +38,33 @@ def summary(ratio: np.ndarray) -> dict[str, Any]:
     err = np.abs(1.0 / ratio - 1.0)
     return {"n": len(ratio), "median_rel": float(np.median(err)), "p99_rel": float(np.quantile(err, 0.99)),
             "over_10pct": int((err > 0.1).sum()), "ratio_median": float(np.median(ratio))}
+
+
+def host_spread(rows: list[list[Any]], col: dict[str, int]) -> dict[str, Any] | None:
+    """The host's seconds queuing the small eager steps of ``rows`` (step-table rows): ms quantiles,
+    p90 / p10, lag-1 autocorrelation of their log in time order, the medians with the trainer
+    idle (``trainer_at`` null) and within a task, and the thread's CPU share (median) where told."""
+    def small(r: list[Any]) -> bool:
+        return r[col["regressors"]][1] < 512 and r[col["regressors"]][2] == 0 and bool(r[col["enqueue_s"]])
+
+    picked = sorted((r for r in rows if small(r)), key=lambda r: r[col["began_s"]] or 0.0)
+    if len(picked) < 3:
+        return None
+    ms = np.asarray([r[col["enqueue_s"]] for r in picked]) * 1e3
+    idle = np.asarray([r[col["trainer_at"]] is None for r in picked])
+    logs = np.log(ms)
+    q = {f"p{p}": float(np.percentile(ms, p)) for p in (10, 50, 90, 99)}
+    out: dict[str, Any] = {
+        "n": len(picked), "enqueue_ms": q, "p90_over_p10": q["p90"] / q["p10"],
+        "lag1_autocorrelation": float(np.corrcoef(logs[:-1], logs[1:])[0, 1]),
+        "trainer_idle": {"n": int(idle.sum()), "median_ms": float(np.median(ms[idle])) if idle.any() else None},
+        "in_task": {"n": int((~idle).sum()), "median_ms": float(np.median(ms[~idle])) if (~idle).any() else None},
+    }
+    if "enqueue_cpu_s" in col:
+        cpu = [r[col["enqueue_cpu_s"]] for r in picked]
+        share = [c * 1e3 / m for c, m in zip(cpu, ms, strict=True) if c is not None]
+        out["cpu_share_median"] = float(np.median(share)) if share else None
+    return out
 
 
 def forms(x0: np.ndarray, extra: np.ndarray, y: np.ndarray) -> dict[str, Any]:
@@ -75,6 +105,7 @@ def main() -> None:
                       for lo, hi in SIZES if ((tokens > lo) & (tokens <= hi)).any()},
         "enqueue_share_median": float(np.median(enqueue)),
         "enqueue_share_median_over_10pct": float(np.median(enqueue[bad])) if bad.any() else None,
+        "small_steps": host_spread(rows, col),
     }
     if args.forms:
         planned = np.asarray([r[col["planned_s"]] or 0.0 for r in rows])
