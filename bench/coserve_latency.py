@@ -102,6 +102,7 @@ def window_step_ratios(step_starts: Sequence[float], log: Sequence[Any]) -> list
 
 
 DRY_LAG_MS = 0.2
+LONGEST_PAUSES = 12  # (pause_delays' longest: how many)
 """A paused boundary the GPU reached within this long of the CPU queuing it: the GPU had run dry."""
 
 
@@ -111,7 +112,7 @@ def pause_delays(windows: list[tuple[float, float]], observed: list[float],
                  window_at: list[tuple[int, int] | None] | None = None,
                  polled: list[bool] | None = None, idle_ms: list[float] | None = None,
                  step_starts: list[float] | None = None,
-                 step_ratios: list[float | None] | None = None) -> dict[str, Any]:
+                 step_ratios: list[float | None] | None = None, origin: float | None = None) -> dict[str, Any]:
     """For each grant-cleared window, the delay to the first observed pause inside it; windows in
     which the trainer never paused (it reached no layer boundary before the step ended) are
     counted apart with their full length (with ``window_at``, by where the trainer was:
@@ -138,7 +139,11 @@ def pause_delays(windows: list[tuple[float, float]], observed: list[float],
     median and 90th percentile for the windows with a pause, and for those without one by where
     the trainer was (``step_ratio_by_window``): an unpaused window in a task whose step ran over
     its price as the paused ones did not had the trainer's kernels beside it; one at the same
-    ratio found the trainer's GPU with nothing queued (its host behind: a readback, the optimizer)."""
+    ratio found the trainer's GPU with nothing queued (its host behind: a readback, the optimizer).
+    ``longest``: the :data:`LONGEST_PAUSES` longest delays, each with its window's start in seconds
+    since ``origin`` (default: the first window's), the boundary (layer; ``poll`` where polled), the
+    GPU's lag and where the trainer was as the window began: whether a run's few long pauses (its
+    p99 is its ~5th longest of ~500) share a time, a boundary or a task."""
     n = len(observed)
     pairs = sorted(zip(observed, layers if layers is not None else [None] * n,
                        lags_ms if lags_ms is not None else [None] * n,
@@ -155,6 +160,8 @@ def pause_delays(windows: list[tuple[float, float]], observed: list[float],
     ratio_by: dict[str, list[float]] = {}
     before_step = 0
     missed_at = {"between_tasks": 0, "in_task": 0}
+    where: list[dict[str, Any]] = []
+    t0 = origin if origin is not None else (windows[0][0] if windows else 0.0)
     j = 0
     for (start, end), at, step_start, ratio in zip(windows, ats, steps, ratios, strict=True):
         while j < len(pairs) and pairs[j][0] < start:
@@ -168,6 +175,9 @@ def pause_delays(windows: list[tuple[float, float]], observed: list[float],
             delay = max(0.0, delay - pairs[j][4] / 1e3)
             before_step += pairs[j][0] < step_start
             delays.append(delay)
+            where.append({"t_s": round(start - t0, 4), "delay_ms": round(delay * 1e3, 3), "layer": layer,
+                          "poll": bool(at_poll), "gpu_lag_ms": None if lag is None else round(lag, 3),
+                          "trainer_at": None if at is None or at is False else list(at)})
             if layer is not None:
                 kind = "poll" if at_poll else boundary_kind(layer, None, num_layers)
                 kinds.setdefault(kind, []).append(delay)
@@ -186,6 +196,7 @@ def pause_delays(windows: list[tuple[float, float]], observed: list[float],
         "unpaused_window_p99_ms": percentile(missed, 99) * 1e3 if missed else None,
         "paused_before_step": before_step,
     }
+    out["longest"] = sorted(where, key=lambda w: -w["delay_ms"])[:LONGEST_PAUSES]
     if window_at is not None:  # (an unpaused window in a task: its GPU passed no boundary all step)
         out["not_paused_by_trainer_at_start"] = missed_at
     if ratio_by:
@@ -596,7 +607,7 @@ def main() -> None:
                                       co.pause_window_at if co.pause_observed_lags else None,
                                       co.pause_observed_polled or None, co.pause_observed_idle_ms or None,
                                       co.pause_window_step_start,
-                                      window_step_ratios(co.pause_window_step_start, co.step_log)),
+                                      window_step_ratios(co.pause_window_step_start, co.step_log), origin),
         "early_pause": {"lead_ms": args.early_pause_ms, "taken_over": co.early_pauses,
                         "lifted": co.early_pauses_lifted},
         "trainer_spans": (span_summary(co.trainer_spans, num_layers, co.trainer_span_process_ms,

@@ -244,3 +244,16 @@ def test_delays_run_from_the_step_start_after_an_early_pause() -> None:
     assert got["paused"] == 2 and got["paused_before_step"] == 1
     assert got["delay_max_ms"] == pytest.approx(1.0)
     assert coserve_latency.pause_delays(windows, [1.002, 2.006])["delay_max_ms"] == pytest.approx(6.0)
+
+
+def test_the_longest_pauses_say_when_and_where() -> None:
+    windows = [(10.0, 10.1), (11.0, 11.1), (12.0, 12.1)]
+    got = coserve_latency.pause_delays(windows, [10.004, 11.001, 12.003], [3, 32, 5], num_layers=32,
+                                       lags_ms=[1.5, 0.05, 0.9], window_at=[(3, 0), None, (5, 0)],
+                                       polled=[False, False, True], origin=9.0)
+    assert got["longest"] == [
+        {"t_s": 1.0, "delay_ms": 4.0, "layer": 3, "poll": False, "gpu_lag_ms": 1.5, "trainer_at": [3, 0]},
+        {"t_s": 3.0, "delay_ms": 3.0, "layer": 5, "poll": True, "gpu_lag_ms": 0.9, "trainer_at": [5, 0]},
+        {"t_s": 2.0, "delay_ms": 1.0, "layer": 32, "poll": False, "gpu_lag_ms": 0.05, "trainer_at": None}]
+    plain = coserve_latency.pause_delays(windows, [10.004, 11.001])  # (no origin: from the first window)
+    assert [(w["t_s"], w["layer"], w["trainer_at"]) for w in plain["longest"]] == [(0.0, None, None), (1.0, None, None)]
