@@ -9,7 +9,8 @@ token count; and the host's share of the step (``enqueue_s`` / measured) for all
 those over 10% off. ``small_steps``: the host time of the small ones (under 512 tokens, no FT rows;
 the host's constant part of an eager step, its GPU work a few ms), spread and lag-1 autocorrelation
 in time order (how far a recent step tells the next), with the trainer idle and within a task, and
-the thread's CPU share of it where the table has ``enqueue_cpu_s`` (session 43 on). With ``--forms``: the best a linear form does on the same steps, the
+the thread's CPU share of it where the table has ``enqueue_cpu_s``, and the garbage collector's
+ms in the slower and the faster half where it has ``gc_s`` (both from session 43's commits on). With ``--forms``: the best a linear form does on the same steps, the
 current regressors alone and with the step's chunk, cached-context chunk, decode and FT-row
 counts and a small-step indicator beside them, fitted on the first half (held-out: the second)
 and on all of it (in-sample): whether any form of these features could reach the goal.
@@ -64,6 +65,12 @@ def host_spread(rows: list[list[Any]], col: dict[str, int]) -> dict[str, Any] | 
         cpu = [r[col["enqueue_cpu_s"]] for r in picked]
         share = [c * 1e3 / m for c, m in zip(cpu, ms, strict=True) if c is not None]
         out["cpu_share_median"] = float(np.median(share)) if share else None
+    if "gc_s" in col:  # (the garbage collector's ms in the step, for the slower and the faster half)
+        slow = ms >= np.median(ms)
+        gc_ms = [(r[col["gc_s"]] * 1e3, bool(s)) for r, s in zip(picked, slow, strict=True) if r[col["gc_s"]] is not None]
+        out["gc_ms_median"] = {half: float(np.median([g for g, s in gc_ms if s == is_slow]))
+                               if any(s == is_slow for _, s in gc_ms) else None
+                               for half, is_slow in (("slower_half", True), ("faster_half", False))}
     return out
 
 

@@ -14,18 +14,19 @@ COL = {c: i for i, c in enumerate(STEP_TABLE_COLUMNS)}
 
 
 def row(tokens: int, ft: int, enqueue_ms: float, began: float, trainer_at: list[int] | None,
-        cpu_ms: float | None = None) -> list[object]:
+        cpu_ms: float | None = None, gc_ms: float | None = None) -> list[object]:
     r: list[object] = [None] * len(STEP_TABLE_COLUMNS)
     r[COL["key"]], r[COL["measured_s"]], r[COL["predicted_s"]] = "prefill/eager/idle", 0.03, 0.03
     r[COL["regressors"]] = [0.0, float(tokens), float(ft), 0.0, 0.0, 0.0, 0.0, 1.0]
     r[COL["enqueue_s"]], r[COL["began_s"]], r[COL["trainer_at"]] = enqueue_ms / 1e3, began, trainer_at
     r[COL["enqueue_cpu_s"]] = None if cpu_ms is None else cpu_ms / 1e3
+    r[COL["gc_s"]] = None if gc_ms is None else gc_ms / 1e3
     return r
 
 
 def test_the_small_steps_host_time_in_time_order() -> None:
-    rows = [row(40, 0, 20.0, 3.0, None, 19.0), row(400, 0, 40.0, 1.0, [5, 0], 36.0),  # (out of time order)
-            row(90, 0, 30.0, 2.0, [3, 1]), row(40, 0, 20.0, 4.0, None, 20.0),
+    rows = [row(40, 0, 20.0, 3.0, None, 19.0, 0.1), row(400, 0, 40.0, 1.0, [5, 0], 36.0, 5.0),  # (out of time order)
+            row(90, 0, 30.0, 2.0, [3, 1], gc_ms=3.0), row(40, 0, 20.0, 4.0, None, 20.0, 0.3),
             row(2000, 0, 50.0, 5.0, None), row(40, 900, 60.0, 6.0, None)]  # (not small: tokens, FT rows)
     got = eager_tail.host_spread(rows, COL)
     assert got["n"] == 4
@@ -38,4 +39,5 @@ def test_the_small_steps_host_time_in_time_order() -> None:
     assert got["lag1_autocorrelation"] == pytest.approx(r)
     assert got["trainer_idle"] == {"n": 2, "median_ms": 20.0} and got["in_task"] == {"n": 2, "median_ms": 35.0}
     assert got["cpu_share_median"] == pytest.approx(0.95)  # (19/20, 36/40, 20/20; the one untold left out)
+    assert got["gc_ms_median"] == {"slower_half": pytest.approx(4.0), "faster_half": pytest.approx(0.2)}
     assert eager_tail.host_spread(rows[4:], COL) is None

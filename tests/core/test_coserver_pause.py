@@ -4,6 +4,7 @@ backward; under ``"model"`` every inference step on that prediction alone."""
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from dataclasses import replace
@@ -131,6 +132,12 @@ def test_an_untimed_step_is_learned_from_when_the_host_dates_it() -> None:
     assert len(co.step_log) == 2 and co.step_log[1].late is False
     assert (co.step_log[1].schedule_s, co.step_log[1].enqueue_s, co.step_log[1].gpu_s) == (0.001, 0.012, 0.018)
     assert co.step_log[1].enqueue_cpu_s == 0.011 and row.enqueue_cpu_s is None
+    # the garbage collector's time in the step: from its plan to its end (none for the late one)
+    assert row.gc_s is None and co.step_log[1].gc_s is not None and co.step_log[1].gc_s >= 0.0
+    co.plan(PREFILL)
+    gc.collect()  # (a collection within the step)
+    co.on_step_end(StepRecord(view=PREFILL, ft_tokens=0, duration_s=0.02, trainer_busy=True))
+    assert co.step_log[2].gc_s is not None and co.step_log[2].gc_s > 0.0
     assert row.gpu_s is None
     # the CPU the engine's thread ended each step on (the step table's host_cpu)
     if hasattr(os, "sched_getaffinity"):

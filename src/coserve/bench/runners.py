@@ -360,7 +360,8 @@ def step_table(log: Sequence[StepLogRow], origin: float | None = None) -> dict[s
     a ``time.monotonic()``, null without one; decode_kv_max: its longest decode row's KV tokens;
     host_cpu: the CPU the engine's thread was on when the step was observed, its end but for a late-timed
     step, null where not told, since session 38; enqueue_cpu_s: that thread's CPU time during
-    enqueue_s, since session 43: below it, the thread waited or was descheduled),
+    enqueue_s, since session 43: below it, the thread waited or was descheduled; gc_s: Python's
+    garbage collector's seconds in the step, from its plan to its end, null for a late-timed one),
     6 significant digits: enough to refit the latency model offline, to try forms with other
     terms, to see whether a busy step's time follows what the trainer's kernels were doing, and
     whether a step was bound by its host."""
@@ -374,14 +375,14 @@ def step_table(log: Sequence[StepLogRow], origin: float | None = None) -> dict[s
                   list(r.trainer_at) if r.trainer_at is not None else None, r.late,
                   [list(c) for c in r.chunks], r.decodes, g(r.schedule_s), g(r.enqueue_s), g(r.planned_s), g(r.gpu_s),
                   g(r.gap_s), None if origin is None or r.began_s is None else round(r.began_s - origin, 6),
-                  r.decode_kv_max, r.host_cpu, g(r.enqueue_cpu_s)]
+                  r.decode_kv_max, r.host_cpu, g(r.enqueue_cpu_s), g(r.gc_s)]
                  for r in log],
     }
 
 
 STEP_TABLE_COLUMNS = ("key", "predicted_s", "measured_s", "regressors", "rows", "trainer_at", "event_timed",
                       "chunks", "decodes", "schedule_s", "enqueue_s", "planned_s", "gpu_s", "gap_s", "began_s",
-                      "decode_kv_max", "host_cpu", "enqueue_cpu_s")
+                      "decode_kv_max", "host_cpu", "enqueue_cpu_s", "gc_s")
 
 
 def row_lone(row: Sequence[Any], without_gap: bool = False) -> bool:

@@ -139,6 +139,7 @@ class StepLogRow(NamedTuple):
     # step (cpu_split.current_cpu)
     host_cpu: int | None = None
     enqueue_cpu_s: float | None = None  # StepRecord.enqueue_cpu_s: the engine thread's CPU time in enqueue_s
+    gc_s: float | None = None  # Python's garbage collector's seconds in the step (from its plan; not late ones)
 
 
 class CheckPoint(NamedTuple):
@@ -652,10 +653,12 @@ class CoServer:
         self._untimed.clear()
 
     def _observe(self, record: StepRecord, trainer_at: tuple[int, int] | None, phase: str, planned_s: float,
-                 gap_s: float | None = None, late: bool = False, spot: str | None = None) -> None:
+                 gap_s: float | None = None, late: bool = False, spot: str | None = None,
+                 gc_s: float | None = None) -> None:
         """The latency model learns the step's time after admission's decision (``planned_s``
         before it, as measured); the step table gets the whole step, predicted and measured.
-        ``phase`` and ``spot``: the trainer's phase and spot as the step began."""
+        ``phase`` and ``spot``: the trainer's phase and spot as the step began; ``gc_s``: the
+        garbage collector's seconds from its plan to its end (while tracking; None for a late one)."""
         if record.interrupted or not record.duration_s > 0:
             return  # (LatencyModel.observe's rule: nothing to learn)
         if not 0.0 <= planned_s < record.duration_s:
@@ -674,7 +677,7 @@ class CoServer:
                 (len(features.chunks), len(features.ft_lens)),
                 trainer_at, late, tuple((c.num_tokens, c.context_len) for c in features.chunks),
                 features.num_decodes, record.schedule_s, record.enqueue_s, planned_s, record.gpu_s, gap_s,
-                record.view.step_began, record.view.decode_kv_max, current_cpu(), record.enqueue_cpu_s))
+                record.view.step_began, record.view.decode_kv_max, current_cpu(), record.enqueue_cpu_s, gc_s))
 
     def _gap_before(self, record: StepRecord) -> float | None:
         """:attr:`StepLogRow.gap_s` of the step ending now (None where it cannot be told)."""
@@ -707,8 +710,9 @@ class CoServer:
         gap = self._gap_before(record)  # (the step table's, and what makes a prompt lone)
         if not record.interrupted:
             if record.timed:
+                gc_s = self._gc_clock.total_s - self._plan_gc if self._gc_clock is not None else None
                 self._observe(record, self._trainer_at, self._trainer_phase, self._planned_s, gap,
-                              spot=self._trainer_spot)
+                              spot=self._trainer_spot, gc_s=gc_s)
             else:
                 self._untimed[id(record)] = (self._trainer_at, self._trainer_phase, self._planned_s, gap,
                                              self._trainer_spot)
