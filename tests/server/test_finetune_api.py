@@ -119,6 +119,10 @@ def test_clients_upload_data_create_jobs_and_chat_with_their_adapters(tmp_path: 
         events = jobs.list_events(job.id, limit=1000).data
         assert events[0].message.startswith("The job has successfully completed")
         assert any(e.type == "metrics" and e.message.startswith("Step 1/") for e in events)
+        # what its set-up took (the slow reader's second at least), after its start event
+        set_up = [e for e in events if e.message.startswith("Set up in ")]
+        assert len(set_up) == 1 and "8 training samples" in set_up[0].message
+        assert set_up[0].data["setup_seconds"] >= 1.0  # type: ignore[index]
         assert (tmp_path / "latency_state.json").is_file(), "the next job starts from this job's latency model"
         assert job.fine_tuned_model in [m.id for m in s.client.models.list().data]
         answer = ask(s, job.fine_tuned_model)
@@ -437,6 +441,7 @@ def test_a_pause_asked_while_the_job_is_set_up_waits_for_it_then_pauses(tmp_path
         assert ask(s, MODEL), "serving goes on"
         assert jobs.resume(job.id).status in ("validating_files", "running")
         assert wait_for(s, job.id, ("running",)) == "running"
+        assert any(e.message.startswith("Set up again from its checkpoint") for e in jobs.list_events(job.id).data)
         assert jobs.cancel(job.id).status == "cancelled"
 
         # a job whose set-up fails: the pause that waited for it is a 409 that says so

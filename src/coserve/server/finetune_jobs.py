@@ -116,6 +116,27 @@ def _finite(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
+SETUP = "setup.json"
+"""In a job's directory: its last set-up (``JobBoard._start``): ``began_at`` / ``done_at`` (Unix
+seconds), ``samples`` and ``skipped`` (its training file's usable and malformed rows), ``resumed``
+(set up again from its checkpoint); a set-up can take tens of seconds on a GPU (session 43: ~19 s
+for an 8B model's trainer and its warm-up), so the job's events say what it took."""
+
+
+def setup_event(job: FinetuneJob) -> dict[str, Any] | None:
+    """The event of the job's last set-up (:data:`SETUP`), or None before it is done."""
+    try:
+        s = json.loads((job.train_log.parent / SETUP).read_text())
+        took, done, samples, skipped = float(s["done_at"]) - float(s["began_at"]), float(s["done_at"]), \
+            int(s["samples"]), int(s["skipped"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    what = "Set up again from its checkpoint" if s.get("resumed") else "Set up"
+    rows = f"{samples} training samples" + (f" ({skipped} malformed rows skipped)" if skipped else "")
+    return event(f"{job.id}-setup", done, f"{what} in {took:.1f} s: {rows}; training starts", data={
+        "setup_seconds": took, "samples": samples, "malformed_rows": skipped})
+
+
 def event(eid: str, created: float, message: str, level: str = "info", kind: str = "message",
           data: dict[str, Any] | None = None) -> dict[str, Any]:
     """One ``fine_tuning.job.event``."""
@@ -129,12 +150,16 @@ def job_events(job: FinetuneJob, s: EngineStats, validation: dict[str, Any] | No
     (once done: a ``metrics`` event with OpenAI's ``full_valid_loss`` and
     ``full_valid_mean_token_accuracy``), its end (once it has ended), one ``metrics`` event per
     optimizer step of ``train_log.jsonl`` (OpenAI's ``Step k/n: training loss=x``, ``n`` from
-    :func:`total_steps`; a warning for a step skipped or one whose loss never came), its start (``status`` ``queued``: that it waits)."""
+    :func:`total_steps`; a warning for a step skipped or one whose loss never came), its last
+    set-up (:func:`setup_event`), its start (``status`` ``queued``: that it waits)."""
     total = total_steps(job, s)
     if status == "queued":
         return [event(f"{job.id}-queued", job.created_at, f"Fine-tuning {job.model} on {job.training_file} is "
                       "queued: it starts once the jobs before it have ended")]
     events = [event(f"{job.id}-start", job.created_at, f"Fine-tuning {job.model} on {job.training_file} started")]
+    setup = setup_event(job)
+    if setup is not None:
+        events.append(setup)
     try:
         lines = job.train_log.read_text().splitlines()
     except OSError:

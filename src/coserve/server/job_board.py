@@ -54,7 +54,7 @@ from coserve.server.finetune import (
     read_dataset,
     write_json,
 )
-from coserve.server.finetune_jobs import SERVED_OUTCOMES, FinetuneJob
+from coserve.server.finetune_jobs import SERVED_OUTCOMES, SETUP, FinetuneJob
 from coserve.server.protocol import CreateJobRequest
 
 logger = logging.getLogger(__name__)
@@ -601,6 +601,7 @@ class JobBoard:
 
     async def _start(self, job: FinetuneJob, spec: FinetuneSpec, valid: Path | None) -> None:
         session: FinetuneSession | None = None
+        began = time.time()
         try:
             samples = None
             if valid is not None:
@@ -615,6 +616,12 @@ class JobBoard:
                 await asyncio.to_thread(session.close)
                 self._never_ran(job, "cancelled")
                 return
+            try:  # (the job's events say what its set-up took; not worth failing the job over)
+                write_json(job.train_log.parent / SETUP, {
+                    "began_at": began, "done_at": time.time(), "samples": len(session.dataset.samples),
+                    "skipped": session.dataset.stats.num_skipped, "resumed": spec.resume})
+            except OSError as e:
+                logger.warning("fine-tuning job %s: its set-up's record not written: %s", job.id, e)
             if samples is not None:
                 self._ended[job.id] = asyncio.get_running_loop().create_future()
             await self.et.start_session(session)
