@@ -351,7 +351,9 @@ job() {
       # a fine-tuning job created through the API (upload, create, pause, resume, cancel) while
       # coserve serve answers a burst-light replay on the 8B shape, against the same replay with no
       # job: per job phase, attainment and TTFT/TPOT p99, and the routes' times (bench/jobs_during_replay.py);
-      # the device has no FastAPI/uvicorn: run bench/server_wheels.sh here first and carry .whl
+      # the device has no FastAPI/uvicorn: run bench/server_wheels.sh here first and carry .whl.
+      # (80 s, the pause at 40: session 43's H100 took ~19 s to set the job up, so a pause at 30 of
+      # a job created at 10 came during its set-up, and a resume's set-up takes as long again)
       model_dir=$(python3 -c "from pathlib import Path; from coserve.bench.shapes import materialize; \
 print(materialize('shape:llama3-8b', Path('$top/shape')))")
       name=jobs_replay extra=()
@@ -359,9 +361,9 @@ print(materialize('shape:llama3-8b', Path('$top/shape')))")
         name="jobs_replay_switch${1#jobs_replay_switch=}" extra=(--switch-interval-ms "${1#jobs_replay_switch=}")
       fi
       run "$name" "$top/$name.log" python3 bench/jobs_during_replay.py --out "$top/$name.json" \
-        --workload burst-light --duration 60 --rate-scale 0.833 --max-prompt 4096 --max-output 512 \
+        --workload burst-light --duration 80 --rate-scale 0.833 --max-prompt 4096 --max-output 512 \
         --ttft-slo-ms 1000 --tpot-slo-ms 100 --synthetic 2000:spread:256-1024 --validation-rows 64 --n-epochs 1 \
-        --job-at 10 --pause-at 30 --resume-at 36 --drain 60 \
+        --job-at 10 --pause-at 40 --resume-at 46 --drain 60 \
         -- --model "$model_dir" --served-model-name llama3-8b --load-format dummy --device cuda \
         --max-model-len 8192 --max-num-batched-tokens 2048 --max-loras 4 --gpu-memory-utilization 0.7 \
         --lora-rank 16 --target-modules q_proj,k_proj,v_proj,o_proj --ttft-slo-ms 1000 --tpot-slo-ms 100 \
