@@ -159,16 +159,20 @@ def test_job_events_from_the_train_log(tmp_path: Path) -> None:
     assert events[0]["level"] == "warn" and events[0]["type"] == "message"
     assert events[1]["type"] == "metrics" and events[1]["data"]["train_loss"] == 1.25 and events[2]["level"] == "warn"
     # its set-up, once done (JobBoard writes setup.json), after its start
-    (tmp_path / "setup.json").write_text(json.dumps({"began_at": 1_000.25, "done_at": 1_019.5, "samples": 98,
+    (tmp_path / "setup.json").write_text(json.dumps({"began_at": 980.25, "done_at": 999.5, "samples": 98,
                                                      "skipped": 2, "resumed": False}))
     set_up = job_events(job, EngineStats(coserving=True))
     assert set_up[-2]["message"] == "Set up in 19.2 s: 98 training samples (2 malformed rows skipped); training starts"
-    assert set_up[-2]["created_at"] == 1_019 and set_up[-2]["data"]["setup_seconds"] == pytest.approx(19.25)
+    assert set_up[-2]["created_at"] == 999 and set_up[-2]["data"]["setup_seconds"] == pytest.approx(19.25)
     assert len(set_up) == len(events) + 1
     (tmp_path / "setup.json").write_text(json.dumps({"began_at": 5.0, "done_at": 9.0, "samples": 98, "skipped": 0,
                                                      "resumed": True}))
     assert job_events(job, EngineStats(coserving=True))[-2]["message"] == \
         "Set up again from its checkpoint in 4.0 s: 98 training samples; training starts"
+    (tmp_path / "setup.json").write_text(json.dumps({"began_at": 1_002.0, "done_at": 1_002.5, "samples": 98,
+                                                     "skipped": 0, "resumed": True}))  # (after step 2: resumed)
+    assert [e["id"].rpartition("-")[2] for e in job_events(job, EngineStats(coserving=True))] == \
+        ["4", "3", "setup", "2", "1", "start"]
     (tmp_path / "setup.json").write_text('{"began_at": 5.0')  # (unreadable: no event, nothing fails)
     assert len(job_events(job, EngineStats(coserving=True))) == len(events)
     (tmp_path / "setup.json").unlink()

@@ -157,9 +157,6 @@ def job_events(job: FinetuneJob, s: EngineStats, validation: dict[str, Any] | No
         return [event(f"{job.id}-queued", job.created_at, f"Fine-tuning {job.model} on {job.training_file} is "
                       "queued: it starts once the jobs before it have ended")]
     events = [event(f"{job.id}-start", job.created_at, f"Fine-tuning {job.model} on {job.training_file} started")]
-    setup = setup_event(job)
-    if setup is not None:
-        events.append(setup)
     try:
         lines = job.train_log.read_text().splitlines()
     except OSError:
@@ -182,6 +179,10 @@ def job_events(job: FinetuneJob, s: EngineStats, validation: dict[str, Any] | No
         events.append(event(f"{job.id}-step-{step}", created, f"Step {step}/{total}: training loss={shown}",
                             kind="metrics", data={"step": step, "total_steps": total, "train_loss": loss,
                                                   "tokens": entry.get("tokens"), "learning_rate": entry.get("lr")}))
+    setup = setup_event(job)
+    if setup is not None:  # (in time order among the steps: a resumed job's comes after its first steps)
+        at = 1 + sum(1 for e in events[1:] if e["created_at"] <= setup["created_at"])
+        events.insert(at, setup)
     if s.ft_outcome is not None:
         end = {"succeeded": ("The job has successfully completed", "info"),
                "cancelled": ("The job was cancelled; the last committed step was exported", "info"),
