@@ -235,7 +235,7 @@ def task_allocs_summary(rows: Sequence[tuple[int, int, int, int, int]]) -> dict[
 def span_summary(spans: list[tuple[int, int, float, float]], num_layers: int,
                  process_ms: list[float] | None = None, gc_ms: list[float] | None = None,
                  watchdog_releases: int | None = None, tasks: list[int] | None = None,
-                 loss_roles: Sequence[str] | None = None) -> dict[str, Any]:
+                 loss_roles: Sequence[str] | None = None, thread_ms: list[float] | None = None) -> dict[str, Any]:
     """The stretches between the trainer's boundaries (``TaskResult.spans``, GPU-side gate
     only), by where they start: ``start``, ``loss``, ``commit`` or ``layer#k`` (the k-th boundary
     of a layer: 0 the attention recompute, then the MLP's pieces, the last the attention
@@ -252,7 +252,11 @@ def span_summary(spans: list[tuple[int, int, float, float]], num_layers: int,
     ``watchdog_releases``: the stretches ``COSERVE_TRAINER_RELEASE``'s watchdog released.
     ``loss_roles`` (:func:`coserve.trainer.backward.loss_stretch_roles`): ``loss_by_role``, the
     loss's stretches by what they compute (the LM head's GEMM pieces, the cross-entropy, the
-    gradient's GEMM pieces), over every chunk."""
+    gradient's GEMM pieces), over every chunk. ``thread_ms`` (``TaskResult.span_thread_ms``): the
+    queuing thread's own CPU time, in ``longest_cpu`` beside the process's (near the host time:
+    that thread ran throughout; near the process's alone: another thread ran while it waited)."""
+    if thread_ms is None or len(thread_ms) != len(spans):
+        thread_ms = [math.nan] * len(spans)
     if process_ms is None or len(process_ms) != len(spans):
         process_ms = [math.nan] * len(spans)
     if gc_ms is None or len(gc_ms) != len(spans):
@@ -296,7 +300,7 @@ def span_summary(spans: list[tuple[int, int, float, float]], num_layers: int,
     order = sorted(range(len(spans)), key=lambda i: -spans[i][3])[:LONGEST_SPANS]
     known_tasks = tasks is not None and len(tasks) == len(spans)
     out["longest_cpu"] = [{"at": boundary_kind(spans[i][0], spans[i][1], num_layers), "gpu_ms": spans[i][2],
-                           "cpu_ms": spans[i][3], "proc_ms": process_ms[i], "gc_ms": gc_ms[i],
+                           "cpu_ms": spans[i][3], "proc_ms": process_ms[i], "thread_ms": thread_ms[i], "gc_ms": gc_ms[i],
                            **({"task": tasks[i]} if known_tasks and tasks is not None else {})} for i in order]
     out["by_start"] = {k: stats(v) for k, v in sorted(groups.items())}
     # the loss's stretches by their boundary's ordinal (counted from the task's first loss
@@ -613,7 +617,8 @@ def main() -> None:
         "trainer_spans": (span_summary(co.trainer_spans, num_layers, co.trainer_span_process_ms,
                                        co.trainer_span_gc_ms, co.trainer_watchdog_releases, co.trainer_span_tasks,
                                        loss_stretch_roles(engine.model_config.vocab_size,
-                                                          engine.model_config.hidden_size))
+                                                          engine.model_config.hidden_size),
+                                       co.trainer_span_thread_ms)
                           if co.trainer_spans else None),
         "trainer_tasks": task_allocs_summary(co.trainer_task_counts) if co.trainer_task_counts else None,
         "ft_only_interruption": {

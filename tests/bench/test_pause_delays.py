@@ -111,6 +111,10 @@ def test_the_longest_stretches_name_their_task() -> None:
     got = coserve_latency.span_summary(spans, num_layers=2, tasks=[0, 0, 1, 1])
     assert [(d["at"], d["task"]) for d in got["longest_cpu"][:3]] == [("commit", 1), ("layer#0", 0), ("layer#0", 0)]
     assert all("task" not in d for d in coserve_latency.span_summary(spans, 2, tasks=[0])["longest_cpu"])
+    # with the queuing thread's CPU time beside the process's (a list that does not match: NaN)
+    threaded = coserve_latency.span_summary(spans, 2, process_ms=[4.0, 3.0, 0.3, 9.0], thread_ms=[0.5, 2.9, 0.3, 8.9])
+    assert [(d["proc_ms"], d["thread_ms"]) for d in threaded["longest_cpu"][:2]] == [(9.0, 8.9), (4.0, 0.5)]
+    assert all(d["thread_ms"] != d["thread_ms"] for d in coserve_latency.span_summary(spans, 2, thread_ms=[1.0])["longest_cpu"])
 
 
 def test_delays_split_by_whether_the_gpu_had_run_dry() -> None:

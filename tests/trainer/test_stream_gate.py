@@ -174,6 +174,9 @@ def test_gated_worker_pauses_on_its_gpu_stream_and_computes_the_same_loss() -> N
     assert got.spans and got.spans[0][:2] == (TASK_START, 0) and got.spans[1][:2] == (num_layers, 0)
     assert all(ms >= 0.0 and cpu_ms > -0.1 for _, _, ms, cpu_ms in got.spans)
     assert len(got.span_process_ms) == len(got.spans) and all(ms >= 0.0 for ms in got.span_process_ms)
+    # the queuing thread's own CPU time: part of the process's (both read at each boundary)
+    assert len(got.span_thread_ms) == len(got.spans)
+    assert all(0.0 <= t <= p + 0.1 for t, p in zip(got.span_thread_ms, got.span_process_ms, strict=True))
 
 
 @pytest.mark.skipif(not CUDA, reason="the gate is a CUDA stream wait")
@@ -652,3 +655,25 @@ def test_how_far_the_cpu_queues_behind_a_closed_gate_comes_from_the_environment(
             "print(CLOSED_AHEAD, WorkerSpec.__dataclass_fields__['closed_boundaries_ahead'].default_factory())")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == [expected, expected]
+
+
+def test_a_stretchs_process_gc_and_thread_times_come_from_its_two_marks() -> None:
+    """``read_span_*_ms`` (no CUDA needed: the marks' clocks alone): each stretch's time is its
+    end mark's clock less its start mark's."""
+    from coserve.trainer.stream_gate import (
+        WaitMark,
+        read_span_gc_ms,
+        read_span_process_ms,
+        read_span_thread_ms,
+    )
+
+    def mark(process_s: float, gc_s: float, thread_s: float) -> WaitMark:
+        return WaitMark(None, None, 0, 0, 0.0, 0.0, process_s=process_s, gc_s=gc_s,  # type: ignore[arg-type]
+                        thread_s=thread_s)
+
+    marks = [mark(1.0, 0.0, 0.5), mark(1.004, 0.001, 0.501), mark(1.2, 0.001, 0.502)]
+    assert read_span_process_ms(marks) == pytest.approx([4.0, 196.0])
+    assert read_span_gc_ms(marks) == pytest.approx([1.0, 0.0])
+    # (the second stretch: 196 ms of the process's CPU, 1 ms of the queuing thread's: another thread ran)
+    assert read_span_thread_ms(marks) == pytest.approx([1.0, 1.0])
+    assert read_span_thread_ms(marks[:1]) == []

@@ -266,6 +266,7 @@ class CoServer:
         # TaskResult.span_process_ms, parallel to trainer_spans (NaN where a result had none)
         self.trainer_span_process_ms: list[float] = []
         self.trainer_span_gc_ms: list[float] = []  # TaskResult.span_gc_ms, parallel to trainer_spans (NaN: none)
+        self.trainer_span_thread_ms: list[float] = []  # TaskResult.span_thread_ms, the same way
         # parallel to trainer_spans: each stretch's task, as its index in task_timings (-1: none there)
         self.trainer_span_tasks: list[int] = []
         self.trainer_watchdog_releases = 0  # TaskResult.watchdog_releases, summed
@@ -822,6 +823,9 @@ class CoServer:
                                                 else (math.nan,) * len(result.spans))
             gc_ms = result.span_gc_ms
             self.trainer_span_gc_ms.extend(gc_ms if len(gc_ms) == len(result.spans) else (math.nan,) * len(result.spans))
+            thread_ms = result.span_thread_ms
+            self.trainer_span_thread_ms.extend(thread_ms if len(thread_ms) == len(result.spans)
+                                               else (math.nan,) * len(result.spans))
             self.trainer_watchdog_releases += result.watchdog_releases
             self.trainer_task_counts.append((result.watchdog_releases, result.watchdog_closed, result.device_allocs,
                                              result.device_frees, result.closed_sleeps))

@@ -86,6 +86,9 @@ class TaskResult:
     device_frees: int = 0
     # COSERVE_TRAINER_CLOSED_AHEAD: the times this task's CPU slept on the grant behind a closed gate
     closed_sleeps: int = 0
+    # for each of spans: the CPU time (ms) of the thread that queued it (time.thread_time); beside
+    # span_process_ms, whether that thread or another one of the worker was busy
+    span_thread_ms: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -205,6 +205,9 @@ class WaitMark(NamedTuple):
     # seconds the process had spent in Python's garbage collector by recorded_s (the worker's
     # GCClock): a stretch's share of it is host time no kernel launch could use
     gc_s: float = 0.0
+    # time.thread_time() beside recorded_s: the CPU time of the thread that queues the stretches
+    # (beside process_s: whether that thread or another one of the process was busy)
+    thread_s: float = 0.0
 
 
 class GatePause(NamedTuple):
@@ -276,6 +279,14 @@ def read_span_process_ms(marks: Sequence[WaitMark]) -> list[float]:
     waited: on a lock, the GIL, the driver or the OS's scheduler (a sleep or wait on the GPU
     after a boundary uses next to no CPU time, as it is left out of the host time too)."""
     return [(b.process_s - a.process_s) * 1e3 for a, b in zip(marks[:-1], marks[1:], strict=True)]
+
+
+def read_span_thread_ms(marks: Sequence[WaitMark]) -> list[float]:
+    """The CPU time the queuing thread used in each stretch of :func:`read_spans` (ms, the same
+    order): near the stretch's host time, that thread ran throughout (Python, dispatch, or a spin
+    in a driver call); near its process time but far below its host time, another thread of the
+    process (the autograd engine's, a queue's feeder) ran while it waited."""
+    return [(b.thread_s - a.thread_s) * 1e3 for a, b in zip(marks[:-1], marks[1:], strict=True)]
 
 
 def read_span_gc_ms(marks: Sequence[WaitMark]) -> list[float]:

@@ -41,6 +41,7 @@ from coserve.trainer.stream_gate import (
     read_marks,
     read_span_gc_ms,
     read_span_process_ms,
+    read_span_thread_ms,
     read_spans,
 )
 
@@ -427,7 +428,7 @@ class _Worker:
             logger.warning("trainer: the CUDA caching allocator ran out of cached memory %d time(s) in task %d "
                            "and freed its cache (each time the device synchronizes); give the trainer more "
                            "memory or shorter tasks", allocs.retries - before.retries, task.task_id)
-        spans, lags, span_process, span_gc = self._read_gate_pauses()
+        spans, lags, span_process, span_gc, span_thread = self._read_gate_pauses()
         (reported, reported_closed), self._watchdog_reported = (self._watchdog_reported,
                                                                 (self.watchdog_releases, self.watchdog_closed))
         pauses, self._pauses = self._pauses, []
@@ -439,7 +440,7 @@ class _Worker:
                           tuple(p.polled for p in pauses), tuple(span_process), tuple(p.idle_ms for p in pauses),
                           tuple(span_gc), self.watchdog_releases - reported, self.watchdog_closed - reported_closed,
                           allocs.device_allocs - before.device_allocs, allocs.device_frees - before.device_frees,
-                          self.closed_sleeps - sleeps_before)
+                          self.closed_sleeps - sleeps_before, span_thread_ms=tuple(span_thread))
 
     def _backward(self, rows: list[TaskRow], dropout_key: int | None) -> TaskLoss:
         """One task's backward pass, from its start boundary on (a real task or the warm-up)."""
@@ -568,7 +569,7 @@ class _Worker:
         else:
             last = next((m for m in reversed(self._marks) if m.ordinal != POLLED), None)
             ordinal = last.ordinal + 1 if last is not None and last.layer == layer else 0
-        recorded_s, process_s = time.monotonic(), time.process_time()
+        recorded_s, process_s, thread_s = time.monotonic(), time.process_time(), time.thread_time()
         gc_s = self._gc.total_s
         idle = None
         # (not at the task's start or the commit: their stretches read back from the GPU, which an
@@ -590,7 +591,7 @@ class _Worker:
         if not polled:
             self._gate.mark(stream, encode_progress(layer, min(ordinal, POLLED - 1)))
         self._marks.append(WaitMark(before, after, layer, ordinal, gap_ms, recorded_s, process_s=process_s,
-                                    idle=idle, gc_s=gc_s))
+                                    idle=idle, gc_s=gc_s, thread_s=thread_s))
         if not polled:
             self._sleep_behind_closed_gate()
         ahead = self.spec.gated_boundaries_ahead
@@ -717,14 +718,15 @@ class _Worker:
         self._release_all()
         self._gate = None
 
-    def _read_gate_pauses(self) -> tuple[list[tuple[int, int, float, float]], list[float], list[float], list[float]]:
+    def _read_gate_pauses(self) -> tuple[list[tuple[int, int, float, float]], list[float], list[float], list[float],
+                                         list[float]]:
         """Add the pauses the gate's waits made in this task, from their events (after the last
         completed), as ``(monotonic time, layer)`` like the CPU path's; returns the task's
-        :attr:`TaskResult.spans`, its pauses' ``pause_lags_ms``, the spans' process CPU ms and their
-        garbage collector ms."""
+        :attr:`TaskResult.spans`, its pauses' ``pause_lags_ms``, the spans' process CPU ms, their
+        garbage collector ms and their queuing thread's CPU ms."""
         marks, self._marks = self._marks, []
         if not marks or self._anchor is None:
-            return [], [], [], []
+            return [], [], [], [], []
         marks[-1].after.synchronize()
         anchor, anchor_s = self._anchor
         pauses, paused_s = pauses_from_marks(anchor_s, *read_marks(anchor, marks), idle_ms=read_idle_ms(marks))
@@ -735,7 +737,8 @@ class _Worker:
         spans = read_spans(marks)
         # (every mark's events have completed and been read: free for the next task's marks)
         self._free_events.extend(e for m in marks for e in (m.before, m.after, m.idle) if e is not None)
-        return spans, [p.lag_ms for p in pauses], read_span_process_ms(marks), read_span_gc_ms(marks)
+        return (spans, [p.lag_ms for p in pauses], read_span_process_ms(marks), read_span_gc_ms(marks),
+                read_span_thread_ms(marks))
 
     def _commit(self) -> None:
         """Save the new state into the other bank, flip the bank index, then update serving."""
