@@ -48,11 +48,13 @@ def host_spread(rows: list[list[Any]], col: dict[str, int]) -> dict[str, Any] | 
     def small(r: list[Any]) -> bool:
         return r[col["regressors"]][1] < 512 and r[col["regressors"]][2] == 0 and bool(r[col["enqueue_s"]])
 
-    picked = sorted((r for r in rows if small(r)), key=lambda r: r[col["began_s"]] or 0.0)
+    picked = [r for r in rows if small(r)]  # (a table before session 28's began_s: in its own order, the steps')
+    if "began_s" in col:
+        picked.sort(key=lambda r: r[col["began_s"]] or 0.0)
     if len(picked) < 3:
         return None
     ms = np.asarray([r[col["enqueue_s"]] for r in picked]) * 1e3
-    idle = np.asarray([r[col["trainer_at"]] is None for r in picked])
+    idle = np.asarray([r[col["trainer_at"]] is None if "trainer_at" in col else True for r in picked])
     logs = np.log(ms)
     q = {f"p{p}": float(np.percentile(ms, p)) for p in (10, 50, 90, 99)}
     out: dict[str, Any] = {

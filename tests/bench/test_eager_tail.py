@@ -41,3 +41,15 @@ def test_the_small_steps_host_time_in_time_order() -> None:
     assert got["cpu_share_median"] == pytest.approx(0.95)  # (19/20, 36/40, 20/20; the one untold left out)
     assert got["gc_ms_median"] == {"slower_half": pytest.approx(4.0), "faster_half": pytest.approx(0.2)}
     assert eager_tail.host_spread(rows[4:], COL) is None
+
+
+def test_a_table_without_start_times_keeps_its_order() -> None:
+    """A table from before session 28 has no ``began_s``: its rows' own order (the steps')."""
+    col = {k: v for k, v in COL.items() if k not in ("began_s", "enqueue_cpu_s", "gc_s")}
+    rows = [row(40, 0, 20.0, 3.0, None), row(40, 0, 40.0, 1.0, None), row(40, 0, 30.0, 2.0, None)]
+    got = eager_tail.host_spread(rows, col)
+    logs = [math.log(v) for v in (20.0, 40.0, 30.0)]
+    a, b = logs[:-1], logs[1:]
+    assert got["lag1_autocorrelation"] == pytest.approx(-1.0 if (a[1] - a[0]) * (b[1] - b[0]) < 0 else 1.0)
+    assert "cpu_share_median" not in got and "gc_ms_median" not in got
+
