@@ -5,7 +5,8 @@ For the run's eager prefill steps (``prefill/eager/*`` rows of its step table, a
 model predicted them): the relative error's median and p99, how many ran over 10% off; the same
 for steps whose token count the process had not run before in the table (an eager step's GEMMs
 at a new token count pick their cuBLAS kernel on the host: session 17) and for the rest; by
-token count; and the host's share of the step (``enqueue_s`` / measured) for all of them and for
+token count (``--levels``: the same predictions scaled by a level of the steps before, by rate);
+and the host's share of the step (``enqueue_s`` / measured) for all of them and for
 those over 10% off. ``small_steps``: the host time of the small ones (under 512 tokens, no FT rows;
 the host's constant part of an eager step, its GPU work a few ms), spread and lag-1 autocorrelation
 in time order (how far a recent step tells the next), with the trainer idle and within a task, and
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +78,22 @@ def host_spread(rows: list[list[Any]], col: dict[str, int]) -> dict[str, Any] | 
     return out
 
 
+LEVEL_RATES = (0.05, 0.1, 0.2, 0.3)
+
+
+def level_replay(predicted: np.ndarray, measured: np.ndarray, rate: float) -> dict[str, Any]:
+    """The run's eager prefill predictions, in time order, each scaled by a level: an exponentially
+    weighted mean (``rate``) of ``log(measured / predicted)`` over the steps before it, as the
+    decode sets carry (``coserve.core.latency``); the error as the runs report it. Offline and
+    approximate: the online model refitted on the same steps without the level."""
+    level, err = 0.0, []
+    for p, m in zip(predicted, measured, strict=True):
+        err.append(abs(p * math.exp(level) - m) / m)
+        level = (1.0 - rate) * level + rate * math.log(m / p)
+    e = np.asarray(err)
+    return {"median_rel": float(np.median(e)), "p99_rel": float(np.quantile(e, 0.99))}
+
+
 def forms(x0: np.ndarray, extra: np.ndarray, y: np.ndarray) -> dict[str, Any]:
     out = {}
     half = len(y) // 2
@@ -92,6 +110,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run")
     p.add_argument("--forms", action="store_true")
+    p.add_argument("--levels", action="store_true", help="the same predictions scaled by a level of recent steps")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     table = read_result(args.run)["figures"]["steps"]
@@ -116,6 +135,11 @@ def main() -> None:
         "enqueue_share_median_over_10pct": float(np.median(enqueue[bad])) if bad.any() else None,
         "small_steps": host_spread(rows, col),
     }
+    if args.levels:
+        order = np.argsort([r[col["began_s"]] or 0.0 for r in rows], kind="stable") if "began_s" in col \
+            else np.arange(len(rows))
+        predicted = np.asarray([r[col["predicted_s"]] for r in rows])
+        report["levels"] = {f"{rate:g}": level_replay(predicted[order], measured[order], rate) for rate in LEVEL_RATES}
     if args.forms:
         planned = np.asarray([r[col["planned_s"]] or 0.0 for r in rows])
         chunks = [r[col["chunks"]] for r in rows]
@@ -127,7 +151,8 @@ def main() -> None:
         report["forms"] = forms(x0, extra, measured - planned)
     print(json.dumps(report, indent=1))
     if args.out:
-        Path(args.out).write_text(json.dumps({**provenance(), "config": {"run": args.run, "forms": args.forms},
+        Path(args.out).write_text(json.dumps({**provenance(), "config": {"run": args.run, "forms": args.forms,
+                                                                          "levels": args.levels},
                                               "figures": report}, indent=1))
 
 

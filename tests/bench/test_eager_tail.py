@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from coserve.bench.runners import STEP_TABLE_COLUMNS
@@ -53,3 +54,13 @@ def test_a_table_without_start_times_keeps_its_order() -> None:
     assert got["lag1_autocorrelation"] == pytest.approx(-1.0 if (a[1] - a[0]) * (b[1] - b[0]) < 0 else 1.0)
     assert "cpu_share_median" not in got and "gc_ms_median" not in got
 
+
+
+def test_a_level_scales_each_prediction_by_the_steps_before() -> None:
+    predicted = np.asarray([10.0, 10.0, 10.0])
+    measured = np.asarray([20.0, 20.0, 20.0])
+    got = eager_tail.level_replay(predicted, measured, 0.5)
+    # levels: 0, then 0.5·log 2, then 0.75·log 2: errors 0.5, 1 - 2**-0.5, 1 - 2**-0.25
+    errors = sorted([0.5, 1 - 2**-0.5, 1 - 2**-0.25])
+    assert got["median_rel"] == pytest.approx(errors[1])
+    assert got["p99_rel"] == pytest.approx(float(np.quantile(errors, 0.99)))
