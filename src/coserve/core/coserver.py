@@ -711,7 +711,7 @@ class CoServer:
         gap = self._gap_before(record)  # (the step table's, and what makes a prompt lone)
         if not record.interrupted:
             if record.timed:
-                gc_s = self._gc_clock.total_s - self._plan_gc if self._gc_clock is not None else None
+                gc_s = self._gc_clock.total_s - self._plan_gc if self.track and self._gc_clock is not None else None
                 self._observe(record, self._trainer_at, self._trainer_phase, self._planned_s, gap,
                               spot=self._trainer_spot, gc_s=gc_s)
             else:
@@ -818,14 +818,11 @@ class CoServer:
             self.pause_observed.extend(result.pause_times)
             self.pause_observed_layers.extend(result.pause_layers)
             self.trainer_spans.extend(result.spans)
-            process = result.span_process_ms
-            self.trainer_span_process_ms.extend(process if len(process) == len(result.spans)
-                                                else (math.nan,) * len(result.spans))
-            gc_ms = result.span_gc_ms
-            self.trainer_span_gc_ms.extend(gc_ms if len(gc_ms) == len(result.spans) else (math.nan,) * len(result.spans))
-            thread_ms = result.span_thread_ms
-            self.trainer_span_thread_ms.extend(thread_ms if len(thread_ms) == len(result.spans)
-                                               else (math.nan,) * len(result.spans))
+            n = len(result.spans)  # (a result without a per-stretch figure: NaN for each stretch)
+            for figures, into in ((result.span_process_ms, self.trainer_span_process_ms),
+                                  (result.span_gc_ms, self.trainer_span_gc_ms),
+                                  (result.span_thread_ms, self.trainer_span_thread_ms)):
+                into.extend(figures if len(figures) == n else (math.nan,) * n)
             self.trainer_watchdog_releases += result.watchdog_releases
             self.trainer_task_counts.append((result.watchdog_releases, result.watchdog_closed, result.device_allocs,
                                              result.device_frees, result.closed_sleeps))

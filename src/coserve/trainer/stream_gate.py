@@ -273,12 +273,18 @@ def read_spans(marks: Sequence[WaitMark]) -> list[tuple[int, int, float, float]]
             for a, b in zip(marks[:-1], marks[1:], strict=True)]
 
 
+def _span_clock_ms(marks: Sequence[WaitMark], clock: str) -> list[float]:
+    """Each stretch's share (ms) of one of the marks' clocks (``process_s``, ``thread_s``, ``gc_s``):
+    its end mark's reading less its start mark's, in :func:`read_spans`' order."""
+    return [(getattr(b, clock) - getattr(a, clock)) * 1e3 for a, b in zip(marks[:-1], marks[1:], strict=True)]
+
+
 def read_span_process_ms(marks: Sequence[WaitMark]) -> list[float]:
     """The CPU time all the process's threads used in each stretch of :func:`read_spans` (ms, the
     same order). Beside a stretch's host time (wall time), it tells host work from a host that
     waited: on a lock, the GIL, the driver or the OS's scheduler (a sleep or wait on the GPU
     after a boundary uses next to no CPU time, as it is left out of the host time too)."""
-    return [(b.process_s - a.process_s) * 1e3 for a, b in zip(marks[:-1], marks[1:], strict=True)]
+    return _span_clock_ms(marks, "process_s")
 
 
 def read_span_thread_ms(marks: Sequence[WaitMark]) -> list[float]:
@@ -286,11 +292,11 @@ def read_span_thread_ms(marks: Sequence[WaitMark]) -> list[float]:
     order): near the stretch's host time, that thread ran throughout (Python, dispatch, or a spin
     in a driver call); near its process time but far below its host time, another thread of the
     process (the autograd engine's, a queue's feeder) ran while it waited."""
-    return [(b.thread_s - a.thread_s) * 1e3 for a, b in zip(marks[:-1], marks[1:], strict=True)]
+    return _span_clock_ms(marks, "thread_s")
 
 
 def read_span_gc_ms(marks: Sequence[WaitMark]) -> list[float]:
     """The time (ms) Python's garbage collector ran in each stretch of :func:`read_spans` (the
     same order): a collection stops the host thread that queues the stretch, and the GPU with it
     once it has run what was queued."""
-    return [(b.gc_s - a.gc_s) * 1e3 for a, b in zip(marks[:-1], marks[1:], strict=True)]
+    return _span_clock_ms(marks, "gc_s")
