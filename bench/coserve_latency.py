@@ -102,8 +102,8 @@ def window_step_ratios(step_starts: Sequence[float], log: Sequence[Any]) -> list
 
 
 DRY_LAG_MS = 0.2
-LONGEST_PAUSES = 12  # (pause_delays' longest: how many)
 """A paused boundary the GPU reached within this long of the CPU queuing it: the GPU had run dry."""
+LONGEST_PAUSES = 12  # (pause_delays' longest: how many)
 
 
 def pause_delays(windows: list[tuple[float, float]], observed: list[float],

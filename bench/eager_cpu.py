@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from engine_speed import build_runner
 from speed_common import LLAMA3_8B, TINY, provenance, write_model_dir
@@ -61,14 +62,6 @@ def rows_for(runner: ModelRunner, rows: int, tokens: int, context: int, decodes:
                       for _ in range(decodes)]
 
 
-def quantile(values: list[float], q: float) -> float:
-    """The ``q`` quantile of ``values``, linearly interpolated (numpy's default)."""
-    v = sorted(values)
-    at = q * (len(v) - 1)
-    lo = int(at)
-    return v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (at - lo)
-
-
 def time_steps(runner: ModelRunner, batch: list[BatchRow], iters: int) -> dict[str, float]:
     """The batch's step ``iters`` times after two warm-up runs, the device idle at each start: the
     host's seconds queuing it (``enqueue``; its thread's CPU time in them, ``enqueue_cpu``: below
@@ -93,7 +86,7 @@ def time_steps(runner: ModelRunner, batch: list[BatchRow], iters: int) -> dict[s
     out = {"enqueue_s": statistics.median(enq), "step_s": statistics.median(total),
            "enqueue_max_s": max(enq), "step_max_s": max(total), "enqueue_cpu_s": statistics.median(cpu)}
     for name, values in (("enqueue", enq), ("step", total)):
-        out.update({f"{name}_p{round(q * 100)}_s": quantile(values, q) for q in (0.1, 0.9, 0.99)})
+        out.update({f"{name}_p{round(q * 100)}_s": float(np.quantile(values, q)) for q in (0.1, 0.9, 0.99)})
     return out
 
 
