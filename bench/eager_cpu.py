@@ -62,17 +62,28 @@ def rows_for(runner: ModelRunner, rows: int, tokens: int, context: int, decodes:
                       for _ in range(decodes)]
 
 
-def time_steps(runner: ModelRunner, batch: list[BatchRow], iters: int) -> dict[str, float]:
+def canary() -> float:
+    """Seconds of a fixed piece of pure Python (about half a ms): the interpreter's speed on this
+    CPU now, beside each step's host time."""
+    began = time.perf_counter()
+    sum(i * i for i in range(20_000))
+    return time.perf_counter() - began
+
+
+def time_steps(runner: ModelRunner, batch: list[BatchRow], iters: int) -> dict[str, Any]:
     """The batch's step ``iters`` times after two warm-up runs, the device idle at each start: the
     host's seconds queuing it (``enqueue``; its thread's CPU time in them, ``enqueue_cpu``: below
     the wall time, the thread waited or was descheduled) and until the device is done (``step``),
     median, max and spread (p10 / p90 / p99: whether the same step's host time varies, session 43's
-    question: 20-50 ms for the same small eager step in the latency runs, on one CPU)."""
+    question: 20-50 ms for the same small eager step in the latency runs, on one CPU). Before each
+    step, :func:`canary`: where the step's host time follows the canary's (``canary_corr``, the
+    series in ``enqueue_ms`` and ``canary_ms``), the CPU ran slower, not the step's own work."""
     cuda = runner.device.type == "cuda"
-    enq, total, cpu = [], [], []
+    enq, total, cpu, canaries = [], [], [], []
     for i in range(iters + 2):
         if cuda:
             torch.cuda.synchronize()
+        spent = canary()
         t0, c0 = time.perf_counter(), time.thread_time()
         runner.execute(batch)
         t1, c1 = time.perf_counter(), time.thread_time()
@@ -83,10 +94,15 @@ def time_steps(runner: ModelRunner, batch: list[BatchRow], iters: int) -> dict[s
             enq.append(t1 - t0)
             total.append(t2 - t0)
             cpu.append(c1 - c0)
-    out = {"enqueue_s": statistics.median(enq), "step_s": statistics.median(total),
-           "enqueue_max_s": max(enq), "step_max_s": max(total), "enqueue_cpu_s": statistics.median(cpu)}
-    for name, values in (("enqueue", enq), ("step", total)):
+            canaries.append(spent)
+    out: dict[str, Any] = {"enqueue_s": statistics.median(enq), "step_s": statistics.median(total),
+                           "enqueue_max_s": max(enq), "step_max_s": max(total), "enqueue_cpu_s": statistics.median(cpu)}
+    for name, values in (("enqueue", enq), ("step", total), ("canary", canaries)):
         out.update({f"{name}_p{round(q * 100)}_s": float(np.quantile(values, q)) for q in (0.1, 0.9, 0.99)})
+    out["canary_s"] = statistics.median(canaries)
+    out["canary_corr"] = float(np.corrcoef(enq, canaries)[0, 1]) if len(enq) > 2 else None
+    out["enqueue_ms"] = [round(x * 1e3, 3) for x in enq]
+    out["canary_ms"] = [round(x * 1e3, 4) for x in canaries]
     return out
 
 
@@ -162,7 +178,8 @@ def main() -> None:
 
     def measure(condition: str) -> None:
         figures["conditions"][condition] = res = {name: time_steps(runner, b, args.iters) for name, b in batches.items()}
-        logger.info("%s %s", condition, json.dumps({n: {k: round(v * 1e3, 2) for k, v in d.items()}
+        logger.info("%s %s", condition, json.dumps({n: {k: round(v * 1e3, 2) if k.endswith("_s") else v
+                                                        for k, v in d.items() if not k.endswith("_ms")}
                                                     for n, d in res.items()}))
 
     threads = torch.get_num_threads()

@@ -93,6 +93,8 @@
 #   eager          bench/eager_cpu.py without and with --prefill-graphs
 #   eager_spread   bench/eager_cpu.py: three eager steps' host time, 200 times each, idle and beside
 #                  spinning processes, with its spread (p10/p90/p99) and the thread's CPU time
+#   state_copy     bench/state_copy_cost.py: a copy of the trainer's state at the 8B shape (a checkpoint's,
+#                  a pause's) by way of copying, and a pause's copying work before and after session 44
 #   eager_small    bench/eager_cpu.py --prefill-graphs on small steps (a short chunk beside 32 decodes), with
 #                  the operator and the Python profiles of one step each
 #   eval=SPEC      bench/eval_device.sh SPEC on this lane's GPU (SPEC as there: WORKLOAD=RATE[=EXTRA],
@@ -322,6 +324,8 @@ job() {
       # latency runs for the same small eager step, on one CPU, the trainer idle or not)
       run eager_spread "$top/eager_spread.log" python3 bench/eager_cpu.py --conditions idle,hog --iters 200 \
         --shapes "1x96_ctx0+32d,1x448_ctx1024+32d,1x2048_ctx0" --no-profile --out "$top/eager_spread.json" ;;
+    state_copy)
+      run state_copy "$top/state_copy.log" python3 bench/state_copy_cost.py --device cuda --out "$top/state_copy.json" ;;
     eager_small)  # the piecewise graphs' small steps (a short chunk beside 32 decodes): host time, profiles
       run eager_small "$top/eager_cpu_small.log" python3 bench/eager_cpu.py --conditions idle --prefill-graphs \
         --shapes "1x512_ctx0,1x96_ctx0+32d,1x96_ctx1024+32d,1x448_ctx1024+32d" --out "$top/eager_cpu_small.json" ;;

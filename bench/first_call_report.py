@@ -316,7 +316,9 @@ def eager_spread(r: dict[str, Any]) -> dict[str, Any]:
 
     return {cond: {shape: {"enqueue_ms": [ms(f.get("enqueue_p10_s")), ms(f["enqueue_s"]), ms(f.get("enqueue_p90_s")),
                                           ms(f.get("enqueue_p99_s"))],
-                           "enqueue_cpu_ms": ms(f.get("enqueue_cpu_s")), "step_ms": ms(f["step_s"])}
+                           "enqueue_cpu_ms": ms(f.get("enqueue_cpu_s")), "step_ms": ms(f["step_s"]),
+                           "canary_ms": [ms(f.get("canary_p10_s")), ms(f.get("canary_s")), ms(f.get("canary_p90_s"))],
+                           "canary_corr": f.get("canary_corr")}
                    for shape, f in shapes.items()}
             for cond, shapes in r["figures"]["conditions"].items()}
 

@@ -336,11 +336,11 @@ def test_a_checkpoint_taken_while_the_last_task_of_a_step_commits_holds_the_logg
             assert time.monotonic() < deadline
         copy_state = trainer.committed_state
 
-        def late_copy() -> tuple[torch.Tensor, int]:
+        def late_copy(out: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
             while trainer.committed_steps < 1:  # (the commit lands after the check, before the copy)
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
-            return copy_state()
+            return copy_state(out)
 
         trainer.committed_state = late_copy  # type: ignore[method-assign]
         path = session.save_checkpoint()
@@ -458,3 +458,77 @@ def test_a_job_paused_or_cancelled_as_its_last_step_commits_has_succeeded(tmp_pa
     assert final.ft_optimizer_steps == len(session.history) == session.trainer.committed_steps
     assert final.ft_samples_retired == final.ft_samples_total == 4
     assert job_object(JOB, final)["status"] == "succeeded"
+
+
+def test_a_pause_checkpoints_and_exports_one_copy_of_the_trainers_state(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pause's checkpoint and its exported adapter come from ONE copy of the trainer's state (a
+    copy is hundreds of MB at the 8B shape, on the engine's thread: session 44's H100 pause made
+    two, stalled serving 0.37 s and put two requests over their SLO), so both hold the step the
+    pause counts, the one a resume goes on from."""
+    import torch
+    from safetensors.torch import load_file
+
+    engine, session = tiny_session(tmp_path, epochs=500)
+    et = EngineThread(engine, session)  # (not started: the test is its loop thread)
+    try:
+        train_until(engine, session, 2)
+        copies: list[int] = []
+        copy_state = session.trainer.committed_state
+
+        def counted(out: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+            state, steps = copy_state(out)
+            copies.append(steps)
+            return state, steps
+
+        monkeypatch.setattr(session.trainer, "committed_state", counted)
+        et._finish_session(session, "paused")
+        assert len(copies) == 1, f"the state copied {len(copies)} times"
+    finally:
+        et.wait_trainers_exited(30)
+    final = et.ended[session.job_id]
+    assert final.ft_outcome == "paused"
+    out = tmp_path / "out"
+    saved = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=True)
+    assert saved["steps_done"] == final.ft_optimizer_steps == len(session.history) >= 2
+    exported = load_file(out / "adapter" / "adapter_model.safetensors")
+    checkpointed = load_file(out / "checkpoint" / "adapter" / "adapter_model.safetensors")
+    assert exported.keys() == checkpointed.keys() and all(torch.equal(exported[k], checkpointed[k]) for k in exported)
+
+
+def test_a_checkpoint_holds_the_state_copied_when_it_was_asked_for(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The state is copied into a buffer the session keeps (a fresh copy's time is mostly page
+    faults); a checkpoint still being written when the next copy is taken keeps its own state: the
+    next copy goes elsewhere."""
+    import torch
+
+    engine, session = tiny_session(tmp_path, epochs=500)
+    try:
+        written: list[tuple[int, torch.Tensor]] = []
+        save = torch.save
+
+        def recorded(obj: object, *args: object, **kwargs: object) -> None:
+            if isinstance(obj, dict) and "state" in obj:
+                written.append((obj["steps"], obj["state"].clone()))
+            save(obj, *args, **kwargs)
+
+        monkeypatch.setattr(torch, "save", recorded)
+        writing, release = held(monkeypatch, torch, "save")
+        train_until(engine, session, 1)
+        session.save_checkpoint()
+        assert writing.wait(30)
+        first = session.trainer.committed_state()
+        train_until(engine, session, session.coserver.steps_done + 1)
+        second = session.trainer.committed_state()
+        assert second[1] == first[1] + 1 and not torch.equal(first[0], second[0])
+        session.save_checkpoint()  # (the first one's write still held)
+        release.set()
+        session.flush_checkpoints()
+        assert [steps for steps, _ in written] == [first[1], second[1]]
+        assert torch.equal(written[0][1], first[0]) and torch.equal(written[1][1], second[0])
+        session.save_checkpoint()  # (both written: the buffer is free again)
+        session.flush_checkpoints()
+        assert torch.equal(written[2][1], second[0])
+    finally:
+        session.close()

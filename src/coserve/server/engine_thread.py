@@ -291,8 +291,6 @@ class EngineThread:
         def cancel(_: LLMEngine) -> bool:
             if self.session is None or job_id not in (None, self.session.job_id):
                 return False
-            if pause and not self.session.spec.save_every:  # (else the export writes one)
-                self.session.save_checkpoint()
             self._finish_session(self.session, "paused" if pause else None)
             return True
 
@@ -401,7 +399,7 @@ class EngineThread:
 
     def _finish_session(self, session: FinetuneSession, stopped: str | None = None) -> None:
         """Export the session's adapter and close it (its epochs done, given up, or stopped early:
-        ``cancelled``, or ``stopped`` where given)."""
+        ``cancelled``, or ``stopped`` where given); ``paused``: with a checkpoint of the same step."""
         coserver = session.coserver
         # NOTE: before the outcome: the step the trainer has committed may be the job's last (a
         # job paused or cancelled as it completed has completed, with nothing left to resume).
@@ -416,7 +414,7 @@ class EngineThread:
         path: Path | None = None
         try:
             # (the files written in the background: the engine's steps do not wait for the disk)
-            path, adapter = session.export_in_background()
+            path, adapter = session.export_in_background(checkpoint=stopped == "paused")
             logger.info("fine-tuning %s: %d optimizer steps, %d tokens; adapter: %s", outcome, coserver.steps_done,
                         coserver.tokens_trained, path)
         except Exception:

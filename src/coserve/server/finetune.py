@@ -214,6 +214,10 @@ class FinetuneSession:
         self._write_run_config()
         self._writer: ThreadPoolExecutor | None = None  # (save_checkpoint's, made on first use)
         self._writes: deque[Future[None]] = deque()
+        # what the trainer's state is copied into (_logged_state), faulted in here, off the
+        # engine's thread, and the write that reads it (a checkpoint's) until it is done
+        self._state_buffer = self.trainer.state_buffer()
+        self._state_read: Future[None] | None = None
         self.started = time.monotonic()
         if attach:
             self.attach()
@@ -311,18 +315,24 @@ class FinetuneSession:
         but whose result the co-server has not taken in is taken in (and logged) first; else a
         resume would skip its log line and train its samples again (:meth:`_logged_state`)."""
         logged = self._logged_state()
+        self._checkpoint(logged, self._adapter_of(logged))
+        return self.checkpoint_dir
+
+    def _checkpoint(self, logged: tuple[torch.Tensor, int] | None, adapter: LoraAdapter) -> None:
+        """Have the writer thread write the checkpoint of ``logged`` (:meth:`_logged_state`), whose
+        adapter is ``adapter``; an error logged where the state did not come in."""
         if logged is None:
             logger.error("optimizer step %d is committed but its result did not come in %.0fs: no checkpoint "
                          "written (the last one is kept)", self.trainer.committed_steps, COMMIT_RESULT_TIMEOUT_S)
-            return self.checkpoint_dir
+            return
         state, steps = logged
-        adapter = self.trainer.committed_adapter(base_model_name_or_path=str(self.engine.config.model), state=state)
         # (steps: applied, the optimizer's count; steps_done: logged, skipped ones too)
         saved = {"state": state, "steps": steps, "steps_done": self.coserver.steps_done,
                  "pool": copy.deepcopy(self.pool.state_dict()), "tokens_trained": self.coserver.tokens_trained,
                  "optim": asdict(self.optim)}
-        self._in_background(self._write_checkpoint, adapter, saved)
-        return self.checkpoint_dir
+        write = self._in_background(self._write_checkpoint, adapter, saved)
+        if state is self._state_buffer:
+            self._state_read = write  # (the buffer is not copied into again until it is written)
 
     def _logged_state(self) -> tuple[torch.Tensor, int] | None:
         """A copy of the trainer's committed state whose steps the co-server has all taken in (and
@@ -334,17 +344,19 @@ class FinetuneSession:
         A commit that lands while the results come in is copied again; the engine's thread, which
         submits the tasks, is this one, so the tasks in flight run out."""
         deadline = time.monotonic() + COMMIT_RESULT_TIMEOUT_S
+        # The copy goes into the session's buffer unless a checkpoint write still reads it.
+        free = self._state_read is None or self._state_read.done()
+        out = self._state_buffer if free else None
         while True:
-            state, steps = self.trainer.committed_state()
+            state, steps = self.trainer.committed_state(out)
             if self.coserver.collect_committed(steps, max(0.0, deadline - time.monotonic())):
                 return state, steps
             if self.coserver.steps_applied < steps or time.monotonic() >= deadline:
                 return None
 
-    def _logged_adapter(self) -> LoraAdapter:
-        """The adapter of the steps logged and counted (:meth:`_logged_state`; the last committed
-        one if a result did not come in)."""
-        logged = self._logged_state()
+    def _adapter_of(self, logged: tuple[torch.Tensor, int] | None) -> LoraAdapter:
+        """The adapter of ``logged`` (:meth:`_logged_state`; the last committed one where None: a
+        result did not come in)."""
         return self.trainer.committed_adapter(base_model_name_or_path=str(self.engine.config.model),
                                               state=None if logged is None else logged[0])
 
@@ -355,11 +367,13 @@ class FinetuneSession:
         last task, so the state copied next is that of the logged steps.)"""
         return self.coserver.collect_committed(self.trainer.committed_steps, COMMIT_RESULT_TIMEOUT_S)
 
-    def _in_background(self, write: Callable[..., None], *args: Any) -> None:
+    def _in_background(self, write: Callable[..., None], *args: Any) -> Future[None]:
         """``write(*args)`` on the writer thread, after the writes asked for before."""
         if self._writer is None:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coserve-checkpoint")
-        self._writes.append(self._writer.submit(write, *args))
+        future = self._writer.submit(write, *args)
+        self._writes.append(future)
+        return future
 
     def _write_checkpoint(self, adapter: LoraAdapter, saved: dict[str, Any]) -> None:
         try:
@@ -439,24 +453,32 @@ class FinetuneSession:
         """Block up to ``timeout`` s for the trainer (when the engine has nothing else to do)."""
         self.coserver.poll(timeout)
 
-    def export_in_background(self) -> tuple[Path, LoraAdapter]:
+    def export_in_background(self, checkpoint: bool = False) -> tuple[Path, LoraAdapter]:
         """:meth:`export` with the files written by the writer thread (a write of tens to hundreds
         of ms at the 8B shape, ``bench/adapter_export_cost.py``, that the engine's thread need not
         wait for): the committed adapter is copied here and returned, to be served from memory;
-        :meth:`flush_checkpoints` (and :meth:`close`) waits for the files."""
+        :meth:`flush_checkpoints` (and :meth:`close`) waits for the files. ``checkpoint``: write
+        one as well (a pause's; one is written anyway with ``save_every``)."""
         path = self.spec.output / "adapter"
-        adapter = self._logged_adapter()
+        adapter = self._final_adapter(checkpoint)
         self._in_background(_write_adapter, adapter, path)
-        if self.spec.save_every:
-            self.save_checkpoint()
         return path, adapter
 
     def export(self) -> Path:
         path = self.spec.output / "adapter"
-        save_peft_adapter(self._logged_adapter(), path)
-        if self.spec.save_every:
-            self.save_checkpoint()
+        save_peft_adapter(self._final_adapter(checkpoint=False), path)
         return path
+
+    def _final_adapter(self, checkpoint: bool) -> LoraAdapter:
+        """The adapter of the logged steps, and where asked for (or with ``save_every``) their
+        checkpoint, from ONE copy of the trainer's state: a copy costs the engine's thread tens of
+        ms at the 8B shape (session 44's pause, with two: 0.37 s, and two requests over their
+        SLO), and the two then hold the same step even where a task in flight commits between."""
+        logged = self._logged_state()
+        adapter = self._adapter_of(logged)
+        if checkpoint or self.spec.save_every:
+            self._checkpoint(logged, adapter)
+        return adapter
 
     def detach(self) -> None:
         """Take the run off the engine (the engine's thread, between two steps): its steps carry

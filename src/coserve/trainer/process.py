@@ -179,12 +179,22 @@ class TrainerProcess:
         """Write the committed adapter as a PEFT directory (atomically)."""
         save_peft_adapter(self.committed_adapter(base_model_name_or_path), path)
 
-    def committed_state(self) -> tuple[torch.Tensor, int]:
-        """``([3, P] master + AdamW moments on CPU, optimizer steps)`` of the last commit."""
+    def committed_state(self, out: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+        """``([3, P] master + AdamW moments on CPU, optimizer steps)`` of the last commit, copied
+        once: into ``out`` where given (a CPU tensor of that shape whose pages are in place: a
+        fresh copy of hundreds of MB at the 8B shape spends most of its time faulting them in),
+        else into a new tensor."""
         bank = int(self.meta[0])
         if bank < 0:
             return torch.empty(0), 0
-        return self.banks[bank].cpu().clone(), int(self.meta[1 + bank])
+        steps = int(self.meta[1 + bank])
+        if out is None:
+            return self.banks[bank].to("cpu", copy=True), steps
+        return out.copy_(self.banks[bank]), steps
+
+    def state_buffer(self) -> torch.Tensor:
+        """A CPU tensor the shape of :meth:`committed_state`'s, its pages faulted in (zeros)."""
+        return torch.zeros(self.banks.shape[1:], dtype=self.banks.dtype)
 
     def load_state(self, state: torch.Tensor, steps: int) -> None:
         """Resume from a saved ``committed_state`` (call before any task is submitted)."""
