@@ -532,3 +532,37 @@ def test_a_checkpoint_holds_the_state_copied_when_it_was_asked_for(
         assert torch.equal(written[2][1], second[0])
     finally:
         session.close()
+
+
+def test_a_resumed_runs_trainer_starts_once_from_the_checkpoints_state(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resume puts the checkpoint's state in the trainer's bank before its process starts: one
+    start (a start and a restart cost a resume ~6 s on session 44's H100), the adapter served and
+    trained from the checkpoint's. A checkpoint of other LoRA settings is refused with a message
+    that says so, before any process starts."""
+    import torch
+
+    from coserve.trainer.process import TrainerProcess
+
+    engine, first, path = checkpointed_run(tmp_path, 2)
+    saved = torch.load(path / "trainer_state.pt", weights_only=True)
+    starts: list[int] = []
+    start = TrainerProcess._start
+
+    def counted(self: TrainerProcess) -> None:
+        starts.append(int(self.meta[1 + int(self.meta[0])]) if int(self.meta[0]) >= 0 else 0)
+        start(self)
+
+    monkeypatch.setattr(TrainerProcess, "_start", counted)
+    resumed = FinetuneSession(engine, replace(first.spec, resume=True))
+    try:
+        assert starts == [saved["steps"]], "one start, from the checkpoint's steps"
+        state, steps = resumed.trainer.committed_state()
+        assert steps == saved["steps"] and torch.equal(state, saved["state"])
+        train_until(engine, resumed, resumed.coserver.steps_done + 1)
+    finally:
+        resumed.close()
+    other = replace(first.spec, resume=True, lora=LoRAConfig(rank=4, alpha=8))
+    with pytest.raises(ValueError, match="resume with the LoRA settings it was trained with"):
+        FinetuneSession(engine, other)
+    assert len(starts) == 1, "no trainer started for the refused resume"

@@ -302,3 +302,26 @@ def test_sync_sites_count_each_synchronizing_call_site_and_pass_other_warnings_o
     first_seen = [r for r in caplog.records if "a synchronizing CUDA operation at" in r.getMessage()]
     assert len(first_seen) == 2 and "test_sync_sites_count" in first_seen[0].getMessage()  # (with its stack)
     assert any("3 synchronizing CUDA operations at" in r.getMessage() for r in caplog.records)
+
+
+def test_a_trainers_start_says_what_its_stages_took() -> None:
+    """TrainerProcess.start_stages: the seconds until the worker's entry point ran, until it had
+    built its worker and until it had warmed up (what a job's set-up line names: 14-20 s of
+    trainer start on session 44's H100, of which nothing said where), each once reached, and
+    again from zero on a restart."""
+    model, adapter, store, scales, _ = _setup()
+    began = time.time()
+    trainer = TrainerProcess(model, store, scales, adapter, slot=0, optim=OptimConfig(lr=1e-3), num_threads=1,
+                             warmup_rows=(12,))
+    try:
+        stages = trainer.start_stages()  # (the construction waited for the warm-up: every stage)
+        assert list(stages) == ["process", "build", "warm_up"] and all(s >= 0 for s in stages.values())
+        assert stages["process"] > 0 and sum(stages.values()) <= time.time() - began
+        trainer.restart()
+        deadline = time.monotonic() + 60
+        while "build" not in trainer.start_stages():  # (a restart does not wait)
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert list(trainer.start_stages())[:2] == ["process", "build"]
+    finally:
+        trainer.close()

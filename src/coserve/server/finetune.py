@@ -192,10 +192,14 @@ class FinetuneSession:
             below_normal=engine.stream is not None,
             warmup_rows=warmup_rows(cfg.backward_tokens, cfg.max_seq_len) if warms_up else (),
             warmup_shapes=warmup_shapes(cfg.backward_tokens, cfg.max_seq_len) if warms_up and WARMUP_SHAPES else (),
+            state=None if checkpoint is None else (checkpoint["state"], int(checkpoint["steps"])),
         )
-        logger.info("%s set up in %.1f s: dataset %s read in %.1f s (%d samples), trainer started in %.1f s%s",
+        # (the stages the trainer's start has passed: all of them where its warm-up was waited for)
+        stages = ", ".join(f"{name.replace('_', '-')} {s:.1f} s" for name, s in self.trainer.start_stages().items())
+        logger.info("%s set up in %.1f s: dataset %s read in %.1f s (%d samples), trainer started in %.1f s%s%s",
                     self.job_id, time.perf_counter() - began, spec.data, read_s, len(self.dataset.samples),
-                    time.perf_counter() - trainer_began, " with its warm-up" if warms_up else "")
+                    time.perf_counter() - trainer_began, " with its warm-up" if warms_up else "",
+                    f" ({stages})" if stages else "")
         self.coserver = CoServer(
             pool=self.pool, samples={s.sample_id: s for s in self.dataset.samples}, store=self.store,
             trainer=self.trainer, config=cfg, optim=optim, slo=spec.slo, latency=latency,
@@ -415,9 +419,7 @@ class FinetuneSession:
         return dict(torch.load(path, weights_only=True))
 
     def _resume(self, ck: dict[str, Any]) -> None:
-        steps = int(ck["steps"])
-        if steps:
-            self.trainer.load_state(ck["state"], steps)
+        steps = int(ck["steps"])  # (the trainer started from its state)
         self.pool.load_state_dict(ck["pool"])
         # (steps_done: the log's steps, skipped ones too; not in a checkpoint written before it was)
         done = int(ck.get("steps_done", steps))

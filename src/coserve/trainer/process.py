@@ -57,7 +57,10 @@ class TrainerProcess:
         below_normal: bool = False,
         warmup_rows: Sequence[int] = (),
         warmup_shapes: Sequence[Sequence[int]] = (),
+        state: tuple[torch.Tensor, int] | None = None,
     ) -> None:
+        """``state``: a :meth:`committed_state` (a checkpoint's) the worker starts from, with its
+        count of optimizer steps (nothing where 0), instead of ``adapter`` and fresh moments."""
         if sm_share is not None and not 0 < sm_share <= 100:
             raise ValueError(f"--trainer-sm-share must be in (0, 100], got {sm_share}")
         device = store.device
@@ -68,6 +71,15 @@ class TrainerProcess:
         if device.type == "cpu":
             self.banks.share_memory_()
         self.meta.share_memory_()
+        if state is not None and state[1] and state[0].shape != self.banks.shape[1:]:
+            raise ValueError(f"the checkpoint's trainer state holds {state[0].shape[-1]} values per row, this "
+                             f"adapter {numel}: resume with the LoRA settings it was trained with (rank, targets)")
+        if state is not None and state[1]:  # (a checkpoint before the first commit: no state)
+            # (in the bank before the worker starts, which imports it: one start, not a start and a
+            # restart, which cost a resume ~6 s on session 44's H100)
+            self.banks[0].copy_(state[0])
+            self.meta[1] = state[1]
+            self.meta[0] = 0
         self.model = model
         self.scales = scales
         # Under MPS: the share of SMs the trainer's kernels may occupy (None: no limit).
@@ -90,7 +102,8 @@ class TrainerProcess:
                                gate_flag=self.gate_flag, warmup_rows=tuple(warmup_rows),
                                warmup_shapes=tuple(tuple(rows) for rows in warmup_shapes), ready=self._ready,
                                niceness=CPU_TRAINER_NICENESS if device.type == "cpu" else 0,
-                               cpus=split_for_trainer())
+                               cpus=split_for_trainer(), stages=torch.zeros(3, dtype=torch.float64).share_memory_())
+        self._started_at = 0.0
         self._proc: BaseProcess | None = None
         if device.type == "cuda" and not mps_active():
             logger.warning("CUDA MPS daemon not running: the trainer's kernels time-slice with the engine's "
@@ -196,13 +209,6 @@ class TrainerProcess:
         """A CPU tensor the shape of :meth:`committed_state`'s, its pages faulted in (zeros)."""
         return torch.zeros(self.banks.shape[1:], dtype=self.banks.dtype)
 
-    def load_state(self, state: torch.Tensor, steps: int) -> None:
-        """Resume from a saved ``committed_state`` (call before any task is submitted)."""
-        self.banks[0].copy_(state)
-        self.meta[1] = steps
-        self.meta[0] = 0
-        self.restart()
-
     # ------------------------------------------------------------------ process
 
     def _write_serving(self) -> None:
@@ -223,7 +229,26 @@ class TrainerProcess:
                 logger.warning("the trainer's warm-up is still running; going on without waiting for it")
                 return
 
+    def start_stages(self) -> dict[str, float]:
+        """Seconds of the last start's stages so far: ``process`` (until the worker's entry point
+        ran: a new interpreter, its imports, the shared model's tensors opened), ``build`` (its
+        worker built) and ``warm_up``; a stage not reached is left out."""
+        out: dict[str, float] = {}
+        stages = self.spec.stages
+        if stages is None:
+            return out
+        before = self._started_at
+        for name, at in zip(("process", "build", "warm_up"), stages.tolist(), strict=True):
+            if at <= 0:
+                break
+            out[name] = max(0.0, at - before)
+            before = at
+        return out
+
     def _start(self) -> None:
+        if self.spec.stages is not None:
+            self.spec.stages.zero_()
+        self._started_at = time.time()
         self._tasks = self._ctx.Queue()
         self._results = self._ctx.Queue()
         self._proc = self._ctx.Process(

@@ -182,6 +182,10 @@ class WorkerSpec:
     # the CPUs the worker's threads run on (coserve.cpu_split, COSERVE_ENGINE_CPUS; empty: the
     # engine's, inherited)
     cpus: tuple[int, ...] = ()
+    # float64 [3], shared: the wall-clock times (time.time) at which the worker's process began
+    # to run its entry point (the interpreter up, its imports done, the spec's shared tensors
+    # opened), had built its worker and had warmed up (0: not yet): TrainerProcess.start_stages
+    stages: torch.Tensor | None = None
 
 
 def warmup_rows(backward_tokens: int, max_seq_len: int) -> tuple[int, ...]:
@@ -246,8 +250,14 @@ def warmup_shapes(backward_tokens: int, max_seq_len: int) -> tuple[tuple[int, ..
     return tuple(tasks)
 
 
+def _stamp(spec: WorkerSpec, stage: int) -> None:
+    if spec.stages is not None:
+        spec.stages[stage] = time.time()
+
+
 def run_worker(spec: WorkerSpec, tasks: Any, results: Any) -> None:
     """Process entry point: serve backward tasks until a ``None`` arrives."""
+    _stamp(spec, 0)
     logging.basicConfig(level=os.environ.get("COSERVE_TRAINER_LOG", "WARNING"))
     if spec.cpus:
         pin_process(spec.cpus)  # (before torch starts its intra-op threads: they inherit the mask)
@@ -263,6 +273,7 @@ def run_worker(spec: WorkerSpec, tasks: Any, results: Any) -> None:
     task: BackwardTask | None = None
     try:
         worker = _Worker(spec)
+        _stamp(spec, 1)
         warm = [rows for rows in (spec.warmup_rows, *spec.warmup_shapes) if rows]
         if warm:
             began = time.perf_counter()
@@ -273,6 +284,7 @@ def run_worker(spec: WorkerSpec, tasks: Any, results: Any) -> None:
                 logger.exception("trainer warm-up failed; serving tasks without it")
                 worker.forget_warm_up()
             logger.info("trainer warm-up: %d tasks in %.2f s", len(warm), time.perf_counter() - began)
+        _stamp(spec, 2)
         if spec.ready is not None:
             spec.ready.set()
         freeze_startup_objects("trainer")
