@@ -43,10 +43,14 @@ def summary(ratio: np.ndarray) -> dict[str, Any]:
             "over_10pct": int((err > 0.1).sum()), "ratio_median": float(np.median(ratio))}
 
 
-def host_spread(rows: list[list[Any]], col: dict[str, int]) -> dict[str, Any] | None:
+def host_spread(rows: list[list[Any]], col: dict[str, int],
+                timeline: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """The host's seconds queuing the small eager steps of ``rows`` (step-table rows): ms quantiles,
     p90 / p10, lag-1 autocorrelation of their log in time order, the medians with the trainer
-    idle (``trainer_at`` null) and within a task, and the thread's CPU share (median) where told."""
+    idle (``trainer_at`` null) and within a task, and the thread's CPU share (median) where told;
+    where the steps have ``began_s``: when the slowest tenth began (s into the run), and with the
+    run's ``timeline`` (its ``gpu`` table, session 43's commits on), the correlation of their ms
+    with the host's CPU load then (``host_cpu_busy``, interpolated)."""
     def small(r: list[Any]) -> bool:
         return r[col["regressors"]][1] < 512 and r[col["regressors"]][2] == 0 and bool(r[col["enqueue_s"]])
 
@@ -69,6 +73,15 @@ def host_spread(rows: list[list[Any]], col: dict[str, int]) -> dict[str, Any] | 
         cpu = [r[col["enqueue_cpu_s"]] for r in picked]
         share = [c * 1e3 / m for c, m in zip(cpu, ms, strict=True) if c is not None]
         out["cpu_share_median"] = float(np.median(share)) if share else None
+    began = [r[col["began_s"]] for r in picked] if "began_s" in col else []
+    if began and all(b is not None for b in began):
+        at = np.asarray(began, dtype=float)
+        out["slowest_tenth_began_s"] = sorted(round(float(b), 1) for b in at[ms >= np.percentile(ms, 90)])
+        gpu_cols = (timeline or {}).get("gpu_columns", [])
+        if "host_cpu_busy" in gpu_cols and (timeline or {}).get("gpu"):
+            table = np.asarray(timeline["gpu"], dtype=float)  # type: ignore[index]
+            busy = np.interp(at, table[:, gpu_cols.index("t_s")], table[:, gpu_cols.index("host_cpu_busy")])
+            out["host_cpu_busy_corr"] = float(np.corrcoef(ms, busy)[0, 1])
     if "gc_s" in col:  # (the garbage collector's ms in the step, for the slower and the faster half)
         slow = ms >= np.median(ms)
         gc_ms = [(r[col["gc_s"]] * 1e3, bool(s)) for r, s in zip(picked, slow, strict=True) if r[col["gc_s"]] is not None]
@@ -113,7 +126,8 @@ def main() -> None:
     p.add_argument("--levels", action="store_true", help="the same predictions scaled by a level of recent steps")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    table = read_result(args.run)["figures"]["steps"]
+    figures = read_result(args.run)["figures"]
+    table = figures["steps"]
     col = {c: i for i, c in enumerate(table["columns"])}
     rows = [r for r in table["rows"] if r[col["key"]].startswith("prefill/eager") and r[col["measured_s"]] > 0]
     measured = np.asarray([r[col["measured_s"]] for r in rows])
@@ -133,7 +147,7 @@ def main() -> None:
                       for lo, hi in SIZES if ((tokens > lo) & (tokens <= hi)).any()},
         "enqueue_share_median": float(np.median(enqueue)),
         "enqueue_share_median_over_10pct": float(np.median(enqueue[bad])) if bad.any() else None,
-        "small_steps": host_spread(rows, col),
+        "small_steps": host_spread(rows, col, figures.get("timeline")),
     }
     if args.levels:
         order = np.argsort([r[col["began_s"]] or 0.0 for r in rows], kind="stable") if "began_s" in col \

@@ -42,6 +42,19 @@ def test_the_small_steps_host_time_in_time_order() -> None:
     assert got["cpu_share_median"] == pytest.approx(0.95)  # (19/20, 36/40, 20/20; the one untold left out)
     assert got["gc_ms_median"] == {"slower_half": pytest.approx(4.0), "faster_half": pytest.approx(0.2)}
     assert eager_tail.host_spread(rows[4:], COL) is None
+    assert got["slowest_tenth_began_s"] == [1.0] and "host_cpu_busy_corr" not in got
+
+
+def test_the_small_steps_host_time_beside_the_hosts_cpu_load() -> None:
+    """With the run's timeline: the correlation of the small steps' ms with the host's CPU load
+    where each began (interpolated between the timeline's samples)."""
+    rows = [row(40, 0, ms, began, None) for ms, began in ((20.0, 1.0), (30.0, 2.0), (25.0, 3.0), (40.0, 4.0))]
+    timeline = {"gpu_columns": ["t_s", "utilization", "host_cpu_busy"],
+                "gpu": [[0.5, 90.0, 0.1], [2.5, 90.0, 0.3], [4.5, 90.0, 0.5]]}
+    got = eager_tail.host_spread(rows, COL, timeline)
+    busy = [0.15, 0.25, 0.35, 0.45]
+    assert got["host_cpu_busy_corr"] == pytest.approx(float(np.corrcoef([20.0, 30.0, 25.0, 40.0], busy)[0, 1]))
+    assert got["slowest_tenth_began_s"] == [4.0]
 
 
 def test_a_table_without_start_times_keeps_its_order() -> None:
