@@ -89,7 +89,8 @@
 #   jobs_replay    bench/jobs_during_replay.py: a fine-tuning job through the API (upload, create, pause,
 #                  resume, cancel) while coserve serve answers a replay (carry .whl: bench/server_wheels.sh);
 #                  jobs_replay_switch=MS: the same with the server's --switch-interval-ms MS (its default 0.1;
-#                  CPython's 5), as jobs_replay_switchMS.{json,log}
+#                  CPython's 5), as jobs_replay_switchMS.{json,log}; jobs_resume: a shorter one (50 s, the
+#                  job at 5 s, the pause at 28, the resume at 31; ~190 s) for the resume's set-up alone
 #   eager          bench/eager_cpu.py without and with --prefill-graphs
 #   eager_spread   bench/eager_cpu.py: three eager steps' host time, 200 times each, idle and beside
 #                  spinning processes, with its spread (p10/p90/p99) and the thread's CPU time
@@ -351,7 +352,7 @@ job() {
       # with its own 128 tokens, one after another, with the cache and without (bench/prefix_cache.py)
       run prefix_cache "$top/prefix_cache.log" python3 bench/prefix_cache.py --model shape:llama3-8b --device cuda \
         --shared 2048 --own 128 --requests 20 --out "$top/prefix_cache.json" ;;
-    jobs_replay|jobs_replay_switch=*)
+    jobs_replay|jobs_replay_switch=*|jobs_resume)
       # a fine-tuning job created through the API (upload, create, pause, resume, cancel) while
       # coserve serve answers a burst-light replay on the 8B shape, against the same replay with no
       # job: per job phase, attainment and TTFT/TPOT p99, and the routes' times (bench/jobs_during_replay.py);
@@ -360,14 +361,16 @@ job() {
       # a job created at 10 came during its set-up, and a resume's set-up takes as long again)
       model_dir=$(python3 -c "from pathlib import Path; from coserve.bench.shapes import materialize; \
 print(materialize('shape:llama3-8b', Path('$top/shape')))")
-      name=jobs_replay extra=()
+      name=jobs_replay extra=() times=(--duration 80 --job-at 10 --pause-at 40 --resume-at 46 --drain 60)
+      if [[ $1 == jobs_resume ]]; then
+        name=jobs_resume times=(--duration 50 --job-at 5 --pause-at 28 --resume-at 31 --drain 30)
+      fi
       if [[ $1 == jobs_replay_switch=* ]]; then
         name="jobs_replay_switch${1#jobs_replay_switch=}" extra=(--switch-interval-ms "${1#jobs_replay_switch=}")
       fi
       run "$name" "$top/$name.log" python3 bench/jobs_during_replay.py --out "$top/$name.json" \
-        --workload burst-light --duration 80 --rate-scale 0.833 --max-prompt 4096 --max-output 512 \
+        --workload burst-light "${times[@]}" --rate-scale 0.833 --max-prompt 4096 --max-output 512 \
         --ttft-slo-ms 1000 --tpot-slo-ms 100 --synthetic 2000:spread:256-1024 --validation-rows 64 --n-epochs 1 \
-        --job-at 10 --pause-at 40 --resume-at 46 --drain 60 \
         -- --model "$model_dir" --served-model-name llama3-8b --load-format dummy --device cuda \
         --max-model-len 8192 --max-num-batched-tokens 2048 --max-loras 4 --gpu-memory-utilization 0.7 \
         --lora-rank 16 --target-modules q_proj,k_proj,v_proj,o_proj --ttft-slo-ms 1000 --tpot-slo-ms 100 \
