@@ -69,12 +69,14 @@ def test_the_eager_spread_job(tmp_path: Path) -> None:
     assert first_call_report.report(tmp_path)["eager_spread"] is None
     step = {"enqueue_s": 0.021, "step_s": 0.0225, "enqueue_max_s": 0.05, "step_max_s": 0.051, "enqueue_cpu_s": 0.0209,
             "enqueue_p10_s": 0.0201, "enqueue_p90_s": 0.03, "enqueue_p99_s": 0.0456789}
+    canary = {"canary_p10_s": 0.0009, "canary_s": 0.00104, "canary_p90_s": 0.00169, "canary_corr": 0.79}
     (tmp_path / "eager_spread.json").write_text(json.dumps({"figures": {"conditions": {
-        "idle": {"1x96_ctx0+32d": step}, "hog": {"1x96_ctx0+32d": {**step, "enqueue_s": 0.04}}}}}))
+        "idle": {"1x96_ctx0+32d": step}, "hog": {"1x96_ctx0+32d": {**step, "enqueue_s": 0.04, **canary}}}}}))
     got = first_call_report.report(tmp_path)["eager_spread"]
     assert got["idle"]["1x96_ctx0+32d"] == {"enqueue_ms": [20.1, 21.0, 30.0, 45.68], "enqueue_cpu_ms": 20.9,
-                                            "step_ms": 22.5}
-    assert got["hog"]["1x96_ctx0+32d"]["enqueue_ms"][1] == 40.0
+                                            "step_ms": 22.5, "canary_ms": [None, None, None], "canary_corr": None}
+    hog = got["hog"]["1x96_ctx0+32d"]  # (with session 44's canary: a fixed piece of Python before each step)
+    assert hog["enqueue_ms"][1] == 40.0 and hog["canary_ms"] == [0.9, 1.04, 1.69] and hog["canary_corr"] == 0.79
     old = json.loads((RESULTS / "engine_h200" / "session6" / "eager_cpu_off.json").read_text())
     shape = first_call_report.eager_spread(old)["idle"]["1x2048_ctx0"]
     assert shape["enqueue_ms"][0] is None and shape["enqueue_ms"][1] == pytest.approx(24.06, abs=0.01)

@@ -288,6 +288,13 @@ def test_flat_layout_views_and_round_trip(models: dict[str, LlamaForCausalLM]) -
     other = TrainableLoRA(perturbed_adapter(model, 8, ("q_proj", "v_proj", "down_proj"), seed=9))
     other.load_adapter(out)
     assert torch.equal(other.flat, lora.flat)
+    # from another vector of the layout (a committed state's master row), this one's left as it was
+    mine = lora.flat.detach().clone()
+    state_row = torch.randn_like(mine)
+    theirs = lora.to_adapter(flat=state_row)
+    other.load_adapter(theirs)
+    assert torch.equal(other.flat.detach(), state_row) and torch.equal(lora.flat.detach(), mine)
+    assert all(a.data_ptr() != state_row.data_ptr() for a, _ in theirs.weights.values())  # copies
     with pytest.raises(ValueError, match="does not match"):
         other.load_adapter(perturbed_adapter(model, 4, ("q_proj", "v_proj", "down_proj"), seed=1))
     with pytest.raises(ValueError, match="scaling"):

@@ -165,15 +165,18 @@ class TrainableLoRA:
         """Whether this adapter has weights for ``(layer, target)``."""
         return (layer, target) in self._slices
 
-    def a(self, layer: int, target: str) -> torch.Tensor:
-        """View ``[r, in]`` of ``A`` of ``(layer, target)`` into ``flat``."""
+    def a(self, layer: int, target: str, flat: torch.Tensor | None = None) -> torch.Tensor:
+        """View ``[r, in]`` of ``A`` of ``(layer, target)`` into ``flat`` (by default this
+        adapter's own; else a ``[P]`` vector of its layout)."""
         s = self._slices[(layer, target)]
-        return self.flat[s.a_off : s.a_off + s.a_shape[0] * s.a_shape[1]].view(s.a_shape)
+        flat = self.flat if flat is None else flat
+        return flat[s.a_off : s.a_off + s.a_shape[0] * s.a_shape[1]].view(s.a_shape)
 
-    def b(self, layer: int, target: str) -> torch.Tensor:
-        """View ``[out, r]`` of ``B`` of ``(layer, target)`` into ``flat``."""
+    def b(self, layer: int, target: str, flat: torch.Tensor | None = None) -> torch.Tensor:
+        """View ``[out, r]`` of ``B`` of ``(layer, target)`` into ``flat`` (as :meth:`a`)."""
         s = self._slices[(layer, target)]
-        return self.flat[s.b_off : s.b_off + s.b_shape[0] * s.b_shape[1]].view(s.b_shape)
+        flat = self.flat if flat is None else flat
+        return flat[s.b_off : s.b_off + s.b_shape[0] * s.b_shape[1]].view(s.b_shape)
 
     def bind_grads(self) -> None:
         """Make ``flat.grad`` exist (zeros if None) and point each layer leaf's ``.grad`` into it,
@@ -228,11 +231,14 @@ class TrainableLoRA:
                 self._groups[key] = LinearGroup(start, off, leaf, tuple(layout))
         return self._groups[key]
 
-    def to_adapter(self, base_model_name_or_path: str | None = None) -> LoraAdapter:
-        """An fp32 CPU copy of the current weights (for ``save_peft_adapter``)."""
+    def to_adapter(self, base_model_name_or_path: str | None = None,
+                   flat: torch.Tensor | None = None) -> LoraAdapter:
+        """An fp32 CPU copy of the current weights (for ``save_peft_adapter``), or of ``flat``'s
+        (a ``[P]`` vector of this layout, a committed state's master row: read, never written,
+        so any thread may make one while another trains or copies)."""
         with torch.no_grad():
             weights = {
-                key: (self.a(*key).detach().cpu().clone(), self.b(*key).detach().cpu().clone())
+                key: (self.a(*key, flat=flat).detach().cpu().clone(), self.b(*key, flat=flat).detach().cpu().clone())
                 for key in self._slices
             }
         return LoraAdapter(
