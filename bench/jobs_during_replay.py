@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import datetime
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -131,6 +133,7 @@ class JobScript:
         self.driver, self.data, self.args, self.model = driver, data, args, model
         self.job_id: str | None = None
         self.calls: dict[str, list[float]] = {}  # name -> [start, end] on the replay clock (the calls that answered 200)
+        self.calls_wall: dict[str, float] = {}  # name -> its start, wall clock (time.time: the serve log's clock)
         self.failed_calls: dict[str, dict[str, Any]] = {}  # name -> its times, HTTP status and message
         self.timeline: list[tuple[float, str, int]] = []  # (time, status, optimizer steps)
         self.stop = threading.Event()
@@ -143,6 +146,7 @@ class JobScript:
 
     def _call(self, name: str, method: str, path: str, **kw: Any) -> dict[str, Any]:
         start = self.now()
+        self.calls_wall[name] = time.time()
         reply = self.client.request(method, path, **kw)
         if reply.status_code != 200:
             self.failed_calls[name] = {"at": [start, self.now()], "status": reply.status_code, "text": reply.text[:300]}
@@ -239,6 +243,45 @@ def phases(timeline: list[tuple[float, str, int]], calls: dict[str, list[float]]
     return points
 
 
+LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+SET_UP = re.compile(r"set up in ([\d.]+) s: .* trainer started in ([\d.]+) s(?: with its warm-up)?(?: \((.*)\))?$")
+STAGE = re.compile(r"([a-z-]+) ([\d.]+) s")
+
+
+def server_side(log_text: str, calls_wall: dict[str, float]) -> dict[str, Any]:
+    """What the server's log says of the job (its INFO lines, stamped by its clock, this host's):
+    ``set_ups``, each job set-up's seconds, its trainer's start and the start's stages where named
+    (``FinetuneSession``'s line) and, for a resume, the seconds until it had gone on from its
+    checkpoint ("resumed from"); ``pause_to_paused_ms``, from the pause call's start to the
+    engine's "fine-tuning paused" line: the most the pause can have held the engine's thread (the
+    call's own time includes the wait for the files)."""
+    events: list[tuple[float, str]] = []
+    for line in log_text.splitlines():
+        m = LOG_TIME.match(line)
+        if m is not None:
+            at = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            events.append((at, line[m.end():]))
+    set_ups: list[dict[str, Any]] = []
+    for i, (at, text) in enumerate(events):
+        m = SET_UP.search(text)
+        if m is None:
+            continue
+        entry: dict[str, Any] = {"at_wall": at, "set_up_s": float(m.group(1)), "trainer_s": float(m.group(2)),
+                                 "stages_s": {k: float(v) for k, v in STAGE.findall(m.group(3) or "")}}
+        resumed = next((t for t, later in events[i + 1:] if "resumed from" in later), None)
+        nxt = next((t for t, later in events[i + 1:] if SET_UP.search(later)), math.inf)
+        if resumed is not None and resumed < nxt:
+            entry["then_resumed_s"] = resumed - at
+        set_ups.append(entry)
+    out: dict[str, Any] = {"set_ups": set_ups, "pause_to_paused_ms": None}
+    if "pause" in calls_wall:
+        paused = next((t for t, text in events if "fine-tuning paused" in text and t >= calls_wall["pause"] - 1.0),
+                      None)
+        if paused is not None:
+            out["pause_to_paused_ms"] = max(0.0, paused - calls_wall["pause"]) * 1e3
+    return out
+
+
 def summarize(ref: list[RequestRecord], job: list[RequestRecord], slo: tuple[float, float]) -> dict[str, Any]:
     def side(records: list[RequestRecord]) -> dict[str, float]:
         s = latency_summary(records)
@@ -294,6 +337,7 @@ def main(argv: list[str]) -> int:
         "errors": {"reference": len(reference.errors), "with_job": len(with_job.errors),
                    "first": dict(list(sorted(with_job.errors.items()))[:5])},
         "script_failure": script.failure,
+        "server_side": server_side(log.read_text(errors="replace") if log.is_file() else "", script.calls_wall),
         "failed_calls": script.failed_calls,
         "job": None if job is None else {k: job.get(k) for k in (
             "id", "status", "trained_tokens", "fine_tuned_model", "error", "coserve")},
@@ -328,6 +372,12 @@ def main(argv: list[str]) -> int:
         print(f"{name:<10} {f['requests']:>8} {pct(r['attainment']):>10} -> {pct(j['attainment']):>8} "
               f"{r['ttft_p99_ms']:>7.0f} -> {j['ttft_p99_ms']:<6.0f} {r['tpot_p99_ms']:>7.1f} -> {j['tpot_p99_ms']:<6.1f}")
     print("calls (ms):", {k: round(v) for k, v in figures["calls_ms"].items()})
+    side = figures["server_side"]
+    if side["pause_to_paused_ms"] is not None:
+        print(f"pause call to the engine's 'fine-tuning paused': {side['pause_to_paused_ms']:.0f} ms")
+    for entry in side["set_ups"]:
+        print(f"set-up {entry['set_up_s']:.1f} s, trainer {entry['trainer_s']:.1f} s {entry['stages_s']}"
+              + (f", resumed {entry['then_resumed_s']:.1f} s later" if "then_resumed_s" in entry else ""))
     if job is not None:
         print(f"job {job['id']}: {job['status']}, {job['trained_tokens']} tokens, "
               f"{job['coserve']['optimizer_steps']} steps, validation {job['coserve'].get('validation')}")

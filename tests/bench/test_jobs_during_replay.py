@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from tests.bench.scripts import load_script
+import pytest
+
+from tests.bench.scripts import BENCH, load_script
 
 jobs_during_replay = load_script("jobs_during_replay")
 phases = jobs_during_replay.phases
@@ -27,3 +29,28 @@ def test_a_pause_that_failed_leaves_the_polled_phases() -> None:
     timeline = [(10.0, "validating_files", 0), (29.0, "running", 0), (59.0, "cancelled", 110)]
     calls = {"create": [10.0, 10.01], "cancel": [58.0, 58.4]}
     assert phases(timeline, calls) == [(0.0, "before"), (10.0, "set-up"), (29.0, "training"), (58.0, "after")]
+
+
+def test_the_server_side_of_a_job_from_its_log() -> None:
+    """Session 44's H100 replay (4531051): two set-ups, the second a resume that went on from its
+    checkpoint 6.1 s after its set-up line; the pause call (at 17:05:16.731 by the job's creation,
+    the replay's clock against the log's) to the engine's "fine-tuning paused" line: 85 ms. A
+    set-up line that names its trainer's start stages (b5fc054 on) gives them."""
+    import datetime
+
+    log = (BENCH / "results/latency_h100/session44/jobs_replay_4531051.serve.log").read_text()
+
+    def wall(stamp: str) -> float:
+        return datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+    got = jobs_during_replay.server_side(log, {"pause": wall("2026-12-07 17:05:16,731")})
+    assert got["pause_to_paused_ms"] == pytest.approx(85.0, abs=0.5)
+    first, second = got["set_ups"]
+    assert (first["set_up_s"], first["trainer_s"], first["stages_s"]) == (20.7, 19.5, {})
+    assert "then_resumed_s" not in first and second["then_resumed_s"] == pytest.approx(6.145, abs=1e-3)
+    line = ("2026-12-08 10:00:00,000 INFO coserve.server.finetune: ftjob-1 set up in 15.2 s: dataset d read in "
+            "1.0 s (2000 samples), trainer started in 14.0 s with its warm-up (process 6.1 s, build 1.2 s, "
+            "warm-up 6.6 s)\n")
+    (entry,) = jobs_during_replay.server_side(line, {})["set_ups"]
+    assert entry["stages_s"] == {"process": 6.1, "build": 1.2, "warm-up": 6.6}
+    assert jobs_during_replay.server_side(line, {})["pause_to_paused_ms"] is None

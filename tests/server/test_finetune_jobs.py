@@ -566,3 +566,44 @@ def test_a_resumed_runs_trainer_starts_once_from_the_checkpoints_state(
     with pytest.raises(ValueError, match="resume with the LoRA settings it was trained with"):
         FinetuneSession(engine, other)
     assert len(starts) == 1, "no trainer started for the refused resume"
+
+
+def test_a_checkpoint_asked_for_while_the_state_is_being_copied_copies_elsewhere(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint (a pause's, a job's end) copies the trainer's state into the session's buffer
+    and takes in the results of the steps it holds; a result taken in is logged, and its log line
+    may ask for a periodic checkpoint (``save_every``) inside that copy's loop: that one's copy
+    must go elsewhere, not over the state the first is still reading. The race forced as above:
+    the checkpoint comes between a step's commit and its result."""
+    import torch
+
+    engine = LLMEngine(EngineConfig(model=MODEL, device="cpu", num_training_slots=1, max_lora_rank=8))
+    spec = FinetuneSpec(data=DATA, output=tmp_path / "out", lora=LoRAConfig(rank=8, alpha=16), optim=OptimConfig(lr=1e-3),
+                        coserve=CoServeConfig(backward_tokens=32, max_seq_len=64, epochs=500), trainer_threads=1,
+                        save_every=1)
+    session = FinetuneSession(engine, spec)
+    try:
+        coserver = session.coserver
+        deadline = time.monotonic() + 60
+        while not coserver.backward_running:  # (its first task ends optimizer step 0)
+            engine.step()
+            assert time.monotonic() < deadline
+        while session.trainer.committed_steps < 1:  # committed, its result not taken in
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        into: list[bool] = []
+        copy_state = session.trainer.committed_state
+
+        def recorded(out: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+            into.append(out is session._state_buffer)
+            return copy_state(out)
+
+        monkeypatch.setattr(session.trainer, "committed_state", recorded)
+        path = session.save_checkpoint()  # (its loop logs step 0, whose line asks for one more)
+        session.flush_checkpoints()
+        assert into == [True, False], "the nested checkpoint's copy went elsewhere"
+        saved = torch.load(path / "trainer_state.pt", weights_only=True)
+        state, _ = copy_state()
+        assert saved["steps"] == saved["steps_done"] == len(session.history) == 1 and torch.equal(saved["state"], state)
+    finally:
+        session.close()

@@ -222,6 +222,7 @@ class FinetuneSession:
         # engine's thread, and the write that reads it (a checkpoint's) until it is done
         self._state_buffer = self.trainer.state_buffer()
         self._state_read: Future[None] | None = None
+        self._state_copying = False
         self.started = time.monotonic()
         if attach:
             self.attach()
@@ -296,12 +297,26 @@ class FinetuneSession:
     def save_epoch_checkpoint(self, entry: OptimizerStepLog) -> None:
         """Keep the adapter of optimizer step ``entry``, the first after an epoch's samples were all
         trained, in ``OUTPUT/checkpoints/step-K`` (a PEFT directory with ``checkpoint.json``: step,
-        epoch, loss); the adapter is copied here and written by the writer thread, which then
-        removes the oldest beyond ``epoch_checkpoints``."""
-        adapter = self.trainer.committed_adapter(base_model_name_or_path=str(self.engine.config.model))
+        epoch, loss); the trainer's state is copied here (the step just logged: the next one's tasks
+        wait for its result, so none has committed since), its adapter made and written by the
+        writer thread, which then removes the oldest beyond ``epoch_checkpoints``."""
+        out = self._state_buffer if self._state_buffer_free() else None
+        state, _ = self.trainer.committed_state(out)
         meta = {"step_number": entry.step + 1, "epoch": self._epochs_saved, "created_at": entry.wall_time,
                 "train_loss": entry.loss, "tokens_trained": self.coserver.tokens_trained}
-        self._in_background(_write_epoch_checkpoint, adapter, meta, self.spec.output, self.spec.epoch_checkpoints)
+        write = self._in_background(self._write_epoch_checkpoint, state, meta)
+        if out is not None:
+            self._state_read = write
+
+    def _write_epoch_checkpoint(self, state: torch.Tensor, meta: dict[str, Any]) -> None:
+        adapter = self.trainer.committed_adapter(base_model_name_or_path=str(self.engine.config.model), state=state)
+        _write_epoch_checkpoint(adapter, meta, self.spec.output, self.spec.epoch_checkpoints)
+
+    def _state_buffer_free(self) -> bool:
+        """Whether a copy of the trainer's state may go into the session's buffer: no write reads
+        it and no :meth:`_logged_state` is copying into it (one that takes in a step's result may
+        log it, and the log may ask for a checkpoint: that one's copy goes elsewhere)."""
+        return not self._state_copying and (self._state_read is None or self._state_read.done())
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -348,15 +363,19 @@ class FinetuneSession:
         A commit that lands while the results come in is copied again; the engine's thread, which
         submits the tasks, is this one, so the tasks in flight run out."""
         deadline = time.monotonic() + COMMIT_RESULT_TIMEOUT_S
-        # The copy goes into the session's buffer unless a checkpoint write still reads it.
-        free = self._state_read is None or self._state_read.done()
-        out = self._state_buffer if free else None
-        while True:
-            state, steps = self.trainer.committed_state(out)
-            if self.coserver.collect_committed(steps, max(0.0, deadline - time.monotonic())):
-                return state, steps
-            if self.coserver.steps_applied < steps or time.monotonic() >= deadline:
-                return None
+        out = self._state_buffer if self._state_buffer_free() else None
+        if out is not None:
+            self._state_copying = True
+        try:
+            while True:
+                state, steps = self.trainer.committed_state(out)
+                if self.coserver.collect_committed(steps, max(0.0, deadline - time.monotonic())):
+                    return state, steps
+                if self.coserver.steps_applied < steps or time.monotonic() >= deadline:
+                    return None
+        finally:
+            if out is not None:
+                self._state_copying = False
 
     def _adapter_of(self, logged: tuple[torch.Tensor, int] | None) -> LoraAdapter:
         """The adapter of ``logged`` (:meth:`_logged_state`; the last committed one where None: a

@@ -207,7 +207,12 @@ class TrainerProcess:
         """A CPU tensor the shape of :meth:`committed_state`'s, its pages faulted in (zeros);
         pinned where the banks are on a GPU (a copy into it 3.0 ms at the 8B shape on session 44's
         H100, 11.8 ms into pageable memory: ``bench/state_copy_cost.py``)."""
-        return torch.zeros(self.banks.shape[1:], dtype=self.banks.dtype, pin_memory=self.banks.is_cuda)
+        if self.banks.is_cuda:
+            try:
+                return torch.zeros(self.banks.shape[1:], dtype=self.banks.dtype, pin_memory=True)
+            except RuntimeError as e:  # (a host that cannot pin this much: the slower copy, not a failure)
+                logger.warning("no pinned memory for the trainer's state copies (%s): pageable memory instead", e)
+        return torch.zeros(self.banks.shape[1:], dtype=self.banks.dtype)
 
     # ------------------------------------------------------------------ process
 
