@@ -64,6 +64,7 @@ class TrainerProcess:
         if sm_share is not None and not 0 < sm_share <= 100:
             raise ValueError(f"--trainer-sm-share must be in (0, 100], got {sm_share}")
         device = store.device
+        # (the layout of the adapter's flat vector; its own flat is the initial adapter, never written)
         self._layout = TrainableLoRA(adapter, dropout=dropout, seed=seed, device="cpu")
         numel = self._layout.flat.numel()
         self.banks = torch.zeros(2, 3, numel, dtype=torch.float32, device=device)
@@ -178,10 +179,11 @@ class TrainerProcess:
     def committed_adapter(self, base_model_name_or_path: str | None = None,
                           state: torch.Tensor | None = None) -> LoraAdapter:
         """The adapter after the last committed optimizer step (the initial one before any), or
-        that of ``state``, a :meth:`committed_state` copy (its master row)."""
+        that of ``state``, a :meth:`committed_state` copy (its master row; the initial adapter
+        where it is empty, a copy taken before any commit), read in place: any thread may ask."""
+        if state is not None:
+            return self._layout.to_adapter(base_model_name_or_path, flat=state[0] if state.numel() else None)
         bank = int(self.meta[0])
-        if state is not None and state.numel():  # (read in place: any thread may ask)
-            return self._layout.to_adapter(base_model_name_or_path, flat=state[0])
         if bank >= 0:
             return self._layout.to_adapter(base_model_name_or_path, flat=self.banks[bank, 0].cpu())
         return self._layout.to_adapter(base_model_name_or_path)
