@@ -629,3 +629,39 @@ def test_a_job_created_while_the_start_up_run_trains_waits_for_it(tmp_path: Path
         assert wait_for(s, job.id, ("succeeded", "failed", "cancelled")) == "succeeded"
         job = jobs.retrieve(job.id)
         assert job.fine_tuned_model is not None and ask(s, job.fine_tuned_model) and ask(s, "live")
+
+
+def test_a_jobs_latency_model_is_saved_off_the_engine_thread_and_the_next_job_waits_for_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job's end saves the refitted latency model for the next job (its JSON tens of ms with
+    full windows): by the board's writer thread, so the job ends and the engine serves while the
+    write is held; the next job's set-up waits for it, and starts from it."""
+    import threading
+
+    import coserve.server.job_board as job_board
+
+    armed, writing, release = threading.Event(), threading.Event(), threading.Event()
+    write = job_board.write_json
+
+    def held_write(path: Path, value: object) -> None:
+        if armed.is_set() and path.name == "latency_state.json":
+            writing.set()
+            release.wait(30)
+        write(path, value)
+
+    monkeypatch.setattr(job_board, "write_json", held_write)
+    with serve(jobs_engine(), jobs=JobsConfig(tmp_path, TEMPLATE)) as s:
+        armed.set()
+        jobs = s.client.fine_tuning.jobs
+        f = s.client.files.create(file=("facts.jsonl", DATA_BYTES), purpose="fine-tune")
+        first = jobs.create(model=MODEL, training_file=f.id, hyperparameters={"n_epochs": 1})
+        assert wait_for(s, first.id, ("succeeded", "failed", "cancelled")) == "succeeded"
+        assert writing.wait(30) and not (tmp_path / "latency_state.json").exists()
+        assert ask(s, MODEL), "served while the write is held"
+        second = jobs.create(model=MODEL, training_file=f.id, hyperparameters={"n_epochs": 1})
+        time.sleep(0.5)
+        assert jobs.retrieve(second.id).status == "validating_files", "its set-up waits for the write"
+        release.set()
+        assert wait_for(s, second.id, ("succeeded", "failed", "cancelled")) == "succeeded"
+        state = json.loads((tmp_path / "latency_state.json").read_text())
+        LatencyModel().load_state_dict(state)

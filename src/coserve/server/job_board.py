@@ -30,6 +30,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -221,6 +222,10 @@ class JobBoard:
         # the jobs waiting for the one that runs, oldest first: job id -> resumed (a paused job)
         self.queue: dict[str, bool] = {}
         self.closing = False  # (the server is stopping: no queued job starts)
+        # DIR/latency_state.json's last write, by a thread of its own (_served: its JSON takes tens
+        # of ms for full windows, which the engine's thread need not spend)
+        self._state_writer: ThreadPoolExecutor | None = None
+        self._state_write: Future[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         if config is not None:
             self._restore(config.root / "jobs")
@@ -525,7 +530,29 @@ class JobBoard:
             return None
         if self.config.template.latency_state is not None:
             return self.config.template.latency_state
-        return self.config.latency_path if self.config.latency_path.is_file() else None
+        written = self.config.latency_path.is_file() or self._state_write is not None
+        return self.config.latency_path if written else None
+
+    def flush_latency_state(self) -> None:
+        """Wait until ``DIR/latency_state.json`` is written (a job's set-up reads it; any thread)."""
+        if self._state_write is not None:
+            self._state_write.result()
+
+    def _write_latency_state(self, state: dict[str, object]) -> None:
+        """``state`` (a copy, taken between two engine steps) into ``DIR/latency_state.json`` by the
+        board's writer thread, after the writes asked for before; a failed write is logged."""
+        assert self.config is not None
+        path = self.config.latency_path
+
+        def write() -> None:
+            try:
+                write_json(path, state)
+            except OSError as e:
+                logger.warning("could not save the latency model to %s: %s", path, e)
+
+        if self._state_writer is None:
+            self._state_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coserve-latency-state")
+        self._state_write = self._state_writer.submit(write)
 
     def resume_interrupted(self) -> None:
         """(the event loop, at start-up) Set up again, from its last checkpoint, the job an earlier
@@ -608,6 +635,7 @@ class JobBoard:
                 samples = (await asyncio.to_thread(read_dataset, self.et.engine, valid, spec.coserve,
                                                    self.reader)).samples
             await asyncio.to_thread(self.et.wait_trainers_exited)
+            await asyncio.to_thread(self.flush_latency_state)  # (the last job's refitted model)
             session = await asyncio.to_thread(FinetuneSession, self.et.engine, spec, job_id=job.id, attach=False,
                                               reader=self.reader)
             self.jobs[job.id] = replace(job, total_steps=session.optim.total_steps, learning_rate=session.optim.lr)
@@ -781,7 +809,7 @@ class JobBoard:
     def _served(self, session: FinetuneSession, final: EngineStats, adapter: LoraAdapter | None) -> EngineStats:
         job = self.jobs.get(session.job_id)
         if self.config is not None:
-            write_json(self.config.latency_path, latency_state(session.engine, session.coserver.latency))
+            self._write_latency_state(latency_state(session.engine, session.coserver.latency))
         path = final.adapter_path
         if job is None or job.fine_tuned_model is None or path is None:
             return final
