@@ -665,3 +665,35 @@ def test_a_jobs_latency_model_is_saved_off_the_engine_thread_and_the_next_job_wa
         assert wait_for(s, second.id, ("succeeded", "failed", "cancelled")) == "succeeded"
         state = json.loads((tmp_path / "latency_state.json").read_text())
         LatencyModel().load_state_dict(state)
+
+
+def test_a_latency_model_that_could_not_be_saved_leaves_the_next_job_on_the_defaults(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The save of a job's latency model fails (a full disk) while the next job is created: logged;
+    the next job starts anyway, from the defaults, rather than failing on the file not there."""
+    import threading
+
+    import coserve.server.job_board as job_board
+
+    armed, writing, release = threading.Event(), threading.Event(), threading.Event()
+    write = job_board.write_json
+
+    def failing(path: Path, value: object) -> None:
+        if armed.is_set() and path.name == "latency_state.json":
+            writing.set()
+            release.wait(30)
+            raise OSError(28, "No space left on device")
+        write(path, value)
+
+    monkeypatch.setattr(job_board, "write_json", failing)
+    with serve(jobs_engine(), jobs=JobsConfig(tmp_path, TEMPLATE)) as s:
+        armed.set()
+        jobs = s.client.fine_tuning.jobs
+        f = s.client.files.create(file=("facts.jsonl", DATA_BYTES), purpose="fine-tune")
+        first = jobs.create(model=MODEL, training_file=f.id, hyperparameters={"n_epochs": 1})
+        assert wait_for(s, first.id, ("succeeded", "failed", "cancelled")) == "succeeded"
+        assert writing.wait(30)
+        second = jobs.create(model=MODEL, training_file=f.id, hyperparameters={"n_epochs": 1})  # (the write pending)
+        release.set()
+        assert wait_for(s, second.id, ("succeeded", "failed", "cancelled")) == "succeeded"
+        assert not (tmp_path / "latency_state.json").exists()
