@@ -631,11 +631,9 @@ def test_a_job_created_while_the_start_up_run_trains_waits_for_it(tmp_path: Path
         assert job.fine_tuned_model is not None and ask(s, job.fine_tuned_model) and ask(s, "live")
 
 
-def test_a_jobs_latency_model_is_saved_off_the_engine_thread_and_the_next_job_waits_for_it(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A job's end saves the refitted latency model for the next job (its JSON tens of ms with
-    full windows): by the board's writer thread, so the job ends and the engine serves while the
-    write is held; the next job's set-up waits for it, and starts from it."""
+def held_latency_write(monkeypatch: pytest.MonkeyPatch, fail: bool) -> tuple[Any, Any, Any]:
+    """The job board's writes of ``latency_state.json``, once the first event is set, held until
+    the third is (the second says one began), then done, or failed as on a full disk."""
     import threading
 
     import coserve.server.job_board as job_board
@@ -643,19 +641,37 @@ def test_a_jobs_latency_model_is_saved_off_the_engine_thread_and_the_next_job_wa
     armed, writing, release = threading.Event(), threading.Event(), threading.Event()
     write = job_board.write_json
 
-    def held_write(path: Path, value: object) -> None:
+    def held(path: Path, value: object) -> None:
         if armed.is_set() and path.name == "latency_state.json":
             writing.set()
             release.wait(30)
+            if fail:
+                raise OSError(28, "No space left on device")
         write(path, value)
 
-    monkeypatch.setattr(job_board, "write_json", held_write)
+    monkeypatch.setattr(job_board, "write_json", held)
+    return armed, writing, release
+
+
+def one_job_run(s: Served) -> tuple[Any, Any]:
+    """The built-in facts uploaded and one job of one epoch trained on them to its end: (the jobs
+    API, the file)."""
+    jobs = s.client.fine_tuning.jobs
+    f = s.client.files.create(file=("facts.jsonl", DATA_BYTES), purpose="fine-tune")
+    first = jobs.create(model=MODEL, training_file=f.id, hyperparameters={"n_epochs": 1})
+    assert wait_for(s, first.id, ("succeeded", "failed", "cancelled")) == "succeeded"
+    return jobs, f
+
+
+def test_a_jobs_latency_model_is_saved_off_the_engine_thread_and_the_next_job_waits_for_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job's end saves the refitted latency model for the next job (its JSON tens of ms with
+    full windows): by the board's writer thread, so the job ends and the engine serves while the
+    write is held; the next job's set-up waits for it, and starts from it."""
+    armed, writing, release = held_latency_write(monkeypatch, fail=False)
     with serve(jobs_engine(), jobs=JobsConfig(tmp_path, TEMPLATE)) as s:
         armed.set()
-        jobs = s.client.fine_tuning.jobs
-        f = s.client.files.create(file=("facts.jsonl", DATA_BYTES), purpose="fine-tune")
-        first = jobs.create(model=MODEL, training_file=f.id, hyperparameters={"n_epochs": 1})
-        assert wait_for(s, first.id, ("succeeded", "failed", "cancelled")) == "succeeded"
+        jobs, f = one_job_run(s)
         assert writing.wait(30) and not (tmp_path / "latency_state.json").exists()
         assert ask(s, MODEL), "served while the write is held"
         second = jobs.create(model=MODEL, training_file=f.id, hyperparameters={"n_epochs": 1})
@@ -671,27 +687,10 @@ def test_a_latency_model_that_could_not_be_saved_leaves_the_next_job_on_the_defa
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The save of a job's latency model fails (a full disk) while the next job is created: logged;
     the next job starts anyway, from the defaults, rather than failing on the file not there."""
-    import threading
-
-    import coserve.server.job_board as job_board
-
-    armed, writing, release = threading.Event(), threading.Event(), threading.Event()
-    write = job_board.write_json
-
-    def failing(path: Path, value: object) -> None:
-        if armed.is_set() and path.name == "latency_state.json":
-            writing.set()
-            release.wait(30)
-            raise OSError(28, "No space left on device")
-        write(path, value)
-
-    monkeypatch.setattr(job_board, "write_json", failing)
+    armed, writing, release = held_latency_write(monkeypatch, fail=True)
     with serve(jobs_engine(), jobs=JobsConfig(tmp_path, TEMPLATE)) as s:
         armed.set()
-        jobs = s.client.fine_tuning.jobs
-        f = s.client.files.create(file=("facts.jsonl", DATA_BYTES), purpose="fine-tune")
-        first = jobs.create(model=MODEL, training_file=f.id, hyperparameters={"n_epochs": 1})
-        assert wait_for(s, first.id, ("succeeded", "failed", "cancelled")) == "succeeded"
+        jobs, f = one_job_run(s)
         assert writing.wait(30)
         second = jobs.create(model=MODEL, training_file=f.id, hyperparameters={"n_epochs": 1})  # (the write pending)
         release.set()

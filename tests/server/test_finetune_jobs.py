@@ -40,6 +40,19 @@ def train_until(engine: LLMEngine, session: FinetuneSession, steps_done: int, ti
         assert time.monotonic() < deadline, f"{session.coserver.steps_done} of {steps_done} steps in {timeout_s:g} s"
 
 
+def first_commit_unread(engine: LLMEngine, session: FinetuneSession, timeout_s: float = 60.0) -> None:
+    """Step the engine until the run's first task (which ends optimizer step 0) is in flight, then
+    wait, without letting the co-server poll, until the trainer has committed it: its result not
+    yet taken in (the race a checkpoint or a pause must survive)."""
+    deadline = time.monotonic() + timeout_s
+    while not session.coserver.backward_running:
+        engine.step()
+        assert time.monotonic() < deadline
+    while session.trainer.committed_steps < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
 def checkpointed_run(tmp_path: Path, steps_done: int) -> tuple[LLMEngine, FinetuneSession, Path]:
     """A tiny run trained to ``steps_done`` steps, checkpointed and closed: (engine, its closed
     session, the checkpoint's folder)."""
@@ -288,13 +301,7 @@ def test_a_checkpoint_taken_after_a_commit_but_before_its_result_holds_the_logge
     engine, session = tiny_session(tmp_path, epochs=500)
     try:
         coserver = session.coserver
-        deadline = time.monotonic() + 60
-        while not coserver.backward_running:  # (its first task ends optimizer step 0)
-            engine.step()
-            assert time.monotonic() < deadline
-        while session.trainer.committed_steps < 1:  # committed, its result not taken in
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        first_commit_unread(engine, session)
         assert coserver.steps_done == 0 and session.history == []
         path = session.save_checkpoint()
         session.flush_checkpoints()
@@ -583,14 +590,7 @@ def test_a_checkpoint_asked_for_while_the_state_is_being_copied_copies_elsewhere
                         save_every=1)
     session = FinetuneSession(engine, spec)
     try:
-        coserver = session.coserver
-        deadline = time.monotonic() + 60
-        while not coserver.backward_running:  # (its first task ends optimizer step 0)
-            engine.step()
-            assert time.monotonic() < deadline
-        while session.trainer.committed_steps < 1:  # committed, its result not taken in
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        first_commit_unread(engine, session)
         into: list[bool] = []
         copy_state = session.trainer.committed_state
 
