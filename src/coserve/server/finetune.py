@@ -300,23 +300,22 @@ class FinetuneSession:
         epoch, loss); the trainer's state is copied here (the step just logged: the next one's tasks
         wait for its result, so none has committed since), its adapter made and written by the
         writer thread, which then removes the oldest beyond ``epoch_checkpoints``."""
-        out = self._state_buffer if self._state_buffer_free() else None
+        out = self._free_state_buffer()
         state, _ = self.trainer.committed_state(out)
         meta = {"step_number": entry.step + 1, "epoch": self._epochs_saved, "created_at": entry.wall_time,
                 "train_loss": entry.loss, "tokens_trained": self.coserver.tokens_trained}
-        write = self._in_background(self._write_epoch_checkpoint, state, meta)
-        if out is not None:
-            self._state_read = write
+        self._write_state(state, self._write_epoch_checkpoint_of, state, meta)
 
-    def _write_epoch_checkpoint(self, state: torch.Tensor, meta: dict[str, Any]) -> None:
+    def _write_epoch_checkpoint_of(self, state: torch.Tensor, meta: dict[str, Any]) -> None:
         adapter = self.trainer.committed_adapter(base_model_name_or_path=str(self.engine.config.model), state=state)
         _write_epoch_checkpoint(adapter, meta, self.spec.output, self.spec.epoch_checkpoints)
 
-    def _state_buffer_free(self) -> bool:
-        """Whether a copy of the trainer's state may go into the session's buffer: no write reads
-        it and no :meth:`_logged_state` is copying into it (one that takes in a step's result may
-        log it, and the log may ask for a checkpoint: that one's copy goes elsewhere)."""
-        return not self._state_copying and (self._state_read is None or self._state_read.done())
+    def _free_state_buffer(self) -> torch.Tensor | None:
+        """The session's buffer where a copy of the trainer's state may go into it (None: copy
+        elsewhere): no write reads it and no :meth:`_logged_state` is copying into it (one that
+        takes in a step's result may log it, and the log may ask for a checkpoint)."""
+        busy = self._state_copying or (self._state_read is not None and not self._state_read.done())
+        return None if busy else self._state_buffer
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -349,9 +348,7 @@ class FinetuneSession:
         saved = {"state": state, "steps": steps, "steps_done": self.coserver.steps_done,
                  "pool": copy.deepcopy(self.pool.state_dict()), "tokens_trained": self.coserver.tokens_trained,
                  "optim": asdict(self.optim)}
-        write = self._in_background(self._write_checkpoint, adapter, saved)
-        if state is self._state_buffer:
-            self._state_read = write  # (the buffer is not copied into again until it is written)
+        self._write_state(state, self._write_checkpoint, adapter, saved)
 
     def _logged_state(self) -> tuple[torch.Tensor, int] | None:
         """A copy of the trainer's committed state whose steps the co-server has all taken in (and
@@ -363,7 +360,7 @@ class FinetuneSession:
         A commit that lands while the results come in is copied again; the engine's thread, which
         submits the tasks, is this one, so the tasks in flight run out."""
         deadline = time.monotonic() + COMMIT_RESULT_TIMEOUT_S
-        out = self._state_buffer if self._state_buffer_free() else None
+        out = self._free_state_buffer()
         if out is not None:
             self._state_copying = True
         try:
@@ -389,6 +386,13 @@ class FinetuneSession:
         engine's thread, between two steps: no later step commits before this thread submits its
         last task, so the state copied next is that of the logged steps.)"""
         return self.coserver.collect_committed(self.trainer.committed_steps, COMMIT_RESULT_TIMEOUT_S)
+
+    def _write_state(self, state: torch.Tensor, write: Callable[..., None], *args: Any) -> None:
+        """:meth:`_in_background` for a write that reads ``state``, a copy of the trainer's: where
+        that is the session's buffer, no copy goes into it again until the write is done."""
+        future = self._in_background(write, *args)
+        if state is self._state_buffer:
+            self._state_read = future
 
     def _in_background(self, write: Callable[..., None], *args: Any) -> Future[None]:
         """``write(*args)`` on the writer thread, after the writes asked for before."""

@@ -530,8 +530,7 @@ class JobBoard:
             return None
         if self.config.template.latency_state is not None:
             return self.config.template.latency_state
-        pending = self._state_write is not None and not self._state_write.done()
-        return self.config.latency_path if pending or self.config.latency_path.is_file() else None
+        return self.config.latency_path if self.config.latency_path.is_file() else None
 
     def flush_latency_state(self) -> None:
         """Wait until ``DIR/latency_state.json`` is written (a job's set-up reads it; any thread)."""
@@ -635,10 +634,11 @@ class JobBoard:
                 samples = (await asyncio.to_thread(read_dataset, self.et.engine, valid, spec.coserve,
                                                    self.reader)).samples
             await asyncio.to_thread(self.et.wait_trainers_exited)
-            await asyncio.to_thread(self.flush_latency_state)  # (the last job's refitted model)
-            if self.config is not None and spec.latency_state == self.config.latency_path \
-                    and not spec.latency_state.is_file():  # (its write failed, as logged: the defaults)
-                spec = replace(spec, latency_state=None)
+            await asyncio.to_thread(self.flush_latency_state)
+            if self.config is not None and spec.latency_state in (None, self.config.latency_path):
+                # (the board's model, read once the last job's is written: it may have been written
+                # since the job was created, or, its write failed, not at all)
+                spec = replace(spec, latency_state=self._latency_state())
             session = await asyncio.to_thread(FinetuneSession, self.et.engine, spec, job_id=job.id, attach=False,
                                               reader=self.reader)
             self.jobs[job.id] = replace(job, total_steps=session.optim.total_steps, learning_rate=session.optim.lr)
