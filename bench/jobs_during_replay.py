@@ -13,6 +13,11 @@ job's phase at its arrival (``before``, ``set-up``, ``training``, ``paused``, ``
 by polling the job every 0.1 s and by the routes' calls; per phase the result gives the same
 requests' SLO attainment and TTFT/TPOT in both replays, and the routes' call times.
 
+Offline, what a saved result's serve log says (set-ups, a resume's gap, the pause's engine part),
+the replay's clock anchored at the job's creation:
+
+    python bench/jobs_during_replay.py --server-side RESULT.json[.xz] RESULT.serve.log OUT.json
+
 On the dev VM (tiny model, CPU):
 
     python bench/jobs_during_replay.py --out bench/results/demo_cpu/session25/jobs_during_replay.json \\
@@ -282,6 +287,32 @@ def server_side(log_text: str, calls_wall: dict[str, float]) -> dict[str, Any]:
     return out
 
 
+def calls_wall_of(result: dict[str, Any], log_text: str) -> dict[str, float]:
+    """A saved result's route calls on the serve log's clock: the replay's clock anchored where
+    the log says the job was created (the create call's end), for results from before
+    ``calls_wall`` was kept."""
+    created = next((line for line in log_text.splitlines() if "fine-tuning job " in line and " created: " in line
+                    and LOG_TIME.match(line)), None)
+    if created is None or "create" not in result["calls"]:
+        return {}
+    stamp = LOG_TIME.match(created)
+    assert stamp is not None
+    offset = datetime.datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() \
+        - result["calls"]["create"][1]
+    return {name: start + offset for name, (start, _) in result["calls"].items()}
+
+
+def server_side_of(result_path: Path, log_path: Path) -> dict[str, Any]:
+    """:func:`server_side` of a saved result (``.json`` or ``.json.xz``) and its serve log."""
+    import lzma
+
+    raw = lzma.open(result_path).read() if result_path.suffix == ".xz" else result_path.read_bytes()
+    result = json.loads(raw)
+    text = log_path.read_text(errors="replace")
+    return {**provenance(), "config": {"result": str(result_path), "serve_log": str(log_path)},
+            "figures": server_side(text, calls_wall_of(result, text))}
+
+
 def summarize(ref: list[RequestRecord], job: list[RequestRecord], slo: tuple[float, float]) -> dict[str, Any]:
     def side(records: list[RequestRecord]) -> dict[str, float]:
         s = latency_summary(records)
@@ -292,6 +323,11 @@ def summarize(ref: list[RequestRecord], job: list[RequestRecord], slo: tuple[flo
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--server-side"]:  # offline: --server-side RESULT SERVE_LOG OUT
+        result, log, out = (Path(a) for a in argv[1:4])
+        out.write_text(json.dumps(server_side_of(result, log), indent=1) + "\n")
+        print(out.read_text())
+        return 0
     args, serve_flags = parse_args(argv)
     def flag(name: str) -> str | None:
         return serve_flags[serve_flags.index(name) + 1] if name in serve_flags else None

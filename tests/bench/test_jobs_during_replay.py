@@ -54,3 +54,16 @@ def test_the_server_side_of_a_job_from_its_log() -> None:
     (entry,) = jobs_during_replay.server_side(line, {})["set_ups"]
     assert entry["stages_s"] == {"process": 6.1, "build": 1.2, "warm-up": 6.6}
     assert jobs_during_replay.server_side(line, {})["pause_to_paused_ms"] is None
+
+
+def test_a_saved_results_server_side_on_the_logs_clock() -> None:
+    """A result saved before ``calls_wall`` (4531051's): its calls put on the log's clock where the
+    log says the job was created (the create call's end: the pause's engine part at its most),
+    then read as :func:`server_side` reads a live run's."""
+    d = BENCH / "results/latency_h100/session44"
+    got = jobs_during_replay.server_side_of(d / "jobs_replay_4531051.json.xz", d / "jobs_replay_4531051.serve.log")
+    side = got["figures"]
+    assert side["pause_to_paused_ms"] == pytest.approx(89.8, abs=0.5)
+    assert [round(e["set_up_s"], 1) for e in side["set_ups"]] == [20.7, 19.5]
+    assert side["set_ups"][1]["then_resumed_s"] == pytest.approx(6.145, abs=1e-3)
+    assert jobs_during_replay.calls_wall_of({"calls": {}}, "") == {}
