@@ -68,6 +68,7 @@ from coserve.server.protocol import (
     Usage,
 )
 from coserve.server.tool_calls import PARSERS, Parsed, template_messages
+from coserve.trainer.spare import prepare_for as prepare_spare
 
 logger = logging.getLogger(__name__)
 
@@ -743,6 +744,8 @@ def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str,
         api.adapters = {**api.adapters, name: LoRARequest(name, path)}
 
     board = JobBoard(engine_thread, model_name, files, jobs, serve_adapter, finetune_name, reader)
+    if jobs is not None:  # (the first job's trainer then starts with its imports done: coserve.trainer.spare)
+        prepare_spare(engine_thread.engine.runner.device)
     app.state.jobs = board
     if jobs is not None or board.jobs:
         api.metrics.registry.register(_JobsCollector(board))

@@ -129,12 +129,14 @@ class FinetuneSession:
         return mode == "on" or (mode == "auto" and self.engine.runner.device.type == "cuda")
 
     def __init__(self, engine: LLMEngine, spec: FinetuneSpec, *, job_id: str | None = None,
-                 attach: bool = True, reader: DatasetReader | None = None) -> None:
+                 attach: bool = True, reader: DatasetReader | None = None, keep_spare: bool = False) -> None:
         """Read the dataset, allocate the activation store and start the trainer (seconds: the
         heavy part, which touches no engine state a step reads, so that a serving engine's
         ``EngineThread`` can run it in a worker thread); then, with ``attach``, :meth:`attach`.
         ``job_id`` names the run as a fine-tuning job (default: a new ``ftjob-...``); ``reader``
-        reads its dataset in a child process (:func:`read_dataset`)."""
+        reads its dataset in a child process (:func:`read_dataset`); ``keep_spare``: a spare trainer
+        interpreter is started after the trainer's (:mod:`coserve.trainer.spare`), for a restart or
+        the next session's start (a server's jobs)."""
         if engine.tokenizer is None:
             raise ValueError("fine-tuning needs the model's tokenizer (skip_tokenizer_init is set)")
         if engine.config.num_training_slots < 1:
@@ -193,6 +195,7 @@ class FinetuneSession:
             warmup_rows=warmup_rows(cfg.backward_tokens, cfg.max_seq_len) if warms_up else (),
             warmup_shapes=warmup_shapes(cfg.backward_tokens, cfg.max_seq_len) if warms_up and WARMUP_SHAPES else (),
             state=None if checkpoint is None else (checkpoint["state"], int(checkpoint["steps"])),
+            keep_spare=keep_spare,
         )
         # (the stages the trainer's start has passed: all of them where its warm-up was waited for)
         stages = ", ".join(f"{name.replace('_', '-')} {s:.1f} s" for name, s in self.trainer.start_stages().items())

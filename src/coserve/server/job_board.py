@@ -639,8 +639,9 @@ class JobBoard:
                 # (the board's model, read once the last job's is written: it may have been written
                 # since the job was created, or, its write failed, not at all)
                 spec = replace(spec, latency_state=self._latency_state())
+            # (keep_spare: the next job's, or a resume's, trainer starts from a spare interpreter)
             session = await asyncio.to_thread(FinetuneSession, self.et.engine, spec, job_id=job.id, attach=False,
-                                              reader=self.reader)
+                                              reader=self.reader, keep_spare=True)
             self.jobs[job.id] = replace(job, total_steps=session.optim.total_steps, learning_rate=session.optim.lr)
             self._save_job(self.jobs[job.id])
             if job.id in self.cancel_asked:

@@ -66,6 +66,16 @@ def lr_lambda(cfg: OptimConfig) -> Callable[[int], float]:
     return partial(_SCHEDULES[cfg.lr_scheduler], warmup=cfg.warmup_steps, total=cfg.total_steps)
 
 
+def import_ahead() -> None:
+    """Import what a first ``torch.optim.AdamW`` with a ``LambdaLR`` imports (``torch._dynamo``,
+    ``sympy`` and some 900 modules more: 0.8 s on the dev VM, about four times that on session 45's
+    H100 host, where a trainer's ``build`` stage took 4.2–6.2 s): by building a throwaway pair on a
+    CPU tensor, which initializes no CUDA. A spare trainer interpreter runs it ahead of need
+    (:mod:`coserve.trainer.spare`)."""
+    opt = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=1e-3)
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+
+
 class StepResult(NamedTuple):
     lr: float  # learning rate of this step (the schedule's value before it advances)
     grad_norm: float  # L2 norm of the normalized gradient before clipping

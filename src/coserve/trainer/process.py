@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from multiprocessing.process import BaseProcess
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -18,6 +19,7 @@ from coserve.core.messages import BackwardTask, TaskResult, TrainerFailed
 from coserve.cpu_split import split_for_trainer
 from coserve.models.llama import LlamaForCausalLM
 from coserve.models.peft_adapter import LoraAdapter, save_peft_adapter
+from coserve.trainer import spare
 from coserve.trainer.lora_params import TrainableLoRA
 from coserve.trainer.mps import mps_active, mps_share
 from coserve.trainer.stream_gate import new_flag, read_progress, set_open
@@ -58,9 +60,14 @@ class TrainerProcess:
         warmup_rows: Sequence[int] = (),
         warmup_shapes: Sequence[Sequence[int]] = (),
         state: tuple[torch.Tensor, int] | None = None,
+        keep_spare: bool = False,
     ) -> None:
         """``state``: a :meth:`committed_state` (a checkpoint's) the worker starts from, with its
-        count of optimizer steps (nothing where 0), instead of ``adapter`` and fresh moments."""
+        count of optimizer steps (nothing where 0), instead of ``adapter`` and fresh moments.
+
+        Where :func:`coserve.trainer.spare.wanted`, a start takes the process's spare interpreter
+        if one is held (its imports done: seconds less); ``keep_spare``: after each start, another
+        spare is started for the next (a restart, or the server's next job)."""
         if sm_share is not None and not 0 < sm_share <= 100:
             raise ValueError(f"--trainer-sm-share must be in (0, 100], got {sm_share}")
         device = store.device
@@ -89,19 +96,20 @@ class TrainerProcess:
         # stream, EngineConfig.stream_priority).
         self.below_normal = below_normal
         self._ctx = mp.get_context("spawn")
-        self.grant = self._ctx.Event()
-        self.grant.set()
+        self._spares = spare.wanted(device)
+        self._keep_spare = keep_spare and self._spares
         # On CUDA the worker's GPU stream pauses itself on this flag (stream_gate); the grant
         # is what its CPU waits on when that is not possible (or with COSERVE_GPU_GATE=0).
         use_gate = device.type == "cuda" and os.environ.get("COSERVE_GPU_GATE", "1") == "1"
         self.gate_flag = new_flag() if use_gate else None
         # (with a warm-up: set by the worker once it is done, so that the engine's calibration,
         # which follows, times its batches with the GPU to itself)
-        self._ready = self._ctx.Event() if warmup_rows or warmup_shapes else None
+        self._wants_ready = bool(warmup_rows or warmup_shapes)
+        self._ready: Any = None
         self.spec = WorkerSpec(model, store, scales, self.banks, self.meta, adapter, slot, dropout, seed,
-                               optim, grant=self.grant, num_threads=num_threads, mlp_store=mlp_store,
+                               optim, num_threads=num_threads, mlp_store=mlp_store,
                                gate_flag=self.gate_flag, warmup_rows=tuple(warmup_rows),
-                               warmup_shapes=tuple(tuple(rows) for rows in warmup_shapes), ready=self._ready,
+                               warmup_shapes=tuple(tuple(rows) for rows in warmup_shapes),
                                niceness=CPU_TRAINER_NICENESS if device.type == "cpu" else 0,
                                cpus=split_for_trainer(), stages=torch.zeros(3, dtype=torch.float64).share_memory_())
         self._started_at = 0.0
@@ -256,14 +264,32 @@ class TrainerProcess:
         if self.spec.stages is not None:
             self.spec.stages.zero_()
         self._started_at = time.time()
-        self._tasks = self._ctx.Queue()
-        self._results = self._ctx.Queue()
-        self._proc = self._ctx.Process(
-            target=run_worker, args=(self.spec, self._tasks, self._results), daemon=True,
-            name="coserve-trainer",
-        )
+        held = spare.HELD.take() if self._spares else None
         with mps_share(self.sm_share, self.below_normal):
-            self._proc.start()
+            if held is not None:
+                try:
+                    held.hand_over(self.spec, wait_ready=self._wants_ready)
+                except Exception:  # (a spec that does not pickle fails the spawn below as well, and says so)
+                    logger.exception("could not hand the trainer to the spare interpreter: a fresh one starts")
+                    held.close()
+                    held = None
+            if held is not None:
+                self._proc, self._tasks, self._results, self.grant = held.proc, held.tasks, held.results, held.grant
+                self._ready = held.ready if self._wants_ready else None
+            else:
+                self.grant = self._ctx.Event()
+                self.grant.set()
+                self._ready = self._ctx.Event() if self._wants_ready else None
+                self.spec.grant, self.spec.ready = self.grant, self._ready
+                self._tasks = self._ctx.Queue()
+                self._results = self._ctx.Queue()
+                self._proc = self._ctx.Process(
+                    target=run_worker, args=(self.spec, self._tasks, self._results), daemon=True,
+                    name="coserve-trainer",
+                )
+                self._proc.start()
+        if self._keep_spare:
+            spare.HELD.prepare(self._ctx)
 
     def _stop(self, kill: bool) -> None:
         proc = self._proc
