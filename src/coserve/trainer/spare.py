@@ -98,10 +98,7 @@ class Spare:
         """End a spare not handed over (one handed over is its trainer's to stop)."""
         if self._handed_over:
             return
-        if self.proc.is_alive():
-            self._setup.put(None)
-            self.proc.join(timeout=5)
-        if self.proc.is_alive():
+        if self.proc.is_alive():  # (killed: it holds nothing, and it may still be importing, deaf to a message)
             self.proc.kill()
             self.proc.join(timeout=5)
         for q in (self._setup, self.tasks, self.results):
@@ -110,7 +107,7 @@ class Spare:
 
 
 def spare_main(setup: Any, tasks: Any, results: Any, grant: Any, ready: Any) -> None:
-    """A spare's entry point: the imports, then a spec to run (or None: end)."""
+    """A spare's entry point: the imports, then a spec to run."""
     from coserve.trainer.optim import import_ahead
     from coserve.trainer.worker import run_worker
 
@@ -118,14 +115,11 @@ def spare_main(setup: Any, tasks: Any, results: Any, grant: Any, ready: Any) -> 
     parent = multiprocessing.parent_process()
     while True:
         try:
-            msg = setup.get(timeout=PARENT_CHECK_S)
+            env, wait_ready = setup.get(timeout=PARENT_CHECK_S)
             break
         except queue.Empty:
             if parent is not None and not parent.is_alive():
                 return
-    if msg is None:
-        return
-    env, wait_ready = msg
     for name, value in env.items():
         if value is None:
             os.environ.pop(name, None)
