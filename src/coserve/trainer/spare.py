@@ -58,7 +58,8 @@ def wanted(device: torch.device) -> bool:
 
 
 def _import_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k.startswith(IMPORT_ENV_PREFIXES) and k not in HANDOVER_ENV}
+    return {k: v for k, v in os.environ.items()
+            if k.startswith(IMPORT_ENV_PREFIXES) and k not in HANDOVER_ENV and k != SPARE_ENV}
 
 
 class Spare:
