@@ -381,16 +381,17 @@ def test_an_interrupted_job_without_a_checkpoint_is_failed_once_and_for_all(tmp_
     assert json.loads((run / "outcome.json").read_text())["ft_outcome"] == "failed"
 
 
+def steps_reach(s: Served, job_id: str, n: int) -> None:
+    deadline = time.monotonic() + 60
+    while (s.client.fine_tuning.jobs.retrieve(job_id).coserve["optimizer_steps"] or 0) < n:  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
 def test_a_job_is_paused_at_a_checkpoint_resumed_from_it_and_cancelled_while_paused(tmp_path: Path) -> None:
     config = JobsConfig(tmp_path, TEMPLATE)  # (save_every 0: the pause writes its own checkpoint)
     data = DATA_BYTES
     engine = jobs_engine()
-
-    def steps_reach(s: Served, job_id: str, n: int) -> None:
-        deadline = time.monotonic() + 60
-        while (s.client.fine_tuning.jobs.retrieve(job_id).coserve["optimizer_steps"] or 0) < n:  # type: ignore[attr-defined]
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
 
     with serve(engine, jobs=config) as s:
         jobs = s.client.fine_tuning.jobs
@@ -419,6 +420,39 @@ def test_a_job_is_paused_at_a_checkpoint_resumed_from_it_and_cancelled_while_pau
         assert cancelled.fine_tuned_model is not None and ask(s, cancelled.fine_tuned_model), "served once cancelled"
     steps = [json.loads(line)["step"] for line in (tmp_path / "jobs" / job.id / "train_log.jsonl").read_text().splitlines()]
     assert steps == list(range(len(steps))) and len(steps) >= first + 2, "one log across the pause"
+
+
+def test_a_servers_job_trainers_start_from_spare_interpreters(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With spares (COSERVE_TRAINER_SPARE=1 here; on CUDA by default) the server starts one at
+    start-up and the first job's trainer is that process; its start keeps the next, and the
+    resume's trainer is that one; the job trains on across the pause."""
+    from coserve.trainer import spare
+
+    monkeypatch.setenv(spare.SPARE_ENV, "1")
+    spare.HELD.discard()
+    engine = jobs_engine()
+    try:
+        with serve(engine, jobs=JobsConfig(tmp_path, TEMPLATE)) as s:
+            at_start = spare.HELD._spare
+            assert at_start is not None, "no spare at the server's start-up"
+            jobs = s.client.fine_tuning.jobs
+            f = s.client.files.create(file=("facts.jsonl", DATA_BYTES), purpose="fine-tune")
+            job = jobs.create(model=MODEL, training_file=f.id, hyperparameters={"n_epochs": 500})
+            wait_for(s, job.id, ("running",))
+            session = s.engine_thread.session
+            assert session is not None and session.trainer.pid == at_start.proc.pid
+            kept = spare.HELD._spare
+            assert kept is not None and kept is not at_start and kept.proc.is_alive()
+            steps_reach(s, job.id, 2)
+            first = jobs.pause(job.id).coserve["optimizer_steps"]  # type: ignore[attr-defined]
+            jobs.resume(job.id)
+            wait_for(s, job.id, ("running",))
+            session = s.engine_thread.session
+            assert session is not None and session.trainer.pid == kept.proc.pid
+            steps_reach(s, job.id, first + 2)
+            assert jobs.cancel(job.id).status == "cancelled"
+    finally:
+        spare.HELD.discard()
 
 
 def test_a_pause_asked_while_the_job_is_set_up_waits_for_it_then_pauses(tmp_path: Path,
