@@ -43,6 +43,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     device = torch.device(args.device)
+    prov = provenance()  # (before the switch below, which is this script's own)
     os.environ[spare.SPARE_ENV] = "1"  # (prepared by hand below; never at a fresh start: none is held then)
     with tempfile.TemporaryDirectory() as tmp:
         path = materialize(args.model, Path(tmp)) if is_shape(args.model) else args.model
@@ -101,7 +102,7 @@ def main() -> None:
         "adapters_max_abs_diff": max_diff,
         "start_s_after_first_round": {k: [s["start_s"] for s in v] for k, v in by_kind.items()},
     }
-    result = {**provenance(), "config": {"model": args.model, "device": str(device), "rounds": args.rounds, "sm_share": share,
+    result = {**prov, "config": {"model": args.model, "device": str(device), "rounds": args.rounds, "sm_share": share,
                          "warmup_rows": [16], "task_tokens": 256, "rank": 16, "targets": list(TARGETS)},
               "figures": figures}
     args.out.write_text(json.dumps(result, indent=1))
