@@ -94,6 +94,8 @@
 #   eager          bench/eager_cpu.py without and with --prefill-graphs
 #   eager_spread   bench/eager_cpu.py: three eager steps' host time, 200 times each, idle and beside
 #                  spinning processes, with its spread (p10/p90/p99) and the thread's CPU time
+#   spare_start    bench/spare_start.py: a trainer's start spawned afresh against one from a spare interpreter
+#                  at the 8B shape (stages, seconds, the adapters compared; ~60 s)
 #   state_copy     bench/state_copy_cost.py: a copy of the trainer's state at the 8B shape (a checkpoint's,
 #                  a pause's) by way of copying, and a pause's copying work before and after session 44
 #   eager_small    bench/eager_cpu.py --prefill-graphs on small steps (a short chunk beside 32 decodes), with
@@ -327,6 +329,8 @@ job() {
         --shapes "1x96_ctx0+32d,1x448_ctx1024+32d,1x2048_ctx0" --no-profile --out "$top/eager_spread.json" ;;
     state_copy)
       run state_copy "$top/state_copy.log" python3 bench/state_copy_cost.py --device cuda --out "$top/state_copy.json" ;;
+    spare_start)
+      run spare_start "$top/spare_start.log" python3 bench/spare_start.py --out "$top/spare_start.json" ;;
     eager_small)  # the piecewise graphs' small steps (a short chunk beside 32 decodes): host time, profiles
       run eager_small "$top/eager_cpu_small.log" python3 bench/eager_cpu.py --conditions idle --prefill-graphs \
         --shapes "1x512_ctx0,1x96_ctx0+32d,1x96_ctx1024+32d,1x448_ctx1024+32d" --out "$top/eager_cpu_small.json" ;;
