@@ -32,6 +32,7 @@ def _no_spare_left() -> Iterator[None]:
     spare.HELD.discard()
     yield
     spare.HELD.discard()
+    spare.HELD.disabled = None
 
 
 def _setup():  # type: ignore[no-untyped-def]
@@ -200,3 +201,43 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return "gone"
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_a_trainer_whose_spare_died_in_the_hand_over_turns_spares_off(monkeypatch: pytest.MonkeyPatch,
+                                                                      caplog: pytest.LogCaptureFixture,
+                                                                      warm: bool) -> None:
+    """A spare that ends before its worker runs (here killed as the spec is handed over; on a GPU,
+    say, a CUDA context that cannot be made) turns spares off for the process: found by the
+    start-up's wait for the warm-up, or else by the restart the dead trainer gets; that restart
+    spawns afresh and trains, and no spare is started again."""
+    monkeypatch.setenv(spare.SPARE_ENV, "1")
+    model, adapter, store, task = _setup()
+    hand_over = spare.Spare.hand_over
+
+    def dying(self: spare.Spare, spec: object, *, wait_ready: bool) -> None:
+        hand_over(self, spec, wait_ready=wait_ready)
+        self.proc.kill()
+
+    monkeypatch.setattr(spare.Spare, "hand_over", dying)
+    spare.prepare_for(torch.device("cpu"))
+    held = _held()
+    trainer = TrainerProcess(model, store, torch.zeros(1), adapter, slot=0, optim=OptimConfig(lr=1e-3),
+                             num_threads=1, warmup_rows=(12,) if warm else (), keep_spare=True)
+    try:
+        assert trainer.pid == held.proc.pid
+        held.proc.join(timeout=10)
+        if not warm:
+            assert spare.HELD.disabled is None and spare.HELD._spare is not None
+            trainer.restart()
+        assert spare.HELD.disabled is not None and "ended before its worker ran" in caplog.text
+        assert spare.HELD._spare is None  # (the one keep_spare started is gone too)
+        spare.prepare_for(torch.device("cpu"))
+        assert spare.HELD._spare is None
+        if warm:
+            trainer.restart()
+        assert trainer.pid != held.proc.pid
+        trainer.submit(task)
+        assert len(trainer.poll(timeout=60.0)) == 1
+    finally:
+        trainer.close()

@@ -166,6 +166,7 @@ class TrainerProcess:
         return self._proc is not None and self._proc.is_alive()
 
     def restart(self) -> int:
+        self._check_spare_start()
         self._stop(kill=True)
         self._write_serving()
         # A restarted worker warms up while the engine serves, beside steps priced as if no task
@@ -239,10 +240,17 @@ class TrainerProcess:
         while not self._ready.wait(0.5):
             if not self.alive():
                 logger.warning("the trainer process ended during its start-up")
+                self._check_spare_start()
                 return
             if time.monotonic() > deadline:
                 logger.warning("the trainer's warm-up is still running; going on without waiting for it")
                 return
+
+    def _check_spare_start(self) -> None:
+        """A worker from a spare that ended before its entry point ran (the hand-over failed: the
+        spec's tensors, the CUDA context) turns spares off, so that the restart spawns afresh."""
+        if self._from_spare and not self.alive() and self.spec.stages is not None and float(self.spec.stages[0]) <= 0:
+            spare.HELD.disable(f"a trainer started from one (pid {self.pid}) ended before its worker ran")
 
     def start_stages(self) -> dict[str, float]:
         """Seconds of the last start's stages so far: ``process`` (until the worker's entry point
@@ -273,6 +281,7 @@ class TrainerProcess:
                     logger.exception("could not hand the trainer to the spare interpreter: a fresh one starts")
                     held.close()
                     held = None
+            self._from_spare = held is not None
             if held is not None:
                 self._proc, self._tasks, self._results, self.grant = held.proc, held.tasks, held.results, held.grant
                 self._ready = held.ready if self._wants_ready else None

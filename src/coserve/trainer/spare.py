@@ -138,12 +138,25 @@ class _Held:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._spare: Spare | None = None
+        self.disabled: str | None = None  # (why spares are off for the rest of this process: :meth:`disable`)
+
+    def disable(self, reason: str) -> None:
+        """No more spares in this process (a trainer started from one died before its worker ran:
+        the next starts spawn as before, whatever went wrong in the hand-over)."""
+        if self.disabled is None:
+            logger.warning("spare trainer interpreters off for this process: %s", reason)
+            self.disabled = reason
+        self.discard()
 
     def take(self) -> Spare | None:
         """The held spare where it is usable (it is no longer held), else None (an unusable one
         is closed)."""
         with self._lock:
             spare, self._spare = self._spare, None
+        if self.disabled is not None:
+            if spare is not None:
+                spare.close()
+            return None
         if spare is None:
             return None
         if spare.usable():
@@ -156,7 +169,7 @@ class _Held:
     def prepare(self, ctx: Any) -> None:
         """Start a spare unless one is held (the caller's thread pays only for the spawn)."""
         with self._lock:
-            if self._spare is None:
+            if self._spare is None and self.disabled is None:
                 self._spare = Spare(ctx)
 
     def discard(self) -> None:
