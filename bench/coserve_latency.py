@@ -319,6 +319,24 @@ def span_summary(spans: list[tuple[int, int, float, float]], num_layers: int,
                 roles.setdefault(loss_roles[k % len(loss_roles)], []).extend(v)
             out["loss_by_role"] = {r: {"n": len(v), "p50_ms": percentile(v, 50), "p99_ms": percentile(v, 99)}
                                    for r, v in roles.items()}
+    # the first layer after the loss by its stretches' ordinals beside the same stretches of the
+    # other layers: sessions 44-45's longest pauses came with the trainer's GPU in that layer's
+    # stretch 0, not behind its CPU (is that stretch's host time, or its GPU time, the long one?)
+    first: dict[int, list[tuple[float, float]]] = {}
+    rest: dict[int, list[tuple[float, float]]] = {}
+    for layer, ordinal, ms, cpu_ms in spans:
+        if 0 <= layer < num_layers:
+            (first if layer == num_layers - 1 else rest).setdefault(ordinal, []).append((ms, cpu_ms))
+
+    def by_ordinal(groups: dict[int, list[tuple[float, float]]]) -> dict[str, dict[str, Any]]:
+        return {str(k): {"n": len(v), "p50_ms": percentile([g for g, _ in v], 50),
+                         "p99_ms": percentile([g for g, _ in v], 99), "max_ms": max(g for g, _ in v),
+                         "cpu_p50_ms": percentile([c for _, c in v], 50), "cpu_p99_ms": percentile([c for _, c in v], 99),
+                         "cpu_max_ms": max(c for _, c in v)} for k, v in sorted(groups.items())}
+
+    if first and num_layers > 1:
+        out["first_layer_by_ordinal"] = by_ordinal(first)
+        out["other_layers_by_ordinal"] = by_ordinal(rest)
     return out
 
 

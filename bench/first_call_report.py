@@ -457,6 +457,10 @@ def slo_table(reports: dict[str, dict[str, Any]]) -> str:
     row("loss stretches' GPU p99, ms: all / longest ordinal (its ordinal)", lambda r: _loss_stretches(r["trainer_spans"]))
     row("loss stretches' GPU p50 / p99, ms: logits ; cross-entropy ; gradient",
         lambda r: _loss_roles(r["trainer_spans"]))
+    row("stretch 0 of the first layer after the loss / of the others: GPU p99, CPU p99 / max ms",
+        lambda r: " ; ".join(
+            f"{_ms(g['0']['p99_ms'])}, {_ms(g['0']['cpu_p99_ms'])} / {_ms(g['0']['cpu_max_ms'])}"
+            for g in (r["trainer_spans"]["first_layer_by_ordinal"], r["trainer_spans"]["other_layers_by_ordinal"])))
     row("pause window's step, measured / predicted median: paused / unpaused in a task", lambda r: " / ".join(
         f"{r['trainer_pause']['step_ratio_by_window'][k]['median']:.3f}" if k in r["trainer_pause"]["step_ratio_by_window"]
         else "-" for k in ("paused", "unpaused_in_task")))

@@ -49,6 +49,23 @@ def test_spans_grouped_by_where_they_start() -> None:
     assert "loss_by_role" not in got  # (no roles given)
 
 
+def test_the_first_layer_after_the_loss_beside_the_others_by_ordinal() -> None:
+    """``first_layer_by_ordinal``: the last layer's stretches (the first after the loss), GPU and
+    CPU ms by ordinal; ``other_layers_by_ordinal``: the same ordinals of the layers below it; the
+    loss's, the start's and the commit's stretches in neither."""
+    spans = [(3, 0, 1.0, 0.1), (2, 0, 0.5, 9.0), (2, 0, 0.7, 7.0), (2, 1, 0.2, 0.3), (1, 0, 0.4, 0.5),
+             (0, 0, 0.6, 0.7), (0, 1, 0.3, 0.2), (-1, 0, 5.0, 5.0)]
+    got = coserve_latency.span_summary(spans, num_layers=3)
+    first, rest = got["first_layer_by_ordinal"], got["other_layers_by_ordinal"]
+    assert set(first) == {"0", "1"} and set(rest) == {"0", "1"}
+    assert first["0"]["n"] == 2 and first["0"]["cpu_max_ms"] == pytest.approx(9.0)
+    assert first["0"]["max_ms"] == pytest.approx(0.7) and first["1"]["cpu_p50_ms"] == pytest.approx(0.3)
+    assert rest["0"]["n"] == 2 and rest["0"]["max_ms"] == pytest.approx(0.6) and rest["0"]["cpu_max_ms"] == pytest.approx(0.7)
+    assert rest["1"] == {"n": 1, "p50_ms": 0.3, "p99_ms": 0.3, "max_ms": 0.3, "cpu_p50_ms": 0.2, "cpu_p99_ms": 0.2,
+                         "cpu_max_ms": 0.2}
+    assert "first_layer_by_ordinal" not in coserve_latency.span_summary(spans[-1:], num_layers=3)
+
+
 def test_loss_stretches_by_role_over_chunks() -> None:
     """Two tasks of two loss chunks each, three stretches a chunk (a one-piece split loss): the
     ordinals count on over a task's chunks, the roles repeat every chunk."""
