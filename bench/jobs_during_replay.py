@@ -256,7 +256,7 @@ STAGE = re.compile(r"([a-z-]+) ([\d.]+) s")
 def server_side(log_text: str, calls_wall: dict[str, float]) -> dict[str, Any]:
     """What the server's log says of the job (its INFO lines, stamped by its clock, this host's):
     ``set_ups``, each job set-up's seconds, its trainer's start and the start's stages where named
-    (``FinetuneSession``'s line) and, for a resume, the seconds until it had gone on from its
+    (``FinetuneSession``'s line), and whether that start took a spare interpreter (``from_spare``) and, for a resume, the seconds until it had gone on from its
     checkpoint ("resumed from"); ``pause_to_paused_ms``, from the pause call's start to the
     engine's "fine-tuning paused" line: the most the pause can have held the engine's thread (the
     call's own time includes the wait for the files)."""
@@ -272,7 +272,8 @@ def server_side(log_text: str, calls_wall: dict[str, float]) -> dict[str, Any]:
         if m is None:
             continue
         entry: dict[str, Any] = {"at_wall": at, "set_up_s": float(m.group(1)), "trainer_s": float(m.group(2)),
-                                 "stages_s": {k: float(v) for k, v in STAGE.findall(m.group(3) or "")}}
+                                 "stages_s": {k: float(v) for k, v in STAGE.findall(m.group(3) or "")},
+                                 "from_spare": (m.group(3) or "").startswith("from a spare interpreter")}
         resumed = next((t for t, later in events[i + 1:] if "resumed from" in later), None)
         nxt = next((t for t, later in events[i + 1:] if SET_UP.search(later)), math.inf)
         if resumed is not None and resumed < nxt:
@@ -412,7 +413,8 @@ def main(argv: list[str]) -> int:
     if side["pause_to_paused_ms"] is not None:
         print(f"pause call to the engine's 'fine-tuning paused': {side['pause_to_paused_ms']:.0f} ms")
     for entry in side["set_ups"]:
-        print(f"set-up {entry['set_up_s']:.1f} s, trainer {entry['trainer_s']:.1f} s {entry['stages_s']}"
+        print(f"set-up {entry['set_up_s']:.1f} s, trainer {entry['trainer_s']:.1f} s"
+              f"{' from a spare' if entry.get('from_spare') else ''} {entry['stages_s']}"
               + (f", resumed {entry['then_resumed_s']:.1f} s later" if "then_resumed_s" in entry else ""))
     if job is not None:
         print(f"job {job['id']}: {job['status']}, {job['trained_tokens']} tokens, "

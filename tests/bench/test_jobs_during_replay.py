@@ -52,8 +52,11 @@ def test_the_server_side_of_a_job_from_its_log() -> None:
             "1.0 s (2000 samples), trainer started in 14.0 s with its warm-up (process 6.1 s, build 1.2 s, "
             "warm-up 6.6 s)\n")
     (entry,) = jobs_during_replay.server_side(line, {})["set_ups"]
-    assert entry["stages_s"] == {"process": 6.1, "build": 1.2, "warm-up": 6.6}
+    assert entry["stages_s"] == {"process": 6.1, "build": 1.2, "warm-up": 6.6} and not entry["from_spare"]
     assert jobs_during_replay.server_side(line, {})["pause_to_paused_ms"] is None
+    spared = line.replace("(process", "(from a spare interpreter: process")
+    (entry,) = jobs_during_replay.server_side(spared, {})["set_ups"]
+    assert entry["stages_s"] == {"process": 6.1, "build": 1.2, "warm-up": 6.6} and entry["from_spare"]
 
 
 def test_a_saved_results_server_side_on_the_logs_clock() -> None:

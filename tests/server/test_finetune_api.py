@@ -5,6 +5,7 @@ adapter, while the server keeps answering; then a second job, and one that fails
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -422,13 +423,15 @@ def test_a_job_is_paused_at_a_checkpoint_resumed_from_it_and_cancelled_while_pau
     assert steps == list(range(len(steps))) and len(steps) >= first + 2, "one log across the pause"
 
 
-def test_a_servers_job_trainers_start_from_spare_interpreters(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_servers_job_trainers_start_from_spare_interpreters(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
     """With spares (COSERVE_TRAINER_SPARE=1 here; on CUDA by default) the server starts one at
     start-up and the first job's trainer is that process; its start keeps the next, and the
     resume's trainer is that one; the job trains on across the pause."""
     from coserve.trainer import spare
 
     monkeypatch.setenv(spare.SPARE_ENV, "1")
+    caplog.set_level(logging.INFO, logger="coserve.server.finetune")
     spare.HELD.discard()
     engine = jobs_engine()
     try:
@@ -440,7 +443,7 @@ def test_a_servers_job_trainers_start_from_spare_interpreters(tmp_path: Path, mo
             job = jobs.create(model=MODEL, training_file=f.id, hyperparameters={"n_epochs": 500})
             wait_for(s, job.id, ("running",))
             session = s.engine_thread.session
-            assert session is not None and session.trainer.pid == at_start.proc.pid
+            assert session is not None and session.trainer.pid == at_start.proc.pid and session.trainer.from_spare
             kept = spare.HELD._spare
             assert kept is not None and kept is not at_start and kept.proc.is_alive()
             steps_reach(s, job.id, 2)
@@ -453,6 +456,8 @@ def test_a_servers_job_trainers_start_from_spare_interpreters(tmp_path: Path, mo
             assert jobs.cancel(job.id).status == "cancelled"
     finally:
         spare.HELD.discard()
+    # (the set-up lines say so: bench/jobs_during_replay.py reads them)
+    assert caplog.text.count("trainer started in") == 2 and caplog.text.count("(from a spare interpreter)") == 2
 
 
 def test_a_pause_asked_while_the_job_is_set_up_waits_for_it_then_pauses(tmp_path: Path,

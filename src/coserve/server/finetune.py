@@ -199,6 +199,8 @@ class FinetuneSession:
         )
         # (the stages the trainer's start has passed: all of them where its warm-up was waited for)
         stages = ", ".join(f"{name.replace('_', '-')} {s:.1f} s" for name, s in self.trainer.start_stages().items())
+        if self.trainer.from_spare:
+            stages = f"from a spare interpreter: {stages}" if stages else "from a spare interpreter"
         logger.info("%s set up in %.1f s: dataset %s read in %.1f s (%d samples), trainer started in %.1f s%s%s",
                     self.job_id, time.perf_counter() - began, spec.data, read_s, len(self.dataset.samples),
                     time.perf_counter() - trainer_began, " with its warm-up" if warms_up else "",

@@ -246,6 +246,11 @@ class TrainerProcess:
                 logger.warning("the trainer's warm-up is still running; going on without waiting for it")
                 return
 
+    @property
+    def from_spare(self) -> bool:
+        """Whether the worker's process was a spare interpreter (:mod:`coserve.trainer.spare`)."""
+        return self._from_spare
+
     def _check_spare_start(self) -> None:
         """A worker from a spare that ended before its entry point ran (the hand-over failed: the
         spec's tensors, the CUDA context) turns spares off, so that the restart spawns afresh."""
