@@ -2,7 +2,9 @@
 at a model shape on ``--device``: each start's stages (``TrainerProcess.start_stages``: process,
 build, warm-up of one small task) and wall seconds, alternating fresh and spare ``--rounds`` times
 (the first fresh start also compiles the warm-up's kernels), each trainer then running one backward
-task and optimizer step; the adapters they commit are compared (the same spec, the same task).
+task and optimizer step (the adapters they commit are compared: the same spec, the same task), then
+a large task twice (``big_task_s``: GPU-bound at the 8B shape, so a spare that missed its MPS share,
+handed over before its CUDA context exists, would run it faster than a fresh process).
 
     nvidia-cuda-mps-control -d; PYTHONPATH=src python bench/spare_start.py --out spare_start.json
 """
@@ -29,6 +31,7 @@ from coserve.trainer.mps import mps_active
 from coserve.trainer.process import TrainerProcess
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+BIG_ROWS, BIG_ROW = 4, 512  # (the large task: its rows and their tokens)
 
 
 def main() -> None:
@@ -54,11 +57,17 @@ def main() -> None:
     adapter = new_lora_adapter(num_layers=cfg.num_layers, shapes=cfg.linear_shapes(), rank=16, alpha=32,
                                target_modules=TARGETS, seed=0)
     gen = torch.Generator(device="cpu").manual_seed(0)
-    store = (torch.randn(cfg.num_layers + 1, 512, cfg.hidden_size, generator=gen) * 0.1).to(device, next(model.parameters()).dtype)
+    store = (torch.randn(cfg.num_layers + 1, BIG_ROWS * BIG_ROW, cfg.hidden_size, generator=gen) * 0.1).to(
+        device, next(model.parameters()).dtype)
     scales = torch.zeros(1, device=device)
     task = BackwardTask(0, 0, (TaskSample(0, 0, tuple(int(t) for t in torch.randint(0, cfg.vocab_size, (256,),
                                                                                      generator=gen))),),
                         ends_step=True)
+    # (GPU-bound at the 8B shape: its time says whether the trainer ran at its MPS share, a spare's
+    # as a fresh process's; no optimizer step, so the adapters compared are the small task's)
+    big = BackwardTask(1, 1, tuple(TaskSample(i, i * BIG_ROW, tuple(
+        int(t) for t in torch.randint(0, cfg.vocab_size, (BIG_ROW,), generator=gen))) for i in range(BIG_ROWS)),
+        ends_step=False)
     share = args.sm_share if device.type == "cuda" and mps_active() else None
     starts: list[dict[str, object]] = []
     adapters = []
@@ -83,11 +92,16 @@ def main() -> None:
                 ok = len(results) == 1 and results[0].step_info is not None
                 adapters.append(trainer.committed_adapter())
                 loss = results[0].loss_sum if results else None
+                big_s = []
+                for _ in range(2):  # (the first may find shapes the warm-up did not: the second's time)
+                    trainer.submit(big)
+                    done = trainer.poll(timeout=300.0)
+                    big_s.append(round(done[0].duration_s, 4) if done else None)
             finally:
                 trainer.close()
             row = {"round": rnd, "kind": kind, "from_spare": from_spare, "start_s": round(start_s, 3),
                    "stages_s": {k: round(v, 3) for k, v in trainer.start_stages().items()}, "task_ok": ok,
-                   "loss_sum": loss}
+                   "loss_sum": loss, "big_task_s": big_s}
             print(json.dumps(row), flush=True)
             starts.append(row)
     spare.HELD.discard()
@@ -103,7 +117,8 @@ def main() -> None:
         "start_s_after_first_round": {k: [s["start_s"] for s in v] for k, v in by_kind.items()},
     }
     result = {**prov, "config": {"model": args.model, "device": str(device), "rounds": args.rounds, "sm_share": share,
-                         "warmup_rows": [16], "task_tokens": 256, "rank": 16, "targets": list(TARGETS)},
+                         "warmup_rows": [16], "task_tokens": 256, "big_task_rows": [BIG_ROW] * BIG_ROWS, "rank": 16,
+                         "targets": list(TARGETS)},
               "figures": figures}
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps(figures["start_s_after_first_round"]), "adapters max abs diff", max_diff)
