@@ -90,6 +90,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return p.parse_args(argv), serve_flags
 
 
+SPARE_SETTLE_S = 120.0
+"""The most :meth:`Server.settle` waits for the server's spare interpreter's imports."""
+
+
 class Server:
     """``coserve serve`` in a child process on a free port, its output in ``log``."""
 
@@ -103,6 +107,7 @@ class Server:
                # (the two replays send the same prompts: the second would find the first's prefixes)
                "--no-enable-prefix-caching", *flags]
         self.command = cmd[3:]
+        self.log_path = log
         self.log = log.open("w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
@@ -118,6 +123,21 @@ class Server:
                 self.stop()
                 raise RuntimeError(f"coserve serve did not answer /health within {timeout:g} s: see {log}")
             time.sleep(0.5)
+
+    def settle(self, timeout: float = SPARE_SETTLE_S) -> float | None:
+        """Wait until the server's spare trainer interpreter (``coserve.trainer.spare``, where its
+        log says it started one) has done its imports, so that they do not run beside the reference
+        replay (~8 s of a core on session 45's H100 host): the seconds waited, None where it started
+        none."""
+        began = time.monotonic()
+        while True:
+            text = self.log_path.read_text(errors="replace")
+            if "started a spare trainer interpreter" not in text:
+                return None
+            if any(line in text for line in ("spare trainer interpreter ready", "did not finish its imports")) \
+                    or time.monotonic() - began > timeout:
+                return time.monotonic() - began
+            time.sleep(0.2)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -251,6 +271,7 @@ def phases(timeline: list[tuple[float, str, int]], calls: dict[str, list[float]]
 LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 SET_UP = re.compile(r"set up in ([\d.]+) s: .* trainer started in ([\d.]+) s(?: with its warm-up)?(?: \((.*)\))?$")
 STAGE = re.compile(r"([a-z-]+) ([\d.]+) s")
+SPARE_READY = re.compile(r"spare trainer interpreter ready: its imports took ([\d.]+) s")
 
 
 def server_side(log_text: str, calls_wall: dict[str, float]) -> dict[str, Any]:
@@ -259,7 +280,8 @@ def server_side(log_text: str, calls_wall: dict[str, float]) -> dict[str, Any]:
     (``FinetuneSession``'s line), and whether that start took a spare interpreter (``from_spare``) and, for a resume, the seconds until it had gone on from its
     checkpoint ("resumed from"); ``pause_to_paused_ms``, from the pause call's start to the
     engine's "fine-tuning paused" line: the most the pause can have held the engine's thread (the
-    call's own time includes the wait for the files)."""
+    call's own time includes the wait for the files); ``spare_imports_s``, what each spare trainer
+    interpreter's imports took (its "ready" line)."""
     events: list[tuple[float, str]] = []
     for line in log_text.splitlines():
         m = LOG_TIME.match(line)
@@ -267,6 +289,7 @@ def server_side(log_text: str, calls_wall: dict[str, float]) -> dict[str, Any]:
             at = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
             events.append((at, line[m.end():]))
     set_ups: list[dict[str, Any]] = []
+    spare_imports = [float(m.group(1)) for _, text in events if (m := SPARE_READY.search(text)) is not None]
     for i, (at, text) in enumerate(events):
         m = SET_UP.search(text)
         if m is None:
@@ -279,7 +302,7 @@ def server_side(log_text: str, calls_wall: dict[str, float]) -> dict[str, Any]:
         if resumed is not None and resumed < nxt:
             entry["then_resumed_s"] = resumed - at
         set_ups.append(entry)
-    out: dict[str, Any] = {"set_ups": set_ups, "pause_to_paused_ms": None}
+    out: dict[str, Any] = {"set_ups": set_ups, "pause_to_paused_ms": None, "spare_imports_s": spare_imports}
     if "pause" in calls_wall:
         paused = next((t for t, text in events if "fine-tuning paused" in text and t >= calls_wall["pause"] - 1.0),
                       None)
@@ -350,6 +373,10 @@ def main(argv: list[str]) -> int:
         if context is not None:
             scaling = scaling.fit(context, print)
         workload = load_workload(args.workload, args.duration, scaling, seed=args.seed)
+        settled = server.settle()
+        if settled is not None:
+            print(f"the server's spare trainer interpreter imported for {settled:.1f} s more before the replays",
+                  flush=True)
         print(f"{len(workload.arrivals)} requests of {workload.name} over {args.duration:g} s, twice: "
               f"no job, then a job at {args.job_at:g} s", flush=True)
         reference: HttpReplay = driver.run(workload.arrivals, duration_s=args.duration, drain_s=args.drain)
@@ -375,6 +402,7 @@ def main(argv: list[str]) -> int:
                    "first": dict(list(sorted(with_job.errors.items()))[:5])},
         "script_failure": script.failure,
         "server_side": server_side(log.read_text(errors="replace") if log.is_file() else "", script.calls_wall),
+        "spare_settle_s": settled,
         "failed_calls": script.failed_calls,
         "job": None if job is None else {k: job.get(k) for k in (
             "id", "status", "trained_tokens", "fine_tuned_model", "error", "coserve")},

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.bench.scripts import BENCH, load_script
@@ -57,6 +59,24 @@ def test_the_server_side_of_a_job_from_its_log() -> None:
     spared = line.replace("(process", "(from a spare interpreter: process")
     (entry,) = jobs_during_replay.server_side(spared, {})["set_ups"]
     assert entry["stages_s"] == {"process": 6.1, "build": 1.2, "warm-up": 6.6} and entry["from_spare"]
+    ready = ("2026-12-08 09:59:50,000 INFO coserve.trainer.spare: spare trainer interpreter ready: its imports "
+             "took 8.4 s\n")
+    assert jobs_during_replay.server_side(ready + spared, {})["spare_imports_s"] == [8.4]
+    assert got["spare_imports_s"] == []
+
+
+def test_the_replays_wait_for_the_servers_spare_to_import(tmp_path: Path) -> None:
+    """``Server.settle``: None where the serve log says no spare started; once it says one did,
+    the wait lasts until its "ready" (or "did not finish") line, or the timeout."""
+    server = object.__new__(jobs_during_replay.Server)
+    server.log_path = tmp_path / "serve.log"
+    server.log_path.write_text("INFO: serving\n")
+    assert server.settle() is None
+    server.log_path.write_text("INFO coserve.trainer.spare: started a spare trainer interpreter (pid 7)\n")
+    assert 0.3 <= server.settle(timeout=0.3) < 5.0  # (never ready: the timeout)
+    with server.log_path.open("a") as f:
+        f.write("INFO coserve.trainer.spare: spare trainer interpreter ready: its imports took 8.4 s\n")
+    assert server.settle(timeout=30.0) < 1.0
 
 
 def test_a_saved_results_server_side_on_the_logs_clock() -> None:

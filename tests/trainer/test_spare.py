@@ -71,10 +71,13 @@ def test_wanted_reads_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
         spare.wanted(torch.device("cpu"))
 
 
-def test_a_trainer_from_a_spare_trains_as_a_fresh_one_and_keeps_a_spare(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_trainer_from_a_spare_trains_as_a_fresh_one_and_keeps_a_spare(monkeypatch: pytest.MonkeyPatch,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
     """The spare's process becomes the trainer (its pid), trains to the same adapter as a trainer
     spawned afresh, pauses and resumes on its grant, waits for its warm-up; with keep_spare,
-    another spare is held after each start, and a restart takes it."""
+    another spare is held after each start, and a restart takes it. The log says when a spare
+    started and what its imports took."""
+    caplog.set_level(logging.INFO, logger=spare.__name__)
     model, adapter, store, task = _setup()
     fresh = TrainerProcess(model, store, torch.zeros(1), adapter, slot=0, optim=OptimConfig(lr=1e-3), num_threads=1)
     try:
@@ -90,6 +93,11 @@ def test_a_trainer_from_a_spare_trains_as_a_fresh_one_and_keeps_a_spare(monkeypa
                              num_threads=1, warmup_rows=(12,), keep_spare=True)
     try:
         assert trainer.pid == first.proc.pid, "the held spare was not used"
+        assert f"started a spare trainer interpreter (pid {first.proc.pid})" in caplog.text
+        deadline = time.monotonic() + 10
+        while "spare trainer interpreter ready: its imports took" not in caplog.text:  # (its watch: within 1 s)
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
         assert trainer._ready is first.ready and trainer._ready.is_set()  # (its warm-up waited for)
         assert list(trainer.start_stages()) == ["process", "build", "warm_up"]
         second = _held()

@@ -27,6 +27,7 @@ import os
 import pickle
 import queue
 import threading
+import time
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -47,6 +48,8 @@ HANDOVER_ENV = (MPS_SHARE_ENV, MPS_PRIORITY_ENV)
 :func:`~coserve.trainer.mps.mps_share` sets around a trainer's start."""
 PARENT_CHECK_S = 1.0
 """How often a waiting spare checks that the process that started it is alive."""
+IMPORT_TIMEOUT_S = 300.0
+"""How long the parent's watch waits for a spare's imports before it says they have not finished."""
 
 
 def wanted(device: torch.device) -> bool:
@@ -72,12 +75,32 @@ class Spare:
         self.grant = ctx.Event()
         self.grant.set()
         self.ready = ctx.Event()
+        # (when its imports were done, time.time(), 0 before; a shared word, not an event: a
+        # multiprocessing event's set() waits for every waiter to wake, and a parent killed while it
+        # waited never does)
+        self.imported = ctx.RawValue("d", 0.0)
         self._setup = ctx.Queue()
         self._env = _import_env()
         self._handed_over = False
         self.proc = ctx.Process(target=spare_main, args=(self._setup, self.tasks, self.results, self.grant,
-                                                         self.ready), daemon=True, name="coserve-trainer-spare")
+                                                         self.ready, self.imported),
+                                daemon=True, name="coserve-trainer-spare")
+        began = time.time()
         self.proc.start()
+        logger.info("started a spare trainer interpreter (pid %s)", self.proc.pid)
+        threading.Thread(target=self._report, args=(began,), name="coserve-spare-watch", daemon=True).start()
+
+    def _report(self, began: float) -> None:
+        """Log when its imports are done (what they took on this host, its interpreter's start
+        included), or that it ended first."""
+        while self.imported.value <= 0:
+            if not self.proc.is_alive() or time.time() - began > IMPORT_TIMEOUT_S:
+                if not self._handed_over:
+                    logger.warning("the spare trainer interpreter (pid %s) did not finish its imports: %s",
+                                   self.proc.pid, "it ended" if not self.proc.is_alive() else "still importing")
+                return
+            time.sleep(0.2)
+        logger.info("spare trainer interpreter ready: its imports took %.1f s", self.imported.value - began)
 
     def usable(self) -> bool:
         """Alive, and started in the import environment of now."""
@@ -107,12 +130,14 @@ class Spare:
             q.cancel_join_thread()
 
 
-def spare_main(setup: Any, tasks: Any, results: Any, grant: Any, ready: Any) -> None:
+def spare_main(setup: Any, tasks: Any, results: Any, grant: Any, ready: Any, imported: Any = None) -> None:
     """A spare's entry point: the imports, then a spec to run."""
     from coserve.trainer.optim import import_ahead
     from coserve.trainer.worker import run_worker
 
     import_ahead()
+    if imported is not None:
+        imported.value = time.time()
     parent = multiprocessing.parent_process()
     while True:
         try:
