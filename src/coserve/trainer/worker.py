@@ -255,9 +255,34 @@ def _stamp(spec: WorkerSpec, stage: int) -> None:
         spec.stages[stage] = time.time()
 
 
+EXIT_PARENT_GONE: Final = 3
+"""The worker's exit status when the process that started it has ended (:func:`exit_with_parent`)."""
+
+
+def exit_with_parent() -> None:
+    """In a process started by multiprocessing: end it as soon as the process that started it ends.
+    A server killed outright (SIGKILL, the OOM killer: no exit handlers, which end daemonic
+    children) would otherwise leave its trainer blocked for ever on its task queue or a cleared
+    grant, holding its share of the GPU's memory against the next server. A thread waits on the
+    parent's sentinel (no polling) and calls ``os._exit``. Nothing where there is no such parent."""
+    import multiprocessing.connection
+
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(EXIT_PARENT_GONE)
+
+    threading.Thread(target=watch, name="coserve-parent-watch", daemon=True).start()
+
+
 def run_worker(spec: WorkerSpec, tasks: Any, results: Any) -> None:
-    """Process entry point: serve backward tasks until a ``None`` arrives."""
+    """Process entry point: serve backward tasks until a ``None`` arrives (or the process that
+    started it ends: :func:`exit_with_parent`)."""
     _stamp(spec, 0)
+    exit_with_parent()
     logging.basicConfig(level=os.environ.get("COSERVE_TRAINER_LOG", "WARNING"))
     if spec.cpus:
         pin_process(spec.cpus)  # (before torch starts its intra-op threads: they inherit the mask)
