@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from coserve.core.finetune import FTDataset, FTSample, load_dataset
+from coserve.parent_watch import exit_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ _TOKENIZER: Any = None  # (the child's: set by its initializer)
 def _set_tokenizer(tokenizer: Any) -> None:
     global _TOKENIZER
     _TOKENIZER = tokenizer
+    exit_with_parent()  # (a server killed outright leaves no reader behind)
 
 
 def _read_packed(path: str, max_seq_len: int, train_on_prompt: bool, vocab_size: int) -> tuple[Any, ...]:

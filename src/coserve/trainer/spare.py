@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from coserve.parent_watch import exit_with_parent
 from coserve.trainer.mps import MPS_PRIORITY_ENV, MPS_SHARE_ENV
 
 logger = logging.getLogger(__name__)
@@ -132,8 +133,10 @@ class Spare:
 
 def spare_main(setup: Any, tasks: Any, results: Any, grant: Any, ready: Any, imported: Any = None) -> None:
     """A spare's entry point: the imports, then a spec to run."""
+    exit_with_parent()  # (also while it imports: a killed server leaves no spare behind)
     from coserve.trainer.optim import import_ahead
     from coserve.trainer.worker import run_worker
+
 
     import_ahead()
     if imported is not None:

@@ -22,6 +22,7 @@ from coserve.cpu_split import fit_threads, pin_process
 from coserve.gc_freeze import GCClock, freeze_startup_objects
 from coserve.models.llama import LlamaForCausalLM
 from coserve.models.peft_adapter import LoraAdapter
+from coserve.parent_watch import exit_with_parent
 from coserve.trainer.backward import TaskLoss, TaskRow, task_backward
 from coserve.trainer.lora_params import TrainableLoRA
 from coserve.trainer.optim import LoRAOptimizer
@@ -253,29 +254,6 @@ def warmup_shapes(backward_tokens: int, max_seq_len: int) -> tuple[tuple[int, ..
 def _stamp(spec: WorkerSpec, stage: int) -> None:
     if spec.stages is not None:
         spec.stages[stage] = time.time()
-
-
-EXIT_PARENT_GONE: Final = 3
-"""The worker's exit status when the process that started it has ended (:func:`exit_with_parent`)."""
-
-
-def exit_with_parent() -> None:
-    """In a process started by multiprocessing: end it as soon as the process that started it ends.
-    A server killed outright (SIGKILL, the OOM killer: no exit handlers, which end daemonic
-    children) would otherwise leave its trainer blocked for ever on its task queue or a cleared
-    grant, holding its share of the GPU's memory against the next server. A thread waits on the
-    parent's sentinel (no polling) and calls ``os._exit``. Nothing where there is no such parent."""
-    import multiprocessing.connection
-
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        multiprocessing.connection.wait([parent.sentinel])
-        os._exit(EXIT_PARENT_GONE)
-
-    threading.Thread(target=watch, name="coserve-parent-watch", daemon=True).start()
 
 
 def run_worker(spec: WorkerSpec, tasks: Any, results: Any) -> None:
