@@ -71,28 +71,13 @@ def test_a_reader_whose_child_fails_reads_here_and_says_so(tokenizer, tmp_path: 
 
 def test_the_reader_ends_with_the_server_that_started_it(tmp_path: Path) -> None:
     """A server killed outright (no exit handlers) leaves no dataset reader behind."""
-    import os
-    import subprocess
-    import sys
-    import textwrap
-    import time
+    from tests.parent_gone import assert_child_ends_with_parent
 
-    script = tmp_path / "server.py"
-    script.write_text(textwrap.dedent("""
-        import os
+    assert_child_ends_with_parent(tmp_path, """
         from coserve import EngineConfig, LLMEngine
         from coserve.server.dataset_reader import DatasetReader
-        if __name__ == "__main__":
-            reader = DatasetReader(LLMEngine(EngineConfig(model="tiny", device="cpu")).tokenizer)
-            reader._pool.submit(int).result()  # (its child has run its initializer)
-            print(*reader._pool._processes, flush=True)
-            os._exit(0)
-    """))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=60)
-    assert out.returncode == 0, out.stderr
-    pid = int(out.stdout.split()[0])
-    deadline = time.monotonic() + 30
-    while Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-        assert time.monotonic() < deadline, "the reader outlived the process that started it"
-        time.sleep(0.2)
+        reader = DatasetReader(LLMEngine(EngineConfig(model="tiny", device="cpu")).tokenizer)
+        reader._pool.submit(int).result()  # (its child has run its initializer)
+        print(*reader._pool._processes, flush=True)
+        os._exit(0)
+    """)

@@ -330,34 +330,21 @@ def test_a_trainers_start_says_what_its_stages_took() -> None:
 def test_a_trainer_ends_with_the_server_that_started_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A server killed outright (no exit handlers: those end daemonic children) leaves no trainer
     behind, waiting for ever on its task queue: it sees its parent gone and exits."""
-    import subprocess
-    import sys
-    import textwrap
-    from pathlib import Path
+    from tests.parent_gone import assert_child_ends_with_parent
 
-    script = tmp_path / "server.py"
-    script.write_text(textwrap.dedent("""
-        import os, torch
+    assert_child_ends_with_parent(tmp_path, """
+        import torch
         from coserve.core.config import OptimConfig
         from coserve.models.loader import load_model
         from coserve.models.peft_adapter import new_lora_adapter
         from coserve.trainer.process import TrainerProcess
-        if __name__ == "__main__":
-            model = load_model("tiny", num_lora_slots=1, max_lora_rank=8)
-            cfg = model.config
-            adapter = new_lora_adapter(num_layers=cfg.num_layers, shapes=cfg.linear_shapes(), rank=4, alpha=8,
-                                       target_modules=("q_proj",), seed=0)
-            store = torch.zeros(cfg.num_layers + 1, 8, cfg.hidden_size)
-            trainer = TrainerProcess(model, store, torch.zeros(1), adapter, slot=0, optim=OptimConfig(lr=1e-3),
-                                     num_threads=1, warmup_rows=(4,))  # (returns once its worker runs)
-            print(trainer.pid, flush=True)
-            os._exit(0)
-    """))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
-    assert out.returncode == 0, out.stderr
-    pid = int(out.stdout.split()[0])
-    deadline = time.monotonic() + 30
-    while Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-        assert time.monotonic() < deadline, "the trainer outlived the process that started it"
-        time.sleep(0.2)
+        model = load_model("tiny", num_lora_slots=1, max_lora_rank=8)
+        cfg = model.config
+        adapter = new_lora_adapter(num_layers=cfg.num_layers, shapes=cfg.linear_shapes(), rank=4, alpha=8,
+                                   target_modules=("q_proj",), seed=0)
+        store = torch.zeros(cfg.num_layers + 1, 8, cfg.hidden_size)
+        trainer = TrainerProcess(model, store, torch.zeros(1), adapter, slot=0, optim=OptimConfig(lr=1e-3),
+                                 num_threads=1, warmup_rows=(4,))  # (returns once its worker runs)
+        print(trainer.pid, flush=True)
+        os._exit(0)
+    """)

@@ -7,9 +7,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import subprocess
-import sys
-import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -184,31 +181,17 @@ def test_the_spare_sets_the_handed_over_environment_before_it_reads_the_spec(mon
 
 def test_an_unused_spare_ends_with_the_process_that_started_it(tmp_path: Path) -> None:
     """A server killed without its exit handlers (the spare is daemonic: those would end it) leaves
-    no spare behind: the spare sees its parent gone within PARENT_CHECK_S of its imports."""
-    script = tmp_path / "parent.py"
-    script.write_text(textwrap.dedent("""
-        import os, torch
+    no spare behind."""
+    from tests.parent_gone import assert_child_ends_with_parent
+
+    assert_child_ends_with_parent(tmp_path, """
+        import torch
         from coserve.trainer import spare
-        if __name__ == "__main__":
-            spare.prepare_for(torch.device("cpu"))
-            print(spare.HELD._spare.proc.pid, flush=True)
-            os._exit(0)
-    """))
-    env = {**os.environ, spare.SPARE_ENV: "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
-    assert out.returncode == 0, out.stderr
-    pid = int(out.stdout.split()[0])
-    deadline = time.monotonic() + 90
-    while Path(f"/proc/{pid}").exists() and _state(pid) != "Z":
-        assert time.monotonic() < deadline, "the spare outlived its parent"
-        time.sleep(0.2)
+        spare.prepare_for(torch.device("cpu"))
+        print(spare.HELD._spare.proc.pid, flush=True)
+        os._exit(0)
+    """, env={spare.SPARE_ENV: "1"}, timeout_s=90)
 
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "gone"
 
 
 @pytest.mark.parametrize("warm", [True, False])
