@@ -6,14 +6,15 @@ interpreter; ``import torch`` alone 3.9–4.3 s there), ``build`` 4.2–6.2 s (m
 ``torch.optim.AdamW`` imports: :func:`coserve.trainer.optim.import_ahead`) and ``warm-up`` 7.0–9.1 s
 (``bench/results/latency_h100/session45/``). A spare has done the imports already, so a start that
 takes one (a job's, a resume's, a restart after a failure) pays for the model's CUDA handles and
-the warm-up alone.
+the warm-up alone: at the 8B shape on an H100, process + build 7.2–9.3 s spawned against
+0.27–0.35 s from a spare (``bench/spare_start.py``, ``session45/spare_start_7895f01*.json``).
 
 Nothing CUDA happens in a spare before the hand-over: the environment the trainer's CUDA context
 reads (its MPS share and priority, :func:`coserve.trainer.mps.mps_share`) is applied first, then the
 spec (whose tensors open the context) is read. A spare is used only where its imports read the same
 environment a fresh interpreter would now (:data:`IMPORT_ENV_PREFIXES`); else it is closed and the
 trainer spawned as before. It ends with the process that started it (daemonic, and it watches its
-parent while it waits).
+parent's sentinel: :func:`coserve.parent_watch.exit_with_parent`).
 
 ``COSERVE_TRAINER_SPARE``: ``auto`` (default: on where the trainer runs on a GPU, whose start is the
 slow one), ``1`` (also on the CPU), ``0`` (never)."""
