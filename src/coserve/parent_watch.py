@@ -10,6 +10,7 @@ from typing import Final
 
 EXIT_PARENT_GONE: Final = 3
 """A child's exit status when the process that started it has ended (:func:`exit_with_parent`)."""
+_watching = False  # (this process's watch is running)
 
 
 def exit_with_parent() -> None:
@@ -18,10 +19,12 @@ def exit_with_parent() -> None:
     children) would otherwise leave its children blocked for ever on their queues (a trainer also
     on a cleared grant, holding its share of the GPU's memory against the next server). A thread
     waits on the parent's sentinel (no polling) and calls ``os._exit``. Nothing where there is no
-    such parent."""
+    such parent, or where one watches already (a spare that became a trainer)."""
+    global _watching
     parent = multiprocessing.parent_process()
-    if parent is None:
+    if parent is None or _watching:
         return
+    _watching = True
 
     def watch() -> None:
         multiprocessing.connection.wait([parent.sentinel])

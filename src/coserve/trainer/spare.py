@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import copy
 import logging
-import multiprocessing
 import os
 import pickle
-import queue
 import threading
 import time
 from multiprocessing.reduction import ForkingPickler
@@ -48,8 +46,6 @@ spare started, or it is not used."""
 HANDOVER_ENV = (MPS_SHARE_ENV, MPS_PRIORITY_ENV)
 """Set (or unset) in the spare at the hand-over, before its CUDA context exists: what
 :func:`~coserve.trainer.mps.mps_share` sets around a trainer's start."""
-PARENT_CHECK_S = 1.0
-"""How often a waiting spare checks that the process that started it is alive."""
 IMPORT_TIMEOUT_S = 300.0
 """How long the parent's watch waits for a spare's imports before it says they have not finished."""
 
@@ -134,22 +130,14 @@ class Spare:
 
 def spare_main(setup: Any, tasks: Any, results: Any, grant: Any, ready: Any, imported: Any = None) -> None:
     """A spare's entry point: the imports, then a spec to run."""
-    exit_with_parent()  # (also while it imports: a killed server leaves no spare behind)
+    exit_with_parent()  # (also while it imports and waits: a killed server leaves no spare behind)
     from coserve.trainer.optim import import_ahead
     from coserve.trainer.worker import run_worker
-
 
     import_ahead()
     if imported is not None:
         imported.value = time.time()
-    parent = multiprocessing.parent_process()
-    while True:
-        try:
-            env, wait_ready = setup.get(timeout=PARENT_CHECK_S)
-            break
-        except queue.Empty:
-            if parent is not None and not parent.is_alive():
-                return
+    env, wait_ready = setup.get()
     for name, value in env.items():
         if value is None:
             os.environ.pop(name, None)
@@ -182,16 +170,13 @@ class _Held:
         is closed)."""
         with self._lock:
             spare, self._spare = self._spare, None
-        if self.disabled is not None:
-            if spare is not None:
-                spare.close()
-            return None
         if spare is None:
             return None
-        if spare.usable():
-            return spare
-        logger.info("the spare trainer interpreter is not used (%s): a fresh one starts",
-                    "it ended" if not spare.proc.is_alive() else "the environment changed since it started")
+        if self.disabled is None:
+            if spare.usable():
+                return spare
+            logger.info("the spare trainer interpreter is not used (%s): a fresh one starts",
+                        "it ended" if not spare.proc.is_alive() else "the environment changed since it started")
         spare.close()
         return None
 
