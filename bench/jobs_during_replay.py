@@ -277,8 +277,8 @@ SPARE_READY = re.compile(r"spare trainer interpreter ready: its imports took ([\
 def server_side(log_text: str, calls_wall: dict[str, float]) -> dict[str, Any]:
     """What the server's log says of the job (its INFO lines, stamped by its clock, this host's):
     ``set_ups``, each job set-up's seconds, its trainer's start and the start's stages where named
-    (``FinetuneSession``'s line), and whether that start took a spare interpreter (``from_spare``) and, for a resume, the seconds until it had gone on from its
-    checkpoint ("resumed from"); ``pause_to_paused_ms``, from the pause call's start to the
+    (``FinetuneSession``'s line), whether that start took a spare interpreter (``from_spare``)
+    and, for a resume, the seconds until it had gone on from its checkpoint ("resumed from"); ``pause_to_paused_ms``, from the pause call's start to the
     engine's "fine-tuning paused" line: the most the pause can have held the engine's thread (the
     call's own time includes the wait for the files); ``spare_imports_s``, what each spare trainer
     interpreter's imports took (its "ready" line)."""
