@@ -68,7 +68,8 @@ def lr_lambda(cfg: OptimConfig) -> Callable[[int], float]:
 
 def import_ahead() -> None:
     """Import what a first ``torch.optim.AdamW`` with a ``LambdaLR`` imports (``torch._dynamo``,
-    ``sympy`` and some 900 modules more: 0.82 s on the dev VM, ``bench/results/host_cpu/session45/build_imports.txt``; about four times that on session 45's
+    ``sympy`` and some 900 modules more: 0.82 s on the dev VM,
+    ``bench/results/host_cpu/session45/build_imports.txt``; about four times that on session 45's
     H100 host, where a trainer's ``build`` stage took 4.2–6.2 s): by building a throwaway pair on a
     CPU tensor, which initializes no CUDA. A spare trainer interpreter runs it ahead of need
     (:mod:`coserve.trainer.spare`)."""
