@@ -281,6 +281,24 @@ def test_min_tokens_masks_eos_and_stop_ids(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_extreme_top_p_and_temperature_keep_the_kept_sets(device: str) -> None:
+    """Values the request's checks let through but float32 cannot hold: a ``top_p`` that rounds
+    to 0 keeps the top token (it used to index position -1 and stop the engine); a temperature
+    that rounds to inf leaves masked tokens masked (-inf / inf was a NaN that argmax drew)."""
+    base = torch.tensor([10.0, 0.0, 9.0, 0.0, 5.0, 0.0])
+    draws = 200
+    tiny_p = SamplingParams(temperature=1.0, top_p=1e-50)
+    out = _apply_top_k_top_p(base.expand(2, -1).to(device).clone(), [tiny_p, replace(tiny_p, top_k=3)])
+    assert [[j for j, v in enumerate(row) if v != -math.inf] for row in out.tolist()] == [[0], [0]]
+    assert set(_ids(_call(Sampler(), base.expand(draws, -1).to(device), [tiny_p] * draws))) == {0}
+    hot = SamplingParams(temperature=1e300, top_k=3, min_tokens=3, stop_token_ids=(2,))
+    sampled = _ids(_call(Sampler(), base.expand(draws, -1).to(device), [hot] * draws,
+                         num_generated=[0] * draws, eos=frozenset({0})))
+    # under min_tokens: eos (0) and the stop id (2) masked; top-3 of the rest is {4, 1, 3, 5} (tied)
+    assert set(sampled) <= {1, 3, 4, 5} and len(set(sampled)) > 1, "a flat draw over the kept tokens"
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_logprobs_are_raw_log_softmax(device: str) -> None:
     logits = torch.randn(4, 40, generator=_gen(4)).to(device)
     params = [

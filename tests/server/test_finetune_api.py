@@ -578,8 +578,10 @@ def test_jobs_created_while_one_runs_are_queued_and_start_in_turn(tmp_path: Path
         assert not (tmp_path / "jobs" / third.id / "train_log.jsonl").exists(), "the cancelled queued job never ran"
 
 
-def test_a_restarted_server_starts_the_jobs_still_queued(tmp_path: Path) -> None:
-    config = JobsConfig(tmp_path, TEMPLATE)
+def test_a_stopped_server_resumes_its_running_job_then_starts_the_queued_ones(tmp_path: Path) -> None:
+    """A server's stop (Ctrl-C, SIGTERM) pauses the job it runs at a checkpoint, not cancels it:
+    the next start resumes it from there, ahead of the jobs still queued, which start in turn."""
+    config = JobsConfig(tmp_path, TEMPLATE)  # (save_every 0: the stop writes the checkpoint)
     data = DATA_BYTES
 
     with serve(jobs_engine(), jobs=config) as s:
@@ -587,17 +589,61 @@ def test_a_restarted_server_starts_the_jobs_still_queued(tmp_path: Path) -> None
         first = s.client.fine_tuning.jobs.create(model=MODEL, training_file=f.id, hyperparameters={"n_epochs": 500})
         queued = s.client.fine_tuning.jobs.create(model=MODEL, training_file=f.id, hyperparameters={"n_epochs": 1})
         wait_for(s, first.id, ("running",))
+        steps_reach(s, first.id, 2)
         assert s.client.fine_tuning.jobs.retrieve(queued.id).status == "queued"
-    # the server stopped (its running job ended with it): the queued one did not start then ...
+    # the server stopped: its running job paused at a checkpoint, queued to resume first; the
+    # queued one did not start then
+    run = tmp_path / "jobs" / first.id
+    outcome = json.loads((run / "outcome.json").read_text())
+    assert outcome["ft_outcome"] == "paused" and (run / "checkpoint" / "trainer_state.pt").is_file()
+    assert json.loads((run / "queued.json").read_text()) == {"queued_at": 0.0, "resume": True}
+    stopped_at = outcome["ft_optimizer_steps"]
+    assert stopped_at >= 2
     assert not (tmp_path / "jobs" / queued.id / "train_log.jsonl").exists()
     assert (tmp_path / "jobs" / queued.id / "queued.json").is_file()
     with serve(jobs_engine(), jobs=config) as s:
-        # ... but at the next start, and trains to its end
-        assert s.client.fine_tuning.jobs.retrieve(first.id).status == "cancelled"
+        jobs = s.client.fine_tuning.jobs
+        wait_for(s, first.id, ("running",))
+        assert jobs.retrieve(queued.id).status == "queued", "behind the resumed job"
+        steps_reach(s, first.id, stopped_at + 1)
+        assert jobs.cancel(first.id).status == "cancelled"
+        # ... then the queued one, which trains to its end
         assert wait_for(s, queued.id, ("succeeded", "failed", "cancelled")) == "succeeded"
-        done = s.client.fine_tuning.jobs.retrieve(queued.id)
+        done = jobs.retrieve(queued.id)
         assert done.fine_tuned_model is not None and ask(s, done.fine_tuned_model)
+    steps = [json.loads(line)["step"] for line in (run / "train_log.jsonl").read_text().splitlines()]
+    assert steps == list(range(len(steps))) and len(steps) > stopped_at, "one log across the stop"
     assert not (tmp_path / "jobs" / queued.id / "queued.json").exists()
+    assert not (run / "queued.json").exists()
+
+
+def test_an_engine_failure_pauses_the_running_job_to_resume_at_the_next_start(tmp_path: Path) -> None:
+    """The engine's loop failing (a bug) ends serving; the job it ran is paused at a checkpoint,
+    not cancelled, is not set up again on the dead engine, and resumes at the next start."""
+    config = JobsConfig(tmp_path, TEMPLATE)
+    with serve(jobs_engine(), jobs=config) as s:
+        f = s.client.files.create(file=("facts.jsonl", DATA_BYTES), purpose="fine-tune")
+        job = s.client.fine_tuning.jobs.create(model=MODEL, training_file=f.id, hyperparameters={"n_epochs": 500})
+        wait_for(s, job.id, ("running",))
+        steps_reach(s, job.id, 2)
+
+        def fail() -> None:
+            raise RuntimeError("a bug in the engine")
+
+        s.engine_thread.engine.step = fail  # type: ignore[method-assign]
+        deadline = time.monotonic() + 30
+        while s.engine_thread.session is not None or not (tmp_path / "jobs" / job.id / "outcome.json").is_file():
+            assert time.monotonic() < deadline, "the engine's failure did not end the session"
+            time.sleep(0.05)
+        assert http(s.url + "/health")[0] == 503
+        time.sleep(0.5)  # (long enough for the board to have set the job up again, were it to)
+        assert s.client.fine_tuning.jobs.retrieve(job.id).status == "queued", "to resume, not set up again"
+    run = tmp_path / "jobs" / job.id
+    assert json.loads((run / "outcome.json").read_text())["ft_outcome"] == "paused"
+    assert json.loads((run / "queued.json").read_text())["resume"] is True
+    with serve(jobs_engine(), jobs=config) as s:
+        wait_for(s, job.id, ("running",))
+        assert s.client.fine_tuning.jobs.cancel(job.id).status == "cancelled"
 
 
 def test_a_jobs_epoch_checkpoints_are_listed_and_served_once_it_has_ended(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import pytest
 from coserve.server.cli import slo_config
 from coserve.server.demo import add_demo_args
 from coserve.server.serve_cli import add_serve_args, serve_spec
+from tests.server.test_api import http
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -288,6 +289,55 @@ def test_ctrl_c_stops_the_server_cleanly(tmp_path: Path) -> None:
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, "".join(lines) + out
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
+
+
+def test_a_failed_engine_stops_the_server_with_status_1(tmp_path: Path) -> None:
+    """A server whose engine loop has failed serves nothing any more: it shuts down (status 1, for
+    a supervisor to restart it) rather than answer 503 for ever."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    trigger = tmp_path / "fail"
+    # (the engine's steps fail once ``trigger`` exists: a bug that a request runs into)
+    program = ("import sys, pathlib\n"
+               "from coserve.engine.llm_engine import LLMEngine\n"
+               "step = LLMEngine.step\n"
+               f"trigger = pathlib.Path({str(trigger)!r})\n"
+               "def step_or_fail(self):\n"
+               "    if trigger.exists():\n"
+               "        raise RuntimeError('a bug in the engine')\n"
+               "    return step(self)\n"
+               "LLMEngine.step = step_or_fail\n"
+               "from coserve.server.cli import main\n"
+               "sys.exit(main())\n")
+    proc = subprocess.Popen([sys.executable, "-c", program, "serve", "--model", "tiny", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:  # until it serves
+        lines.append(line)
+        if "serving 'tiny' at" in line:
+            break
+    else:
+        pytest.fail("the server did not start: " + "".join(lines))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:  # (the line comes as uvicorn starts, before it listens)
+        try:
+            if http(url + "/health")[0] == 200:
+                break
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, "the server does not answer"
+        time.sleep(0.1)
+    assert http(url + "/v1/completions", {"prompt": "hi", "max_tokens": 2})[0] == 200
+    trigger.touch()
+    status, reply = http(url + "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    assert status == 503 and "shut down" in reply["error"]["message"]
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1, "".join(lines) + out
+    assert "a bug in the engine" in out and "the server shuts down" in out, out
 
 
 def test_the_switch_interval_is_checked_and_small_by_default() -> None:

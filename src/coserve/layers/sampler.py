@@ -138,7 +138,9 @@ class Sampler:
         num_rows, vocab = x.shape
         device = x.device
         temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-        x.div_(temps.unsqueeze(1))
+        # (a temperature past float32's range would be inf there, and -inf / inf a NaN that argmax
+        # picks: a filtered token, an EOS under min_tokens, drawn; float32's largest keeps them -inf)
+        x.div_(temps.clamp_(max=torch.finfo(torch.float32).max).unsqueeze(1))
         x = _apply_top_k_top_p(x, params)
         x = _apply_min_p(x, params)
 
@@ -273,7 +275,9 @@ def _apply_top_k_top_p(x: torch.Tensor, params: Sequence[SamplingParams]) -> tor
     top_p = torch.tensor(
         [p.top_p if p.top_p < 1.0 else 2.0 for p in params], dtype=torch.float32, device=device
     )
-    last_kept = (mass_before < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True).sub_(1)
+    # (clamped: a top_p below float32's smallest number rounds to 0, which no mass is below; the
+    # top token is kept then, as for any top_p smaller than its probability)
+    last_kept = (mass_before < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True).sub_(1).clamp_(min=0)
     # Comparing against the logit of the last kept position also keeps tokens tied with it.
     x.masked_fill_(x < sorted_vals.gather(1, last_kept), float("-inf"))
     return x

@@ -202,6 +202,12 @@ class EngineThread:
         # (it returns the figures to publish: the job's outcome may change there)
         # (with the exported adapter, in memory: its files may still be being written)
         self.on_session_end: Callable[[FinetuneSession, EngineStats, LoraAdapter | None], EngineStats] | None = None
+        # whether a session still running when the loop stops (the server's shutdown, or the loop's
+        # failure) is paused at its last committed step, its checkpoint written, rather than
+        # cancelled (None: cancelled; the job board pauses its API jobs, to resume at the next start)
+        self.pause_at_stop: Callable[[FinetuneSession], bool] | None = None
+        # called on the loop thread once the loop has failed and closed (the server stops then)
+        self.on_failure: Callable[[BaseException], None] | None = None
         self._inbox: deque[_Submission] = deque()
         self._aborts: deque[str] = deque()
         self._calls: deque[tuple[Callable[[LLMEngine], Any], asyncio.AbstractEventLoop, asyncio.Future[Any]]] = deque()
@@ -227,6 +233,11 @@ class EngineThread:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def stopping(self) -> bool:
+        """Whether the loop is stopping or has stopped (shut down, or failed)."""
+        return self._stopping
 
     def submit(
         self,
@@ -336,6 +347,11 @@ class EngineThread:
             self._stopping = True
         finally:
             self._close()
+        if self.failure is not None and self.on_failure is not None:
+            try:
+                self.on_failure(self.failure)
+            except Exception:
+                logger.exception("after the engine loop failed")
 
     def _drain(self) -> None:
         with self._cond:
@@ -472,5 +488,6 @@ class EngineThread:
         for handle in pending:
             handle.deliver(dead)
         if self.session is not None:
-            self._finish_session(self.session)
+            pause = self.pause_at_stop is not None and self.pause_at_stop(self.session)
+            self._finish_session(self.session, "paused" if pause else None)
         self._publish()

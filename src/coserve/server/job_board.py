@@ -233,6 +233,7 @@ class JobBoard:
         if startup is not None:
             self.jobs[startup.id] = startup
         engine_thread.on_session_end = self.session_ended
+        engine_thread.pause_at_stop = self._resumable
 
     def _restore(self, jobs_dir: Path) -> None:
         """The jobs an earlier server of this DIR ran (``ID/job.json``, ``ID/outcome.json``), oldest
@@ -451,11 +452,19 @@ class JobBoard:
 
     # ------------------------------------------------------------------ the queue
 
-    def _enqueue(self, job: FinetuneJob, resume: bool) -> None:
-        """``job`` waits for the jobs before it (kept across a restart)."""
+    def _enqueue(self, job: FinetuneJob, resume: bool, queued_at: float | None = None) -> None:
+        """``job`` waits for the jobs before it (kept across a restart, where the jobs queued
+        start in the order of their ``queued_at``: now unless given)."""
         self.queue[job.id] = resume
         if self.config is not None:
-            write_json(job.train_log.parent / QUEUED, {"queued_at": time.time(), "resume": resume})
+            write_json(job.train_log.parent / QUEUED,
+                       {"queued_at": time.time() if queued_at is None else queued_at, "resume": resume})
+
+    def _resumable(self, session: FinetuneSession) -> bool:
+        """Whether ``session`` runs a job that can be paused and resumed (one created through the
+        API, with a jobs directory)."""
+        job = self.jobs.get(session.job_id)
+        return self.config is not None and job is not None and not job.live
 
     def _dequeue(self, job: FinetuneJob) -> bool:
         """Take ``job`` off the queue; whether it was queued to resume."""
@@ -468,7 +477,7 @@ class JobBoard:
         is failed, saying why, and the next one tried."""
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-        while self.queue and not self.closing and self.running() is None:
+        while self.queue and not self.closing and not self.et.stopping and self.running() is None:
             job = self.jobs[next(iter(self.queue))]
             resume = self._dequeue(job)
             try:
@@ -800,6 +809,13 @@ class JobBoard:
         restarted server; returns the job's figures."""
         final = self._served(session, final, adapter)
         self._save_outcome(session.job_id, final)
+        job = self.jobs.get(session.job_id)
+        if job is not None and final.ft_outcome == "paused" and self.et.stopping and self._resumable(session):
+            # paused by the server's stop (or the engine's failure), not by a client: resumed at the
+            # next start, ahead of the jobs queued behind it
+            self._enqueue(job, resume=True, queued_at=0.0)
+            logger.info("fine-tuning job %s paused at a checkpoint as the server stops: it resumes at the next "
+                        "start", job.id)
         ended = self._ended.get(session.job_id)
         if ended is not None and final.ft_outcome != "paused":  # (a paused job's validation waits for its end)
             ended.get_loop().call_soon_threadsafe(_settle, ended, final)

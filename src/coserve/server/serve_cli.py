@@ -160,6 +160,15 @@ def _server_class() -> type:
     return Server
 
 
+def _stop_after_failure(server: Any) -> None:
+    """(the engine's thread, its loop failed) Stop the server: it can serve no request any more,
+    and a process that ends (exit status 1) is one that a supervisor restarts, where one that
+    answers 503 for ever is not. A running API job has been paused at a checkpoint and resumes at
+    the next start."""
+    logger.error("the engine has stopped (see the error above): the server shuts down")
+    server.should_exit = True
+
+
 def lora_modules(specs: list[str], base_name: str) -> dict[str, str]:
     """``{name: path}`` of ``--lora-modules NAME=PEFT_DIR ...``; raises ValueError naming a bad one."""
     out: dict[str, str] = {}
@@ -275,6 +284,7 @@ def serve(args: argparse.Namespace) -> int:
     freeze_startup_objects("server")
     server = _server_class()(uvicorn.Config(app, host=args.host, port=args.port,
                                             log_level=str(args.log_level).lower(), access_log=False))
+    engine_thread.on_failure = lambda _: _stop_after_failure(server)
     url = f"http://{args.host}:{args.port}/v1"
     logger.info("serving %r at %s", name, url)
     coserve_note = "" if spec is None else (
