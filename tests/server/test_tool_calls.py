@@ -64,6 +64,16 @@ def test_template_messages_give_the_template_the_arguments_as_an_object() -> Non
         "function"]["arguments"] == {"x": 1}
 
 
+def test_json_too_deep_to_parse_is_no_call_and_no_object() -> None:
+    deep = "[" * 100_000 + "]" * 100_000  # (json.loads raises RecursionError, not ValueError)
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep}}]
+    assert template_messages([{"role": "assistant", "content": None, "tool_calls": calls}])[0]["tool_calls"][0][
+        "function"]["arguments"] == deep, "kept as the string sent"
+    text = f'<tool_call>{{"name": "f", "arguments": {deep}}}</tool_call>'
+    assert parse_hermes(text) == (text, [])
+    assert parse_llama3_json(f'{{"name": "f", "parameters": {deep}}}') == (f'{{"name": "f", "parameters": {deep}}}', [])
+
+
 # a template in the Hermes style: the tools in a system turn, earlier calls and tool answers in theirs
 TEMPLATE = (
     "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
@@ -115,6 +125,26 @@ def test_chat_with_tools_renders_them_and_the_earlier_calls_into_the_prompt() ->
             s.client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS)
         assert s.client.chat.completions.create(model=MODEL, messages=MESSAGES[:1], tools=TOOLS, tool_choice="none",
                                                 max_tokens=2).choices[0].message.content is not None
+
+
+def test_json_nested_too_deeply_to_render_is_a_400() -> None:
+    """A tool's parameters or a call's arguments nested deeper than the template can walk (600
+    levels: parsed, but too deep for the recursion limit once rendered) are the client's mistake."""
+    engine = LLMEngine(EngineConfig(model=MODEL, device="cpu"))
+    assert engine.tokenizer is not None
+    engine.tokenizer.chat_template = TEMPLATE
+    parameters: dict[str, Any] = {}
+    for _ in range(600):
+        parameters = {"a": parameters}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[" * 600 + "]" * 600}}]
+    deep_call = [MESSAGES[0], {"role": "assistant", "content": None, "tool_calls": calls}]
+    with serve(engine, tool_parser="hermes") as s:
+        for body in ({"messages": MESSAGES[:1], "tools": tools}, {"messages": deep_call}):
+            for route in ("/v1/chat/completions", "/tokenize"):
+                status, reply = http(s.url + route, {"model": MODEL, "max_tokens": 2, **body})
+                assert status == 400 and "nested too deeply" in reply["error"]["message"], (route, status, reply)
+        assert s.client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=2).choices
 
 
 def test_streamed_calls_come_as_one_delta_with_their_index() -> None:

@@ -456,8 +456,9 @@ class Tokenizer:
         special tokens) and the ids are returned. ``tools`` (JSON schemas) select the directory's
         ``tool_use`` template where it has one, as in transformers.
 
-        Raises ValueError when the tokenizer has no chat template, when ``messages`` is empty, or
-        when the template fails (e.g. its ``raise_exception`` rejects the conversation).
+        Raises ValueError when the tokenizer has no chat template, when ``messages`` is empty, when
+        the template fails (e.g. its ``raise_exception`` rejects the conversation), or when the
+        messages, tools or ``chat_template_kwargs`` nest too deeply to walk (a RecursionError).
         """
         if self.chat_template is None:
             raise ValueError(
@@ -471,17 +472,16 @@ class Tokenizer:
         extra = dict(chat_template_kwargs or {})
         if reserved := _RESERVED_TEMPLATE_VARS.intersection(extra):
             raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)}")
-        conversation = []
         for message in messages:
             if not isinstance(message, Mapping):
                 raise ValueError(f"chat messages must be mappings, got {type(message).__name__}")
-            conversation.append({str(k): plain(v) for k, v in message.items() if v is not None})
-        variables: dict[str, Any] = {**self._special_tokens_map, **plain(extra)}
         source = self.chat_template
         if tools is not None and "tool_use" in self._chat_templates:
             source = self._chat_templates["tool_use"]  # transformers' choice when tools are given
         template = compile_chat_template(source)
         try:
+            conversation = [{str(k): plain(v) for k, v in m.items() if v is not None} for m in messages]
+            variables: dict[str, Any] = {**self._special_tokens_map, **plain(extra)}
             text = template.render(
                 messages=conversation,
                 tools=plain(list(tools)) if tools is not None else None,
@@ -491,6 +491,12 @@ class Tokenizer:
             )
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template error: {e}") from e
+        except RecursionError as e:
+            # (plain() and the template's tojson recurse once per level of nesting)
+            raise ValueError(
+                "the chat is nested too deeply to render: a message, a tool call's arguments or a "
+                "tool's parameters hold JSON nested deeper than the chat template can walk"
+            ) from e
         if tokenize:
             return self.encode(text, add_special_tokens=False)
         return text

@@ -10,8 +10,9 @@ with ``coserve serve --tool-call-parser NAME``:
   ``{"name": ..., "parameters": {...}}`` (or several separated by ``;``), optionally after
   ``<|python_tag|>``; any other answer is content.
 
-A call whose JSON does not parse (an answer cut by ``max_tokens``, say) is left in the content:
-a client then sees what the model wrote rather than a call that was never whole.
+A call whose JSON does not parse (an answer cut by ``max_tokens``, say, or one nested deeper than
+Python's parser recurses) is left in the content: a client then sees what the model wrote rather
+than a call that was never whole.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def _call(obj: Any, args_key: str) -> ToolCall | None:
     if isinstance(args, str):  # (a model that writes the arguments as a JSON string)
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None
@@ -62,7 +63,7 @@ def parse_hermes(text: str) -> Parsed:
     for m in _HERMES.finditer(text):
         try:
             call = _call(json.loads(m.group(1)), "arguments")
-        except ValueError:
+        except (ValueError, RecursionError):
             call = None
         if call is None:
             continue  # (not a call: it stays in the content)
@@ -82,7 +83,7 @@ def parse_llama3_json(text: str) -> Parsed:
     for part in body.split(";"):
         try:
             call = _call(json.loads(part), "parameters")
-        except ValueError:
+        except (ValueError, RecursionError):
             return Parsed(text, [])
         if call is None:
             return Parsed(text, [])
@@ -107,7 +108,9 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _as_object(arguments: str) -> Any:
+    """``arguments`` parsed, or the string itself where it is not JSON (or nests too deeply for
+    the parser: the template then writes the string as sent)."""
     try:
         return json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):
         return arguments
