@@ -500,6 +500,8 @@ def test_max_seq_len_must_allow_a_target(tmp_path: Path) -> None:
 GOOD = {"input_ids": [5, 6]}
 MALFORMED: list[tuple[object, str]] = [
     ("{not json", "invalid JSON"),
+    ("[" * 200_000, "invalid JSON: nested too deeply to parse"),  # (a RecursionError in json.loads)
+    ('{"input_ids": [' + "1" * 5000 + "]}", "invalid JSON: Exceeds the limit (4300 digits)"),  # (a ValueError)
     ([1, 2], "row is not a JSON object (got list)"),
     ("null", "row is not a JSON object (got null)"),
     ({"foo": 1}, "unrecognized row"),
@@ -671,6 +673,8 @@ FILE_ERROR_CASES: list[tuple[str, str, bytes | None, str]] = [
     ("missing-without-extension", "tiny_fact", None, "cannot read dataset: no such file"),
     ("bad-extension", "d.csv", b"a,b\n", "unsupported dataset extension '.csv'"),
     ("invalid-json", "d.json", b'[{"input_ids": [5, 6]},', "not valid JSON"),
+    ("too-deep", "d.json", b"[" * 200_000, "not valid JSON: nested too deeply to parse"),
+    ("too-many-digits", "d.json", b'[{"input_ids": [' + b"1" * 5000 + b"]}]", "not valid JSON: Exceeds the limit"),
     ("not-an-array", "d.json", b'{"input_ids": [5, 6]}', "expected a JSON array of objects"),
     ("empty-jsonl", "d.jsonl", b"", "no usable rows (0 rows read)"),
     ("blank-jsonl", "d.jsonl", b"\n  \n", "no usable rows (0 rows read)"),
@@ -1052,6 +1056,8 @@ def test_function_calling_rows_train_on_the_calls_and_the_answer(tmp_path: Path)
     ({"messages": [TOOL_ROW["messages"][0], {"role": "assistant", "tool_calls": [{"function": {"name": "f",
                                                                                                "arguments": "{x"}}]}]},
      "messages[1].tool_calls[0].function.arguments is not JSON"),
+    ({"messages": [TOOL_ROW["messages"][0], {"role": "assistant", "tool_calls": [{"function": {
+        "name": "f", "arguments": "[" * 200_000}}]}]}, "function.arguments is not JSON: nested too deeply to parse"),
     ({"messages": [TOOL_ROW["messages"][0], {"role": "assistant", "tool_calls": [{"function": {}}]}]},
      "messages[1].tool_calls[0] has no function name"),
     ({"tools": "get_weather"}, "field 'tools' must be a list of objects"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -503,6 +504,23 @@ def test_an_upload_larger_than_the_limit_is_a_413_and_leaves_nothing(tmp_path: P
         assert s.client.files.list().data == [] and list((tmp_path / "files").iterdir()) == []
         f = s.client.files.create(file=("facts.jsonl", data), purpose="fine-tune")
         assert f.bytes == len(data) and s.client.files.content(f.id).read() == data
+
+
+@pytest.fixture(scope="module")
+def jobs_served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """A server that takes uploads and jobs, for checks that train nothing."""
+    with serve(jobs_engine(), jobs=JobsConfig(tmp_path_factory.mktemp("jobs"), TEMPLATE)) as s:
+        yield s
+
+
+def test_rows_that_json_cannot_read_are_skipped_and_counted(jobs_served: Served) -> None:
+    """A line nested past the parser's recursion limit and a row with an integer past CPython's
+    digit limit are malformed rows like any other, not a 500 or a refused file."""
+    data = "\n".join([*ROWS, "[" * 200_000, '{"input_ids": [' + "1" * 5000 + "]}"]) + "\n"
+    f = jobs_served.client.files.create(file=("deep.jsonl", data.encode()), purpose="fine-tune")
+    extra = f.coserve  # type: ignore[attr-defined]
+    assert (extra["rows"], extra["samples"], extra["malformed_rows"]) == (10, 8, 2)
+    assert extra["first_malformed"] == {"line": 9, "reason": "invalid JSON: nested too deeply to parse"}
 
 
 def test_a_paused_jobs_files_are_kept_and_a_resume_that_fails_ends_its_validation(tmp_path: Path) -> None:

@@ -213,8 +213,9 @@ def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]] | None:
         if isinstance(args, str):
             try:
                 args = json.loads(args)
-            except ValueError as e:
-                raise _RowError(f"messages[{i}].tool_calls[{k}].function.arguments is not JSON: {e}") from e
+            except (ValueError, RecursionError) as e:
+                raise _RowError(f"messages[{i}].tool_calls[{k}].function.arguments is not JSON: "
+                                f"{_json_error(e)}") from e
         out.append({**c, "type": "function", "function": {"name": fn["name"], "arguments": args}})
     return out
 
@@ -505,8 +506,16 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[int, object]]:
                 continue
             try:
                 yield lineno, json.loads(line)
-            except json.JSONDecodeError as e:
-                yield lineno, _RowError(f"invalid JSON: {e}")
+            except (ValueError, RecursionError) as e:
+                yield lineno, _RowError(f"invalid JSON: {_json_error(e)}")
+
+
+def _json_error(e: ValueError | RecursionError) -> str:
+    """Why ``json.loads`` refused a text: a syntax error, a number past CPython's digit limit
+    (a ValueError that is no JSONDecodeError), or nesting deeper than its recursion limit."""
+    if isinstance(e, RecursionError):
+        return "nested too deeply to parse"
+    return str(e)
 
 
 def _read_json_array(path: Path) -> list[object]:
@@ -516,8 +525,8 @@ def _read_json_array(path: Path) -> list[object]:
         raise DatasetError(f"{path}: not valid UTF-8: {e}") from e
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DatasetError(f"{path}: not valid JSON: {e}") from e
+    except (ValueError, RecursionError) as e:
+        raise DatasetError(f"{path}: not valid JSON: {_json_error(e)}") from e
     if not isinstance(data, list):
         raise DatasetError(f"{path}: expected a JSON array of objects, got {_type_name(data)}")
     return data
