@@ -523,6 +523,29 @@ def test_rows_that_json_cannot_read_are_skipped_and_counted(jobs_served: Served)
     assert extra["first_malformed"] == {"line": 9, "reason": "invalid JSON: nested too deeply to parse"}
 
 
+@pytest.mark.parametrize(("change", "status", "needle"), [
+    ({"method": {"type": "supervised", "supervised": "x"}}, 400, "method.supervised must be an object, got a string"),
+    ({"method": {"type": "supervised", "supervised": {"hyperparameters": "x"}}}, 400,
+     "method.supervised.hyperparameters must be an object, got a string"),
+    ({"method": {"supervised": {"hyperparameters": {"n_epochs": "many"}}}}, 400,
+     "method.supervised.hyperparameters.n_epochs"),
+    ({"method": {"supervised": {"hyperparameters": {"epochs": 2}}}}, 400,
+     "method.supervised.hyperparameters.epochs: Extra inputs are not permitted"),
+    ({"seed": 99999999999999999999999}, 400, "seed: must be a 64-bit signed integer"),
+    ({"seed": -(2**63) - 1}, 400, "seed: must be a 64-bit signed integer"),
+    ({"validation_file": ""}, 404, "no file ''"),
+])
+def test_a_job_request_that_would_fail_later_is_refused_at_once(jobs_served: Served, change: dict[str, Any],
+                                                                status: int, needle: str) -> None:
+    """Each a 4xx with a one-line message when the job is created, not a 500 nor a job that fails
+    after its 200."""
+    f = jobs_served.client.files.create(file=("facts.jsonl", DATA_BYTES), purpose="fine-tune")
+    got, body = http(jobs_served.url + "/v1/fine_tuning/jobs", {"model": MODEL, "training_file": f.id, **change})
+    message = body["error"]["message"]
+    assert got == status and needle in message and "\n" not in message and "pydantic" not in message, body
+    assert jobs_served.client.fine_tuning.jobs.list().data == []
+
+
 def test_a_paused_jobs_files_are_kept_and_a_resume_that_fails_ends_its_validation(tmp_path: Path) -> None:
     config = JobsConfig(tmp_path, TEMPLATE)
     data = DATA_BYTES

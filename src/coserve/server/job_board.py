@@ -424,8 +424,8 @@ class JobBoard:
             raise HTTPException(400, "hyperparameters.learning_rate_multiplier must be in (0, 100], got "
                                      f"{hp.learning_rate_multiplier}")
         data = self.files.path(self.files.get(req.training_file)["id"])
-        if req.validation_file:
-            self.files.get(req.validation_file)  # (404 where there is none)
+        if req.validation_file is not None:
+            self.files.get(req.validation_file)  # (404 where there is none, "" included)
         job_id = f"ftjob-{uuid.uuid4().hex[:24]}"
         t = self.config.template
         mult = 1.0 if hp.learning_rate_multiplier == "auto" else float(hp.learning_rate_multiplier)

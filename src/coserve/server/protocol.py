@@ -11,6 +11,7 @@ from pydantic import (
     Field,
     StrictBool,
     StrictInt,
+    ValidationError,
     field_validator,
     model_validator,
 )
@@ -362,16 +363,51 @@ class CreateJobRequest(BaseModel):
     integrations: list[Any] | None = None
     metadata: dict[str, str] | None = None
 
+    @field_validator("seed")
+    @classmethod
+    def _seed_fits_int64(cls, v: int | None) -> int | None:
+        # (the trainer seeds torch generators with it, which take no more than 64 bits: a seed past
+        # them would fail the job after its 200)
+        if v is not None and not -(2**63) <= v < 2**63:
+            raise ValueError(f"must be a 64-bit signed integer, got {v}")
+        return v
+
     def resolved_hyperparameters(self) -> Hyperparameters:
-        """``hyperparameters``, or ``method.supervised.hyperparameters`` (newer clients send those)."""
-        if self.method is not None:
-            kind = self.method.get("type", "supervised")
-            if kind != "supervised":
-                raise ValueError(f"method.type: coserve fine-tunes supervised only, got {kind!r}")
-            nested = (self.method.get("supervised") or {}).get("hyperparameters")
-            if nested is not None and self.hyperparameters is None:
-                return Hyperparameters.model_validate(nested)
+        """``hyperparameters``, or ``method.supervised.hyperparameters`` (newer clients send those);
+        raises ValueError (a 400) naming the part of ``method`` that is malformed."""
+        nested = None if self.method is None else _supervised_hyperparameters(self.method)
+        if nested is not None and self.hyperparameters is None:
+            return nested
         return self.hyperparameters or Hyperparameters()
+
+
+def _supervised_hyperparameters(method: dict[str, Any]) -> Hyperparameters | None:
+    """``method.supervised.hyperparameters`` of a job request, checked (None where not given)."""
+    kind = method.get("type", "supervised")
+    if kind != "supervised":
+        raise ValueError(f"method.type: coserve fine-tunes supervised only, got {kind!r}")
+    supervised = method.get("supervised")
+    if supervised is None:
+        return None
+    if not isinstance(supervised, dict):
+        raise ValueError(f"method.supervised must be an object, got {_json_type(supervised)}")
+    nested = supervised.get("hyperparameters")
+    if nested is None:
+        return None
+    if not isinstance(nested, dict):
+        raise ValueError(f"method.supervised.hyperparameters must be an object, got {_json_type(nested)}")
+    try:
+        return Hyperparameters.model_validate(nested)
+    except ValidationError as e:  # (its own text spans lines and links to pydantic's docs)
+        raise ValueError("; ".join(f"method.supervised.hyperparameters.{'.'.join(map(str, err['loc']))}: "
+                                   f"{err['msg']}" for err in e.errors())) from None
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of ``value``'s type, for messages."""
+    names = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array",
+             dict: "an object"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
 # ---------------------------------------------------------------------- metrics
