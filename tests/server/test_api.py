@@ -446,6 +446,23 @@ def test_models_health_and_metrics(served: Served) -> None:
     assert "coserve_finetune" not in text and "coserve_slo_requests" not in text
 
 
+def test_an_unhandled_error_is_counted_as_a_500(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    def errors(text: str) -> float:
+        found = re.search(r'coserve_request_errors_total\{endpoint="/tokenize",status="500"\} (\S+)', text)
+        return float(found.group(1)) if found else 0.0
+
+    before = errors(http(served.url + "/metrics")[1])
+    tokenizer = served.engine_thread.engine.tokenizer
+
+    def broken(*args: Any, **kwargs: Any) -> list[int]:
+        raise RuntimeError("a bug in the tokenizer")
+
+    monkeypatch.setattr(tokenizer, "encode", broken)
+    assert http(served.url + "/tokenize", {"prompt": "hi"})[0] == 500
+    monkeypatch.undo()
+    assert errors(http(served.url + "/metrics")[1]) == before + 1
+
+
 def test_a_stream_whose_client_leaves_is_aborted(served: Served) -> None:
     """The client reads the first chunk of a long stream and hangs up: the engine stops the
     request (it would otherwise decode up to 1,500 tokens for nobody) and the running gauge says

@@ -698,7 +698,11 @@ def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str,
             response: Response = _error(401, "a valid API key is needed: send 'Authorization: Bearer <key>' "
                                              "(the server's --api-key)", "authentication_error")
         else:
-            response = await call_next(request)
+            try:
+                response = await call_next(request)
+            except Exception:  # (unhandled: Starlette's outer middleware answers it with a 500)
+                api.metrics.errors.labels(endpoint, "500").inc()
+                raise
         if response.status_code >= 400:
             api.metrics.errors.labels(endpoint, str(response.status_code)).inc()
         return response
