@@ -148,6 +148,8 @@ def test_clients_upload_data_create_jobs_and_chat_with_their_adapters(tmp_path: 
         failed = jobs.retrieve(failing.id)
         assert failed.error is not None and "setting up the job" in failed.error.message
         assert failed.fine_tuned_model is None
+        with pytest.raises(openai.NotFoundError, match=r"has ended \(failed\) and no adapter of it is loaded"):
+            s.client.models.delete(f"ft:{MODEL}:coserve:{failing.id}")  # (never served, so never deleted)
         assert ask(s, job.fine_tuned_model) == answer and ask(s, MODEL)
 
 
@@ -303,8 +305,8 @@ def test_clients_read_and_delete_their_files_and_delete_fine_tuned_models(tmp_pa
         with pytest.raises(openai.ConflictError, match=f"in use by fine-tuning job '{job.id}'"):
             s.client.files.delete(f.id)
         name = f"ft:{MODEL}:coserve:{job.id}"
-        with pytest.raises(openai.NotFoundError, match="no model"):
-            s.client.models.delete(name)  # (not served until it ends)
+        with pytest.raises(openai.ConflictError, match=f"not served yet: fine-tuning job '{job.id}' is running"):
+            s.client.models.delete(name)  # (not served until it ends, and not deleted)
         assert s.client.fine_tuning.jobs.cancel(job.id).status == "cancelled"
         assert name in [m.id for m in s.client.models.list().data]
         assert ask(s, name)

@@ -46,7 +46,7 @@ from coserve.server.dataset_reader import DatasetReader
 from coserve.server.engine_thread import EngineDeadError, EngineThread, RequestHandle
 from coserve.server.files import FileStore, add_file_routes
 from coserve.server.finetune import read_dataset
-from coserve.server.finetune_jobs import add_finetune_job_routes
+from coserve.server.finetune_jobs import FinetuneJob, add_finetune_job_routes
 from coserve.server.job_board import JobBoard, JobsConfig
 from coserve.server.progress import RequestCounts
 from coserve.server.protocol import (
@@ -654,6 +654,21 @@ def _dataset_loader(engine_thread: EngineThread, jobs: JobsConfig,
     return lambda path: read_dataset(engine_thread.engine, path, jobs.template.coserve, reader)
 
 
+def _not_served(model: str, job: FinetuneJob | None, board: JobBoard) -> HTTPException:
+    """The answer to deleting ``model``, which no served adapter is: a 409 where it is the model of
+    a job that has not ended (served once it ends), else a 404 that says why there is none."""
+    if job is None:
+        return HTTPException(404, f"no model {model!r} is served")
+    if job.id in board.deleted:
+        return HTTPException(404, f"no model {model!r} is served (deleted already)")
+    status = board.status(job) or board.stats(job).ft_outcome or "running"
+    if status in ("queued", "validating_files", "running", "paused"):
+        return HTTPException(409, f"model {model!r} is not served yet: fine-tuning job {job.id!r} is {status}, "
+                                  "and its model is served once the job ends (cancel the job to end it now)")
+    return HTTPException(404, f"no model {model!r} is served: fine-tuning job {job.id!r} has ended ({status}) "
+                              "and no adapter of it is loaded")
+
+
 OPEN_ROUTES = frozenset({"/health", "/metrics"})
 """The routes that an API key does not guard."""
 
@@ -784,7 +799,7 @@ def create_app(engine_thread: EngineThread, model_name: str, adapters: dict[str,
         checkpoint = board.checkpoint_of_model(model) if job is None else None
         lora = api.adapters.get(model)
         if lora is None:
-            raise HTTPException(404, f"no model {model!r} is served" + (" (deleted already)" if job else ""))
+            raise _not_served(model, job, board)
         if job is None and checkpoint is None:
             api._check_runtime_lora()
         running = board.running()
