@@ -242,6 +242,11 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty must be in (0, 100]"),
     ("/v1/completions", {"prompt": "hi", "min_p": 1.5}, "min_p must be in [0, 1]"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, "keys must be token ids"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"²": 1}}, "keys must be token ids (decimal strings of the "
+     "digits 0-9), got '²'"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"٥": 1}}, "got '٥'"),  # (int() reads it as 5)
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1, "05": 2}}, "keys '5' and '05' name the same token id 5"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"1" * 5000: 1}}, "(5000 digits) is too long to be a token id"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "biases must be in [-100, 100]"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"99999": 1}},
      "token id 99999 is outside the vocabulary"),

@@ -107,12 +107,30 @@ class _SamplingRequest(_Request):
         )
 
     def _logit_bias(self) -> dict[int, float]:
-        bias = {}
+        """``logit_bias`` by token id; raises ValueError (a 400) for a key that is not a token id in
+        ASCII digits, or one that names the same token as another key ("5" and "05")."""
+        bias: dict[int, float] = {}
+        keys: dict[int, str] = {}
         for key, value in (self.logit_bias or {}).items():
-            if not key.isdigit():
-                raise ValueError(f"logit_bias: keys must be token ids (decimal strings), got {key!r}")
-            bias[int(key)] = value
+            token = _token_id_key(key)
+            if token in keys:
+                raise ValueError(f"logit_bias: keys {keys[token]!r} and {key!r} name the same token id {token}")
+            keys[token] = key
+            bias[token] = value
         return bias
+
+
+def _token_id_key(key: str) -> int:
+    """The token id that a ``logit_bias`` key names."""
+    # NOTE: str.isdigit() alone accepts other scripts' digits ("²", which int() refuses, and "٥",
+    # which it reads as 5)
+    if not (key.isascii() and key.isdigit()):
+        raise ValueError(f"logit_bias: keys must be token ids (decimal strings of the digits 0-9), got {key!r}")
+    digits = key.lstrip("0") or "0"
+    if len(digits) > 19:  # (past any vocabulary, and int() refuses past 4300 digits)
+        shown = key if len(key) <= 24 else key[:21] + "..."
+        raise ValueError(f"logit_bias: key {shown!r} ({len(key)} digits) is too long to be a token id")
+    return int(digits)
 
 
 class CompletionRequest(_SamplingRequest):
