@@ -55,12 +55,25 @@ def test_lr_lambda_equals_transformers_schedules(name: str, warmup: int, total: 
     hf = transformers.get_scheduler(
         HF_NAMES[name], hf_opt, num_warmup_steps=warmup, num_training_steps=total
     )
-    for _ in range(total + 3):
+    for _ in range(total):  # (past the total, transformers' cosine rises again: the next test)
         assert ours.get_last_lr() == hf.get_last_lr()
         ours.optimizer.step()
         hf_opt.step()
         ours.step()
         hf.step()
+
+
+@pytest.mark.parametrize("name", ["linear", "cosine"])
+@pytest.mark.parametrize(("warmup", "total"), [(0, 10), (3, 10), (4, 4), (6, 3), (1, 1)])
+def test_decaying_schedules_stay_at_zero_past_the_total(name: str, warmup: int, total: int) -> None:
+    """A run can take more optimizer steps than its estimated total: the learning rate stays at 0
+    there (transformers' cosine climbs back to the full rate at 2 · total - warmup, and restarts
+    at 1 after a warmup that ends at or past the total)."""
+    f = lr_lambda(OptimConfig(lr_scheduler=name, warmup_steps=warmup, total_steps=total))
+    end = max(warmup, total)
+    assert [f(s) for s in range(end, end + 2 * total + 5)] == [0.0] * (2 * total + 5)
+    after_warmup = [f(s) for s in range(warmup, 3 * total + warmup)]
+    assert after_warmup == sorted(after_warmup, reverse=True)
 
 
 def test_lr_lambda_constant_without_warmup_and_decay_without_total() -> None:

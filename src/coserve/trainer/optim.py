@@ -37,12 +37,17 @@ def _linear(step: int, *, warmup: int, total: int) -> float:
 def _cosine(step: int, *, warmup: int, total: int) -> float:
     if step < warmup:
         return float(step) / float(max(1, warmup))
-    progress = float(step - warmup) / float(max(1, total - warmup))
+    # NOTE: progress stops at 1 (transformers' formula does not): past total_steps its cosine
+    # rises again, back to the full learning rate at 2 · total - warmup (and a warmup that ends
+    # at or past total restarts it at 1). A run can step past its total, which is estimated from
+    # the mean sample length.
+    progress = 1.0 if step >= total else float(step - warmup) / float(total - warmup)
     return max(0.0, 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress)))
 
 
 # The formulas of transformers' get_{constant,linear,cosine}_schedule_with_warmup (cosine with
-# num_cycles = 0.5), written out so that the trainer does not import transformers.
+# num_cycles = 0.5, held at 0 past the total), written out so that the trainer does not import
+# transformers.
 _SCHEDULES: dict[str, Callable[..., float]] = {
     "constant": _constant,
     "linear": _linear,
@@ -55,8 +60,9 @@ def lr_lambda(cfg: OptimConfig) -> Callable[[int], float]:
 
     ``constant``: ``step / warmup`` during warmup, then 1. ``linear``: warmup, then
     ``(total - step) / (total - warmup)`` down to 0. ``cosine``: warmup, then
-    ``½(1 + cos(π · (step - warmup) / (total - warmup)))`` down to 0. A decaying schedule
-    needs ``cfg.total_steps > 0``.
+    ``½(1 + cos(π · (step - warmup) / (total - warmup)))`` down to 0. Both decaying schedules
+    stay at 0 past ``total`` (transformers' cosine rises again there). A decaying schedule needs
+    ``cfg.total_steps > 0``.
     """
     if cfg.lr_scheduler != "constant" and cfg.total_steps <= 0:
         raise ValueError(
