@@ -189,6 +189,9 @@ def test_should_interrupt(policy: str, interrupt: bool, ft_only: bool, arrived: 
     [
         ({"ttft_slo_s": 0.0}, "--ttft-slo"),
         ({"tpot_slo_s": -1.0}, "--tpot-slo"),
+        ({"ttft_slo_s": math.inf}, "--ttft-slo-ms must be a positive finite number"),
+        ({"tpot_slo_s": math.inf}, "--tpot-slo-ms must be a positive finite number"),
+        ({"early_pause_s": math.inf}, "--early-pause-ms must be a finite number"),
         ({"margin": 1.0}, "--slo-margin"),
         ({"policy": "sometimes"}, "--ft-policy"),
     ],

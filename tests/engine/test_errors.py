@@ -171,6 +171,15 @@ def test_bad_engine_config(kwargs: dict, message: str) -> None:
         EngineConfig(**kwargs)
 
 
+def test_an_engine_rank_no_linear_can_use_is_refused_before_the_slots_are_allocated() -> None:
+    """The tiny preset's largest min(in_features, out_features) is 128: rank 100,000 took 22 GB
+    of adapter slots before this check."""
+    assert load_model("tiny", num_lora_slots=1, max_lora_rank=128).max_lora_rank == 128
+    with pytest.raises(ValueError, match=r"max_lora_rank 129 \(--max-lora-rank.*above 128.*at most 128"):
+        load_model("tiny", num_lora_slots=1, max_lora_rank=129)
+    assert load_model("tiny", num_lora_slots=0, max_lora_rank=129).num_lora_slots == 0  # (no slot to allocate)
+
+
 def test_unknown_engine_argument() -> None:
     with pytest.raises(TypeError, match="unknown engine argument"):
         LLM("tiny", not_a_flag=1)

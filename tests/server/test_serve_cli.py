@@ -196,6 +196,28 @@ def test_serve_refuses_to_start_with_a_bad_adapter(tmp_path: Path, capsys: pytes
     assert str(tmp_path / "nothing") in capsys.readouterr().err
 
 
+def test_a_lora_rank_the_model_cannot_use_stops_the_start_before_the_engine(tmp_path: Path) -> None:
+    """The engine allocates every adapter slot at the largest rank asked for: --lora-rank 100000
+    got ``coserve finetune`` OOM-killed. Above min(in_features, out_features) of every targeted
+    linear (128 for the tiny model's attention) it is refused with the flag's limit."""
+    out = str(tmp_path / "out")
+    assert serve_spec(parse("--finetune-data", "d.jsonl", "--output", out, "--lora-rank", "128")) is not None
+    with pytest.raises(ValueError, match="--lora-rank 129 is above 128"):
+        serve_spec(parse("--finetune-data", "d.jsonl", "--output", out, "--lora-rank", "129"))
+    with pytest.raises(ValueError, match="--lora-rank 100000 is above 64"):
+        serve_spec(parse("--finetune-data", "d.jsonl", "--output", out, "--lora-rank", "100000",
+                         "--target-modules", "k_proj"))
+
+
+def test_a_max_lora_rank_the_model_cannot_use_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from coserve.server.cli import main
+
+    assert main(["generate", "--model", "tiny", "--device", "cpu", "--prompt", "hi", "--max-tokens", "1",
+                 "--max-lora-rank", "129"]) == 2
+    err = capsys.readouterr().err
+    assert "coserve generate: error: max_lora_rank 129 (--max-lora-rank" in err and "at most 128" in err
+
+
 def test_finetune_name_needs_finetune_data() -> None:
     with pytest.raises(ValueError, match="--finetune-name needs --finetune-data"):
         serve_spec(parse("--model", "tiny", "--finetune-name", "live"))

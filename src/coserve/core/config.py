@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 LR_SCHEDULERS = ("constant", "linear", "cosine")
@@ -22,9 +24,9 @@ class LoRAConfig:
         object.__setattr__(self, "target_modules", tuple(self.target_modules))
         if self.rank <= 0:
             raise ValueError(f"--lora-rank must be positive, got {self.rank}")
-        if self.alpha <= 0:
-            raise ValueError(f"--lora-alpha must be positive, got {self.alpha}")
-        if not 0.0 <= self.dropout < 1.0:
+        if not (math.isfinite(self.alpha) and self.alpha > 0):
+            raise ValueError(f"--lora-alpha must be a positive finite number, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:  # (False for nan)
             raise ValueError(f"--lora-dropout must be in [0, 1), got {self.dropout}")
         bad = [t for t in self.target_modules if t not in LORA_TARGETS]
         if bad or not self.target_modules:
@@ -33,6 +35,20 @@ class LoRAConfig:
             )
         # Keep the canonical order so that flat parameter layouts are reproducible.
         object.__setattr__(self, "target_modules", tuple(t for t in LORA_TARGETS if t in self.target_modules))
+
+    def check_rank(self, linear_shapes: Mapping[str, tuple[int, int]]) -> None:
+        """Refuse a rank that none of the targeted linears can use: ``linear_shapes`` is the model's
+        ``{name: (out_features, in_features)}`` (:meth:`ModelConfig.linear_shapes`). ``B @ A`` of a
+        linear has rank at most ``min(out_features, in_features)``; above that of every target, the
+        rank only takes memory (the engine's adapter slots are allocated at it)."""
+        useful = {t: min(linear_shapes[t]) for t in self.target_modules}
+        limit = max(useful.values())
+        if self.rank > limit:
+            each = ", ".join(f"{t} {r}" for t, r in useful.items())
+            raise ValueError(
+                f"--lora-rank {self.rank} is above {limit}, the largest rank the targeted layers of this model "
+                f"can use (min(in_features, out_features): {each}); give --lora-rank {limit} or less"
+            )
 
 
 @dataclass(frozen=True)
@@ -60,16 +76,19 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(self.betas))
-        if not self.lr > 0:
-            raise ValueError(f"--lr must be positive, got {self.lr}")
+        # NOTE: inf and nan pass a plain "> 0" or "< 0" test; they make every adapter weight non-finite
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"--lr must be a positive finite number, got {self.lr}")
+        if not (math.isfinite(self.eps) and self.eps >= 0):
+            raise ValueError(f"the optimizer's eps must be a finite number >= 0, got {self.eps}")
         if self.lr_scheduler not in LR_SCHEDULERS:
             raise ValueError(f"--lr-scheduler must be one of {', '.join(LR_SCHEDULERS)}, got {self.lr_scheduler!r}")
         if self.warmup_steps < 0 or self.total_steps < 0:
             raise ValueError("--warmup-steps and total steps must be >= 0")
-        if self.weight_decay < 0:
-            raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
-        if self.max_grad_norm < 0:
-            raise ValueError(f"--max-grad-norm must be >= 0 (0 = off), got {self.max_grad_norm}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
+        if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm >= 0):
+            raise ValueError(f"--max-grad-norm must be a finite number >= 0 (0 = off), got {self.max_grad_norm}")
         if self.accumulation_tasks <= 0:
             raise ValueError(f"--grad-accum must be positive, got {self.accumulation_tasks}")
         if self.max_skipped_steps < 0:
@@ -160,13 +179,13 @@ class SLOConfig:
     early_pause_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.early_pause_s >= 0:
-            raise ValueError(f"--early-pause-ms must be >= 0, got {self.early_pause_s * 1e3:g}")
-        if not self.ttft_slo_s > 0:
-            raise ValueError(f"--ttft-slo must be positive, got {self.ttft_slo_s}")
-        if not self.tpot_slo_s > 0:
-            raise ValueError(f"--tpot-slo must be positive, got {self.tpot_slo_s}")
-        if not 0.0 <= self.margin < 1.0:
+        if not (math.isfinite(self.early_pause_s) and self.early_pause_s >= 0):
+            raise ValueError(f"--early-pause-ms must be a finite number >= 0, got {self.early_pause_s * 1e3:g}")
+        if not (math.isfinite(self.ttft_slo_s) and self.ttft_slo_s > 0):
+            raise ValueError(f"--ttft-slo-ms must be a positive finite number, got {self.ttft_slo_s * 1e3:g}")
+        if not (math.isfinite(self.tpot_slo_s) and self.tpot_slo_s > 0):
+            raise ValueError(f"--tpot-slo-ms must be a positive finite number, got {self.tpot_slo_s * 1e3:g}")
+        if not 0.0 <= self.margin < 1.0:  # (False for nan)
             raise ValueError(f"--slo-margin must be in [0, 1), got {self.margin}")
         if self.policy not in FT_POLICIES:
             raise ValueError(

@@ -81,6 +81,16 @@ class ModelConfig:
             "down_proj": (h, i),
         }
 
+    def max_useful_lora_rank(self, targets: tuple[str, ...] | None = None) -> int:
+        """The largest LoRA rank that one of ``targets`` (default: every targetable linear) can use.
+
+        ``B @ A`` of a linear ``[out_features, in_features]`` has rank at most
+        ``min(out_features, in_features)``: rank beyond that of every targeted linear adds no
+        capacity, only memory (each adapter slot holds ``rank · (in + out)`` per linear and layer).
+        """
+        shapes = self.linear_shapes()
+        return max(min(shapes[t]) for t in (targets if targets is not None else tuple(shapes)))
+
     def num_params(self) -> int:
         """Parameter count (embeddings counted once when tied)."""
         per_layer = sum(o * i for o, i in self.linear_shapes().values()) + 2 * self.hidden_size

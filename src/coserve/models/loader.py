@@ -93,6 +93,13 @@ def load_model(
     cfg = ModelConfig.from_dir(source.path)
     torch_dtype = resolve_dtype(dtype, cfg)
     cls = MODEL_REGISTRY[cfg.architecture]
+    limit = cfg.max_useful_lora_rank()
+    if num_lora_slots and max_lora_rank > limit:  # (before the slots are allocated at that rank)
+        raise ValueError(
+            f"max_lora_rank {max_lora_rank} (--max-lora-rank, or the --lora-rank that raised it) is above {limit}, "
+            f"the largest LoRA rank any linear of this model can use (min(in_features, out_features)); a larger "
+            f"rank would only make every adapter slot bigger: give a rank of at most {limit}"
+        )
     with torch.device(device):
         net = cls(cfg, num_lora_slots=num_lora_slots, max_lora_rank=max_lora_rank, dtype=torch_dtype)
     files = _weight_files(source.path)

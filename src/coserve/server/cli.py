@@ -191,13 +191,18 @@ def finetune_spec(args: argparse.Namespace) -> FinetuneSpec:
 
     from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig
     from coserve.data import resolve_dataset
+    from coserve.models.config import ModelConfig
+    from coserve.models.loader import ModelSource
     from coserve.server.finetune import FinetuneSpec
 
+    lora = LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
+                      target_modules=tuple(t.strip() for t in args.target_modules.split(",") if t.strip()))
+    # (here, before the engine is built: it allocates every adapter slot at this rank)
+    lora.check_rank(ModelConfig.from_dir(ModelSource.resolve(args.model).path).linear_shapes())
     return FinetuneSpec(
         data=resolve_dataset(args.data),
         output=Path(args.output),
-        lora=LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
-                        target_modules=tuple(t.strip() for t in args.target_modules.split(",") if t.strip())),
+        lora=lora,
         optim=OptimConfig(lr=args.lr, lr_scheduler=args.lr_scheduler, warmup_steps=args.warmup_steps,
                           weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
                           accumulation_tasks=args.grad_accum, max_skipped_steps=args.max_skipped_steps),
