@@ -180,6 +180,24 @@ def test_an_engine_rank_no_linear_can_use_is_refused_before_the_slots_are_alloca
     assert load_model("tiny", num_lora_slots=0, max_lora_rank=129).num_lora_slots == 0  # (no slot to allocate)
 
 
+@pytest.mark.parametrize("device", ["cuda", "cuda:7"])
+def test_a_cuda_device_this_host_lacks_is_a_clear_error(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not torch's ``AssertionError: Torch not compiled with CUDA enabled`` from the first tensor
+    moved there, nor an invalid device ordinal."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=f"--device {device}: .*; use --device cpu"):
+        EngineConfig(device=device)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"--device cuda:7: this host has 1 CUDA GPU \(cuda:0\)"):
+        EngineConfig(device="cuda:7")
+    assert EngineConfig(device="cuda:0").device == "cuda:0"
+    with pytest.raises(ValueError, match="--device cuda:x: not a device"):
+        EngineConfig(device="cuda:x")
+
+
 def test_unknown_engine_argument() -> None:
     with pytest.raises(TypeError, match="unknown engine argument"):
         LLM("tiny", not_a_flag=1)

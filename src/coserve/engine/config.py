@@ -70,6 +70,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.device.startswith("cuda"):
+            _check_cuda_device(self.device)
         if self.warmup not in ("auto", "on", "off"):
             raise ValueError(f"warmup must be auto, on or off, got {self.warmup!r}")
         if self.stream_priority not in ("default", "high"):
@@ -107,3 +109,19 @@ class EngineConfig:
     def num_lora_slots(self) -> int:
         """Inference adapter slots followed by training slots."""
         return self.max_loras + self.num_training_slots
+
+
+def _check_cuda_device(device: str) -> None:
+    """Refuse a CUDA device this host cannot give (torch fails there later with an
+    ``AssertionError: Torch not compiled with CUDA enabled`` or an invalid-ordinal error)."""
+    try:
+        index = torch.device(device).index
+    except RuntimeError:
+        raise ValueError(f"--device {device}: not a device; use auto, cpu, cuda or cuda:N") from None
+    if not torch.cuda.is_available():
+        why = "this torch build has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise ValueError(f"--device {device}: {why}; use --device cpu (or auto, which picks the CPU here)")
+    count = torch.cuda.device_count()
+    if index is not None and index >= count:
+        raise ValueError(f"--device {device}: this host has {count} CUDA GPU{'s' if count != 1 else ''} "
+                         f"(cuda:0{f' to cuda:{count - 1}' if count > 1 else ''}); give one of those")
