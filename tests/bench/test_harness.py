@@ -261,6 +261,25 @@ def _spec(out: Path, configs: str, **overrides: Any) -> BenchSpec:
     return replace(bench_spec(args), plots=False, **overrides)
 
 
+def test_an_out_that_cannot_be_a_directory_stops_the_benchmark_before_it_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--out a file ran the whole benchmark, then failed with a FileExistsError traceback where the
+    result was written, and the results were lost."""
+    import coserve.bench.harness as harness
+
+    def started(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the benchmark started before --out was checked")
+
+    monkeypatch.setattr(harness, "_setup", started)
+    (tmp_path / "afile").write_text("")
+    for out, message in [(tmp_path / "afile", "a file, not a directory"),
+                         (tmp_path / "afile" / "sub", "cannot create the directory")]:
+        assert main([*ARGS, "--out", str(out)]) == 2
+        assert f"coserve bench: error: --out {out}: {message}" in capsys.readouterr().err
+    assert (tmp_path / "afile").read_text() == ""
+
+
 def test_a_failing_configuration_is_recorded_and_the_others_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -5,6 +5,11 @@ their real lengths; refused and unfinished requests count as misses, with their 
 from __future__ import annotations
 
 import json
+import signal
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -80,7 +85,7 @@ def test_prompts_are_fitted_to_the_context_the_server_gives(served: Served, tmp_
 
 
 def test_a_server_with_an_api_key_is_benchmarked_with_it_and_the_key_is_not_written(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     from coserve.server.cli import main
 
     monkeypatch.setenv("COSERVE_API_KEY", "env-secret")
@@ -93,11 +98,94 @@ def test_a_server_with_an_api_key_is_benchmarked_with_it_and_the_key_is_not_writ
         assert result["figures"]["errors"] == 0 and result["figures"]["requests"] > 0
         assert "s3cret" not in out.read_text() and "env-secret" not in out.read_text()
         assert "COSERVE_API_KEY=***" in result["command"]
-        assert main([*argv, "--api-key=wrong"]) == 0
-        result = json.loads(out.read_text())
-        assert result["figures"]["errors"] == result["figures"]["requests"] > 0
-        assert "HTTP 401" in next(iter(result["figures"]["first_errors"].values()))
-        assert "wrong" not in out.read_text()
+        out.unlink()
+        # a key the server refuses: an error before the replay, whose every request would fail
+        assert main([*argv, "--api-key=wrong"]) == 2
+        err = capsys.readouterr().err
+        assert "the server refused the API key (HTTP 401 on /v1/models): give its key with --api-key" in err
+        assert "wrong" not in err and not out.exists()
+
+
+SHORT = ["--vocab-size", "1024", "--workload", "burst-light", "--duration", "1", "--rate-scale", "0.05",
+         "--max-prompt", "32", "--max-output", "4"]
+
+
+def test_a_server_that_cannot_be_benchmarked_is_an_error_before_the_replay(
+        served: Served, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each of these exited 0 after replaying the workload, every request failing."""
+    from coserve.server.cli import main
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    closed = sock.getsockname()[1]
+    sock.close()
+    host_port = served.url.removeprefix("http://")
+    out = tmp_path / "r.json"
+    for url, model, message in [
+        (f"http://127.0.0.1:{closed}", MODEL, f"--url http://127.0.0.1:{closed}: cannot reach the server"),
+        (host_port, MODEL, f"--url {host_port}: give the scheme, e.g. http://{host_port}"),
+        (served.url, "nope", f"--model nope: the server at {served.url} does not serve it; it serves {MODEL}"),
+    ]:
+        assert main(["bench-http", "--url", url, "--model", model, *SHORT, "--out", str(out)]) == 2, message
+        captured = capsys.readouterr()
+        assert f"coserve bench-http: error: {message}" in captured.err and "requests of" not in captured.out
+        assert not out.exists()
+
+
+def test_an_unwritable_out_is_an_error_before_the_replay(served: Served, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A directory or a path under a file failed only when the result was written (a traceback)."""
+    from coserve.server.cli import main
+
+    (tmp_path / "afile").write_text("")
+    for out, message in [(tmp_path, "a directory; give the result file's name"),
+                         (tmp_path / "afile" / "r.json", f"{tmp_path / 'afile'} is a file, not a directory")]:
+        assert main(["bench-http", "--url", served.url, "--model", MODEL, *SHORT, "--out", str(out)]) == 2
+        captured = capsys.readouterr()
+        assert f"--out {out}: {message}" in captured.err and "requests of" not in captured.out
+    # missing directories are created when the result is written, as bench's --out directory is
+    out = tmp_path / "new" / "dir" / "r.json"
+    assert main(["bench-http", "--url", served.url, "--model", MODEL, *SHORT, "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["figures"]["errors"] == 0
+
+
+def test_no_request_finished_is_exit_status_1(served: Served, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from coserve.server.cli import main
+
+    out = tmp_path / "r.json"  # (token ids up to a million: the server refuses every prompt)
+    assert main(["bench-http", "--url", served.url, "--model", MODEL, *SHORT, "--vocab-size", "1000000",
+                 "--out", str(out)]) == 1
+    assert "error: none of the" in capsys.readouterr().err
+    figures = json.loads(out.read_text())["figures"]
+    assert figures["errors"] == figures["requests"] > 0
+
+
+def test_ctrl_c_stops_the_replay_and_writes_what_was_sent(served: Served, tmp_path: Path) -> None:
+    """Ctrl-C printed a KeyboardInterrupt traceback and "Task exception was never retrieved" for
+    the requests in flight, and wrote nothing. Three long requests are in flight at the signal,
+    two more would arrive at 30 s."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("arrival_s,prompt_tokens,output_tokens\n0.0,8,1500\n0.05,8,1500\n0.1,8,1500\n"
+                     "30,8,4\n30.5,8,4\n")
+    out = tmp_path / "r.json"
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from coserve.server.cli import main; sys.exit(main())",
+                             "bench-http", "--url", served.url, "--model", MODEL, "--vocab-size", "1024",
+                             "--workload", str(trace), "--duration", "40", "--max-prompt", "64", "--max-output",
+                             "1500", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert "5 requests of trace" in line, line
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stdout + stderr
+    assert "Traceback" not in stderr and "never retrieved" not in stderr, stderr
+    assert "interrupted after" in stderr and "3 of 5 requests sent until then (3 cut off in flight" in stderr
+    result = json.loads(out.read_text())
+    assert result["interrupted"] and result["figures"]["requests"] == 3
+    assert set(result["figures"]["first_errors"].values()) == {"interrupted (Ctrl-C) before it finished"}
 
 
 def test_a_result_files_command_hides_api_keys() -> None:

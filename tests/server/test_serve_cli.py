@@ -218,6 +218,20 @@ def test_a_max_lora_rank_the_model_cannot_use_is_a_clear_error(capsys: pytest.Ca
     assert "coserve generate: error: max_lora_rank 129 (--max-lora-rank" in err and "at most 128" in err
 
 
+def test_a_path_error_is_a_one_line_error_of_the_command(monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Only ValueError and FileNotFoundError were caught: a PermissionError or IsADirectoryError
+    from a path the user gave was a traceback."""
+    from coserve.server import cli
+
+    def denied(args: argparse.Namespace) -> int:
+        raise PermissionError(13, "Permission denied", "/root/out")
+
+    monkeypatch.setitem(cli.COMMANDS, "generate", (cli.COMMANDS["generate"][0], denied))
+    assert cli.main(["generate", "--prompt", "hi"]) == 2
+    assert capsys.readouterr().err == "coserve generate: error: [Errno 13] Permission denied: '/root/out'\n"
+
+
 def test_finetune_name_needs_finetune_data() -> None:
     with pytest.raises(ValueError, match="--finetune-name needs --finetune-data"):
         serve_spec(parse("--model", "tiny", "--finetune-name", "live"))

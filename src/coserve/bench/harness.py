@@ -64,7 +64,7 @@ from coserve.bench.ftdata import LengthLaw, write_ft_dataset
 from coserve.bench.metrics import SLO, relative_slo
 from coserve.bench.provenance import provenance
 from coserve.bench.replay import InProcessDriver
-from coserve.bench.report import Outputs, write_outputs
+from coserve.bench.report import Outputs, prepare_out_dir, write_outputs
 from coserve.bench.runners import RUNNERS, BenchContext, TrainingSetup
 from coserve.bench.utilization import UtilizationSampler
 from coserve.bench.workload import Arrival, Scaling, Workload, load_workload
@@ -428,6 +428,7 @@ def run_bench(
     line per stage (the CLI prints them).
     """
     say = progress or logger.info
+    prepare_out_dir(spec.out)  # (before the engine and the runs: a bad --out failed only at their end)
     began = time.monotonic()
     mps = start_mps_daemon() if spec.mps and _uses_cuda(spec.engine) else False
     if spec.engine_threads:

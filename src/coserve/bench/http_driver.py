@@ -28,10 +28,12 @@ from coserve.bench.workload import Arrival
 
 @dataclass
 class HttpReplay:
-    """A replay's result, with the errors of the requests that did not finish (by arrival index)."""
+    """A replay's result, with the errors of the requests that did not finish (by arrival index).
+    ``interrupted``: Ctrl-C stopped it; the result holds the requests sent until then."""
 
     result: ReplayResult
     errors: dict[int, str] = field(default_factory=dict)
+    interrupted: bool = False
 
 
 class HttpDriver:
@@ -45,6 +47,8 @@ class HttpDriver:
                  timeout_s: float = 600.0, temperature: float = 0.0, api_key: str | None = None) -> None:
         if vocab_size <= low_token:
             raise ValueError(f"vocab_size must exceed low_token ({low_token}), got {vocab_size}")
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"--url {base_url}: give the scheme, e.g. http://{base_url}")
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.seed = seed
@@ -66,21 +70,45 @@ class HttpDriver:
                 "temperature": self.temperature, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
 
-    def context(self) -> int | None:
-        """The model's context in tokens as ``/v1/models`` gives it (``max_model_len``: coserve,
-        vLLM); None where the server does not say."""
+    def check(self) -> int | None:
+        """Ask the server's ``/v1/models`` before a replay whose every request would fail: a
+        ValueError that says why where the server cannot be reached, refuses the API key or does
+        not serve the model. Returns the model's context in tokens where the server gives it
+        (``max_model_len``: coserve, vLLM), else None; a server without ``/v1/models`` (404) or
+        with a list of another form is taken on trust."""
         import httpx
 
         try:
             reply = httpx.get(f"{self.base_url}/v1/models", timeout=30.0, headers=self.headers)
-            reply.raise_for_status()
-            cards = reply.json().get("data", [])
-        except (httpx.HTTPError, ValueError, AttributeError):
+        except httpx.HTTPError as e:
+            raise ValueError(f"--url {self.base_url}: cannot reach the server ({type(e).__name__}: {e}); "
+                             "is it running, and are the host and port right?") from None
+        if reply.status_code in (401, 403):
+            raise ValueError(f"--url {self.base_url}: the server refused the API key (HTTP {reply.status_code} on "
+                             "/v1/models): give its key with --api-key or $OPENAI_API_KEY")
+        if reply.status_code == 404:
             return None
-        for card in cards:
-            if isinstance(card, dict) and card.get("id") == self.model and isinstance(card.get("max_model_len"), int):
-                return int(card["max_model_len"])
-        return None
+        if reply.status_code != 200:
+            raise ValueError(f"--url {self.base_url}: GET /v1/models answered HTTP {reply.status_code}: "
+                             f"{reply.text[:300]!r}")
+        try:
+            cards = [c for c in reply.json()["data"] if isinstance(c, dict)]
+        except (ValueError, KeyError, TypeError):
+            return None
+        served = {str(c.get("id")): c for c in cards}
+        if self.model not in served:
+            raise ValueError(f"--model {self.model}: the server at {self.base_url} does not serve it; it serves "
+                             f"{', '.join(sorted(served)) or 'no model'}")
+        context = served[self.model].get("max_model_len")
+        return int(context) if isinstance(context, int) else None
+
+    def context(self) -> int | None:
+        """The model's context in tokens as ``/v1/models`` gives it; None where the server does
+        not say, cannot be reached or does not serve the model (:meth:`check` says why)."""
+        try:
+            return self.check()
+        except ValueError:
+            return None
 
     def run(self, arrivals: Sequence[Arrival], *, duration_s: float, drain_s: float = 30.0) -> HttpReplay:
         """Replay the arrivals in ``[0, duration_s)``, then wait for the ones in flight (at most
@@ -128,15 +156,34 @@ class HttpDriver:
                                                a.prompt_tokens, (tokens or chunks) if finished else 0)
 
             tasks = [asyncio.create_task(one(i, a)) for i, a in enumerate(todo)]
-            await asyncio.sleep(max(0.0, duration_s - (time.monotonic() - t0)))
-            _, pending = await asyncio.wait(tasks, timeout=drain_s) if tasks else (set(), set())
-            for t in pending:
-                t.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+            interrupted = False
+            try:
+                await asyncio.sleep(max(0.0, duration_s - (time.monotonic() - t0)))
+                if tasks:
+                    await asyncio.wait(tasks, timeout=drain_s)
+            except asyncio.CancelledError:  # Ctrl-C: asyncio.run cancels this task
+                interrupted = True
+                current = asyncio.current_task()
+                if current is not None:
+                    current.uncancel()
             elapsed = time.monotonic() - t0
+            for t in tasks:
+                t.cancel()
+            # NOTE: every task is awaited here, while the client is open: a task left to the loop's
+            # shutdown failed on the closed client and printed "Task exception was never retrieved"
+            outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        for i, outcome in enumerate(outcomes):
+            if isinstance(outcome, Exception):
+                errors.setdefault(i, f"{type(outcome).__name__}: {outcome}")
         out = [r if r is not None else RequestRecord(a.time_s, None, None, a.prompt_tokens, 0)
                for r, a in zip(records, todo, strict=True)]
+        unfinished = "interrupted (Ctrl-C) before it finished" if interrupted else \
+            f"not finished within the {drain_s:g} s drain"
         for i, r in enumerate(out):
             if r.finish_s is None:
-                errors.setdefault(i, f"not finished within the {drain_s:g} s drain")
-        return HttpReplay(ReplayResult(out, elapsed, sum(r.output_tokens for r in out), 0), errors)
+                errors.setdefault(i, unfinished)
+        if interrupted:  # (the requests not sent yet are left out, not counted as misses)
+            sent = [i for i, a in enumerate(todo) if a.time_s <= elapsed]
+            out = [out[i] for i in sent]
+            errors = {j: errors[i] for j, i in enumerate(sent) if i in errors}
+        return HttpReplay(ReplayResult(out, elapsed, sum(r.output_tokens for r in out), 0), errors, interrupted)

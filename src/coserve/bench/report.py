@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import uuid
 from collections.abc import Mapping
@@ -123,6 +124,41 @@ def markdown_table(result: Mapping[str, Any]) -> str:
             "Not in the table: " + "; ".join(f"{k} ({v})" for k, v in missing.items()) + ".",
         ]
     return "\n".join(lines) + "\n"
+
+
+def prepare_out_dir(out_dir: Path, flag: str = "--out") -> None:
+    """Create ``out_dir`` (and its parents) now and check that files can be written there: before
+    a run of minutes whose results go there, not at its end. ValueError saying what is wrong."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ValueError(f"{flag} {out_dir}: a file, not a directory; give a directory for the results "
+                         "(it is created if missing)") from None
+    except OSError as e:
+        raise ValueError(f"{flag} {out_dir}: cannot create the directory: {e.strerror or e}") from None
+    probe = out_dir / f".coserve-write-check-{uuid.uuid4().hex[:8]}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"{flag} {out_dir}: cannot write there: {e.strerror or e}") from None
+
+
+def check_out_file(path: Path, flag: str = "--out") -> None:
+    """Check, before a run, that its result file ``path`` can be written at its end: not a
+    directory, and its nearest existing ancestor a writable directory (the missing ones are
+    created when the file is written). ValueError saying what is wrong; nothing is created."""
+    if path.is_dir():
+        raise ValueError(f"{flag} {path}: a directory; give the result file's name, e.g. {path / 'result.json'}")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ValueError(f"{flag} {path}: the file is not writable")
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ValueError(f"{flag} {path}: {ancestor} is a file, not a directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: cannot create or write files in {ancestor} (permission denied)")
 
 
 class Outputs(NamedTuple):

@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import os
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -43,29 +44,52 @@ def add_bench_http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttft-slo-ms", type=float, default=1000.0)
     p.add_argument("--tpot-slo-ms", type=float, default=100.0)
     p.add_argument("--drain", type=float, default=30.0, help="seconds to wait for requests in flight at the end")
-    p.add_argument("--out", type=Path, default=None, help="write the result JSON here")
+    p.add_argument("--out", type=Path, default=None,
+                   help="write the result JSON here (missing directories are created; checked before the replay)")
 
 
 @command("bench-http", add_bench_http_args, "replay a trace or burst pattern against any OpenAI-compatible "
          "server (coserve serve, vLLM): SLO attainment and latencies")
 def bench_http(args: argparse.Namespace) -> int:
-    """Replay the workload against the server; print and write attainment and latencies."""
+    """Replay the workload against the server; print and write attainment and latencies. Exit
+    status 1 when no request finished, 130 at Ctrl-C (the requests sent until then are written)."""
+    try:
+        return _bench_http(args)
+    except KeyboardInterrupt:  # (outside the replay, which stops by itself at Ctrl-C)
+        print("coserve bench-http: interrupted", file=sys.stderr)
+        return 130
+
+
+def _bench_http(args: argparse.Namespace) -> int:
     from coserve.bench.http_driver import HttpDriver
     from coserve.bench.metrics import attainment, latency_summary
     from coserve.bench.provenance import provenance
+    from coserve.bench.report import check_out_file
     from coserve.bench.workload import Scaling, load_workload
 
     scaling = Scaling(rate=args.rate_scale, length=args.length_scale, max_prompt=args.max_prompt,
                       max_output=args.max_output)
+    if not (math.isfinite(args.drain) and args.drain >= 0):
+        raise ValueError(f"--drain must be a finite number of seconds >= 0, got {args.drain:g}")
+    if args.out is not None:
+        check_out_file(args.out)
     driver = HttpDriver(args.url, args.model, seed=args.seed, vocab_size=args.vocab_size, api_key=args.api_key)
-    context = driver.context()
+    context = driver.check()  # (an unreachable server or an unknown model: an error now, not N failed requests)
     if context is not None:
         scaling = scaling.fit(context, lambda line: print(f"coserve bench-http: {line}", flush=True))
     workload = load_workload(args.workload, args.duration, scaling, seed=args.seed)
+    if not workload.arrivals:
+        raise ValueError(f"--workload {args.workload}: no request arrives in the {args.duration:g} s window; "
+                         "raise --rate-scale or --duration")
     print(f"coserve bench-http: {len(workload.arrivals)} requests of {workload.name} over {args.duration:g} s "
           f"to {args.url} ({args.model})", flush=True)
     replay = driver.run(workload.arrivals, duration_s=args.duration, drain_s=args.drain)
     records = replay.result.records
+    if replay.interrupted:
+        cut = sum(1 for message in replay.errors.values() if message.startswith("interrupted"))
+        print(f"coserve bench-http: interrupted after {replay.result.duration_s:.1f} s; the result covers the "
+              f"{len(records)} of {len(workload.arrivals)} requests sent until then ({cut} cut off in flight, "
+              "counted as unfinished)", file=sys.stderr, flush=True)
     slo = (args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3)
     summary = latency_summary(records)
     figures = {
@@ -83,6 +107,7 @@ def bench_http(args: argparse.Namespace) -> int:
                                 "requests": len(workload.arrivals), "seed": args.seed,
                                 "scaling": asdict(scaling)},
                    "slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms}},
+        "interrupted": replay.interrupted,
         "figures": figures,
         "per_request": [[r.arrival_s, r.first_token_s, r.finish_s, r.prompt_tokens, r.output_tokens]
                         for r in records],
@@ -92,10 +117,13 @@ def bench_http(args: argparse.Namespace) -> int:
         v = summary[key]
         return "-" if math.isnan(v) else f"{v:,.0f}"
 
-    print(f"finished {int(summary['finished'])}/{len(records)}, SLO attainment {figures['attainment_abs']:.1%} "
-          f"(TTFT <= {args.ttft_slo_ms:g} ms, TPOT <= {args.tpot_slo_ms:g} ms); TTFT p50/p99 "
-          f"{ms('ttft_p50_ms')}/{ms('ttft_p99_ms')} ms, TPOT p50/p99 {ms('tpot_p50_ms')}/{ms('tpot_p99_ms')} ms; "
-          f"{figures['output_tokens_per_s']:,.0f} output tokens/s")
+    if not records:
+        print("no request was sent")
+    else:
+        print(f"finished {int(summary['finished'])}/{len(records)}, SLO attainment "
+              f"{figures['attainment_abs']:.1%} (TTFT <= {args.ttft_slo_ms:g} ms, TPOT <= {args.tpot_slo_ms:g} ms); "
+              f"TTFT p50/p99 {ms('ttft_p50_ms')}/{ms('ttft_p99_ms')} ms, TPOT p50/p99 "
+              f"{ms('tpot_p50_ms')}/{ms('tpot_p99_ms')} ms; {figures['output_tokens_per_s']:,.0f} output tokens/s")
     if replay.errors:
         i, message = next(iter(sorted(replay.errors.items())))
         print(f"{len(replay.errors)} requests did not finish; the first, request {i}: {message}")
@@ -103,4 +131,10 @@ def bench_http(args: argparse.Namespace) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
         print(f"result: {args.out}")
+    if replay.interrupted:
+        return 130
+    if records and not summary["finished"]:
+        print(f"coserve bench-http: error: none of the {len(records)} requests finished (the errors above)",
+              file=sys.stderr)
+        return 1
     return 0

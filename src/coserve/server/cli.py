@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return COMMANDS[args.command][1](args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # (OSError: a file or directory that cannot be read or written)
         print(f"coserve {args.command}: error: {e}", file=sys.stderr)
         return 2
 
