@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import signal
 import socket
 import subprocess
@@ -241,13 +242,21 @@ def test_the_demo_serves_both_runs_trains_an_adapter_and_shows_it(tmp_path: Path
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """The README's main command, shortened: both replays print live lines and a summary, the
     adapter is written, the idle phase runs (its loss target cannot be met in 2 s from random
-    weights) and stops at its time limit."""
+    weights) and stops at its time limit. Its data: the built-in facts as a pretty-printed JSON
+    array that starts with a UTF-8 BOM (the loader reads it; the questions shown at the end were
+    re-read line by line, and the demo failed there, after the whole run)."""
+    import json
+
+    from coserve.data import builtin_dataset
     from coserve.server.demo import run_demo
 
+    rows = [json.loads(line) for line in builtin_dataset().read_text().splitlines() if line.strip()]
+    data = tmp_path / "pretty.json"
+    data.write_text("\ufeff" + json.dumps(rows, indent=2), encoding="utf-8")
     p = argparse.ArgumentParser()
     add_demo_args(p)
-    args = p.parse_args(["--duration", "3", "--output", str(tmp_path), "--idle-train-s", "2",
-                         "--target-loss", "0.0001"])
+    args = p.parse_args(["--duration", "3", "--output", str(tmp_path / "out"), "--idle-train-s", "2",
+                         "--target-loss", "0.0001", "--data", str(data)])
     assert run_demo(args) == 0
     out = capsys.readouterr().out
     assert "[inference] t=" in out and "[ co-serve] t=" in out and "loss=" in out
@@ -258,8 +267,62 @@ def test_the_demo_serves_both_runs_trains_an_adapter_and_shows_it(tmp_path: Path
     assert float(summary["co-serve"][5]) > 0  # fine-tuning tokens/s while serving
     idle = summary["then"]
     assert float(idle[6]) > 0 and float(idle[-2].strip("(")) == pytest.approx(2.0, abs=1.0)
-    assert (tmp_path / "adapter" / "adapter_config.json").exists() and (tmp_path / "train_log.jsonl").exists()
+    assert (tmp_path / "out" / "adapter" / "adapter_config.json").exists()
+    assert (tmp_path / "out" / "train_log.jsonl").exists()
     assert "question -> base model | with the fine-tuned adapter" in out
+    assert f"  {rows[0]['instruction']} -> " in out and f"({rows[2]['output']!r})" in out
+
+
+def test_the_demo_questions_are_read_as_the_loader_reads_the_dataset(tmp_path: Path) -> None:
+    import json
+
+    from coserve.server.demo import _questions
+
+    rows = [{"instruction": f"q{i}?", "output": f"a{i}."} for i in range(4)]
+    bom = tmp_path / "bom.jsonl"
+    bom.write_text("\ufeff" + "\n\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
+    pretty = tmp_path / "pretty.json"
+    pretty.write_text(json.dumps(rows, indent=2))
+    expected = [("q0?", "a0."), ("q1?", "a1."), ("q2?", "a2.")]
+    assert _questions(bom) == _questions(pretty) == expected
+    chat = tmp_path / "chat.jsonl"  # (shown only where the first three rows are all Alpaca rows)
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant",
+                                                                                 "content": "hello"}]}) + "\n"
+                    + json.dumps(rows[0]) + "\n")
+    assert _questions(chat) == []
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--duration", "0"], "--duration must be a positive finite number"),
+    (["--duration", "-5"], "--duration must be a positive finite number"),
+    (["--duration", "inf"], "--duration must be a positive finite number"),
+    (["--idle-train-s", "-1"], "--idle-train-s must be a finite number"),
+    (["--target-loss", "nan"], "--target-loss must be a finite number"),
+    (["--ttft-slo-ms", "0"], "--ttft-slo-ms must be a positive finite number"),
+    (["--data", "{tmp}/missing.jsonl"], "missing.jsonl: cannot read dataset: no such file"),
+    (["--data", "{tmp}/object.json"], "expected a JSON array"),
+    (["--output", "{tmp}/afile"], "--output {tmp}/afile: cannot create it"),
+])
+def test_the_demo_checks_its_flags_data_and_output_before_it_serves(
+        argv: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--duration 0 or below served "0 requests" and printed a nan% table; a bad --data or
+    --output failed only after the 20 s inference-only run."""
+    from coserve.bench.replay import InProcessDriver
+    from coserve.server import demo
+
+    def served(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the demo started serving before its flags were checked")
+
+    monkeypatch.setattr(InProcessDriver, "run", served)
+    if not argv[0].startswith(("--data", "--output")):  # (those are read once the engine is built)
+        monkeypatch.setattr(demo, "synthetic", served)  # (--duration inf generated arrivals for ever)
+    (tmp_path / "object.json").write_text('{"instruction": "q", "output": "a"}')
+    (tmp_path / "afile").write_text("")
+    p = argparse.ArgumentParser()
+    add_demo_args(p)
+    args = p.parse_args([a.replace("{tmp}", str(tmp_path)) for a in argv])
+    with pytest.raises(ValueError, match=re.escape(message.replace("{tmp}", str(tmp_path)))):
+        demo.run_demo(args)
 
 
 def test_a_negative_stats_interval_stops_the_start(capsys: pytest.CaptureFixture[str]) -> None:

@@ -532,6 +532,20 @@ def _read_json_array(path: Path) -> list[object]:
     return data
 
 
+def iter_rows(path: str | os.PathLike[str]) -> Iterator[object]:
+    """The rows of a ``.jsonl`` or ``.json`` dataset as :func:`load_dataset` parses them (a UTF-8
+    BOM dropped, a pretty-printed array taken whole), less the lines that do not parse; raises
+    :class:`DatasetError` for a file that cannot be read or is not a JSON array."""
+    p = Path(path)
+    try:
+        if p.suffix.lower() == ".jsonl":
+            yield from (row for _, row in _iter_jsonl(p) if not isinstance(row, _RowError))
+        else:
+            yield from _read_json_array(p)
+    except OSError as e:
+        raise DatasetError(f"{p}: cannot read dataset: {e}") from e
+
+
 def _format_reasons(skipped: Sequence[SkippedRow]) -> str:
     shown = "; ".join(f"line {s.line}: {s.reason}" for s in skipped[:_MAX_REASONS_IN_MESSAGE])
     more = len(skipped) - _MAX_REASONS_IN_MESSAGE

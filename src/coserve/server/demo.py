@@ -8,11 +8,12 @@ built-in ``tiny_facts`` dataset, so it runs on a fresh machine with no downloads
 from __future__ import annotations
 
 import argparse
-import json
 import logging
+import math
 import tempfile
 import time
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -21,13 +22,14 @@ from coserve.bench.metrics import attainment, latency_summary
 from coserve.bench.replay import InProcessDriver, ReplayResult, Snapshot
 from coserve.bench.workload import BurstPattern, Scaling, synthetic
 from coserve.core.config import CoServeConfig, LoRAConfig, OptimConfig
+from coserve.core.finetune import iter_rows
 from coserve.data import builtin_dataset, resolve_dataset
 from coserve.engine.config import EngineConfig
 from coserve.engine.llm_engine import LLMEngine
 from coserve.engine.sampling_params import SamplingParams
 from coserve.engine.sequence import LoRARequest
 from coserve.server.cli import add_slo_args, slo_config
-from coserve.server.finetune import FinetuneSession, FinetuneSpec
+from coserve.server.finetune import FinetuneSession, FinetuneSpec, read_dataset
 
 logger = logging.getLogger(__name__)
 
@@ -77,31 +79,55 @@ def _printer(name: str, ttft_slo: float, tpot_slo: float, ft_loss: callable | No
     return tick
 
 
+def check_demo_args(args: argparse.Namespace) -> None:
+    """The demo's own numeric flags (the SLO flags are checked by :func:`slo_config`)."""
+    if not (math.isfinite(args.duration) and args.duration > 0):
+        raise ValueError(f"--duration must be a positive finite number of seconds, got {args.duration:g}")
+    if not (math.isfinite(args.idle_train_s) and args.idle_train_s >= 0):
+        raise ValueError(f"--idle-train-s must be a finite number of seconds >= 0 (0: no idle phase), "
+                         f"got {args.idle_train_s:g}")
+    if not math.isfinite(args.target_loss):
+        raise ValueError(f"--target-loss must be a finite number, got {args.target_loss:g}")
+
+
 def run_demo(args: argparse.Namespace) -> int:
+    # Every flag, the dataset and the output directory are checked before the inference-only run:
+    # a bad one failed only after it, or at the very end.
+    check_demo_args(args)
+    slo = slo_config(args)
+    data = resolve_dataset(args.data) if args.data else builtin_dataset()
+    out = Path(args.output) if args.output else Path(tempfile.mkdtemp(prefix="coserve-demo-"))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--output {out}: cannot create it: {e.strerror or e}") from e
     torch.set_num_threads(1)  # the trainer process gets the other core
     ttft, tpot = args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3
     arrivals = synthetic(DEMO_PATTERN, args.duration, Scaling(max_prompt=256, max_output=64), seed=args.seed)
-    print(f"workload: {len(arrivals)} requests over {args.duration:.0f}s (bursts of {DEMO_PATTERN.peak_rate:.0f} req/s "
+    print(f"workload: {len(arrivals)} requests over {args.duration:g}s (bursts of {DEMO_PATTERN.peak_rate:.0f} req/s "
           f"for {DEMO_PATTERN.peak_s:.0f}s every {DEMO_PATTERN.period_s:.0f}s); SLO: TTFT <= {args.ttft_slo_ms:.0f}ms, "
           f"TPOT <= {args.tpot_slo_ms:.0f}ms", flush=True)
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, num_training_slots=1, max_lora_rank=16,
                                     max_num_batched_tokens=512, seed=args.seed))
+    spec = FinetuneSpec(
+        data=data, output=out,
+        lora=LoRAConfig(rank=16, alpha=32, target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                           "up_proj", "down_proj")),
+        optim=OptimConfig(lr=2e-3, max_grad_norm=1.0),
+        coserve=CoServeConfig(backward_tokens=128, max_seq_len=64, epochs=1000, seed=args.seed),
+        slo=slo,
+        trainer_threads=1, calibrate=True, epoch_checkpoints=0,  # (its epochs: until it stops)
+    )
+    # NOTE: read twice, here and by the session after the inference-only run (which must not have
+    # the trainer beside it); the demo's data is small
+    read_dataset(engine, spec.data, spec.coserve)
+    questions = _questions(spec.data)
     driver = InProcessDriver(engine, seed=args.seed)
     driver.run(arrivals[:8], duration_s=1.0, drain_s=5.0)  # warm-up
 
     base = driver.run(arrivals, duration_s=args.duration, tick=_printer("inference", ttft, tpot), tick_every_s=2.0)
     results = [DemoResult("inference", base, attainment(base.records, ttft, tpot), 0.0)]
 
-    out = Path(args.output) if args.output else Path(tempfile.mkdtemp(prefix="coserve-demo-"))
-    spec = FinetuneSpec(
-        data=resolve_dataset(args.data) if args.data else builtin_dataset(), output=out,
-        lora=LoRAConfig(rank=16, alpha=32, target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                           "up_proj", "down_proj")),
-        optim=OptimConfig(lr=2e-3, max_grad_norm=1.0),
-        coserve=CoServeConfig(backward_tokens=128, max_seq_len=64, epochs=1000, seed=args.seed),
-        slo=slo_config(args),
-        trainer_threads=1, calibrate=True, epoch_checkpoints=0,  # (its epochs: until it stops)
-    )
     session = FinetuneSession(engine, spec)
     print(f"latency model calibrated; fine-tuning policy {args.ft_policy!r} on {spec.data.name}", flush=True)
     try:
@@ -129,7 +155,10 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"{'then idle':<10} {'-':>8} {'-':>12} {'-':>9} {'-':>9} {tokens / max(seconds, 1e-9):>9.0f} {end:>18}"
               f"  ({seconds:.1f} s)")
     print(f"\nfine-tuned adapter: {adapter}  (train log: {out / 'train_log.jsonl'})")
-    _show_learning(engine, spec.data, adapter)
+    try:
+        _show_learning(engine, questions, adapter)
+    except ValueError as e:  # (an illustration only: it never turns the run's result into an error)
+        print(f"(the questions are not shown: {e})")
     return 0
 
 
@@ -164,17 +193,31 @@ def _train_while_idle(engine: LLMEngine, session: FinetuneSession, seconds: floa
     return time.monotonic() - t0, session.coserver.tokens_trained - tokens0, session.coserver.last_loss
 
 
-def _show_learning(engine: LLMEngine, data: Path, adapter: Path) -> None:
-    """Answer three training questions with the base model and with the adapter just trained."""
+def _questions(data: Path) -> list[tuple[str, str]]:
+    """``(instruction, output)`` of the dataset's first three rows where they are all Alpaca rows
+    (none otherwise), parsed as the dataset loader parses them: a ``.json`` array pretty-printed
+    over many lines and a ``.jsonl`` file that starts with a UTF-8 BOM are read as training read
+    them (this re-read its first three lines itself and failed on both, after the whole run)."""
+    pairs = []
+    for row in islice(iter_rows(data), 3):
+        question, answer = (row.get("instruction"), row.get("output")) if isinstance(row, dict) else (None, None)
+        if not (isinstance(question, str) and isinstance(answer, str)):
+            return []
+        pairs.append((question, answer))
+    return pairs
+
+
+def _show_learning(engine: LLMEngine, questions: list[tuple[str, str]], adapter: Path) -> None:
+    """Answer the dataset's first questions (:func:`_questions`) with the base model and with the
+    adapter just trained."""
     tok = engine.tokenizer
     assert tok is not None
-    rows = [json.loads(line) for line in data.read_text().splitlines()[:3] if line.strip()]
-    if not all("instruction" in r for r in rows):
+    if not questions:
         return
     params = SamplingParams(max_tokens=16, temperature=0.0)
     print("\nquestion -> base model | with the fine-tuned adapter (expected)")
-    for i, row in enumerate(rows):
-        prompt = tok.apply_chat_template([{"role": "user", "content": row["instruction"]}],
+    for i, (question, expected) in enumerate(questions):
+        prompt = tok.apply_chat_template([{"role": "user", "content": question}],
                                          add_generation_prompt=True, tokenize=True)
         answers = []
         for j, lora in enumerate((None, LoRARequest("demo", str(adapter)))):
@@ -185,4 +228,4 @@ def _show_learning(engine: LLMEngine, data: Path, adapter: Path) -> None:
                 if outs:
                     answers.append(outs[0].outputs[0].text.strip())
                     break
-        print(f"  {row['instruction']} -> {answers[0]!r} | {answers[1]!r} ({row['output']!r})")
+        print(f"  {question} -> {answers[0]!r} | {answers[1]!r} ({expected!r})")
