@@ -154,6 +154,12 @@ class SamplePool:
             target_tokens_retired=self._targets_retired,
         )
 
+    def order(self, epoch: int) -> list[int]:
+        """The indices into ``samples`` in the order epoch ``epoch`` visits them (a copy)."""
+        if not 0 <= epoch < self._epochs:
+            raise ValueError(f"epoch {epoch} outside [0, {self._epochs})")
+        return list(self._order(epoch))
+
     def candidates(self) -> list[FTSample]:
         """Up to ``window`` next unclaimed samples in stream order (distinct, none in flight).
 

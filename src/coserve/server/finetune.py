@@ -6,7 +6,6 @@ import contextlib
 import copy
 import json
 import logging
-import math
 import shutil
 import time
 import uuid
@@ -25,6 +24,7 @@ from coserve.core.coserver import CoServer, OptimizerStepLog
 from coserve.core.finetune import IGNORE_INDEX, FTDataset, FTSample, load_dataset
 from coserve.core.latency import LatencyModel
 from coserve.core.sample_pool import SamplePool
+from coserve.core.step_count import count_optimizer_steps
 from coserve.engine.llm_engine import LLMEngine
 from coserve.engine.sampling_params import SamplingParams
 from coserve.engine.sequence import LoRARequest
@@ -36,10 +36,14 @@ from coserve.models.peft_adapter import (
     save_peft_adapter,
 )
 from coserve.server.dataset_reader import DatasetReader
+from coserve.server.run_identity import identity_differences, run_identity
 from coserve.trainer.process import TrainerProcess
 from coserve.trainer.worker import WARMUP_SHAPES, warmup_rows, warmup_shapes
 
 logger = logging.getLogger(__name__)
+
+CHECKPOINT_ASIDE = ".checkpoint.old"  # (in OUTPUT: the checkpoint being replaced, until the new one is in place)
+CHECKPOINT_TMP = ".checkpoint.tmp"  # (in OUTPUT: a checkpoint being written)
 
 COMMIT_RESULT_TIMEOUT_S = 10.0
 """How long a checkpoint or an export waits for the result of an optimizer step the trainer has
@@ -161,6 +165,10 @@ class FinetuneSession:
         if stats.num_skipped:
             logger.warning("%s: %d malformed rows skipped (first: line %d: %s)", spec.data, stats.num_skipped,
                            self.dataset.skipped[0].line, self.dataset.skipped[0].reason)
+        self._run = run_identity(
+            model=_model_name(engine), data=spec.data, samples=self.dataset.samples, num_tokens=stats.num_tokens,
+            init_adapter=spec.init_adapter, lora=asdict(spec.lora), optim=asdict(spec.optim),
+            coserve=asdict(spec.coserve))
         checkpoint = self._read_checkpoint() if spec.resume else None
         latency = LatencyModel()
         if spec.latency_state is not None:  # checked before the trainer process starts
@@ -170,7 +178,7 @@ class FinetuneSession:
                 raise ValueError(f"--latency-state: {e}") from e
         optim = spec.optim
         if checkpoint is not None:
-            optim = replace(optim, total_steps=checkpoint["optim"]["total_steps"])
+            optim = replace(optim, total_steps=self._resumed_total_steps(checkpoint))
         elif optim.total_steps == 0:
             optim = replace(optim, total_steps=self.estimate_steps())
         self.optim = optim
@@ -217,7 +225,9 @@ class FinetuneSession:
             self._resume(checkpoint)
         else:
             self._log_path.write_text("")
-            _remove_epoch_checkpoints(spec.output, after_step=0)  # (an earlier run's in this OUTPUT)
+            # (an earlier run's, in this OUTPUT: a later --resume goes on from this run's checkpoint or none)
+            _remove_epoch_checkpoints(spec.output, after_step=0)
+            self._remove_checkpoint()
         self.coserver.lora_dropout = spec.lora.dropout
         self.coserver.dropout_seed = cfg.seed
         self._write_run_config()
@@ -256,14 +266,11 @@ class FinetuneSession:
                 f"({stats.num_skipped} malformed rows skipped, {stats.num_truncated} truncated)")
 
     def estimate_steps(self) -> int:
-        """Optimizer steps the run will take (for the LR schedule): tasks close at the first sample
-        that brings them to ``backward_tokens``, so this is an estimate unless samples are uniform."""
-        stats = self.dataset.stats
-        cfg = self.spec.coserve
-        mean = stats.num_tokens / max(1, stats.num_samples)
-        per_task = max(1, math.ceil(cfg.backward_tokens / mean))
-        tasks = math.ceil(stats.num_samples / per_task) * cfg.epochs
-        return max(1, math.ceil(tasks / self.spec.optim.accumulation_tasks))
+        """Optimizer steps the run will take (for the LR schedule): its samples packed into tasks
+        and steps as the co-server packs them (:func:`count_optimizer_steps`: exact for a run with
+        no requests beside it, an estimate where requests share its steps)."""
+        return max(1, count_optimizer_steps(self.dataset.samples, self.spec.coserve,
+                                            self.spec.optim.accumulation_tasks))
 
     def _initial_adapter(self) -> LoraAdapter:
         model_cfg = self.engine.model_config
@@ -352,7 +359,7 @@ class FinetuneSession:
         # (steps: applied, the optimizer's count; steps_done: logged, skipped ones too)
         saved = {"state": state, "steps": steps, "steps_done": self.coserver.steps_done,
                  "pool": copy.deepcopy(self.pool.state_dict()), "tokens_trained": self.coserver.tokens_trained,
-                 "optim": asdict(self.optim)}
+                 "optim": asdict(self.optim), "run": self._run}
         self._write_state(state, self._write_checkpoint, adapter, saved)
 
     def _logged_state(self) -> tuple[torch.Tensor, int] | None:
@@ -412,14 +419,14 @@ class FinetuneSession:
             if adapter is None:
                 adapter = self.trainer.committed_adapter(base_model_name_or_path=str(self.engine.config.model),
                                                          state=saved["state"])
-            tmp = self.spec.output / ".checkpoint.tmp"
+            tmp = self.spec.output / CHECKPOINT_TMP
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir()
             save_peft_adapter(adapter, tmp / "adapter")
             torch.save(saved, tmp / "trainer_state.pt")
             final = self.checkpoint_dir
-            old = self.spec.output / ".checkpoint.old"
+            old = self.spec.output / CHECKPOINT_ASIDE
             if final.exists():
                 final.rename(old)
             tmp.rename(final)
@@ -440,14 +447,54 @@ class FinetuneSession:
             while self._writes[0].done():
                 self._writes.popleft()
 
+    def _remove_checkpoint(self) -> None:
+        """Remove the checkpoint in OUTPUT (an earlier run's: a fresh run starts), with the copies
+        a write leaves while it replaces one."""
+        if self.checkpoint_dir.exists():
+            logger.warning("%s holds the checkpoint of an earlier run: removed, as this run starts afresh "
+                           "(--resume goes on from a checkpoint instead)", self.spec.output)
+        for name in (self.checkpoint_dir.name, CHECKPOINT_ASIDE, CHECKPOINT_TMP):
+            shutil.rmtree(self.spec.output / name, ignore_errors=True)
+
     def _read_checkpoint(self) -> dict[str, Any]:
+        """The checkpoint to resume from (ValueError where there is none, or it is another run's:
+        :mod:`coserve.server.run_identity`)."""
         path = self.checkpoint_dir / "trainer_state.pt"
-        aside = self.spec.output / ".checkpoint.old" / "trainer_state.pt"
+        aside = self.spec.output / CHECKPOINT_ASIDE / "trainer_state.pt"
         if not path.is_file() and aside.is_file():
             path = aside  # (a crash between a checkpoint's two renames: the one before it)
         if not path.is_file():
             raise ValueError(f"--resume: no checkpoint at {self.checkpoint_dir / 'trainer_state.pt'}")
-        return dict(torch.load(path, weights_only=True))
+        ck = dict(torch.load(path, weights_only=True))
+        saved = ck.get("run")
+        if saved is None:  # (written before checkpoints recorded their run: not checked)
+            logger.info("the checkpoint in %s does not record its run's settings: they are not checked",
+                        self.checkpoint_dir)
+            return ck
+        differ = identity_differences(dict(saved), self._run)
+        if differ:
+            raise ValueError(f"--resume: the checkpoint in {self.checkpoint_dir} is of a run with other settings: "
+                             f"{'; '.join(differ)}. Resume with the checkpoint's settings, or start a new run "
+                             "(without --resume, or into another --output)")
+        return ck
+
+    def _resumed_total_steps(self, ck: dict[str, Any]) -> int:
+        """The optimizer steps of the resumed run's learning-rate schedule: the checkpoint's run's,
+        unless ``--epochs`` changed; then those of the new count (ValueError where the run has
+        passed into an epoch beyond it)."""
+        saved = int(ck["optim"]["total_steps"])
+        pool = ck["pool"]
+        was, now = int(pool["epochs"]), self.spec.coserve.epochs
+        if now == was:
+            return saved
+        begun = -(-int(pool["cursor"]) // max(1, int(pool["num_samples"])))
+        if now < begun:
+            raise ValueError(f"--epochs {now}: the checkpoint in {self.checkpoint_dir} has trained into epoch "
+                             f"{begun} of {was} already; resume with --epochs {begun} or more")
+        total = self.spec.optim.total_steps or self.estimate_steps()
+        logger.info("--epochs %d (the checkpoint's run: %d): the learning-rate schedule now spans %d optimizer "
+                    "steps (it spanned %d)", now, was, total, saved)
+        return total
 
     def _resume(self, ck: dict[str, Any]) -> None:
         steps = int(ck["steps"])  # (the trainer started from its state)
@@ -548,15 +595,18 @@ class FinetuneSession:
         return self.coserver.tokens_trained / max(1e-9, time.monotonic() - self.started)
 
 
+def _model_name(engine: LLMEngine) -> str:
+    """The engine's model: a preset's name, or a directory's resolved path."""
+    model = str(engine.config.model)
+    return str(Path(model).resolve()) if Path(model).exists() else model
+
+
 def engine_fingerprint(engine: LLMEngine) -> dict[str, Any]:
     """What a latency model's coefficients hold only for: the model, its dtype, the device, whether
     prefill-carrying steps run through piecewise graphs, and the step's token budget. Saved in
     each latency state (:func:`latency_state`); a state for another is refused (:func:`load_latency_state`)."""
-    model = str(engine.config.model)
-    if Path(model).exists():
-        model = str(Path(model).resolve())
     device = engine.runner.device
-    return {"model": model, "dtype": str(engine.runner.dtype).removeprefix("torch."),
+    return {"model": _model_name(engine), "dtype": str(engine.runner.dtype).removeprefix("torch."),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
             "prefill_graphs": engine.runner.prefill_graphs is not None,
             "max_num_batched_tokens": engine.config.max_num_batched_tokens}

@@ -1,0 +1,116 @@
+"""``coserve finetune`` end to end on the tiny model: what a resume goes on from (only this run's
+checkpoint, with this run's settings) and the learning-rate schedule's step count."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+from coserve.server.cli import main
+
+DATA = Path(__file__).resolve().parents[2] / "src" / "coserve" / "data" / "tiny_facts.jsonl"
+# (the built-in facts at 64 backward tokens: 32 optimizer steps an epoch)
+FLAGS = ["--model", "tiny", "--device", "cpu", "--data", str(DATA), "--trainer-threads", "1",
+         "--backward-tokens", "64", "--epoch-checkpoints", "0"]
+
+
+def finetune(out: Path, *flags: str) -> int:
+    return main(["finetune", *FLAGS, "--output", str(out), *flags])
+
+
+def train_log(out: Path) -> list[dict]:
+    """The run's train log, each line parsed as strict JSON (no NaN, no Infinity)."""
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} in the train log: not JSON")
+
+    return [json.loads(line, parse_constant=refuse) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+def run_config(out: Path) -> dict:
+    return json.loads((out / "run_config.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def one_epoch(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished run of one epoch (32 steps), its checkpoint at its end: copy it before changing it."""
+    out = tmp_path_factory.mktemp("one_epoch") / "run"
+    assert finetune(out, "--epochs", "1") == 0
+    assert (out / "checkpoint" / "trainer_state.pt").is_file()
+    return out
+
+
+def copied(run: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    return out
+
+
+def test_a_fresh_run_removes_the_checkpoint_an_earlier_run_left(one_epoch: Path, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A resume after a fresh run into the same OUTPUT went on from the earlier run's checkpoint,
+    its log the later run's: the fresh run removes it (and the copy a checkpoint's write leaves)."""
+    out = copied(one_epoch, tmp_path)
+    (out / ".checkpoint.old").mkdir()
+    assert finetune(out, "--epochs", "1", "--lr", "1e-3", "--save-every", "0") == 0
+    assert not (out / "checkpoint").exists() and not (out / ".checkpoint.old").exists()
+    capsys.readouterr()
+    assert finetune(out, "--epochs", "1", "--lr", "1e-3", "--resume") == 2
+    assert "--resume: no checkpoint at" in capsys.readouterr().err
+
+
+def test_a_resume_with_other_settings_is_refused_naming_them(one_epoch: Path, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    out = copied(one_epoch, tmp_path)
+    before = (out / "train_log.jsonl").read_text()
+    assert finetune(out, "--epochs", "1", "--lr", "1e-3", "--seed", "3", "--resume") == 2
+    err = capsys.readouterr().err
+    assert "is of a run with other settings" in err and "--lr 0.001 (the checkpoint's: 0.0001)" in err
+    assert "--seed 3 (the checkpoint's: 0)" in err and "--epochs" not in err
+    edited = tmp_path / "facts.jsonl"  # (one answer changed: the same count of samples)
+    edited.write_text(DATA.read_text().replace("The candle is in the north.", "The candle is in the south."))
+    assert main(["finetune", *FLAGS, "--output", str(out), "--epochs", "1", "--resume", "--data", str(edited)]) == 2
+    err = capsys.readouterr().err
+    assert f"--data {edited}: 64 samples" in err and f"(the checkpoint's: {DATA}: 64 samples" in err
+    assert (out / "train_log.jsonl").read_text() == before, "a refused resume changes nothing"
+
+
+def test_a_resume_may_train_more_epochs_on_a_schedule_that_spans_them(one_epoch: Path, tmp_path: Path) -> None:
+    out = copied(one_epoch, tmp_path)
+    assert run_config(out)["optim"]["total_steps"] == 32
+    assert finetune(out, "--epochs", "2", "--lr-scheduler", "linear", "--resume") == 2, "the schedule is the run's"
+    assert finetune(out, "--epochs", "2", "--resume") == 0
+    log = train_log(out)
+    assert [e["step"] for e in log] == list(range(64))
+    assert run_config(out)["optim"]["total_steps"] == 64, "the schedule's length follows the epochs"
+
+
+def test_the_schedule_spans_the_steps_the_run_takes(tmp_path: Path) -> None:
+    """The step count of the learning-rate schedule (a linear one decays to 0 there) is the count
+    the run takes: on the built-in facts (32 estimated against 36 taken, before), and on samples
+    of mixed lengths in steps of two tasks each."""
+    out = tmp_path / "facts"
+    assert main(["finetune", "--model", "tiny", "--device", "cpu", "--data", str(DATA), "--output", str(out),
+                 "--trainer-threads", "1", "--epochs", "4", "--lr-scheduler", "linear", "--save-every", "0",
+                 "--epoch-checkpoints", "0"]) == 0
+    log = train_log(out)
+    assert len(log) == run_config(out)["optim"]["total_steps"] == 36
+    assert all(e["lr"] > 0 for e in log), "no step trained at a learning rate of 0"
+    rng = random.Random(5)
+    data = tmp_path / "mixed.jsonl"
+    rows = []
+    for _ in range(50):
+        ids = [rng.randrange(6, 1000) for _ in range(rng.choice([rng.randint(4, 12), rng.randint(40, 120)]))]
+        rows.append({"input_ids": ids, "labels": [-100] * 2 + ids[2:]})
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "mixed"
+    assert main(["finetune", "--model", "tiny", "--device", "cpu", "--data", str(data), "--output", str(out),
+                 "--trainer-threads", "1", "--epochs", "3", "--backward-tokens", "100", "--grad-accum", "2",
+                 "--max-seq-len", "128", "--save-every", "0", "--epoch-checkpoints", "0"]) == 0
+    assert len(train_log(out)) == run_config(out)["optim"]["total_steps"]
+
+
