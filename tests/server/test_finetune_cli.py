@@ -1,15 +1,22 @@
 """``coserve finetune`` end to end on the tiny model: what a resume goes on from (only this run's
-checkpoint, with this run's settings) and the learning-rate schedule's step count."""
+checkpoint, with this run's settings), how Ctrl-C and SIGTERM stop a run (its adapter exported, a
+checkpoint to resume from, no traceback), and the learning-rate schedule's step count."""
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from coserve.models.peft_adapter import load_peft_adapter
 from coserve.server.cli import main
 
 DATA = Path(__file__).resolve().parents[2] / "src" / "coserve" / "data" / "tiny_facts.jsonl"
@@ -114,3 +121,31 @@ def test_the_schedule_spans_the_steps_the_run_takes(tmp_path: Path) -> None:
     assert len(train_log(out)) == run_config(out)["optim"]["total_steps"]
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_or_sigterm_exports_checkpoints_and_exits_cleanly(tmp_path: Path, sig: signal.Signals) -> None:
+    """Ctrl-C reaches every process of the terminal's group (a supervisor's SIGTERM often does):
+    the run stops at a step boundary with its adapter exported and a checkpoint that ``--resume``
+    goes on from, one line, status 128 + the signal; no KeyboardInterrupt traceback from the
+    trainer or the engine's step."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from coserve.server.cli import main; sys.exit(main())", "finetune",
+         *FLAGS, "--output", str(out), "--epochs", "200", "--save-every", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "train_log.jsonl").is_file() or not (out / "train_log.jsonl").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, "no step logged"
+            time.sleep(0.05)
+        os.killpg(proc.pid, sig)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + sig, output
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output
+    steps = len(train_log(out))
+    assert f"coserve finetune: stopped by {sig.name} after optimizer step {steps} of 6400" in output
+    load_peft_adapter(out / "adapter")
+    assert finetune(out, "--epochs", "2", "--resume") == 0
+    assert [e["step"] for e in train_log(out)] == list(range(64)) and steps < 64

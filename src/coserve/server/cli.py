@@ -180,7 +180,8 @@ def add_finetune_args(p: argparse.ArgumentParser) -> None:
                         "recompute the MLP (more activation memory, less backward work)")
     p.add_argument("--trainer-threads", type=int, default=0, help="torch threads of the trainer process (0: default)")
     p.add_argument("--save-every", type=int, default=100,
-                   help="write OUTPUT/checkpoint every N optimizer steps and at the end (0: never)")
+                   help="write OUTPUT/checkpoint every N optimizer steps and at the end (0: only when "
+                        "stopped by Ctrl-C or SIGTERM)")
     p.add_argument("--epoch-checkpoints", type=int, default=3,
                    help="keep the adapters of the last N epochs' ends in OUTPUT/checkpoints/step-K (0: none)")
     p.add_argument("--resume", action="store_true", help="continue the run whose checkpoint is in OUTPUT")
@@ -231,7 +232,7 @@ def finetune(args: argparse.Namespace) -> int:
     """Fine-tune alone, through the engine's FT-only steps."""
     from coserve.engine.config import EngineConfig
     from coserve.engine.llm_engine import LLMEngine
-    from coserve.server.finetune import FinetuneSession, run_to_completion
+    from coserve.server.finetune import FinetuneInterrupted, FinetuneSession, run_to_completion
 
     spec = finetune_spec(args)
     kwargs = engine_kwargs(args)
@@ -254,7 +255,13 @@ def finetune(args: argparse.Namespace) -> int:
               f"loss before training {before.loss:.4f}")
     session = FinetuneSession(engine, spec)
     print(session.dataset_line())
-    path = run_to_completion(engine, session)
+    try:
+        path = run_to_completion(engine, session)
+    except FinetuneInterrupted as stop:
+        print(f"coserve finetune: stopped by {stop.signum.name} after optimizer step {stop.steps_done} of "
+              f"{session.optim.total_steps}: its adapter is in {stop.adapter}, its checkpoint in "
+              f"{session.checkpoint_dir} (the same command with --resume goes on from there)", file=sys.stderr)
+        return 128 + stop.signum
     if session.coserver.failure is not None:
         print(f"coserve finetune: error: {session.coserver.failure}; adapter of the last committed step: {path}",
               file=sys.stderr)
@@ -294,6 +301,7 @@ def demo(args: argparse.Namespace) -> int:
 import coserve.server.bench_http_cli  # noqa: E402, F401  (registers the bench-http command)
 import coserve.server.serve_cli  # noqa: E402, F401  (registers the serve command)
 from coserve.server import bench_cli  # noqa: E402, F401  (registers the bench command)
+from coserve.server.interrupts import signal_of, terminate_raises  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -306,10 +314,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return COMMANDS[args.command][1](args)
+        with terminate_raises():
+            return COMMANDS[args.command][1](args)
     except (ValueError, OSError) as e:  # (OSError: a file or directory that cannot be read or written)
         print(f"coserve {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as stop:  # (Ctrl-C, or SIGTERM: Terminated; the finally blocks have run)
+        sig = signal_of(stop)
+        print(f"coserve {args.command}: stopped by {sig.name}", file=sys.stderr)
+        return 128 + sig
 
 
 if __name__ == "__main__":

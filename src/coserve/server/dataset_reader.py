@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from coserve.core.finetune import FTDataset, FTSample, load_dataset
-from coserve.parent_watch import exit_with_parent
+from coserve.parent_watch import exit_with_parent, leave_signals_to_parent, signals_held
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,7 @@ _TOKENIZER: Any = None  # (the child's: set by its initializer)
 def _set_tokenizer(tokenizer: Any) -> None:
     global _TOKENIZER
     _TOKENIZER = tokenizer
+    leave_signals_to_parent()  # (started with them held: the server's Ctrl-C is the server's to handle)
     exit_with_parent()  # (a server killed outright leaves no reader behind)
 
 
@@ -78,7 +79,8 @@ class DatasetReader:
                                              initializer=_set_tokenizer, initargs=(tokenizer,))
             # (the child starts now, at the server's start-up, not at the first upload: the
             # tokenizer is pickled for it here; its imports run in the child, not waited for)
-            self._pool.submit(int)
+            with signals_held():  # (the child is spawned by this thread, in the submit)
+                self._pool.submit(int)
         except (OSError, ValueError, BrokenProcessPool, pickle.PicklingError) as e:
             logger.warning("datasets will be read in the server's process (no child: %s)", e)
             self.close()

@@ -7,6 +7,7 @@ import copy
 import json
 import logging
 import shutil
+import signal
 import time
 import uuid
 from collections import deque
@@ -36,6 +37,7 @@ from coserve.models.peft_adapter import (
     save_peft_adapter,
 )
 from coserve.server.dataset_reader import DatasetReader
+from coserve.server.interrupts import stop_requests
 from coserve.server.run_identity import identity_differences, run_identity
 from coserve.trainer.process import TrainerProcess
 from coserve.trainer.worker import WARMUP_SHAPES, warmup_rows, warmup_shapes
@@ -544,9 +546,12 @@ class FinetuneSession:
         self._in_background(_write_adapter, adapter, path)
         return path, adapter
 
-    def export(self) -> Path:
+    def export(self, checkpoint: bool = False) -> Path:
+        """Write the adapter of the logged steps to ``OUTPUT/adapter``; ``checkpoint``: their
+        checkpoint as well (one is written anyway with ``save_every``), by the writer thread
+        (:meth:`flush_checkpoints`, :meth:`close`)."""
         path = self.spec.output / "adapter"
-        save_peft_adapter(self._final_adapter(checkpoint=False), path)
+        save_peft_adapter(self._final_adapter(checkpoint), path)
         return path
 
     def _final_adapter(self, checkpoint: bool) -> LoraAdapter:
@@ -645,26 +650,45 @@ def write_json(path: Path, value: object) -> None:
     tmp.replace(path)
 
 
+class FinetuneInterrupted(Exception):
+    """:func:`run_to_completion` stopped by ``signum`` (SIGINT, SIGTERM) after ``steps_done``
+    optimizer steps: their adapter exported to ``adapter``, their checkpoint written, the trainer
+    stopped."""
+
+    def __init__(self, signum: signal.Signals, adapter: Path, steps_done: int) -> None:
+        super().__init__(f"stopped by {signum.name} after optimizer step {steps_done}")
+        self.signum, self.adapter, self.steps_done = signum, adapter, steps_done
+
+
 def run_to_completion(engine: LLMEngine, session: FinetuneSession, progress: bool = True) -> Path:
-    """Drive FT-only steps until every epoch is trained; returns the exported adapter path."""
+    """Drive FT-only steps until every epoch is trained; returns the exported adapter path.
+
+    In the main thread, SIGINT (Ctrl-C) or SIGTERM stops the run at the next step boundary: the
+    adapter of the logged steps exported and their checkpoint written, whatever ``save_every``
+    (``--resume`` goes on from there), then :class:`FinetuneInterrupted` raised
+    (:func:`coserve.server.interrupts.stop_requests`; a second signal raises at once)."""
     from tqdm import tqdm
 
     total = session.pool.progress.samples_total
     bar = tqdm(total=total, unit="sample", disable=not progress, desc="finetune")
-    try:
-        while not session.done:
-            if not engine.step() and not engine.has_unfinished_requests():
-                session.wait(0.05)
-            done = session.pool.progress.samples_retired
-            if done != bar.n:
-                bar.update(done - bar.n)
-                loss = session.coserver.last_loss
-                bar.set_postfix(loss=f"{loss:.4f}" if loss is not None else "-",
-                                tok_s=f"{session.tokens_per_second:.0f}", step=session.coserver.steps_done)
-        bar.close()
-        return session.export()
-    finally:
-        session.close()
+    with stop_requests() as asked:
+        try:
+            while not session.done and not asked:
+                if not engine.step() and not engine.has_unfinished_requests():
+                    session.wait(0.05)
+                done = session.pool.progress.samples_retired
+                if done != bar.n:
+                    bar.update(done - bar.n)
+                    loss = session.coserver.last_loss
+                    bar.set_postfix(loss=f"{loss:.4f}" if loss is not None else "-",
+                                    tok_s=f"{session.tokens_per_second:.0f}", step=session.coserver.steps_done)
+            bar.close()
+            path = session.export(checkpoint=bool(asked))
+            if asked:
+                raise FinetuneInterrupted(asked[0], path, session.coserver.steps_done)
+            return path
+        finally:
+            session.close()
 
 
 CHECKPOINTS = "checkpoints"  # (in OUTPUT: the epoch checkpoints, step-K each)

@@ -19,6 +19,7 @@ from coserve.core.messages import BackwardTask, TaskResult, TrainerFailed
 from coserve.cpu_split import split_for_trainer
 from coserve.models.llama import LlamaForCausalLM
 from coserve.models.peft_adapter import LoraAdapter, save_peft_adapter
+from coserve.parent_watch import end_at_exit, signals_held
 from coserve.trainer import spare
 from coserve.trainer.lora_params import TrainableLoRA
 from coserve.trainer.mps import mps_active, mps_share
@@ -301,7 +302,9 @@ class TrainerProcess:
                     target=run_worker, args=(self.spec, self._tasks, self._results), daemon=True,
                     name="coserve-trainer",
                 )
-                self._proc.start()
+                with signals_held():
+                    self._proc.start()
+                end_at_exit(self._proc)
         if self._keep_spare:
             spare.HELD.prepare(self._ctx)
 

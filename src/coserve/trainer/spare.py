@@ -32,7 +32,12 @@ from typing import Any
 
 import torch
 
-from coserve.parent_watch import exit_with_parent
+from coserve.parent_watch import (
+    end_at_exit,
+    exit_with_parent,
+    leave_signals_to_parent,
+    signals_held,
+)
 from coserve.trainer.mps import MPS_PRIORITY_ENV, MPS_SHARE_ENV
 
 logger = logging.getLogger(__name__)
@@ -84,7 +89,9 @@ class Spare:
                                                          self.ready, self.imported),
                                 daemon=True, name="coserve-trainer-spare")
         began = time.time()
-        self.proc.start()
+        with signals_held():
+            self.proc.start()
+        end_at_exit(self.proc)
         logger.info("started a spare trainer interpreter (pid %s)", self.proc.pid)
         threading.Thread(target=self._report, args=(began,), name="coserve-spare-watch", daemon=True).start()
 
@@ -130,6 +137,7 @@ class Spare:
 
 def spare_main(setup: Any, tasks: Any, results: Any, grant: Any, ready: Any, imported: Any = None) -> None:
     """A spare's entry point: the imports, then a spec to run."""
+    leave_signals_to_parent()  # (started with them held: a Ctrl-C is the parent's to handle)
     exit_with_parent()  # (also while it imports and waits: a killed server leaves no spare behind)
     from coserve.trainer.optim import import_ahead
     from coserve.trainer.worker import run_worker

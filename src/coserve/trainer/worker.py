@@ -22,7 +22,7 @@ from coserve.cpu_split import fit_threads, pin_process
 from coserve.gc_freeze import GCClock, freeze_startup_objects
 from coserve.models.llama import LlamaForCausalLM
 from coserve.models.peft_adapter import LoraAdapter
-from coserve.parent_watch import exit_with_parent
+from coserve.parent_watch import exit_with_parent, leave_signals_to_parent
 from coserve.trainer.backward import TaskLoss, TaskRow, task_backward
 from coserve.trainer.lora_params import TrainableLoRA
 from coserve.trainer.optim import LoRAOptimizer
@@ -259,6 +259,7 @@ def _stamp(spec: WorkerSpec, stage: int) -> None:
 def run_worker(spec: WorkerSpec, tasks: Any, results: Any) -> None:
     """Process entry point: serve backward tasks until a ``None`` arrives (or the process that
     started it ends: :func:`exit_with_parent`)."""
+    leave_signals_to_parent()  # (a Ctrl-C is the parent's to handle: it stops this process)
     _stamp(spec, 0)
     exit_with_parent()
     logging.basicConfig(level=os.environ.get("COSERVE_TRAINER_LOG", "WARNING"))
