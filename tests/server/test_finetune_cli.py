@@ -1,10 +1,12 @@
 """``coserve finetune`` end to end on the tiny model: what a resume goes on from (only this run's
-checkpoint, with this run's settings), how Ctrl-C and SIGTERM stop a run (its adapter exported, a
-checkpoint to resume from, no traceback), and the learning-rate schedule's step count."""
+checkpoint, with this run's settings, past a train log cut short), how Ctrl-C and SIGTERM stop a
+run (its adapter exported, a checkpoint to resume from, no traceback), the learning-rate
+schedule's step count, the train log as strict JSON, and the flags checked at start-up."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -96,6 +98,21 @@ def test_a_resume_may_train_more_epochs_on_a_schedule_that_spans_them(one_epoch:
     assert run_config(out)["optim"]["total_steps"] == 64, "the schedule's length follows the epochs"
 
 
+def test_a_train_log_cut_short_at_its_end_resumes_and_one_damaged_before_it_is_named(
+        one_epoch: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    out = copied(one_epoch, tmp_path)
+    path = out / "train_log.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:5]) + "{oops\n" + "".join(lines[5:]))
+    assert finetune(out, "--epochs", "2", "--resume") == 2
+    assert f"{path}: line 6 is not a logged step" in capsys.readouterr().err
+    path.write_text("".join(lines) + lines[-1][:29])  # (the machine stopped as a line was written)
+    with caplog.at_level(logging.WARNING, logger="coserve.server.train_log"):
+        assert finetune(out, "--epochs", "2", "--resume") == 0
+    assert f"{path}: line 33 is not a whole step" in caplog.text
+    assert [e["step"] for e in train_log(out)] == list(range(64))
+
+
 def test_the_schedule_spans_the_steps_the_run_takes(tmp_path: Path) -> None:
     """The step count of the learning-rate schedule (a linear one decays to 0 there) is the count
     the run takes: on the built-in facts (32 estimated against 36 taken, before), and on samples
@@ -119,6 +136,23 @@ def test_the_schedule_spans_the_steps_the_run_takes(tmp_path: Path) -> None:
                  "--trainer-threads", "1", "--epochs", "3", "--backward-tokens", "100", "--grad-accum", "2",
                  "--max-seq-len", "128", "--save-every", "0", "--epoch-checkpoints", "0"]) == 0
     assert len(train_log(out)) == run_config(out)["optim"]["total_steps"]
+
+
+def test_the_train_log_is_strict_json_where_steps_are_skipped(tmp_path: Path) -> None:
+    """A step skipped for a non-finite gradient was logged with ``"grad_norm": NaN``: null now."""
+    out = tmp_path / "run"
+    assert finetune(out, "--epochs", "1", "--lr", "1e30", "--max-grad-norm", "0", "--max-skipped-steps", "3",
+                    "--save-every", "0") == 1
+    skipped = [e for e in train_log(out) if e["skipped"]]
+    assert len(skipped) == 3 and all(e["grad_norm"] is None and e["loss"] is None for e in skipped)
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--save-every", "-1"), ("--trainer-threads", "-1")])
+def test_negative_counts_are_refused_naming_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                     flag: str, value: str) -> None:
+    assert main(["finetune", "--model", "tiny", "--device", "cpu", "--data", str(DATA), "--output",
+                 str(tmp_path / "run"), flag, value]) == 2
+    assert f"coserve finetune: error: {flag} must be >= 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])

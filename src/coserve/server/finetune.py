@@ -39,6 +39,7 @@ from coserve.models.peft_adapter import (
 from coserve.server.dataset_reader import DatasetReader
 from coserve.server.interrupts import stop_requests
 from coserve.server.run_identity import identity_differences, run_identity
+from coserve.server.train_log import entry_line, read_train_log
 from coserve.trainer.process import TrainerProcess
 from coserve.trainer.worker import WARMUP_SHAPES, warmup_rows, warmup_shapes
 
@@ -83,6 +84,10 @@ class FinetuneSpec:
     trainer_warmup: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.save_every < 0:
+            raise ValueError(f"--save-every must be >= 0 (0: no periodic checkpoint), got {self.save_every}")
+        if self.trainer_threads < 0:
+            raise ValueError(f"--trainer-threads must be >= 0 (0: torch's default), got {self.trainer_threads}")
         if self.epoch_checkpoints < 0:
             raise ValueError(f"--epoch-checkpoints must be >= 0, got {self.epoch_checkpoints}")
         if self.trainer_sm_share is not None and not 0 < self.trainer_sm_share <= 100:
@@ -171,7 +176,9 @@ class FinetuneSession:
             model=_model_name(engine), data=spec.data, samples=self.dataset.samples, num_tokens=stats.num_tokens,
             init_adapter=spec.init_adapter, lora=asdict(spec.lora), optim=asdict(spec.optim),
             coserve=asdict(spec.coserve))
+        self._log_path = spec.output / "train_log.jsonl"
         checkpoint = self._read_checkpoint() if spec.resume else None
+        logged = read_train_log(self._log_path) if checkpoint is not None else []  # (before the trainer starts)
         latency = LatencyModel()
         if spec.latency_state is not None:  # checked before the trainer process starts
             try:
@@ -221,10 +228,9 @@ class FinetuneSession:
             on_step_logged=self._log_step,
         )
         self.history: list[OptimizerStepLog] = []
-        self._log_path = spec.output / "train_log.jsonl"
         self._epochs_saved = 0  # (the epochs whose end has an epoch checkpoint, or had one)
         if checkpoint is not None:
-            self._resume(checkpoint)
+            self._resume(checkpoint, logged)
         else:
             self._log_path.write_text("")
             # (an earlier run's, in this OUTPUT: a later --resume goes on from this run's checkpoint or none)
@@ -301,7 +307,7 @@ class FinetuneSession:
     def _log_step(self, entry: OptimizerStepLog) -> None:
         self.history.append(entry)
         with self._log_path.open("a") as f:
-            f.write(json.dumps(asdict(entry)) + "\n")
+            f.write(entry_line(asdict(entry)))
         if self.spec.save_every and self.coserver.steps_done % self.spec.save_every == 0:
             self.save_checkpoint()
         if self.spec.epoch_checkpoints and self.pool.epoch > self._epochs_saved:
@@ -498,7 +504,8 @@ class FinetuneSession:
                     "steps (it spanned %d)", now, was, total, saved)
         return total
 
-    def _resume(self, ck: dict[str, Any]) -> None:
+    def _resume(self, ck: dict[str, Any], logged: list[dict[str, Any]]) -> None:
+        """Go on from checkpoint ``ck``, the steps of the train log (``logged``) after it dropped."""
         steps = int(ck["steps"])  # (the trainer started from its state)
         self.pool.load_state_dict(ck["pool"])
         # (steps_done: the log's steps, skipped ones too; not in a checkpoint written before it was)
@@ -510,12 +517,8 @@ class FinetuneSession:
                            "step %d; the samples of the %d step(s) not logged are trained again",
                            self.checkpoint_dir, steps, done, steps, steps - done)
             done = steps
-        kept = []
-        if self._log_path.is_file():
-            kept = [line for line in self._log_path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] < done]
-        self._log_path.write_text("".join(line + "\n" for line in kept))
-        entries = [json.loads(line) for line in kept]
+        entries = [e for e in logged if e["step"] < done]
+        self._log_path.write_text("".join(entry_line(e) for e in entries))
         # (a run that was skipping steps when it stopped does not get a fresh max_skipped_steps)
         in_a_row = next((i for i, e in enumerate(reversed(entries)) if not e.get("skipped")), len(entries))
         self.coserver.resume(done, int(ck["tokens_trained"]), steps_skipped=done - steps,
