@@ -365,15 +365,15 @@ def test_finetune_jobs_take_the_finetuning_flags_and_never_calibrate(tmp_path: P
     assert spec is not None and spec.calibrate and jobs_config(args) is not None
 
 
-def test_ctrl_c_stops_the_server_cleanly(tmp_path: Path) -> None:
-    # uvicorn raises the signal again after its graceful shutdown: a KeyboardInterrupt traceback
-    # (and a cancelled lifespan's) and exit status 130 after a clean stop, until serve_cli's Server
+def start_server(program: str = "import sys; from coserve.server.cli import main; sys.exit(main())"
+                 ) -> tuple[subprocess.Popen[str], list[str], int]:
+    """``coserve serve --model tiny`` run by ``program`` on a free port, read until it says it
+    serves: (the process, its lines so far, the port)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
-    proc = subprocess.Popen([sys.executable, "-c", "import sys; from coserve.server.cli import main; sys.exit(main())",
-                             "serve", "--model", "tiny", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-c", program, "serve", "--model", "tiny", "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     lines = []
@@ -383,6 +383,13 @@ def test_ctrl_c_stops_the_server_cleanly(tmp_path: Path) -> None:
             break
     else:
         pytest.fail("the server did not start: " + "".join(lines))
+    return proc, lines, port
+
+
+def test_ctrl_c_stops_the_server_cleanly() -> None:
+    # uvicorn raises the signal again after its graceful shutdown: a KeyboardInterrupt traceback
+    # (and a cancelled lifespan's) and exit status 130 after a clean stop, until serve_cli's Server
+    proc, lines, _ = start_server()
     time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=60)
@@ -393,10 +400,6 @@ def test_ctrl_c_stops_the_server_cleanly(tmp_path: Path) -> None:
 def test_a_failed_engine_stops_the_server_with_status_1(tmp_path: Path) -> None:
     """A server whose engine loop has failed serves nothing any more: it shuts down (status 1, for
     a supervisor to restart it) rather than answer 503 for ever."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
     trigger = tmp_path / "fail"
     # (the engine's steps fail once ``trigger`` exists: a bug that a request runs into)
     program = ("import sys, pathlib\n"
@@ -410,16 +413,7 @@ def test_a_failed_engine_stops_the_server_with_status_1(tmp_path: Path) -> None:
                "LLMEngine.step = step_or_fail\n"
                "from coserve.server.cli import main\n"
                "sys.exit(main())\n")
-    proc = subprocess.Popen([sys.executable, "-c", program, "serve", "--model", "tiny", "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    lines = []
-    for line in proc.stdout:  # until it serves
-        lines.append(line)
-        if "serving 'tiny' at" in line:
-            break
-    else:
-        pytest.fail("the server did not start: " + "".join(lines))
+    proc, lines, port = start_server(program)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while True:  # (the line comes as uvicorn starts, before it listens)
