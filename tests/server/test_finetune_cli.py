@@ -88,11 +88,15 @@ def test_a_resume_with_other_settings_is_refused_naming_them(one_epoch: Path, tm
     assert (out / "train_log.jsonl").read_text() == before, "a refused resume changes nothing"
 
 
-def test_a_resume_may_train_more_epochs_on_a_schedule_that_spans_them(one_epoch: Path, tmp_path: Path) -> None:
+def test_a_resume_may_train_more_epochs_on_a_schedule_that_spans_them(one_epoch: Path, tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
     out = copied(one_epoch, tmp_path)
     assert run_config(out)["optim"]["total_steps"] == 32
     assert finetune(out, "--epochs", "2", "--lr-scheduler", "linear", "--resume") == 2, "the schedule is the run's"
+    capsys.readouterr()
     assert finetune(out, "--epochs", "2", "--resume") == 0
+    # (the summary counts from the checkpoint: the steps of this run and of the whole one)
+    assert "trained 32 optimizer steps after resuming at step 32 (64 in all)" in capsys.readouterr().out
     log = train_log(out)
     assert [e["step"] for e in log] == list(range(64))
     assert run_config(out)["optim"]["total_steps"] == 64, "the schedule's length follows the epochs"

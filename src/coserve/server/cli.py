@@ -226,6 +226,10 @@ def _finetune_args(p: argparse.ArgumentParser) -> None:
                         "trained adapter, printed and written to OUTPUT/eval.json")
 
 
+def _loss(loss: float | None) -> str:
+    return "n/a" if loss is None else f"{loss:.4f}"
+
+
 @command("finetune", _finetune_args, "fine-tune a LoRA adapter alone (no serving): PEFT adapter, train log, "
          "checkpoints")
 def finetune(args: argparse.Namespace) -> int:
@@ -269,8 +273,10 @@ def finetune(args: argparse.Namespace) -> int:
     hist = session.history
     first = next((h.loss for h in hist if h.loss is not None), None)
     last = next((h.loss for h in reversed(hist) if h.loss is not None), None)
-    print(f"trained {len(hist)} optimizer steps, {session.coserver.tokens_trained} tokens "
-          f"({session.tokens_per_second:.0f} tokens/s); loss {first} -> {last}")
+    before_resume = session.coserver.steps_done - len(hist)  # (the checkpoint's steps, after --resume)
+    resumed = f" after resuming at step {before_resume} ({session.coserver.steps_done} in all)" if before_resume else ""
+    print(f"trained {len(hist)} optimizer steps{resumed}, {session.coserver.tokens_trained} tokens "
+          f"({session.tokens_per_second:.0f} tokens/s); loss {_loss(first)} -> {_loss(last)}")
     if held_out is not None and before is not None:
         import json
 
