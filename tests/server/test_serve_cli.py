@@ -414,23 +414,27 @@ def test_a_failed_engine_stops_the_server_with_status_1(tmp_path: Path) -> None:
                "from coserve.server.cli import main\n"
                "sys.exit(main())\n")
     proc, lines, port = start_server(program)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:  # (the line comes as uvicorn starts, before it listens)
-        try:
-            if http(url + "/health")[0] == 200:
-                break
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, "the server does not answer"
-        time.sleep(0.1)
-    assert http(url + "/v1/completions", {"prompt": "hi", "max_tokens": 2})[0] == 200
-    trigger.touch()
-    status, reply = http(url + "/v1/completions", {"prompt": "hi", "max_tokens": 2})
-    assert status == 503 and "shut down" in reply["error"]["message"]
-    out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 1, "".join(lines) + out
-    assert "a bug in the engine" in out and "the server shuts down" in out, out
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:  # (the line comes as uvicorn starts, before it listens)
+            try:
+                if http(url + "/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the server does not answer"
+            time.sleep(0.1)
+        assert http(url + "/v1/completions", {"prompt": "hi", "max_tokens": 2})[0] == 200
+        trigger.touch()
+        status, reply = http(url + "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert status == 503 and "shut down" in reply["error"]["message"]
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 1, "".join(lines) + out
+        assert "a bug in the engine" in out and "the server shuts down" in out, out
+    finally:  # (a failed check leaves no server behind)
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_the_switch_interval_is_checked_and_small_by_default() -> None:
